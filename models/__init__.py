@@ -1,0 +1,8 @@
+"""Reference models in plain PyTorch with no tree logic: they stand for the user's unmodified code.
+
+Nothing here imports treecompile.
+"""
+
+from .dense import DenseConfig, DenseForCausalLM
+
+__all__ = ["DenseConfig", "DenseForCausalLM"]

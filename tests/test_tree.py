@@ -1,0 +1,195 @@
+"""Tree / TreeBatch: structure, paths read back exactly, weights equal the per-path formulas."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from treecompile import NORMALIZATIONS, Tree
+from treecompile.tree import ancestor_index
+from strategies import ODD_TREES, path_sets, weighted_path_sets
+
+
+def prefix_key(tree: Tree, t: int) -> tuple:
+    """The token sequence from the root to DFS token t, following pred."""
+    out = []
+    while t >= 0:
+        out.append(int(tree.input_ids[t]))
+        t = int(tree.pred[t])
+    return tuple(reversed(out))
+
+
+def check_structure(paths):
+    tree = Tree.from_paths(paths)
+    T = tree.num_tokens
+    prefixes = {tuple(p[: i + 1]) for p in paths for i in range(len(p))}
+    # each unique token (= unique prefix) appears exactly once
+    keys = [prefix_key(tree, t) for t in range(T)]
+    assert len(keys) == T == len(set(keys)) == len(prefixes) and set(keys) == prefixes
+    assert tree.num_path_tokens == sum(map(len, paths))
+    assert math.isclose(tree.por, 1 - T / tree.num_path_tokens)
+    # each path read back along the batch
+    batch = tree.to_batch()
+    for p, path in enumerate(paths):
+        s, e = int(tree.path_offsets[p]), int(tree.path_offsets[p + 1])
+        idx = tree.path_index[s:e]
+        assert batch.input_ids[idx].tolist() == list(path)
+        assert batch.position_ids[idx].tolist() == list(range(len(path)))
+        assert batch.pred_index[idx].tolist() == [-1] + idx[:-1].tolist()
+        for j in range(3):  # conv context: the j+1-th previous token along the path
+            want = [int(idx[i - j - 1]) if i - j - 1 >= 0 else -1 for i in range(len(path))]
+            assert batch.conv_index[idx, j].tolist() == want
+    # path counts: tokens counted once per path through them
+    counts = tree.aggregate(torch.ones(len(paths)), torch.ones(tree.num_path_tokens))
+    assert int(counts.sum()) == tree.num_path_tokens
+    for t in range(T):
+        assert int(counts[t]) == sum(1 for p in paths if tuple(p[: len(keys[t])]) == keys[t])
+    # subtree interval: exactly the tokens whose prefix extends t's
+    for t in range(T):
+        inside = {u for u in range(T) if keys[u][: len(keys[t])] == keys[t]}
+        assert inside == set(range(t, int(tree.subtree_end[t])))
+    # radix nodes: maximal chains; parents; levels
+    children = [0] * T
+    for t in range(T):
+        if int(tree.pred[t]) >= 0:
+            children[int(tree.pred[t])] += 1
+    ends = {int(tree.path_index[int(tree.path_offsets[p + 1]) - 1]) for p in range(len(paths))}
+    for n in range(tree.num_nodes):
+        s, e = int(tree.node_start[n]), int(tree.node_end[n])
+        assert (tree.node_id[s:e] == n).all()
+        for t in range(s + 1, e):
+            assert int(tree.pred[t]) == t - 1 and children[t - 1] == 1 and (t - 1) not in ends
+        last = e - 1
+        assert children[last] != 1 or last in ends  # compressed: a node ends at a branch or a path end
+        par = int(tree.node_parent[n])
+        assert par == (-1 if int(tree.pred[s]) < 0 else int(tree.node_id[int(tree.pred[s])]))
+        assert int(tree.node_level[n]) == (0 if par < 0 else int(tree.node_level[par]) + 1)
+    return tree
+
+
+@settings(max_examples=150, deadline=None)
+@given(path_sets())
+def test_structure_random(paths):
+    check_structure(paths)
+
+
+@pytest.mark.parametrize("name", sorted(ODD_TREES))
+def test_structure_odd(name):
+    check_structure(ODD_TREES[name])
+
+
+def per_path_loss(paths, masks, weights, losses, normalize):
+    """The per-path formulas of each normalization, written out directly."""
+    N = len(paths)
+    sums = [sum(m * losses[tuple(p[: i + 1])] for i, m in enumerate(mk)) for p, mk in zip(paths, masks)]
+    if normalize == "sum":
+        return sum(c * s for c, s in zip(weights, sums)) / N
+    if normalize == "path_mean":
+        return sum(c * s / sum(mk) for c, s, mk in zip(weights, sums, masks) if sum(mk) > 0) / N
+    total = sum(sum(mk) for mk in masks)
+    return sum(c * s for c, s in zip(weights, sums)) / total if total else 0.0
+
+
+@settings(max_examples=150, deadline=None)
+@given(weighted_path_sets(), st.sampled_from(NORMALIZATIONS), st.booleans(), st.randoms())
+def test_weights_equal_per_path_formulas(pmw, normalize, default_masks, rnd):
+    paths, masks, weights = pmw
+    if default_masks:
+        masks = [[0] + [1] * (len(p) - 1) for p in paths]
+    tree = Tree.from_paths(paths, loss_masks=None if default_masks else masks, path_weights=weights)
+    keys = [prefix_key(tree, t) for t in range(tree.num_tokens)]
+    losses = {k: rnd.uniform(0.1, 5.0) for k in keys}  # a token's loss depends only on its prefix
+    batch = tree.to_batch(normalize=normalize)
+    got = float(sum(batch.loss_weight[t] * losses[keys[t]] for t in range(tree.num_tokens)))
+    want = per_path_loss(paths, masks, weights, losses, normalize)
+    assert math.isclose(got, want, rel_tol=1e-12, abs_tol=1e-12)
+
+
+@settings(max_examples=80, deadline=None)
+@given(weighted_path_sets(), st.sampled_from(NORMALIZATIONS))
+def test_default_mask_fast_path_matches_general(pmw, normalize):
+    paths, _, weights = pmw
+    tree = Tree.from_paths(paths, path_weights=weights)
+    coef = tree.path_coefficients(normalize)
+    fast = tree.aggregate(coef)
+    general = tree.aggregate(coef, tree.loss_mask)
+    torch.testing.assert_close(fast, general, rtol=1e-12, atol=1e-12)
+
+
+def test_padding_sees_only_itself():
+    tree = Tree.from_paths([[1, 2, 3], [1, 4]])
+    b = tree.to_batch(pad_to_multiple=8)
+    assert b.seq_len == 8 and b.num_tokens == 4
+    pad = torch.arange(4, 8)
+    assert (b.loss_weight[pad] == 0).all() and (b.position_ids[pad] == 0).all()
+    assert (b.pred_index[pad] == -1).all() and (b.conv_index[pad] == -1).all()
+    assert b.subtree_end[pad].tolist() == (pad + 1).tolist()
+    assert (b.subtree_end[:4] <= 4).all()  # no real token's interval reaches the padding
+    assert b.node_parent[-4:].tolist() == [-1] * 4 and b.node_start[-4:].tolist() == pad.tolist()
+
+
+def test_path_logprobs_roundtrip():
+    paths = ODD_TREES["one_token_nodes"] + [[1, 2]]
+    tree = Tree.from_paths(paths)
+    b = tree.to_batch(pad_to_multiple=16)
+    lp = torch.randn(b.seq_len, requires_grad=True)
+    per = b.path_logprobs(lp)
+    assert len(per) == len(paths)
+    for p, (path, t) in enumerate(zip(paths, per)):
+        s = int(tree.path_offsets[p])
+        assert torch.equal(t, lp.detach()[tree.path_index[s:s + len(path)]])
+    sum(t.sum() for t in per).backward()  # shared tokens collect one gradient per path
+    counts = tree.aggregate(torch.ones(len(paths)), torch.ones(tree.num_path_tokens))
+    torch.testing.assert_close(lp.grad[: tree.num_tokens], counts.float())
+
+
+def test_ancestor_index_matches_repeated_pred():
+    pred = torch.tensor([-1, 0, 1, 1, -1, 4])
+    assert ancestor_index(pred, 2).tolist() == [[-1, -1], [0, -1], [1, 0], [1, 0], [-1, -1], [4, -1]]
+
+
+def test_large_random_tree_matches_bruteforce_counts():
+    rnd = random.Random(1)
+    paths = [[rnd.randrange(3) for _ in range(rnd.randrange(1, 30))] for _ in range(200)]
+    tree = Tree.from_paths(paths)
+    assert tree.num_tokens == len({tuple(p[: i + 1]) for p in paths for i in range(len(p))})
+
+
+@pytest.mark.parametrize("bad, message", [
+    ([], "no paths"),
+    ([[1, 2], []], "path 1: empty path"),
+    ([[1, 2], [1, 2.5]], "path 1: token ids must be"),
+    ([[1, 2], [3, -4]], "path 1: token ids must be non-negative"),
+    ([[1], torch.tensor([1.0, 2.0])], "path 1: token ids must be integers"),
+    ([[1], "abc"], "path 1: expected a sequence"),
+])
+def test_bad_paths(bad, message):
+    with pytest.raises(ValueError, match=message):
+        Tree.from_paths(bad)
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(loss_masks=[[0, 1]]), "expected 2 masks"),
+    (dict(loss_masks=[[0, 1], [0, 1]]), "path 1: loss mask has 2 entries, the path has 3"),
+    (dict(loss_masks=[[0, 1], [0, 2, 1]]), "path 1: loss mask must hold only 0 and 1"),
+    (dict(loss_masks=[[1, 1], [0, 1, 1]]), "path 0: loss mask trains token 0"),
+    (dict(path_weights=[1.0]), "expected 2 weights"),
+    (dict(path_weights=[1.0, float("nan")]), "path 1: path weight is not finite"),
+    (dict(path_weights=[float("inf"), 1.0]), "path 0: path weight is not finite"),
+])
+def test_bad_masks_and_weights(kw, message):
+    with pytest.raises(ValueError, match=message):
+        Tree.from_paths([[1, 2], [1, 3, 4]], **kw)
+
+
+def test_bad_normalize_and_pad():
+    tree = Tree.from_paths([[1, 2]])
+    with pytest.raises(ValueError, match="normalize"):
+        tree.to_batch(normalize="mean")
+    with pytest.raises(ValueError, match="pad_to_multiple"):
+        tree.to_batch(pad_to_multiple=0)

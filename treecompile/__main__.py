@@ -1,0 +1,5 @@
+import sys
+
+from treecompile.cli import main
+
+sys.exit(main())

@@ -1,0 +1,69 @@
+"""The per-path oracle: the unmodified model run on each path alone.
+
+Everything treecompile computes on a tree is checked against this.  It is deliberately plain: one
+forward per path (``input_ids [1, |p|]``), log-softmax, read each token's log-probability at the
+position before it, and the three normalizations written out as their formulas.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from treecompile.tree import NORMALIZATIONS
+
+__all__ = ["ReferenceResult", "logits_of", "path_logprobs", "run"]
+
+
+def logits_of(out) -> torch.Tensor:
+    """A model's output -> logits: a tensor as is, else its ``.logits`` (HF ``CausalLMOutput``)."""
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
+def path_logprobs(model: torch.nn.Module, path: Sequence[int], device=None) -> torch.Tensor:
+    """log p(token i | tokens < i) of one path, shape [|p|]; entry 0 is 0 (nothing predicts it)."""
+    ids = torch.as_tensor(list(path), dtype=torch.long, device=device)[None]
+    logits = logits_of(model(ids))[0]
+    lp = torch.log_softmax(logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits, -1)
+    tok = lp[:-1].gather(-1, ids[0, 1:, None])[:, 0]
+    return torch.cat([tok.new_zeros(1), tok])
+
+
+@dataclass
+class ReferenceResult:
+    loss: torch.Tensor  # scalar, differentiable
+    logprobs: list[torch.Tensor]  # one [|p|] tensor per path
+
+
+def run(model: torch.nn.Module, paths: Sequence[Sequence[int]], *, loss_masks=None, path_weights=None,
+        normalize: str = "sum", device=None) -> ReferenceResult:
+    """Per-path loss under ``normalize`` (m = mask, c = path weight, N = paths, l = -log p):
+
+    - ``sum``:        (1/N) * sum_p sum_i m[p,i] c[p] l[p,i]
+    - ``path_mean``:  (1/N) * sum_p c[p] * (sum_i m[p,i] l[p,i]) / (sum_i m[p,i])   (0 if no m)
+    - ``token_mean``: sum_p sum_i m[p,i] c[p] l[p,i] / sum_p sum_i m[p,i]
+    """
+    if normalize not in NORMALIZATIONS:
+        raise ValueError(f"normalize: expected one of {NORMALIZATIONS}, got {normalize!r}")
+    N = len(paths)
+    lps = [path_logprobs(model, p, device) for p in paths]
+    masks = []
+    for i, p in enumerate(paths):
+        if loss_masks is None:
+            m = torch.ones(len(p), dtype=torch.float64)
+            m[0] = 0
+        else:
+            m = torch.as_tensor(loss_masks[i], dtype=torch.float64)
+        masks.append(m.to(lps[i].device))
+    weights = [1.0 if path_weights is None else float(path_weights[i]) for i in range(N)]
+    sums = [-(m * lp.to(torch.float64)).sum() for m, lp in zip(masks, lps)]
+    if normalize == "sum":
+        loss = sum(c * s for c, s in zip(weights, sums)) / N
+    elif normalize == "path_mean":
+        loss = sum(c * s / m.sum() if m.sum() > 0 else 0.0 * s for c, s, m in zip(weights, sums, masks)) / N
+    else:
+        total = sum(m.sum() for m in masks)
+        loss = sum(c * s for c, s in zip(weights, sums)) / total if total > 0 else 0.0 * sums[0]
+    return ReferenceResult(loss=loss, logprobs=lps)

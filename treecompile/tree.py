@@ -1,0 +1,470 @@
+"""Trajectory trees and their DFS-serialised batches.
+
+A :class:`Tree` merges token paths into a prefix tree with compressed (radix) nodes.  Every
+trajectory counts as its own path, duplicates and prefixes of other paths included.  The tree is
+stored already serialised in depth-first order, one entry per unique token.
+
+Construction is vectorised so that 10M path tokens serialise in well under a second:
+
+1. paths are sorted lexicographically (as bytes); in that order each path shares with its
+   predecessor exactly its longest common prefix (LCP) with the whole set seen so far, and a
+   depth-first pre-order of the trie is the concatenation of every path's *new* suffix
+   ``path[lcp:]`` (the classic "trie size = sum(len - lcp)" identity);
+2. the LCPs of sorted neighbours are computed with one vectorised comparison;
+3. one Python loop over paths (not tokens) keeps the chain of segments of the current path, which
+   gives each new suffix its attachment point (path predecessor) and the radix cut points;
+4. nodes, subtree ends, levels, and the path -> DFS index map follow from those.
+
+This module depends on nothing else in the package.
+"""
+
+from __future__ import annotations
+
+import math
+from array import array
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+__all__ = ["Tree", "TreeBatch", "NORMALIZATIONS"]
+
+NORMALIZATIONS = ("sum", "path_mean", "token_mean")
+DEFAULT_CONV_KERNEL = 4
+
+
+def _as_int_array(p, i: int) -> array:
+    """One path as an ``array('q')``; raises ValueError naming the path on bad input."""
+    if isinstance(p, torch.Tensor):
+        if p.dim() != 1:
+            raise ValueError(f"path {i}: expected a 1-D sequence of token ids, got shape {tuple(p.shape)}")
+        if p.dtype.is_floating_point or p.dtype.is_complex or p.dtype == torch.bool:
+            raise ValueError(f"path {i}: token ids must be integers, got dtype {p.dtype}")
+        p = p.tolist()
+    elif isinstance(p, (str, bytes)):
+        raise ValueError(f"path {i}: expected a sequence of token ids, got {type(p).__name__}")
+    try:
+        a = array("q", p)
+    except (TypeError, OverflowError) as e:
+        raise ValueError(f"path {i}: token ids must be non-negative integers ({e})") from None
+    if len(a) == 0:
+        raise ValueError(f"path {i}: empty path")
+    return a
+
+
+def _repeat_arange(counts: torch.Tensor) -> torch.Tensor:
+    """concat(arange(c) for c in counts), vectorised."""
+    total = int(counts.sum())
+    starts = torch.cumsum(counts, 0) - counts
+    return torch.arange(total, dtype=torch.long) - torch.repeat_interleave(starts, counts, output_size=total)
+
+
+def _lcp(x: bytes, y: bytes) -> int:
+    """Longest common prefix, in tokens, of two paths stored as 8-byte-per-token bytes.
+
+    Binary search over prefix equality: each probe is one memcmp, so a pair costs O(log n) C calls.
+    """
+    n = min(len(x), len(y)) >> 3
+    if x[:n << 3] == y[:n << 3]:
+        return n
+    lo, hi = 0, n  # invariant: prefixes of lo tokens agree, of hi tokens differ
+    while hi - lo > 1:
+        mid = (lo + hi) >> 1
+        if x[:mid << 3] == y[:mid << 3]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+class Tree:
+    """A prefix tree of token paths, stored in depth-first order.
+
+    Build with :meth:`from_paths`.  Token-level tensors (length ``num_tokens``, DFS order):
+    ``input_ids``, ``depth`` (index of the token within any path containing it), ``pred`` (DFS
+    index of the previous token on the path, -1 at the root), ``node_id``, ``subtree_end``.
+    Node-level tensors (radix nodes, DFS order): ``node_start``, ``node_end``, ``node_parent``
+    (-1 for roots), ``node_level`` (0 for roots), ``node_subtree_end``.  Path-level data, in the
+    caller's path order: ``path_lengths``, ``path_offsets`` and ``path_index`` (DFS index of every
+    path token), ``path_weights`` and the flat ``loss_mask``.
+    """
+
+    def __init__(self):  # use Tree.from_paths
+        raise TypeError("use Tree.from_paths(paths, loss_masks=..., path_weights=...)")
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_paths(
+        cls,
+        paths: Sequence[Sequence[int]],
+        *,
+        loss_masks: Sequence[Sequence[int]] | None = None,
+        path_weights: Sequence[float] | None = None,
+    ) -> "Tree":
+        if isinstance(paths, (str, bytes)) or not hasattr(paths, "__len__"):
+            raise ValueError("paths: expected a sequence of token-id sequences")
+        P = len(paths)
+        if P == 0:
+            raise ValueError("paths: no paths given")
+        arrays = [_as_int_array(p, i) for i, p in enumerate(paths)]
+        lengths_list = [len(a) for a in arrays]
+        keys = [a.tobytes() for a in arrays]
+        del arrays
+        order = sorted(range(P), key=keys.__getitem__)
+        skeys = [keys[i] for i in order]
+        del keys
+
+        # One loop over paths (sorted): LCP with the previous path, and the chain of segments of
+        # the current path, which gives each new suffix its attachment point and the radix cuts.
+        lcp_l = [0] * P
+        len_l = [len(k) >> 3 for k in skeys]
+        start_l = [0] * P
+        first_pred = [-1] * P
+        end_pos = [0] * P
+        cuts = []
+        stack: list[int] = []
+        pos = 0
+        for i in range(P):
+            n = len_l[i]
+            l = _lcp(skeys[i - 1], skeys[i]) if i else 0
+            lcp_l[i] = l
+            start_l[i] = pos
+            while stack and lcp_l[stack[-1]] >= l:
+                stack.pop()
+            if l > 0:
+                o = stack[-1]
+                first_pred[i] = start_l[o] + (l - 1 - lcp_l[o])
+                if l < len_l[o]:
+                    cuts.append(start_l[o] + (l - lcp_l[o]))
+            if n > l:
+                end_pos[i] = pos + (n - l - 1)
+                cuts.append(pos)
+                stack.append(i)
+                pos += n - l
+            else:  # an exact duplicate of the previous path: ends where it ends
+                end_pos[i] = end_pos[i - 1]
+        T = pos
+        new_tokens = b"".join([k[l << 3:] for k, l in zip(skeys, lcp_l)])
+        del skeys
+
+        order_t = torch.tensor(order, dtype=torch.long)
+        lengths = torch.tensor(lengths_list, dtype=torch.long)
+        lcp = torch.tensor(lcp_l, dtype=torch.long)
+        start = torch.tensor(start_l, dtype=torch.long)
+        new_len = torch.tensor(len_l, dtype=torch.long) - lcp
+        has_new = new_len > 0
+        ar = torch.arange(T, dtype=torch.long)
+        input_ids = torch.frombuffer(bytearray(new_tokens), dtype=torch.int64)
+        depth = ar - torch.repeat_interleave(start - lcp, new_len, output_size=T)
+        pred = ar - 1
+        fp = torch.tensor(first_pred, dtype=torch.long)
+        pred[start[has_new]] = fp[has_new]
+        if T and int(input_ids.min()) < 0:  # every path token is some unique token: check those
+            t = int(torch.nonzero(input_ids < 0)[0])
+            i = int(torch.searchsorted(start[has_new], t, right=True)) - 1
+            raise ValueError(f"path {order[int(torch.nonzero(has_new)[i])]}: token ids must be "
+                             f"non-negative integers (found {int(input_ids[t])})")
+
+        # radix nodes
+        is_cut = torch.zeros(T, dtype=torch.bool)
+        is_cut[torch.tensor(cuts, dtype=torch.long)] = True
+        node_start = torch.nonzero(is_cut).flatten()
+        Nn = node_start.numel()
+        node_end = torch.empty(Nn, dtype=torch.long)
+        node_end[:-1] = node_start[1:]
+        node_end[-1] = T
+        node_id = torch.cumsum(is_cut.long(), 0) - 1
+        first_pred_node = pred[node_start]
+        node_parent = torch.where(first_pred_node >= 0, node_id[first_pred_node.clamp(min=0)], -1)
+        parent_l = node_parent.tolist()
+        level = [0] * Nn
+        sub_end = node_end.tolist()
+        for n in range(Nn):
+            p = parent_l[n]
+            if p >= 0:
+                level[n] = level[p] + 1
+        for n in range(Nn - 1, -1, -1):
+            p = parent_l[n]
+            if p >= 0 and sub_end[n] > sub_end[p]:
+                sub_end[p] = sub_end[n]
+        node_subtree_end = torch.tensor(sub_end, dtype=torch.long)
+
+        rank = torch.empty(P, dtype=torch.long)
+        rank[order_t] = torch.arange(P)
+        path_offsets = torch.zeros(P + 1, dtype=torch.long)
+        torch.cumsum(lengths, 0, out=path_offsets[1:])
+
+        self = object.__new__(cls)
+        self.num_paths = P
+        self.num_tokens = T
+        self.num_path_tokens = int(path_offsets[-1])
+        self.input_ids = input_ids
+        self.depth = depth
+        self.pred = pred
+        self.node_id = node_id
+        self.node_start = node_start
+        self.node_end = node_end
+        self.node_parent = node_parent
+        self.node_level = torch.tensor(level, dtype=torch.long)
+        self.node_subtree_end = node_subtree_end
+        self.subtree_end = node_subtree_end[node_id]
+        self.path_lengths = lengths
+        self.path_offsets = path_offsets
+        self.path_end = torch.tensor(end_pos, dtype=torch.long)[rank]
+        self._sorted = (lcp_l, len_l, start_l, order)
+        self._path_index = None
+        self._loss_mask = self._check_masks(loss_masks, lengths_list)
+        self.path_weights = self._check_weights(path_weights, P)
+        return self
+
+    @property
+    def path_index(self) -> torch.Tensor:
+        """DFS index of every path token, paths in the caller's order, flattened (cached).
+
+        Built from the sorted order: a path's first ``lcp`` entries are its sorted neighbour's,
+        the rest are its own new suffix; slices are copied with ``array`` (memcpy), not per token.
+        """
+        if self._path_index is None:
+            lcp_l, len_l, start_l, order = self._sorted
+            P = len(len_l)
+            idx = array("q", bytes(8 * self.num_path_tokens))
+            s_off = [0] * (P + 1)
+            for i in range(P):
+                o, l, n = s_off[i], lcp_l[i], len_l[i]
+                s_off[i + 1] = o + n
+                if l:  # shared with the previous sorted path
+                    idx[o:o + l] = idx[s_off[i - 1]:s_off[i - 1] + l]
+                if n > l:
+                    idx[o + l:o + n] = array("q", range(start_l[i], start_l[i] + n - l))
+            raw = idx.tobytes()
+            rank = [0] * P
+            for i, p in enumerate(order):
+                rank[p] = i
+            joined = b"".join([raw[8 * s_off[r]:8 * s_off[r + 1]] for r in rank])
+            self._path_index = torch.frombuffer(bytearray(joined), dtype=torch.int64)
+        return self._path_index
+
+    @staticmethod
+    def _check_masks(loss_masks, lengths_list) -> torch.Tensor | None:
+        P = len(lengths_list)
+        if loss_masks is None:
+            return None
+        if len(loss_masks) != P:
+            raise ValueError(f"loss_masks: expected {P} masks (one per path), got {len(loss_masks)}")
+        parts = []
+        for i, (mk, n) in enumerate(zip(loss_masks, lengths_list)):
+            t = torch.as_tensor(mk)
+            if t.dim() != 1 or t.numel() != n:
+                raise ValueError(f"path {i}: loss mask has {t.numel()} entries, the path has {n} tokens")
+            if t.dtype.is_floating_point or t.dtype.is_complex:
+                raise ValueError(f"path {i}: loss mask must be 0/1 or bool, got dtype {t.dtype}")
+            if t.dtype != torch.bool:
+                if bool(((t != 0) & (t != 1)).any()):
+                    raise ValueError(f"path {i}: loss mask must hold only 0 and 1")
+                t = t != 0
+            if bool(t[0]):
+                raise ValueError(f"path {i}: loss mask trains token 0, which nothing predicts; set it to 0")
+            parts.append(t)
+        return torch.cat(parts)
+
+    @staticmethod
+    def _check_weights(path_weights, P) -> torch.Tensor:
+        if path_weights is None:
+            return torch.ones(P, dtype=torch.float64)
+        if len(path_weights) != P:
+            raise ValueError(f"path_weights: expected {P} weights (one per path), got {len(path_weights)}")
+        try:
+            w = torch.as_tensor(path_weights, dtype=torch.float64).flatten()
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise ValueError(f"path_weights: expected numbers ({e})") from None
+        bad = torch.nonzero(~torch.isfinite(w)).flatten()
+        if bad.numel():
+            i = int(bad[0])
+            raise ValueError(f"path {i}: path weight is not finite ({w[i].item()})")
+        return w
+
+    # ------------------------------------------------------------------ statistics
+    @property
+    def por(self) -> float:
+        """Prefix overlap ratio: 1 - unique tokens / path tokens."""
+        return 1.0 - self.num_tokens / self.num_path_tokens
+
+    @property
+    def num_nodes(self) -> int:
+        return self.node_start.numel()
+
+    def path(self, p: int) -> list[int]:
+        """Token ids of path ``p`` (read back from the tree)."""
+        s, e = int(self.path_offsets[p]), int(self.path_offsets[p + 1])
+        return self.input_ids[self.path_index[s:e]].tolist()
+
+    def __repr__(self) -> str:
+        return (f"Tree(num_paths={self.num_paths}, num_tokens={self.num_tokens}, "
+                f"num_path_tokens={self.num_path_tokens}, num_nodes={self.num_nodes}, por={self.por:.3f})")
+
+    # ------------------------------------------------------------------ weights
+    @property
+    def has_default_masks(self) -> bool:
+        return self._loss_mask is None
+
+    @property
+    def loss_mask(self) -> torch.Tensor:
+        """Flat bool mask over path tokens (caller's path order)."""
+        if self._loss_mask is None:
+            m = torch.ones(self.num_path_tokens, dtype=torch.bool)
+            m[self.path_offsets[:-1]] = False
+            return m
+        return self._loss_mask
+
+    def trained_counts(self) -> torch.Tensor:
+        """Number of trained tokens of each path (float64)."""
+        if self._loss_mask is None:
+            return (self.path_lengths - 1).to(torch.float64)
+        seg = torch.repeat_interleave(torch.arange(self.num_paths), self.path_lengths)
+        return torch.zeros(self.num_paths, dtype=torch.float64).index_add_(
+            0, seg, self._loss_mask.to(torch.float64))
+
+    def path_coefficients(self, normalize: str) -> torch.Tensor:
+        """Per-path factor that multiplies ``mask * log p`` in the loss of ``normalize``."""
+        if normalize not in NORMALIZATIONS:
+            raise ValueError(f"normalize: expected one of {NORMALIZATIONS}, got {normalize!r}")
+        N = self.num_paths
+        c = self.path_weights
+        if normalize == "sum":
+            return c / N
+        counts = self.trained_counts()
+        if normalize == "path_mean":
+            # a path with no trained token contributes nothing (0/0 is taken as 0)
+            return torch.where(counts > 0, c / (N * counts.clamp(min=1)), torch.zeros_like(c))
+        total = counts.sum()
+        return c / total if total > 0 else torch.zeros_like(c)
+
+    def aggregate(self, per_path: torch.Tensor, per_token: torch.Tensor | None = None) -> torch.Tensor:
+        """sum over paths p through t of per_path[p] * per_token[p, t], for each unique token t.
+
+        ``per_token`` is flat over path tokens (caller's order); None means the loss mask.
+        With the default mask this needs no per-path-token work: a token's paths are the path
+        ends inside its subtree, so prefix sums over path ends give the sum (depth-0 tokens,
+        untrained by default, get 0).
+        """
+        per_path = per_path.to(torch.float64)
+        if per_token is None and self._loss_mask is None:
+            acc = torch.zeros(self.num_tokens + 1, dtype=torch.float64)
+            acc[1:].index_add_(0, self.path_end, per_path)
+            acc = torch.cumsum(acc, 0)
+            w = acc[self.subtree_end] - acc[:-1]
+            return torch.where(self.depth > 0, w, torch.zeros_like(w))
+        if per_token is None:
+            per_token = self._loss_mask
+        per = torch.repeat_interleave(per_path, self.path_lengths) * per_token.to(torch.float64)
+        return torch.zeros(self.num_tokens, dtype=torch.float64).index_add_(0, self.path_index, per)
+
+    def token_weights(self, normalize: str = "sum") -> torch.Tensor:
+        """w(t) = sum over paths p through t of coef_p * mask[p, t], in DFS order (float64)."""
+        return self.aggregate(self.path_coefficients(normalize))
+
+    # ------------------------------------------------------------------ batch
+    def to_batch(self, *, normalize: str = "sum", pad_to_multiple: int | None = None,
+                 device=None, conv_kernel: int = DEFAULT_CONV_KERNEL) -> "TreeBatch":
+        """DFS-serialised tensors for one forward/backward pass over the whole tree."""
+        weights = self.token_weights(normalize)
+        T = self.num_tokens
+        if pad_to_multiple is not None:
+            if int(pad_to_multiple) < 1:
+                raise ValueError(f"pad_to_multiple: expected a positive integer, got {pad_to_multiple}")
+            Tp = math.ceil(T / pad_to_multiple) * pad_to_multiple
+        else:
+            Tp = T
+        npad = Tp - T
+        pad_ar = torch.arange(T, Tp, dtype=torch.long)
+        zeros = torch.zeros(npad, dtype=torch.long)
+        neg = torch.full((npad,), -1, dtype=torch.long)
+        Nn = self.num_nodes
+        pred = torch.cat([self.pred, neg])
+        batch = TreeBatch(
+            input_ids=torch.cat([self.input_ids, zeros]),
+            position_ids=torch.cat([self.depth, zeros]),
+            pred_index=pred,
+            loss_weight=torch.cat([weights, torch.zeros(npad, dtype=torch.float64)]),
+            subtree_end=torch.cat([self.subtree_end, pad_ar + 1]),
+            node_id=torch.cat([self.node_id, Nn + torch.arange(npad)]),
+            node_start=torch.cat([self.node_start, pad_ar]),
+            node_end=torch.cat([self.node_end, pad_ar + 1]),
+            node_parent=torch.cat([self.node_parent, neg]),
+            node_level=torch.cat([self.node_level, zeros]),
+            conv_index=ancestor_index(pred, conv_kernel - 1),
+            tree=self,
+            num_tokens=T,
+            num_paths=self.num_paths,
+            normalize=normalize,
+        )
+        return batch.to(device) if device is not None else batch
+
+
+def ancestor_index(pred: torch.Tensor, n: int) -> torch.Tensor:
+    """[T, n]: column j is the (j+1)-th preceding token along the path (-1 where none)."""
+    cols = []
+    c = pred
+    for _ in range(n):
+        cols.append(c)
+        c = torch.where(c >= 0, pred[c.clamp(min=0)], c)
+    if not cols:
+        return pred.new_empty((pred.numel(), 0))
+    return torch.stack(cols, 1)
+
+
+_TENSOR_FIELDS = ("input_ids", "position_ids", "pred_index", "loss_weight", "subtree_end", "node_id",
+                  "node_start", "node_end", "node_parent", "node_level", "conv_index")
+
+
+@dataclass
+class TreeBatch:
+    """One DFS-serialised tree (or partition), each token once; ``T`` = padded length.
+
+    Token tensors ``[T]``: ``input_ids``, ``position_ids`` (depth on the path), ``pred_index`` (DFS
+    index of the path predecessor, -1 at a root and at padding), ``loss_weight`` (float64; the loss
+    is ``-(loss_weight * logprobs).sum()``), ``subtree_end`` (token q sees key k iff
+    ``k <= q < subtree_end[k]``), ``node_id``; ``conv_index [T, K-1]`` (the K-1 preceding tokens along
+    the path, nearest first, -1 where none).  Node tensors ``[num_nodes]``: ``node_start``,
+    ``node_end``, ``node_parent`` (-1 for roots), ``node_level``.  Padding tokens carry zero weight,
+    position 0, no predecessor, and see only themselves (each is its own root node).
+    ``tree`` is the CPU :class:`Tree` that was serialised (path bookkeeping for ``path_logprobs``).
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    pred_index: torch.Tensor
+    loss_weight: torch.Tensor
+    subtree_end: torch.Tensor
+    node_id: torch.Tensor
+    node_start: torch.Tensor
+    node_end: torch.Tensor
+    node_parent: torch.Tensor
+    node_level: torch.Tensor
+    conv_index: torch.Tensor
+    tree: Tree  # the (CPU) tree this batch serialises: path bookkeeping lives there
+    num_tokens: int  # real (unpadded) tokens
+    num_paths: int
+    normalize: str
+    extras: dict = field(default_factory=dict)
+
+    @property
+    def seq_len(self) -> int:
+        return self.input_ids.numel()
+
+    @property
+    def num_nodes(self) -> int:
+        return self.node_start.numel()
+
+    def to(self, device) -> "TreeBatch":
+        kw = {f: getattr(self, f).to(device) for f in _TENSOR_FIELDS}
+        extras = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.extras.items()}
+        return TreeBatch(**kw, tree=self.tree, num_tokens=self.num_tokens, num_paths=self.num_paths,
+                         normalize=self.normalize, extras=extras)
+
+    def path_logprobs(self, logprobs: torch.Tensor) -> list[torch.Tensor]:
+        """Per-token DFS tensor ``[T]`` -> one tensor per path (path order); differentiable."""
+        if logprobs.dim() != 1 or logprobs.numel() != self.seq_len:
+            raise ValueError(f"logprobs: expected shape [{self.seq_len}], got {tuple(logprobs.shape)}")
+        idx = self.tree.path_index.to(logprobs.device)
+        return list(logprobs[idx].split(self.tree.path_lengths.tolist()))
