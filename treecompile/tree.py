@@ -20,6 +20,7 @@ This module depends on nothing else in the package.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from array import array
 from dataclasses import dataclass, field
@@ -367,37 +368,27 @@ class Tree:
     def to_batch(self, *, normalize: str = "sum", pad_to_multiple: int | None = None,
                  device=None, conv_kernel: int = DEFAULT_CONV_KERNEL) -> "TreeBatch":
         """DFS-serialised tensors for one forward/backward pass over the whole tree."""
-        weights = self.token_weights(normalize)
-        T = self.num_tokens
-        if pad_to_multiple is not None:
-            if int(pad_to_multiple) < 1:
-                raise ValueError(f"pad_to_multiple: expected a positive integer, got {pad_to_multiple}")
-            Tp = math.ceil(T / pad_to_multiple) * pad_to_multiple
-        else:
-            Tp = T
-        npad = Tp - T
-        pad_ar = torch.arange(T, Tp, dtype=torch.long)
-        zeros = torch.zeros(npad, dtype=torch.long)
-        neg = torch.full((npad,), -1, dtype=torch.long)
-        Nn = self.num_nodes
-        pred = torch.cat([self.pred, neg])
+        if pad_to_multiple is not None and int(pad_to_multiple) < 1:
+            raise ValueError(f"pad_to_multiple: expected a positive integer, got {pad_to_multiple}")
         batch = TreeBatch(
-            input_ids=torch.cat([self.input_ids, zeros]),
-            position_ids=torch.cat([self.depth, zeros]),
-            pred_index=pred,
-            loss_weight=torch.cat([weights, torch.zeros(npad, dtype=torch.float64)]),
-            subtree_end=torch.cat([self.subtree_end, pad_ar + 1]),
-            node_id=torch.cat([self.node_id, Nn + torch.arange(npad)]),
-            node_start=torch.cat([self.node_start, pad_ar]),
-            node_end=torch.cat([self.node_end, pad_ar + 1]),
-            node_parent=torch.cat([self.node_parent, neg]),
-            node_level=torch.cat([self.node_level, zeros]),
-            conv_index=ancestor_index(pred, conv_kernel - 1),
+            input_ids=self.input_ids,
+            position_ids=self.depth,
+            pred_index=self.pred,
+            loss_weight=self.token_weights(normalize),
+            subtree_end=self.subtree_end,
+            node_id=self.node_id,
+            node_start=self.node_start,
+            node_end=self.node_end,
+            node_parent=self.node_parent,
+            node_level=self.node_level,
+            conv_index=ancestor_index(self.pred, conv_kernel - 1),
             tree=self,
-            num_tokens=T,
+            num_tokens=self.num_tokens,
             num_paths=self.num_paths,
             normalize=normalize,
         )
+        if pad_to_multiple is not None:
+            batch = batch.padded(math.ceil(self.num_tokens / pad_to_multiple) * pad_to_multiple)
         return batch.to(device) if device is not None else batch
 
 
@@ -455,6 +446,38 @@ class TreeBatch:
     @property
     def num_nodes(self) -> int:
         return self.node_start.numel()
+
+    def padded(self, length: int) -> "TreeBatch":
+        """This batch with padding tokens appended up to ``length`` tokens.
+
+        A padding token has id 0, position 0, zero weight, no predecessor or conv context, and is
+        its own root node, so it sees only itself and nothing sees it.
+        """
+        T = self.seq_len
+        if length < T:
+            raise ValueError(f"padded: length {length} is shorter than the batch ({T} tokens)")
+        n = length - T
+        if n == 0:
+            return self
+        dev = self.input_ids.device
+        ar = torch.arange(T, length, dtype=torch.long, device=dev)
+        zeros = torch.zeros(n, dtype=torch.long, device=dev)
+        neg = torch.full((n,), -1, dtype=torch.long, device=dev)
+        Nn = self.num_nodes
+        return dataclasses.replace(
+            self,
+            input_ids=torch.cat([self.input_ids, zeros]),
+            position_ids=torch.cat([self.position_ids, zeros]),
+            pred_index=torch.cat([self.pred_index, neg]),
+            loss_weight=torch.cat([self.loss_weight, self.loss_weight.new_zeros(n)]),
+            subtree_end=torch.cat([self.subtree_end, ar + 1]),
+            node_id=torch.cat([self.node_id, Nn + torch.arange(n, device=dev)]),
+            node_start=torch.cat([self.node_start, ar]),
+            node_end=torch.cat([self.node_end, ar + 1]),
+            node_parent=torch.cat([self.node_parent, neg]),
+            node_level=torch.cat([self.node_level, zeros]),
+            conv_index=torch.cat([self.conv_index, self.conv_index.new_full((n, self.conv_index.shape[1]), -1)]),
+        )
 
     def to(self, device) -> "TreeBatch":
         kw = {f: getattr(self, f).to(device) for f in _TENSOR_FIELDS}

@@ -1,0 +1,282 @@
+"""treecompile.compile on the dense reference model and unmodified HF Llama/Qwen3: tree == per path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import treecompile
+from treecompile import NORMALIZATIONS, Tree, reference
+from treecompile.models import DenseConfig, DenseForCausalLM
+from treecompile.passes import UnsupportedModelError
+from strategies import ODD_TREES, weighted_path_sets
+
+aten = torch.ops.aten
+
+
+def flat_grads(loss, params):
+    return torch.cat([g.flatten() for g in torch.autograd.grad(loss, params)])
+
+
+def rel(a, b):
+    return float((a - b).norm() / b.norm().clamp(min=1e-300))
+
+
+@pytest.fixture(scope="module")
+def dense():
+    torch.manual_seed(0)
+    model = DenseForCausalLM(DenseConfig.tiny(vocab_size=11)).double()
+    return model, treecompile.compile(model)
+
+
+def compare(model, tmodel, paths, masks, weights, normalize):
+    tree = Tree.from_paths(paths, loss_masks=masks, path_weights=weights)
+    batch = tree.to_batch(normalize=normalize)
+    params = list(model.parameters())
+    out = tmodel(batch)
+    ref = reference.run(model, paths, loss_masks=masks, path_weights=weights, normalize=normalize)
+    lp_err = max(float((a - r).detach().abs().max()) for a, r in zip(batch.path_logprobs(out.logprobs), ref.logprobs))
+    loss_err = abs(float(out.loss - ref.loss)) / max(abs(float(ref.loss)), 1e-300)
+    g_tree, g_ref = flat_grads(out.loss, params), flat_grads(ref.loss, params)
+    return loss_err, lp_err, g_tree, g_ref, out, ref, batch
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(weighted_path_sets(max_paths=8, max_len=10, vocab=11), st.sampled_from(NORMALIZATIONS), st.booleans())
+def test_dense_tree_equals_per_path(dense, pmw, normalize, use_masks):
+    model, tmodel = dense
+    paths, masks, weights = pmw
+    loss_err, lp_err, g_tree, g_ref, *_ = compare(model, tmodel, paths, masks if use_masks else None,
+                                                  weights, normalize)
+    if float(g_ref.norm()) == 0:  # e.g. every trained token masked out
+        assert float(g_tree.norm()) == 0
+        return
+    assert lp_err < 1e-12
+    assert loss_err < 1e-9
+    assert rel(g_tree, g_ref) < 1e-9
+
+
+@pytest.mark.parametrize("name", sorted(ODD_TREES))
+@pytest.mark.parametrize("normalize", NORMALIZATIONS)
+def test_dense_odd_trees(dense, name, normalize):
+    model, tmodel = dense
+    paths = [[t % 11 for t in p] for p in ODD_TREES[name]]
+    loss_err, lp_err, g_tree, g_ref, *_ = compare(model, tmodel, paths, None, None, normalize)
+    assert lp_err < 1e-12 and loss_err < 1e-9
+    if float(g_ref.norm()) > 0:
+        assert rel(g_tree, g_ref) < 1e-9
+
+
+def test_parameters_are_shared_and_state_dict_unchanged(dense):
+    model, tmodel = dense
+    assert [id(p) for p in tmodel.parameters()] == [id(p) for p in model.parameters()]
+    assert list(tmodel.state_dict().keys()) == list(model.state_dict().keys())
+    # an optimizer on model.parameters() trains the tree model
+    tree = Tree.from_paths([[1, 2, 3, 4], [1, 2, 5]])
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    b = tree.to_batch()
+    before = float(tmodel(b).loss)
+    for _ in range(3):
+        opt.zero_grad()
+        tmodel(b).loss.backward()
+        opt.step()
+    assert float(tmodel(b).loss) < before
+    with torch.no_grad():  # restore for other tests sharing the fixture
+        pass
+
+
+def test_padding_does_not_change_results(dense):
+    model, tmodel = dense
+    tree = Tree.from_paths([[1, 2, 3, 4], [1, 2, 5], [6]])
+    a = tmodel(tree.to_batch())
+    b = tmodel(tree.to_batch(pad_to_multiple=16))
+    assert b.logprobs.numel() == 16
+    torch.testing.assert_close(a.logprobs, b.logprobs[:a.logprobs.numel()], rtol=0, atol=1e-13)
+    torch.testing.assert_close(a.loss, b.loss, rtol=1e-13, atol=0)
+
+
+def test_graph_after_rewrite(dense):
+    _, tmodel = dense
+    g = tmodel.graph_module.graph
+    targets = [n.target for n in g.nodes if n.op == "call_function"]
+    assert aten.scaled_dot_product_attention.default not in targets
+    assert targets.count(torch.ops.treecompile.tree_attention.default) == 2  # one per layer
+    assert not any(t in (aten.arange.default, aten.arange.start) for t in targets)
+    assert {k: v.count for k, v in tmodel.pass_results.items()} == {
+        "rewrite_attention": 2, "rewrite_positions": 1, "rewrite_loss": 1}
+    for n in g.nodes:  # every node carries meta["val"]
+        if n.op in ("call_function", "placeholder"):
+            assert "val" in n.meta, n.name
+
+
+def test_model_unchanged_by_compile():
+    torch.manual_seed(1)
+    model = DenseForCausalLM(DenseConfig.tiny()).double().train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ids = torch.tensor([[1, 2, 3]])
+    out_before = model(ids)
+    treecompile.compile(model)
+    assert model.training
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    torch.testing.assert_close(model(ids), out_before, rtol=0, atol=0)
+
+
+def test_decorator_forms():
+    @treecompile.compile
+    class Tiny(DenseForCausalLM):
+        pass
+
+    tm = Tiny(DenseConfig.tiny())
+    assert isinstance(tm, treecompile.TreeModel)
+
+    @treecompile.compile(debug=False)
+    def build():
+        return DenseForCausalLM(DenseConfig.tiny())
+
+    assert isinstance(build(), treecompile.TreeModel)
+
+
+def test_disable_unknown_pass_is_an_error():
+    with pytest.raises(ValueError, match="unknown pass"):
+        treecompile.compile(DenseForCausalLM(DenseConfig.tiny()), disable=("rewrite_everything",))
+
+
+# ---------------------------------------------------------------- near misses: refused
+class Bidirectional(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(11, 8)
+        self.head = torch.nn.Linear(8, 11)
+
+    def forward(self, ids):
+        x = self.emb(ids)[:, None]  # [1, 1, T, 8]
+        x = torch.nn.functional.scaled_dot_product_attention(x, x, x)  # not causal
+        return self.head(x[:, 0])
+
+
+class PaddingMasked(Bidirectional):
+    def forward(self, ids):
+        x = self.emb(ids)[:, None]
+        keep = (ids != 0)[:, None, None, :]  # a mask read from input values
+        causal = torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool).tril()
+        x = torch.nn.functional.scaled_dot_product_attention(x, x, x, attn_mask=causal & keep)
+        return self.head(x[:, 0])
+
+
+class SlidingWindow(Bidirectional):
+    def forward(self, ids):
+        x = self.emb(ids)[:, None]
+        i = torch.arange(ids.shape[1])
+        mask = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < 3)
+        x = torch.nn.functional.scaled_dot_product_attention(x, x, x, attn_mask=mask)
+        return self.head(x[:, 0])
+
+
+class ExplicitCausal(Bidirectional):
+    def forward(self, ids):
+        x = self.emb(ids)[:, None]
+        i = torch.arange(ids.shape[1])
+        x = torch.nn.functional.scaled_dot_product_attention(x, x, x, attn_mask=i[None, :] <= i[:, None])
+        return self.head(x[:, 0])
+
+
+@pytest.mark.parametrize("cls, message", [
+    (Bidirectional, r"test_compile.py:\d+ in forward.*not causal"),
+    (PaddingMasked, "reads the values of input"),
+    (SlidingWindow, "not the causal mask"),
+])
+def test_non_causal_attention_is_refused(cls, message):
+    with pytest.raises(treecompile.passes.PassError, match=message) as info:
+        treecompile.compile(cls())
+    assert isinstance(info.value.__cause__, UnsupportedModelError)
+    assert "rewrite_attention" in str(info.value)
+
+
+def test_explicit_causal_mask_is_accepted():
+    torch.manual_seed(0)
+    model = ExplicitCausal().double()
+    tm = treecompile.compile(model)
+    assert tm.pass_results["rewrite_attention"].count == 1
+    paths = [[1, 2, 3], [1, 2, 4, 5]]
+    out = tm(Tree.from_paths(paths).to_batch())
+    ref = reference.run(model, paths)
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-12, atol=0)
+
+
+# ---------------------------------------------------------------- Hugging Face models
+def hf_models():
+    transformers = pytest.importorskip("transformers")
+    common = dict(vocab_size=37, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256)
+    return {
+        "qwen3": lambda: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common)),
+        "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**common)),
+    }
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama"])
+def hf(request):
+    torch.manual_seed(0)
+    model = hf_models()[request.param]().double()
+    return model, treecompile.compile(model)
+
+
+def reference_noise(model, paths, masks, weights, batch, ref, params, g_ref):
+    """How far two mathematically equal per-path computations disagree ("sum" normalization).
+
+    HF computes RMSNorm and rotary in float32 even in a float64 model, in forward and backward, so
+    where gradient contributions are summed (before or after a float32 cast) changes the rounding.
+    (a) each unique token's log-prob read from one path's run instead of summing over paths;
+    (b) every path split into two copies weighted 1/3 and 2/3 (exact: the same loss), which regroups
+        the float32 backward signals as the tree's summing of shared prefixes does.
+    """
+    tree = batch.tree
+    last = torch.empty(tree.num_tokens, dtype=torch.long)
+    last[tree.path_index] = torch.arange(tree.path_index.numel())
+    lps = torch.cat(reference.run(model, paths).logprobs)
+    loss_a = -(batch.loss_weight * lps[last]).sum()
+    w = [1.0] * len(paths) if weights is None else list(weights)
+    ref_b = reference.run(model, list(paths) * 2, loss_masks=None if masks is None else list(masks) * 2,
+                          path_weights=[c / 3 for c in w] + [2 * c / 3 for c in w], normalize="sum")
+    loss_b = 2 * ref_b.loss  # 2N paths under the 1/N of "sum"
+    ga, gb = flat_grads(loss_a, params), flat_grads(loss_b, params)
+    g_noise = max(rel(ga, g_ref), rel(gb, g_ref))
+    loss_noise = max(abs(float(loss_a - ref.loss)), abs(float(loss_b - ref.loss)))
+    return g_noise, loss_noise
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(weighted_path_sets(max_paths=6, max_len=12, vocab=37))
+def test_hf_tree_equals_per_path_within_reference_rounding(hf, pmw):
+    model, tmodel = hf
+    paths, masks, weights = pmw
+    loss_err, lp_err, g_tree, g_ref, out, ref, batch = compare(model, tmodel, paths, masks, weights, "sum")
+    if float(g_ref.norm()) == 0:
+        return
+    params = list(model.parameters())
+    g_noise, loss_noise = reference_noise(model, paths, masks, weights, batch, ref, params, g_ref)
+    # 10x the disagreement of two exact per-path computations; 1e-12 floor for pure float64 rounding
+    assert rel(g_tree, g_ref) <= 10 * g_noise + 1e-12
+    assert abs(float(out.loss - ref.loss)) <= 10 * loss_noise + 1e-12 * abs(float(ref.loss))
+
+
+def test_hf_graph_and_wrong_positions_are_far_above_noise(hf):
+    model, tmodel = hf
+    targets = [n.target for n in tmodel.graph_module.graph.nodes if n.op == "call_function"]
+    assert aten.scaled_dot_product_attention.default not in targets
+    assert targets.count(torch.ops.treecompile.tree_attention.default) == 2
+    # the HF causal-mask subgraph (diff/cumsum/le over cache_position) is gone, as are aranges
+    assert not any(t in (aten.arange.default, aten.arange.start, aten.diff.default, aten.cumsum.default)
+                   for t in targets)
+    assert tmodel.pass_results["rewrite_attention"].info["repeat_kv_folded"] == 2
+    paths = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 9, 10], [1, 2, 11, 12, 13, 14, 15]]
+    batch = Tree.from_paths(paths).to_batch()
+    params = list(model.parameters())
+    ref = reference.run(model, paths)
+    g_ref = flat_grads(ref.loss, params)
+    noise, _ = reference_noise(model, paths, None, None, batch, ref, params, g_ref)
+    broken = treecompile.compile(model, disable=("rewrite_positions",))
+    g_broken = flat_grads(broken(batch).loss, params)
+    assert rel(g_broken, g_ref) > 1e3 * max(noise, 1e-12)

@@ -1,0 +1,167 @@
+"""``treecompile.compile(model)``: capture, rewrite, and wrap as a module that trains on TreeBatches.
+
+``TreeModel`` shares the model's parameters: it adopts the model's child modules under the same
+names, so ``tmodel.parameters()`` are ``model.parameters()`` and the state_dict keys are unchanged.
+The rewritten graph is the *lifted* exported program: parameters are inputs, looked up on the model
+at every call (so optimizers, ``load_state_dict`` and FSDP's parameter swaps are seen).
+
+Execution is chosen explicitly by device: on CPU the graph runs eagerly (tests, float64
+exactness); on CUDA ``tree_attention`` is lowered to FlexAttention with a BlockMask built from the
+batch, and the graph runs under ``torch.compile`` with sequence lengths padded to buckets so that a
+stream of tree sizes causes a bounded number of recompiles.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.export.graph_signature import InputKind
+
+from treecompile.frontend import Captured, capture
+from treecompile.passes import PassContext, run_passes
+from treecompile.passes.base import TREE_INPUTS
+from treecompile.tree import TreeBatch
+
+__all__ = ["compile", "TreeModel", "TreeOutput", "bucket_length"]
+
+
+@dataclass
+class TreeOutput:
+    loss: torch.Tensor  # scalar: -(loss_weight * logprobs).sum()
+    logprobs: torch.Tensor  # [T] log p(token | path prefix) in DFS order; 0 at roots and padding
+
+
+def bucket_length(T: int, *, min_bucket: int = 256, steps_per_octave: int = 8) -> int:
+    """Round ``T`` up to a bucket: multiples of 2^(floor(log2 T)) / steps_per_octave (>= min_bucket).
+
+    Padding is below 1/steps_per_octave of T, and lengths up to L fall in about
+    steps_per_octave * log2(L / min_bucket) buckets, one compiled graph each.
+    """
+    if T <= min_bucket:
+        return min_bucket
+    step = max(min_bucket, (1 << (T.bit_length() - 1)) // steps_per_octave)
+    return math.ceil(T / step) * step
+
+
+class TreeModel(nn.Module):
+    """A causal LM rewritten for tree batches: ``out = tmodel(batch)`` -> ``TreeOutput``."""
+
+    def __init__(self, model: nn.Module, *, disable: tuple[str, ...] = (), debug: bool = False,
+                 logits_chunk: int | None = None, compile_cuda: bool = True, swaps: list | None = None,
+                 extra_passes: list | None = None, bucket: bool = True):
+        super().__init__()
+        for name, child in model.named_children():
+            self.add_module(name, child)
+        for name, p in model.named_parameters(recurse=False):
+            self.register_parameter(name, p)
+        for name, b in model.named_buffers(recurse=False):
+            self.register_buffer(name, b)
+        object.__setattr__(self, "model", model)  # the user's module, not registered twice
+        captured: Captured = capture(model, swaps=swaps)
+        ep = captured.program
+        if ep.graph_signature.buffers_to_mutate:
+            raise ValueError(f"{type(model).__name__} mutates buffers in forward "
+                             f"({sorted(ep.graph_signature.buffers_to_mutate.values())}); not supported")
+        gm = ep.graph_module
+        ctx = PassContext(gm, captured.input_name, {"logits_chunk": logits_chunk})
+        passes = None
+        if extra_passes:
+            from treecompile.passes.pipeline import PASSES
+            passes = PASSES[:-1] + list(extra_passes) + PASSES[-1:]
+        self.pass_results = run_passes(gm, ctx, disable=disable, debug=debug, passes=passes)
+        object.__setattr__(self, "graph_module", gm)
+        object.__setattr__(self, "exported_program", ep)
+        self._lifted = [(s.kind, s.target) for s in ep.graph_signature.input_specs if s.kind != InputKind.USER_INPUT]
+        self._user_inputs = [s.arg.name for s in ep.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
+        self._input_name = captured.input_name
+        self._tree_inputs = [n.name[len("tree_"):] for n in gm.graph.nodes
+                             if n.op == "placeholder" and n.name.startswith("tree_") and n.name[5:] in TREE_INPUTS]
+        self._compile_cuda = compile_cuda
+        self._bucket = bucket
+        self._compiled = None
+
+    # ------------------------------------------------------------------ running
+    def _lifted_values(self):
+        vals = []
+        for kind, target in self._lifted:
+            if kind == InputKind.PARAMETER:
+                vals.append(self.model.get_parameter(target))
+            elif kind == InputKind.BUFFER:
+                vals.append(self.model.get_buffer(target))
+            else:
+                vals.append(self.exported_program.constants[target])
+        return vals
+
+    def graph_inputs(self, batch: TreeBatch) -> list:
+        """The flat inputs of the rewritten graph for ``batch`` (parameters first)."""
+        args = self._lifted_values()
+        for name in self._user_inputs:
+            args.append(batch.input_ids[None] if name == self._input_name else None)
+        for name in self._tree_inputs:
+            args.append(getattr(batch, name))
+        return args
+
+    @property
+    def device(self) -> torch.device:
+        p = next(self.model.parameters(), None)
+        return p.device if p is not None else torch.device("cpu")
+
+    def forward(self, batch: TreeBatch) -> TreeOutput:
+        if not isinstance(batch, TreeBatch):
+            raise TypeError(f"TreeModel expects a treecompile.TreeBatch, got {type(batch).__name__}")
+        dev = self.device
+        if batch.input_ids.device != dev:
+            batch = batch.to(dev)
+        if dev.type == "cuda":
+            return self._forward_cuda(batch)
+        loss, lp = self.graph_module(*self.graph_inputs(batch))
+        return TreeOutput(loss=loss, logprobs=lp)
+
+    def _forward_cuda(self, batch: TreeBatch) -> TreeOutput:
+        from treecompile.cuda import run_cuda  # lazily: imports flex / inductor machinery
+
+        return run_cuda(self, batch)
+
+    def extra_repr(self) -> str:
+        done = ", ".join(f"{k}={v.count}" for k, v in self.pass_results.items())
+        return f"passes: {done}"
+
+
+def compile(model=None, **options):  # noqa: A001 - the public name mirrors torch.compile
+    """Rewrite ``model`` for tree batches and return a :class:`TreeModel`.
+
+    Usable as ``treecompile.compile(model, **options)`` or as a decorator on an ``nn.Module``
+    subclass (instances come out compiled) or on a function that returns a module.  Options:
+    ``disable`` (pass names to skip), ``debug`` (log each pass), ``logits_chunk`` (rows of logits
+    per chunk in the fused loss), ``compile_cuda`` (torch.compile the graph on CUDA; default True),
+    ``bucket`` (pad sequence lengths to buckets on CUDA; default True).
+    """
+    if model is None:
+        return functools.partial(compile, **options)
+    if isinstance(model, nn.Module):
+        return TreeModel(model, **options)
+    if inspect.isclass(model) and issubclass(model, nn.Module):
+        cls = model
+
+        @functools.wraps(cls, updated=())
+        def build(*args, **kwargs):
+            return TreeModel(cls(*args, **kwargs), **options)
+
+        return build
+    if callable(model):
+        fn = model
+
+        @functools.wraps(fn)
+        def build_fn(*args, **kwargs):
+            m = fn(*args, **kwargs)
+            if not isinstance(m, nn.Module):
+                raise TypeError(f"@treecompile.compile: {fn.__name__} returned {type(m).__name__}, not an nn.Module")
+            return TreeModel(m, **options)
+
+        return build_fn
+    raise TypeError(f"treecompile.compile expects an nn.Module, a Module class or a factory; got {type(model).__name__}")

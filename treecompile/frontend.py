@@ -1,0 +1,103 @@
+"""Capture: ``torch.export`` (non-strict) of an unmodified causal LM with a dynamic sequence length.
+
+The model's forward must take ``input_ids [1, T]`` and return logits ``[1, T, V]`` or an object with
+``.logits`` (Hugging Face ``CausalLMOutput``).  Hugging Face models are captured with
+``use_cache=False`` and, for the duration of the capture only, with ``config._attn_implementation =
+"sdpa"`` so that attention arrives as one SDPA node.  Kernels that cannot be traced as one piece
+(Gated DeltaNet, causal conv) are swapped for registered ops during capture by ``kernel swaps``
+(context managers from ``treecompile.frontend_swaps``; see there).  The model object is unchanged
+afterwards: its training flag, config and attributes are restored.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+from torch.export import Dim, ExportedProgram
+
+__all__ = ["Captured", "capture", "CaptureError"]
+
+
+class CaptureError(RuntimeError):
+    """torch.export could not capture the model; the message says what to change."""
+
+
+@dataclass
+class Captured:
+    program: ExportedProgram
+    input_name: str  # the user input placeholder (input_ids)
+    param_targets: list[str]  # FQNs of the lifted parameter/buffer/constant placeholders, in order
+    is_hf: bool
+    swaps: list[str] = field(default_factory=list)
+
+
+def _is_hf(model: torch.nn.Module) -> bool:
+    cfg = getattr(model, "config", None)
+    return cfg is not None and hasattr(cfg, "use_cache") and hasattr(cfg, "_attn_implementation")
+
+
+@contextlib.contextmanager
+def _hf_capture_settings(model):
+    cfg = model.config
+    saved = cfg._attn_implementation
+    try:
+        if saved != "sdpa":
+            cfg._attn_implementation = "sdpa"
+        yield
+    finally:
+        if cfg._attn_implementation != saved:
+            cfg._attn_implementation = saved
+
+
+def capture(model: torch.nn.Module, *, example_len: int = 16, max_len: int = 1 << 20,
+            swaps: list | None = None) -> Captured:
+    """Export ``model`` for tree rewriting.  ``swaps``: context managers entered during capture."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"treecompile.compile expects an nn.Module, got {type(model).__name__}")
+    param = next(model.parameters(), None)
+    device = param.device if param is not None else torch.device("cpu")
+    vocab = _vocab_size(model)
+    ids = torch.randint(0, vocab, (1, example_len), device=device)
+    is_hf = _is_hf(model)
+    seq = Dim("seq", min=2, max=max_len)
+    was_training = model.training
+    with contextlib.ExitStack() as stack:
+        if is_hf:
+            stack.enter_context(_hf_capture_settings(model))
+        for s in swaps or []:
+            stack.enter_context(s)
+        try:
+            if is_hf:
+                ep = torch.export.export(model, (), {"input_ids": ids, "use_cache": False},
+                                         dynamic_shapes={"input_ids": {1: seq}, "use_cache": None},
+                                         strict=False)
+            else:
+                ep = torch.export.export(model, (ids,), dynamic_shapes=({1: seq},), strict=False)
+        except Exception as e:
+            raise CaptureError(f"torch.export could not capture {type(model).__name__} with a dynamic "
+                               f"sequence length: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                               ) from e
+        finally:
+            model.train(was_training)
+    sig = ep.graph_signature
+    user = [s.arg.name for s in sig.input_specs if s.kind == torch.export.graph_signature.InputKind.USER_INPUT
+            and s.arg.name == "input_ids"] or sig.user_inputs[:1]
+    targets = [s.target for s in sig.input_specs
+               if s.kind != torch.export.graph_signature.InputKind.USER_INPUT]
+    return Captured(program=ep, input_name=user[0], param_targets=targets, is_hf=is_hf)
+
+
+def _vocab_size(model) -> int:
+    cfg = getattr(model, "config", None)
+    v = getattr(cfg, "vocab_size", None)
+    if isinstance(v, int) and v > 0:
+        return v
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if emb is None:
+        emb = next((m for m in model.modules() if isinstance(m, torch.nn.Embedding)), None)
+    if emb is None:
+        raise CaptureError(f"{type(model).__name__}: cannot find the vocabulary size (no config.vocab_size "
+                           f"and no nn.Embedding)")
+    return emb.num_embeddings

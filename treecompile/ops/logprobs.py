@@ -1,0 +1,128 @@
+"""``treecompile::linear_logprobs``: fused lm_head + log-softmax + gather, chunked over tokens.
+
+``logprobs[i] = log_softmax(h[i] @ W.T (+ b))[targets[i]]`` computed ``chunk`` rows at a time, so
+at most ``[chunk, V]`` logits exist at once (in float32, or float64 for a float64 model), in forward
+and backward alike (the backward recomputes each chunk's logits from the saved log-sum-exp).
+Shapes: ``h [N, D]``, ``W [V, D]``, optional ``b [V]``, ``targets [N]`` int64; returns ``[N]``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["linear_logprobs", "gather_logprobs", "default_chunk"]
+
+
+def default_chunk(vocab: int, budget_bytes: int = 1 << 28) -> int:
+    """Rows per chunk so that one chunk of float32 logits stays under ``budget_bytes``."""
+    return max(1, budget_bytes // (4 * max(vocab, 1)))
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _chunk_logits(h, W, b):
+    logits = h @ W.t()
+    if b is not None:
+        logits = logits + b
+    return logits.to(_acc_dtype(h.dtype))
+
+
+@torch.library.custom_op("treecompile::linear_logprobs", mutates_args=())
+def linear_logprobs(h: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None, targets: torch.Tensor,
+                    chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns ``(logprobs [N], lse [N])``; ``lse`` (log-sum-exp) is kept for the backward."""
+    N = h.shape[0]
+    acc = _acc_dtype(h.dtype)
+    lp = torch.empty(N, dtype=acc, device=h.device)
+    lse = torch.empty(N, dtype=acc, device=h.device)
+    for s in range(0, N, chunk):
+        logits = _chunk_logits(h[s:s + chunk], W, b)
+        lse[s:s + chunk] = torch.logsumexp(logits, -1)
+        lp[s:s + chunk] = logits.gather(-1, targets[s:s + chunk, None])[:, 0] - lse[s:s + chunk]
+    return lp, lse
+
+
+@linear_logprobs.register_fake
+def _(h, W, b, targets, chunk):
+    acc = _acc_dtype(h.dtype)
+    return h.new_empty(h.shape[0], dtype=acc), h.new_empty(h.shape[0], dtype=acc)
+
+
+def _setup(ctx, inputs, output):
+    h, W, b, targets, chunk = inputs
+    ctx.save_for_backward(h, W, b, targets, output[1])
+    ctx.chunk = chunk
+    ctx.has_bias = b is not None
+
+
+def _backward(ctx, grad_lp, grad_lse):
+    h, W, b, targets, lse = ctx.saved_tensors
+    acc = _acc_dtype(h.dtype)
+    gh = torch.empty_like(h)
+    gW = torch.zeros(W.shape, dtype=acc, device=W.device)
+    gb = torch.zeros(W.shape[0], dtype=acc, device=W.device) if ctx.has_bias else None
+    if grad_lse is None:
+        grad_lse = torch.zeros_like(lse)
+    for s in range(0, h.shape[0], ctx.chunk):
+        hc = h[s:s + ctx.chunk]
+        p = torch.exp(_chunk_logits(hc, W, b) - lse[s:s + ctx.chunk, None])
+        g = grad_lp[s:s + ctx.chunk].to(acc)
+        # d lp / d logits = onehot - p ; d lse / d logits = p
+        dlogits = p * (grad_lse[s:s + ctx.chunk].to(acc) - g)[:, None]
+        dlogits.scatter_add_(-1, targets[s:s + ctx.chunk, None], g[:, None])
+        dl = dlogits.to(h.dtype)
+        gh[s:s + ctx.chunk] = dl @ W
+        gW += (dl.t() @ hc).to(acc)
+        if gb is not None:
+            gb += dlogits.sum(0)
+    return gh, gW.to(W.dtype), (gb.to(b.dtype) if gb is not None else None), None, None
+
+
+linear_logprobs.register_autograd(_backward, setup_context=_setup)
+
+
+@torch.library.custom_op("treecompile::gather_logprobs", mutates_args=())
+def gather_logprobs(logits: torch.Tensor, targets: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``log_softmax(logits)[i, targets[i]]`` for already materialised ``logits [N, V]``, upcast one
+    chunk of rows at a time.  Returns ``(logprobs [N], lse [N])``."""
+    N = logits.shape[0]
+    acc = _acc_dtype(logits.dtype)
+    lp = torch.empty(N, dtype=acc, device=logits.device)
+    lse = torch.empty(N, dtype=acc, device=logits.device)
+    for s in range(0, N, chunk):
+        c = logits[s:s + chunk].to(acc)
+        lse[s:s + chunk] = torch.logsumexp(c, -1)
+        lp[s:s + chunk] = c.gather(-1, targets[s:s + chunk, None])[:, 0] - lse[s:s + chunk]
+    return lp, lse
+
+
+@gather_logprobs.register_fake
+def _(logits, targets, chunk):
+    acc = _acc_dtype(logits.dtype)
+    return logits.new_empty(logits.shape[0], dtype=acc), logits.new_empty(logits.shape[0], dtype=acc)
+
+
+def _setup_g(ctx, inputs, output):
+    logits, targets, chunk = inputs
+    ctx.save_for_backward(logits, targets, output[1])
+    ctx.chunk = chunk
+
+
+def _backward_g(ctx, grad_lp, grad_lse):
+    logits, targets, lse = ctx.saved_tensors
+    acc = _acc_dtype(logits.dtype)
+    out = torch.empty_like(logits)
+    if grad_lse is None:
+        grad_lse = torch.zeros_like(lse)
+    for s in range(0, logits.shape[0], ctx.chunk):
+        p = torch.exp(logits[s:s + ctx.chunk].to(acc) - lse[s:s + ctx.chunk, None])
+        g = grad_lp[s:s + ctx.chunk].to(acc)
+        d = p * (grad_lse[s:s + ctx.chunk].to(acc) - g)[:, None]
+        d.scatter_add_(-1, targets[s:s + ctx.chunk, None], g[:, None])
+        out[s:s + ctx.chunk] = d.to(logits.dtype)
+    return out, None, None
+
+
+gather_logprobs.register_autograd(_backward_g, setup_context=_setup_g)

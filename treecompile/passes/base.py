@@ -1,0 +1,143 @@
+"""What every pass shares: the signature, the result, the context with the tree inputs.
+
+A pass is ``fn(gm: GraphModule, ctx: PassContext) -> PassResult``; it edits ``gm.graph`` in place
+and reports how many sites it rewrote.  New nodes get ``meta["val"]`` from the op's fake
+implementation (``ctx.set_val``).  Tree inputs (positions, subtree ends, ...) are new placeholders
+appended after the program's own, created on first use through ``ctx.tree_input(name)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx
+from torch._guards import detect_fake_mode
+
+__all__ = ["PassContext", "PassResult", "UnsupportedModelError", "remove_dead_code", "where"]
+
+_METADATA_ASSERTS = {torch.ops.aten._assert_tensor_metadata.default}
+
+
+def remove_dead_code(gm: fx.GraphModule) -> None:
+    """Dead-code elimination that also drops export's tensor-metadata asserts on dead values
+    (they would otherwise keep a replaced subgraph, e.g. the causal mask, alive)."""
+    gm.graph.eliminate_dead_code(
+        is_impure_node=lambda n: n.target not in _METADATA_ASSERTS and n.is_impure())
+    # an assert whose checked value has no other user checks a dead value: drop it, then repeat
+    while True:
+        dead = [n for n in gm.graph.nodes if n.target in _METADATA_ASSERTS
+                and isinstance(n.args[0], fx.Node) and len(n.args[0].users) == 1]
+        if not dead:
+            break
+        for n in dead:
+            gm.graph.erase_node(n)
+        gm.graph.eliminate_dead_code(
+            is_impure_node=lambda n: n.target not in _METADATA_ASSERTS and n.is_impure())
+
+# name -> (dtype, shape in units of the sequence length T: "T", or ("T", k) for [T, k], or "N" nodes)
+TREE_INPUTS = {
+    "position_ids": (torch.long, "T"),
+    "subtree_end": (torch.long, "T"),
+    "pred_index": (torch.long, "T"),
+    "loss_weight": (torch.float64, "T"),
+    "conv_index": (torch.long, ("T", None)),
+    "node_start": (torch.long, "N"),
+    "node_end": (torch.long, "N"),
+    "node_parent": (torch.long, "N"),
+    "node_level": (torch.long, "N"),
+}
+
+
+class UnsupportedModelError(ValueError):
+    """The captured model does something treecompile cannot make exact on trees."""
+
+
+def where(node: fx.Node) -> str:
+    """``node NAME (file.py:LINE in fn: code)`` from the node's stack trace, for error messages."""
+    import re
+
+    st = node.meta.get("stack_trace") or ""
+    lines = [ln.strip() for ln in st.strip().splitlines() if ln.strip()]
+    loc = ""
+    for i in range(len(lines) - 1, -1, -1):
+        m = re.match(r'File "([^"]+)", line (\d+), in (\S+)', lines[i])
+        if m:
+            code = lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith("File ") else ""
+            loc = f"{m.group(1)}:{m.group(2)} in {m.group(3)}" + (f": {code}" if code else "")
+            break
+    return f"node {node.name}" + (f" ({loc})" if loc else "")
+
+
+@dataclass
+class PassResult:
+    count: int  # sites rewritten; 0 means the graph is unchanged
+    info: dict = field(default_factory=dict)
+
+
+class PassContext:
+    """Shared state of one pipeline run over one captured graph."""
+
+    def __init__(self, gm: fx.GraphModule, input_name: str, options: dict | None = None):
+        self.gm = gm
+        self.graph = gm.graph
+        self.options = dict(options or {})
+        phs = [n for n in self.graph.nodes if n.op == "placeholder"]
+        self.input_node = next(n for n in phs if n.name == input_name)
+        self.fake_mode = detect_fake_mode([n.meta.get("val") for n in phs if "val" in n.meta])
+        self.seq_len = self.input_node.meta["val"].shape[1]  # symbolic T
+        self.tree_inputs: dict[str, fx.Node] = {}
+        self._num_nodes = None
+        self.conv_width = None
+
+    # ------------------------------------------------------------------ inputs
+    def tree_input(self, name: str, *, width: int | None = None) -> fx.Node:
+        """The placeholder for batch field ``name`` (created on first use, after the others)."""
+        if name in self.tree_inputs:
+            return self.tree_inputs[name]
+        dtype, shape = TREE_INPUTS[name]
+        last = [n for n in self.graph.nodes if n.op == "placeholder"][-1]
+        with self.graph.inserting_after(last):
+            node = self.graph.placeholder(f"tree_{name}")
+        with self.fake_mode:
+            if shape == "T":
+                node.meta["val"] = torch.empty(self.seq_len, dtype=dtype, device=self.device)
+            elif shape == "N":
+                node.meta["val"] = torch.empty(self._node_count(), dtype=dtype, device=self.device)
+            else:
+                node.meta["val"] = torch.empty(self.seq_len, width, dtype=dtype, device=self.device)
+        self.tree_inputs[name] = node
+        return node
+
+    def _node_count(self):
+        if self._num_nodes is None:
+            from torch.fx.experimental.symbolic_shapes import ShapeEnv  # noqa: F401
+
+            shape_env = self.fake_mode.shape_env
+            self._num_nodes = shape_env.create_unbacked_symint() if shape_env is not None else 1
+        return self._num_nodes
+
+    @property
+    def device(self) -> torch.device:
+        return self.input_node.meta["val"].device
+
+    # ------------------------------------------------------------------ nodes
+    def set_val(self, node: fx.Node) -> fx.Node:
+        """Compute ``node.meta["val"]`` by running its target on the inputs' fake values."""
+        def val(a):
+            return a.meta["val"] if isinstance(a, fx.Node) else a
+
+        args = fx.node.map_aggregate(node.args, val)
+        kwargs = fx.node.map_aggregate(node.kwargs, val)
+        with self.fake_mode:
+            node.meta["val"] = node.target(*args, **kwargs)
+        return node
+
+    def call(self, target, args, kwargs=None, *, like: fx.Node | None = None) -> fx.Node:
+        """Create ``target(*args, **kwargs)`` at the current insertion point, with meta."""
+        node = self.graph.call_function(target, tuple(args), kwargs or {})
+        if like is not None:
+            for k in ("stack_trace", "nn_module_stack", "source_fn_stack"):
+                if k in like.meta:
+                    node.meta[k] = like.meta[k]
+        return self.set_val(node)

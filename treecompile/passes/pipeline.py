@@ -1,0 +1,70 @@
+"""The pass pipeline: orders the passes, runs them, names the failing one.
+
+Passes, in order (one module each in this package):
+- ``rewrite_attention`` (rewrite_attention.py): causal SDPA -> ``treecompile::tree_attention``.
+- ``rewrite_positions`` (rewrite_positions.py): sequence ``arange`` -> the tree's depth positions.
+- ``rewrite_loss`` (rewrite_loss.py): logits -> per-token log-probs at the path predecessor and the
+  weighted loss; outputs become ``(loss, logprobs)``.
+Extra passes (e.g. Gated DeltaNet state routing) register themselves in ``PASSES`` before
+``rewrite_loss``.  Set ``debug=True`` (or the ``treecompile.passes`` logger to DEBUG) to log each
+pass's time and what it changed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+from torch import fx
+
+from treecompile.passes.base import PassContext, PassResult
+from treecompile.passes.rewrite_attention import rewrite_attention
+from treecompile.passes.rewrite_loss import rewrite_loss
+from treecompile.passes.rewrite_positions import rewrite_positions
+
+log = logging.getLogger("treecompile.passes")
+
+PassFn = Callable[[fx.GraphModule, PassContext], PassResult]
+
+PASSES: list[tuple[str, PassFn]] = [
+    ("rewrite_attention", rewrite_attention),
+    ("rewrite_positions", rewrite_positions),
+    ("rewrite_loss", rewrite_loss),
+]
+
+
+class PassError(RuntimeError):
+    """A pass failed; the message names it and the passes that ran before it."""
+
+
+def run_passes(gm: fx.GraphModule, ctx: PassContext, *, disable: tuple[str, ...] = (),
+               debug: bool = False, passes: list[tuple[str, PassFn]] | None = None) -> dict[str, PassResult]:
+    passes = PASSES if passes is None else passes
+    unknown = set(disable) - {name for name, _ in passes}
+    if unknown:
+        raise ValueError(f"disable: unknown pass name(s) {sorted(unknown)}; passes are "
+                         f"{[name for name, _ in passes]}")
+    results: dict[str, PassResult] = {}
+    ran: list[str] = []
+    for name, fn in passes:
+        if name in disable:
+            continue
+        t0 = time.perf_counter()
+        try:
+            res = fn(gm, ctx)
+        except Exception as e:
+            before = ", ".join(ran) or "none"
+            raise PassError(f"pass {name} failed (passes run before it: {before}): {e}") from e
+        if res.count:
+            gm.graph.lint()
+            gm.recompile()
+        ran.append(name)
+        results[name] = res
+        msg = "pass %s: %d change(s) %s in %.1f ms"
+        args = (name, res.count, res.info or "", 1e3 * (time.perf_counter() - t0))
+        if debug:
+            log.warning(msg, *args)
+        else:
+            log.debug(msg, *args)
+    return results

@@ -1,0 +1,154 @@
+"""rewrite_attention: every causal SDPA becomes ``treecompile::tree_attention``.
+
+Two forms are accepted:
+- ``is_causal=True`` with no mask (plain PyTorch models);
+- an explicit mask computed from the sequence length alone (Hugging Face transformers builds one
+  from ``cache_position``/``position_ids`` under export).  The mask subgraph is extracted and
+  evaluated at a few lengths: it must depend on no input *values* and equal the causal mask, else
+  the attention is refused.  After the rewrite the mask subgraph is dead and is removed.
+A ``repeat_kv`` (unsqueeze -> expand -> reshape of K/V) feeding SDPA is folded into native GQA.
+Anything else (no mask and ``is_causal=False``: a bidirectional encoder; a mask that reads user
+inputs; sliding windows; dropout) raises ``UnsupportedModelError`` naming the node and source line.
+"""
+
+from __future__ import annotations
+
+
+import torch
+from torch import fx
+
+import treecompile.ops.tree_attention  # noqa: F401  (registers treecompile::tree_attention)
+from treecompile.passes.base import PassContext, PassResult, UnsupportedModelError, remove_dead_code, where
+
+aten = torch.ops.aten
+SDPA = aten.scaled_dot_product_attention.default
+_SHAPE_ONLY = {aten.sym_size.int, aten.sym_numel.default, aten.sym_stride.int}
+_VIEWS = {aten.reshape.default, aten.view.default, aten._unsafe_view.default}
+_COPIES = {aten.clone.default, aten.contiguous.default}
+
+
+def _sdpa_args(node: fx.Node):
+    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
+    a = dict(zip(names, node.args))
+    a.update(node.kwargs)
+    return (a["query"], a["key"], a["value"], a.get("attn_mask"), a.get("dropout_p", 0.0),
+            a.get("is_causal", False), a.get("scale"), a.get("enable_gqa", False))
+
+
+def _ancestors(node: fx.Node) -> list[fx.Node]:
+    seen, stack = {node}, [node]
+    while stack:
+        for a in stack.pop().all_input_nodes:
+            if a not in seen:
+                seen.add(a)
+                stack.append(a)
+    return [n for n in node.graph.nodes if n in seen]  # topological order
+
+
+def _check_mask(mask: fx.Node, sdpa: fx.Node, ctx: PassContext, cache: dict) -> None:
+    """The mask must be the causal mask, computed from the input's shape alone."""
+    if mask in cache:
+        if cache[mask] is not None:
+            raise cache[mask]
+        return
+    nodes = _ancestors(mask)
+    err = None
+    for n in nodes:
+        if n.op == "placeholder":
+            data_users = [u for u in n.users if u in nodes and u.target not in _SHAPE_ONLY]
+            if data_users:
+                err = UnsupportedModelError(
+                    f"{where(sdpa)}: the attention mask reads the values of input '{n.name}' "
+                    f"(e.g. a padding mask); tree attention replaces only causal masks")
+                break
+    if err is None:
+        # evaluate the mask subgraph alone at a few lengths
+        g = fx.Graph()
+        env = {}
+        for n in nodes:
+            env[n] = g.node_copy(n, lambda a: env[a])
+        g.output(env[mask])
+        sub = fx.GraphModule(ctx.gm, g)
+        phs = [n for n in nodes if n.op == "placeholder"]
+        for T in (1, 5, 11):
+            args = []
+            for p in phs:
+                v = p.meta["val"]
+                shape = [T if isinstance(s, torch.SymInt) else int(s) for s in v.shape]
+                args.append(torch.zeros(shape, dtype=v.dtype, device="cpu"))
+            try:
+                with torch.no_grad():
+                    m = sub(*args)
+            except Exception as e:  # noqa: BLE001 - report, do not guess
+                err = UnsupportedModelError(f"{where(sdpa)}: cannot evaluate the attention mask subgraph "
+                                            f"to check that it is causal ({type(e).__name__}: {e})")
+                break
+            allowed = m if m.dtype == torch.bool else (m == 0)
+            causal = torch.ones(T, T, dtype=torch.bool).tril()
+            if allowed.shape[-2:] != (T, T) or not bool((allowed == causal).all()):
+                err = UnsupportedModelError(
+                    f"{where(sdpa)}: the attention mask is not the causal mask (checked at length {T}: "
+                    f"e.g. bidirectional, sliding-window or padding); tree attention replaces only causal "
+                    f"attention")
+                break
+    cache[mask] = err
+    if err is not None:
+        raise err
+
+
+def _fold_repeat_kv(x: fx.Node, num_q_heads: int):
+    """If ``x`` is repeat_kv(src) (unsqueeze(2) -> expand -> reshape), return src, else x."""
+    if not (isinstance(x, fx.Node) and x.target in _VIEWS):
+        return x
+    e = x.args[0]
+    while isinstance(e, fx.Node) and e.target in _COPIES:
+        e = e.args[0]
+    if not (isinstance(e, fx.Node) and e.target == aten.expand.default):
+        return x
+    u = e.args[0]
+    if not (isinstance(u, fx.Node) and u.target == aten.unsqueeze.default and u.args[1] in (2, -3)):
+        return x
+    src = u.args[0]
+    sv, ev, xv = src.meta["val"], e.meta["val"], x.meta["val"]
+    if sv.dim() != 4 or ev.dim() != 5 or xv.dim() != 4:
+        return x
+    B, KV, T, D = sv.shape
+    if ev.shape[1] != KV or xv.shape[1] != KV * ev.shape[2] or xv.shape[1] != num_q_heads:
+        return x
+    return src
+
+
+def rewrite_attention(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+    count, folded = 0, 0
+    mask_cache: dict = {}
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target != SDPA:
+            continue
+        q, k, v, mask, dropout_p, is_causal, scale, enable_gqa = _sdpa_args(node)
+        if isinstance(dropout_p, (int, float)) and dropout_p != 0.0:
+            raise UnsupportedModelError(f"{where(node)}: attention dropout p={dropout_p} cannot be made "
+                                        f"identical to the per-path run; set it to 0 for training on trees")
+        if mask is None and not is_causal:
+            raise UnsupportedModelError(f"{where(node)}: attention is not causal (no mask and is_causal=False, "
+                                        f"as in a bidirectional encoder); treecompile rewrites causal LMs only")
+        if mask is not None:
+            if is_causal:
+                raise UnsupportedModelError(f"{where(node)}: SDPA with both a mask and is_causal=True")
+            _check_mask(mask, node, ctx, mask_cache)
+        H = q.meta["val"].shape[1]
+        k2, v2 = _fold_repeat_kv(k, H), _fold_repeat_kv(v, H)
+        if k2 is not k and v2 is not v:
+            k, v = k2, v2
+            folded += 1
+        if q.meta["val"].shape[0] != 1:
+            raise UnsupportedModelError(f"{where(node)}: attention batch size must be 1 on a tree batch")
+        with gm.graph.inserting_before(node):
+            new = ctx.call(torch.ops.treecompile.tree_attention.default, (q, k, v, ctx.tree_input("subtree_end"), scale), like=node)
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+        count += 1
+    if count:
+        remove_dead_code(gm)
+    return PassResult(count, {"repeat_kv_folded": folded})
+
+

@@ -1,0 +1,88 @@
+"""rewrite_loss: the logits output becomes per-token log-probs and the tree's weighted loss.
+
+``logprobs[t] = log p(token t | path prefix)`` is read at the token's *path predecessor*
+(``pred_index``): a parent's last position predicts the first token of every child.  Roots get 0.
+``loss = -(loss_weight * logprobs).sum()``.  The graph's outputs become ``(loss, logprobs)``.
+
+When the logits come straight from a linear layer (the lm_head; through slices/casts/views that
+change nothing), the head is fused: ``treecompile::linear_logprobs`` gathers the predecessor
+hidden states and computes log-softmax one chunk of rows at a time, so [T, V] logits never exist.
+Otherwise ``treecompile::gather_logprobs`` upcasts the given logits one chunk at a time.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx
+
+import treecompile.ops.logprobs  # noqa: F401  (registers the ops)
+from treecompile.ops.logprobs import default_chunk
+from treecompile.passes.base import PassContext, PassResult, UnsupportedModelError, remove_dead_code
+
+aten = torch.ops.aten
+_PASS_THROUGH = {aten.to.dtype, aten._to_copy.default, aten.alias.default, aten.clone.default,
+                 aten.contiguous.default, aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+
+
+def _find_logits(out_nodes, T):
+    cands = [n for n in out_nodes if isinstance(n, fx.Node) and "val" in n.meta
+             and isinstance(n.meta["val"], torch.Tensor) and n.meta["val"].dim() == 3
+             and n.meta["val"].shape[0] == 1 and bool(n.meta["val"].shape[1] == T)]
+    if len(cands) != 1:
+        shapes = [tuple(n.meta["val"].shape) for n in out_nodes if isinstance(n, fx.Node) and "val" in n.meta]
+        raise UnsupportedModelError(f"expected exactly one [1, T, V] logits output, found {len(cands)} "
+                                    f"(outputs: {shapes})")
+    return cands[0]
+
+
+def _lm_head(logits: fx.Node):
+    """Walk back through shape/dtype no-ops to an ``aten.linear``; None if something else computes."""
+    n = logits
+    while True:
+        if n.target == aten.linear.default:
+            return n
+        if n.target == aten.slice.Tensor:
+            _, dim, start, end = (list(n.args) + [0, None, None])[:4]
+            if dim not in (1, -2) or start not in (0, None) or n.meta["val"].shape != n.args[0].meta["val"].shape:
+                return None
+            n = n.args[0]
+            continue
+        if n.target in _PASS_THROUGH and n.meta["val"].shape == n.args[0].meta["val"].shape:
+            n = n.args[0]
+            continue
+        return None
+
+
+def rewrite_loss(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+    graph = gm.graph
+    out = graph.output_node()
+    flat = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
+    logits = _find_logits(flat, ctx.seq_len)
+    V = int(logits.meta["val"].shape[-1])
+    chunk = int(ctx.options.get("logits_chunk") or default_chunk(V))
+    head = _lm_head(logits)
+    pred = ctx.tree_input("pred_index")
+    weight = ctx.tree_input("loss_weight")
+    with graph.inserting_before(out):
+        idx = ctx.call(aten.clamp_min.default, (pred, 0))
+        targets = ctx.call(aten.select.int, (ctx.input_node, 0, 0))
+        if head is not None:
+            h, W = head.args[0], head.args[1]
+            b = head.args[2] if len(head.args) > 2 else head.kwargs.get("bias")
+            h2 = ctx.call(aten.select.int, (h, 0, 0))
+            hp = ctx.call(aten.index_select.default, (h2, 0, idx))
+            res = ctx.call(torch.ops.treecompile.linear_logprobs.default, (hp, W, b, targets, chunk), like=head)
+        else:
+            l2 = ctx.call(aten.select.int, (logits, 0, 0))
+            lp_in = ctx.call(aten.index_select.default, (l2, 0, idx))
+            res = ctx.call(torch.ops.treecompile.gather_logprobs.default, (lp_in, targets, chunk), like=logits)
+        lp_raw = ctx.call(operator.getitem, (res, 0))
+        has_pred = ctx.call(aten.ge.Scalar, (pred, 0))
+        lp = ctx.call(aten.where.ScalarOther, (has_pred, lp_raw, 0.0))
+        w = ctx.call(aten._to_copy.default, (weight,), {"dtype": lp.meta["val"].dtype})
+        loss = ctx.call(aten.neg.default, (ctx.call(aten.sum.default, (ctx.call(aten.mul.Tensor, (lp, w)),)),))
+    out.args = ((loss, lp),)
+    remove_dead_code(gm)
+    return PassResult(1, {"fused_lm_head": head is not None, "vocab": V, "chunk": chunk})
