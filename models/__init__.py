@@ -4,5 +4,6 @@ Nothing here imports treecompile.
 """
 
 from .dense import DenseConfig, DenseForCausalLM
+from .hybrid import HybridConfig, HybridForCausalLM
 
-__all__ = ["DenseConfig", "DenseForCausalLM"]
+__all__ = ["DenseConfig", "DenseForCausalLM", "HybridConfig", "HybridForCausalLM"]

@@ -1,0 +1,125 @@
+"""Depthwise causal conv1d on a DFS-serialised tree: ``treecompile::tree_causal_conv1d``.
+
+A GDN layer's short convolution (kernel K, usually 4) mixes each token with the K-1 tokens before it.
+On a tree, "before it" means along the token's own path: ``conv_index [T, K-1]`` (column j = the
+(j+1)-th preceding token, -1 where the path has none; ``TreeBatch.conv_index``), which may reach
+several ancestor nodes up when nodes are shorter than K-1 tokens.  Missing context is zero, exactly
+like the zero left padding of ``F.conv1d(..., padding=K-1)`` at the start of a sequence.
+
+Layout mirrors HF's ``causal_conv1d_fn``: ``x [B, C, T]``, ``weight [C, K]``, ``bias [C]`` or None,
+``activation`` None or ``"silu"``/``"swish"``; returns ``[B, C, T]`` in x's dtype.  With B > 1 the
+batch rows share ``conv_index`` (each row is the same tree).  ``out[t] = bias + w[:, K-1] x[t] +
+sum_j w[:, K-2-j] x[conv_index[t, j]]``.  The backward is plain gathers and scatter-adds (traceable).
+Registered at import.  :func:`hf_causal_conv1d_fn` is the capture drop-in for HF's function.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["tree_causal_conv1d", "chain_conv_index", "hf_causal_conv1d_fn", "ACTIVATIONS"]
+
+ACTIVATIONS = (None, "silu", "swish")
+
+
+def chain_conv_index(seq_len, kernel_size: int, device=None) -> Tensor:
+    """``conv_index`` of one plain sequence: ``[T, K-1]`` with entry ``t - j - 1`` (-1 when negative)."""
+    t = torch.arange(seq_len, device=device)[:, None]
+    j = torch.arange(1, kernel_size, device=device)[None, :]
+    idx = t - j
+    return torch.where(idx >= 0, idx, torch.full_like(idx, -1))
+
+
+def _check(x, weight, bias, conv_index, activation):
+    if x.dim() != 3:
+        raise ValueError(f"x: expected [B, C, T], got {tuple(x.shape)}")
+    B, C, T = x.shape
+    if weight.dim() != 2 or weight.shape[0] != C:
+        raise ValueError(f"weight: expected [C={C}, K], got {tuple(weight.shape)}")
+    K = weight.shape[1]
+    if bias is not None and bias.shape != (C,):
+        raise ValueError(f"bias: expected [C={C}], got {tuple(bias.shape)}")
+    if conv_index.shape != (T, K - 1) or conv_index.dtype != torch.long:
+        raise ValueError(f"conv_index: expected int64 [T={T}, K-1={K - 1}], got {conv_index.dtype} "
+                         f"{tuple(conv_index.shape)}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
+
+
+def _gather_context(x: Tensor, conv_index: Tensor) -> Tensor:
+    """x [B, C, T] -> [B, C, T, K-1]: x at conv_index, zero where -1."""
+    B, C, T = x.shape
+    idx = conv_index.clamp(min=0).reshape(-1)
+    ctx = x[:, :, idx].reshape(B, C, T, -1)
+    return ctx * (conv_index >= 0).to(x.dtype)
+
+
+def _preact(x, weight, bias, conv_index):
+    K = weight.shape[1]
+    ctx = _gather_context(x, conv_index)  # column j multiplies weight[:, K-2-j]
+    w_ctx = weight[:, :K - 1].flip(1)  # [C, K-1], column j = weight[:, K-2-j]
+    y = x * weight[None, :, K - 1, None] + (ctx * w_ctx[None, :, None, :]).sum(-1)
+    if bias is not None:
+        y = y + bias[None, :, None]
+    return y, ctx
+
+
+@torch.library.custom_op("treecompile::tree_causal_conv1d", mutates_args=())
+def tree_causal_conv1d(x: Tensor, weight: Tensor, bias: Optional[Tensor], conv_index: Tensor,
+                       activation: Optional[str] = None) -> Tensor:
+    """Depthwise causal conv1d along tree paths (see module docstring)."""
+    _check(x, weight, bias, conv_index, activation)
+    y, _ = _preact(x.to(weight.dtype), weight, bias, conv_index)
+    if activation is not None:
+        y = F.silu(y)
+    return y.to(x.dtype)
+
+
+@tree_causal_conv1d.register_fake
+def _(x, weight, bias, conv_index, activation=None):
+    _check(x, weight, bias, conv_index, activation)
+    return x.new_empty(x.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, conv_index, activation = inputs
+    ctx.save_for_backward(x, weight, bias, conv_index)
+    ctx.activation = activation
+
+
+def _backward(ctx, grad):
+    x, weight, bias, conv_index = ctx.saved_tensors
+    B, C, T = x.shape
+    K = weight.shape[1]
+    xw = x.to(weight.dtype)
+    dpre = grad.to(weight.dtype)
+    pre, cx = _preact(xw, weight, bias, conv_index)
+    if ctx.activation is not None:  # silu'(y) = s(y) (1 + y (1 - s(y)))
+        s = torch.sigmoid(pre)
+        dpre = dpre * s * (1 + pre * (1 - s))
+    dw = torch.cat([(dpre[..., None] * cx).sum((0, 2)).flip(1), (dpre * xw).sum((0, 2))[:, None]], 1)
+    dbias = dpre.sum((0, 2)).to(bias.dtype) if bias is not None else None
+    w_ctx = weight[:, :K - 1].flip(1)  # column j multiplies the (j+1)-th preceding token
+    contrib = dpre[..., None] * w_ctx[None, :, None, :] * (conv_index >= 0).to(dpre.dtype)
+    dx = (dpre * weight[None, :, K - 1, None]).index_add(2, conv_index.clamp(min=0).reshape(-1),
+                                                          contrib.reshape(B, C, -1))
+    return dx.to(x.dtype), dw, dbias, None, None
+
+
+tree_causal_conv1d.register_autograd(_backward, setup_context=_setup_context)
+
+
+def hf_causal_conv1d_fn(hidden_states: Tensor, weight: Tensor, bias: Tensor | None = None,
+                        activation: str | None = None, **kwargs) -> Tensor:
+    """Drop-in for HF's ``causal_conv1d_fn`` (same signature): the tree op on a plain sequence, so
+    that the conv pass only re-points ``conv_index`` at the batch's.  ``seq_idx`` (packed sequences)
+    is refused."""
+    if kwargs.get("seq_idx") is not None:
+        raise ValueError("hf_causal_conv1d_fn: seq_idx (packed sequences) is not supported")
+    T = hidden_states.shape[-1]
+    return tree_causal_conv1d(hidden_states, weight, bias, chain_conv_index(T, weight.shape[1],
+                                                                            hidden_states.device), activation)
