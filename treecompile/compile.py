@@ -25,7 +25,7 @@ from torch.export.graph_signature import InputKind
 from treecompile.frontend import Captured, capture
 from treecompile.passes import PassContext, run_passes
 from treecompile.passes.base import TREE_INPUTS
-from treecompile.tree import TreeBatch
+from treecompile.tree import TreeBatch, ancestor_index
 
 __all__ = ["compile", "TreeModel", "TreeOutput", "bucket_length"]
 
@@ -53,7 +53,7 @@ class TreeModel(nn.Module):
 
     def __init__(self, model: nn.Module, *, disable: tuple[str, ...] = (), debug: bool = False,
                  logits_chunk: int | None = None, compile_cuda: bool = True, swaps: list | None = None,
-                 extra_passes: list | None = None, bucket: bool = True):
+                 bucket: bool = True):
         super().__init__()
         for name, child in model.named_children():
             self.add_module(name, child)
@@ -69,11 +69,7 @@ class TreeModel(nn.Module):
                              f"({sorted(ep.graph_signature.buffers_to_mutate.values())}); not supported")
         gm = ep.graph_module
         ctx = PassContext(gm, captured.input_name, {"logits_chunk": logits_chunk})
-        passes = None
-        if extra_passes:
-            from treecompile.passes.pipeline import PASSES
-            passes = PASSES[:-1] + list(extra_passes) + PASSES[-1:]
-        self.pass_results = run_passes(gm, ctx, disable=disable, debug=debug, passes=passes)
+        self.pass_results = run_passes(gm, ctx, disable=disable, debug=debug)
         object.__setattr__(self, "graph_module", gm)
         object.__setattr__(self, "exported_program", ep)
         self._lifted = [(s.kind, s.target) for s in ep.graph_signature.input_specs if s.kind != InputKind.USER_INPUT]
@@ -81,6 +77,7 @@ class TreeModel(nn.Module):
         self._input_name = captured.input_name
         self._tree_inputs = [n.name[len("tree_"):] for n in gm.graph.nodes
                              if n.op == "placeholder" and n.name.startswith("tree_") and n.name[5:] in TREE_INPUTS]
+        self._conv_width = ctx.conv_width
         self._compile_cuda = compile_cuda
         self._bucket = bucket
         self._compiled = None
@@ -103,7 +100,10 @@ class TreeModel(nn.Module):
         for name in self._user_inputs:
             args.append(batch.input_ids[None] if name == self._input_name else None)
         for name in self._tree_inputs:
-            args.append(getattr(batch, name))
+            if name == "conv_index" and batch.conv_index.shape[1] != self._conv_width:
+                args.append(ancestor_index(batch.pred_index, self._conv_width))
+            else:
+                args.append(getattr(batch, name))
         return args
 
     @property

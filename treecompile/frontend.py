@@ -5,7 +5,7 @@ The model's forward must take ``input_ids [1, T]`` and return logits ``[1, T, V]
 ``use_cache=False`` and, for the duration of the capture only, with ``config._attn_implementation =
 "sdpa"`` so that attention arrives as one SDPA node.  Kernels that cannot be traced as one piece
 (Gated DeltaNet, causal conv) are swapped for registered ops during capture by ``kernel swaps``
-(context managers from ``treecompile.frontend_swaps``; see there).  The model object is unchanged
+(see :func:`kernel_swaps`).  The model object is unchanged
 afterwards: its training flag, config and attributes are restored.
 """
 
@@ -17,7 +17,53 @@ from dataclasses import dataclass, field
 import torch
 from torch.export import Dim, ExportedProgram
 
-__all__ = ["Captured", "capture", "CaptureError"]
+__all__ = ["Captured", "capture", "CaptureError", "kernel_swaps"]
+
+# Kernel hooks that are swapped, during capture only, for registered tree ops (so that each Gated
+# DeltaNet layer is one node and the length stays dynamic).  HF transformers (Qwen3.5, Qwen3-Next)
+# call module globals; treecompile.models' hybrid model holds them as instance attributes.
+GDN_HOOKS = ("torch_chunk_gated_delta_rule", "chunk_gated_delta_rule")
+CONV_HOOKS = ("causal_conv1d_fn",)
+
+
+@contextlib.contextmanager
+def _patched(obj, name, value):
+    had = name in vars(obj) if not isinstance(obj, type(contextlib)) else hasattr(obj, name)
+    old = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        if had:
+            setattr(obj, name, old)
+        else:
+            delattr(obj, name)
+
+
+def kernel_swaps(model: torch.nn.Module) -> list:
+    """Context managers that swap Gated DeltaNet / causal-conv hooks for tree ops during capture.
+
+    A module is taken for a GDN layer when it (or the module its class is defined in) exposes one of
+    ``GDN_HOOKS`` and one of ``CONV_HOOKS`` as callables.  Returns [] for models without such layers.
+    """
+    import sys
+
+    from treecompile.ops.tree_conv import hf_causal_conv1d_fn
+    from treecompile.ops.tree_gdn import hf_chunk_gated_delta_rule
+
+    swaps, done = [], set()
+    for m in model.modules():
+        for owner in (m, sys.modules.get(type(m).__module__)):
+            if owner is None or id(owner) in done:
+                continue
+            space = vars(owner)
+            gdn = [n for n in GDN_HOOKS if callable(space.get(n))]
+            conv = [n for n in CONV_HOOKS if callable(space.get(n))]
+            if gdn and conv:
+                done.add(id(owner))
+                swaps += [_patched(owner, n, hf_chunk_gated_delta_rule) for n in gdn]
+                swaps += [_patched(owner, n, hf_causal_conv1d_fn) for n in conv]
+    return swaps
 
 
 class CaptureError(RuntimeError):
@@ -63,10 +109,12 @@ def capture(model: torch.nn.Module, *, example_len: int = 16, max_len: int = 1 <
     is_hf = _is_hf(model)
     seq = Dim("seq", min=2, max=max_len)
     was_training = model.training
+    if swaps is None:
+        swaps = kernel_swaps(model)
     with contextlib.ExitStack() as stack:
         if is_hf:
             stack.enter_context(_hf_capture_settings(model))
-        for s in swaps or []:
+        for s in swaps:
             stack.enter_context(s)
         try:
             if is_hf:
@@ -86,7 +134,8 @@ def capture(model: torch.nn.Module, *, example_len: int = 16, max_len: int = 1 <
             and s.arg.name == "input_ids"] or sig.user_inputs[:1]
     targets = [s.target for s in sig.input_specs
                if s.kind != torch.export.graph_signature.InputKind.USER_INPUT]
-    return Captured(program=ep, input_name=user[0], param_targets=targets, is_hf=is_hf)
+    return Captured(program=ep, input_name=user[0], param_targets=targets, is_hf=is_hf,
+                    swaps=[repr(s) for s in swaps])
 
 
 def _vocab_size(model) -> int:

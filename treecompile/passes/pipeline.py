@@ -2,11 +2,12 @@
 
 Passes, in order (one module each in this package):
 - ``rewrite_attention`` (rewrite_attention.py): causal SDPA -> ``treecompile::tree_attention``.
+- ``route_gdn_states`` (route_gdn_states.py): Gated DeltaNet node states and conv context from the
+  parent node (the captured tree ops are re-pointed at the batch's node tensors / conv_index).
 - ``rewrite_positions`` (rewrite_positions.py): sequence ``arange`` -> the tree's depth positions.
 - ``rewrite_loss`` (rewrite_loss.py): logits -> per-token log-probs at the path predecessor and the
   weighted loss; outputs become ``(loss, logprobs)``.
-Extra passes (e.g. Gated DeltaNet state routing) register themselves in ``PASSES`` before
-``rewrite_loss``.  Set ``debug=True`` (or the ``treecompile.passes`` logger to DEBUG) to log each
+Set ``debug=True`` (or the ``treecompile.passes`` logger to DEBUG) to log each
 pass's time and what it changed.
 """
 
@@ -22,6 +23,7 @@ from treecompile.passes.base import PassContext, PassResult
 from treecompile.passes.rewrite_attention import rewrite_attention
 from treecompile.passes.rewrite_loss import rewrite_loss
 from treecompile.passes.rewrite_positions import rewrite_positions
+from treecompile.passes.route_gdn_states import route_gdn_states
 
 log = logging.getLogger("treecompile.passes")
 
@@ -29,6 +31,7 @@ PassFn = Callable[[fx.GraphModule, PassContext], PassResult]
 
 PASSES: list[tuple[str, PassFn]] = [
     ("rewrite_attention", rewrite_attention),
+    ("route_gdn_states", route_gdn_states),
     ("rewrite_positions", rewrite_positions),
     ("rewrite_loss", rewrite_loss),
 ]
