@@ -118,7 +118,7 @@ def check_packed(paths, C, masks=None, weights=None):
     return tree, plan
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(weighted_path_sets(max_paths=10, max_len=10), st.integers(0, 12))
 def test_packed_random(data, extra):
     paths, masks, weights = data
@@ -295,7 +295,11 @@ def check_redundancy_free(paths, C, masks=None, weights=None, conv_kernel=4):
             alive.pop()
             bwd.add(i)
     assert fwd == bwd == set(range(len(plan))) and not alive
-    assert plan.peak_chain_tokens() <= T
+    assert plan.peak_chain_tokens() <= min(T, longest(paths) + C)
+    for part in plan.partitions:  # a partition with partitions below it holds one path's tokens
+        if part.children:
+            tl = part.tokens.tolist()
+            assert all(pred[u] == v for v, u in zip(tl, tl[1:]))
     # weights: each token once, so the partition losses sum to the whole-tree loss
     g = torch.Generator().manual_seed(len(paths) * 104729 + C)
     lp = -torch.rand(T, generator=g, dtype=torch.float64)
@@ -306,7 +310,7 @@ def check_redundancy_free(paths, C, masks=None, weights=None, conv_kernel=4):
     return tree, plan
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=50, deadline=None)
 @given(weighted_path_sets(max_paths=8, max_len=10), st.integers(1, 14))
 def test_redundancy_free_random(data, C):
     paths, masks, weights = data

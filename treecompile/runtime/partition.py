@@ -28,10 +28,11 @@ into the earlier partition's graph.  The partitions form a tree (parent = the pa
 ``h``); :meth:`RedundancyFreePlan.schedule` runs forwards in pre-order and each backward after its
 descendants', so the activations alive at any time are one chain of partitions.
 
-The planner is a bottom-up greedy over radix nodes: a node keeps its own tokens plus the unplaced
-*residual* pieces of its children while they fit in C; otherwise the largest child residuals are
-closed into partitions (first-fit decreasing, hanging below the node's last token), and a node
-longer than C is cut into chunks from the bottom up.  Root residuals are packed at the end.
+The planner splits the tree into heavy paths (a node is heavy when its subtree holds more than C
+tokens; a heavy path continues into the largest heavy child) cut into chunks of C, and packs the
+light subtrees hanging below each heavy node (first-fit decreasing, one partition per hang token
+group).  Partitions with children then hold tokens of one path only, so the activations alive at
+once are bounded by ``longest path + C`` tokens.
 
 Both plans give per-partition :class:`~treecompile.tree.TreeBatch` objects (``plan.batch(i)``) and
 the map from partition tokens to whole-tree DFS tokens (``partition.tokens``, ascending: a partition's
@@ -102,14 +103,21 @@ def _check_capacity(capacity) -> int:
 
 
 def _ranges_to_index(starts: list[int], ends: list[int]) -> torch.Tensor:
-    """concat(arange(s, e)) for the given ranges, vectorised."""
-    if not starts:
-        return torch.empty(0, dtype=torch.long)
+    """concat(arange(s, e)) for the given ranges, vectorised (a cumsum of unit steps that jump at
+    each range start; repeat_interleave is avoided: it is erratically slow on a busy CPU)."""
     s = torch.tensor(starts, dtype=torch.long)
-    lens = torch.tensor(ends, dtype=torch.long) - s
-    total = int(lens.sum())
+    e = torch.tensor(ends, dtype=torch.long)
+    keep = e > s
+    s, e = s[keep], e[keep]
+    if s.numel() == 0:
+        return torch.empty(0, dtype=torch.long)
+    lens = e - s
     offs = torch.cumsum(lens, 0) - lens
-    return torch.arange(total, dtype=torch.long) + torch.repeat_interleave(s - offs, lens, output_size=total)
+    steps = torch.ones(int(offs[-1] + lens[-1]), dtype=torch.long)
+    jump = s.clone()
+    jump[1:] -= e[:-1] - 1
+    steps[offs] = jump
+    return torch.cumsum(steps, 0)
 
 
 def _merge_ranges(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -287,9 +295,11 @@ def pack(tree: Tree, capacity: int, *, order: str = "deepest") -> PackedPlan:
     path_order = torch.argsort(path_owner, stable=True)
     path_counts = torch.bincount(path_owner, minlength=len(groups)).tolist()
     path_split = path_order.split(path_counts)
+    all_nodes = [a for nodes in node_sets for a in nodes]
+    all_tok = _ranges_to_index([sh.start[a] for a in all_nodes], [sh.end[a] for a in all_nodes])
+    sizes = [sum(sh.end[a] - sh.start[a] for a in nodes) for nodes in node_sets]
     parts = []
-    for g, nodes in enumerate(node_sets):
-        tok = _ranges_to_index([sh.start[a] for a in nodes], [sh.end[a] for a in nodes])
+    for g, (nodes, tok) in enumerate(zip(node_sets, all_tok.split(sizes))):
         owned = owner_t[tree.node_id[tok]] == g
         leaf_tok = torch.tensor([sh.end[n] - 1 for n in groups[g]], dtype=torch.long)
         parts.append(PackedPartition(index=g, tokens=tok, owned=owned, leaves=leaf_tok,
@@ -320,23 +330,6 @@ class RedundancyFreePartition:
     @property
     def num_tokens(self) -> int:
         return self.tokens.numel()
-
-
-class _Residual:
-    """Tokens of a subtree not placed in any partition yet: a connected piece hanging below the
-    subtree's parent.  Pieces nest (``sub``) so that each range is flattened only once."""
-
-    __slots__ = ("size", "ranges", "sub")
-
-    def __init__(self, size: int, ranges: list[tuple[int, int]], sub: list["_Residual"]):
-        self.size, self.ranges, self.sub = size, ranges, sub
-
-    def flatten(self, out: list[tuple[int, int]]) -> None:
-        stack = [self]
-        while stack:
-            r = stack.pop()
-            out.extend(r.ranges)
-            stack.extend(r.sub)
 
 
 @dataclass
@@ -510,69 +503,83 @@ class RedundancyFreePlan:
         return [self.batch(i, **kw) for i in range(len(self))]
 
 
-def _first_fit_decreasing(items: list[_Residual], C: int) -> list[list[_Residual]]:
-    """Bins of total size <= C (each item <= C); best fit by remaining room via bisect."""
-    bins: list[list[_Residual]] = []
+def _first_fit_decreasing(sizes: list[int], C: int) -> list[list[int]]:
+    """Indices of items grouped into bins of total size <= C (each item <= C): items largest
+    first, each into the bin with the least room that still fits it (bisect over sorted rooms)."""
+    bins: list[list[int]] = []
     rooms: list[tuple[int, int]] = []  # sorted (room, bin index)
-    for r in sorted(items, key=lambda r: -r.size):
-        k = bisect.bisect_left(rooms, (r.size, -1))
-        if k < len(rooms):
-            room, b = rooms.pop(k)
-            bins[b].append(r)
-            bisect.insort(rooms, (room - r.size, b))
+    for k in sorted(range(len(sizes)), key=lambda k: -sizes[k]):
+        z = sizes[k]
+        j = bisect.bisect_left(rooms, (z, -1))
+        if j < len(rooms):
+            room, b = rooms.pop(j)
+            bins[b].append(k)
+            bisect.insort(rooms, (room - z, b))
         else:
-            bins.append([r])
-            bisect.insort(rooms, (C - r.size, len(bins) - 1))
+            bins.append([k])
+            bisect.insort(rooms, (C - z, len(bins) - 1))
     return bins
 
 
 def partition_redundancy_free(tree: Tree, capacity: int) -> RedundancyFreePlan:
-    """Disjoint partitions of at most ``capacity`` tokens covering every token once (any C >= 1)."""
+    """Disjoint partitions of at most ``capacity`` tokens covering every token once (any C >= 1).
+
+    A node whose subtree holds more than C tokens is *heavy*.  Heavy nodes are split into heavy
+    paths (each continues into its largest heavy child); a heavy path's tokens are cut into chunks
+    of C, each a partition hanging below its first token's predecessor.  The light subtrees (<= C
+    tokens, one DFS range each) hanging below a heavy node's last token (or below nothing, for light
+    roots) are packed first-fit decreasing into partitions of <= C.  Light partitions have no
+    partition below them, and a partition with children holds only tokens of one path, so the
+    activations alive at once (a chain) are at most ``longest path + C`` tokens.
+    """
     C = _check_capacity(capacity)
     sh = TreeShape(tree)
-    raw: list[tuple[int, list[_Residual]]] = []  # (hang token, pieces)
-    res: list[_Residual | None] = [None] * sh.num_nodes
-    for v in range(sh.num_nodes - 1, -1, -1):  # children before parents
-        s, e = sh.start[v], sh.end[v]
-        L = e - s
-        kept = sorted((res[c] for c in sh.children[v]), key=lambda r: r.size)
-        for c in sh.children[v]:
-            res[c] = None
-        total = sum(r.size for r in kept)
-        limit = C - L if L < C else C - 1  # room beside the node's tokens (keep >= 1 of them)
-        closed = []
-        while kept and total > limit:
-            r = kept.pop()
-            total -= r.size
-            closed.append(r)
-        for group in _first_fit_decreasing(closed, C):
-            raw.append((e - 1, group))
-        if L + total <= C:
-            res[v] = _Residual(L + total, [(s, e)], kept)
-            continue
-        m = C - total  # tail chunk: the node's last m tokens with the kept children
-        raw.append((e - m - 1, [_Residual(C, [(e - m, e)], kept)]))
-        Lp = L - m
-        while Lp > C:
-            raw.append((s + Lp - C - 1, [_Residual(C, [(s + Lp - C, s + Lp)], [])]))
-            Lp -= C
-        res[v] = _Residual(Lp, [(s, s + Lp)], [])
-    for group in _first_fit_decreasing([res[r] for r in sh.roots], C):
-        raw.append((-1, group))
+    n_nodes = sh.num_nodes
+    size = [sh.end[v] - sh.start[v] for v in range(n_nodes)]
+    for v in range(n_nodes - 1, -1, -1):  # children come after their parent in DFS order
+        p = sh.parent[v]
+        if p >= 0:
+            size[p] += size[v]
+    sub_end = tree.node_subtree_end.tolist()
+    raw: list[tuple[int, list[tuple[int, int]]]] = []  # (hang token, DFS ranges)
+
+    def pack_light(hang: int, light: list[int]) -> None:
+        for group in _first_fit_decreasing([size[c] for c in light], C):
+            raw.append((hang, [(sh.start[light[k]], sub_end[light[k]]) for k in group]))
+
+    pack_light(-1, [r for r in sh.roots if size[r] <= C])
+    heads = [r for r in sh.roots if size[r] > C]  # tops of heavy paths
+    while heads:
+        v = heads.pop()
+        chunk: list[tuple[int, int]] = []
+        room = C
+        hang = int(tree.pred[sh.start[v]])
+        while v >= 0:  # walk down the heavy path
+            s, e = sh.start[v], sh.end[v]
+            while s < e:
+                take = min(room, e - s)
+                chunk.append((s, s + take))
+                s += take
+                room -= take
+                if room == 0:
+                    raw.append((hang, chunk))
+                    hang, chunk, room = s - 1, [], C
+            heavy = [c for c in sh.children[v] if size[c] > C]
+            pack_light(e - 1, [c for c in sh.children[v] if size[c] <= C])
+            nxt = max(heavy, key=lambda c: (size[c], -c)) if heavy else -1
+            heads.extend(c for c in heavy if c != nxt)
+            v = nxt
+        if chunk:
+            raw.append((hang, chunk))
 
     # tokens, owners, the partition tree, then renumber in pre-order (parents first)
     T = tree.num_tokens
-    toks, rngs = [], []
+    rngs = [_merge_ranges(r) for _, r in raw]
+    flat = [x for r in rngs for x in r]
+    all_tok = _ranges_to_index([a for a, _ in flat], [b for _, b in flat])
+    toks = list(all_tok.split([sum(b - a for a, b in r) for r in rngs]))
     owner = torch.full((T,), -1, dtype=torch.long)
-    for k, (h, pieces) in enumerate(raw):
-        ranges: list[tuple[int, int]] = []
-        for r in pieces:
-            r.flatten(ranges)
-        ranges = _merge_ranges(ranges)
-        t = _ranges_to_index([a for a, _ in ranges], [b for _, b in ranges])
-        owner[t] = k
-        toks.append(t)
-        rngs.append(ranges)
+    owner[all_tok] = torch.repeat_interleave(torch.arange(len(raw)), torch.tensor([t.numel() for t in toks]))
     hangs = [h for h, _ in raw]
     parent = [int(owner[h]) if h >= 0 else -1 for h in hangs]
     kids: list[list[int]] = [[] for _ in raw]
