@@ -1,0 +1,607 @@
+"""Splitting a tree into partitions of at most C tokens.
+
+Two planners, measured against each other (metrics: :mod:`treecompile.runtime.metrics`):
+
+**Packed partitioning** (:func:`pack`, the Tree Packing of arXiv 2511.00413).  Each partition is a
+self-contained, prefix-closed sub-forest: the union of the root-to-leaf paths of a group of leaves.
+It repeats the shared prefix tokens it needs, so partitions run independently with the ordinary
+tree graph.  Every whole-tree token is *owned* by exactly one partition (the first, in plan order,
+that contains it) and only there carries its whole-tree loss weight; elsewhere its weight is 0 (it
+is computed for context only).  The sum of partition losses is then the whole-tree loss for every
+normalization, loss mask and path weight, since a token's log-probability in any prefix-closed
+partition equals its whole-tree one.  Cost = tokens computed = sum of partition sizes.
+
+The heuristic is linear: traverse the radix nodes depth first, visiting children deepest subtree
+first (so deep leaves are allocated first and leaves of similar depth sit next to each other), and
+add leaves to the open partition while its size stays <= C.  In any DFS order of leaves the union of
+a run of consecutive leaves grows by ``len(leaf) - lcp(previous leaf, leaf)``, which gives the size
+without touching tokens.  Exact optima for small trees: :mod:`treecompile.runtime.dp`.
+
+**Redundancy-free partitioning** (:func:`partition_redundancy_free`).  Partitions are disjoint and
+cover every token once (ERR == POR at every budget); a path may span several partitions.  Each
+partition is a group of connected pieces that all hang below one *hang token* ``h`` of an earlier
+partition (or below nothing).  Its tokens attend to their ancestors outside the partition, which
+are exactly the root-to-``h`` chain (the *boundary*, ``depth[h] + 1`` tokens, root first, so chain
+position == depth).  Those are fed as per-layer K/V (GDN: the recurrent state after ``h`` and the
+conv inputs of the chain's last K-1 tokens) instead of being recomputed; their gradients flow back
+into the earlier partition's graph.  The partitions form a tree (parent = the partition owning
+``h``); :meth:`RedundancyFreePlan.schedule` runs forwards in pre-order and each backward after its
+descendants', so the activations alive at any time are one chain of partitions.
+
+The planner splits the tree into heavy paths (a node is heavy when its subtree holds more than C
+tokens; a heavy path continues into the largest heavy child) cut into chunks of C, and packs the
+light subtrees hanging below each heavy node (first-fit decreasing, one partition per hang token
+group).  Partitions with children then hold tokens of one path only, so the activations alive at
+once are bounded by ``longest path + C`` tokens.
+
+Both plans give per-partition :class:`~treecompile.tree.TreeBatch` objects (``plan.batch(i)``) and
+the map from partition tokens to whole-tree DFS tokens (``partition.tokens``, ascending: a partition's
+DFS order is the whole tree's restricted to it).  The executor interface for redundancy-free plans
+is written down in ``notes/partition.md``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+from treecompile.runtime.metrics import Reuse, reuse
+from treecompile.tree import DEFAULT_CONV_KERNEL, NORMALIZATIONS, Tree, TreeBatch, ancestor_index
+
+__all__ = ["PackedPartition", "PackedPlan", "pack", "RedundancyFreePartition", "RedundancyFreePlan",
+           "partition_redundancy_free", "TreeShape"]
+
+
+# ---------------------------------------------------------------------------------------------- shape
+class TreeShape:
+    """Node-level view of a tree as Python lists (what the planners loop over), built once."""
+
+    def __init__(self, tree: Tree):
+        self.tree = tree
+        self.start = tree.node_start.tolist()
+        self.end = tree.node_end.tolist()
+        self.parent = tree.node_parent.tolist()
+        self.num_nodes = n = len(self.start)
+        # tokens from the root through the node's first token's predecessor
+        self.depth0 = tree.depth[tree.node_start].tolist()
+        self.children: list[list[int]] = [[] for _ in range(n)]
+        for c, p in enumerate(self.parent):
+            if p >= 0:
+                self.children[p].append(c)
+        self.roots = [c for c, p in enumerate(self.parent) if p < 0]
+        # height[n]: the longest root-to-leaf length (tokens) through n
+        h = [self.depth0[i] + self.end[i] - self.start[i] for i in range(n)]
+        for c in range(n - 1, -1, -1):  # children come after their parent in DFS order
+            p = self.parent[c]
+            if p >= 0 and h[c] > h[p]:
+                h[p] = h[c]
+        self.height = h
+
+    def is_leaf(self, n: int) -> bool:
+        return not self.children[n]
+
+    def leaf_len(self, n: int) -> int:
+        """Tokens on the root-to-leaf path ending at leaf node n's last token."""
+        return self.depth0[n] + self.end[n] - self.start[n]
+
+    def ancestors(self, n: int) -> list[int]:
+        """n and its ancestor nodes, root first."""
+        out = []
+        while n >= 0:
+            out.append(n)
+            n = self.parent[n]
+        return out[::-1]
+
+
+def _check_capacity(capacity) -> int:
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+        raise ValueError(f"capacity: expected a positive integer token budget, got {capacity!r}")
+    return capacity
+
+
+def _ranges_to_index(starts: list[int], ends: list[int]) -> torch.Tensor:
+    """concat(arange(s, e)) for the given ranges, vectorised (a cumsum of unit steps that jump at
+    each range start; repeat_interleave is avoided: it is erratically slow on a busy CPU)."""
+    s = torch.tensor(starts, dtype=torch.long)
+    e = torch.tensor(ends, dtype=torch.long)
+    keep = e > s
+    s, e = s[keep], e[keep]
+    if s.numel() == 0:
+        return torch.empty(0, dtype=torch.long)
+    lens = e - s
+    offs = torch.cumsum(lens, 0) - lens
+    steps = torch.ones(int(offs[-1] + lens[-1]), dtype=torch.long)
+    jump = s.clone()
+    jump[1:] -= e[:-1] - 1
+    steps[offs] = jump
+    return torch.cumsum(steps, 0)
+
+
+def _merge_ranges(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[list[int]] = []
+    for s, e in sorted(ranges):
+        if out and out[-1][1] == s:
+            out[-1][1] = e
+        else:
+            out.append([s, e])
+    return [(s, e) for s, e in out]
+
+
+class _WeightCache:
+    def __init__(self, tree: Tree):
+        self.tree = tree
+        self._w: dict[str, torch.Tensor] = {}
+
+    def __call__(self, normalize: str) -> torch.Tensor:
+        if normalize not in NORMALIZATIONS:
+            raise ValueError(f"normalize: expected one of {NORMALIZATIONS}, got {normalize!r}")
+        if normalize not in self._w:
+            self._w[normalize] = self.tree.token_weights(normalize)
+        return self._w[normalize]
+
+
+def _pad(t: torch.Tensor, n: int, value) -> torch.Tensor:
+    if n == 0:
+        return t
+    return torch.cat([t, torch.full((n,) + tuple(t.shape[1:]), value, dtype=t.dtype)])
+
+
+# --------------------------------------------------------------------------------------------- packed
+@dataclass(frozen=True)
+class PackedPartition:
+    """One prefix-closed partition of a packed plan.
+
+    ``tokens``: whole-tree DFS indices, ascending (= the partition batch's DFS order); ``owned``: bool
+    per partition token, True where this partition carries the token's loss weight; ``leaves``:
+    whole-tree DFS index of each leaf token it holds; ``nodes``: whole-tree radix nodes (all whole);
+    ``paths``: ids of the paths assigned to it (those whose last token it owns; each lies in it whole).
+    """
+
+    index: int
+    tokens: torch.Tensor
+    owned: torch.Tensor
+    leaves: torch.Tensor
+    nodes: torch.Tensor
+    paths: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return self.tokens.numel()
+
+
+@dataclass
+class PackedPlan:
+    tree: Tree
+    capacity: int
+    partitions: list[PackedPartition]
+    order: str
+    _shape: TreeShape = field(repr=False, default=None)
+    _weights: _WeightCache = field(repr=False, default=None)
+
+    def __len__(self) -> int:
+        return len(self.partitions)
+
+    @property
+    def cost(self) -> int:
+        """Tokens computed: the sum of partition sizes (shared prefixes counted once per partition)."""
+        return sum(p.num_tokens for p in self.partitions)
+
+    def reuse(self) -> Reuse:
+        return reuse(self.tree, self.cost)
+
+    def leaf_paths(self, i: int) -> list[list[int]]:
+        """Token ids of the root-to-leaf paths of partition i (the paths its Tree is built from)."""
+        sh, ids = self._shape, self.tree.input_ids
+        out = []
+        for leaf in self.partitions[i].leaves.tolist():
+            chain = sh.ancestors(int(self.tree.node_id[leaf]))
+            idx = _ranges_to_index([sh.start[a] for a in chain], [sh.end[a] for a in chain])
+            out.append(ids[idx].tolist())
+        return out
+
+    def batch(self, i: int, *, normalize: str = "sum", pad_to_multiple: int | None = None, device=None,
+              conv_kernel: int = DEFAULT_CONV_KERNEL) -> TreeBatch:
+        """Partition i as a TreeBatch.  Its ``tree`` is built from the partition's leaf paths (path
+        bookkeeping only); ``loss_weight`` is the whole tree's weight on owned tokens, 0 elsewhere.
+        ``extras``: ``tokens`` (partition token -> whole-tree DFS index), ``owned``."""
+        w = self._weights(normalize)
+        part = self.partitions[i]
+        sub = Tree.from_paths(self.leaf_paths(i))
+        b = sub.to_batch(normalize="sum", pad_to_multiple=pad_to_multiple, conv_kernel=conv_kernel)
+        tok = part.tokens
+        n = tok.numel()
+        if sub.num_tokens != n or not torch.equal(sub.input_ids, self.tree.input_ids[tok]) \
+                or not torch.equal(sub.depth, self.tree.depth[tok]):
+            raise RuntimeError(f"partition {i}: its tree's DFS order is not the whole tree's restricted to it")
+        lw = torch.where(part.owned, w[tok], torch.zeros((), dtype=torch.float64))
+        npad = b.seq_len - n
+        b = dataclasses.replace(b, loss_weight=_pad(lw, npad, 0.0), normalize=normalize,
+                                extras={"tokens": tok, "owned": part.owned})
+        return b.to(device) if device is not None else b
+
+    def batches(self, **kw) -> list[TreeBatch]:
+        return [self.batch(i, **kw) for i in range(len(self))]
+
+
+def _leaf_order(sh: TreeShape, order: str) -> tuple[list[int], list[int]]:
+    """Leaf nodes in a DFS traversal, and each leaf's LCP (tokens) with the previous leaf."""
+    if order not in ("deepest", "dfs"):
+        raise ValueError(f"order: expected 'deepest' or 'dfs', got {order!r}")
+    key = (lambda c: (-sh.height[c], c)) if order == "deepest" else (lambda c: c)
+    roots = sorted(sh.roots, key=key)
+    stack = roots[::-1]
+    leaves, lcps = [], []
+    pending = 0
+    fresh = True  # the next visited node is the first after a leaf: its start depth is the LCP
+    while stack:
+        n = stack.pop()
+        if fresh:
+            pending, fresh = sh.depth0[n], False
+        ch = sh.children[n]
+        if not ch:
+            leaves.append(n)
+            lcps.append(pending)
+            fresh = True
+        else:
+            stack.extend(sorted(ch, key=key)[::-1])
+    return leaves, lcps
+
+
+def pack(tree: Tree, capacity: int, *, order: str = "deepest") -> PackedPlan:
+    """Packed partitioning (Tree Packing): prefix-closed partitions of at most ``capacity`` tokens.
+
+    ``order="deepest"`` visits children deepest subtree first (the paper's heuristic); ``"dfs"`` keeps
+    the tree's own child order.  Raises ValueError, naming the path, if a path is longer than C.
+    """
+    C = _check_capacity(capacity)
+    longest = int(tree.path_lengths.max())
+    if longest > C:
+        p = int(tree.path_lengths.argmax())
+        raise ValueError(f"path {p} has {longest} tokens, more than the budget C={C}: packed partitioning "
+                         f"needs every path whole in one partition (use partition_redundancy_free)")
+    sh = TreeShape(tree)
+    leaves, lcps = _leaf_order(sh, order)
+    groups: list[list[int]] = []
+    run = C + 1
+    for n, l in zip(leaves, lcps):
+        ln = sh.leaf_len(n)
+        if run + ln - l > C:  # open a new partition (the first leaf always does)
+            groups.append([n])
+            run = ln
+        else:
+            groups[-1].append(n)
+            run += ln - l
+    # materialise: each partition's node set = union of its leaves' ancestor chains
+    mark = [-1] * sh.num_nodes
+    owner = [-1] * sh.num_nodes
+    node_sets = []
+    for g, group in enumerate(groups):
+        nodes = []
+        for leaf in group:
+            a = leaf
+            while a >= 0 and mark[a] != g:
+                mark[a] = g
+                nodes.append(a)
+                if owner[a] < 0:
+                    owner[a] = g
+                a = sh.parent[a]
+        nodes.sort()
+        node_sets.append(nodes)
+    owner_t = torch.tensor(owner, dtype=torch.long)
+    path_owner = owner_t[tree.node_id[tree.path_end]]
+    path_order = torch.argsort(path_owner, stable=True)
+    path_counts = torch.bincount(path_owner, minlength=len(groups)).tolist()
+    path_split = path_order.split(path_counts)
+    all_nodes = [a for nodes in node_sets for a in nodes]
+    all_tok = _ranges_to_index([sh.start[a] for a in all_nodes], [sh.end[a] for a in all_nodes])
+    sizes = [sum(sh.end[a] - sh.start[a] for a in nodes) for nodes in node_sets]
+    parts = []
+    for g, (nodes, tok) in enumerate(zip(node_sets, all_tok.split(sizes))):
+        owned = owner_t[tree.node_id[tok]] == g
+        leaf_tok = torch.tensor([sh.end[n] - 1 for n in groups[g]], dtype=torch.long)
+        parts.append(PackedPartition(index=g, tokens=tok, owned=owned, leaves=leaf_tok,
+                                     nodes=torch.tensor(nodes, dtype=torch.long), paths=path_split[g]))
+    return PackedPlan(tree=tree, capacity=C, partitions=parts, order=order, _shape=sh,
+                      _weights=_WeightCache(tree))
+
+
+# ---------------------------------------------------------------------------------- redundancy-free
+@dataclass(frozen=True)
+class RedundancyFreePartition:
+    """One partition of a redundancy-free plan.
+
+    ``tokens``: whole-tree DFS indices, ascending; ``ranges``: the same as merged [start, end) DFS
+    ranges; ``hang``: the whole-tree token every piece hangs below (-1: below nothing); ``parent``:
+    the partition owning ``hang`` (-1 for none); ``ancestors``: the partition chain from the root
+    partition to the parent (all earlier in the plan); ``children``: partitions hanging below it.
+    """
+
+    index: int
+    tokens: torch.Tensor
+    ranges: list[tuple[int, int]]
+    hang: int
+    parent: int
+    ancestors: tuple[int, ...]
+    children: tuple[int, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.tokens.numel()
+
+
+@dataclass
+class RedundancyFreePlan:
+    tree: Tree
+    capacity: int
+    partitions: list[RedundancyFreePartition]
+    _shape: TreeShape = field(repr=False, default=None)
+    _weights: _WeightCache = field(repr=False, default=None)
+    _owner: torch.Tensor = field(repr=False, default=None)
+
+    def __len__(self) -> int:
+        return len(self.partitions)
+
+    @property
+    def cost(self) -> int:
+        """Tokens computed: every unique token exactly once."""
+        return sum(p.num_tokens for p in self.partitions)
+
+    def reuse(self) -> Reuse:
+        return reuse(self.tree, self.cost)
+
+    @property
+    def owner(self) -> torch.Tensor:
+        """[T]: the partition holding each whole-tree token."""
+        return self._owner
+
+    def boundary(self, i: int) -> torch.Tensor:
+        """Whole-tree DFS indices of the tokens partition i attends to but does not hold: the
+        root-to-hang chain, root first (entry j has depth j).  Empty for a partition hanging below
+        nothing."""
+        h = self.partitions[i].hang
+        if h < 0:
+            return torch.empty(0, dtype=torch.long)
+        sh = self._shape
+        chain = sh.ancestors(int(self.tree.node_id[h]))
+        ends = [sh.end[a] for a in chain]
+        ends[-1] = h + 1
+        return _ranges_to_index([sh.start[a] for a in chain], ends)
+
+    def exported(self, i: int) -> torch.Tensor:
+        """Whole-tree DFS indices of partition i's tokens that later partitions attend to (their
+        per-layer K/V must be kept and handed on), ascending."""
+        own = []
+        for c in self.partitions[i].children:
+            b = self.boundary(c)
+            own.append(b[self._owner[b] == i])
+        if not own:
+            return torch.empty(0, dtype=torch.long)
+        return torch.unique(torch.cat(own))
+
+    def schedule(self) -> list[tuple[str, int]]:
+        """("forward", i) / ("backward", i) events: forwards in pre-order (parents first), each
+        backward once all partitions hanging below it are done.  Alive at any time: one chain."""
+        events: list[tuple[str, int]] = []
+        roots = [p.index for p in self.partitions if p.parent < 0]
+        stack: list[tuple[int, bool]] = [(r, False) for r in reversed(roots)]
+        while stack:
+            i, done = stack.pop()
+            if done:
+                events.append(("backward", i))
+                continue
+            events.append(("forward", i))
+            stack.append((i, True))
+            stack.extend((c, False) for c in reversed(self.partitions[i].children))
+        return events
+
+    def peak_chain_tokens(self) -> int:
+        """Max over partitions of the tokens held by its chain (itself and its ancestors): the
+        activations alive at once under :meth:`schedule`."""
+        sizes = [p.num_tokens for p in self.partitions]
+        chain = [0] * len(sizes)
+        for p in self.partitions:  # parents come first
+            chain[p.index] = sizes[p.index] + (chain[p.parent] if p.parent >= 0 else 0)
+        return max(chain)
+
+    def batch(self, i: int, *, normalize: str = "sum", pad_to_multiple: int | None = None, device=None,
+              conv_kernel: int = DEFAULT_CONV_KERNEL) -> TreeBatch:
+        """Partition i as a TreeBatch over its own tokens; links to the boundary are in ``extras``.
+
+        Token tensors index the partition's tokens (ascending whole-tree order): ``position_ids`` are
+        whole-tree depths, ``pred_index``/``conv_index``/``subtree_end``/nodes are local, with -1 where
+        the predecessor lies in the boundary; ``loss_weight`` is the whole-tree weight (each token is
+        in exactly one partition).  ``tree`` is None (a partition is not a set of whole paths).
+        ``extras`` (B = boundary length = ``depth[hang] + 1``, chain position j holds depth j):
+
+        - ``tokens [T]``: whole-tree DFS index of each partition token;
+        - ``past_index [B]``: whole-tree DFS indices of the boundary chain (whose K/V are fed);
+        - ``past_visible [T]``: token q sees boundary entries ``j < past_visible[q]``;
+        - ``pred_past [T]``: chain position of q's predecessor when it is in the boundary, else -1;
+        - ``conv_past_index [T, K-1]``: chain position of the j+1-th preceding token when it is in
+          the boundary, else -1 (``conv_index`` holds the local ones);
+        - ``node_past_parent [num_nodes]``: chain position of the token a local root node hangs below
+          (its GDN initial state is the recurrent state after that token), else -1.
+        """
+        w = self._weights(normalize)
+        tree = self.tree
+        part = self.partitions[i]
+        tok = part.tokens
+        n = tok.numel()
+        past = self.boundary(i)
+
+        def local(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            pos = torch.searchsorted(tok, g.clamp(min=0))
+            inside = (g >= 0) & (pos < n)
+            inside &= tok[pos.clamp(max=n - 1)] == g
+            return torch.where(inside, pos, -1), inside
+
+        gpred = tree.pred[tok]
+        pred_local, pin = local(gpred)
+        pred_past = torch.where((gpred >= 0) & ~pin, tree.depth[gpred.clamp(min=0)], -1)
+        sub_end = torch.searchsorted(tok, tree.subtree_end[tok])
+        # boundary entries seen: subtree_end along the chain is non-increasing
+        past_visible = torch.searchsorted(-tree.subtree_end[past], -tok, right=False) if past.numel() \
+            else torch.zeros(n, dtype=torch.long)
+        # conv context along the path, split into local and boundary parts
+        conv_local, conv_past = [], []
+        c = gpred
+        for _ in range(conv_kernel - 1):
+            lc, cin = local(c)
+            conv_local.append(lc)
+            conv_past.append(torch.where((c >= 0) & ~cin, tree.depth[c.clamp(min=0)], -1))
+            c = torch.where(c >= 0, tree.pred[c.clamp(min=0)], c)
+        conv_index = torch.stack(conv_local, 1) if conv_local else torch.empty((n, 0), dtype=torch.long)
+        conv_past_index = torch.stack(conv_past, 1) if conv_past else torch.empty((n, 0), dtype=torch.long)
+        # local radix nodes: whole-tree node starts, plus tokens whose predecessor is not the previous
+        # local token (a piece's top, or a token after a cut)
+        ar = torch.arange(n, dtype=torch.long)
+        is_cut = (tree.node_start[tree.node_id[tok]] == tok) | (pred_local != ar - 1)
+        node_start = torch.nonzero(is_cut).flatten()
+        Nn = node_start.numel()
+        node_end = torch.cat([node_start[1:], torch.tensor([n])])
+        node_id = torch.cumsum(is_cut.long(), 0) - 1
+        fp = pred_local[node_start]
+        node_parent = torch.where(fp >= 0, node_id[fp.clamp(min=0)], -1)
+        par = node_parent.tolist()
+        level = [0] * Nn
+        for k in range(Nn):
+            if par[k] >= 0:
+                level[k] = level[par[k]] + 1
+        node_past_parent = pred_past[node_start]
+
+        Tp = n if pad_to_multiple is None else -(-n // int(pad_to_multiple)) * int(pad_to_multiple)
+        if pad_to_multiple is not None and int(pad_to_multiple) < 1:
+            raise ValueError(f"pad_to_multiple: expected a positive integer, got {pad_to_multiple}")
+        npad = Tp - n
+        pad_ar = torch.arange(n, Tp, dtype=torch.long)
+        b = TreeBatch(
+            input_ids=_pad(tree.input_ids[tok], npad, 0),
+            position_ids=_pad(tree.depth[tok], npad, 0),
+            pred_index=_pad(pred_local, npad, -1),
+            loss_weight=_pad(w[tok], npad, 0.0),
+            subtree_end=torch.cat([sub_end, pad_ar + 1]),
+            node_id=torch.cat([node_id, Nn + torch.arange(npad)]),
+            node_start=torch.cat([node_start, pad_ar]),
+            node_end=torch.cat([node_end, pad_ar + 1]),
+            node_parent=_pad(node_parent, npad, -1),
+            node_level=_pad(torch.tensor(level, dtype=torch.long), npad, 0),
+            conv_index=_pad(conv_index, npad, -1),
+            tree=None,
+            num_tokens=n,
+            num_paths=int((self._owner[tree.path_end] == i).sum()),
+            normalize=normalize,
+            extras={"tokens": tok, "past_index": past, "past_visible": _pad(past_visible, npad, 0),
+                    "pred_past": _pad(pred_past, npad, -1), "conv_past_index": _pad(conv_past_index, npad, -1),
+                    "node_past_parent": _pad(node_past_parent, npad, -1)},
+        )
+        return b.to(device) if device is not None else b
+
+    def batches(self, **kw) -> list[TreeBatch]:
+        return [self.batch(i, **kw) for i in range(len(self))]
+
+
+def _first_fit_decreasing(sizes: list[int], C: int) -> list[list[int]]:
+    """Indices of items grouped into bins of total size <= C (each item <= C): items largest
+    first, each into the bin with the least room that still fits it (bisect over sorted rooms)."""
+    bins: list[list[int]] = []
+    rooms: list[tuple[int, int]] = []  # sorted (room, bin index)
+    for k in sorted(range(len(sizes)), key=lambda k: -sizes[k]):
+        z = sizes[k]
+        j = bisect.bisect_left(rooms, (z, -1))
+        if j < len(rooms):
+            room, b = rooms.pop(j)
+            bins[b].append(k)
+            bisect.insort(rooms, (room - z, b))
+        else:
+            bins.append([k])
+            bisect.insort(rooms, (C - z, len(bins) - 1))
+    return bins
+
+
+def partition_redundancy_free(tree: Tree, capacity: int) -> RedundancyFreePlan:
+    """Disjoint partitions of at most ``capacity`` tokens covering every token once (any C >= 1).
+
+    A node whose subtree holds more than C tokens is *heavy*.  Heavy nodes are split into heavy
+    paths (each continues into its largest heavy child); a heavy path's tokens are cut into chunks
+    of C, each a partition hanging below its first token's predecessor.  The light subtrees (<= C
+    tokens, one DFS range each) hanging below a heavy node's last token (or below nothing, for light
+    roots) are packed first-fit decreasing into partitions of <= C.  Light partitions have no
+    partition below them, and a partition with children holds only tokens of one path, so the
+    activations alive at once (a chain) are at most ``longest path + C`` tokens.
+    """
+    C = _check_capacity(capacity)
+    sh = TreeShape(tree)
+    n_nodes = sh.num_nodes
+    size = [sh.end[v] - sh.start[v] for v in range(n_nodes)]
+    for v in range(n_nodes - 1, -1, -1):  # children come after their parent in DFS order
+        p = sh.parent[v]
+        if p >= 0:
+            size[p] += size[v]
+    sub_end = tree.node_subtree_end.tolist()
+    raw: list[tuple[int, list[tuple[int, int]]]] = []  # (hang token, DFS ranges)
+
+    def pack_light(hang: int, light: list[int]) -> None:
+        for group in _first_fit_decreasing([size[c] for c in light], C):
+            raw.append((hang, [(sh.start[light[k]], sub_end[light[k]]) for k in group]))
+
+    pack_light(-1, [r for r in sh.roots if size[r] <= C])
+    heads = [r for r in sh.roots if size[r] > C]  # tops of heavy paths
+    while heads:
+        v = heads.pop()
+        chunk: list[tuple[int, int]] = []
+        room = C
+        hang = int(tree.pred[sh.start[v]])
+        while v >= 0:  # walk down the heavy path
+            s, e = sh.start[v], sh.end[v]
+            while s < e:
+                take = min(room, e - s)
+                chunk.append((s, s + take))
+                s += take
+                room -= take
+                if room == 0:
+                    raw.append((hang, chunk))
+                    hang, chunk, room = s - 1, [], C
+            heavy = [c for c in sh.children[v] if size[c] > C]
+            pack_light(e - 1, [c for c in sh.children[v] if size[c] <= C])
+            nxt = max(heavy, key=lambda c: (size[c], -c)) if heavy else -1
+            heads.extend(c for c in heavy if c != nxt)
+            v = nxt
+        if chunk:
+            raw.append((hang, chunk))
+
+    # tokens, owners, the partition tree, then renumber in pre-order (parents first)
+    T = tree.num_tokens
+    rngs = [_merge_ranges(r) for _, r in raw]
+    flat = [x for r in rngs for x in r]
+    all_tok = _ranges_to_index([a for a, _ in flat], [b for _, b in flat])
+    toks = list(all_tok.split([sum(b - a for a, b in r) for r in rngs]))
+    owner = torch.full((T,), -1, dtype=torch.long)
+    owner[all_tok] = torch.repeat_interleave(torch.arange(len(raw)), torch.tensor([t.numel() for t in toks]))
+    hangs = [h for h, _ in raw]
+    parent = [int(owner[h]) if h >= 0 else -1 for h in hangs]
+    kids: list[list[int]] = [[] for _ in raw]
+    for k, p in enumerate(parent):
+        if p >= 0:
+            kids[p].append(k)
+    first = [int(t[0]) for t in toks]
+    order: list[int] = []
+    stack = sorted((k for k, p in enumerate(parent) if p < 0), key=lambda k: first[k], reverse=True)
+    while stack:
+        k = stack.pop()
+        order.append(k)
+        stack.extend(sorted(kids[k], key=lambda c: (hangs[c], first[c]), reverse=True))
+    new = {k: i for i, k in enumerate(order)}
+    parts = []
+    anc: list[tuple[int, ...]] = []
+    for i, k in enumerate(order):
+        p = new[parent[k]] if parent[k] >= 0 else -1
+        anc.append(() if p < 0 else anc[p] + (p,))
+        parts.append(RedundancyFreePartition(
+            index=i, tokens=toks[k], ranges=rngs[k], hang=hangs[k], parent=p, ancestors=anc[i],
+            children=tuple(new[c] for c in sorted(kids[k], key=lambda c: (hangs[c], first[c])))))
+    remap = torch.tensor([new[k] for k in range(len(raw))], dtype=torch.long)
+    return RedundancyFreePlan(tree=tree, capacity=C, partitions=parts, _shape=sh,
+                              _weights=_WeightCache(tree), _owner=remap[owner])
