@@ -46,9 +46,11 @@ def expand(block_mask, T: int) -> torch.Tensor:
     qb, kb = block_mask.BLOCK_SIZE
     nq = block_mask.kv_num_blocks.shape[-1]
     out = torch.zeros(nq * qb, block_mask.kv_indices.shape[-1] * kb, dtype=torch.bool)
-    qi = torch.arange(out.shape[0])[:, None]
-    ki = torch.arange(out.shape[1])[None, :]
-    mm = block_mask.mask_mod(torch.tensor(0), torch.tensor(0), qi, ki)
+    dev = block_mask.kv_indices.device
+    qi = torch.arange(out.shape[0], device=dev)[:, None]
+    ki = torch.arange(out.shape[1], device=dev)[None, :]
+    zero = torch.tensor(0, device=dev)
+    mm = block_mask.mask_mod(zero, zero, qi, ki).cpu()
     for num, idx, is_full in ((block_mask.kv_num_blocks, block_mask.kv_indices, False),
                               (block_mask.full_kv_num_blocks, block_mask.full_kv_indices, True)):
         num, idx = num[0, 0].cpu(), idx[0, 0].cpu()
@@ -102,6 +104,11 @@ def check_block_mask(subtree_end, pred, block_size, device="cpu"):
     kv_ragged[-1] = T % kb != 0
     assert torch.equal(full, any_vis & all_vis & ~kv_ragged[None, :])
     assert torch.equal(partial | full, any_vis)
+    # the kernels read the index tensors as row-major: each must be contiguous and own its storage
+    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks",
+                 "q_indices", "full_q_num_blocks", "full_q_indices"):
+        t = getattr(bm, name)
+        assert t.is_contiguous() and t.storage_offset() == 0 and t.dtype == torch.int32, name
     # the q-side lists are the transpose of the kv-side lists (the backward walks them)
     for kv_num, kv_idx, q_num, q_idx in ((bm.kv_num_blocks, bm.kv_indices, bm.q_num_blocks, bm.q_indices),
                                          (bm.full_kv_num_blocks, bm.full_kv_indices, bm.full_q_num_blocks,

@@ -122,10 +122,14 @@ def tree_block_classes(subtree_end: torch.Tensor, *, block_size=DEFAULT_BLOCK_SI
 
 
 def _ordered(dense: torch.Tensor):
-    """[..., rows, cols] bool -> (count [..., rows] int32, indices [..., rows, cols] int32), set entries first."""
-    d = dense.to(torch.int32)
-    num = d.sum(-1, dtype=torch.int32)
-    idx = torch.argsort(d, dim=-1, descending=True, stable=True).to(torch.int32)
+    """[..., rows, cols] bool -> (count [..., rows] int32, indices [..., rows, cols] int32), set entries first.
+
+    Both outputs are contiguous: the kernels index them assuming row-major layout (a transposed,
+    strided index tensor gives wrong backward gradients on CUDA).
+    """
+    d = dense.to(torch.int32, memory_format=torch.contiguous_format)
+    num = d.sum(-1, dtype=torch.int32).contiguous()
+    idx = torch.argsort(d, dim=-1, descending=True, stable=True).to(torch.int32, memory_format=torch.contiguous_format)
     return num, idx
 
 
@@ -159,16 +163,19 @@ def tree_block_mask(subtree_end: torch.Tensor, *, block_size=DEFAULT_BLOCK_SIZE,
     kv_num, kv_idx = _ordered(kv)
     q_num, q_idx = _ordered(kv.transpose(-2, -1))
     mask_se = F.pad(subtree_end.to(torch.int64), (0, nk * kb - T))
+    # each index tensor its own contiguous [1, 1, ...] storage (no views into the stacked results)
+    kv_num, kv_idx, q_num, q_idx = (t.split(1) for t in (kv_num, kv_idx, q_num, q_idx))
+    own = lambda t: t.clone(memory_format=torch.contiguous_format)  # noqa: E731
     return BlockMask(
         seq_lengths=(T, T),
-        kv_num_blocks=kv_num[0:1],
-        kv_indices=kv_idx[0:1],
-        full_kv_num_blocks=kv_num[1:2],
-        full_kv_indices=kv_idx[1:2],
-        q_num_blocks=q_num[0:1],
-        q_indices=q_idx[0:1],
-        full_q_num_blocks=q_num[1:2],
-        full_q_indices=q_idx[1:2],
+        kv_num_blocks=own(kv_num[0]),
+        kv_indices=own(kv_idx[0]),
+        full_kv_num_blocks=own(kv_num[1]),
+        full_kv_indices=own(kv_idx[1]),
+        q_num_blocks=own(q_num[0]),
+        q_indices=own(q_idx[0]),
+        full_q_num_blocks=own(q_num[1]),
+        full_q_indices=own(q_idx[1]),
         BLOCK_SIZE=(qb, kb),
         mask_mod=tree_mask_mod(mask_se),
     )
