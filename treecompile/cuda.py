@@ -1,0 +1,75 @@
+"""CUDA execution of a TreeModel: FlexAttention lowering, torch.compile, length buckets.
+
+``treecompile::tree_attention`` is a registered op so that captured programs save and load by name;
+on CUDA it is lowered, in a copy of the rewritten graph, to ``flex_attention`` under a BlockMask
+built once per batch from the tree (``ops.flex_tree_attention.tree_block_mask``, O(blocks)), so
+that inductor compiles the attention kernel and its backward together with the rest of the graph.
+Sequence lengths are padded to buckets (``compile.bucket_length``) and the graph is compiled with
+static shapes: at most one compile per bucket.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import fx
+from torch.nn.attention.flex_attention import flex_attention
+
+from treecompile.ops.flex_tree_attention import kernel_options_for, tree_block_mask
+
+__all__ = ["run_cuda", "lower_for_cuda"]
+
+TREE_ATTENTION = torch.ops.treecompile.tree_attention.default
+
+
+def _flex(q, k, v, block_mask, scale):
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
+                          kernel_options=kernel_options_for(q))
+
+
+def lower_for_cuda(gm: fx.GraphModule) -> tuple[fx.GraphModule, int]:
+    """A copy of ``gm`` whose tree_attention calls run FlexAttention under one shared BlockMask input
+    (a new last placeholder ``tree_block_mask``).  Returns (graph module, number of lowered calls)."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    last_ph = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    with graph.inserting_after(last_ph):
+        mask = graph.placeholder("tree_block_mask")
+    count = 0
+    for n in list(graph.nodes):
+        if n.op == "call_function" and n.target == TREE_ATTENTION:
+            q, k, v, _subtree_end = n.args[:4]
+            scale = n.args[4] if len(n.args) > 4 else n.kwargs.get("scale")
+            with graph.inserting_before(n):
+                new = graph.call_function(_flex, (q, k, v, mask, scale))
+            new.meta = dict(n.meta)
+            n.replace_all_uses_with(new)
+            graph.erase_node(n)
+            count += 1
+    graph.eliminate_dead_code()
+    lowered = fx.GraphModule(gm, graph)
+    return lowered, count
+
+
+def run_cuda(tmodel, batch):
+    from treecompile.compile import TreeOutput, bucket_length
+
+    state = tmodel.__dict__.setdefault("_cuda_state", {})
+    if "graph" not in state:
+        state["graph"], state["lowered"] = lower_for_cuda(tmodel.graph_module)
+        fn = state["graph"]
+        if tmodel._compile_cuda:
+            # one compile per length bucket; make room for many buckets before dynamo gives up
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+            fn = torch.compile(fn, dynamic=False)
+        state["fn"] = fn
+    T = batch.seq_len
+    if tmodel._bucket:
+        batch = batch.padded(bucket_length(T))
+    args = tmodel.graph_inputs(batch)
+    args.append(tree_block_mask(batch.subtree_end, validate=False) if state["lowered"] else None)
+    loss, lp = state["fn"](*args)
+    return TreeOutput(loss=loss, logprobs=lp[:T] if tmodel._bucket else lp)
