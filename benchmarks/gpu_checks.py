@@ -132,6 +132,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--skip-hybrid", action="store_true")
+    ap.add_argument("--skip-dense", action="store_true")
     args = ap.parse_args()
     torch.manual_seed(0)
     env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
@@ -144,8 +145,12 @@ def main():
     results = [env]
     cfg = DenseConfig.qwen3_0_6b()
     paths = branching_paths(8, prompt=3000, seg=1500, vocab=cfg.vocab_size)
-    model = DenseForCausalLM(cfg).to("cuda", torch.bfloat16)
-    results.append(check("qwen3-0.6b-shaped dense", model, paths)[0])
+    model = DenseForCausalLM(cfg).to("cuda", torch.bfloat16) if not args.skip_dense else None
+    if model is not None:
+        results.append(check("qwen3-0.6b-shaped dense", model, paths)[0])
+    if args.out and model is not None:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
     del model
     torch.cuda.empty_cache()
     if not args.skip_hybrid:

@@ -163,7 +163,11 @@ def torch_chunk_gated_delta_rule(query, key, value, g, beta, chunk_size: int = 6
                                  output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
                                  **kwargs):
     """Chunked gated delta rule with HF's signature: query/key [B, T, Hk, Dk], value [B, T, Hv, Dv],
-    g/beta [B, T, Hv]; returns (o [B, T, Hv, Dv], final state [B, Hv, Dk, Dv] or None)."""
+    g/beta [B, T, Hv]; returns (o [B, T, Hv, Dv], final state [B, Hv, Dk, Dv] or None).
+    Half-precision inputs are computed in float32 (as HF does); float32/float64 in their own dtype."""
+    out_dtype = value.dtype
+    ct = torch.float32 if value.dtype in (torch.float16, torch.bfloat16) else value.dtype
+    query, key, value, g, beta = (x.to(ct) for x in (query, key, value, g, beta))
     B, T, Hk, Dk = key.shape
     Hv, Dv = value.shape[-2:]
     if use_qk_l2norm_in_kernel:
@@ -199,7 +203,7 @@ def torch_chunk_gated_delta_rule(query, key, value, g, beta, chunk_size: int = 6
         outs.append(q_dec[:, :, i] @ S + attn[:, :, i] @ v_new)
         S = S * cum[:, :, i, -1].exp()[..., None, None] + k_dec[:, :, i].transpose(-1, -2) @ v_new
     o = torch.stack(outs, 2).reshape(B, Hv, n * C, Dv)[:, :, :T].transpose(1, 2)
-    return o.to(value.dtype), (S if output_final_state else None)
+    return o.to(out_dtype), (S if output_final_state else None)
 
 
 # ----------------------------------------------------------------------------- layers

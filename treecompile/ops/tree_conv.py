@@ -76,7 +76,7 @@ def tree_causal_conv1d(x: Tensor, weight: Tensor, bias: Optional[Tensor], conv_i
     y, _ = _preact(x.to(weight.dtype), weight, bias, conv_index)
     if activation is not None:
         y = F.silu(y)
-    return y.to(x.dtype)
+    return y.to(x.dtype).contiguous()  # the fake impl promises a contiguous result (x may be a transpose)
 
 
 @tree_causal_conv1d.register_fake

@@ -131,7 +131,7 @@ def tree_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tens
     levels = level_schedule(node_start, node_end, node_parent, node_level, q.shape[1])
     qs, ks, vs, gs, bs, h0 = _prepare(q, k, v, g, beta, initial_state, scale, use_qk_l2norm_in_kernel)
     o, _ = _forward(qs, ks, vs, gs, bs, node_start, node_end, node_parent, levels, h0, chunk_size)
-    return o[None].to(v.dtype)
+    return o[None].to(v.dtype).contiguous()  # the fake impl promises a contiguous result
 
 
 @tree_gated_delta_rule.register_fake
@@ -183,8 +183,9 @@ def tree_gated_delta_rule_backward(
         dqs = gdn.l2norm_backward(q[0].to(ct), dqs)
         dks = gdn.l2norm_backward(k[0].to(ct), dks)
     dh0 = dh0 if initial_state is None else dh0.to(initial_state.dtype)
-    return (dqs[None].to(q.dtype), dks[None].to(k.dtype), dvs[None].to(v.dtype), dgs[None].to(g.dtype),
-            dbs[None].to(beta.dtype), dh0)
+    # contiguous, as the fake impl promises (inductor checks sizes and strides)
+    return tuple(t.contiguous() for t in (dqs[None].to(q.dtype), dks[None].to(k.dtype), dvs[None].to(v.dtype),
+                                          dgs[None].to(g.dtype), dbs[None].to(beta.dtype), dh0))
 
 
 @tree_gated_delta_rule_backward.register_fake
