@@ -32,6 +32,15 @@ def branching_paths(num_paths: int, prompt: int, seg: int, vocab: int, seed: int
     return paths
 
 
+def init_(model, std: float = 0.02):
+    """HF-style init (normal(0, std) matrices and embeddings) so that losses look like an LM's."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, std)
+    return model
+
+
 def timed(fn, iters):
     ts = []
     for _ in range(iters):
@@ -55,16 +64,18 @@ def check(name, model, paths, iters=5):
            "por": round(tree.por, 4), "params_M": round(sum(p.numel() for p in model.parameters()) / 1e6, 1)}
 
     def per_path_step():
+        """The per-path baseline: each path alone, forward + backward ("sum" normalization)."""
         model.zero_grad(set_to_none=True)
-        r = reference.run(model, paths, device="cuda")
-        r.loss.backward()
-        return r
+        total = 0.0
+        for p in paths:
+            loss = reference.run(model, [p], device="cuda").loss / len(paths)
+            loss.backward()
+            total += float(loss)
+        return total
 
-    r = per_path_step()
+    res["ref_loss"] = per_path_step()
     g_ref = flat_grads(model)
-    res["ref_loss"] = float(r.loss)
     res["per_path_eager_s"] = timed(per_path_step, 3)
-    del r
 
     t0 = time.perf_counter()
     tm = treecompile.compile(model)
@@ -145,7 +156,7 @@ def main():
     results = [env]
     cfg = DenseConfig.qwen3_0_6b()
     paths = branching_paths(8, prompt=3000, seg=1500, vocab=cfg.vocab_size)
-    model = DenseForCausalLM(cfg).to("cuda", torch.bfloat16) if not args.skip_dense else None
+    model = init_(DenseForCausalLM(cfg)).to("cuda", torch.bfloat16) if not args.skip_dense else None
     if model is not None:
         results.append(check("qwen3-0.6b-shaped dense", model, paths)[0])
     if args.out and model is not None:
@@ -157,8 +168,8 @@ def main():
         hcfg = HybridConfig(hidden_size=1024, intermediate_size=3584, num_hidden_layers=12, num_attention_heads=8,
                             num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
                             linear_key_head_dim=128, linear_value_head_dim=128, vocab_size=248320)
-        hpaths = branching_paths(8, prompt=2000, seg=1200, vocab=hcfg.vocab_size, seed=1)
-        hmodel = HybridForCausalLM(hcfg).to("cuda", torch.bfloat16)
+        hpaths = branching_paths(6, prompt=1500, seg=1200, vocab=hcfg.vocab_size, seed=1)
+        hmodel = init_(HybridForCausalLM(hcfg)).to("cuda", torch.bfloat16)
         res, tree = check("qwen3.5-shaped hybrid (12 layers, 9 GDN)", hmodel, hpaths, iters=3)
         res.update(gdn_layer_time(hcfg, tree, hpaths))
         print(json.dumps(res), flush=True)
