@@ -130,7 +130,9 @@ def test_padding_sees_only_itself():
     assert (b.pred_index[pad] == -1).all() and (b.conv_index[pad] == -1).all()
     assert b.subtree_end[pad].tolist() == (pad + 1).tolist()
     assert (b.subtree_end[:4] <= 4).all()  # no real token's interval reaches the padding
-    assert b.node_parent[-4:].tolist() == [-1] * 4 and b.node_start[-4:].tolist() == pad.tolist()
+    # the padding is one extra root node
+    assert b.node_start[-1] == 4 and b.node_end[-1] == 8 and b.node_parent[-1] == -1 and b.node_level[-1] == 0
+    assert (b.node_id[pad] == b.num_nodes - 1).all()
 
 
 def test_path_logprobs_roundtrip():

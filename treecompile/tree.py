@@ -418,7 +418,7 @@ class TreeBatch:
     ``k <= q < subtree_end[k]``), ``node_id``; ``conv_index [T, K-1]`` (the K-1 preceding tokens along
     the path, nearest first, -1 where none).  Node tensors ``[num_nodes]``: ``node_start``,
     ``node_end``, ``node_parent`` (-1 for roots), ``node_level``.  Padding tokens carry zero weight,
-    position 0, no predecessor, and see only themselves (each is its own root node).
+    position 0, no predecessor, and see only themselves (together they form one extra root node).
     ``tree`` is the CPU :class:`Tree` that was serialised (path bookkeeping for ``path_logprobs``).
     """
 
@@ -450,8 +450,10 @@ class TreeBatch:
     def padded(self, length: int) -> "TreeBatch":
         """This batch with padding tokens appended up to ``length`` tokens.
 
-        A padding token has id 0, position 0, zero weight, no predecessor or conv context, and is
-        its own root node, so it sees only itself and nothing sees it.
+        A padding token has id 0, position 0, zero weight, no predecessor or conv context, and
+        ``subtree_end = t + 1``: in attention it sees only itself and nothing sees it.  All padding
+        tokens form one extra root node (level 0), so that a varlen GDN call gets one segment for
+        them, not one per token; no real token descends from it, so no state leaks into real tokens.
         """
         T = self.seq_len
         if length < T:
@@ -471,11 +473,11 @@ class TreeBatch:
             pred_index=torch.cat([self.pred_index, neg]),
             loss_weight=torch.cat([self.loss_weight, self.loss_weight.new_zeros(n)]),
             subtree_end=torch.cat([self.subtree_end, ar + 1]),
-            node_id=torch.cat([self.node_id, Nn + torch.arange(n, device=dev)]),
-            node_start=torch.cat([self.node_start, ar]),
-            node_end=torch.cat([self.node_end, ar + 1]),
-            node_parent=torch.cat([self.node_parent, neg]),
-            node_level=torch.cat([self.node_level, zeros]),
+            node_id=torch.cat([self.node_id, torch.full((n,), Nn, dtype=torch.long, device=dev)]),
+            node_start=torch.cat([self.node_start, self.node_start.new_tensor([T])]),
+            node_end=torch.cat([self.node_end, self.node_end.new_tensor([length])]),
+            node_parent=torch.cat([self.node_parent, self.node_parent.new_tensor([-1])]),
+            node_level=torch.cat([self.node_level, self.node_level.new_tensor([0])]),
             conv_index=torch.cat([self.conv_index, self.conv_index.new_full((n, self.conv_index.shape[1]), -1)]),
         )
 
