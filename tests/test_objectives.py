@@ -283,3 +283,23 @@ def test_grpo_advantages():
     assert grpo_advantages([2.0]).tolist() == [0.0]
     with pytest.raises(ValueError, match="rewards: path 1: not finite"):
         grpo_advantages([0.0, math.inf])
+
+
+def test_untrained_tokens_cannot_poison_the_loss(model):
+    """A token no path trains has weight 0 and no old/ref value: an extreme log-prob there (exp
+    would overflow) must leave loss and gradient finite and unchanged."""
+    case = mixed_case(model)
+    batch = case.tree.to_batch()
+    lp = oracle_dfs_logprobs(case.tree, case.lps).detach()
+    untrained = torch.nonzero(batch.loss_weight == 0).flatten()
+    assert untrained.numel() > 0
+    A = torch.tensor(case.advantages, dtype=torch.float64)
+    for obj, kw in [(PPOClip(), dict(advantages=A, old_logprobs=case.dfs(case.old))),
+                    (KLPenalty(1.0), dict(ref_logprobs=case.dfs(case.ref)))]:
+        base = lp.clone().requires_grad_(True)
+        extreme = lp.clone()
+        extreme[untrained] = -800.0
+        extreme.requires_grad_(True)
+        l0, l1 = obj.loss(base, batch, **kw), obj.loss(extreme, batch, **kw)
+        (g0,), (g1,) = torch.autograd.grad(l0, base), torch.autograd.grad(l1, extreme)
+        assert l1.item() == l0.item() and torch.isfinite(g1).all() and torch.equal(g0, g1)

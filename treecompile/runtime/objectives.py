@@ -165,7 +165,9 @@ class PPOClip:
         n = _normalize(self.normalize, batch)
         s_pos = _pad(token_coefficients(batch.tree, n, A.clamp(min=0)), batch, logprobs)
         s_neg = _pad(token_coefficients(batch.tree, n, A.clamp(max=0)), batch, logprobs)
-        r = torch.exp(logprobs - old)
+        # tokens no path trains carry no old log-prob (0): keep exp() away from them entirely
+        active = (s_pos != 0) | (s_neg != 0)
+        r = torch.exp(torch.where(active, logprobs - old, torch.zeros_like(old)))
         surrogate = s_pos * r.clamp(max=1 + self.clip_high) + s_neg * r.clamp(min=1 - self.clip_low)
         return -surrogate.sum()
 
@@ -191,14 +193,15 @@ class KLPenalty:
         ref = _per_token(ref_logprobs, batch, "ref_logprobs", logprobs)
         n = _normalize(self.normalize, batch)
         w = batch.loss_weight if n == batch.normalize else token_coefficients(batch.tree, n)
-        d = ref - logprobs
+        w = _pad(w, batch, logprobs)
+        d = torch.where(w != 0, ref - logprobs, torch.zeros_like(ref))  # untrained tokens have no ref (0)
         if self.estimator == "k3":
             k = torch.exp(d) - d - 1
         elif self.estimator == "k2":
             k = 0.5 * d * d
         else:
             k = -d
-        return self.beta * (_pad(w, batch, logprobs) * k).sum()
+        return self.beta * (w * k).sum()
 
 
 # ---------------------------------------------------------------------- path-level objective
