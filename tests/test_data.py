@@ -67,6 +67,13 @@ def test_blank_lines_and_id_types(tmp_path):
     assert trees[1].lines == [4]
 
 
+def test_bool_masks_and_int_logprobs(tmp_path):
+    f = write(tmp_path, [ok(0, [1, 2, 3], loss_mask=[False, True, 0], ref_logprobs=[None, -1, 0])])
+    (t,) = read_trajectories(f)
+    assert t.tree.loss_mask.tolist() == [False, True, False]
+    assert t.ref_logprobs[1:].tolist() == [-1.0, 0.0] and math.isnan(t.ref_logprobs[0])
+
+
 def test_duplicate_and_prefix_paths_are_kept(tmp_path):
     f = write(tmp_path, [ok(0, [1, 2, 3]), ok(0, [1, 2, 3]), ok(0, [1, 2])])
     (t,) = read_trajectories(f)
@@ -127,6 +134,7 @@ GOOD = json.dumps(ok(0, [1, 2, 3]))
 MALFORMED = {
     # name: (lines, line number in the message, what the message says)
     "bad_json": ([GOOD, '{"tree_id": 0, "input_ids": [1, 2'], 2, "bad JSON (Expecting ',' delimiter at column 34)"),
+    "bad_json_giant_int": (['{"tree_id": 0, "input_ids": [1, 2' + "0" * 5000 + "]}"], 1, "bad JSON (Exceeds the limit"),
     "not_an_object": ([GOOD, "[1, 2, 3]"], 2, "expected a JSON object, got list"),
     "missing_tree_id": ([GOOD, {"input_ids": [1, 2]}], 2, "missing 'tree_id'"),
     "tree_id_float": ([{"tree_id": 1.5, "input_ids": [1, 2]}], 1, "'tree_id' must be a string or an integer"),
@@ -153,6 +161,10 @@ MALFORMED = {
     "old_logprobs_length": ([ok(0, [1, 2, 3], old_logprobs=[0, -1])], 1, "'old_logprobs' has 2 entries, 'input_ids' has 3"),
     "old_logprobs_nonfinite": (['{"tree_id": 0, "input_ids": [1, 2], "old_logprobs": [0, -1e999]}'], 1,
                                "old_logprobs[1] is not finite"),
+    "old_logprobs_huge_int": (['{"tree_id": 0, "input_ids": [1, 2], "old_logprobs": [0, -1' + "0" * 320 + ']}'], 1,
+                              "old_logprobs[1] is not finite (an integer of 321 digits)"),
+    "weight_huge_int": (['{"tree_id": 0, "input_ids": [1, 2], "weight": 1' + "0" * 400 + "}"], 1,
+                        "'weight' is not finite (an integer of 401 digits)"),
     "old_logprobs_null_trained": ([ok(0, [1, 2, 3], old_logprobs=[None, None, -1])], 1,
                                   "old_logprobs[1] is null, but token 1 is trained"),
     "ref_logprobs_not_list": ([ok(0, [1, 2], ref_logprobs=-1.0)], 1, "'ref_logprobs' must be a list"),

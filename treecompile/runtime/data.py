@@ -71,7 +71,8 @@ def _reject_constant(name: str):
 
 @dataclass
 class Trajectory:
-    """One parsed line (a path).  ``old_logprobs``/``ref_logprobs`` hold None for ``null``."""
+    """One parsed line (a path).  ``old_logprobs``/``ref_logprobs``: float64 ``[len(input_ids)]``,
+    NaN where the line has ``null``."""
 
     tree_id: str | int
     input_ids: list[int]
@@ -80,12 +81,18 @@ class Trajectory:
     advantage: float | None = None
     reward: float | None = None
     weight: float | None = None
-    old_logprobs: list[float | None] | None = None
-    ref_logprobs: list[float | None] | None = None
+    old_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
     meta: Any = None
 
-    def trained(self, i: int) -> bool:
-        return bool(self.loss_mask[i]) if self.loss_mask is not None else i > 0
+
+def _to_float(x) -> tuple[float, bool]:
+    """(float(x), finite?) for a JSON number; an int too large for a float is not finite."""
+    try:
+        f = float(x)
+    except OverflowError:
+        return math.inf, False
+    return f, math.isfinite(f)
 
 
 def _is_number(x) -> bool:
@@ -104,6 +111,8 @@ def parse_line(text: str, *, source: str, line: int, vocab_size: int | None = No
         fail(f"non-finite number {e.args[0]} (JSON has no NaN/Infinity; every number must be finite)")
     except json.JSONDecodeError as e:
         fail(f"bad JSON ({e.msg} at column {e.colno})")
+    except (ValueError, RecursionError) as e:  # e.g. an integer literal over Python's 4300-digit limit
+        fail(f"bad JSON ({e})")
     if not isinstance(obj, dict):
         fail(f"expected a JSON object, got {type(obj).__name__}")
     unknown = [k for k in obj if k not in KEYS]
@@ -123,13 +132,15 @@ def parse_line(text: str, *, source: str, line: int, vocab_size: int | None = No
         fail(f"'input_ids' must be a list of token ids, got {type(ids).__name__}")
     if not ids:
         fail("'input_ids' is empty")
-    for i, t in enumerate(ids):
-        if not isinstance(t, int) or isinstance(t, bool):
-            fail(f"input_ids[{i}] = {json.dumps(t)} is not an integer token id")
-        if t < 0 or t > _INT64_MAX:
-            fail(f"input_ids[{i}] = {t} is out of range (token ids are non-negative int64)")
-        if vocab_size is not None and t >= vocab_size:
-            fail(f"input_ids[{i}] = {t} is not below vocab_size {vocab_size}")
+    hi = _INT64_MAX if vocab_size is None else min(_INT64_MAX, vocab_size - 1)
+    if not (set(map(type, ids)) <= {int} and min(ids) >= 0 and max(ids) <= hi):  # fast check; then find it
+        for i, t in enumerate(ids):
+            if not isinstance(t, int) or isinstance(t, bool):
+                fail(f"input_ids[{i}] = {json.dumps(t)} is not an integer token id")
+            if t < 0 or t > _INT64_MAX:
+                fail(f"input_ids[{i}] = {t} is out of range (token ids are non-negative int64)")
+            if vocab_size is not None and t >= vocab_size:
+                fail(f"input_ids[{i}] = {t} is not below vocab_size {vocab_size}")
     n = len(ids)
 
     mask = obj.get("loss_mask")
@@ -138,10 +149,11 @@ def parse_line(text: str, *, source: str, line: int, vocab_size: int | None = No
             fail(f"'loss_mask' must be a list of 0/1, got {type(mask).__name__}")
         if len(mask) != n:
             fail(f"'loss_mask' has {len(mask)} entries, 'input_ids' has {n}")
-        for i, m in enumerate(mask):
-            if not (m in (0, 1) and (isinstance(m, int))):  # bools are ints; floats 0.0/1.0 are not
-                fail(f"loss_mask[{i}] = {json.dumps(m)} is not 0 or 1")
-        mask = [int(m) for m in mask]
+        if not (set(map(type, mask)) <= {int, bool} and set(mask) <= {0, 1}):  # floats 0.0/1.0 are not
+            for i, m in enumerate(mask):
+                if not (isinstance(m, int) and m in (0, 1)):
+                    fail(f"loss_mask[{i}] = {json.dumps(m)} is not 0 or 1")
+        mask = list(map(int, mask))
         if mask[0]:
             fail("loss_mask[0] is 1, but nothing predicts a path's first token; set it to 0")
 
@@ -154,9 +166,10 @@ def parse_line(text: str, *, source: str, line: int, vocab_size: int | None = No
             continue
         if not _is_number(v):
             fail(f"'{key}' must be a number, got {json.dumps(v)}")
-        if not math.isfinite(float(v)):
-            fail(f"'{key}' is not finite ({v})")
-        scalars[key] = float(v)
+        x, finite = _to_float(v)
+        if not finite:
+            fail(f"'{key}' is not finite ({x if isinstance(v, float) else f'an integer of {len(str(abs(v)))} digits'})")
+        scalars[key] = x
 
     traj = Trajectory(tree_id=tid, input_ids=ids, line=line, loss_mask=mask, meta=obj.get("meta"), **scalars)
     for key in PER_TOKEN:
@@ -169,19 +182,23 @@ def parse_line(text: str, *, source: str, line: int, vocab_size: int | None = No
             fail(f"'{key}' must be a list of numbers (or null), got {type(v).__name__}")
         if len(v) != n:
             fail(f"'{key}' has {len(v)} entries, 'input_ids' has {n}")
-        out = []
-        for i, x in enumerate(v):
-            if x is None:
-                if traj.trained(i):
-                    fail(f"{key}[{i}] is null, but token {i} is trained (loss mask 1) and needs a value")
-                out.append(None)
-                continue
-            if not _is_number(x):
-                fail(f"{key}[{i}] = {json.dumps(x)} is not a number")
-            if not math.isfinite(float(x)):
-                fail(f"{key}[{i}] is not finite ({x})")
-            out.append(float(x))
-        setattr(traj, key, out)
+        if not set(map(type, v)) <= {int, float, type(None)}:
+            i = next(i for i, x in enumerate(v) if not (x is None or _is_number(x)))
+            fail(f"{key}[{i}] = {json.dumps(v[i])} is not a number")
+        try:
+            t = torch.tensor([math.nan if x is None else x for x in v], dtype=torch.float64)
+        except (OverflowError, RuntimeError):  # an integer too large for a float
+            i = next(i for i, x in enumerate(v) if x is not None and not _to_float(x)[1])
+            fail(f"{key}[{i}] is not finite (an integer of {len(str(abs(v[i])))} digits)")
+        inf = torch.nonzero(torch.isinf(t)).flatten()
+        if inf.numel():
+            fail(f"{key}[{int(inf[0])}] is not finite ({t[int(inf[0])].item()})")
+        trained = torch.tensor(mask, dtype=torch.bool) if mask is not None else torch.arange(n) > 0
+        null_trained = torch.nonzero(torch.isnan(t) & trained).flatten()
+        if null_trained.numel():
+            i = int(null_trained[0])
+            fail(f"{key}[{i}] is null, but token {i} is trained (loss mask 1) and needs a value")
+        setattr(traj, key, t)
     return traj
 
 
@@ -314,8 +331,7 @@ def _build(group: list[Trajectory], source: str) -> TrajectoryTree:
     def per_token(key):
         if getattr(group[0], key) is None:
             return None
-        return torch.tensor([math.nan if x is None else x for t in group for x in getattr(t, key)],
-                            dtype=torch.float64)
+        return torch.cat([getattr(t, key) for t in group])
 
     return TrajectoryTree(tree_id=tid, tree=tree, source=source, lines=[t.line for t in group],
                           advantages=per_path("advantage"), rewards=per_path("reward"),
