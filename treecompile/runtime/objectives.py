@@ -86,7 +86,7 @@ def _pad(x: torch.Tensor, batch: TreeBatch, like: torch.Tensor) -> torch.Tensor:
 def _per_path(value, batch: TreeBatch, name: str) -> torch.Tensor:
     if value is None:
         if name not in batch.extras:
-            raise ValueError(f"{name}: not given and not in batch.extras")
+            raise ValueError(f"{name}: not given and not in batch.extras (pass {name}=..., or give it in the data)")
         value = batch.extras[name]
     v = torch.as_tensor(value, dtype=torch.float64).cpu()
     if v.dim() != 1 or v.numel() != batch.num_paths:
@@ -100,7 +100,7 @@ def _per_path(value, batch: TreeBatch, name: str) -> torch.Tensor:
 def _per_token(value, batch: TreeBatch, name: str, like: torch.Tensor) -> torch.Tensor:
     if value is None:
         if name not in batch.extras:
-            raise ValueError(f"{name}: not given and not in batch.extras")
+            raise ValueError(f"{name}: not given and not in batch.extras (pass {name}=..., or give it in the data)")
         value = batch.extras[name]
     v = torch.as_tensor(value)
     if v.dim() != 1 or v.numel() not in (batch.num_tokens, batch.seq_len):
