@@ -99,12 +99,20 @@ def load_model(spec: str, *, dtype: str = "float32", seed: int = 0):
     except ImportError:
         raise UserError(f"MODEL {spec}: loading a Hugging Face directory needs transformers "
                         f"(pip install 'treecompile[hf]')") from None
+    tf_log = transformers.utils.logging
+    verbosity, bars = tf_log.get_verbosity(), tf_log.is_progress_bar_enabled()
+    tf_log.set_verbosity_error()  # missing weights are reported below, in one line
+    tf_log.disable_progress_bar()
     try:
         model, info = transformers.AutoModelForCausalLM.from_pretrained(
             str(d), dtype=torch_dtype, output_loading_info=True)
     except Exception as e:
         raise UserError(f"{d}: transformers could not load the model ({type(e).__name__}: "
                         f"{str(e).strip().splitlines()[0] if str(e).strip() else ''})") from None
+    finally:
+        tf_log.set_verbosity(verbosity)
+        if bars:
+            tf_log.enable_progress_bar()
     missing = sorted(info.get("missing_keys") or [])
     bad = sorted(info.get("mismatched_keys") or [])
     if missing or bad:  # transformers would initialise these at random: refuse
@@ -433,7 +441,11 @@ def _user_error_types() -> tuple:
 
 def main(argv=None) -> int:
     ap = build_parser()
-    args = ap.parse_args(argv)  # usage errors: argparse prints them and exits with 2
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:  # everything after `bench` belongs to the harness, options included
+        args = argparse.Namespace(command="bench", args=argv[1:], func=cmd_bench)
+    else:
+        args = ap.parse_args(argv)  # usage errors: argparse prints them and exits with 2
     try:
         return args.func(args)
     except _user_error_types() as e:
