@@ -226,8 +226,7 @@ def save(tmodel, directory: str | os.PathLike, *, manifest_extra: dict | None = 
 
     # re-export the rewritten graph with the weights swapped for stand-ins (no second weight copy)
     stand = {k: _stand_in(v.detach()) for k, v in tensors.items() if k not in tied}
-    if kinds:
-        stand = {k: stand[tied.get(k, k)] for k in tensors}
+    stand = {k: stand[tied.get(k, k)] for k in tensors}  # aliases share their stand-in
     holder = _Holder(tmodel, stand, kinds, non_persistent)
     for p in holder.parameters():
         p.requires_grad_(True)
@@ -271,6 +270,11 @@ def save(tmodel, directory: str | os.PathLike, *, manifest_extra: dict | None = 
             torch.export.save(ep, tmp / PROGRAM)
         safetensors.torch.save_file(weights, str(tmp / WEIGHTS), metadata={"format": "pt"})
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        umask = os.umask(0)
+        os.umask(umask)  # mkdtemp makes 0700 and some writers 0600: give the usual modes
+        os.chmod(tmp, 0o777 & ~umask)
+        for f in (PROGRAM, WEIGHTS, MANIFEST):
+            os.chmod(tmp / f, 0o666 & ~umask)
         if out.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=parent))
             os.replace(out, old / "x")
