@@ -82,6 +82,35 @@ class TreeModel(nn.Module):
         self._bucket = bucket
         self._compiled = None
 
+    @classmethod
+    def from_program(cls, model: nn.Module, program, *, input_name: str, user_inputs: list[str],
+                     tree_inputs: list[str], conv_width: int | None, pass_results: dict,
+                     compile_cuda: bool = True, bucket: bool = True) -> "TreeModel":
+        """A TreeModel around an already rewritten, lifted ``program`` (no capture, no passes).
+
+        Used by ``treecompile.load``: ``model`` holds the tensors the program's lifted placeholders
+        name (by FQN); the program's inputs are the lifted ones, then ``user_inputs``, then
+        ``tree_<field>`` for each of ``tree_inputs``.
+        """
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        for name, child in model.named_children():
+            self.add_module(name, child)
+        for name, p in model.named_parameters(recurse=False):
+            self.register_parameter(name, p)
+        for name, b in model.named_buffers(recurse=False):
+            self.register_buffer(name, b)
+        object.__setattr__(self, "model", model)
+        object.__setattr__(self, "graph_module", program.graph_module)
+        object.__setattr__(self, "exported_program", program)
+        self.pass_results = dict(pass_results)
+        self._lifted = [(s.kind, s.target) for s in program.graph_signature.input_specs
+                        if s.kind != InputKind.USER_INPUT]
+        self._user_inputs, self._input_name = list(user_inputs), input_name
+        self._tree_inputs, self._conv_width = list(tree_inputs), conv_width
+        self._compile_cuda, self._bucket, self._compiled = compile_cuda, bucket, None
+        return self
+
     # ------------------------------------------------------------------ running
     def _lifted_values(self):
         vals = []

@@ -1,0 +1,350 @@
+"""The command line: stats == POR/ERR computed independently; bad inputs exit 1 in one line, leaving nothing.
+
+Most commands run in-process through ``cli.main`` (fast); a few run as ``python -m treecompile`` to
+check exit codes and that no traceback reaches the user.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from treecompile import cli
+from treecompile.runtime.partition import pack
+from treecompile.tree import Tree
+
+ROOT = Path(__file__).resolve().parents[1]
+COMMANDS = ["demo", "rewrite", "inspect", "stats", "bench"]
+
+
+def run_cli(argv, capsys):
+    try:
+        rc = cli.main(argv)
+    except SystemExit as e:  # argparse: --help (0) and usage errors (2)
+        rc = e.code
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def one_line_error(err: str, *needles: str) -> None:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+
+
+def listing(d: Path) -> list[str]:
+    return sorted(str(p.relative_to(d)) for p in d.rglob("*"))
+
+
+# ---------------------------------------------------------------------------------------------- stats
+def random_trees(seed: int, n_trees: int):
+    rng = random.Random(seed)
+    trees = {}
+    for t in range(n_trees):
+        base = [rng.randrange(1, 50) for _ in range(rng.randrange(1, 30))]
+        paths = []
+        for _ in range(rng.randrange(1, 8)):
+            cut = rng.randrange(0, len(base) + 1)
+            paths.append(base[:cut] + [rng.randrange(1, 50) for _ in range(rng.randrange(0 if cut else 1, 25))])
+        if rng.random() < 0.3:
+            paths.append(list(paths[0]))  # a duplicate
+        trees[f"t{t}" if t % 2 else t] = paths  # string and integer ids
+    return trees
+
+
+def write_jsonl(path: Path, trees: dict, seed: int = 0) -> None:
+    rng = random.Random(seed)
+    lines = [(tid, p) for tid, paths in trees.items() for p in paths]
+    first = {}
+    for i, (tid, _) in enumerate(lines):
+        first.setdefault(tid, i)
+    rng.shuffle(lines)  # interleave trees; the reader keeps first-appearance order
+    with open(path, "w") as f:
+        for i, (tid, p) in enumerate(lines):
+            key = "tree_id" if i % 3 else "group_id"
+            f.write(json.dumps({key: tid, "input_ids": p, "reward": 1.0}) + "\n")
+            if i % 5 == 0:
+                f.write("\n")  # blank lines are skipped
+
+
+def independent(paths: list[list[int]], C: int) -> dict:
+    """POR/ERR from prefix sets, not from Tree: unique tokens = distinct non-empty prefixes."""
+    path_tokens = sum(len(p) for p in paths)
+    unique = len({tuple(p[:i + 1]) for p in paths for i in range(len(p))})
+    out = {"path_tokens": path_tokens, "unique_tokens": unique, "por": 1 - unique / path_tokens,
+           "err_whole": 1 - unique / path_tokens, "err_rf": 1 - unique / path_tokens}
+    if max(len(p) for p in paths) <= C:
+        plan = pack(Tree.from_paths(paths), C)
+        computed = 0
+        for i in range(len(plan)):  # a partition computes the union of its leaves' prefixes
+            part = plan.leaf_paths(i)
+            union = {tuple(p[:j + 1]) for p in part for j in range(len(p))}
+            assert len(union) <= C
+            computed += len(union)
+        out["err_packed"], out["packed_parts"] = 1 - computed / path_tokens, len(plan)
+        out["packed_computed"] = computed
+    else:
+        out["err_packed"] = None
+    return out
+
+
+@pytest.mark.parametrize("C", [24, 40])
+def test_stats_matches_independent_por_err(tmp_path, capsys, C):
+    trees = random_trees(seed=C, n_trees=12)
+    data = tmp_path / "data.jsonl"
+    write_jsonl(data, trees, seed=C)
+    rc, out, err = run_cli(["stats", str(data), "--budget", str(C), "--json"], capsys)
+    assert rc == 0, err
+    rep = json.loads(out)
+    assert [r["tree_id"] for r in rep["trees"]] == [k for k in _first_order(data)]
+    tot_pt = tot_ut = tot_packed = 0
+    packed_ok = True
+    for r in rep["trees"]:
+        paths = trees[r["tree_id"]]
+        want = independent(paths, C)
+        assert r["paths"] == len(paths)
+        assert r["path_tokens"] == want["path_tokens"] and r["unique_tokens"] == want["unique_tokens"]
+        assert r["por"] == pytest.approx(want["por"], abs=1e-15)
+        assert r["modes"]["whole"]["err"] == pytest.approx(want["err_whole"], abs=1e-15)
+        assert r["modes"]["redundancy_free"]["err"] == pytest.approx(want["err_rf"], abs=1e-15)
+        if want["err_packed"] is None:
+            assert r["modes"]["packed"]["err"] is None and "exceeds the budget" in r["modes"]["packed"]["why"]
+            packed_ok = False
+        else:
+            assert r["modes"]["packed"]["err"] == pytest.approx(want["err_packed"], abs=1e-15)
+            assert r["modes"]["packed"]["partitions"] == want["packed_parts"]
+            tot_packed += want["packed_computed"]
+        tot_pt += want["path_tokens"]
+        tot_ut += want["unique_tokens"]
+    t = rep["total"]
+    assert t["path_tokens"] == tot_pt and t["unique_tokens"] == tot_ut
+    assert t["por"] == pytest.approx(1 - tot_ut / tot_pt, abs=1e-15)  # token-summed, not a mean of ratios
+    assert t["modes"]["redundancy_free"]["err"] == pytest.approx(1 - tot_ut / tot_pt, abs=1e-15)
+    if packed_ok:
+        assert t["modes"]["packed"]["err"] == pytest.approx(1 - tot_packed / tot_pt, abs=1e-15)
+    else:
+        assert t["modes"]["packed"]["err"] is None
+    assert C != 24 or not packed_ok  # the small budget does exercise the "path too long" row
+
+    rc, out, err = run_cli(["stats", str(data), "--budget", str(C)], capsys)
+    assert rc == 0 and err == ""
+    assert "| TOTAL" in out and "ERR packed" in out and "ERR redundancy_free" in out
+    assert f"{1 - tot_ut / tot_pt:.4f}" in out
+
+
+def _first_order(path: Path) -> list:
+    seen = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            rec = json.loads(line)
+            tid = rec.get("tree_id", rec.get("group_id"))
+            if tid not in seen:
+                seen.append(tid)
+    return seen
+
+
+@pytest.mark.parametrize("line, needle", [
+    ('{"tree_id": 1, "input_ids": [1, 2', "invalid JSON"),
+    ('{"tree_id": 1}', '"input_ids" must be'),
+    ('{"tree_id": 1, "input_ids": [1, -2]}', "-2"),
+    ('{"tree_id": 1, "input_ids": [1, 2.5]}', "2.5"),
+    ('{"input_ids": [1, 2]}', "tree_id"),
+    ('[1, 2, 3]', "JSON object"),
+])
+def test_stats_jsonl_errors_name_file_and_line(tmp_path, capsys, line, needle):
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"tree_id": 1, "input_ids": [1, 2, 3]}\n\n' + line + "\n")
+    before = listing(tmp_path)
+    rc, out, err = run_cli(["stats", str(data)], capsys)
+    assert rc == 1 and out == ""
+    one_line_error(err, f"{data}:3", needle)
+    assert listing(tmp_path) == before
+
+
+def test_stats_missing_file_and_bad_budget(tmp_path, capsys):
+    rc, _, err = run_cli(["stats", str(tmp_path / "none.jsonl")], capsys)
+    assert rc == 1
+    one_line_error(err, "none.jsonl", "no such file")
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"tree_id": 1, "input_ids": [1, 2, 3]}\n')
+    rc, _, err = run_cli(["stats", str(data), "--budget", "0"], capsys)
+    assert rc == 1
+    one_line_error(err, "--budget")
+    rc, _, err = run_cli(["stats", str(data), "--budget", "many"], capsys)
+    assert rc == 2 and "--budget" in err
+
+
+def test_progress_bar_only_on_a_terminal(capsys):
+    bar = cli.Progress(100, "x", enabled=False)
+    bar.update(50)
+    bar.close()
+    assert capsys.readouterr().err == ""
+    bar = cli.Progress(100, "x", enabled=True)
+    bar.update(50)
+    bar.close()
+    assert "50%" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------- rewrite
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    d = tmp_path_factory.mktemp("hf") / "qwen3"
+    cfg = transformers.Qwen3Config(vocab_size=11, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+    torch.manual_seed(0)
+    transformers.Qwen3ForCausalLM(cfg).save_pretrained(d)
+    return d
+
+
+def _copy_dir(src: Path, dst: Path) -> Path:
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+def test_rewrite_and_inspect_reference_model(tmp_path, capsys):
+    out_dir = tmp_path / "out"
+    rc, out, err = run_cli(["rewrite", "dense-tiny", "--out", str(out_dir), "--seed", "3"], capsys)
+    assert rc == 0, err
+    assert "rewrite_attention=2" in out
+    assert listing(tmp_path) == ["out", "out/manifest.json", "out/model.safetensors", "out/program.pt2"]
+    rc, out, err = run_cli(["inspect", str(out_dir)], capsys)
+    assert rc == 0, err
+    assert "treecompile::tree_attention" in out and "Attention" in out and "dense-tiny" in out
+    assert "tree_subtree_end" in out and "float32" in out
+    rc, out, _ = run_cli(["inspect", str(out_dir), "--json"], capsys)
+    assert rc == 0 and json.loads(out)["extra"] == {"source": "dense-tiny", "seed": 3, "dtype": "float32"}
+    # an existing non-empty --out is refused before any work, and left as it was
+    rc, _, err = run_cli(["rewrite", "dense-tiny", "--out", str(out_dir)], capsys)
+    assert rc == 1
+    one_line_error(err, f"--out {out_dir}", "--overwrite")
+    assert listing(tmp_path) == ["out", "out/manifest.json", "out/model.safetensors", "out/program.pt2"]
+
+
+def test_rewrite_bad_inputs_exit_1_and_leave_nothing(tmp_path, capsys, hf_dir):
+    cases = []
+    cases.append((["rewrite", str(tmp_path / "missing")], ["missing", "no such directory"]))
+    no_weights = tmp_path / "no_weights"
+    no_weights.mkdir()
+    (no_weights / "config.json").write_text((hf_dir / "config.json").read_text())
+    cases.append((["rewrite", str(no_weights)], ["no_weights", "no *.safetensors"]))
+    corrupt = _copy_dir(hf_dir, tmp_path / "corrupt")
+    w = corrupt / "model.safetensors"
+    w.write_bytes(w.read_bytes()[:200])
+    cases.append((["rewrite", str(corrupt)], ["model.safetensors", "cannot read safetensors"]))
+    garbage = _copy_dir(hf_dir, tmp_path / "garbage")
+    (garbage / "model.safetensors").write_bytes(b"\x00" * 64)
+    cases.append((["rewrite", str(garbage)], ["model.safetensors", "cannot read safetensors"]))
+    badjson = _copy_dir(hf_dir, tmp_path / "badjson")
+    (badjson / "config.json").write_text("{not json")
+    cases.append((["rewrite", str(badjson)], ["config.json", "invalid JSON"]))
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    cases.append((["rewrite", "dense-tiny", "--out", str(a_file / "out")], ["--out", "does not exist"]))
+    cases.append((["rewrite", "nonsense-model"], ["nonsense-model", "dense-tiny"]))
+    for argv, needles in cases:
+        if "--out" not in argv:
+            argv = argv + ["--out", str(tmp_path / "out")]
+        before = listing(tmp_path)
+        rc, out, err = run_cli(argv, capsys)
+        assert rc == 1, (argv, err)
+        one_line_error(err, *needles)
+        assert listing(tmp_path) == before, argv
+
+
+def test_rewrite_weights_missing_a_tensor_is_refused(tmp_path, capsys, hf_dir):
+    from safetensors.torch import load_file, save_file
+
+    d = _copy_dir(hf_dir, tmp_path / "partial")
+    state = load_file(str(d / "model.safetensors"))
+    state.pop("model.norm.weight")
+    save_file(state, str(d / "model.safetensors"), metadata={"format": "pt"})
+    rc, _, err = run_cli(["rewrite", str(d), "--out", str(tmp_path / "out")], capsys)
+    assert rc == 1
+    one_line_error(err, "model.norm.weight")
+    assert not (tmp_path / "out").exists()
+
+
+def test_rewrite_unwritable_out_fails_late_and_leaves_nothing(tmp_path, capsys, monkeypatch):
+    """The write itself fails (disk full): one line, exit 1, no temp directory left."""
+    import safetensors.torch
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    rc, _, err = run_cli(["rewrite", "dense-tiny", "--out", str(tmp_path / "out")], capsys)
+    assert rc == 1
+    one_line_error(err, "--out", "No space left on device")
+    assert listing(tmp_path) == []
+
+
+def test_inspect_errors(tmp_path, capsys):
+    rc, _, err = run_cli(["inspect", str(tmp_path / "nope")], capsys)
+    assert rc == 1
+    one_line_error(err, "nope", "no such directory")
+    rc, _, err = run_cli(["inspect", str(tmp_path)], capsys)
+    assert rc == 1
+    one_line_error(err, "manifest.json", "missing")
+
+
+# ---------------------------------------------------------------------------------------------- bench, help
+def test_bench_forwards_to_the_harness(capsys, monkeypatch):
+    seen = []
+    pkg = types.ModuleType("benchmarks")
+    harness = types.ModuleType("benchmarks.harness")
+    harness.main = lambda argv: seen.append(argv) or 0
+    pkg.harness = harness
+    monkeypatch.setitem(sys.modules, "benchmarks", pkg)
+    monkeypatch.setitem(sys.modules, "benchmarks.harness", harness)
+    rc, _, _ = run_cli(["bench", "--model", "dense-tiny", "--help"], capsys)
+    assert rc == 0 and seen == [["--model", "dense-tiny", "--help"]]
+
+
+def test_bench_without_harness_is_a_clear_error(capsys, monkeypatch):
+    monkeypatch.setattr(cli, "_import_harness", lambda: None)
+    rc, _, err = run_cli(["bench", "--quick"], capsys)
+    assert rc == 1
+    one_line_error(err, "benchmark harness")
+    rc, out, _ = run_cli(["bench", "--help"], capsys)
+    assert rc == 0 and "usage: treecompile bench" in out
+
+
+@pytest.mark.parametrize("cmd", COMMANDS[:-1])
+def test_help_everywhere(capsys, cmd):
+    rc, out, _ = run_cli([cmd, "--help"], capsys)
+    assert rc == 0 and f"treecompile {cmd}" in out
+
+
+def test_usage_errors_exit_2(capsys):
+    for argv in ([], ["rewrite", "dense-tiny"], ["nope"], ["stats"], ["rewrite", "dense-tiny", "--out", "x",
+                                                                      "--dtype", "int3"]):
+        rc, _, err = run_cli(argv, capsys)
+        assert rc == 2, argv
+        assert "usage:" in err
+
+
+def test_entry_point_exit_codes_without_traceback(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"tree_id": 1, "input_ids": [1, 2]}\n{oops\n')
+    p = subprocess.run([sys.executable, "-m", "treecompile", "stats", str(bad)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1 and p.stdout == ""
+    one_line_error(p.stderr, f"{bad}:2", "invalid JSON")
+    p = subprocess.run([sys.executable, "-m", "treecompile", "inspect"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "Traceback" not in p.stderr

@@ -1,0 +1,215 @@
+"""Saved programs: ``treecompile.saved.load(DIR)`` in a fresh process == ``treecompile.compile(model)``, exactly.
+
+Dense and hybrid reference models (saved through the API) and an HF Qwen3 directory written with
+``save_pretrained`` (rewritten through ``treecompile rewrite``): loss, per-token log-probs, every
+gradient, and the parameters after one SGD step are compared with ``torch.equal`` (bitwise).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import treecompile
+from treecompile import Tree, cli, saved
+from treecompile.models import DenseConfig, DenseForCausalLM, HybridConfig, HybridForCausalLM
+
+ROOT = Path(__file__).resolve().parents[1]
+# odd shapes on purpose: duplicates, a path that is a prefix of another, one-token nodes, a forest
+PATHS = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6], [1, 2], [1, 2, 7, 8, 9, 3, 3, 3, 3], [1, 2, 7, 5],
+         [4, 5, 6], [4, 10, 1, 2, 3, 4, 5, 6, 7, 8]]
+MASKS = [[0] + [1] * (len(p) - 1) for p in PATHS]
+MASKS[3][:4] = [0, 0, 0, 0]
+WEIGHTS = [1.0, 0.5, 2.0, 1.0, -1.0, 1.0, 0.25]
+LR = 0.1
+
+
+def make_batch():
+    return Tree.from_paths(PATHS, loss_masks=MASKS, path_weights=WEIGHTS).to_batch(normalize="path_mean")
+
+
+def run_and_step(tmodel) -> dict:
+    """Loss, logprobs, named grads, and the parameters after one SGD step (and the loss after it)."""
+    batch = make_batch()
+    out = tmodel(batch)
+    named = [(n, p) for n, p in tmodel.named_parameters()]
+    grads = torch.autograd.grad(out.loss, [p for _, p in named])
+    res = {"loss": out.loss.detach(), "logprobs": out.logprobs.detach(),
+           "grads": {n: g for (n, _), g in zip(named, grads)}}
+    opt = torch.optim.SGD([p for _, p in named], lr=LR)
+    for (_, p), g in zip(named, grads):
+        p.grad = g
+    opt.step()
+    opt.zero_grad()
+    res["loss_after"] = tmodel(batch).loss.detach()
+    res["params_after"] = {n: p.detach().clone() for n, p in named}
+    return res
+
+
+CHILD = textwrap.dedent("""
+    import sys, torch
+    sys.path.insert(0, sys.argv[1])
+    import treecompile
+    from treecompile import saved
+    from test_saved import run_and_step
+    results = {}
+    for name, d in zip(sys.argv[3::2], sys.argv[4::2]):
+        tm = saved.load(d)
+        results[name] = run_and_step(tm)
+        results[name]["state_keys"] = sorted(tm.state_dict())
+        results[name]["treecompile_file"] = treecompile.__file__
+    torch.save(results, sys.argv[2])
+""")
+
+
+@pytest.fixture(scope="module")
+def saved_models(tmp_path_factory):
+    """name -> (saved dir, results of the freshly compiled model); the dirs are written once."""
+    tmp = tmp_path_factory.mktemp("saved")
+    out = {}
+    torch.manual_seed(0)
+    dense = DenseForCausalLM(DenseConfig.tiny(vocab_size=11)).double()
+    torch.manual_seed(1)
+    hybrid = HybridForCausalLM(HybridConfig.tiny(vocab_size=11)).double()
+    for name, model in (("dense", dense), ("hybrid", hybrid)):
+        tm = treecompile.compile(model)
+        saved.save(tm, tmp / name)
+        out[name] = (tmp / name, run_and_step(tm), tm)
+
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Qwen3Config(vocab_size=11, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                   tie_word_embeddings=True)
+    torch.manual_seed(2)
+    transformers.Qwen3ForCausalLM(cfg).save_pretrained(tmp / "hf_qwen3")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp / "hf_qwen3", dtype=torch.float64)
+    tm = treecompile.compile(model)
+    assert cli.main(["rewrite", str(tmp / "hf_qwen3"), "--out", str(tmp / "hf"), "--dtype", "float64"]) == 0
+    out["hf_qwen3"] = (tmp / "hf", run_and_step(tm), tm)
+    return out
+
+
+@pytest.fixture(scope="module")
+def loaded_in_fresh_process(saved_models, tmp_path_factory):
+    res = tmp_path_factory.mktemp("child") / "results.pt"
+    args = [str(ROOT / "tests"), str(res)]
+    for name, (d, _, _) in saved_models.items():
+        args += [name, str(d)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    p = subprocess.run([sys.executable, "-c", CHILD, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return torch.load(res, weights_only=False)
+
+
+@pytest.mark.parametrize("name", ["dense", "hybrid", "hf_qwen3"])
+def test_load_in_fresh_process_equals_compile_exactly(saved_models, loaded_in_fresh_process, name):
+    _, want, tm = saved_models[name]
+    got = loaded_in_fresh_process[name]
+    assert Path(got["treecompile_file"]).resolve().is_relative_to(ROOT)  # this checkout, not another install
+    assert torch.equal(got["loss"], want["loss"])
+    assert torch.equal(got["logprobs"], want["logprobs"])
+    assert got["grads"].keys() == want["grads"].keys()
+    for k in want["grads"]:
+        assert torch.equal(got["grads"][k], want["grads"][k]), k
+    assert any(float(g.abs().max()) > 0 for g in want["grads"].values())
+    # an optimizer on the loaded parameters trains them exactly as it trains the original's
+    assert torch.equal(got["loss_after"], want["loss_after"])
+    assert not torch.equal(want["loss_after"], want["loss"])
+    for k in want["params_after"]:
+        assert torch.equal(got["params_after"][k], want["params_after"][k]), k
+    # parameter and buffer names are the model's own (HF names), tied weights included
+    assert set(got["state_keys"]) == set(tm.model.state_dict())
+
+
+def test_manifest_records_passes_inputs_and_weights(saved_models):
+    d, _, tm = saved_models["hybrid"]
+    m = saved.read_manifest(d)
+    assert m["format"] == saved.FORMAT and m["torch_version"] == torch.__version__
+    assert {k: v["count"] for k, v in m["passes"].items()} == {k: v.count for k, v in tm.pass_results.items()}
+    assert [r["name"] for r in m["inputs"]] == ["input_ids"] + [f"tree_{n}" for n in tm._tree_inputs]
+    conv = next(r for r in m["inputs"] if r["name"] == "tree_conv_index")
+    assert conv["shape"] == ["T", tm._conv_width]
+    ops = {(r["layer_type"], r["op"]): r["count"] for r in m["replaced_ops"]}
+    n_gdn = sum(t == "linear_attention" for t in tm.model.config.layer_types)
+    assert ops[("GatedDeltaNet", "treecompile::tree_gated_delta_rule")] == n_gdn
+    assert ops[("Attention", "treecompile::tree_attention")] == len(tm.model.config.layer_types) - n_gdn
+    assert m["num_parameters"] == sum(p.numel() for p in tm.parameters())
+    # the program does not carry a second copy of the weights
+    assert (d / saved.PROGRAM).stat().st_size < 2 * (d / saved.WEIGHTS).stat().st_size + 600_000
+
+
+def test_tied_weights_stored_once_and_shared_after_load(saved_models):
+    d, _, _ = saved_models["hf_qwen3"]
+    m = saved.read_manifest(d)
+    assert m["tied"] == {"lm_head.weight": "model.embed_tokens.weight"}
+    tm = saved.load(d)
+    assert tm.model.get_parameter("lm_head.weight") is tm.model.get_parameter("model.embed_tokens.weight")
+
+
+def test_save_refuses_non_empty_dir_and_failure_leaves_nothing(saved_models, tmp_path, monkeypatch):
+    _, _, tm = saved_models["dense"]
+    target = tmp_path / "busy"
+    target.mkdir()
+    (target / "keep.txt").write_text("x")
+    with pytest.raises(FileExistsError, match="busy"):
+        saved.save(tm, target)
+    assert [p.name for p in target.iterdir()] == ["keep.txt"]
+
+    import safetensors.torch
+
+    def boom(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", boom)
+    with pytest.raises(OSError):
+        saved.save(tm, tmp_path / "new")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["busy"]
+
+
+def test_overwrite_replaces_atomically(saved_models, tmp_path):
+    _, _, tm = saved_models["dense"]
+    target = tmp_path / "out"
+    saved.save(tm, target)
+    saved.save(tm, target, overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert sorted(p.name for p in target.iterdir()) == sorted([saved.PROGRAM, saved.WEIGHTS, saved.MANIFEST])
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+def test_load_errors_name_the_file(saved_models, tmp_path):
+    src, _, _ = saved_models["dense"]
+    with pytest.raises(saved.SavedProgramError, match="no such directory"):
+        saved.load(tmp_path / "nope")
+    d = _copy(src, tmp_path / "a")
+    w = d / saved.WEIGHTS
+    w.write_bytes(w.read_bytes()[: w.stat().st_size // 2])  # truncated
+    with pytest.raises(saved.SavedProgramError, match=r"model\.safetensors: cannot read"):
+        saved.load(d)
+    d = _copy(src, tmp_path / "b")
+    (d / saved.MANIFEST).unlink()
+    with pytest.raises(saved.SavedProgramError, match=r"manifest\.json: missing"):
+        saved.load(d)
+    d = _copy(src, tmp_path / "c")
+    m = json.loads((d / saved.MANIFEST).read_text())
+    m["tensors"]["model.norm.weight"]["shape"] = [3]
+    (d / saved.MANIFEST).write_text(json.dumps(m))
+    with pytest.raises(saved.SavedProgramError, match=r"model\.norm\.weight"):
+        saved.load(d)
+    d = _copy(src, tmp_path / "d")
+    (d / saved.PROGRAM).write_bytes(b"not a zip")
+    with pytest.raises(saved.SavedProgramError, match=r"program\.pt2: cannot load"):
+        saved.load(d)

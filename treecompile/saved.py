@@ -1,0 +1,375 @@
+"""Saved programs: rewrite once, train many times in other processes.
+
+``save(tmodel, DIR)`` writes three files, into a temporary sibling directory that is renamed into
+place only when all of them are written (a failure leaves nothing behind):
+
+- ``program.pt2``: the *rewritten* graph as a ``torch.export`` program.  It is re-exported from a
+  small module that holds the model's parameters and buffers under their original names (FQNs) and
+  whose forward calls the rewritten lifted graph, with a dynamic sequence length ``T`` and a dynamic
+  radix-node count ``N``.  The tree ops are ``torch.library.custom_op`` registrations
+  (``treecompile::tree_attention`` ...), which serialise by name; the flex_attention higher-order op
+  (the CUDA lowering) is *not* in the saved graph -- it is chosen at run time, as for a freshly
+  compiled model -- because ``torch.export.save`` cannot serialise its block-mask arguments.
+  The program's own copy of the weights is replaced by zero-stride stand-ins before saving (a few
+  bytes each): ``model.safetensors`` is the one copy of the weights.
+- ``model.safetensors``: every lifted parameter and buffer under its model name (HF names for HF
+  models and for treecompile's reference models); a tied weight is stored once, under the name the
+  program uses.
+- ``manifest.json``: format version, treecompile/torch versions, the model class, the passes applied
+  with what each changed, the ops that were replaced per layer (module) type, and the inputs the
+  program expects (names, dtypes, shapes in ``T``/``N``).
+
+``load(DIR)`` returns a :class:`~treecompile.compile.TreeModel` built from the program
+(:meth:`TreeModel.from_program`): same ``forward(batch) -> TreeOutput``, parameters trainable
+(``load(DIR).parameters()`` go into an optimizer as usual).  The tree ops must be registered, so
+loading imports ``treecompile.ops``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.export import Dim
+from torch.export.graph_signature import InputKind
+
+__all__ = ["save", "load", "read_manifest", "SavedProgramError", "FORMAT", "PROGRAM", "WEIGHTS", "MANIFEST"]
+
+FORMAT = "treecompile-saved/1"
+PROGRAM, WEIGHTS, MANIFEST = "program.pt2", "model.safetensors", "manifest.json"
+
+# which pass (or capture step) puts each tree op into the graph, for the manifest and `inspect`
+OP_ORIGIN = {
+    "tree_attention": ("rewrite_attention", "causal scaled_dot_product_attention"),
+    "tree_gated_delta_rule": ("capture swap + route_gdn_states", "chunk_gated_delta_rule"),
+    "tree_causal_conv1d": ("capture swap + route_gdn_states", "causal_conv1d"),
+    "linear_logprobs": ("rewrite_loss", "lm_head + log_softmax + gather"),
+    "gather_logprobs": ("rewrite_loss", "log_softmax + gather"),
+}
+
+
+class SavedProgramError(ValueError):
+    """A saved directory is missing, incomplete or corrupt; the message names the file."""
+
+
+# ---------------------------------------------------------------------------------------------- holder
+def _set_tensor(root: nn.Module, fqn: str, value: torch.Tensor, *, kind: str, persistent: bool = True) -> None:
+    """Register ``value`` on ``root`` under the dotted name ``fqn``, creating empty submodules."""
+    *path, leaf = fqn.split(".")
+    mod = root
+    for part in path:
+        child = mod._modules.get(part)
+        if child is None:
+            child = nn.Module()
+            mod.add_module(part, child)
+        mod = child
+    if kind == "parameter":
+        mod.register_parameter(leaf, value if isinstance(value, nn.Parameter) else nn.Parameter(value))
+    else:
+        mod.register_buffer(leaf, value, persistent=persistent)
+
+
+class _Holder(nn.Module):
+    """The model's tensors under their FQNs; forward = the rewritten graph (for re-export only)."""
+
+    def __init__(self, tmodel, tensors: dict, kinds: dict, non_persistent: set):
+        super().__init__()
+        for fqn, t in tensors.items():
+            _set_tensor(self, fqn, t, kind=kinds[fqn], persistent=fqn not in non_persistent)
+        object.__setattr__(self, "_tm", tmodel)
+
+    def forward(self, input_ids: torch.Tensor, tree: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        tm = self._tm
+        args = []
+        for kind, target in tm._lifted:
+            if kind == InputKind.PARAMETER:
+                args.append(self.get_parameter(target))
+            elif kind == InputKind.BUFFER:
+                args.append(self.get_buffer(target))
+            else:  # lifted constants: closed over, re-lifted by export
+                args.append(tm.exported_program.constants[target])
+        for name in tm._user_inputs:
+            args.append(input_ids if name == tm._input_name else None)
+        args += [tree[name] for name in tm._tree_inputs]
+        return tuple(tm.graph_module(*args))
+
+
+def _example(tm) -> tuple[torch.Tensor, dict, dict]:
+    """Example inputs (a small tree: T=10 tokens, N=6 nodes) and their dynamic shapes."""
+    from treecompile.tree import Tree, ancestor_index
+
+    tree = Tree.from_paths([[1, 2, 3, 4, 5], [1, 2, 3, 6, 7], [1, 2, 8], [9, 1]])
+    b = tree.to_batch()
+    dev = tm.device
+    T, N = Dim("T", min=2, max=1 << 24), Dim("N", min=2, max=1 << 24)
+    tree_inputs, tree_dyn = {}, {}
+    for name in tm._tree_inputs:
+        v = getattr(b, name)
+        if name == "conv_index" and tm._conv_width is not None and v.shape[1] != tm._conv_width:
+            v = ancestor_index(b.pred_index, tm._conv_width)
+        tree_inputs[name] = v.to(dev)
+        tree_dyn[name] = {0: N} if name.startswith("node_") else {0: T}
+    assert b.seq_len == 10 and b.num_nodes == 6, "the example must keep T and N apart"
+    return b.input_ids[None].to(dev), tree_inputs, {"input_ids": {1: T}, "tree": tree_dyn}
+
+
+def _stand_in(t: torch.Tensor) -> torch.Tensor:
+    """A zero-stride view of one element with ``t``'s shape/dtype (keeps the .pt2 free of weights)."""
+    return t.new_zeros(1).expand(t.shape) if t.dim() else t.new_zeros(())
+
+
+# ---------------------------------------------------------------------------------------------- manifest
+def _ops_by_layer_type(gm) -> list[dict]:
+    """Tree ops in the rewritten graph, grouped by the class of the module that calls them."""
+    rows: dict[tuple[str, str], dict] = {}
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and getattr(n.target, "namespace", None) == "treecompile":
+            op = n.target._opname if hasattr(n.target, "_opname") else str(n.target).split(".")[1]
+            stack = list((n.meta.get("nn_module_stack") or {}).values())
+            path, cls = stack[-1] if stack else ("", "?")
+            cls = cls if isinstance(cls, str) else getattr(cls, "__name__", str(cls))
+            key = (cls.rsplit(".", 1)[-1], op)
+            r = rows.setdefault(key, {"layer_type": key[0], "op": f"treecompile::{op}",
+                                      "replaces": OP_ORIGIN.get(op, ("?", "?"))[1],
+                                      "pass": OP_ORIGIN.get(op, ("?", "?"))[0], "count": 0, "modules": []})
+            r["count"] += 1
+            if path not in r["modules"]:
+                r["modules"].append(path)
+    pos = [n for n in gm.graph.nodes if n.op == "placeholder" and n.name == "tree_position_ids"]
+    if pos:
+        users = {}
+        for u in pos[0].users:
+            stack = list((u.meta.get("nn_module_stack") or {}).values())
+            cls = stack[-1][1] if stack else "?"
+            cls = (cls if isinstance(cls, str) else getattr(cls, "__name__", str(cls))).rsplit(".", 1)[-1]
+            users[cls] = users.get(cls, 0) + 1
+        for cls, c in users.items():
+            rows[(cls, "positions")] = {"layer_type": cls, "op": "tree position_ids (depth)",
+                                        "replaces": "arange / cache_position", "pass": "rewrite_positions",
+                                        "count": c, "modules": []}
+    return list(rows.values())
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, (bool, int, float, str)) or x is None:
+        return x
+    return repr(x)
+
+
+def _input_table(tm) -> list[dict]:
+    from treecompile.passes.base import TREE_INPUTS
+
+    rows = [{"name": "input_ids", "dtype": "int64", "shape": ["T"], "batch_field": "input_ids"}]
+    for name in tm._tree_inputs:
+        dtype, shape = TREE_INPUTS[name]
+        if shape == "T":
+            sh = ["T"]
+        elif shape == "N":
+            sh = ["N"]
+        else:
+            sh = ["T", tm._conv_width]
+        rows.append({"name": f"tree_{name}", "dtype": str(dtype).removeprefix("torch."), "shape": sh,
+                     "batch_field": name})
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------- save
+def save(tmodel, directory: str | os.PathLike, *, manifest_extra: dict | None = None,
+         overwrite: bool = False) -> Path:
+    """Write ``tmodel`` (a :class:`TreeModel`) to ``directory``: program.pt2, model.safetensors, manifest.json.
+
+    Everything is written to a temporary sibling directory first, then renamed into place.  An
+    existing non-empty ``directory`` is an error unless ``overwrite=True``.
+    """
+    import safetensors.torch
+
+    import treecompile
+    from treecompile.compile import TreeModel
+
+    if not isinstance(tmodel, TreeModel):
+        raise TypeError(f"save expects a treecompile.TreeModel, got {type(tmodel).__name__}")
+    out = Path(directory)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+        raise FileExistsError(f"{out}: exists and is not an empty directory (pass overwrite=True to replace it)")
+    parent = out.parent if str(out.parent) else Path(".")
+    if not parent.is_dir():
+        raise FileNotFoundError(f"{parent}: no such directory")
+
+    sig = tmodel.exported_program.graph_signature
+    non_persistent = set(sig.non_persistent_buffers if hasattr(sig, "non_persistent_buffers") else ())
+    tensors, kinds = {}, {}
+    for kind, target in tmodel._lifted:
+        if kind == InputKind.PARAMETER:
+            tensors[target], kinds[target] = tmodel.model.get_parameter(target), "parameter"
+        elif kind == InputKind.BUFFER:
+            tensors[target], kinds[target] = tmodel.model.get_buffer(target), "buffer"
+    # tied weights (one tensor under several names, e.g. lm_head.weight = embed_tokens.weight) are
+    # stored once, under the first name; the others are recorded as aliases
+    first: dict[int, str] = {}
+    tied = {}
+    for k, v in tensors.items():
+        if id(v) in first:
+            tied[k] = first[id(v)]
+        else:
+            first[id(v)] = k
+    weights = {k: v.detach().cpu().contiguous() for k, v in tensors.items() if k not in tied}
+
+    # re-export the rewritten graph with the weights swapped for stand-ins (no second weight copy)
+    stand = {k: _stand_in(v.detach()) for k, v in tensors.items() if k not in tied}
+    stand = {k: stand[tied.get(k, k)] for k in tensors}  # aliases share their stand-in
+    holder = _Holder(tmodel, stand, kinds, non_persistent)
+    for p in holder.parameters():
+        p.requires_grad_(True)
+    ids, tree_inputs, dyn = _example(tmodel)
+    try:
+        ep = torch.export.export(holder, (ids, tree_inputs), dynamic_shapes=dyn, strict=False)
+    except Exception as e:
+        raise RuntimeError(f"re-exporting the rewritten graph failed: {type(e).__name__}: "
+                           f"{str(e).splitlines()[0] if str(e) else ''}") from e
+    phs = [s.arg.name for s in ep.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
+    expected = ["input_ids"] + [f"tree_{n}" for n in tmodel._tree_inputs]
+    if phs != expected:  # the loader relies on this order
+        raise RuntimeError(f"re-exported program inputs {phs} != expected {expected}")
+
+    manifest = {
+        "format": FORMAT,
+        "treecompile_version": treecompile.__version__,
+        "torch_version": torch.__version__,
+        "model_class": f"{type(tmodel.model).__module__}.{type(tmodel.model).__qualname__}",
+        "dtype": str(next(iter(weights.values())).dtype).removeprefix("torch.") if weights else None,
+        "passes": {k: {"count": v.count, "info": _jsonable(v.info)} for k, v in tmodel.pass_results.items()},
+        "replaced_ops": _ops_by_layer_type(tmodel.graph_module),
+        "inputs": _input_table(tmodel),
+        "outputs": [{"name": "loss", "dtype": "float", "shape": []},
+                    {"name": "logprobs", "dtype": "float", "shape": ["T"]}],
+        "conv_width": tmodel._conv_width,
+        "tensors": {k: {"kind": kinds[k], "persistent": k not in non_persistent,
+                        "dtype": str(v.dtype).removeprefix("torch."), "shape": list(v.shape)}
+                    for k, v in weights.items()},
+        "tied": tied,
+        "num_parameters": sum(v.numel() for k, v in weights.items() if kinds[k] == "parameter"),
+        "files": {"program": PROGRAM, "weights": WEIGHTS},
+    }
+    if manifest_extra:
+        manifest["extra"] = _jsonable(manifest_extra)
+
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=parent))
+    try:
+        with warnings.catch_warnings():  # the zero-stride stand-ins are "incomplete" by design
+            warnings.filterwarnings("ignore", message="No complete tensor found")
+            torch.export.save(ep, tmp / PROGRAM)
+        safetensors.torch.save_file(weights, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        umask = os.umask(0)
+        os.umask(umask)  # mkdtemp makes 0700 and some writers 0600: give the usual modes
+        os.chmod(tmp, 0o777 & ~umask)
+        for f in (PROGRAM, WEIGHTS, MANIFEST):
+            os.chmod(tmp / f, 0o666 & ~umask)
+        if out.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=parent))
+            os.replace(out, old / "x")
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- load
+def read_manifest(directory: str | os.PathLike) -> dict:
+    """The manifest of a saved directory; SavedProgramError naming the file if missing/invalid."""
+    d = Path(directory)
+    if not d.is_dir():
+        raise SavedProgramError(f"{d}: no such directory")
+    p = d / MANIFEST
+    if not p.is_file():
+        raise SavedProgramError(f"{p}: missing (not a treecompile saved program)")
+    try:
+        m = json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise SavedProgramError(f"{p}: invalid JSON ({e})") from None
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        got = m.get("format") if isinstance(m, dict) else type(m).__name__
+        raise SavedProgramError(f"{p}: format {got!r} is not {FORMAT!r}")
+    return m
+
+
+def load(directory: str | os.PathLike, *, device=None, **options):
+    """A :class:`~treecompile.compile.TreeModel` from a directory written by :func:`save`.
+
+    ``device``: where the weights go (default: CPU).  ``options``: TreeModel run options
+    (``compile_cuda``, ``bucket``).
+    """
+    import safetensors.torch
+
+    import treecompile.ops  # noqa: F401 - registers the tree ops the program calls by name
+    from treecompile.compile import TreeModel
+    from treecompile.passes.base import PassResult
+
+    d = Path(directory)
+    manifest = read_manifest(d)
+    wpath, ppath = d / WEIGHTS, d / PROGRAM
+    for p in (wpath, ppath):
+        if not p.is_file():
+            raise SavedProgramError(f"{p}: missing")
+    try:
+        weights = safetensors.torch.load_file(str(wpath), device=str(device or "cpu"))
+    except Exception as e:  # safetensors raises its own error types on corrupt headers
+        raise SavedProgramError(f"{wpath}: cannot read safetensors ({str(e).splitlines()[0]})") from None
+    specs = manifest.get("tensors", {})
+    missing = sorted(set(specs) - set(weights))
+    unexpected = sorted(set(weights) - set(specs))
+    if missing or unexpected:
+        raise SavedProgramError(f"{wpath}: tensors do not match {MANIFEST} (missing {missing[:5]}, "
+                                f"unexpected {unexpected[:5]})")
+    for k, s in specs.items():
+        w = weights[k]
+        if list(w.shape) != s["shape"] or str(w.dtype).removeprefix("torch.") != s["dtype"]:
+            raise SavedProgramError(f"{wpath}: {k} is {str(w.dtype)}{list(w.shape)}, "
+                                    f"{MANIFEST} says {s['dtype']}{s['shape']}")
+    try:
+        ep = torch.export.load(ppath)
+    except Exception as e:
+        raise SavedProgramError(f"{ppath}: cannot load the exported program "
+                                f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+
+    module = nn.Module()
+    for k, s in specs.items():
+        _set_tensor(module, k, weights[k], kind=s["kind"], persistent=s.get("persistent", True))
+    tied = manifest.get("tied", {})
+    for alias, k in tied.items():
+        if k not in specs:
+            raise SavedProgramError(f"{d / MANIFEST}: tied weight {alias} -> {k}, which {wpath.name} lacks")
+        src = module.get_parameter(k) if specs[k]["kind"] == "parameter" else module.get_buffer(k)
+        _set_tensor(module, alias, src, kind=specs[k]["kind"], persistent=specs[k].get("persistent", True))
+    sig = ep.graph_signature
+    lifted = [(s.kind, s.target) for s in sig.input_specs if s.kind != InputKind.USER_INPUT]
+    for kind, target in lifted:
+        if kind in (InputKind.PARAMETER, InputKind.BUFFER) and target not in specs and target not in tied:
+            raise SavedProgramError(f"{ppath}: the program reads {target}, which {wpath.name} lacks")
+    user = [s.arg.name for s in sig.input_specs if s.kind == InputKind.USER_INPUT]
+    if not user or user[0] != "input_ids" or not all(u.startswith("tree_") for u in user[1:]):
+        raise SavedProgramError(f"{ppath}: unexpected program inputs {user}")
+    if device is not None:
+        for k, v in list(ep.constants.items()):
+            if isinstance(v, torch.Tensor):
+                ep.constants[k] = v.to(device)
+    passes = {k: PassResult(v["count"], v.get("info", {})) for k, v in manifest.get("passes", {}).items()}
+    tm = TreeModel.from_program(module, ep, input_name="input_ids", user_inputs=["input_ids"],
+                                tree_inputs=[u[len("tree_"):] for u in user[1:]],
+                                conv_width=manifest.get("conv_width"), pass_results=passes, **options)
+    object.__setattr__(tm, "manifest", manifest)
+    return tm
