@@ -105,6 +105,9 @@ def _worker(rank: int, store: str, out_dir: str):
                     norm = GlobalNorm.from_trees(trees, normalize, grad_scale=WORLD)
                     batches, items, loads = rank_batches(trees, norm, rank=rank, world_size=WORLD,
                                                          capacity=capacity, seed=3)
+                    if capacity is None:  # whole trees: the counts can also come from the ranks' own trees
+                        results[(wrap, name, normalize, "all_reduce")] = GlobalNorm.all_reduce(
+                            [trees[it.tree] for it in items], normalize)
                     for p in tmodel.parameters():
                         p.grad = None
                     local = backward_step(module, batches)
@@ -183,6 +186,14 @@ def test_distributed_work_is_uneven_and_complete(dist_results):
     assert any(it.partition is not None for it in p0["items"]) and any(it.partition is not None for it in p1["items"])
 
 
+def test_global_norm_all_reduce_equals_whole_step(dist_results):
+    for name, spec, capacity in make_steps():
+        if capacity is None:
+            for normalize in NORMALIZATIONS:
+                want = GlobalNorm.from_trees(build_trees(spec), normalize, grad_scale=WORLD)
+                assert all(res[("ddp", name, normalize, "all_reduce")] == want for res in dist_results)
+
+
 @pytest.mark.parametrize("wrap", ["fsdp_root", "fsdp_layer"])
 def test_fsdp_parameters_are_sharded(dist_results, wrap):
     kind, local, full = dist_results[0][(wrap, "sharded")]
@@ -229,7 +240,7 @@ def test_dummy_batch_has_zero_gradient(compiled):
     model, tmodel = compiled
     out = tmodel(dummy_batch())
     grads = torch.autograd.grad(out.loss, list(model.parameters()))
-    assert float(out.loss) == 0 and all(g is not None and float(g.abs().max()) == 0 for g in grads)
+    assert float(out.loss.detach()) == 0 and all(g is not None and float(g.abs().max()) == 0 for g in grads)
 
 
 def test_deal_is_lpt_balanced_deterministic_and_complete():
