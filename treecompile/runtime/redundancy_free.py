@@ -122,9 +122,9 @@ class _Executor:
         self.peak = 0
 
     # ------------------------------------------------------------------ gathering boundary rows
-    def _gather(self, i: int, tokens: torch.Tensor, tok_of, leaf_of, dim: int, what: str):
-        """Rows of ``tokens`` (whole-tree indices) from the ancestors' leaves, concatenated along
-        ``dim`` in the order of ``tokens``; differentiable into the leaves."""
+    def _gather_index(self, i: int, tokens: torch.Tensor, tok_of, what: str):
+        """Where the rows of ``tokens`` (whole-tree indices) live: the ancestors that own them (chain
+        order) and each token's row in the concatenation of those ancestors' exports."""
         part = self.plan.partitions[i]
         owner = self.plan.owner[tokens]
         used = [a for a in part.ancestors if bool((owner == a).any())]
@@ -139,8 +139,14 @@ class _Executor:
             ta = tok_of(a)
             idx[sel] = off + _local(ta, tokens[sel], what, i)
             off += ta.numel()
+        return used, idx.to(self.device)
+
+    @staticmethod
+    def _take(where, leaf_of, dim: int) -> torch.Tensor:
+        """The gathered rows, differentiable into the ancestors' leaves."""
+        used, idx = where
         src = torch.cat([leaf_of(a) for a in used], dim) if len(used) > 1 else leaf_of(used[0])
-        return src.index_select(dim, idx.to(src.device))
+        return src.index_select(dim, idx)
 
     def _empty(self, k: int, n: int) -> torch.Tensor:
         shape, dtype = self.spec["input_shapes"][k]
@@ -195,29 +201,27 @@ class _Executor:
         conv_tok = self.conv_tok[i] if self.width else torch.empty(0, dtype=torch.long)
 
         # boundary inputs, in the graph's order
+        alive = self.alive
+        kv_at = self._gather_index(i, past, lambda a: alive[a].kv_tok, "K/V") if past.numel() else None
+        hang_at = self._gather_index(i, torch.tensor([hang]), lambda a: alive[a].hang_tok, "hang") if hang >= 0 else None
+        conv_at = self._gather_index(i, past[conv_used], lambda a: alive[a].conv_tok, "conv input") \
+            if conv_used.numel() else None
         extra = []
         for k, (kind, layer) in enumerate(spec["inputs"]):
             if kind in ("past_k", "past_v"):
                 j = 0 if kind == "past_k" else 1
-                extra.append(self._gather(i, past, lambda a: self.alive[a].kv_tok,
-                                          lambda a: self.alive[a].kv[layer][j], 2, "K/V")
-                             if past.numel() else self._empty(k, 0))
+                extra.append(self._take(kv_at, lambda a: alive[a].kv[layer][j], 2) if kv_at else self._empty(k, 0))
             elif kind == "past_visible":
                 extra.append(ex["past_visible"].to(self.device))
             elif kind == "initial_state":
-                extra.append(self._gather(i, torch.tensor([hang]), lambda a: self.alive[a].hang_tok,
-                                          lambda a: self.alive[a].states[layer], 0, "GDN state")[0]
-                             if hang >= 0 else self._empty(k, 0))
+                extra.append(self._take(hang_at, lambda a: alive[a].states[layer], 0)[0] if hang_at
+                             else self._empty(k, 0))
             elif kind == "state_nodes":
                 extra.append(state_nodes.to(self.device))
             elif kind == "past_x":
-                extra.append(self._gather(i, past[conv_used], lambda a: self.alive[a].conv_tok,
-                                          lambda a: self.alive[a].conv[layer], 2, "conv input")
-                             if conv_used.numel() else self._empty(k, 0))
+                extra.append(self._take(conv_at, lambda a: alive[a].conv[layer], 2) if conv_at else self._empty(k, 0))
             elif kind == "past_hidden":
-                extra.append(self._gather(i, torch.tensor([hang]), lambda a: self.alive[a].hang_tok,
-                                          lambda a: self.alive[a].hidden, 0, "hidden row")
-                             if hang >= 0 else self._empty(k, 0))
+                extra.append(self._take(hang_at, lambda a: alive[a].hidden, 0) if hang_at else self._empty(k, 0))
             else:
                 raise ValueError(f"unknown boundary input {kind!r}")
         outs = self.tm.graph_module(*self.tm.graph_inputs(b2), *extra)
