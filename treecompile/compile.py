@@ -24,8 +24,8 @@ from torch.export.graph_signature import InputKind
 
 from treecompile.frontend import Captured, capture
 from treecompile.passes import PassContext, run_passes
-from treecompile.passes.pipeline import BOUNDARY_PASSES
 from treecompile.passes.base import TREE_INPUTS
+from treecompile.passes.pipeline import BOUNDARY_PASSES
 from treecompile.tree import TreeBatch, ancestor_index
 
 __all__ = ["compile", "TreeModel", "TreeOutput", "bucket_length"]
