@@ -25,6 +25,7 @@ from torch.export.graph_signature import InputKind
 from treecompile.frontend import Captured, capture
 from treecompile.passes import PassContext, run_passes
 from treecompile.passes.base import TREE_INPUTS
+from treecompile.passes.pipeline import BOUNDARY_PASSES
 from treecompile.tree import TreeBatch, ancestor_index
 
 __all__ = ["compile", "TreeModel", "TreeOutput", "bucket_length"]
@@ -53,7 +54,7 @@ class TreeModel(nn.Module):
 
     def __init__(self, model: nn.Module, *, disable: tuple[str, ...] = (), debug: bool = False,
                  logits_chunk: int | None = None, compile_cuda: bool = True, swaps: list | None = None,
-                 bucket: bool = True):
+                 bucket: bool = True, boundary: bool = False):
         super().__init__()
         for name, child in model.named_children():
             self.add_module(name, child)
@@ -69,7 +70,9 @@ class TreeModel(nn.Module):
                              f"({sorted(ep.graph_signature.buffers_to_mutate.values())}); not supported")
         gm = ep.graph_module
         ctx = PassContext(gm, captured.input_name, {"logits_chunk": logits_chunk})
-        self.pass_results = run_passes(gm, ctx, disable=disable, debug=debug)
+        self.pass_results = run_passes(gm, ctx, disable=disable, debug=debug,
+                                       passes=BOUNDARY_PASSES if boundary else None)
+        self.boundary = self.pass_results["expose_boundary"].info if boundary else None
         object.__setattr__(self, "graph_module", gm)
         object.__setattr__(self, "exported_program", ep)
         self._lifted = [(s.kind, s.target) for s in ep.graph_signature.input_specs if s.kind != InputKind.USER_INPUT]
@@ -143,6 +146,9 @@ class TreeModel(nn.Module):
     def forward(self, batch: TreeBatch) -> TreeOutput:
         if not isinstance(batch, TreeBatch):
             raise TypeError(f"TreeModel expects a treecompile.TreeBatch, got {type(batch).__name__}")
+        if self.boundary is not None:
+            raise TypeError("this TreeModel was compiled with boundary=True (partition graph); run it through "
+                            "treecompile.runtime.redundancy_free.run_redundancy_free")
         dev = self.device
         if batch.input_ids.device != dev:
             batch = batch.to(dev)
@@ -168,7 +174,9 @@ def compile(model=None, **options):  # noqa: A001 - the public name mirrors torc
     subclass (instances come out compiled) or on a function that returns a module.  Options:
     ``disable`` (pass names to skip), ``debug`` (log each pass), ``logits_chunk`` (rows of logits
     per chunk in the fused loss), ``compile_cuda`` (torch.compile the graph on CUDA; default True),
-    ``bucket`` (pad sequence lengths to buckets on CUDA; default True).
+    ``bucket`` (pad sequence lengths to buckets on CUDA; default True), ``boundary`` (the graph takes
+    and returns a partition's boundary tensors, for ``treecompile.runtime.redundancy_free``; default
+    False).
     """
     if model is None:
         return functools.partial(compile, **options)

@@ -7,6 +7,9 @@ Passes, in order (one module each in this package):
 - ``rewrite_positions`` (rewrite_positions.py): sequence ``arange`` -> the tree's depth positions.
 - ``rewrite_loss`` (rewrite_loss.py): logits -> per-token log-probs at the path predecessor and the
   weighted loss; outputs become ``(loss, logprobs)``.
+``BOUNDARY_PASSES`` (``treecompile.compile(model, boundary=True)``) appends
+- ``expose_boundary`` (expose_boundary.py): the graph takes and returns the per-layer boundary
+  tensors of a redundancy-free partition (K/V, GDN states, conv inputs, predecessor hidden rows).
 Set ``debug=True`` (or the ``treecompile.passes`` logger to DEBUG) to log each
 pass's time and what it changed.
 """
@@ -20,6 +23,7 @@ from typing import Callable
 from torch import fx
 
 from treecompile.passes.base import PassContext, PassResult
+from treecompile.passes.expose_boundary import expose_boundary
 from treecompile.passes.rewrite_attention import rewrite_attention
 from treecompile.passes.rewrite_loss import rewrite_loss
 from treecompile.passes.rewrite_positions import rewrite_positions
@@ -35,6 +39,7 @@ PASSES: list[tuple[str, PassFn]] = [
     ("rewrite_positions", rewrite_positions),
     ("rewrite_loss", rewrite_loss),
 ]
+BOUNDARY_PASSES: list[tuple[str, PassFn]] = PASSES + [("expose_boundary", expose_boundary)]
 
 
 class PassError(RuntimeError):

@@ -456,9 +456,10 @@ class RedundancyFreePlan:
         conv_index = torch.stack(conv_local, 1) if conv_local else torch.empty((n, 0), dtype=torch.long)
         conv_past_index = torch.stack(conv_past, 1) if conv_past else torch.empty((n, 0), dtype=torch.long)
         # local radix nodes: whole-tree node starts, plus tokens whose predecessor is not the previous
-        # local token (a piece's top, or a token after a cut)
+        # local token (a piece's top, or a token after a cut); a token whose predecessor is in the
+        # boundary (pred_local == -1) always starts a node, also at local position 0
         ar = torch.arange(n, dtype=torch.long)
-        is_cut = (tree.node_start[tree.node_id[tok]] == tok) | (pred_local != ar - 1)
+        is_cut = (tree.node_start[tree.node_id[tok]] == tok) | (pred_local != ar - 1) | (pred_local < 0)
         node_start = torch.nonzero(is_cut).flatten()
         Nn = node_start.numel()
         node_end = torch.cat([node_start[1:], torch.tensor([n])])

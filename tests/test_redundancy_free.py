@@ -1,0 +1,264 @@
+"""Redundancy-free partitions executed with boundary tensors == the whole tree (float64, CPU).
+
+The ops (attention over [boundary ; local] keys, GDN with exported states, conv with boundary
+context) against the whole-tree ops; the expose_boundary pass (fires, refuses a near miss); the
+executor: summed loss, log-probs and every parameter gradient equal the whole-tree TreeModel's
+(1e-9 relative) for random trees and budgets (C = 1 .. more than the tree), dense and hybrid models,
+with every unique token computed exactly once (ERR == POR).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import treecompile
+from treecompile import NORMALIZATIONS, Tree
+from treecompile.models import DenseConfig, DenseForCausalLM, HybridConfig, HybridForCausalLM
+from treecompile.ops import gdn
+from treecompile.ops.tree_attention import tree_attention_reference
+from treecompile.passes import PassError
+from treecompile.runtime.partition import partition_redundancy_free
+from treecompile.runtime.redundancy_free import run_redundancy_free
+from strategies import ODD_TREES, weighted_path_sets
+
+import treecompile.ops.tree_attention_past  # noqa: F401  (registers the ops)
+import treecompile.ops.tree_recurrent_past  # noqa: F401
+
+ops = torch.ops.treecompile
+f64 = torch.float64
+VOCAB = 11
+
+
+def rel(a, b):
+    return float((a - b).norm() / b.norm().clamp(min=1e-300))
+
+
+def _tree_and_plan(C=2):
+    tree = Tree.from_paths([[1, 2, 3, 4, 5, 6], [1, 2, 3, 7, 8], [1, 2, 9, 10, 2, 3, 4], [3, 4], [3, 5, 6]])
+    return tree, partition_redundancy_free(tree, C)
+
+
+# ------------------------------------------------------------------------------------------ ops
+def test_attention_past_equals_whole_tree_attention():
+    """Each partition's queries over [its boundary's K/V ; its own] == the whole tree's attention."""
+    torch.manual_seed(0)
+    tree, plan = _tree_and_plan(C=3)
+    T = tree.num_tokens
+    q, k, v = torch.randn(1, 4, T, 8, dtype=f64), torch.randn(1, 2, T, 8, dtype=f64), torch.randn(1, 2, T, 6, dtype=f64)
+    whole = tree_attention_reference(q, k, v, tree.subtree_end)
+    assert len(plan) > 3
+    for i in range(len(plan)):
+        b = plan.batch(i)
+        tok, past = b.extras["tokens"], b.extras["past_index"]
+        out = ops.tree_attention_past(q[:, :, tok], k[:, :, tok], v[:, :, tok], b.subtree_end, k[:, :, past],
+                                      v[:, :, past], b.extras["past_visible"])
+        assert torch.allclose(out, whole[:, :, tok], rtol=0, atol=1e-14)
+
+
+def test_attention_past_gradients_and_opcheck():
+    torch.manual_seed(1)
+    T, B = 5, 3
+    args = [torch.randn(1, 4, T, 8, dtype=f64), torch.randn(1, 2, T, 8, dtype=f64), torch.randn(1, 2, T, 6, dtype=f64),
+            torch.randn(1, 2, B, 8, dtype=f64), torch.randn(1, 2, B, 6, dtype=f64)]
+    args = [a.requires_grad_() for a in args]
+    se, vis = torch.tensor([5, 3, 3, 5, 5]), torch.tensor([3, 3, 2, 3, 1])
+    assert torch.autograd.gradcheck(lambda q, k, v, pk, pv: ops.tree_attention_past(q, k, v, se, pk, pv, vis), args,
+                                      fast_mode=True)
+    torch.library.opcheck(ops.tree_attention_past.default, (*args[:3], se, *args[3:], vis))
+    # an empty boundary is the plain tree attention
+    out = ops.tree_attention_past(*args[:3], se, args[3][:, :, :0], args[4][:, :, :0], torch.zeros(T, dtype=torch.long))
+    assert torch.equal(out, tree_attention_reference(*args[:3], se))
+
+
+def _gdn_inputs(T, seed=2):
+    torch.manual_seed(seed)
+    q, k = torch.randn(1, T, 2, 4, dtype=f64), torch.randn(1, T, 2, 4, dtype=f64)
+    v = torch.randn(1, T, 4, 3, dtype=f64)
+    g, beta = -torch.rand(1, T, 4, dtype=f64), torch.rand(1, T, 4, dtype=f64)
+    return [q, k, v, g, beta]
+
+
+def test_gdn_states_are_each_nodes_final_state():
+    """final[state_nodes] == the recurrence run along the node's root path from initial_state."""
+    tree, _ = _tree_and_plan()
+    b = tree.to_batch()
+    q, k, v, g, beta = _gdn_inputs(tree.num_tokens)
+    h0 = torch.randn(4, 4, 3, dtype=f64)
+    nodes = torch.arange(tree.num_nodes)
+    o, states = ops.tree_gated_delta_rule_states(q, k, v, g, beta, b.node_start, b.node_end, b.node_parent,
+                                                 b.node_level, h0, nodes, use_qk_l2norm_in_kernel=True, chunk_size=2)
+    o_ref = ops.tree_gated_delta_rule(q, k, v, g, beta, b.node_start, b.node_end, b.node_parent, b.node_level, h0,
+                                      use_qk_l2norm_in_kernel=True, chunk_size=2)
+    assert torch.allclose(o, o_ref, rtol=0, atol=1e-13)
+    for n in range(tree.num_nodes):
+        chain, a = [], n
+        while a >= 0:
+            chain.append(a)
+            a = int(tree.node_parent[a])
+        idx = torch.cat([torch.arange(int(tree.node_start[a]), int(tree.node_end[a])) for a in reversed(chain)])
+        _, hT = gdn.recurrent_gated_delta_rule(q[:, idx], k[:, idx], v[:, idx], g[:, idx], beta[:, idx],
+                                               initial_state=h0[None], output_final_state=True,
+                                               use_qk_l2norm_in_kernel=True)
+        assert torch.allclose(states[n], hT[0], rtol=0, atol=1e-12), n
+
+
+def test_gdn_states_gradients_and_opcheck():
+    tree = Tree.from_paths([[1, 2, 3], [1, 4, 5], [1, 4, 6]])
+    b = tree.to_batch()
+    nodes = (b.node_start, b.node_end, b.node_parent, b.node_level)
+    xs = _gdn_inputs(tree.num_tokens, seed=3) + [torch.randn(4, 4, 3, dtype=f64)]
+    xs = [x.requires_grad_() for x in xs]
+    sn = torch.tensor([0, 2, 2, 3])  # a repeated node: its gradients add
+
+    def f(q, k, v, g, beta, h0):
+        return ops.tree_gated_delta_rule_states(q, k, v, g, beta, *nodes, h0, sn, use_qk_l2norm_in_kernel=True,
+                                                chunk_size=2)
+
+    assert torch.autograd.gradcheck(f, xs, fast_mode=True)
+    torch.library.opcheck(ops.tree_gated_delta_rule_states.default, (*xs[:5], *nodes, xs[5], sn),
+                          {"use_qk_l2norm_in_kernel": True, "chunk_size": 2})
+
+
+def test_conv_past_equals_whole_tree_conv():
+    torch.manual_seed(4)
+    tree, plan = _tree_and_plan(C=1)
+    K = 4
+    whole_b = tree.to_batch(conv_kernel=K)
+    x, w, bias = torch.randn(1, 5, tree.num_tokens, dtype=f64), torch.randn(5, K, dtype=f64), torch.randn(5, dtype=f64)
+    whole = ops.tree_causal_conv1d(x, w, bias, whole_b.conv_index, "silu")
+    for i in range(len(plan)):
+        b = plan.batch(i, conv_kernel=K)
+        tok, past, cpi = b.extras["tokens"], b.extras["past_index"], b.extras["conv_past_index"]
+        n = tok.numel()
+        idx = torch.where(cpi >= 0, n + cpi, b.conv_index)  # past_x = all boundary columns
+        out = ops.tree_causal_conv1d_past(x[:, :, tok], w, bias, idx, x[:, :, past], "silu")
+        assert torch.allclose(out, whole[:, :, tok], rtol=0, atol=1e-14)
+
+
+def test_conv_past_gradients_and_opcheck():
+    torch.manual_seed(5)
+    xs = [torch.randn(1, 5, 5, dtype=f64), torch.randn(5, 4, dtype=f64), torch.randn(5, dtype=f64),
+          torch.randn(1, 5, 2, dtype=f64)]
+    xs = [x.requires_grad_() for x in xs]
+    ci = torch.tensor([[6, 5, -1], [0, 6, 5], [1, 0, 6], [5, -1, -1], [3, 5, -1]])
+    assert torch.autograd.gradcheck(lambda x, w, b, p: ops.tree_causal_conv1d_past(x, w, b, ci, p, "silu"), xs,
+                                      fast_mode=True)
+    torch.library.opcheck(ops.tree_causal_conv1d_past.default, (xs[0], xs[1], xs[2], ci, xs[3], "silu"))
+    with pytest.raises(ValueError, match="conv_index: entry 7"):
+        ops.tree_causal_conv1d_past(xs[0], xs[1], xs[2], ci.clamp(max=7) + (ci == 6), xs[3], "silu")
+
+
+# ------------------------------------------------------------------------------------------ models
+@pytest.fixture(scope="module")
+def dense():
+    torch.manual_seed(0)
+    model = DenseForCausalLM(DenseConfig.tiny(vocab_size=VOCAB)).double()
+    return model, treecompile.compile(model), treecompile.compile(model, boundary=True)
+
+
+@pytest.fixture(scope="module")
+def hybrid():
+    torch.manual_seed(0)
+    model = HybridForCausalLM(HybridConfig.tiny(vocab_size=VOCAB)).double()
+    return model, treecompile.compile(model), treecompile.compile(model, boundary=True)
+
+
+def test_pass_fires_and_default_pipeline_unchanged(dense, hybrid):
+    for (model, tmodel, bmodel), want in ((dense, dict(attention=2, gdn=0, conv=0)),
+                                          (hybrid, dict(attention=1, gdn=3, conv=3))):
+        assert "expose_boundary" not in tmodel.pass_results and tmodel.boundary is None
+        assert not any(n.name.startswith("boundary_") for n in tmodel.graph_module.graph.nodes)
+        res = bmodel.pass_results["expose_boundary"]
+        assert res.count == sum(want.values()) + 1
+        assert {k: res.info[k] for k in want} == want
+        targets = {n.target for n in bmodel.graph_module.graph.nodes}
+        assert ops.tree_attention.default not in targets and ops.tree_gated_delta_rule.default not in targets
+        assert ops.tree_causal_conv1d.default not in targets and ops.tree_attention_past.default in targets
+        with pytest.raises(TypeError, match="boundary=True"):
+            bmodel(Tree.from_paths([[1, 2, 3]]).to_batch())
+        with pytest.raises(ValueError, match="boundary=True"):
+            run_redundancy_free(tmodel, partition_redundancy_free(Tree.from_paths([[1, 2, 3]]), 2))
+
+
+def test_pass_refuses_graph_without_the_loss_rewrite(dense):
+    model = dense[0]
+    with pytest.raises(PassError, match="expose_boundary.*row gather"):
+        treecompile.compile(model, boundary=True, disable=("rewrite_loss",))
+
+
+def _whole(model, tmodel, tree, normalize):
+    params = list(model.parameters())
+    out = tmodel(tree.to_batch(normalize=normalize))
+    grads = torch.autograd.grad(out.loss, params, allow_unused=True)
+    return out.loss.detach(), out.logprobs.detach(), torch.cat([
+        (g if g is not None else torch.zeros_like(p)).flatten() for g, p in zip(grads, params)])
+
+
+def check_partitioned(model, tmodel, bmodel, tree, C, normalize):
+    loss, lp, g_ref = _whole(model, tmodel, tree, normalize)
+    plan = partition_redundancy_free(tree, C)
+    params = list(model.parameters())
+    for p in params:
+        p.grad = None
+    res = run_redundancy_free(bmodel, plan, normalize=normalize)
+    g = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in params])
+    for p in params:
+        p.grad = None
+    # each unique token computed exactly once; ERR == POR; activations alive = one chain
+    toks = torch.cat([p.tokens for p in plan.partitions])
+    assert torch.equal(toks.sort().values, torch.arange(tree.num_tokens))
+    assert res.tokens_computed == tree.num_tokens and res.num_partitions == len(plan)
+    assert res.reuse.err == pytest.approx(tree.por, abs=1e-15)
+    assert res.peak_alive_tokens == plan.peak_chain_tokens() <= max(tree.path_lengths.tolist()) + C
+    # exact: loss, log-probs, every parameter gradient
+    assert abs(float(res.loss - loss)) <= 1e-9 * max(abs(float(loss)), 1e-300)
+    assert float((res.logprobs - lp).abs().max()) < 1e-12
+    if float(g_ref.norm()) == 0:
+        assert float(g.norm()) == 0
+    else:
+        assert rel(g, g_ref) < 1e-9
+    return plan
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(weighted_path_sets(max_paths=6, max_len=8, vocab=VOCAB), st.integers(1, 12), st.sampled_from(NORMALIZATIONS),
+       st.booleans())
+def test_dense_partitioned_equals_whole_tree(dense, pmw, C, normalize, use_masks):
+    paths, masks, weights = pmw
+    tree = Tree.from_paths(paths, loss_masks=masks if use_masks else None, path_weights=weights)
+    check_partitioned(*dense, tree, C, normalize)
+
+
+@pytest.mark.parametrize("name", sorted(ODD_TREES))
+def test_dense_odd_trees(dense, name):
+    tree = Tree.from_paths([[t % VOCAB for t in p] for p in ODD_TREES[name]])
+    longest = max(tree.path_lengths.tolist())
+    for C in sorted({1, 2, max(longest - 1, 1), tree.num_tokens}):
+        if name == "wide_fanout_64" and C < 3:
+            continue  # 131 one-token partitions: slow, and C = longest - 1 already splits every path
+        check_partitioned(*dense, tree, C, "path_mean")
+
+
+def test_dense_path_longer_than_budget_spans_partitions(dense):
+    tree = Tree.from_paths([list(range(1, 11)), list(range(1, 6)) + [7, 8, 9, 1, 2, 3]])
+    plan = check_partitioned(*dense, tree, 3, "sum")
+    assert max(len(p.ancestors) for p in plan.partitions) >= 3  # a chain of several partitions
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(weighted_path_sets(max_paths=5, max_len=8, vocab=VOCAB), st.integers(1, 10), st.sampled_from(NORMALIZATIONS))
+def test_hybrid_partitioned_equals_whole_tree(hybrid, pmw, C, normalize):
+    paths, masks, weights = pmw
+    tree = Tree.from_paths(paths, loss_masks=masks, path_weights=weights)
+    check_partitioned(*hybrid, tree, C, normalize)
+
+
+@pytest.mark.parametrize("name", ["one_token_nodes", "prefix_of_other", "deep_chain", "forest"])
+def test_hybrid_odd_trees(hybrid, name):
+    """Conv context spanning several partitions (C = 1, 2 < K - 1), a root partition, deep chains."""
+    tree = Tree.from_paths([[t % VOCAB for t in p] for p in ODD_TREES[name]])
+    for C in (1, 2, 4):
+        check_partitioned(*hybrid, tree, C, "token_mean")

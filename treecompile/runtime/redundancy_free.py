@@ -1,0 +1,301 @@
+"""Executing a redundancy-free plan: every unique token computed once, exact whole-tree gradients.
+
+``run_redundancy_free(tmodel, plan)`` runs the partitions of
+:func:`treecompile.runtime.partition.partition_redundancy_free` through a model compiled with
+``treecompile.compile(model, boundary=True)`` (pass ``expose_boundary``), in the plan's
+:meth:`~treecompile.runtime.partition.RedundancyFreePlan.schedule`:
+
+- **forward of partition i** (parents first): its boundary tensors are gathered from its ancestors'
+  exports: per attention layer the K/V of the root-to-hang chain, per GDN layer the recurrent state
+  after the hang token, per conv the inputs of the chain tokens inside the kernel's reach, and the
+  hang token's final hidden row (it predicts the first token below the hang: that log-prob and its
+  loss weight stay in the child; the hidden row is fed, the gradient goes back through it).  The
+  graph returns the partition's loss and its own per-layer tensors; the executor keeps only the rows
+  that later partitions read (``plan.exported(i)`` for K/V, the children's hang tokens for states
+  and hidden rows, chain tails for conv inputs) together with their autograd graph, and hands
+  descendants *detached leaves* of them (same storage, ``requires_grad``), so that a descendant's
+  backward stops at the leaf and accumulates the boundary gradient in ``leaf.grad``;
+- **backward of partition i** (after all partitions below it): ``torch.autograd.backward([loss_i,
+  *exports_i], [1, *leaf.grad])`` runs i's graph once, with the gradients its descendants sent;
+  parameter gradients accumulate in ``.grad`` as in any backward; then i's graph is freed.
+
+Activations alive at any time: the graphs of one chain of partitions (the current one and its
+ancestors), at most ``longest path + C`` tokens for this planner (``plan.peak_chain_tokens()``),
+plus the exported boundary rows.  The summed partition losses equal the whole-tree loss and the
+gradients equal the whole tree's (checked in float64 in ``tests/test_redundancy_free.py``).
+
+The graph runs eagerly (CPU reference ops; on CUDA the same ops run with their dense-mask
+reference, not a compiled kernel).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+from treecompile.runtime.metrics import Reuse, reuse
+from treecompile.runtime.partition import RedundancyFreePlan
+
+__all__ = ["run_redundancy_free", "RedundancyFreeResult"]
+
+
+@dataclass
+class RedundancyFreeResult:
+    loss: torch.Tensor  # summed partition losses (detached) == whole-tree loss
+    logprobs: torch.Tensor  # [T] whole-tree DFS order (detached)
+    tokens_computed: int  # sum of partition sizes: every unique token once
+    num_partitions: int
+    peak_alive_tokens: int  # max tokens of partitions whose graphs were alive at once
+    reuse: Reuse = field(repr=False, default=None)
+
+
+@dataclass
+class _Alive:
+    """A partition whose forward ran and whose backward has not: its loss and exported rows."""
+
+    loss: torch.Tensor
+    num_tokens: int
+    exports: list  # graph-attached tensors, one per leaf
+    leaves: list  # detached, requires_grad: what descendants read
+    kv_tok: torch.Tensor  # whole-tree tokens (ascending) of the exported K/V rows
+    hang_tok: torch.Tensor  # children's hang tokens (ascending): states and hidden rows
+    conv_tok: torch.Tensor  # chain-tail tokens (ascending) of the exported conv inputs
+    kv: dict = field(default_factory=dict)  # attention layer -> (k leaf, v leaf) [1, Hkv, E, D]
+    states: dict = field(default_factory=dict)  # GDN layer -> leaf [E, Hv, Dk, Dv]
+    conv: dict = field(default_factory=dict)  # conv layer -> leaf [1, C, E]
+    hidden: torch.Tensor | None = None  # leaf [E, D]
+
+
+def _spec(tmodel):
+    spec = getattr(tmodel, "boundary", None)
+    if spec is None:
+        raise ValueError("run_redundancy_free needs a model compiled with treecompile.compile(model, boundary=True)")
+    return spec
+
+
+def _conv_tails(plan: RedundancyFreePlan, width: int) -> list[torch.Tensor]:
+    """Per partition: its tokens (ascending) among the last ``width`` chain tokens of any partition's
+    boundary (the conv context a descendant reads)."""
+    tree = plan.tree
+    owner = plan.owner
+    found: list[set[int]] = [set() for _ in range(len(plan))]
+    for p in plan.partitions:
+        t = p.hang
+        for _ in range(width):
+            if t < 0:
+                break
+            found[int(owner[t])].add(t)
+            t = int(tree.pred[t])
+    return [torch.tensor(sorted(s), dtype=torch.long) for s in found]
+
+
+def _local(tokens: torch.Tensor, wanted: torch.Tensor, what: str, i: int) -> torch.Tensor:
+    """Positions of ``wanted`` in the ascending ``tokens``; ValueError if one is missing."""
+    pos = torch.searchsorted(tokens, wanted)
+    ok = pos < tokens.numel()
+    ok &= tokens[pos.clamp(max=max(tokens.numel() - 1, 0))] == wanted if tokens.numel() else torch.zeros_like(ok)
+    if not bool(ok.all()):
+        t = int(wanted[~ok][0])
+        raise ValueError(f"partition {i}: token {t} ({what}) is not among the tokens it should be found in; "
+                         f"the plan's boundary links are inconsistent")
+    return pos
+
+
+class _Executor:
+    def __init__(self, tmodel, plan: RedundancyFreePlan, normalize: str):
+        self.tm = tmodel
+        self.plan = plan
+        self.normalize = normalize
+        self.spec = _spec(tmodel)
+        self.width = self.spec["conv_width"]
+        self.device = tmodel.device
+        self.alive: dict[int, _Alive] = {}
+        self.conv_tok = _conv_tails(plan, self.width) if self.width else None
+        self.hang_tok = [torch.tensor(sorted({plan.partitions[c].hang for c in p.children}), dtype=torch.long)
+                         for p in plan.partitions]
+        T = plan.tree.num_tokens
+        self.logprobs = torch.zeros(T, dtype=torch.float64)
+        self.loss = torch.zeros((), dtype=torch.float64)
+        self.computed = 0
+        self.peak = 0
+
+    # ------------------------------------------------------------------ gathering boundary rows
+    def _gather_index(self, i: int, tokens: torch.Tensor, tok_of, what: str):
+        """Where the rows of ``tokens`` (whole-tree indices) live: the ancestors that own them (chain
+        order) and each token's row in the concatenation of those ancestors' exports."""
+        part = self.plan.partitions[i]
+        owner = self.plan.owner[tokens]
+        used = [a for a in part.ancestors if bool((owner == a).any())]
+        if len(used) != int(torch.unique(owner).numel()):
+            bad = sorted(set(owner.tolist()) - set(used))
+            raise ValueError(f"partition {i}: {what} tokens owned by partition(s) {bad}, which are not its "
+                             f"ancestors {list(part.ancestors)}")
+        idx = torch.empty_like(tokens)
+        off = 0
+        for a in used:
+            sel = owner == a
+            ta = tok_of(a)
+            idx[sel] = off + _local(ta, tokens[sel], what, i)
+            off += ta.numel()
+        return used, idx.to(self.device)
+
+    @staticmethod
+    def _take(where, leaf_of, dim: int) -> torch.Tensor:
+        """The gathered rows, differentiable into the ancestors' leaves."""
+        used, idx = where
+        src = torch.cat([leaf_of(a) for a in used], dim) if len(used) > 1 else leaf_of(used[0])
+        return src.index_select(dim, idx)
+
+    def _empty(self, k: int, n: int) -> torch.Tensor:
+        shape, dtype = self.spec["input_shapes"][k]
+        dims = [n if d is None else d for d in shape]
+        return torch.zeros(dims, dtype=dtype, device=self.device)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, i: int) -> None:
+        plan, spec = self.plan, self.spec
+        part = plan.partitions[i]
+        kw = {"normalize": self.normalize}
+        if self.width:
+            kw["conv_kernel"] = self.width + 1
+        batch = plan.batch(i, **kw)
+        ex = batch.extras
+        tokens = ex["tokens"]
+        T = batch.seq_len
+        past = ex["past_index"]
+        hang = part.hang
+        hang_depth = int(plan.tree.depth[hang]) if hang >= 0 else -1
+
+        # predecessor rows: every boundary predecessor must be the hang token
+        pred_past = ex["pred_past"]
+        has_pp = pred_past >= 0
+        if bool(has_pp.any()) and bool((pred_past[has_pp] != hang_depth).any()):
+            q = int(torch.nonzero(has_pp & (pred_past != hang_depth))[0])
+            raise ValueError(f"partition {i}: token {int(tokens[q])} is predicted by boundary position "
+                             f"{int(pred_past[q])}, not by the hang token (depth {hang_depth})")
+        pred_index = torch.where(has_pp, T, batch.pred_index)
+        conv_index = batch.conv_index
+        conv_used = torch.empty(0, dtype=torch.long)
+        if self.width:
+            cpi = ex["conv_past_index"]
+            conv_used = torch.unique(cpi[cpi >= 0])  # ascending chain positions
+            rank = torch.searchsorted(conv_used, cpi.clamp(min=0))
+            conv_index = torch.where(cpi >= 0, T + rank, conv_index)
+            # local root nodes start from the state after the hang token
+            roots = batch.node_parent[:batch.num_nodes] < 0
+            npp = ex["node_past_parent"][roots]
+            if bool((npp != hang_depth).any()):
+                raise ValueError(f"partition {i}: a local root node hangs below boundary position "
+                                 f"{int(npp[npp != hang_depth][0])}, not below the hang token (depth {hang_depth})")
+        b2 = dataclasses.replace(batch, pred_index=pred_index, conv_index=conv_index).to(self.device)
+
+        # state_nodes: local nodes ending at the children's hang tokens
+        hang_tok = self.hang_tok[i]
+        hpos = _local(tokens, hang_tok, "child hang", i)
+        state_nodes = batch.node_id[hpos]
+        if bool((batch.node_end[state_nodes] != hpos + 1).any()):
+            raise ValueError(f"partition {i}: a child's hang token does not end a local node")
+        kv_tok = plan.exported(i)
+        conv_tok = self.conv_tok[i] if self.width else torch.empty(0, dtype=torch.long)
+
+        # boundary inputs, in the graph's order
+        alive = self.alive
+        kv_at = self._gather_index(i, past, lambda a: alive[a].kv_tok, "K/V") if past.numel() else None
+        hang_at = self._gather_index(i, torch.tensor([hang]), lambda a: alive[a].hang_tok, "hang") if hang >= 0 else None
+        conv_at = self._gather_index(i, past[conv_used], lambda a: alive[a].conv_tok, "conv input") \
+            if conv_used.numel() else None
+        extra = []
+        for k, (kind, layer) in enumerate(spec["inputs"]):
+            if kind in ("past_k", "past_v"):
+                j = 0 if kind == "past_k" else 1
+                extra.append(self._take(kv_at, lambda a: alive[a].kv[layer][j], 2) if kv_at else self._empty(k, 0))
+            elif kind == "past_visible":
+                extra.append(ex["past_visible"].to(self.device))
+            elif kind == "initial_state":
+                extra.append(self._take(hang_at, lambda a: alive[a].states[layer], 0)[0] if hang_at
+                             else self._empty(k, 0))
+            elif kind == "state_nodes":
+                extra.append(state_nodes.to(self.device))
+            elif kind == "past_x":
+                extra.append(self._take(conv_at, lambda a: alive[a].conv[layer], 2) if conv_at else self._empty(k, 0))
+            elif kind == "past_hidden":
+                extra.append(self._take(hang_at, lambda a: alive[a].hidden, 0) if hang_at else self._empty(k, 0))
+            else:
+                raise ValueError(f"unknown boundary input {kind!r}")
+        outs = self.tm.graph_module(*self.tm.graph_inputs(b2), *extra)
+        loss, lp = outs[0], outs[1]
+
+        # exports: the rows descendants read
+        dev = self.device
+        st = _Alive(loss=loss, num_tokens=batch.num_tokens, exports=[], leaves=[], kv_tok=kv_tok,
+                    hang_tok=hang_tok, conv_tok=conv_tok)
+        kv_pos = _local(tokens, kv_tok, "exported K/V", i).to(dev)
+        conv_pos = _local(tokens, conv_tok, "exported conv input", i).to(dev)
+        has_children = bool(part.children)
+        for (kind, layer), t in zip(spec["outputs"], outs[2:]):
+            if not has_children:
+                break
+            if kind in ("k", "v"):
+                e = t.index_select(2, kv_pos)
+            elif kind == "states":
+                e = t
+            elif kind == "x":
+                e = t.index_select(2, conv_pos)
+            elif kind == "hidden":
+                e = t.index_select(0, hpos.to(dev))
+            else:
+                raise ValueError(f"unknown boundary output {kind!r}")
+            leaf = e.detach().requires_grad_()
+            st.exports.append(e)
+            st.leaves.append(leaf)
+            if kind == "k":
+                st.kv[layer] = (leaf, None)
+            elif kind == "v":
+                st.kv[layer] = (st.kv[layer][0], leaf)
+            elif kind == "states":
+                st.states[layer] = leaf
+            elif kind == "x":
+                st.conv[layer] = leaf
+            else:
+                st.hidden = leaf
+        del outs
+        self.alive[i] = st
+        self.loss += loss.detach().to(torch.float64).cpu()
+        self.logprobs[tokens] = lp.detach()[:batch.num_tokens].to(torch.float64).cpu()
+        self.computed += batch.num_tokens
+        self.peak = max(self.peak, sum(a.num_tokens for a in self.alive.values()))
+
+    # ------------------------------------------------------------------ backward
+    def backward(self, i: int) -> None:
+        st = self.alive.pop(i)
+        tensors = [st.loss]
+        grads = [torch.ones_like(st.loss)]
+        for e, leaf in zip(st.exports, st.leaves):
+            if leaf.grad is not None:
+                tensors.append(e)
+                grads.append(leaf.grad)
+        if st.loss.requires_grad or len(tensors) > 1:
+            torch.autograd.backward(tensors, grads)
+
+
+def run_redundancy_free(tmodel, plan: RedundancyFreePlan, *, normalize: str = "sum") -> RedundancyFreeResult:
+    """Forward and backward of every partition of ``plan`` (see the module docstring).
+
+    ``tmodel``: ``treecompile.compile(model, boundary=True)``.  Gradients accumulate in the model's
+    parameters (call ``optimizer.zero_grad()`` before, as for any backward).  Returns the summed
+    loss (== the whole-tree loss for ``normalize``), the whole-tree log-probs in DFS order and the
+    token counts (``tokens_computed == tree.num_tokens``: ERR == POR).
+    """
+    ex = _Executor(tmodel, plan, normalize)
+    for event, i in plan.schedule():
+        if event == "forward":
+            ex.forward(i)
+        else:
+            ex.backward(i)
+    if ex.alive:
+        raise RuntimeError(f"partitions {sorted(ex.alive)} ran forward but not backward: the schedule is incomplete")
+    return RedundancyFreeResult(loss=ex.loss, logprobs=ex.logprobs, tokens_computed=ex.computed,
+                                num_partitions=len(plan), peak_alive_tokens=ex.peak,
+                                reuse=reuse(plan.tree, ex.computed))
