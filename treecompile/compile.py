@@ -56,13 +56,6 @@ class TreeModel(nn.Module):
                  logits_chunk: int | None = None, compile_cuda: bool = True, swaps: list | None = None,
                  bucket: bool = True, boundary: bool = False):
         super().__init__()
-        for name, child in model.named_children():
-            self.add_module(name, child)
-        for name, p in model.named_parameters(recurse=False):
-            self.register_parameter(name, p)
-        for name, b in model.named_buffers(recurse=False):
-            self.register_buffer(name, b)
-        object.__setattr__(self, "model", model)  # the user's module, not registered twice
         captured: Captured = capture(model, swaps=swaps)
         ep = captured.program
         if ep.graph_signature.buffers_to_mutate:
@@ -70,20 +63,13 @@ class TreeModel(nn.Module):
                              f"({sorted(ep.graph_signature.buffers_to_mutate.values())}); not supported")
         gm = ep.graph_module
         ctx = PassContext(gm, captured.input_name, {"logits_chunk": logits_chunk})
-        self.pass_results = run_passes(gm, ctx, disable=disable, debug=debug,
-                                       passes=BOUNDARY_PASSES if boundary else None)
-        self.boundary = self.pass_results["expose_boundary"].info if boundary else None
-        object.__setattr__(self, "graph_module", gm)
-        object.__setattr__(self, "exported_program", ep)
-        self._lifted = [(s.kind, s.target) for s in ep.graph_signature.input_specs if s.kind != InputKind.USER_INPUT]
-        self._user_inputs = [s.arg.name for s in ep.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
-        self._input_name = captured.input_name
-        self._tree_inputs = [n.name[len("tree_"):] for n in gm.graph.nodes
-                             if n.op == "placeholder" and n.name.startswith("tree_") and n.name[5:] in TREE_INPUTS]
-        self._conv_width = ctx.conv_width
-        self._compile_cuda = compile_cuda
-        self._bucket = bucket
-        self._compiled = None
+        results = run_passes(gm, ctx, disable=disable, debug=debug,
+                             passes=BOUNDARY_PASSES if boundary else None)
+        tree_inputs = [n.name[len("tree_"):] for n in gm.graph.nodes
+                       if n.op == "placeholder" and n.name.startswith("tree_") and n.name[5:] in TREE_INPUTS]
+        user_inputs = [s.arg.name for s in ep.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
+        self._bind(model, ep, input_name=captured.input_name, user_inputs=user_inputs, tree_inputs=tree_inputs,
+                   conv_width=ctx.conv_width, pass_results=results, compile_cuda=compile_cuda, bucket=bucket)
 
     @classmethod
     def from_program(cls, model: nn.Module, program, *, input_name: str, user_inputs: list[str],
@@ -97,22 +83,29 @@ class TreeModel(nn.Module):
         """
         self = cls.__new__(cls)
         nn.Module.__init__(self)
+        self._bind(model, program, input_name=input_name, user_inputs=user_inputs, tree_inputs=tree_inputs,
+                   conv_width=conv_width, pass_results=pass_results, compile_cuda=compile_cuda, bucket=bucket)
+        return self
+
+    def _bind(self, model, program, *, input_name, user_inputs, tree_inputs, conv_width, pass_results,
+              compile_cuda, bucket):
+        """Adopt ``model``'s children (shared parameters, unchanged state_dict keys) and hold the program."""
         for name, child in model.named_children():
             self.add_module(name, child)
         for name, p in model.named_parameters(recurse=False):
             self.register_parameter(name, p)
         for name, b in model.named_buffers(recurse=False):
             self.register_buffer(name, b)
-        object.__setattr__(self, "model", model)
+        object.__setattr__(self, "model", model)  # the user's module, not registered twice
         object.__setattr__(self, "graph_module", program.graph_module)
         object.__setattr__(self, "exported_program", program)
         self.pass_results = dict(pass_results)
+        self.boundary = self.pass_results["expose_boundary"].info if "expose_boundary" in self.pass_results else None
         self._lifted = [(s.kind, s.target) for s in program.graph_signature.input_specs
                         if s.kind != InputKind.USER_INPUT]
         self._user_inputs, self._input_name = list(user_inputs), input_name
         self._tree_inputs, self._conv_width = list(tree_inputs), conv_width
-        self._compile_cuda, self._bucket, self._compiled = compile_cuda, bucket, None
-        return self
+        self._compile_cuda, self._bucket = compile_cuda, bucket
 
     # ------------------------------------------------------------------ running
     def _lifted_values(self):
