@@ -179,5 +179,50 @@ def main():
             json.dump(results, f, indent=1)
 
 
+
+
+def oracle_check(model_bf16, paths):
+    """Gradient cosines of bf16 runs against a float32 per-path oracle (same weights)."""
+    import copy
+
+    def per_path_grads(model):
+        model.zero_grad(set_to_none=True)
+        for p in paths:
+            (reference.run(model, [p], device="cuda").loss / len(paths)).backward()
+        return flat_grads(model)
+
+    m32 = copy.deepcopy(model_bf16).float()
+    g32 = per_path_grads(m32)
+    del m32
+    torch.cuda.empty_cache()
+    g_pp = per_path_grads(model_bf16)
+    batch = Tree.from_paths(paths).to_batch(device="cuda")
+    out = {}
+    for name, opts in (("tree_compiled", {}), ("tree_eager_flex", {"compile_cuda": False})):
+        tm = treecompile.compile(model_bf16, **opts)
+        model_bf16.zero_grad(set_to_none=True)
+        tm(batch).loss.backward()
+        g = flat_grads(model_bf16)
+        out[f"cos({name}, fp32 oracle)"] = float(torch.nn.functional.cosine_similarity(g, g32, dim=0))
+        out[f"cos({name}, bf16 per-path)"] = float(torch.nn.functional.cosine_similarity(g, g_pp, dim=0))
+    out["cos(bf16 per-path, fp32 oracle)"] = float(torch.nn.functional.cosine_similarity(g_pp, g32, dim=0))
+    print(json.dumps(out), flush=True)
+    return out
+
+
+def oracle_main():
+    torch.manual_seed(0)
+    hcfg = HybridConfig(hidden_size=1024, intermediate_size=3584, num_hidden_layers=12, num_attention_heads=8,
+                        num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
+                        linear_key_head_dim=128, linear_value_head_dim=128, vocab_size=248320)
+    hpaths = branching_paths(6, prompt=1500, seg=1200, vocab=hcfg.vocab_size, seed=1)
+    oracle_check(init_(HybridForCausalLM(hcfg)).to("cuda", torch.bfloat16), hpaths)
+    cfg = DenseConfig.qwen3_0_6b()
+    paths = branching_paths(8, prompt=3000, seg=1500, vocab=cfg.vocab_size)
+    oracle_check(init_(DenseForCausalLM(cfg)).to("cuda", torch.bfloat16), paths)
+
+
 if __name__ == "__main__":
-    main()
+    import sys
+
+    oracle_main() if "--oracle" in sys.argv else main()
