@@ -348,3 +348,15 @@ def test_entry_point_exit_codes_without_traceback(tmp_path):
     p = subprocess.run([sys.executable, "-m", "treecompile", "inspect"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "Traceback" not in p.stderr
+
+
+def test_demo_runs_and_matches_the_per_path_reference(capsys):
+    from treecompile.cli import main
+
+    assert main(["demo", "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "Tree(num_paths=4" in out and "rewrite_attention: 2" in out
+    grad_diff = float(out.split("gradient rel. diff ")[1].split()[0])
+    assert grad_diff < 1e-9
+    losses = [float(line.split("loss ")[1]) for line in out.splitlines() if line.startswith("step ")]
+    assert len(losses) == 2 and losses[1] < losses[0]
