@@ -146,25 +146,28 @@ class DenseModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-class DenseForCausalLM(nn.Module):
-    """``forward(input_ids [B, T]) -> logits [B, T, V]``."""
+def rope_cos_sin(T: int, rotary_dim: int, theta: float, device, dtype):
+    """cos/sin ``[T, rotary_dim]`` for positions ``arange(T)`` (angles in float64, halves repeated)."""
+    inv = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, device=device, dtype=torch.float64) / rotary_dim))
+    pos = torch.arange(T, device=device)
+    ang = pos[:, None].to(torch.float64) * inv[None, :]
+    ang = torch.cat((ang, ang), dim=-1)
+    return ang.cos().to(dtype), ang.sin().to(dtype)
 
-    def __init__(self, cfg: DenseConfig):
-        super().__init__()
-        self.config = cfg
-        self.model = DenseModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+
+class CausalLM(nn.Module):
+    """Shared top of the reference models: embed -> layers(x, cos, sin) -> norm -> lm_head, and
+    HF-format checkpoints.  Subclasses set ``config_class``, build ``self.model`` (``embed_tokens``,
+    ``layers``, ``norm``) and ``self.lm_head``, and say how many head dims RoPE rotates."""
+
+    config_class: type
+
+    @property
+    def rotary_dim(self) -> int:
+        return self.config.head_dim
 
     def rope(self, T: int, device, dtype):
-        cfg = self.config
-        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, device=device, dtype=torch.float64)
-                                        / cfg.head_dim))
-        pos = torch.arange(T, device=device)
-        ang = pos[:, None].to(torch.float64) * inv[None, :]
-        ang = torch.cat((ang, ang), dim=-1)
-        return ang.cos().to(dtype), ang.sin().to(dtype)
+        return rope_cos_sin(T, self.rotary_dim, self.config.rope_theta, device, dtype)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
@@ -173,13 +176,26 @@ class DenseForCausalLM(nn.Module):
             x = layer(x, cos, sin)
         return self.lm_head(self.model.norm(x))
 
-    # ---------------------------------------------------------------- checkpoints
     def save_pretrained(self, directory: str | os.PathLike) -> None:
         hf_io.save_checkpoint(self, self.config.to_hf_dict(), directory)
 
     @classmethod
-    def from_pretrained(cls, directory: str | os.PathLike, *, dtype=None) -> "DenseForCausalLM":
-        cfg = DenseConfig.from_hf_dict(hf_io.read_config(directory))
+    def from_pretrained(cls, directory: str | os.PathLike, *, dtype=None):
+        cfg = cls.config_class.from_hf_dict(hf_io.read_config(directory))
         model = cls(cfg)
         hf_io.load_state(model, directory, tied=cfg.tie_word_embeddings)
         return model.to(dtype) if dtype is not None else model
+
+
+class DenseForCausalLM(CausalLM):
+    """``forward(input_ids [B, T]) -> logits [B, T, V]``."""
+
+    config_class = DenseConfig
+
+    def __init__(self, cfg: DenseConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = DenseModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight

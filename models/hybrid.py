@@ -24,14 +24,13 @@ attributes, defaulting to this module's :func:`torch_chunk_gated_delta_rule` and
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import hf_io
+from .dense import MLP, CausalLM
 
 LAYOUTS = {"qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_next": "Qwen3NextForCausalLM"}
 
@@ -332,17 +331,6 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(o.reshape(B, T, -1))
 
 
-class MLP(nn.Module):
-    def __init__(self, hidden: int, inter: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class SparseMoeBlock(nn.Module):
     """Top-k softmax router over experts plus a sigmoid-gated shared expert (Qwen3-Next).
 
@@ -397,8 +385,10 @@ class HybridModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-class HybridForCausalLM(nn.Module):
+class HybridForCausalLM(CausalLM):
     """``forward(input_ids [B, T]) -> logits [B, T, V]``."""
+
+    config_class = HybridConfig
 
     def __init__(self, cfg: HybridConfig):
         super().__init__()
@@ -408,30 +398,7 @@ class HybridForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def rope(self, T: int, device, dtype):
-        """cos/sin [T, R] for the rotated part (R = head_dim * partial_rotary_factor, even)."""
-        cfg = self.config
-        R = int(cfg.head_dim * cfg.partial_rotary_factor)
-        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, R, 2, device=device, dtype=torch.float64) / R))
-        pos = torch.arange(T, device=device)
-        ang = pos[:, None].to(torch.float64) * inv[None, :]
-        ang = torch.cat((ang, ang), dim=-1)
-        return ang.cos().to(dtype), ang.sin().to(dtype)
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
-        cos, sin = self.rope(input_ids.shape[1], x.device, x.dtype)
-        for layer in self.model.layers:
-            x = layer(x, cos, sin)
-        return self.lm_head(self.model.norm(x))
-
-    # ---------------------------------------------------------------- checkpoints
-    def save_pretrained(self, directory: str | os.PathLike) -> None:
-        hf_io.save_checkpoint(self, self.config.to_hf_dict(), directory)
-
-    @classmethod
-    def from_pretrained(cls, directory: str | os.PathLike, *, dtype=None) -> "HybridForCausalLM":
-        cfg = HybridConfig.from_hf_dict(hf_io.read_config(directory))
-        model = cls(cfg)
-        hf_io.load_state(model, directory, tied=cfg.tie_word_embeddings)
-        return model.to(dtype) if dtype is not None else model
+    @property
+    def rotary_dim(self) -> int:
+        """RoPE rotates the first ``head_dim * partial_rotary_factor`` dims (even)."""
+        return int(self.config.head_dim * self.config.partial_rotary_factor)

@@ -140,7 +140,7 @@ def _gdn_setup(ctx, inputs, keyword_only_inputs, output):
 
 def _gdn_backward(ctx, grad_o, grad_states):
     saved = ctx.saved_tensors
-    q, v, init, state_nodes = saved[0], saved[2], saved[9], saved[10]
+    v, init, state_nodes = saved[2], saved[9], saved[10]
     if grad_o is None:
         grad_o = v.new_zeros(v.shape)
     if grad_states is None:

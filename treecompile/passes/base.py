@@ -110,9 +110,7 @@ class PassContext:
         return node
 
     def _node_count(self):
-        if self._num_nodes is None:
-            from torch.fx.experimental.symbolic_shapes import ShapeEnv  # noqa: F401
-
+        if self._num_nodes is None:  # the node count: a size of its own, unrelated to T
             shape_env = self.fake_mode.shape_env
             self._num_nodes = shape_env.create_unbacked_symint() if shape_env is not None else 1
         return self._num_nodes

@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 import torch
 
 from treecompile.runtime.metrics import Reuse, reuse
-from treecompile.tree import DEFAULT_CONV_KERNEL, NORMALIZATIONS, Tree, TreeBatch, ancestor_index
+from treecompile.tree import DEFAULT_CONV_KERNEL, NORMALIZATIONS, Tree, TreeBatch
 
 __all__ = ["PackedPartition", "PackedPlan", "pack", "RedundancyFreePartition", "RedundancyFreePlan",
            "partition_redundancy_free", "TreeShape"]
