@@ -140,24 +140,19 @@ def _(q, k, v, g, beta, node_start, node_end, node_parent, node_level, initial_s
     return v.new_empty(v.shape)
 
 
-@torch.library.custom_op("treecompile::tree_gated_delta_rule_backward", mutates_args=())
-def tree_gated_delta_rule_backward(
-        grad_o: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, node_start: Tensor,
-        node_end: Tensor, node_parent: Tensor, node_level: Tensor, initial_state: Optional[Tensor] = None, *,
-        scale: Optional[float] = None, use_qk_l2norm_in_kernel: bool = False, chunk_size: int = 64,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Gradients ``(dq, dk, dv, dg, dbeta, d_initial_state)`` of :func:`tree_gated_delta_rule`.
+def backward_sweep(grad_o, q, k, v, g, beta, qs, ks, vs, gs, bs, inits, dfinal, node_start, node_end, node_parent,
+                   levels, chunk_size, scale, use_qk_l2norm_in_kernel):
+    """The reverse level sweep shared by the tree GDN backward ops.
 
-    Reverse level sweep: the deepest level first; a node's initial-state gradient is added to its
-    parent's final-state gradient (roots: to ``d_initial_state``, zeros when there is none).
+    ``qs..bs``/``inits`` come from ``_prepare``/``_forward``; ``dfinal [N, Hv, Dk, Dv]`` holds the
+    final-state gradients already known (zeros, or what later partitions sent back) and is updated in
+    place.  Deepest level first; a node's initial-state gradient is added to its parent's final-state
+    gradient (roots: to the returned ``dh0``).  Returns ``(dq, dk, dv, dg, dbeta)`` in the input dtypes
+    and ``dh0`` in the compute dtype.
     """
     T, Hv, Dv = v.shape[1:]
     Hk, Dk = q.shape[2:]
-    levels = level_schedule(node_start, node_end, node_parent, node_level, T)
-    qs, ks, vs, gs, bs, h0 = _prepare(q, k, v, g, beta, initial_state, scale, use_qk_l2norm_in_kernel)
-    _, inits = _forward(qs, ks, vs, gs, bs, node_start, node_end, node_parent, levels, h0, chunk_size)
     do = grad_o[0].to(qs.dtype)
-    dfinal = torch.zeros_like(inits)
     dh0 = qs.new_zeros(Hv, Dk, Dv)
     dqs, dks, dvs, dgs, dbs = (torch.zeros_like(x) for x in (qs, ks, vs, gs, bs))
     for nodes in reversed(levels):
@@ -182,10 +177,30 @@ def tree_gated_delta_rule_backward(
         ct = qs.dtype
         dqs = gdn.l2norm_backward(q[0].to(ct), dqs)
         dks = gdn.l2norm_backward(k[0].to(ct), dks)
+    return (dqs[None].to(q.dtype), dks[None].to(k.dtype), dvs[None].to(v.dtype), dgs[None].to(g.dtype),
+            dbs[None].to(beta.dtype), dh0)
+
+
+@torch.library.custom_op("treecompile::tree_gated_delta_rule_backward", mutates_args=())
+def tree_gated_delta_rule_backward(
+        grad_o: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, node_start: Tensor,
+        node_end: Tensor, node_parent: Tensor, node_level: Tensor, initial_state: Optional[Tensor] = None, *,
+        scale: Optional[float] = None, use_qk_l2norm_in_kernel: bool = False, chunk_size: int = 64,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gradients ``(dq, dk, dv, dg, dbeta, d_initial_state)`` of :func:`tree_gated_delta_rule`.
+
+    Reverse level sweep: the deepest level first; a node's initial-state gradient is added to its
+    parent's final-state gradient (roots: to ``d_initial_state``, zeros when there is none).
+    """
+    levels = level_schedule(node_start, node_end, node_parent, node_level, v.shape[1])
+    qs, ks, vs, gs, bs, h0 = _prepare(q, k, v, g, beta, initial_state, scale, use_qk_l2norm_in_kernel)
+    _, inits = _forward(qs, ks, vs, gs, bs, node_start, node_end, node_parent, levels, h0, chunk_size)
+    dq, dk, dv, dg, dbeta, dh0 = backward_sweep(grad_o, q, k, v, g, beta, qs, ks, vs, gs, bs, inits,
+                                                 torch.zeros_like(inits), node_start, node_end, node_parent,
+                                                 levels, chunk_size, scale, use_qk_l2norm_in_kernel)
     dh0 = dh0 if initial_state is None else dh0.to(initial_state.dtype)
     # contiguous, as the fake impl promises (inductor checks sizes and strides)
-    return tuple(t.contiguous() for t in (dqs[None].to(q.dtype), dks[None].to(k.dtype), dvs[None].to(v.dtype),
-                                          dgs[None].to(g.dtype), dbs[None].to(beta.dtype), dh0))
+    return tuple(t.contiguous() for t in (dq, dk, dv, dg, dbeta, dh0))
 
 
 @tree_gated_delta_rule_backward.register_fake

@@ -26,7 +26,7 @@ from torch import Tensor
 from treecompile.ops import gdn
 from treecompile.ops import tree_conv  # noqa: F401  (registers treecompile::tree_causal_conv1d)
 from treecompile.ops.tree_gdn import _check as _gdn_check
-from treecompile.ops.tree_gdn import _prepare, _segments, level_schedule
+from treecompile.ops.tree_gdn import _prepare, _segments, backward_sweep, level_schedule
 
 __all__ = ["tree_gated_delta_rule_states", "tree_causal_conv1d_past"]
 
@@ -91,39 +91,15 @@ def tree_gated_delta_rule_states_backward(
         chunk_size: int = 64) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients ``(dq, dk, dv, dg, dbeta, d_initial_state)``; ``grad_states`` seeds the final-state
     gradients of ``state_nodes`` (summed where a node is listed twice)."""
-    T, Hv, Dv = v.shape[1:]
-    Hk, Dk = q.shape[2:]
-    levels = level_schedule(node_start, node_end, node_parent, node_level, T)
+    levels = level_schedule(node_start, node_end, node_parent, node_level, v.shape[1])
     qs, ks, vs, gs, bs, h0 = _prepare(q, k, v, g, beta, initial_state, scale, use_qk_l2norm_in_kernel)
     _, inits, _ = _sweep(qs, ks, vs, gs, bs, node_start, node_end, node_parent, levels, h0, chunk_size)
-    do = grad_o[0].to(qs.dtype)
     dfinal = torch.zeros_like(inits)
-    dfinal.index_add_(0, state_nodes, grad_states.to(qs.dtype))
-    dh0 = qs.new_zeros(Hv, Dk, Dv)
-    dqs, dks, dvs, dgs, dbs = (torch.zeros_like(x) for x in (qs, ks, vs, gs, bs))
-    for nodes in reversed(levels):
-        index, valid = _segments(nodes, node_start, node_end, chunk_size)
-        segs = [gdn._to_segments(x, index, valid) for x in (qs, ks, vs, gs, bs, do)]
-        grads = gdn.core_backward(*segs[:5], inits[nodes], segs[5], dfinal[nodes], chunk_size)
-        tok = index[valid]
-        for acc, gr in zip((dqs, dks, dvs, dgs, dbs), grads[:5]):
-            acc[tok] = gr[valid]
-        d_init = grads[5]
-        par = node_parent[nodes]
-        is_child = par >= 0
-        dfinal.index_add_(0, par[is_child], d_init[is_child])
-        dh0 = dh0 + d_init[~is_child].sum(0)
-    s = Dk ** -0.5 if scale is None else scale
-    dqs = dqs * s
-    if Hv != Hk:
-        dqs = dqs.reshape(T, Hk, Hv // Hk, Dk).sum(2)
-        dks = dks.reshape(T, Hk, Hv // Hk, Dk).sum(2)
-    if use_qk_l2norm_in_kernel:
-        ct = qs.dtype
-        dqs = gdn.l2norm_backward(q[0].to(ct), dqs)
-        dks = gdn.l2norm_backward(k[0].to(ct), dks)
-    return (dqs[None].to(q.dtype), dks[None].to(k.dtype), dvs[None].to(v.dtype), dgs[None].to(g.dtype),
-            dbs[None].to(beta.dtype), dh0.to(initial_state.dtype))
+    dfinal.index_add_(0, state_nodes, grad_states.to(qs.dtype))  # what later partitions sent back
+    dq, dk, dv, dg, dbeta, dh0 = backward_sweep(grad_o, q, k, v, g, beta, qs, ks, vs, gs, bs, inits, dfinal,
+                                                 node_start, node_end, node_parent, levels, chunk_size, scale,
+                                                 use_qk_l2norm_in_kernel)
+    return dq, dk, dv, dg, dbeta, dh0.to(initial_state.dtype)
 
 
 @tree_gated_delta_rule_states_backward.register_fake
