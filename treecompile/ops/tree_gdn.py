@@ -92,7 +92,8 @@ def _segments(nodes, node_start, node_end, chunk_size):
 
 
 def _forward(qs, ks, vs, gs, bs, node_start, node_end, node_parent, levels, h0, chunk_size):
-    """Level sweep on prepared tensors ([T, H, D] etc.). Returns (o [T, H, Dv], node initial states)."""
+    """Level sweep on prepared tensors ([T, H, D] etc.).
+    Returns (o [T, H, Dv], node initial states [Nn, H, Dk, Dv], node final states [Nn, H, Dk, Dv])."""
     T, H, Dk = ks.shape
     Dv = vs.shape[-1]
     Nn = node_start.numel()
@@ -109,7 +110,7 @@ def _forward(qs, ks, vs, gs, bs, node_start, node_end, node_parent, levels, h0, 
         o[index[valid]] = o_seg[valid]
         final[nodes] = hT
         inits[nodes] = init
-    return o, inits
+    return o, inits, final
 
 
 def _prepare(q, k, v, g, beta, initial_state, scale, use_qk_l2norm_in_kernel):
@@ -130,7 +131,7 @@ def tree_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tens
     _check(q, k, v, g, beta, node_start, node_end, node_parent, node_level, initial_state)
     levels = level_schedule(node_start, node_end, node_parent, node_level, q.shape[1])
     qs, ks, vs, gs, bs, h0 = _prepare(q, k, v, g, beta, initial_state, scale, use_qk_l2norm_in_kernel)
-    o, _ = _forward(qs, ks, vs, gs, bs, node_start, node_end, node_parent, levels, h0, chunk_size)
+    o, _, _ = _forward(qs, ks, vs, gs, bs, node_start, node_end, node_parent, levels, h0, chunk_size)
     return o[None].to(v.dtype).contiguous()  # the fake impl promises a contiguous result
 
 
@@ -194,7 +195,7 @@ def tree_gated_delta_rule_backward(
     """
     levels = level_schedule(node_start, node_end, node_parent, node_level, v.shape[1])
     qs, ks, vs, gs, bs, h0 = _prepare(q, k, v, g, beta, initial_state, scale, use_qk_l2norm_in_kernel)
-    _, inits = _forward(qs, ks, vs, gs, bs, node_start, node_end, node_parent, levels, h0, chunk_size)
+    _, inits, _ = _forward(qs, ks, vs, gs, bs, node_start, node_end, node_parent, levels, h0, chunk_size)
     dq, dk, dv, dg, dbeta, dh0 = backward_sweep(grad_o, q, k, v, g, beta, qs, ks, vs, gs, bs, inits,
                                                  torch.zeros_like(inits), node_start, node_end, node_parent,
                                                  levels, chunk_size, scale, use_qk_l2norm_in_kernel)

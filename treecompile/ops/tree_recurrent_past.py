@@ -26,7 +26,7 @@ from torch import Tensor
 from treecompile.ops import gdn
 from treecompile.ops import tree_conv  # noqa: F401  (registers treecompile::tree_causal_conv1d)
 from treecompile.ops.tree_gdn import _check as _gdn_check
-from treecompile.ops.tree_gdn import _prepare, _segments, backward_sweep, level_schedule
+from treecompile.ops.tree_gdn import _forward, _prepare, backward_sweep, level_schedule
 
 __all__ = ["tree_gated_delta_rule_states", "tree_causal_conv1d_past"]
 
@@ -42,26 +42,6 @@ def _check_states(node_start, initial_state, state_nodes):
         raise ValueError(f"state_nodes: node indices must lie in [0, {Nn}), got {state_nodes.tolist()}")
 
 
-def _sweep(qs, ks, vs, gs, bs, node_start, node_end, node_parent, levels, h0, chunk_size):
-    """Forward level sweep. Returns (o [T, H, Dv], initial states [Nn, ...], final states [Nn, ...])."""
-    T, H, Dk = ks.shape
-    Dv = vs.shape[-1]
-    Nn = node_start.numel()
-    final = qs.new_zeros(Nn, H, Dk, Dv)
-    inits = qs.new_zeros(Nn, H, Dk, Dv)
-    o = qs.new_zeros(T, H, Dv)
-    for nodes in levels:
-        par = node_parent[nodes]
-        init = torch.where((par >= 0)[:, None, None, None], final[par.clamp(min=0)], h0)
-        index, valid = _segments(nodes, node_start, node_end, chunk_size)
-        segs = [gdn._to_segments(x, index, valid) for x in (qs, ks, vs, gs, bs)]
-        o_seg, hT = gdn.core_forward_chunked(*segs, init, chunk_size)
-        o[index[valid]] = o_seg[valid]
-        final[nodes] = hT
-        inits[nodes] = init
-    return o, inits, final
-
-
 @torch.library.custom_op("treecompile::tree_gated_delta_rule_states", mutates_args=())
 def tree_gated_delta_rule_states(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, node_start: Tensor,
                                  node_end: Tensor, node_parent: Tensor, node_level: Tensor,
@@ -73,7 +53,7 @@ def tree_gated_delta_rule_states(q: Tensor, k: Tensor, v: Tensor, g: Tensor, bet
     _check_states(node_start, initial_state, state_nodes)
     levels = level_schedule(node_start, node_end, node_parent, node_level, q.shape[1])
     qs, ks, vs, gs, bs, h0 = _prepare(q, k, v, g, beta, initial_state, scale, use_qk_l2norm_in_kernel)
-    o, _, final = _sweep(qs, ks, vs, gs, bs, node_start, node_end, node_parent, levels, h0, chunk_size)
+    o, _, final = _forward(qs, ks, vs, gs, bs, node_start, node_end, node_parent, levels, h0, chunk_size)
     return o[None].to(v.dtype), final[state_nodes].to(initial_state.dtype)
 
 
@@ -93,7 +73,7 @@ def tree_gated_delta_rule_states_backward(
     gradients of ``state_nodes`` (summed where a node is listed twice)."""
     levels = level_schedule(node_start, node_end, node_parent, node_level, v.shape[1])
     qs, ks, vs, gs, bs, h0 = _prepare(q, k, v, g, beta, initial_state, scale, use_qk_l2norm_in_kernel)
-    _, inits, _ = _sweep(qs, ks, vs, gs, bs, node_start, node_end, node_parent, levels, h0, chunk_size)
+    _, inits, _ = _forward(qs, ks, vs, gs, bs, node_start, node_end, node_parent, levels, h0, chunk_size)
     dfinal = torch.zeros_like(inits)
     dfinal.index_add_(0, state_nodes, grad_states.to(qs.dtype))  # what later partitions sent back
     dq, dk, dv, dg, dbeta, dh0 = backward_sweep(grad_o, q, k, v, g, beta, qs, ks, vs, gs, bs, inits, dfinal,
