@@ -75,6 +75,7 @@ class StepResult:
 class _Item:
     tree: Tree
     extras: dict  # advantages [P], old_logprobs / ref_logprobs [T] (whole-tree DFS)
+    label: str  # how errors name the tree
 
 
 def _items(tree_or_trees) -> list[_Item]:
@@ -84,7 +85,7 @@ def _items(tree_or_trees) -> list[_Item]:
     out = []
     for k, t in enumerate(trees):
         if isinstance(t, Tree):
-            out.append(_Item(t, {}))
+            out.append(_Item(t, {}, f"tree {k}"))
         elif isinstance(t, TrajectoryTree):
             ex = {}
             if t.advantages is not None:
@@ -92,7 +93,7 @@ def _items(tree_or_trees) -> list[_Item]:
             for key in ("old_logprobs", "ref_logprobs"):
                 if getattr(t, key) is not None:
                     ex[key] = t.dfs(key)
-            out.append(_Item(t.tree, ex))
+            out.append(_Item(t.tree, ex, f"tree {t.tree_id!r} ({t.source}, lines {t.lines[0]}-{t.lines[-1]})"))
         else:
             raise TypeError(f"train_step: tree {k}: expected a treecompile.Tree or a data.TrajectoryTree, "
                             f"got {type(t).__name__}")
@@ -188,7 +189,7 @@ def train_step(tmodel, tree_or_trees: Tree | TrajectoryTree | Sequence[Tree | Tr
     t0 = time.perf_counter()
     # plan every tree first (cheap), so that the progress bar knows the total
     plans = []
-    for k, it in enumerate(items):
+    for it in items:
         try:
             if mode == "packed":
                 plans.append(pack(it.tree, budget))
@@ -198,7 +199,7 @@ def train_step(tmodel, tree_or_trees: Tree | TrajectoryTree | Sequence[Tree | Tr
             else:
                 plans.append(None)
         except ValueError as e:
-            raise ValueError(f"tree {k}: {e}") from None
+            raise ValueError(f"{it.label}: {e}") from None
     total = sum(1 if p is None else len(p) for p in plans)
     bar = _Progress(total, progress)
 
