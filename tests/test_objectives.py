@@ -1,9 +1,9 @@
 """Objectives on a tree == the same objective computed path by path (float64, loss and every grad).
 
-Until the compiled TreeModel exists, the per-token DFS log-probs come from an oracle: the model run
-on every path alone (``reference.path_logprobs``), each unique token taking its value (and its
-graph) from the first path that contains it.  The per-path side runs fresh per-path forwards and
-evaluates each objective with its own formula, path by path, token by token.
+The tree side runs the compiled TreeModel (``treecompile.compile(model)``) once on the tree and
+evaluates each objective on its DFS log-probs.  The per-path side runs every path alone through the
+unmodified model (``reference.path_logprobs``) and evaluates each objective with its own formula,
+path by path, token by token.  (Objectives on partitions and several trees: ``test_train.py``.)
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import treecompile
 from treecompile import NORMALIZATIONS, Tree, reference
 from treecompile.models import DenseConfig, DenseForCausalLM
 from treecompile.runtime.data import scatter_to_dfs
@@ -33,18 +34,12 @@ def model():
     return DenseForCausalLM(DenseConfig.tiny()).double()
 
 
+@pytest.fixture(scope="module")
+def tmodel(model):
+    return treecompile.compile(model)
+
+
 # ---------------------------------------------------------------------- the two sides
-def oracle_dfs_logprobs(tree: Tree, lps) -> torch.Tensor:
-    """[T] DFS log-probs, each unique token from the first path (caller's order) containing it;
-    ``lps``: ``reference.path_logprobs`` of every path."""
-    flat = torch.cat(lps)
-    Np = tree.num_path_tokens
-    first = torch.full((tree.num_tokens,), Np, dtype=torch.long).scatter_reduce(
-        0, tree.path_index, torch.arange(Np), "amin")
-    assert int(first.max()) < Np
-    return flat[first]
-
-
 def path_coefs(masks, weights, normalize):
     """c_p written out from the normalization formulas (independent of Tree.path_coefficients)."""
     N = len(masks)
@@ -92,9 +87,9 @@ class Case:
         return scatter_to_dfs(self.tree, torch.tensor([x for v in per_path for x in v], dtype=torch.float64), given=given)
 
 
-def tree_loss(obj, model, case: Case, normalize):
+def tree_loss(obj, tmodel, case: Case, normalize):
     batch = case.tree.to_batch(normalize=normalize)
-    lp = oracle_dfs_logprobs(case.tree, case.lps)
+    lp = tmodel(batch).logprobs
     if isinstance(obj, SFT):
         return obj.loss(lp, batch)
     if isinstance(obj, PolicyGradient):
@@ -145,10 +140,9 @@ def grads(model, loss):
     return {n: (g if g is not None else torch.zeros_like(p)) for n, g, p in zip(names, gs, params)}
 
 
-def assert_equal_loss_and_grads(obj, model, case, normalize, *, expect_nonzero=False, fresh=False):
-    """``fresh``: the per-path side runs its own forwards (else it reuses the oracle's, whose
-    gradient the tree side takes only through each token's first occurrence)."""
-    lt = tree_loss(obj, model, case, normalize)
+def assert_equal_loss_and_grads(obj, model, tmodel, case, normalize, *, expect_nonzero=False, fresh=False):
+    """``fresh``: the per-path side runs its own forwards (else it reuses the case's per-path ones)."""
+    lt = tree_loss(obj, tmodel, case, normalize)
     gt = grads(model, lt)
     lr = per_path_loss(obj, model, case, normalize, fresh=fresh)
     gr = grads(model, lr)
@@ -188,44 +182,44 @@ def mixed_case(model):
 
 @pytest.mark.parametrize("normalize", NORMALIZATIONS)
 @pytest.mark.parametrize("name", list(OBJECTIVES))
-def test_mixed_tree(model, name, normalize):
-    assert_equal_loss_and_grads(OBJECTIVES[name], model, mixed_case(model), normalize, expect_nonzero=True,
+def test_mixed_tree(model, tmodel, name, normalize):
+    assert_equal_loss_and_grads(OBJECTIVES[name], model, tmodel, mixed_case(model), normalize, expect_nonzero=True,
                                 fresh=True)
 
 
 @pytest.mark.parametrize("tree", list(ODD_TREES))
-def test_odd_trees(model, tree):
+def test_odd_trees(model, tmodel, tree):
     """Every objective on every odd shape; the normalization rotates with objective and tree, so
     over the trees each objective meets every normalization (all pairs run in test_mixed_tree)."""
     k = sorted(ODD_TREES).index(tree)
     case = Case(model, ODD_TREES[tree], seed=k)
     for i, obj in enumerate(OBJECTIVES.values()):
-        assert_equal_loss_and_grads(obj, model, case, NORMALIZATIONS[(i + k) % len(NORMALIZATIONS)])
+        assert_equal_loss_and_grads(obj, model, tmodel, case, NORMALIZATIONS[(i + k) % len(NORMALIZATIONS)])
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=weighted_path_sets(max_paths=6, max_len=8), seed=st.integers(0, 10**6),
        normalize=st.sampled_from(NORMALIZATIONS))
-def test_random_trees_all_objectives(model, data, seed, normalize):
+def test_random_trees_all_objectives(model, tmodel, data, seed, normalize):
     paths, masks, weights = data
     case = Case(model, paths, masks, weights, seed=seed)
     for obj in OBJECTIVES.values():
-        assert_equal_loss_and_grads(obj, model, case, normalize)
+        assert_equal_loss_and_grads(obj, model, tmodel, case, normalize)
 
 
-def test_ppo_clip_on_policy_ratio_one(model):
+def test_ppo_clip_on_policy_ratio_one(model, tmodel):
     """old == current log-probs (ratio exactly 1, the first PPO step): still equal."""
     case = mixed_case(model)
     case.old = [[float(x) for x in lp] for lp in case.lp0]
-    assert_equal_loss_and_grads(PPOClip(), model, case, "token_mean", expect_nonzero=True)
+    assert_equal_loss_and_grads(PPOClip(), model, tmodel, case, "token_mean", expect_nonzero=True)
 
 
-def test_ppo_clip_needs_split_advantages(model):
+def test_ppo_clip_needs_split_advantages(model, tmodel):
     """Negative control: summing the paths' advantages before the min (one A per token) is wrong
     with mixed signs; the S+/S- split is what makes the tree loss equal."""
     case = mixed_case(model)
     batch = case.tree.to_batch(normalize="sum")
-    lp = oracle_dfs_logprobs(case.tree, case.lps).detach()
+    lp = tmodel(batch).logprobs.detach()
     old = case.dfs(case.old)
     A = torch.tensor(case.advantages, dtype=torch.float64)
     w = token_coefficients(case.tree, "sum", A)  # sum_p c_p A_p m[p,t]
@@ -236,13 +230,12 @@ def test_ppo_clip_needs_split_advantages(model):
     assert abs(right.item() - per_path_loss(PPOClip(), model, case, "sum").item()) < 1e-9 * abs(right.item())
 
 
-def test_padded_batch_and_override_normalize(model):
+def test_padded_batch_and_override_normalize(model, tmodel):
     """A padded batch (logprobs 0 at padding) and an objective normalize that differs from the batch's."""
     case = mixed_case(model)
     batch = case.tree.to_batch(normalize="sum", pad_to_multiple=16)
     assert batch.seq_len > case.tree.num_tokens
-    lp = oracle_dfs_logprobs(case.tree, case.lps)
-    lp_pad = torch.cat([lp, lp.new_zeros(batch.seq_len - lp.numel())])
+    lp_pad = tmodel(batch).logprobs  # 0 at padding
     A = torch.tensor(case.advantages, dtype=torch.float64)
     for n in NORMALIZATIONS:
         for obj, kw in [(SFT(normalize=n), {}), (PolicyGradient(normalize=n), dict(advantages=A)),
@@ -285,12 +278,12 @@ def test_grpo_advantages():
         grpo_advantages([0.0, math.inf])
 
 
-def test_untrained_tokens_cannot_poison_the_loss(model):
+def test_untrained_tokens_cannot_poison_the_loss(model, tmodel):
     """A token no path trains has weight 0 and no old/ref value: an extreme log-prob there (exp
     would overflow) must leave loss and gradient finite and unchanged."""
     case = mixed_case(model)
     batch = case.tree.to_batch()
-    lp = oracle_dfs_logprobs(case.tree, case.lps).detach()
+    lp = tmodel(batch).logprobs.detach()
     untrained = torch.nonzero(batch.loss_weight == 0).flatten()
     assert untrained.numel() > 0
     A = torch.tensor(case.advantages, dtype=torch.float64)

@@ -29,9 +29,19 @@ per-token DFS old/ref log-probs are keyword arguments; left out, they are read f
 :meth:`treecompile.runtime.data.TrajectoryTree.to_batch` fills them).  Per-token data that comes
 per path is put in DFS order with :func:`treecompile.runtime.data.scatter_to_dfs`.
 
-The token-level objectives need only per-token weights computed from the tree (no model), so a
-partitioned tree can compute them once for the whole tree and slice them per partition; the
-path-level ``SequenceClip`` needs every token of a path in one batch.
+**Partitions and several trees.**  The token-level objectives need only per-token weights computed
+from the tree (no model).  A batch that is one partition of a bigger tree says so in ``extras``:
+``whole_tree`` (the :class:`Tree` it belongs to), ``tokens`` (partition token -> whole-tree DFS index)
+and ``owned`` (bool per partition token: the partition that carries the token's weight; each
+whole-tree token is owned by exactly one partition).  The weights are then the *whole tree's*,
+restricted to the partition's tokens and zeroed where not owned, so the partition losses sum to the
+whole-tree loss; per-path advantages are the whole tree's ``[P]``; per-token old/ref log-probs may
+be given over the whole tree ``[whole T]`` (sliced here) or over the partition.  ``extras["norm"]``
+(a :class:`treecompile.runtime.distributed.GlobalNorm`) replaces the tree's own normalization by the
+one of a step made of several trees.  :meth:`treecompile.runtime.partition.PackedPlan.batch` fills
+``whole_tree``/``tokens``/``owned``/``paths``.  The path-level ``SequenceClip`` needs every token of
+a path in one batch: on a packed partition it sums over the paths assigned to it (``extras["paths"]``,
+each lying whole in it).
 
 Entropy is not provided: ``out.logprobs`` holds only the sampled token's log-probability, and the
 entropy needs the whole distribution (``[T, vocab]`` logits), which the compiled model does not
@@ -40,6 +50,7 @@ return.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -58,6 +69,50 @@ def token_coefficients(tree: Tree, normalize: str, per_path: torch.Tensor | None
     order, float64 ``[tree.num_tokens]`` (``per_path`` None means 1: the SFT weights)."""
     c = tree.path_coefficients(normalize)
     return tree.aggregate(c if per_path is None else c * per_path.to(torch.float64).cpu())
+
+
+# ---------------------------------------------------------------------- whole tree / partition
+def _whole(batch: TreeBatch) -> Tree:
+    """The tree whose paths the objective sums over: ``extras["whole_tree"]`` for a partition."""
+    tree = batch.extras.get("whole_tree", batch.tree)
+    if tree is None:
+        raise ValueError("batch has no tree (a redundancy-free partition?): objectives need batch.tree or "
+                         "extras['whole_tree'] with extras['tokens'] and extras['owned']")
+    return tree
+
+
+def _is_partition(batch: TreeBatch) -> bool:
+    return "whole_tree" in batch.extras
+
+
+def _path_coefficients(batch: TreeBatch, normalize: str) -> torch.Tensor:
+    """c_p of the whole tree's paths, with the step's normalization (``extras["norm"]``) if given."""
+    tree = _whole(batch)
+    norm = batch.extras.get("norm")
+    if norm is None:
+        return tree.path_coefficients(normalize)
+    if norm.normalize != normalize:
+        norm = dataclasses.replace(norm, normalize=normalize)
+    return norm.path_coefficients(tree)
+
+
+def _token_weights(batch: TreeBatch, normalize: str, per_path: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """``sum_p c_p per_path[p] m[p,t]`` over the whole tree, restricted to the batch's (owned) tokens,
+    padded to ``seq_len`` on ``like``'s device."""
+    c = _path_coefficients(batch, normalize)
+    w = _whole(batch).aggregate(c if per_path is None else c * per_path.to(torch.float64).cpu())
+    if _is_partition(batch):
+        ex = batch.extras
+        tok, owned = ex["tokens"].cpu(), ex["owned"].cpu()
+        w = torch.where(owned, w[tok], torch.zeros((), dtype=torch.float64))
+    return _pad(w, batch, like)
+
+
+def _batch_weights(batch: TreeBatch, normalize: str, like: torch.Tensor) -> torch.Tensor:
+    """The SFT weights: the batch's own ``loss_weight`` when it has that normalization."""
+    if normalize == batch.normalize:
+        return _pad(batch.loss_weight, batch, like)
+    return _token_weights(batch, normalize, None, like)
 
 
 # ---------------------------------------------------------------------- argument checks
@@ -89,8 +144,9 @@ def _per_path(value, batch: TreeBatch, name: str) -> torch.Tensor:
             raise ValueError(f"{name}: not given and not in batch.extras (pass {name}=..., or give it in the data)")
         value = batch.extras[name]
     v = torch.as_tensor(value, dtype=torch.float64).cpu()
-    if v.dim() != 1 or v.numel() != batch.num_paths:
-        raise ValueError(f"{name}: expected shape [{batch.num_paths}] (one per path), got {tuple(v.shape)}")
+    P = _whole(batch).num_paths
+    if v.dim() != 1 or v.numel() != P:
+        raise ValueError(f"{name}: expected shape [{P}] (one per path), got {tuple(v.shape)}")
     bad = torch.nonzero(~torch.isfinite(v)).flatten()
     if bad.numel():
         raise ValueError(f"{name}: path {int(bad[0])}: not finite ({v[int(bad[0])].item()})")
@@ -103,6 +159,8 @@ def _per_token(value, batch: TreeBatch, name: str, like: torch.Tensor) -> torch.
             raise ValueError(f"{name}: not given and not in batch.extras (pass {name}=..., or give it in the data)")
         value = batch.extras[name]
     v = torch.as_tensor(value)
+    if _is_partition(batch) and v.dim() == 1 and v.numel() == _whole(batch).num_tokens:
+        v = v[batch.extras["tokens"].to(v.device)]  # whole-tree DFS values -> the partition's tokens
     if v.dim() != 1 or v.numel() not in (batch.num_tokens, batch.seq_len):
         raise ValueError(f"{name}: expected DFS order, shape [{batch.num_tokens}] or [{batch.seq_len}], got "
                          f"{tuple(v.shape)} (scatter per-path values with data.scatter_to_dfs)")
@@ -122,9 +180,8 @@ class SFT:
 
     def loss(self, logprobs: torch.Tensor, batch: TreeBatch) -> torch.Tensor:
         _check_logprobs(logprobs, batch)
-        n = _normalize(self.normalize, batch)
-        w = batch.loss_weight if n == batch.normalize else token_coefficients(batch.tree, n)
-        return -(_pad(w, batch, logprobs) * logprobs).sum()
+        w = _batch_weights(batch, _normalize(self.normalize, batch), logprobs)
+        return -(w * logprobs).sum()
 
 
 @dataclass(frozen=True)
@@ -136,8 +193,8 @@ class PolicyGradient:
     def loss(self, logprobs: torch.Tensor, batch: TreeBatch, *, advantages=None) -> torch.Tensor:
         _check_logprobs(logprobs, batch)
         A = _per_path(advantages, batch, "advantages")
-        w = token_coefficients(batch.tree, _normalize(self.normalize, batch), A)
-        return -(_pad(w, batch, logprobs) * logprobs).sum()
+        w = _token_weights(batch, _normalize(self.normalize, batch), A, logprobs)
+        return -(w * logprobs).sum()
 
 
 @dataclass(frozen=True)
@@ -163,8 +220,8 @@ class PPOClip:
         A = _per_path(advantages, batch, "advantages")
         old = _per_token(old_logprobs, batch, "old_logprobs", logprobs)
         n = _normalize(self.normalize, batch)
-        s_pos = _pad(token_coefficients(batch.tree, n, A.clamp(min=0)), batch, logprobs)
-        s_neg = _pad(token_coefficients(batch.tree, n, A.clamp(max=0)), batch, logprobs)
+        s_pos = _token_weights(batch, n, A.clamp(min=0), logprobs)
+        s_neg = _token_weights(batch, n, A.clamp(max=0), logprobs)
         # tokens no path trains carry no old log-prob (0): keep exp() away from them entirely
         active = (s_pos != 0) | (s_neg != 0)
         r = torch.exp(torch.where(active, logprobs - old, torch.zeros_like(old)))
@@ -191,9 +248,7 @@ class KLPenalty:
     def loss(self, logprobs: torch.Tensor, batch: TreeBatch, *, ref_logprobs=None) -> torch.Tensor:
         _check_logprobs(logprobs, batch)
         ref = _per_token(ref_logprobs, batch, "ref_logprobs", logprobs)
-        n = _normalize(self.normalize, batch)
-        w = batch.loss_weight if n == batch.normalize else token_coefficients(batch.tree, n)
-        w = _pad(w, batch, logprobs)
+        w = _batch_weights(batch, _normalize(self.normalize, batch), logprobs)
         d = torch.where(w != 0, ref - logprobs, torch.zeros_like(ref))  # untrained tokens have no ref (0)
         if self.estimator == "k3":
             k = torch.exp(d) - d - 1
@@ -226,21 +281,40 @@ class SequenceClip:
 
     def loss(self, logprobs: torch.Tensor, batch: TreeBatch, *, advantages=None, old_logprobs=None) -> torch.Tensor:
         _check_logprobs(logprobs, batch)
-        tree = batch.tree
-        A = _per_path(advantages, batch, "advantages").to(logprobs.device)
+        tree = _whole(batch)
+        dev = logprobs.device
+        A = _per_path(advantages, batch, "advantages")
         old = _per_token(old_logprobs, batch, "old_logprobs", logprobs)
-        lp_paths = torch.cat(batch.path_logprobs(logprobs)).to(torch.float64)  # flat, path order
-        old_paths = old[tree.path_index.to(logprobs.device)]
-        mask = tree.loss_mask.to(device=logprobs.device, dtype=torch.float64)
-        seg = torch.repeat_interleave(torch.arange(tree.num_paths, device=logprobs.device),
-                                      tree.path_lengths.to(logprobs.device))
-        P = tree.num_paths
-        diff = torch.zeros(P, dtype=torch.float64, device=logprobs.device).index_add(
-            0, seg, mask * (lp_paths - old_paths))
-        count = torch.zeros(P, dtype=torch.float64, device=logprobs.device).index_add(0, seg, mask)
+        if _is_partition(batch):  # the whole paths assigned to this partition
+            if "paths" not in batch.extras:
+                raise ValueError("SequenceClip on a partition needs extras['paths'] (the paths lying whole in it, "
+                                 "as packed partitions give them); redundancy-free partitions cut paths")
+            paths = torch.as_tensor(batch.extras["paths"], dtype=torch.long).cpu()
+        else:
+            paths = torch.arange(tree.num_paths)
+        lengths = tree.path_lengths[paths]
+        seg = torch.repeat_interleave(torch.arange(paths.numel()), lengths)
+        starts = tree.path_offsets[paths] - (torch.cumsum(lengths, 0) - lengths)
+        flat = starts[seg] + torch.arange(seg.numel())  # the paths' tokens in path-token order
+        pos = tree.path_index[flat]  # whole-tree DFS
+        if _is_partition(batch):
+            tok = batch.extras["tokens"].cpu()
+            g = pos
+            pos = torch.searchsorted(tok, g).clamp(max=max(tok.numel() - 1, 0))
+            bad = torch.nonzero(tok[pos] != g).flatten() if tok.numel() else torch.arange(g.numel())
+            if bad.numel():
+                raise ValueError(f"SequenceClip: path {int(paths[seg[int(bad[0])]])} is not whole in this partition "
+                                 f"(its DFS token {int(g[int(bad[0])])} is missing)")
+        pos, seg = pos.to(dev), seg.to(dev)
+        mask = tree.loss_mask[flat].to(device=dev, dtype=torch.float64)
+        n = paths.numel()
+        diff = torch.zeros(n, dtype=torch.float64, device=dev).index_add(
+            0, seg, mask * (logprobs[pos].to(torch.float64) - old[pos]))
+        count = torch.zeros(n, dtype=torch.float64, device=dev).index_add(0, seg, mask)
         s = torch.exp(diff / count.clamp(min=1))
         clipped = s.clamp(1 - self.clip_low, 1 + self.clip_high)
-        w = tree.path_weights.to(logprobs.device) / P
+        A = A[paths].to(dev)
+        w = _path_coefficients(batch, "sum")[paths].to(dev)  # w_p / N
         return -(w * torch.minimum(s * A, clipped * A)).sum()
 
 

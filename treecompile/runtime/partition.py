@@ -206,7 +206,9 @@ class PackedPlan:
               conv_kernel: int = DEFAULT_CONV_KERNEL) -> TreeBatch:
         """Partition i as a TreeBatch.  Its ``tree`` is built from the partition's leaf paths (path
         bookkeeping only); ``loss_weight`` is the whole tree's weight on owned tokens, 0 elsewhere.
-        ``extras``: ``tokens`` (partition token -> whole-tree DFS index), ``owned``."""
+        ``extras``: ``tokens`` (partition token -> whole-tree DFS index), ``owned``, ``whole_tree``
+        (this plan's tree) and ``paths`` (the whole-tree paths assigned to it), which the objectives
+        read (:mod:`treecompile.runtime.objectives`)."""
         w = self._weights(normalize)
         part = self.partitions[i]
         sub = Tree.from_paths(self.leaf_paths(i))
@@ -219,7 +221,8 @@ class PackedPlan:
         lw = torch.where(part.owned, w[tok], torch.zeros((), dtype=torch.float64))
         npad = b.seq_len - n
         b = dataclasses.replace(b, loss_weight=_pad(lw, npad, 0.0), normalize=normalize,
-                                extras={"tokens": tok, "owned": part.owned})
+                                extras={"tokens": tok, "owned": part.owned, "whole_tree": self.tree,
+                                        "paths": part.paths})
         return b.to(device) if device is not None else b
 
     def batches(self, **kw) -> list[TreeBatch]:
@@ -340,6 +343,9 @@ class RedundancyFreePlan:
     _shape: TreeShape = field(repr=False, default=None)
     _weights: _WeightCache = field(repr=False, default=None)
     _owner: torch.Tensor = field(repr=False, default=None)
+    # whole-tree DFS loss weights [T] used by batch() instead of the normalization's (e.g. a policy
+    # gradient's sum_p c_p A_p m[p,t]); set with dataclasses.replace(plan, token_weights=w)
+    token_weights: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.partitions)
@@ -425,7 +431,7 @@ class RedundancyFreePlan:
         - ``node_past_parent [num_nodes]``: chain position of the token a local root node hangs below
           (its GDN initial state is the recurrent state after that token), else -1.
         """
-        w = self._weights(normalize)
+        w = self._weights(normalize) if self.token_weights is None else self.token_weights
         tree = self.tree
         part = self.partitions[i]
         tok = part.tokens

@@ -1,0 +1,289 @@
+"""train_step == the whole-tree step == the per-path computation (float64, loss and every gradient).
+
+For every objective: packed partitions at several budgets (including a budget that cuts the tree in
+several partitions repeating shared prefixes), several trees in one step (one normalization over
+all their paths), redundancy-free partitions for the linear objectives, a hybrid (GDN) model, and
+torch optimizers.  The per-path side runs each path alone through the unmodified model and applies
+each objective's own per-path formula (``test_objectives.per_path_loss``).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import treecompile
+from treecompile import NORMALIZATIONS, Tree
+from treecompile.models import DenseConfig, DenseForCausalLM, HybridConfig, HybridForCausalLM
+from treecompile.runtime.data import TrajectoryTree
+from treecompile.runtime.objectives import SFT, KLPenalty, PolicyGradient, PPOClip, SequenceClip
+from treecompile.runtime.partition import pack
+from treecompile.runtime.train import train_step
+from test_objectives import OBJECTIVES, Case, mixed_case, per_path_loss
+
+REL = 1e-9
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return DenseForCausalLM(DenseConfig.tiny()).double()
+
+
+@pytest.fixture(scope="module")
+def tmodel(model):
+    return treecompile.compile(model)
+
+
+@pytest.fixture(scope="module")
+def bmodel(model):
+    return treecompile.compile(model, boundary=True)
+
+
+# ---------------------------------------------------------------------- helpers
+def trajectories(case: Case, cuts=None) -> list[TrajectoryTree]:
+    """The case's paths as TrajectoryTrees (split at ``cuts`` into several trees); old/ref log-probs
+    NaN (null) at untrained tokens, as the JSONL reader gives them."""
+    bounds = [0, *(cuts or []), len(case.paths)]
+    out = []
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        masks = case.masks[lo:hi]
+
+        def flat(per_path):
+            return torch.tensor([x if m else math.nan for v, mk in zip(per_path[lo:hi], masks) for x, m in zip(v, mk)],
+                                dtype=torch.float64)
+
+        tree = Tree.from_paths(case.paths[lo:hi], loss_masks=masks, path_weights=case.weights[lo:hi])
+        out.append(TrajectoryTree(tree_id=lo, tree=tree, source="case", lines=list(range(lo + 1, hi + 1)),
+                                  advantages=torch.tensor(case.advantages[lo:hi], dtype=torch.float64),
+                                  old_logprobs=flat(case.old), ref_logprobs=flat(case.ref)))
+    return out
+
+
+def step(tm, model, trees, obj, **kw):
+    model.zero_grad(set_to_none=True)
+    res = train_step(tm, trees, obj, **kw)
+    g = {n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p)) for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return res, g
+
+
+def reference(model, obj, case, normalize):
+    loss = per_path_loss(obj, model, case, normalize, fresh=True)
+    names, params = zip(*model.named_parameters())
+    if not loss.requires_grad:  # e.g. GSPO on paths that train nothing: a constant
+        return loss.item(), {n: torch.zeros_like(p) for n, p in zip(names, params)}
+    gs = torch.autograd.grad(loss, params, allow_unused=True)
+    return loss.item(), {n: (g if g is not None else torch.zeros_like(p)) for n, g, p in zip(names, gs, params)}
+
+
+def assert_close(res, g, want_loss, want_g, what="", *, nonzero=True):
+    assert abs(res.loss - want_loss) <= REL * abs(want_loss) + 1e-15, (what, res.loss, want_loss)
+    total = math.sqrt(sum(float(x.norm()) ** 2 for x in want_g.values()))
+    assert total > 0 or not nonzero, what
+    for n in want_g:
+        err = float((g[n] - want_g[n]).norm())
+        assert err <= REL * float(want_g[n].norm()) + 1e-15 * (1 + total), (what, n, err, float(want_g[n].norm()))
+
+
+# ---------------------------------------------------------------------- packed == whole == per path
+@pytest.mark.parametrize("normalize", NORMALIZATIONS)
+@pytest.mark.parametrize("name", list(OBJECTIVES))
+def test_packed_equals_whole_and_per_path(model, tmodel, name, normalize):
+    """Mixed tree: path 0's trained tokens are path 1's untrained prompt, a duplicate path with
+    another mask, a negative path weight, mixed-sign advantages; budgets from the longest path
+    (several partitions that repeat shared prefixes) to the whole tree."""
+    obj = OBJECTIVES[name]
+    case = mixed_case(model)
+    (tt,) = trajectories(case)
+    want_loss, want_g = reference(model, obj, case, normalize)
+    res, g = step(tmodel, model, tt, obj, normalize=normalize)
+    assert res.metrics["partitions"] == 1 and res.metrics["err"] == pytest.approx(case.tree.por)
+    assert_close(res, g, want_loss, want_g, "whole")
+    longest = int(case.tree.path_lengths.max())
+    for budget in (longest, longest + 1, case.tree.num_tokens):
+        res, g = step(tmodel, model, tt, obj, budget=budget, normalize=normalize)
+        assert res.metrics["partitions"] == len(pack(case.tree, budget))
+        assert_close(res, g, want_loss, want_g, f"budget {budget}")
+    assert len(pack(case.tree, longest)) >= 3  # the smallest budget really splits the tree
+
+
+@pytest.mark.parametrize("name", list(OBJECTIVES))
+def test_several_trees_one_normalization(model, tmodel, name):
+    """Two trees in one step (they even share a prefix): the loss is the per-path loss of all their
+    paths together (N and the trained-token count of the whole step), whole and packed."""
+    obj = OBJECTIVES[name]
+    case = mixed_case(model)
+    trees = trajectories(case, cuts=[2])
+    k = list(OBJECTIVES).index(name)
+    normalize = NORMALIZATIONS[k % 3]
+    want_loss, want_g = reference(model, obj, case, normalize)
+    for budget in (None, 9):
+        res, g = step(tmodel, model, trees, obj, budget=budget, normalize=normalize)
+        assert res.metrics["trees"] == 2 and res.metrics["paths"] == len(case.paths)
+        assert_close(res, g, want_loss, want_g, f"budget {budget}")
+
+
+def test_odd_trees_packed(model, tmodel):
+    """Odd shapes (fan-out, duplicates, prefixes, forests) at the smallest budget, PPO-clip and GSPO."""
+    from strategies import ODD_TREES
+
+    for k, name in enumerate(sorted(ODD_TREES)):
+        case = Case(model, ODD_TREES[name], seed=k)
+        (tt,) = trajectories(case)
+        budget = int(case.tree.path_lengths.max())
+        for obj in (PPOClip(clip_low=0.1, clip_high=0.28), SequenceClip(clip_low=0.05, clip_high=0.08)):
+            normalize = NORMALIZATIONS[k % 3]
+            want_loss, want_g = reference(model, obj, case, normalize)
+            if want_loss == 0:  # e.g. one-token paths: nothing is predicted
+                continue
+            res, g = step(tmodel, model, tt, obj, budget=budget, normalize=normalize)
+            assert_close(res, g, want_loss, want_g, f"{name} {obj}", nonzero=False)  # GSPO may clip all
+
+
+# ---------------------------------------------------------------------- redundancy-free
+@pytest.mark.parametrize("normalize", NORMALIZATIONS)
+def test_redundancy_free_sft_and_pg(model, tmodel, bmodel, normalize):
+    """Every unique token once (ERR == POR), loss and gradients == whole-tree step == per path."""
+    case = mixed_case(model)
+    trees = trajectories(case)
+    for obj in (SFT(), PolicyGradient()):
+        want_loss, want_g = reference(model, obj, case, normalize)
+        whole, gw = step(tmodel, model, trees, obj, normalize=normalize)
+        assert_close(whole, gw, want_loss, want_g, "whole")
+        for budget in (1, 3, 5, 100):
+            res, g = step(bmodel, model, trees, obj, budget=budget, mode="redundancy_free", normalize=normalize)
+            assert res.metrics["tokens_computed"] == case.tree.num_tokens
+            assert res.metrics["err"] == pytest.approx(case.tree.por)
+            assert_close(res, g, want_loss, want_g, f"{obj} budget {budget}")
+
+
+def test_redundancy_free_several_trees(model, bmodel):
+    case = mixed_case(model)
+    want_loss, want_g = reference(model, SFT(), case, "token_mean")
+    res, g = step(bmodel, model, trajectories(case, cuts=[3]), SFT(), budget=2, mode="redundancy_free",
+                  normalize="token_mean")
+    assert_close(res, g, want_loss, want_g)
+
+
+# ---------------------------------------------------------------------- hybrid model
+def test_hybrid_packed_ppo_and_rf_sft():
+    torch.manual_seed(1)
+    model = HybridForCausalLM(HybridConfig.tiny()).double()
+    case = mixed_case(model)
+    (tt,) = trajectories(case)
+    obj = PPOClip(clip_low=0.1, clip_high=0.28)
+    want_loss, want_g = reference(model, obj, case, "path_mean")
+    res, g = step(treecompile.compile(model), model, tt, obj, budget=9, normalize="path_mean")
+    assert res.metrics["partitions"] >= 3
+    assert_close(res, g, want_loss, want_g, "hybrid packed PPO")
+    want_loss, want_g = reference(model, SFT(), case, "sum")
+    res, g = step(treecompile.compile(model, boundary=True), model, tt, SFT(), budget=3, mode="redundancy_free")
+    assert_close(res, g, want_loss, want_g, "hybrid redundancy-free SFT")
+
+
+# ---------------------------------------------------------------------- optimizers
+@pytest.mark.parametrize("make_opt", [lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+                                      lambda ps: torch.optim.Adam(ps, lr=1e-2)], ids=["sgd", "adam"])
+def test_any_optimizer(model, tmodel, make_opt):
+    """Two steps with the optimizer inside train_step == two per-path steps (zero_grad between:
+    without it the second step would see accumulated gradients)."""
+    case = mixed_case(model)
+    (tt,) = trajectories(case)
+    obj = PPOClip()
+    start = copy.deepcopy(model.state_dict())
+    opt = make_opt(list(model.parameters()))
+    for _ in range(2):
+        train_step(tmodel, tt, obj, opt, budget=9, normalize="token_mean")
+    got = copy.deepcopy(model.state_dict())
+    model.load_state_dict(start)
+    opt = make_opt(list(model.parameters()))
+    for _ in range(2):
+        opt.zero_grad()
+        per_path_loss(obj, model, case, "token_mean", fresh=True).backward()
+        opt.step()
+    want = copy.deepcopy(model.state_dict())
+    model.load_state_dict(start)
+    moved = 0.0
+    for n in want:
+        delta = float((want[n] - start[n]).norm())
+        moved = max(moved, delta)
+        assert float((got[n] - want[n]).norm()) <= 1e-9 * max(delta, 1e-3), n
+    assert moved > 1e-4  # the optimizer really stepped
+
+
+# ---------------------------------------------------------------------- metrics, progress, errors
+def test_metrics_and_progress(model, tmodel, capsys):
+    case = mixed_case(model)
+    (tt,) = trajectories(case)
+    res = train_step(tmodel, tt, SFT(), budget=9, progress=True)
+    model.zero_grad(set_to_none=True)
+    m = res.metrics
+    plan = pack(case.tree, 9)
+    assert m["tokens_computed"] == plan.cost > case.tree.num_tokens
+    assert m["err"] == pytest.approx(plan.reuse().err) and m["err"] < m["por"] == pytest.approx(case.tree.por)
+    assert m["peak_tokens"] == max(p.num_tokens for p in plan.partitions) <= 9
+    assert m["seconds"] > 0 and m["grad_norm"] > 0 and m["mode"] == "packed"
+    err = capsys.readouterr().err
+    assert f"{len(plan)}/{len(plan)} batches" in err and "train_step [" in err
+
+
+def test_errors(model, tmodel, bmodel):
+    case = mixed_case(model)
+    (tt,) = trajectories(case)
+    with pytest.raises(ValueError, match="needs a token budget"):
+        train_step(tmodel, tt, mode="packed")
+    with pytest.raises(ValueError, match="mode: expected one of"):
+        train_step(tmodel, tt, budget=9, mode="rf")
+    with pytest.raises(ValueError, match=r"tree 0 \(case, lines 1-6\): path 1 has 9 tokens, more than the budget C=8"):
+        train_step(tmodel, tt, budget=8)
+    for obj in (PPOClip(), KLPenalty(0.1), SequenceClip()):
+        with pytest.raises(ValueError, match="linear in the log-probs"):
+            train_step(bmodel, tt, obj, budget=4, mode="redundancy_free")
+    with pytest.raises(ValueError, match="boundary=True"):
+        train_step(tmodel, tt, budget=4, mode="redundancy_free")
+    with pytest.raises(ValueError, match="use mode='redundancy_free'"):
+        train_step(bmodel, tt, budget=4)
+    with pytest.raises(ValueError, match="advantages: not given"):
+        train_step(tmodel, case.tree, PolicyGradient(), budget=9)
+    with pytest.raises(TypeError, match="expected a treecompile.Tree"):
+        train_step(tmodel, [case.paths])
+    with pytest.raises(ValueError, match="no trees given"):
+        train_step(tmodel, [])
+    # a path-level objective on a partition that does not hold the path whole
+    plan = pack(case.tree, 9)
+    b = plan.batch(0)
+    lp = torch.zeros(b.seq_len, dtype=torch.float64)
+    A = torch.ones(case.tree.num_paths, dtype=torch.float64)
+    old = torch.zeros(case.tree.num_tokens, dtype=torch.float64)
+    missing = next(p for p in range(case.tree.num_paths) if p not in b.extras["paths"].tolist()
+                   and not set(case.tree.path_index[int(case.tree.path_offsets[p]):int(case.tree.path_offsets[p + 1])]
+                               .tolist()) <= set(b.extras["tokens"].tolist()))
+    b.extras["paths"] = torch.tensor([missing])
+    with pytest.raises(ValueError, match=f"SequenceClip: path {missing} is not whole in this partition"):
+        SequenceClip().loss(lp, b, advantages=A, old_logprobs=old)
+    del b.extras["paths"]
+    with pytest.raises(ValueError, match=r"needs extras\['paths'\]"):
+        SequenceClip().loss(lp, b, advantages=A, old_logprobs=old)
+    model.zero_grad(set_to_none=True)
+
+
+# ---------------------------------------------------------------------- the example
+def test_example_trains(tmp_path):
+    data = tmp_path / "trees.jsonl"
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "train_sft.py"), "--data", str(data),
+                          "--make-data", "--steps", "6", "--budget", "40"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    losses = [float(x) for x in re.findall(r"^step \d+ loss ([0-9.]+)", out.stdout, re.M)]
+    assert len(losses) == 6 and all(math.isfinite(x) for x in losses)
+    assert losses[-1] < 0.8 * losses[0], losses
