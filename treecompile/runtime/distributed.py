@@ -142,6 +142,7 @@ def tree_batch(tree: Tree, norm: GlobalNorm, *, pad_to_multiple: int | None = No
     """``tree`` as one TreeBatch whose weights are its share of the global loss."""
     b = tree.to_batch(normalize="sum", pad_to_multiple=pad_to_multiple, conv_kernel=conv_kernel)
     b = _with_weights(b, norm.token_weights(tree), norm.normalize)
+    b.extras["norm"] = norm  # objectives other than SFT read the step's normalization from here
     return b.to(device) if device is not None else b
 
 
@@ -153,6 +154,7 @@ def partition_batch(plan: PackedPlan, i: int, norm: GlobalNorm, *, pad_to_multip
     w = norm.token_weights(plan.tree)[part.tokens]
     w = torch.where(part.owned, w, torch.zeros((), dtype=w.dtype))
     b = _with_weights(b, w, norm.normalize)
+    b.extras["norm"] = norm
     return b.to(device) if device is not None else b
 
 

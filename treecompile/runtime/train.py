@@ -47,12 +47,12 @@ from typing import Sequence
 import torch
 
 from treecompile.runtime.data import TrajectoryTree
-from treecompile.runtime.distributed import GlobalNorm
+from treecompile.runtime.distributed import GlobalNorm, partition_batch, tree_batch
 from treecompile.runtime.metrics import Reuse, dataset_reuse
 from treecompile.runtime.objectives import SFT, PolicyGradient
 from treecompile.runtime.partition import pack, partition_redundancy_free
 from treecompile.runtime.redundancy_free import run_redundancy_free
-from treecompile.tree import NORMALIZATIONS, Tree, TreeBatch
+from treecompile.tree import NORMALIZATIONS, Tree
 
 __all__ = ["train_step", "StepResult", "MODES"]
 
@@ -123,12 +123,6 @@ class _Progress:
         if self.enabled:
             sys.stderr.write("\n")
             sys.stderr.flush()
-
-
-def _with_weights(batch: TreeBatch, w: torch.Tensor) -> TreeBatch:
-    lw = torch.zeros(batch.seq_len, dtype=torch.float64)
-    lw[:w.numel()] = w
-    return dataclasses.replace(batch, loss_weight=lw)
 
 
 def _objective_normalize(objective, normalize: str) -> str:
@@ -222,18 +216,10 @@ def train_step(tmodel, tree_or_trees: Tree | TrajectoryTree | Sequence[Tree | Tr
             n_tree = 0
             for i in range(1 if plan is None else len(plan)):
                 if plan is None:
-                    batch = tree.to_batch(normalize=normalize)
-                    if norm is not None:
-                        batch = _with_weights(batch, norm.token_weights(tree))
+                    batch = tree.to_batch(normalize=normalize) if norm is None else tree_batch(tree, norm)
                 else:
-                    batch = plan.batch(i, normalize=normalize)
-                    if norm is not None:
-                        part = plan.partitions[i]
-                        w = norm.token_weights(tree)[part.tokens]
-                        batch = _with_weights(batch, torch.where(part.owned, w, torch.zeros((), dtype=w.dtype)))
+                    batch = plan.batch(i, normalize=normalize) if norm is None else partition_batch(plan, i, norm)
                 batch.extras.update(it.extras)
-                if norm is not None:
-                    batch.extras["norm"] = norm
                 out = tmodel(batch)
                 loss = objective.loss(out.logprobs, batch)
                 if loss.requires_grad:
