@@ -4,8 +4,8 @@ The model's forward must take ``input_ids [1, T]`` and return logits ``[1, T, V]
 ``.logits`` (Hugging Face ``CausalLMOutput``).  Hugging Face models are captured with
 ``use_cache=False`` and, for the duration of the capture only, with ``config._attn_implementation =
 "sdpa"`` so that attention arrives as one SDPA node.  Kernels that cannot be traced as one piece
-(Gated DeltaNet, causal conv, HF MoE experts) are swapped for registered ops during capture by ``kernel swaps``
-(see :func:`kernel_swaps`).  The model object is unchanged
+(Gated DeltaNet, causal conv, HF MoE experts) are swapped for registered ops during capture by
+``kernel swaps`` (see :func:`kernel_swaps`).  The model object is unchanged
 afterwards: its training flag, config and attributes are restored.
 """
 
