@@ -11,17 +11,10 @@ import treecompile
 from treecompile import NORMALIZATIONS, Tree, reference
 from treecompile.models import DenseConfig, DenseForCausalLM
 from treecompile.passes import UnsupportedModelError
+from helpers import flat_grads, reference_noise, rel
 from strategies import ODD_TREES, weighted_path_sets
 
 aten = torch.ops.aten
-
-
-def flat_grads(loss, params):
-    return torch.cat([g.flatten() for g in torch.autograd.grad(loss, params)])
-
-
-def rel(a, b):
-    return float((a - b).norm() / b.norm().clamp(min=1e-300))
 
 
 @pytest.fixture(scope="module")
@@ -221,30 +214,6 @@ def hf(request):
     torch.manual_seed(0)
     model = hf_models()[request.param]().double()
     return model, treecompile.compile(model)
-
-
-def reference_noise(model, paths, masks, weights, batch, ref, params, g_ref):
-    """How far two mathematically equal per-path computations disagree ("sum" normalization).
-
-    HF computes RMSNorm and rotary in float32 even in a float64 model, in forward and backward, so
-    where gradient contributions are summed (before or after a float32 cast) changes the rounding.
-    (a) each unique token's log-prob read from one path's run instead of summing over paths;
-    (b) every path split into two copies weighted 1/3 and 2/3 (exact: the same loss), which regroups
-        the float32 backward signals as the tree's summing of shared prefixes does.
-    """
-    tree = batch.tree
-    last = torch.empty(tree.num_tokens, dtype=torch.long)
-    last[tree.path_index] = torch.arange(tree.path_index.numel())
-    lps = torch.cat(reference.run(model, paths).logprobs)
-    loss_a = -(batch.loss_weight * lps[last]).sum()
-    w = [1.0] * len(paths) if weights is None else list(weights)
-    ref_b = reference.run(model, list(paths) * 2, loss_masks=None if masks is None else list(masks) * 2,
-                          path_weights=[c / 3 for c in w] + [2 * c / 3 for c in w], normalize="sum")
-    loss_b = 2 * ref_b.loss  # 2N paths under the 1/N of "sum"
-    ga, gb = flat_grads(loss_a, params), flat_grads(loss_b, params)
-    g_noise = max(rel(ga, g_ref), rel(gb, g_ref))
-    loss_noise = max(abs(float(loss_a - ref.loss)), abs(float(loss_b - ref.loss)))
-    return g_noise, loss_noise
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -4,8 +4,8 @@ The model's forward must take ``input_ids [1, T]`` and return logits ``[1, T, V]
 ``.logits`` (Hugging Face ``CausalLMOutput``).  Hugging Face models are captured with
 ``use_cache=False`` and, for the duration of the capture only, with ``config._attn_implementation =
 "sdpa"`` so that attention arrives as one SDPA node.  Kernels that cannot be traced as one piece
-(Gated DeltaNet, causal conv) are swapped for registered ops during capture by ``kernel swaps``
-(see :func:`kernel_swaps`).  The model object is unchanged
+(Gated DeltaNet, causal conv, HF MoE experts) are swapped for registered ops during capture by
+``kernel swaps`` (see :func:`kernel_swaps`).  The model object is unchanged
 afterwards: its training flag, config and attributes are restored.
 """
 
@@ -44,15 +44,23 @@ def kernel_swaps(model: torch.nn.Module) -> list:
     """Context managers that swap Gated DeltaNet / causal-conv hooks for tree ops during capture.
 
     A module is taken for a GDN layer when it (or the module its class is defined in) exposes one of
-    ``GDN_HOOKS`` and one of ``CONV_HOOKS`` as callables.  Returns [] for models without such layers.
+    ``GDN_HOOKS`` and one of ``CONV_HOOKS`` as callables.  HF experts modules (classes decorated with
+    ``use_experts_implementation``: their eager loop is data-dependent, ``grouped_mm`` refuses float64)
+    get their instance ``forward`` swapped for ``treecompile::moe_experts`` when
+    :func:`treecompile.ops.moe.hf_experts_supported` says it computes them exactly; others are left
+    as they are.  Returns [] for models without such layers.
     """
     import sys
+    import types
 
+    from treecompile.ops.moe import hf_experts_forward, hf_experts_supported
     from treecompile.ops.tree_conv import hf_causal_conv1d_fn
     from treecompile.ops.tree_gdn import hf_chunk_gated_delta_rule
 
     swaps, done = [], set()
     for m in model.modules():
+        if hasattr(m, "is_concatenated") and hasattr(m, "gate_up_proj") and hf_experts_supported(m) is None:
+            swaps.append(_patched(m, "forward", types.MethodType(hf_experts_forward, m)))
         for owner in (m, sys.modules.get(type(m).__module__)):
             if owner is None or id(owner) in done:
                 continue
