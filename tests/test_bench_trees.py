@@ -69,3 +69,23 @@ def test_attention_entries_match_a_dense_count():
     dense = sum(1 for k in range(T) for q in range(T) if k <= q < se[k])
     assert tree_attention_entries(b.position_ids[:T]) == dense
     assert path_attention_entries([len(p) for p in paths]) == sum(L * (L + 1) // 2 for L in map(len, paths))
+
+
+def test_harness_cpu_smoke(tmp_path):
+    """The harness end to end on CPU (float64, tiny dense model): rows written, tree == per-path."""
+    import csv
+
+    from benchmarks import harness
+
+    rc = harness.main(["--device", "cpu", "--tiny", "--model", "dense-tiny", "--dtype", "float64", "--suite", "sweep",
+                       "--por", "0.7", "--contenders", "eager_per_path", "tree", "tree_packed", "--out", str(tmp_path)])
+    assert rc == 0
+    rows = {r["contender"]: r for r in csv.DictReader(open(tmp_path / "results.csv"))}
+    assert set(rows) == {"eager_per_path", "tree", "tree_packed"}
+    assert all(r["status"] == "ok" for r in rows.values()), rows
+    tree = rows["tree"]
+    assert float(tree["loss_rel_dev"]) < 1e-9 and float(tree["grad_cos"]) > 1 - 1e-9
+    assert float(rows["tree_packed"]["loss_rel_dev"]) < 1e-9
+    # bound = per-path FLOPs / tree FLOPs > 1 at POR 0.7; and computed tokens == unique tokens
+    assert int(tree["computed_tokens"]) == int(tree["tree_tokens"]) and float(tree["bound"]) > 2
+    assert (tmp_path / "tables.md").read_text().count("| dense-tiny") == 3
