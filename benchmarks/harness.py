@@ -37,7 +37,6 @@ import argparse
 import csv
 import dataclasses
 import json
-import math
 import os
 import platform
 import random
@@ -603,7 +602,7 @@ def plot(csv_path: str, png_path: str) -> bool:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="treecompile bench", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", action="append", help=f"repeatable; default qwen3-0.6b (tiny: dense-tiny)")
+    ap.add_argument("--model", action="append", help="repeatable; default qwen3-0.6b (tiny: dense-tiny, hybrid-tiny)")
     ap.add_argument("--suite", action="append", choices=["sweep", "agentic"], help="repeatable; default both")
     ap.add_argument("--por", type=float, nargs="+", default=[0.2, 0.5, 0.7, 0.85, 0.92])
     ap.add_argument("--paths", type=int, default=16, help="paths per synthetic tree")
