@@ -1,0 +1,730 @@
+"""Benchmark harness: training-step time of treecompile against per-path and packed baselines.
+
+``treecompile bench ...`` calls :func:`main`; on a source checkout also ``python benchmarks/harness.py``.
+Every contender times one training step = forward + backward over all paths of one tree (gradients
+accumulated in ``.grad``; **optimizer step excluded**), median of ``--iters`` after one warm-up step
+(whose time, compile included, is reported as ``first_s``).  Contenders:
+
+- ``eager_per_path``: the unmodified model run on each path alone (what per-branch trainers do);
+- ``compiled_per_path``: the same under ``torch.compile(dynamic=True)`` (one graph for all path
+  lengths), causal SDPA with cuDNN first in the backend priority;
+- ``packed_flex``: all paths concatenated into one sequence, the model compiled with its SDPA call
+  replaced by compiled FlexAttention under a document-causal BlockMask (RoPE is relative, so global
+  positions give the per-path scores); dense models only (a GDN layer would carry state across
+  documents);
+- ``tree``: ``treecompile.compile(model)`` on the whole tree (CUDA: compiled, flex tree attention,
+  length buckets);
+- ``tree_packed``: the tree split by ``runtime.partition.pack`` under ``--capacity`` (partitions
+  repeat their shared prefixes), one step = every partition's fwd+bwd;
+- ``tree_rf``: redundancy-free partitions (``runtime.redundancy_free``).  Its graph runs eagerly
+  with reference ops (dense [T, B+T] masks) even on CUDA, so on CUDA it is reported as not timed
+  unless ``--rf-on-cuda`` is given.
+
+Per run: step time, path tokens/s, speedup over each baseline and over the fastest baseline, the work
+bound (baseline FLOPs / contender FLOPs, :mod:`benchmarks.flops`) and the fraction of it achieved,
+peak memory, loss deviation and gradient cosine against the eager per-path baseline.  Out-of-memory and
+failures are rows.  ``--recompile-stream N`` runs N differently sized trees through the tree contender
+and counts dynamo compiles against the number of length buckets.
+
+Outputs (``--out DIR``): ``results.jsonl`` (one line per row, written as rows finish), ``results.csv``,
+``tables.md`` (tabulate github tables with their conditions), ``speedup_vs_por.png`` (matplotlib when
+available; ``--plot-from results.csv`` redraws it elsewhere).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+if __package__:
+    from benchmarks.flops import FlopModel, path_attention_entries, tree_attention_entries
+    from benchmarks.trees import agentic_paths, agentic_specs, max_por, synthetic_paths
+else:  # run as a script: benchmarks/ is on sys.path
+    from flops import FlopModel, path_attention_entries, tree_attention_entries
+    from trees import agentic_paths, agentic_specs, max_por, synthetic_paths
+
+BASELINES = ("eager_per_path", "compiled_per_path", "packed_flex")
+TREE_CONTENDERS = ("tree", "tree_packed", "tree_rf")
+CONTENDERS = BASELINES + TREE_CONTENDERS
+
+
+# ---------------------------------------------------------------------------------------------- configs
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    kind: str  # "dense" | "hybrid"
+    config: object  # DenseConfig | HybridConfig
+
+    def build(self, device, dtype):
+        from treecompile.models import DenseForCausalLM, HybridForCausalLM
+
+        cls = DenseForCausalLM if self.kind == "dense" else HybridForCausalLM
+        model = cls(self.config)
+        with torch.no_grad():  # HF-style init: matrices and embeddings ~ N(0, 0.02), norms as built
+            for p in model.parameters():
+                if p.dim() == 2:
+                    p.normal_(0.0, 0.02)
+        return model.to(device=device, dtype=dtype)
+
+
+def model_specs() -> dict[str, ModelSpec]:
+    from treecompile.models import DenseConfig, HybridConfig
+
+    return {
+        "qwen3-0.6b": ModelSpec("qwen3-0.6b", "dense", DenseConfig.qwen3_0_6b()),
+        "qwen3-1.7b": ModelSpec("qwen3-1.7b", "dense", DenseConfig.qwen3_1_7b()),
+        # Qwen3.5-shaped hybrid, small variant (as benchmarks/gpu_checks.py): 12 layers, 9 GDN + 3 attention
+        "qwen3.5-hybrid-small": ModelSpec("qwen3.5-hybrid-small", "hybrid", HybridConfig(
+            hidden_size=1024, intermediate_size=3584, num_hidden_layers=12, num_attention_heads=8,
+            num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
+            linear_key_head_dim=128, linear_value_head_dim=128, vocab_size=248320)),
+        "dense-tiny": ModelSpec("dense-tiny", "dense", DenseConfig.tiny(vocab_size=512)),
+        # flex attention needs head_dim >= 16 (the recompile stream on CUDA)
+        "dense-tiny16": ModelSpec("dense-tiny16", "dense", DenseConfig.tiny(vocab_size=512, hidden_size=64,
+                                                                            head_dim=16)),
+        "hybrid-tiny": ModelSpec("hybrid-tiny", "hybrid", HybridConfig.tiny(vocab_size=512)),
+    }
+
+
+@dataclass(frozen=True)
+class TreeCase:
+    name: str
+    source: str  # "synthetic" | "agentic"
+    target_por: float | None
+    paths: tuple[tuple[int, ...], ...] = field(repr=False, compare=False)
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    device: str
+    dtype: str
+    iters: int
+    capacity: int
+    normalize: str = "sum"
+    compile_baselines: bool = True  # False on CPU: the "compiled" baselines then run eagerly (said in the row)
+    rf_on_cuda: bool = False
+    budget_s: float = float("inf")
+
+
+@dataclass
+class Result:
+    model: str
+    tree: str
+    source: str
+    paths: int
+    path_tokens: int
+    tree_tokens: int
+    por: float
+    contender: str
+    status: str  # "ok", "OOM", "skipped: ...", "error: ..."
+    step_s: float | None = None
+    first_s: float | None = None  # first step, compile included
+    tokens_per_s: float | None = None  # path tokens trained per second
+    computed_tokens: int | None = None
+    flops: float | None = None
+    tflops: float | None = None  # model FLOPs of this contender per second
+    bound: float | None = None  # baseline FLOPs / contender FLOPs
+    x_eager: float | None = None
+    x_compiled: float | None = None
+    x_packed: float | None = None
+    x_best: float | None = None  # speedup over the fastest baseline of this run
+    best_baseline: str | None = None
+    frac_bound: float | None = None  # x_best / bound
+    peak_gib: float | None = None
+    loss: float | None = None
+    loss_rel_dev: float | None = None  # vs eager_per_path
+    grad_cos: float | None = None  # vs eager_per_path
+
+
+# ---------------------------------------------------------------------------------------------- trees
+def synthetic_cases(pors, num_paths, path_len, vocab) -> list[TreeCase]:
+    out = []
+    for por in pors:
+        por = min(por, max_por(num_paths, path_len))
+        paths = synthetic_paths(num_paths, path_len, por, vocab=vocab, seed=int(por * 1000))
+        out.append(TreeCase(f"syn POR={por:.2f}", "synthetic", por, tuple(map(tuple, paths))))
+    return out
+
+
+def agentic_cases(scale, vocab, names=None) -> list[TreeCase]:
+    out = []
+    for spec in agentic_specs(scale):
+        if names and spec.name not in names:
+            continue
+        spec = dataclasses.replace(spec, vocab=vocab)
+        out.append(TreeCase(f"agentic {spec.name}", "agentic", None, tuple(map(tuple, agentic_paths(spec)))))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- steps
+class _Packed:
+    """The block mask (CUDA) / dense mask (CPU) the replaced SDPA reads during the packed baseline."""
+
+    mask = None
+    kernel_options = None
+
+
+def _document_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    if q.device.type == "cuda":
+        from torch.nn.attention.flex_attention import flex_attention
+
+        return flex_attention(q, k, v, block_mask=_Packed.mask, scale=scale, enable_gqa=enable_gqa,
+                              kernel_options=_Packed.kernel_options)
+    return _ORIG_SDPA(q, k, v, attn_mask=_Packed.mask, scale=scale, enable_gqa=enable_gqa)
+
+
+_ORIG_SDPA = F.scaled_dot_product_attention
+
+
+class _patched_sdpa:
+    def __enter__(self):
+        torch.nn.functional.scaled_dot_product_attention = _document_sdpa
+
+    def __exit__(self, *exc):
+        torch.nn.functional.scaled_dot_product_attention = _ORIG_SDPA
+
+
+def _sdpa_priority():
+    """cuDNN first among SDPA backends (falls back to flash / efficient / math where cuDNN refuses)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    try:
+        return sdpa_kernel(order, set_priority=True)
+    except TypeError:  # older torch: no priority, cuDNN simply enabled
+        return sdpa_kernel(order)
+
+
+def _upcast(x):
+    """Half-precision logits go to float32 for the loss (as the tree's fused loss does); float64 stays."""
+    return x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
+
+
+def _path_loss(logits, ids, coef):
+    return F.cross_entropy(_upcast(logits[0, :-1]), ids[1:], reduction="sum") * coef
+
+
+class Steps:
+    """Builds the step closure of each contender for one (model, tree)."""
+
+    def __init__(self, model, spec: ModelSpec, case: TreeCase, cfg: BenchConfig, tmodels: dict):
+        from treecompile import Tree
+
+        self.model, self.spec, self.case, self.cfg, self.tmodels = model, spec, case, cfg, tmodels
+        self.dev = torch.device(cfg.device)
+        self.tree = Tree.from_paths([list(p) for p in case.paths])
+        self.coef = self.tree.path_coefficients(cfg.normalize).tolist()
+        self.path_ids = [torch.tensor(p, device=self.dev) for p in case.paths]
+
+    def zero(self):
+        self.model.zero_grad(set_to_none=True)
+
+    def eager_per_path(self):
+        def step():
+            self.zero()
+            total = 0.0
+            for ids, c in zip(self.path_ids, self.coef):
+                loss = _path_loss(self.model(ids[None]), ids, c)
+                loss.backward()
+                total += loss.detach()
+            return total
+        return step
+
+    def compiled_per_path(self):
+        model = self.model
+
+        def path_ce(ids):  # the coefficient is applied outside: a Python float would specialise the graph
+            return _path_loss(model(ids[None]), ids, 1.0)
+
+        fn = path_ce
+        if self.cfg.compile_baselines:
+            if "per_path_fn" not in self.tmodels:
+                self.tmodels["per_path_fn"] = torch.compile(path_ce, dynamic=True)
+            fn = self.tmodels["per_path_fn"]
+
+        def step():
+            self.zero()
+            total = 0.0
+            with _sdpa_priority():
+                for ids, c in zip(self.path_ids, self.coef):
+                    loss = fn(ids) * c
+                    loss.backward()
+                    total += loss.detach()
+            return total
+        return step
+
+    def packed_flex(self):
+        if self.spec.kind != "dense":
+            raise _Skip("dense models only (a GDN layer would carry its state across documents)")
+        lens = [len(p) for p in self.case.paths]
+        S = sum(lens)
+        pad = (-S) % 128
+        ids = torch.cat(self.path_ids + [torch.zeros(pad, dtype=torch.long, device=self.dev)])
+        doc = torch.repeat_interleave(torch.arange(len(lens) + 1, device=self.dev),
+                                      torch.tensor(lens + [pad], device=self.dev))
+        # target of position t is ids[t+1] within the same document, weighted by its path's coefficient
+        w = torch.repeat_interleave(torch.tensor(self.coef + [0.0], device=self.dev,
+                                                 dtype=_upcast(next(self.model.parameters())).dtype),
+                                    torch.tensor(lens + [pad], device=self.dev))
+        same = torch.zeros_like(w)
+        same[:-1] = (doc[1:] == doc[:-1]).float() * w[:-1]
+        targets = torch.cat([ids[1:], ids[:1]])
+        if self.dev.type == "cuda":
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            def doc_causal(b, h, q, k):
+                return (doc[q] == doc[k]) & (k <= q)
+
+            mask = create_block_mask(doc_causal, None, None, S + pad, S + pad, device=self.dev)
+            try:
+                from treecompile.ops.flex_tree_attention import kernel_options_for
+
+                cfg = self.spec.config
+                probe = torch.empty(1, cfg.num_attention_heads, 1, cfg.head_dim, device=self.dev,
+                                    dtype=next(self.model.parameters()).dtype)
+                _Packed.kernel_options = kernel_options_for(probe)
+            except ImportError:
+                _Packed.kernel_options = None
+        else:
+            n = S + pad
+            q = torch.arange(n, device=self.dev)
+            mask = (doc[:, None] == doc[None, :]) & (q[None, :] <= q[:, None])
+        model = self.model
+
+        def loss_fn(ids, targets, same):
+            logits = _upcast(model(ids[None])[0])
+            return (F.cross_entropy(logits, targets, reduction="none") * same).sum()
+
+        fn = loss_fn
+        if self.cfg.compile_baselines:  # its own code object: never shares a cache entry with per-path graphs
+            fn = torch.compile(loss_fn, dynamic=False)
+
+        def step():
+            self.zero()
+            _Packed.mask = mask
+            with _patched_sdpa():
+                loss = fn(ids, targets, same)
+                loss.backward()
+            return loss.detach()
+        return step
+
+    def _tree_model(self, boundary=False):
+        import treecompile
+
+        key = "rf" if boundary else "tree"
+        if key not in self.tmodels:
+            self.tmodels[key] = treecompile.compile(self.model, boundary=boundary)
+        return self.tmodels[key]
+
+    def tree_step(self):
+        tm = self._tree_model()
+        batch = self.tree.to_batch(normalize=self.cfg.normalize, device=self.dev)
+
+        def step():
+            self.zero()
+            out = tm(batch)
+            out.loss.backward()
+            return out.loss.detach()
+        return step, self.tree.num_tokens, tree_attention_entries(batch.position_ids[:self.tree.num_tokens])
+
+    def tree_packed(self):
+        from treecompile.runtime.partition import pack
+
+        tm = self._tree_model()
+        plan = pack(self.tree, self.cfg.capacity)
+        batches = plan.batches(normalize=self.cfg.normalize, device=self.dev)
+        tokens = sum(p.num_tokens for p in plan.partitions)
+        entries = 0
+        for p, b in zip(plan.partitions, batches):
+            entries += tree_attention_entries(b.position_ids[:p.num_tokens])
+
+        def step():
+            self.zero()
+            total = 0.0
+            for b in batches:
+                out = tm(b)
+                out.loss.backward()
+                total += out.loss.detach()
+            return total
+        return step, tokens, entries
+
+    def tree_rf(self):
+        if self.dev.type == "cuda" and not self.cfg.rf_on_cuda:
+            raise _Skip("not timed: runs eagerly with reference ops (dense [T, B+T] masks) on CUDA")
+        from treecompile.runtime.partition import partition_redundancy_free
+        from treecompile.runtime.redundancy_free import run_redundancy_free
+
+        bm = self._tree_model(boundary=True)
+        plan = partition_redundancy_free(self.tree, self.cfg.capacity)
+
+        def step():
+            self.zero()
+            return run_redundancy_free(bm, plan, normalize=self.cfg.normalize).loss
+        batch = self.tree.to_batch(normalize=self.cfg.normalize)
+        return step, self.tree.num_tokens, tree_attention_entries(batch.position_ids[:self.tree.num_tokens])
+
+
+class _Skip(Exception):
+    pass
+
+
+# ---------------------------------------------------------------------------------------------- timing
+def _sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_step(step: Callable, dev, iters: int):
+    """(first step seconds, median step seconds, peak GiB, loss of the first step)."""
+    _sync(dev)
+    t0 = time.perf_counter()
+    loss = float(step())
+    _sync(dev)
+    first = time.perf_counter() - t0
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    ts = []
+    for _ in range(iters):
+        _sync(dev)
+        t0 = time.perf_counter()
+        step()
+        _sync(dev)
+        ts.append(time.perf_counter() - t0)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None
+    return first, statistics.median(ts), peak, loss
+
+
+def flat_grads(model):
+    return torch.cat([p.grad.float().flatten() if p.grad is not None else torch.zeros(p.numel(), device=p.device)
+                      for p in model.parameters()])
+
+
+def run_case(model, spec: ModelSpec, case: TreeCase, cfg: BenchConfig, contenders, tmodels, emit, t_start) -> list[Result]:
+    steps = Steps(model, spec, case, cfg, tmodels)
+    tree = steps.tree
+    fm = FlopModel.of(model)
+    lens = [len(p) for p in case.paths]
+    base_flops = fm.train(sum(lens), path_attention_entries(lens))
+    dev = steps.dev
+    rows: list[Result] = []
+    ref = {}
+    for name in contenders:
+        r = Result(spec.name, case.name, case.source, tree.num_paths, tree.num_path_tokens, tree.num_tokens,
+                   round(tree.por, 4), name if cfg.compile_baselines or name != "compiled_per_path"
+                   else "compiled_per_path(eager: CPU)", "ok")
+        if time.perf_counter() - t_start > cfg.budget_s:
+            r.status = "skipped: time budget"
+            rows.append(r)
+            continue
+        try:
+            if name in BASELINES:
+                step = getattr(steps, name)()
+                tokens, flops = sum(lens), base_flops
+            elif name == "tree":
+                step, tokens, entries = steps.tree_step()
+                flops = fm.train(tokens, entries)
+            else:
+                step, tokens, entries = getattr(steps, name)()
+                flops = fm.train(tokens, entries)
+            first, med, peak, loss = time_step(step, dev, cfg.iters)
+            g = flat_grads(model)
+            if name == "eager_per_path":
+                ref = {"loss": loss, "grad": g}
+            r.step_s, r.first_s, r.peak_gib, r.loss = med, first, peak, loss
+            r.tokens_per_s = tree.num_path_tokens / med
+            r.computed_tokens, r.flops = tokens, flops
+            r.tflops = flops / med / 1e12
+            r.bound = base_flops / flops
+            if ref:
+                r.loss_rel_dev = abs(loss - ref["loss"]) / abs(ref["loss"])
+                r.grad_cos = float(F.cosine_similarity(g, ref["grad"], dim=0))
+            del g
+        except _Skip as e:
+            r.status = f"skipped: {e}"
+        except torch.OutOfMemoryError:
+            r.status = "OOM"
+        except Exception as e:  # a failed contender is a row, not a crash
+            msg = f"{type(e).__name__}: {e}".splitlines()[0][:160]
+            r.status = f"error: {msg}"
+            traceback.print_exc()
+        finally:
+            model.zero_grad(set_to_none=True)
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+        rows.append(r)
+        print(json.dumps({k: v for k, v in dataclasses.asdict(r).items() if v is not None}), flush=True)
+    base = {r.contender.split("(")[0]: r.step_s for r in rows if r.contender.split("(")[0] in BASELINES and r.step_s}
+    best = min(base, key=base.get) if base else None
+    for r in rows:
+        if r.step_s:
+            r.x_eager = base.get("eager_per_path") and base["eager_per_path"] / r.step_s
+            r.x_compiled = base.get("compiled_per_path") and base["compiled_per_path"] / r.step_s
+            r.x_packed = base.get("packed_flex") and base["packed_flex"] / r.step_s
+            if best:
+                r.best_baseline, r.x_best = best, base[best] / r.step_s
+                r.frac_bound = r.x_best / r.bound
+        emit(r)
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------- recompiles
+def recompile_stream(spec: ModelSpec, cfg: BenchConfig, n: int, lo: int, hi: int, seed: int = 0) -> dict:
+    """``n`` trees of distinct sizes in [lo, hi] tokens through ``treecompile.compile``; dynamo compiles vs buckets."""
+    import treecompile
+    from treecompile import Tree
+    from treecompile.compile import bucket_length
+
+    dev = torch.device(cfg.device)
+    model = spec.build(dev, getattr(torch, cfg.dtype))
+    tm = treecompile.compile(model)
+    rng = random.Random(seed)
+    sizes = rng.sample(range(lo, hi + 1), n) if hi - lo + 1 >= n else [rng.randint(lo, hi) for _ in range(n)]
+    torch._dynamo.utils.counters.clear()
+    t0 = time.perf_counter()
+    buckets = set()
+    for i, size in enumerate(sizes):
+        npaths = rng.randint(2, 8)
+        L = max(2, size // npaths)
+        por = rng.uniform(0.0, min(0.8, max_por(npaths, L)))
+        tree = Tree.from_paths(synthetic_paths(npaths, L, por, vocab=spec.config.vocab_size, seed=i))
+        b = tree.to_batch(device=dev)
+        buckets.add(bucket_length(b.seq_len))
+        model.zero_grad(set_to_none=True)
+        tm(b).loss.backward()
+    _sync(dev)
+    c = torch._dynamo.utils.counters
+    graphs = int(c["stats"].get("unique_graphs", 0))
+    return {"model": spec.name, "device": cfg.device, "trees": n, "token_range": f"{lo}-{hi}",
+            "distinct_T": len(set(sizes)), "buckets": len(buckets), "unique_graphs": graphs,
+            "frames_ok": int(c["frames"].get("ok", 0)), "wall_s": round(time.perf_counter() - t0, 1),
+            "target_met": graphs <= len(buckets) if dev.type == "cuda" else None}
+
+
+# ---------------------------------------------------------------------------------------------- reports
+def environment(device) -> dict:
+    env = {"python": platform.python_version(), "torch": torch.__version__, "device": device}
+    if device == "cuda":
+        env["gpu"] = torch.cuda.get_device_name()
+        env["cuda"] = torch.version.cuda
+        try:
+            import triton
+            env["triton"] = triton.__version__
+        except ImportError:
+            pass
+    return env
+
+
+TABLE_COLS = ["model", "tree", "paths", "path_tokens", "tree_tokens", "por", "contender", "status", "step_s",
+              "first_s", "tokens_per_s", "tflops", "x_eager", "x_compiled", "x_packed", "x_best", "bound",
+              "frac_bound", "peak_gib", "loss_rel_dev", "grad_cos"]
+
+
+def _fmt(v):
+    if isinstance(v, float):
+        if v != v:
+            return ""
+        return f"{v:.3g}" if abs(v) < 1e-2 else (f"{v:,.0f}" if abs(v) >= 1e4 else f"{v:.3f}")
+    return "" if v is None else v
+
+
+def tables(rows: list[Result], env: dict, conditions: str) -> str:
+    from tabulate import tabulate
+
+    out = [f"Conditions: {json.dumps(env)}; {conditions}", ""]
+    for model in dict.fromkeys(r.model for r in rows):
+        sub = [r for r in rows if r.model == model]
+        out.append(f"### {model}\n")
+        out.append(tabulate([[_fmt(getattr(r, c)) for c in TABLE_COLS] for r in sub], headers=TABLE_COLS,
+                            tablefmt="github"))
+        out.append("")
+    return "\n".join(out)
+
+
+def write_csv(rows: list[Result], path: str) -> None:
+    names = [f.name for f in dataclasses.fields(Result)]
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=names)
+        w.writeheader()
+        for r in rows:
+            w.writerow(dataclasses.asdict(r))
+
+
+def plot(csv_path: str, png_path: str) -> bool:
+    """Speedup over the fastest baseline against POR, one series per (model, contender); the work bound dashed."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    with open(csv_path) as f:
+        rows = [r for r in csv.DictReader(f) if r["x_best"] not in ("", "None")]
+    if not rows:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    series = {}
+    for r in rows:
+        if r["contender"] in TREE_CONTENDERS:
+            series.setdefault((r["model"], r["contender"], r["source"]), []).append(
+                (float(r["por"]), float(r["x_best"]), float(r["bound"])))
+    for (model, cont, source), pts in sorted(series.items()):
+        pts.sort()
+        marker = "o" if source == "synthetic" else "s"
+        line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, label=f"{model} {cont} ({source})")
+        if cont == "tree":
+            ax.plot([p[0] for p in pts], [p[2] for p in pts], "--", color=line.get_color(), alpha=0.5)
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xlabel("POR (prefix overlap ratio)")
+    ax.set_ylabel("speedup over the fastest baseline")
+    ax.set_title("training step (fwd+bwd), dashed: work bound")
+    ax.set_yscale("log")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=120)
+    return True
+
+
+# ---------------------------------------------------------------------------------------------- main
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="treecompile bench", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", action="append", help="repeatable; default qwen3-0.6b (tiny: dense-tiny, hybrid-tiny)")
+    ap.add_argument("--suite", action="append", choices=["sweep", "agentic"], help="repeatable; default both")
+    ap.add_argument("--por", type=float, nargs="+", default=[0.2, 0.5, 0.7, 0.85, 0.92])
+    ap.add_argument("--paths", type=int, default=16, help="paths per synthetic tree")
+    ap.add_argument("--path-len", type=int, default=2048, help="tokens per synthetic path")
+    ap.add_argument("--agentic-scale", type=float, default=1.0)
+    ap.add_argument("--agentic", nargs="+", help="names of agentic specs to run (default all)")
+    ap.add_argument("--contenders", nargs="+", choices=CONTENDERS, default=list(CONTENDERS))
+    ap.add_argument("--capacity", type=int, default=16384, help="token budget of partitioned contenders")
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default=None, help="default bfloat16 on CUDA, float32 on CPU")
+    ap.add_argument("--tiny", action="store_true", help="tiny models and trees (a CPU smoke run)")
+    ap.add_argument("--rf-on-cuda", action="store_true", help="time redundancy-free on CUDA (eager reference ops)")
+    ap.add_argument("--budget-s", type=float, default=float("inf"), help="skip contenders started after this")
+    ap.add_argument("--recompile-stream", type=int, default=0, metavar="N")
+    ap.add_argument("--recompile-model", default=None)
+    ap.add_argument("--recompiles-only", action="store_true", help="run only the recompile stream")
+    ap.add_argument("--recompile-range", type=int, nargs=2, default=[1000, 2000], metavar=("LO", "HI"))
+    ap.add_argument("--out", default=None, help="output folder")
+    ap.add_argument("--plot-from", default=None, metavar="CSV", help="only redraw the plot from a results.csv")
+    return ap
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.plot_from:
+        png = os.path.join(os.path.dirname(args.plot_from) or ".", "speedup_vs_por.png")
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            png = os.path.join(args.out, "speedup_vs_por.png")
+        ok = plot(args.plot_from, png)
+        print(png if ok else "no plot (matplotlib missing or no rows)")
+        return 0
+    specs = model_specs()
+    if args.tiny:
+        args.model = args.model or ["dense-tiny", "hybrid-tiny"]
+        args.paths, args.path_len, args.agentic_scale = min(args.paths, 16), min(args.path_len, 48), 0.03
+        args.capacity = min(args.capacity, 256)
+        args.iters = min(args.iters, 1)
+        args.recompile_range = [min(args.recompile_range[0], 60), min(args.recompile_range[1], 300)]
+    models = args.model or ["qwen3-0.6b"]
+    for m in models:
+        if m not in specs:
+            raise SystemExit(f"--model: unknown {m!r}; choose from {sorted(specs)}")
+    dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    cfg = BenchConfig(device=args.device, dtype=dtype, iters=args.iters, capacity=args.capacity,
+                      compile_baselines=args.device == "cuda", rf_on_cuda=args.rf_on_cuda, budget_s=args.budget_s)
+    env = environment(args.device)
+    print(json.dumps(env), flush=True)
+    if args.device == "cuda":
+        for knob in ("recompile_limit", "cache_size_limit"):
+            if hasattr(torch._dynamo.config, knob):
+                setattr(torch._dynamo.config, knob, max(getattr(torch._dynamo.config, knob), 64))
+    out = args.out
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "env.json"), "w") as f:
+            json.dump(env, f)
+    jsonl = open(os.path.join(out, "results.jsonl"), "a") if out else None
+
+    def emit(r: Result):
+        if jsonl:
+            jsonl.write(json.dumps(dataclasses.asdict(r)) + "\n")
+            jsonl.flush()
+
+    t_start = time.perf_counter()
+    rows: list[Result] = []
+    extra = {}
+    if args.recompile_stream:
+        rspec = specs[args.recompile_model or "dense-tiny16"]
+        lo, hi = args.recompile_range
+        try:
+            extra["recompiles"] = recompile_stream(rspec, cfg, args.recompile_stream, lo, hi)
+        except Exception as e:
+            extra["recompiles"] = {"error": f"{type(e).__name__}: {e}".splitlines()[0][:200]}
+        print(json.dumps(extra["recompiles"]), flush=True)
+        torch._dynamo.reset()
+    suites = args.suite or ["sweep", "agentic"]
+    for m in ([] if args.recompiles_only else models):
+        spec = specs[m]
+        vocab = spec.config.vocab_size
+        cases = []
+        if "sweep" in suites:
+            cases += synthetic_cases(args.por, args.paths, args.path_len, vocab)
+        if "agentic" in suites:
+            cases += agentic_cases(args.agentic_scale, vocab, args.agentic)
+        try:
+            model = spec.build(torch.device(args.device), getattr(torch, dtype))
+        except torch.OutOfMemoryError:
+            rows.append(Result(m, "-", "-", 0, 0, 0, 0.0, "-", "OOM (model)"))
+            continue
+        tmodels: dict = {}
+        contenders = list(args.contenders)
+        for case in cases:
+            rows += run_case(model, spec, case, cfg, contenders, tmodels, emit, t_start)
+        del model, tmodels
+        torch._dynamo.reset()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    conditions = (f"dtype={dtype}; step = fwd+bwd over all paths of one tree, optimizer excluded; median of "
+                  f"{args.iters} after 1 warm-up (first_s, compile included); normalize={cfg.normalize}; "
+                  f"capacity={cfg.capacity}; synthetic: {args.paths} paths x {args.path_len} tokens; "
+                  f"x_* = baseline step / contender step; bound = baseline FLOPs / contender FLOPs "
+                  f"(benchmarks/flops.py); frac_bound = x_best / bound; loss_rel_dev and grad_cos vs eager_per_path "
+                  f"in the same dtype; random HF-style init (std 0.02)")
+    text = tables(rows, env, conditions)
+    if "recompiles" in extra:
+        from tabulate import tabulate
+        rc = extra["recompiles"]
+        text += "\n### Recompiles over a stream of trees\n\n" + tabulate([list(rc.values())], headers=list(rc),
+                                                                         tablefmt="github") + "\n"
+    print(text)
+    if out:
+        jsonl.close()
+        write_csv(rows, os.path.join(out, "results.csv"))
+        with open(os.path.join(out, "tables.md"), "w") as f:
+            f.write(text)
+        with open(os.path.join(out, "extra.json"), "w") as f:
+            json.dump(extra, f)
+        plot(os.path.join(out, "results.csv"), os.path.join(out, "speedup_vs_por.png"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

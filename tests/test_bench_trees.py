@@ -1,0 +1,91 @@
+"""The benchmark tree generators: requested POR reached, paths valid, agentic suite spans the range."""
+
+import pytest
+
+from benchmarks.flops import tree_attention_entries, path_attention_entries
+from benchmarks.trees import AgenticSpec, agentic_paths, agentic_specs, max_por, synthetic_paths
+from treecompile import Tree
+
+
+def valid(paths, vocab):
+    assert paths and all(len(p) >= 1 for p in paths)
+    assert all(isinstance(t, int) and 0 <= t < vocab for p in paths for t in p)
+
+
+@pytest.mark.parametrize("por", [0.0, 0.2, 0.5, 0.7, 0.92])
+def test_synthetic_hits_por_at_fixed_path_tokens(por):
+    N, L, V = 16, 300, 1000
+    paths = synthetic_paths(N, L, por, vocab=V, seed=3)
+    valid(paths, V)
+    assert len(paths) == N and all(len(p) == L for p in paths)
+    tree = Tree.from_paths(paths)
+    assert tree.num_path_tokens == N * L
+    # exact by construction: sum of shares = round(por * N * L), and every branch diverges at once
+    assert tree.num_tokens == N * L - round(por * N * L)
+    assert tree.num_paths == N and [tree.path(i) for i in range(N)] == paths
+
+
+def test_synthetic_refuses_unreachable_por():
+    assert max_por(8, 100) < 0.92
+    with pytest.raises(ValueError, match="outside"):
+        synthetic_paths(8, 100, 0.92)
+
+
+def test_agentic_suite_spans_the_paper_range():
+    pors = []
+    for spec in agentic_specs(0.25):
+        paths = agentic_paths(spec)
+        valid(paths, spec.vocab)
+        tree = Tree.from_paths(paths)
+        assert [tree.path(i) for i in range(len(paths))] == paths
+        pors.append(tree.por)
+    assert 0.2 <= min(pors) <= 0.35 and 0.85 <= max(pors) <= 0.92, pors
+    assert pors == sorted(pors)
+
+
+def test_agentic_think_dropping_and_fanout_make_the_expected_tree():
+    spec = AgenticSpec("t", prompt=20, turns=3, think=10, action=4, observation=6, fanout=2, fanout_turns=(0,),
+                       drift_prob=0.0, vocab=500, seed=0)
+    paths = agentic_paths(spec)
+    # turn 0, then 2 branches each with turns 1 and 2: 1 + 2 * 2 samples
+    assert len(paths) == 5
+    lcp = lambda a, b: next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))  # noqa
+    p0, a1, a2, b1, b2 = paths  # DFS: turn 0, branch A (turns 1, 2), branch B (turns 1, 2)
+    shared = lcp(p0, a1)  # the prompt: turn 0's reasoning is where they part
+    rest = p0[shared:]  # think_0 + action_0; the history of turn 1 holds action_0 only
+    k = next(k for k in range(1, len(rest)) if a1[shared:shared + len(rest) - k] == rest[k:])
+    assert 5 <= k <= 15  # the dropped reasoning: think=10 drawn in [5, 15]
+    assert b1[shared:shared + len(rest) - k] == rest[k:]
+    # parallel tool calls: the branches share prompt + action_0 and part at their observations
+    assert lcp(a1, b1) == shared + len(rest) - k
+    assert lcp(a1, a2) > lcp(a1, b1) and lcp(b1, b2) > lcp(a1, b1)
+
+def test_attention_entries_match_a_dense_count():
+    paths = synthetic_paths(5, 40, 0.5, vocab=100, seed=1)
+    tree = Tree.from_paths(paths)
+    b = tree.to_batch()
+    T = tree.num_tokens
+    se = b.subtree_end[:T].tolist()
+    dense = sum(1 for k in range(T) for q in range(T) if k <= q < se[k])
+    assert tree_attention_entries(b.position_ids[:T]) == dense
+    assert path_attention_entries([len(p) for p in paths]) == sum(L * (L + 1) // 2 for L in map(len, paths))
+
+
+def test_harness_cpu_smoke(tmp_path):
+    """The harness end to end on CPU (float64, tiny dense model): rows written, tree == per-path."""
+    import csv
+
+    from benchmarks import harness
+
+    rc = harness.main(["--device", "cpu", "--tiny", "--model", "dense-tiny", "--dtype", "float64", "--suite", "sweep",
+                       "--por", "0.7", "--contenders", "eager_per_path", "tree", "tree_packed", "--out", str(tmp_path)])
+    assert rc == 0
+    rows = {r["contender"]: r for r in csv.DictReader(open(tmp_path / "results.csv"))}
+    assert set(rows) == {"eager_per_path", "tree", "tree_packed"}
+    assert all(r["status"] == "ok" for r in rows.values()), rows
+    tree = rows["tree"]
+    assert float(tree["loss_rel_dev"]) < 1e-9 and float(tree["grad_cos"]) > 1 - 1e-9
+    assert float(rows["tree_packed"]["loss_rel_dev"]) < 1e-9
+    # bound = per-path FLOPs / tree FLOPs > 1 at POR 0.7; and computed tokens == unique tokens
+    assert int(tree["computed_tokens"]) == int(tree["tree_tokens"]) and float(tree["bound"]) > 2
+    assert (tmp_path / "tables.md").read_text().count("| dense-tiny") == 3
