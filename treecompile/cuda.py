@@ -16,7 +16,7 @@ import torch
 from torch import fx
 from torch.nn.attention.flex_attention import flex_attention
 
-from treecompile.ops.flex_tree_attention import kernel_options_for, tree_block_mask
+from treecompile.ops.flex_tree_attention import kernel_options_for, tree_attention_flex, tree_block_mask
 
 __all__ = ["run_cuda", "lower_for_cuda"]
 
@@ -24,15 +24,22 @@ TREE_ATTENTION = torch.ops.treecompile.tree_attention.default
 
 
 def _flex(q, k, v, block_mask, scale):
+    """Inside a graph that runs under torch.compile: inductor compiles flex with the rest."""
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
                           kernel_options=kernel_options_for(q))
 
 
-def lower_for_cuda(gm: fx.GraphModule) -> tuple[fx.GraphModule, int]:
+def _flex_eager(q, k, v, block_mask, scale):
+    """In a graph that runs eagerly: the separately compiled flex kernel (never the T^2 eager flex)."""
+    return tree_attention_flex(q, k, v, block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def lower_for_cuda(gm: fx.GraphModule, *, compiled: bool = True) -> tuple[fx.GraphModule, int]:
     """A copy of ``gm`` whose tree_attention calls run FlexAttention under one shared BlockMask input
-    (a new last placeholder ``tree_block_mask``).  Returns (graph module, number of lowered calls)."""
+    (a new last placeholder ``tree_block_mask``).  ``compiled``: the copy will run under
+    torch.compile (else eagerly).  Returns (graph module, number of lowered calls)."""
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
     last_ph = [n for n in graph.nodes if n.op == "placeholder"][-1]
@@ -44,7 +51,7 @@ def lower_for_cuda(gm: fx.GraphModule) -> tuple[fx.GraphModule, int]:
             q, k, v, _subtree_end = n.args[:4]
             scale = n.args[4] if len(n.args) > 4 else n.kwargs.get("scale")
             with graph.inserting_before(n):
-                new = graph.call_function(_flex, (q, k, v, mask, scale))
+                new = graph.call_function(_flex if compiled else _flex_eager, (q, k, v, mask, scale))
             new.meta = dict(n.meta)
             n.replace_all_uses_with(new)
             graph.erase_node(n)
@@ -59,7 +66,7 @@ def run_cuda(tmodel, batch):
 
     state = tmodel.__dict__.setdefault("_cuda_state", {})
     if "graph" not in state:
-        state["graph"], state["lowered"] = lower_for_cuda(tmodel.graph_module)
+        state["graph"], state["lowered"] = lower_for_cuda(tmodel.graph_module, compiled=tmodel._compile_cuda)
         fn = state["graph"]
         if tmodel._compile_cuda:
             # one compile per length bucket; make room for many buckets before dynamo gives up
