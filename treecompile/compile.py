@@ -30,6 +30,11 @@ from treecompile.tree import TreeBatch, ancestor_index
 
 __all__ = ["compile", "TreeModel", "TreeOutput", "bucket_length"]
 
+# Gated DeltaNet kernel on CUDA: "fla" (flash-linear-attention, one varlen call per tree level),
+# "reference" (the registered op's torch implementation), "auto" (fla if installed, else reference
+# with a warning).  On CPU the reference always runs.
+GDN_KERNELS = ("auto", "fla", "reference")
+
 
 @dataclass
 class TreeOutput:
@@ -54,7 +59,7 @@ class TreeModel(nn.Module):
 
     def __init__(self, model: nn.Module, *, disable: tuple[str, ...] = (), debug: bool = False,
                  logits_chunk: int | None = None, compile_cuda: bool = True, swaps: list | None = None,
-                 bucket: bool = True, boundary: bool = False):
+                 bucket: bool = True, boundary: bool = False, gdn_kernel: str = "auto"):
         super().__init__()
         captured: Captured = capture(model, swaps=swaps)
         ep = captured.program
@@ -69,12 +74,13 @@ class TreeModel(nn.Module):
                        if n.op == "placeholder" and n.name.startswith("tree_") and n.name[5:] in TREE_INPUTS]
         user_inputs = [s.arg.name for s in ep.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
         self._bind(model, ep, input_name=captured.input_name, user_inputs=user_inputs, tree_inputs=tree_inputs,
-                   conv_width=ctx.conv_width, pass_results=results, compile_cuda=compile_cuda, bucket=bucket)
+                   conv_width=ctx.conv_width, pass_results=results, compile_cuda=compile_cuda, bucket=bucket,
+                   gdn_kernel=gdn_kernel)
 
     @classmethod
     def from_program(cls, model: nn.Module, program, *, input_name: str, user_inputs: list[str],
                      tree_inputs: list[str], conv_width: int | None, pass_results: dict,
-                     compile_cuda: bool = True, bucket: bool = True) -> "TreeModel":
+                     compile_cuda: bool = True, bucket: bool = True, gdn_kernel: str = "auto") -> "TreeModel":
         """A TreeModel around an already rewritten, lifted ``program`` (no capture, no passes).
 
         Used by ``treecompile.load``: ``model`` holds the tensors the program's lifted placeholders
@@ -84,11 +90,12 @@ class TreeModel(nn.Module):
         self = cls.__new__(cls)
         nn.Module.__init__(self)
         self._bind(model, program, input_name=input_name, user_inputs=user_inputs, tree_inputs=tree_inputs,
-                   conv_width=conv_width, pass_results=pass_results, compile_cuda=compile_cuda, bucket=bucket)
+                   conv_width=conv_width, pass_results=pass_results, compile_cuda=compile_cuda, bucket=bucket,
+                   gdn_kernel=gdn_kernel)
         return self
 
     def _bind(self, model, program, *, input_name, user_inputs, tree_inputs, conv_width, pass_results,
-              compile_cuda, bucket):
+              compile_cuda, bucket, gdn_kernel):
         """Adopt ``model``'s children (shared parameters, unchanged state_dict keys) and hold the program."""
         for name, child in model.named_children():
             self.add_module(name, child)
@@ -105,7 +112,9 @@ class TreeModel(nn.Module):
                         if s.kind != InputKind.USER_INPUT]
         self._user_inputs, self._input_name = list(user_inputs), input_name
         self._tree_inputs, self._conv_width = list(tree_inputs), conv_width
-        self._compile_cuda, self._bucket = compile_cuda, bucket
+        if gdn_kernel not in GDN_KERNELS:
+            raise ValueError(f"gdn_kernel: expected one of {GDN_KERNELS}, got {gdn_kernel!r}")
+        self._compile_cuda, self._bucket, self._gdn_kernel = compile_cuda, bucket, gdn_kernel
 
     # ------------------------------------------------------------------ running
     def _lifted_values(self):
@@ -167,7 +176,8 @@ def compile(model=None, **options):  # noqa: A001 - the public name mirrors torc
     subclass (instances come out compiled) or on a function that returns a module.  Options:
     ``disable`` (pass names to skip), ``debug`` (log each pass), ``logits_chunk`` (rows of logits
     per chunk in the fused loss), ``compile_cuda`` (torch.compile the graph on CUDA; default True),
-    ``bucket`` (pad sequence lengths to buckets on CUDA; default True), ``boundary`` (the graph takes
+    ``bucket`` (pad sequence lengths to buckets on CUDA; default True), ``gdn_kernel`` (``"auto"``,
+    ``"fla"`` or ``"reference"``: the Gated DeltaNet kernel on CUDA), ``boundary`` (the graph takes
     and returns a partition's boundary tensors, for ``treecompile.runtime.redundancy_free``; default
     False).
     """

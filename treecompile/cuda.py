@@ -11,6 +11,7 @@ static shapes: at most one compile per bucket.
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 from torch import fx
@@ -21,6 +22,29 @@ from treecompile.ops.flex_tree_attention import kernel_options_for, tree_attenti
 __all__ = ["run_cuda", "lower_for_cuda"]
 
 TREE_ATTENTION = torch.ops.treecompile.tree_attention.default
+TREE_GDN = torch.ops.treecompile.tree_gated_delta_rule.default
+
+
+@torch._dynamo.disable  # a host-side level schedule and fla's autograd Functions: kept out of dynamo
+def _gdn_fla(*args, **kwargs):
+    from treecompile.ops.fla_gdn import tree_gated_delta_rule_fla
+
+    return tree_gated_delta_rule_fla(*args, **kwargs)
+
+
+def resolve_gdn_kernel(requested: str) -> str:
+    """``"auto"`` -> ``"fla"`` when flash-linear-attention imports, else ``"reference"`` (with a warning)."""
+    from treecompile.ops.fla_gdn import fla_available
+
+    if requested == "reference":
+        return requested
+    if fla_available():
+        return "fla"
+    if requested == "fla":
+        raise ImportError("gdn_kernel='fla' needs flash-linear-attention (pip install 'treecompile[gpu]')")
+    warnings.warn("flash-linear-attention is not installed: Gated DeltaNet layers run the slow reference "
+                  "implementation on CUDA (pip install 'treecompile[gpu]')", stacklevel=3)
+    return "reference"
 
 
 def _flex(q, k, v, block_mask, scale):
@@ -36,10 +60,12 @@ def _flex_eager(q, k, v, block_mask, scale):
     return tree_attention_flex(q, k, v, block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
-def lower_for_cuda(gm: fx.GraphModule, *, compiled: bool = True) -> tuple[fx.GraphModule, int]:
+def lower_for_cuda(gm: fx.GraphModule, *, compiled: bool = True, gdn_kernel: str = "reference"
+                   ) -> tuple[fx.GraphModule, int]:
     """A copy of ``gm`` whose tree_attention calls run FlexAttention under one shared BlockMask input
-    (a new last placeholder ``tree_block_mask``).  ``compiled``: the copy will run under
-    torch.compile (else eagerly).  Returns (graph module, number of lowered calls)."""
+    (a new last placeholder ``tree_block_mask``), and whose tree GDN calls run fla when
+    ``gdn_kernel == "fla"``.  ``compiled``: the copy will run under torch.compile (else eagerly).
+    Returns (graph module, number of lowered attention calls)."""
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
     last_ph = [n for n in graph.nodes if n.op == "placeholder"][-1]
@@ -56,6 +82,12 @@ def lower_for_cuda(gm: fx.GraphModule, *, compiled: bool = True) -> tuple[fx.Gra
             n.replace_all_uses_with(new)
             graph.erase_node(n)
             count += 1
+        elif n.op == "call_function" and n.target == TREE_GDN and gdn_kernel == "fla":
+            with graph.inserting_before(n):
+                new = graph.call_function(_gdn_fla, n.args, dict(n.kwargs))
+            new.meta = dict(n.meta)
+            n.replace_all_uses_with(new)
+            graph.erase_node(n)
     graph.eliminate_dead_code()
     lowered = fx.GraphModule(gm, graph)
     return lowered, count
@@ -66,7 +98,8 @@ def run_cuda(tmodel, batch):
 
     state = tmodel.__dict__.setdefault("_cuda_state", {})
     if "graph" not in state:
-        state["graph"], state["lowered"] = lower_for_cuda(tmodel.graph_module, compiled=tmodel._compile_cuda)
+        state["graph"], state["lowered"] = lower_for_cuda(tmodel.graph_module, compiled=tmodel._compile_cuda,
+                                                          gdn_kernel=resolve_gdn_kernel(tmodel._gdn_kernel))
         fn = state["graph"]
         if tmodel._compile_cuda:
             # one compile per length bucket; make room for many buckets before dynamo gives up

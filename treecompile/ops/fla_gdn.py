@@ -1,0 +1,89 @@
+"""Tree Gated DeltaNet on CUDA through flash-linear-attention (optional extra ``treecompile[gpu]``).
+
+Same contract as ``treecompile::tree_gated_delta_rule`` (``ops/tree_gdn.py``): every radix node's
+segment starts from its parent node's final state (roots: zero or ``initial_state``).  All nodes of
+one tree level run in ONE varlen call of fla's ``chunk_gated_delta_rule`` (``cu_seqlens``, one
+``initial_state`` per segment, ``output_final_state=True``): kernel launches per layer = one fla call
+per level forward and one per level backward.  The parents' final states are gathered with
+``index_select`` from the previous level's output, so autograd (fla's own backward, which returns
+gradients for initial states and takes them for final states) carries gradients to every ancestor.
+
+This is a plain differentiable function, not a registered op: fla's kernels are autograd Functions,
+which a registered op's implementation cannot call with autograd.  ``treecompile.cuda`` calls it in
+place of the registered op when the GDN kernel is ``"fla"``.  fla is imported lazily, never at import.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["fla_available", "tree_gated_delta_rule_fla"]
+
+
+def fla_available() -> bool:
+    try:
+        import fla.ops.gated_delta_rule  # noqa: F401  (availability probe)
+    except ImportError:
+        return False
+    return True
+
+
+def _schedule(node_start: Tensor, node_end: Tensor, node_parent: Tensor, node_level: Tensor):
+    """Per level: (token index [n], cu_seqlens [k+1], parent row in the previous level [k] or None)."""
+    ns, ne, par, lv = (t.tolist() for t in (node_start, node_end, node_parent, node_level))
+    by_level: dict[int, list[int]] = {}
+    for n, l in enumerate(lv):
+        by_level.setdefault(l, []).append(n)
+    if sorted(by_level) != list(range(len(by_level))):
+        raise ValueError(f"node_level: levels {sorted(by_level)} are not 0..L-1")
+    row: dict[int, int] = {}
+    out = []
+    dev = node_start.device
+    for l in range(len(by_level)):
+        nodes = by_level[l]
+        idx, cu = [], [0]
+        for r, n in enumerate(nodes):
+            row[n] = r
+            idx.extend(range(ns[n], ne[n]))
+            cu.append(len(idx))
+        if l == 0:
+            if any(par[n] >= 0 for n in nodes):
+                raise ValueError("node_level: a level-0 node has a parent")
+            prow = None
+        else:
+            bad = [n for n in nodes if par[n] < 0 or lv[par[n]] != l - 1]
+            if bad:
+                raise ValueError(f"node {bad[0]}: its parent is not one level up")
+            prow = torch.tensor([row[par[n]] for n in nodes], dtype=torch.long, device=dev)
+        out.append((torch.tensor(idx, dtype=torch.long, device=dev), torch.tensor(cu, dtype=torch.long, device=dev),
+                    prow))
+    return out
+
+
+def tree_gated_delta_rule_fla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, node_start: Tensor,
+                              node_end: Tensor, node_parent: Tensor, node_level: Tensor,
+                              initial_state: Tensor | None = None, *, scale: float | None = None,
+                              use_qk_l2norm_in_kernel: bool = False, chunk_size: int = 64) -> Tensor:
+    """q, k ``[1, T, H, Dk]``, v ``[1, T, Hv, Dv]``, g (log decay) / beta ``[1, T, Hv]``; node tensors
+    ``[N]`` as in a TreeBatch; ``initial_state [Hv, Dk, Dv]`` for root nodes.  Returns ``[1, T, Hv, Dv]``."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except ImportError as e:
+        raise ImportError("the 'fla' GDN kernel needs flash-linear-attention (pip install 'treecompile[gpu]')") from e
+    Hv, Dk, Dv = v.shape[2], q.shape[3], v.shape[3]
+    o = v.new_zeros(v.shape)
+    states = None
+    for idx, cu, prow in _schedule(node_start, node_end, node_parent, node_level):
+        n = cu.numel() - 1
+        if prow is None:
+            init = (initial_state.to(torch.float32).expand(n, Hv, Dk, Dv).contiguous() if initial_state is not None
+                    else q.new_zeros(n, Hv, Dk, Dv, dtype=torch.float32))
+        else:
+            init = states.index_select(0, prow)
+        oi, states = chunk_gated_delta_rule(
+            q.index_select(1, idx), k.index_select(1, idx), v.index_select(1, idx), g.index_select(1, idx),
+            beta.index_select(1, idx), scale=scale, initial_state=init, output_final_state=True,
+            cu_seqlens=cu, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, chunk_size=chunk_size)
+        o = o.index_copy(1, idx, oi.to(o.dtype))
+    return o
