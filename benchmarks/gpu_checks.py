@@ -230,7 +230,9 @@ def fla_main():
                         linear_key_head_dim=128, linear_value_head_dim=128, vocab_size=248320)
     hpaths = branching_paths(6, prompt=1500, seg=1200, vocab=hcfg.vocab_size, seed=1)
     model = init_(HybridForCausalLM(hcfg)).to("cuda", torch.bfloat16)
-    import treecompile.compile as tc_compile
+    import sys
+
+    tc_compile = sys.modules["treecompile.compile"]  # the module (the package exports the function)
 
     orig = tc_compile.TreeModel.__init__
 

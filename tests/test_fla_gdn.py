@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from treecompile import Tree
-from treecompile.ops.fla_gdn import fla_available, tree_gated_delta_rule_fla
+from treecompile.ops.fla_gdn import fla_available, fla_unusable_reason, tree_gated_delta_rule_fla
 from treecompile.ops.tree_gdn import sequence_nodes, tree_gated_delta_rule
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-              pytest.mark.skipif(not fla_available(), reason="needs flash-linear-attention")]
+              pytest.mark.skipif(not fla_available(), reason=str(fla_unusable_reason()))]
 
 
 def short_node_paths(seed: int):

@@ -34,16 +34,17 @@ def _gdn_fla(*args, **kwargs):
 
 def resolve_gdn_kernel(requested: str) -> str:
     """``"auto"`` -> ``"fla"`` when flash-linear-attention imports, else ``"reference"`` (with a warning)."""
-    from treecompile.ops.fla_gdn import fla_available
+    from treecompile.ops.fla_gdn import fla_unusable_reason
 
     if requested == "reference":
         return requested
-    if fla_available():
+    reason = fla_unusable_reason()
+    if reason is None:
         return "fla"
     if requested == "fla":
-        raise ImportError("gdn_kernel='fla' needs flash-linear-attention (pip install 'treecompile[gpu]')")
-    warnings.warn("flash-linear-attention is not installed: Gated DeltaNet layers run the slow reference "
-                  "implementation on CUDA (pip install 'treecompile[gpu]')", stacklevel=3)
+        raise RuntimeError(f"gdn_kernel='fla': {reason}")
+    warnings.warn(f"{reason}; Gated DeltaNet layers run the slow reference implementation on CUDA",
+                  stacklevel=3)
     return "reference"
 
 

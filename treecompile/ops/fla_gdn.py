@@ -18,15 +18,34 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["fla_available", "tree_gated_delta_rule_fla"]
+__all__ = ["fla_available", "fla_unusable_reason", "tree_gated_delta_rule_fla"]
 
 
-def fla_available() -> bool:
+def fla_unusable_reason(device: torch.device | None = None) -> str | None:
+    """Why fla cannot serve the tree GDN on ``device`` (None when it can).
+
+    flash-linear-attention 0.6 refuses Triton >= 3.4, < 3.7.1 on Hopper (sm_90) for the gated
+    backward (wrong results, fla issue #640) unless tilelang is installed; say so up front instead
+    of failing in the first backward.
+    """
     try:
         import fla.ops.gated_delta_rule  # noqa: F401  (availability probe)
     except ImportError:
-        return False
-    return True
+        return "flash-linear-attention is not installed (pip install 'treecompile[gpu]')"
+    if torch.cuda.is_available() and torch.cuda.get_device_capability(device)[0] == 9:
+        import importlib.util
+
+        import triton
+
+        version = tuple(int(x) for x in triton.__version__.split("+")[0].split(".")[:3])
+        if (3, 4, 0) <= version < (3, 7, 1) and importlib.util.find_spec("tilelang") is None:
+            return (f"flash-linear-attention refuses Triton {triton.__version__} on Hopper for the gated "
+                    f"backward (fla #640): upgrade Triton to >= 3.7.1 or install tilelang")
+    return None
+
+
+def fla_available(device: torch.device | None = None) -> bool:
+    return fla_unusable_reason(device) is None
 
 
 def _schedule(node_start: Tensor, node_end: Tensor, node_parent: Tensor, node_level: Tensor):
