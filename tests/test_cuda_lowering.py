@@ -1,0 +1,70 @@
+"""The CUDA lowering, checked on CPU graphs: what is replaced, buckets, GDN kernel choice."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import treecompile
+import treecompile.cuda as tc_cuda
+from treecompile.compile import bucket_length
+from treecompile.models import DenseConfig, DenseForCausalLM, HybridConfig, HybridForCausalLM
+
+
+def targets(gm):
+    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def test_attention_lowered_to_flex_with_one_shared_block_mask():
+    tm = treecompile.compile(DenseForCausalLM(DenseConfig.tiny()))
+    for compiled, fn in ((True, tc_cuda._flex), (False, tc_cuda._flex_eager)):
+        gm, n = tc_cuda.lower_for_cuda(tm.graph_module, compiled=compiled)
+        t = targets(gm)
+        assert n == 2 and t.count(fn) == 2 and tc_cuda.TREE_ATTENTION not in t
+        masks = [p for p in gm.graph.nodes if p.op == "placeholder" and p.name == "tree_block_mask"]
+        assert len(masks) == 1 and len(masks[0].users) == 2
+    assert tc_cuda.TREE_ATTENTION in targets(tm.graph_module)  # the saved/CPU graph is untouched
+
+
+def test_gdn_lowered_to_fla_only_when_asked():
+    tm = treecompile.compile(HybridForCausalLM(HybridConfig.tiny()))
+    gm, _ = tc_cuda.lower_for_cuda(tm.graph_module, gdn_kernel="fla")
+    assert targets(gm).count(tc_cuda._gdn_fla) == 3 and tc_cuda.TREE_GDN not in targets(gm)
+    gm, _ = tc_cuda.lower_for_cuda(tm.graph_module, gdn_kernel="reference")
+    assert targets(gm).count(tc_cuda.TREE_GDN) == 3
+
+
+def test_gdn_kernel_choice(monkeypatch):
+    import treecompile.ops.fla_gdn as fla_gdn
+
+    monkeypatch.setattr(fla_gdn, "fla_unusable_reason", lambda device=None: "fla is missing here")
+    assert tc_cuda.resolve_gdn_kernel("reference") == "reference"
+    with pytest.warns(UserWarning, match="fla is missing here"):
+        assert tc_cuda.resolve_gdn_kernel("auto") == "reference"
+    with pytest.raises(RuntimeError, match="gdn_kernel='fla': fla is missing here"):  # explicit: no fallback
+        tc_cuda.resolve_gdn_kernel("fla")
+    monkeypatch.setattr(fla_gdn, "fla_unusable_reason", lambda device=None: None)
+    assert tc_cuda.resolve_gdn_kernel("auto") == "fla"
+    with pytest.raises(ValueError, match="gdn_kernel"):
+        treecompile.compile(DenseForCausalLM(DenseConfig.tiny()), gdn_kernel="triton")
+
+
+def test_buckets_bound_padding_and_count():
+    lengths = range(1, 70_000, 37)
+    buckets = {bucket_length(T) for T in lengths}
+    for T in lengths:
+        b = bucket_length(T)
+        assert b >= T and (b - T) <= max(256, T / 8)
+    # about 8 buckets per octave above the minimum bucket: 256 .. 70k is ~8 octaves
+    assert len(buckets) <= 8 * 9
+    assert bucket_length(256) == 256 and bucket_length(257) > 256
+
+
+def test_padding_keeps_results():
+    torch.manual_seed(0)
+    model = DenseForCausalLM(DenseConfig.tiny()).double()
+    tm = treecompile.compile(model)
+    tree = treecompile.Tree.from_paths([[1, 2, 3], [1, 2, 4, 5], [6, 7]])
+    a = tm(tree.to_batch())
+    b = tm(tree.to_batch().padded(bucket_length(tree.num_tokens)))
+    torch.testing.assert_close(a.loss, b.loss, rtol=1e-13, atol=0)
