@@ -169,18 +169,27 @@ class TreeModel(nn.Module):
         return f"passes: {done}"
 
 
-def compile(model=None, **options):  # noqa: A001 - the public name mirrors torch.compile
+def compile(model=None, *, disable: tuple[str, ...] = (), debug: bool = False,  # noqa: A001 (mirrors torch.compile)
+            logits_chunk: int | None = None, compile_cuda: bool = True, bucket: bool = True,
+            boundary: bool = False, gdn_kernel: str = "auto", swaps: list | None = None):
     """Rewrite ``model`` for tree batches and return a :class:`TreeModel`.
 
-    Usable as ``treecompile.compile(model, **options)`` or as a decorator on an ``nn.Module``
-    subclass (instances come out compiled) or on a function that returns a module.  Options:
-    ``disable`` (pass names to skip), ``debug`` (log each pass), ``logits_chunk`` (rows of logits
-    per chunk in the fused loss), ``compile_cuda`` (torch.compile the graph on CUDA; default True),
-    ``bucket`` (pad sequence lengths to buckets on CUDA; default True), ``gdn_kernel`` (``"auto"``,
-    ``"fla"`` or ``"reference"``: the Gated DeltaNet kernel on CUDA), ``boundary`` (the graph takes
-    and returns a partition's boundary tensors, for ``treecompile.runtime.redundancy_free``; default
-    False).
+    Usable as ``treecompile.compile(model, ...)``, or as a decorator (bare or with options) on an
+    ``nn.Module`` subclass (instances come out compiled) or on a function that returns a module.
+
+    Args:
+        disable: pass names to skip (see ``treecompile.passes.pipeline``).
+        debug: log each pass's time and what it changed.
+        logits_chunk: rows of logits per chunk in the fused loss (default: ~256 MiB of float32).
+        compile_cuda: on CUDA, run the graph under ``torch.compile`` (else eagerly, flex compiled).
+        bucket: on CUDA, pad sequence lengths to buckets (bounded recompiles).
+        boundary: build the partition graph that takes and returns a partition's boundary tensors,
+            for ``treecompile.runtime.redundancy_free``.
+        gdn_kernel: ``"auto"``, ``"fla"`` or ``"reference"``: the Gated DeltaNet kernel on CUDA.
+        swaps: context managers entered during capture (default: ``frontend.kernel_swaps(model)``).
     """
+    options = dict(disable=disable, debug=debug, logits_chunk=logits_chunk, compile_cuda=compile_cuda,
+                   bucket=bucket, boundary=boundary, gdn_kernel=gdn_kernel, swaps=swaps)
     if model is None:
         return functools.partial(compile, **options)
     if isinstance(model, nn.Module):
