@@ -307,11 +307,12 @@ def read_manifest(directory: str | os.PathLike) -> dict:
     return m
 
 
-def load(directory: str | os.PathLike, *, device=None, **options):
+def load(directory: str | os.PathLike, *, device=None, compile_cuda: bool = True, bucket: bool = True,
+         gdn_kernel: str = "auto"):
     """A :class:`~treecompile.compile.TreeModel` from a directory written by :func:`save`.
 
-    ``device``: where the weights go (default: CPU).  ``options``: TreeModel run options
-    (``compile_cuda``, ``bucket``).
+    ``device``: where the weights go (default: CPU).  ``compile_cuda``, ``bucket``, ``gdn_kernel``:
+    the run options of :func:`treecompile.compile`.
     """
     import safetensors.torch
 
@@ -370,6 +371,7 @@ def load(directory: str | os.PathLike, *, device=None, **options):
     passes = {k: PassResult(v["count"], v.get("info", {})) for k, v in manifest.get("passes", {}).items()}
     tm = TreeModel.from_program(module, ep, input_name="input_ids", user_inputs=["input_ids"],
                                 tree_inputs=[u[len("tree_"):] for u in user[1:]],
-                                conv_width=manifest.get("conv_width"), pass_results=passes, **options)
+                                conv_width=manifest.get("conv_width"), pass_results=passes,
+                                compile_cuda=compile_cuda, bucket=bucket, gdn_kernel=gdn_kernel)
     object.__setattr__(tm, "manifest", manifest)
     return tm
