@@ -78,6 +78,74 @@ def _lcp(x: bytes, y: bytes) -> int:
     return lo
 
 
+def _walk_sorted(skeys: list[bytes]):
+    """One loop over the sorted paths (not their tokens).
+
+    For path i: its LCP with path i-1, where its new suffix starts in DFS order, the DFS index of its
+    first new token's predecessor (the attachment point), where it ends, and the radix cut points.
+    The stack holds the chain of segments of the current path; a segment that starts at or below the
+    branch depth is not shared with the next path.
+    Returns (lcp, len, start, first_pred, end_pos, cuts, T) as lists / ints.
+    """
+    P = len(skeys)
+    lcp_l = [0] * P
+    len_l = [len(k) >> 3 for k in skeys]
+    start_l = [0] * P
+    first_pred = [-1] * P
+    end_pos = [0] * P
+    cuts = []
+    stack: list[int] = []
+    pos = 0
+    for i in range(P):
+        n = len_l[i]
+        l = _lcp(skeys[i - 1], skeys[i]) if i else 0
+        lcp_l[i] = l
+        start_l[i] = pos
+        while stack and lcp_l[stack[-1]] >= l:
+            stack.pop()
+        if l > 0:
+            o = stack[-1]
+            first_pred[i] = start_l[o] + (l - 1 - lcp_l[o])
+            if l < len_l[o]:
+                cuts.append(start_l[o] + (l - lcp_l[o]))
+        if n > l:
+            end_pos[i] = pos + (n - l - 1)
+            cuts.append(pos)
+            stack.append(i)
+            pos += n - l
+        else:  # an exact duplicate of the previous path: ends where it ends
+            end_pos[i] = end_pos[i - 1]
+    T = pos
+    return lcp_l, len_l, start_l, first_pred, end_pos, cuts, T
+
+
+def _radix_nodes(T: int, cuts: list[int], pred: torch.Tensor):
+    """Radix nodes from the cut points: start, end, per-token node id, parent, level, subtree end."""
+    is_cut = torch.zeros(T, dtype=torch.bool)
+    is_cut[torch.tensor(cuts, dtype=torch.long)] = True
+    node_start = torch.nonzero(is_cut).flatten()
+    Nn = node_start.numel()
+    node_end = torch.empty(Nn, dtype=torch.long)
+    node_end[:-1] = node_start[1:]
+    node_end[-1] = T
+    node_id = torch.cumsum(is_cut.long(), 0) - 1
+    first_pred_node = pred[node_start]
+    node_parent = torch.where(first_pred_node >= 0, node_id[first_pred_node.clamp(min=0)], -1)
+    parent_l = node_parent.tolist()
+    level = [0] * Nn
+    sub_end = node_end.tolist()
+    for n in range(Nn):
+        p = parent_l[n]
+        if p >= 0:
+            level[n] = level[p] + 1
+    for n in range(Nn - 1, -1, -1):
+        p = parent_l[n]
+        if p >= 0 and sub_end[n] > sub_end[p]:
+            sub_end[p] = sub_end[n]
+    node_subtree_end = torch.tensor(sub_end, dtype=torch.long)
+    return node_start, node_end, node_id, node_parent, torch.tensor(level, dtype=torch.long), node_subtree_end
+
+
 class Tree:
     """A prefix tree of token paths, stored in depth-first order.
 
@@ -115,36 +183,7 @@ class Tree:
         skeys = [keys[i] for i in order]
         del keys
 
-        # One loop over paths (sorted): LCP with the previous path, and the chain of segments of
-        # the current path, which gives each new suffix its attachment point and the radix cuts.
-        lcp_l = [0] * P
-        len_l = [len(k) >> 3 for k in skeys]
-        start_l = [0] * P
-        first_pred = [-1] * P
-        end_pos = [0] * P
-        cuts = []
-        stack: list[int] = []
-        pos = 0
-        for i in range(P):
-            n = len_l[i]
-            l = _lcp(skeys[i - 1], skeys[i]) if i else 0
-            lcp_l[i] = l
-            start_l[i] = pos
-            while stack and lcp_l[stack[-1]] >= l:
-                stack.pop()
-            if l > 0:
-                o = stack[-1]
-                first_pred[i] = start_l[o] + (l - 1 - lcp_l[o])
-                if l < len_l[o]:
-                    cuts.append(start_l[o] + (l - lcp_l[o]))
-            if n > l:
-                end_pos[i] = pos + (n - l - 1)
-                cuts.append(pos)
-                stack.append(i)
-                pos += n - l
-            else:  # an exact duplicate of the previous path: ends where it ends
-                end_pos[i] = end_pos[i - 1]
-        T = pos
+        lcp_l, len_l, start_l, first_pred, end_pos, cuts, T = _walk_sorted(skeys)
         new_tokens = b"".join([k[l << 3:] for k, l in zip(skeys, lcp_l)])
         del skeys
 
@@ -166,29 +205,7 @@ class Tree:
             raise ValueError(f"path {order[int(torch.nonzero(has_new)[i])]}: token ids must be "
                              f"non-negative integers (found {int(input_ids[t])})")
 
-        # radix nodes
-        is_cut = torch.zeros(T, dtype=torch.bool)
-        is_cut[torch.tensor(cuts, dtype=torch.long)] = True
-        node_start = torch.nonzero(is_cut).flatten()
-        Nn = node_start.numel()
-        node_end = torch.empty(Nn, dtype=torch.long)
-        node_end[:-1] = node_start[1:]
-        node_end[-1] = T
-        node_id = torch.cumsum(is_cut.long(), 0) - 1
-        first_pred_node = pred[node_start]
-        node_parent = torch.where(first_pred_node >= 0, node_id[first_pred_node.clamp(min=0)], -1)
-        parent_l = node_parent.tolist()
-        level = [0] * Nn
-        sub_end = node_end.tolist()
-        for n in range(Nn):
-            p = parent_l[n]
-            if p >= 0:
-                level[n] = level[p] + 1
-        for n in range(Nn - 1, -1, -1):
-            p = parent_l[n]
-            if p >= 0 and sub_end[n] > sub_end[p]:
-                sub_end[p] = sub_end[n]
-        node_subtree_end = torch.tensor(sub_end, dtype=torch.long)
+        node_start, node_end, node_id, node_parent, node_level, node_subtree_end = _radix_nodes(T, cuts, pred)
 
         rank = torch.empty(P, dtype=torch.long)
         rank[order_t] = torch.arange(P)
@@ -206,7 +223,7 @@ class Tree:
         self.node_start = node_start
         self.node_end = node_end
         self.node_parent = node_parent
-        self.node_level = torch.tensor(level, dtype=torch.long)
+        self.node_level = node_level
         self.node_subtree_end = node_subtree_end
         self.subtree_end = node_subtree_end[node_id]
         self.path_lengths = lengths
