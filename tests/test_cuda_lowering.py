@@ -68,3 +68,17 @@ def test_padding_keeps_results():
     a = tm(tree.to_batch())
     b = tm(tree.to_batch().padded(bucket_length(tree.num_tokens)))
     torch.testing.assert_close(a.loss, b.loss, rtol=1e-13, atol=0)
+
+
+def test_one_compile_per_length_bucket():
+    """A stream of differently sized trees, padded to buckets, compiles once per bucket (dynamo)."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "recompiles.py"
+    spec = importlib.util.spec_from_file_location("recompiles", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    res = mod.main(num_trees=40, seed=1)
+    assert res["distinct_sizes"] > res["buckets"] >= 3
+    assert res["compiles"] == res["buckets"]
