@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from tabulate import tabulate
 
+from bench_tree import make_paths  # the same synthetic ~1M-token tree
 from treecompile import Tree
 from treecompile.runtime.dp import dp_multi_path, dp_single_path
 from treecompile.runtime.metrics import dataset_reuse
@@ -34,17 +35,6 @@ class BigConfig:
     new_per_path: int = 100
     budgets: tuple[int, ...] = (2048, 8192, 32768)
     repeats: int = 3
-
-
-def make_paths(num_paths: int, path_len: int, new_per_path: int, vocab: int = 150_000, seed: int = 0):
-    """Each path copies a prefix of an earlier path and appends fresh tokens (as bench_tree.py)."""
-    rng = random.Random(seed)
-    paths = [[rng.randrange(vocab) for _ in range(path_len)]]
-    for _ in range(num_paths - 1):
-        base = paths[rng.randrange(len(paths))]
-        new = max(1, min(path_len, int(rng.expovariate(1.0 / new_per_path))))
-        paths.append(base[:path_len - new] + [rng.randrange(vocab) for _ in range(new)])
-    return paths
 
 
 def best_time(fn, repeats: int):

@@ -32,6 +32,12 @@ def branching_paths(num_paths: int, prompt: int, seg: int, vocab: int, seed: int
     return paths
 
 
+# a Qwen3.5-shaped hybrid small enough for one GPU call: 12 layers (9 GDN + 3 gated attention)
+SMALL_HYBRID = HybridConfig(hidden_size=1024, intermediate_size=3584, num_hidden_layers=12, num_attention_heads=8,
+                            num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
+                            linear_key_head_dim=128, linear_value_head_dim=128, vocab_size=248320)
+
+
 def init_(model, std: float = 0.02):
     """HF-style init (normal(0, std) matrices and embeddings) so that losses look like an LM's."""
     with torch.no_grad():
@@ -57,7 +63,7 @@ def flat_grads(model):
     return torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
 
 
-def check(name, model, paths, iters=5):
+def check(name, model, paths, iters=5, *, gdn_kernel: str = "auto"):
     tree = Tree.from_paths(paths)
     batch = tree.to_batch(device="cuda")
     res = {"model": name, "paths": len(paths), "path_tokens": tree.num_path_tokens, "tree_tokens": tree.num_tokens,
@@ -78,7 +84,7 @@ def check(name, model, paths, iters=5):
     res["per_path_eager_s"] = timed(per_path_step, 3)
 
     t0 = time.perf_counter()
-    tm = treecompile.compile(model)
+    tm = treecompile.compile(model, gdn_kernel=gdn_kernel)
     res["capture_rewrite_s"] = time.perf_counter() - t0
 
     def tree_step():
@@ -212,9 +218,7 @@ def oracle_check(model_bf16, paths):
 
 def oracle_main():
     torch.manual_seed(0)
-    hcfg = HybridConfig(hidden_size=1024, intermediate_size=3584, num_hidden_layers=12, num_attention_heads=8,
-                        num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
-                        linear_key_head_dim=128, linear_value_head_dim=128, vocab_size=248320)
+    hcfg = SMALL_HYBRID
     hpaths = branching_paths(6, prompt=1500, seg=1200, vocab=hcfg.vocab_size, seed=1)
     oracle_check(init_(HybridForCausalLM(hcfg)).to("cuda", torch.bfloat16), hpaths)
     cfg = DenseConfig.qwen3_0_6b()
@@ -225,26 +229,10 @@ def oracle_main():
 def fla_main():
     """Hybrid step with the fla GDN kernel (compiled) vs the per-path eager baseline."""
     torch.manual_seed(0)
-    hcfg = HybridConfig(hidden_size=1024, intermediate_size=3584, num_hidden_layers=12, num_attention_heads=8,
-                        num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
-                        linear_key_head_dim=128, linear_value_head_dim=128, vocab_size=248320)
+    hcfg = SMALL_HYBRID
     hpaths = branching_paths(6, prompt=1500, seg=1200, vocab=hcfg.vocab_size, seed=1)
     model = init_(HybridForCausalLM(hcfg)).to("cuda", torch.bfloat16)
-    import sys
-
-    tc_compile = sys.modules["treecompile.compile"]  # the module (the package exports the function)
-
-    orig = tc_compile.TreeModel.__init__
-
-    def with_fla(self, m, **kw):  # the check() helper compiles with defaults: ask for fla explicitly
-        orig(self, m, gdn_kernel="fla", **kw)
-
-    tc_compile.TreeModel.__init__ = with_fla
-    try:
-        check("qwen3.5-shaped hybrid, fla GDN", model, hpaths, iters=3)
-    finally:
-        tc_compile.TreeModel.__init__ = orig
-
+    check("qwen3.5-shaped hybrid, fla GDN", model, hpaths, iters=3, gdn_kernel="fla")
 
 if __name__ == "__main__":
     import sys

@@ -15,3 +15,19 @@ if os.environ.get("CI"):
 
 CUDA = torch.cuda.is_available()
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not CUDA, reason="needs a CUDA device"))]
+
+
+@pytest.fixture(scope="module")
+def model():
+    """The tiny dense reference model in float64 (one per test module)."""
+    from treecompile.models import DenseConfig, DenseForCausalLM
+
+    torch.manual_seed(0)
+    return DenseForCausalLM(DenseConfig.tiny()).double()
+
+
+@pytest.fixture(scope="module")
+def tmodel(model):
+    import treecompile
+
+    return treecompile.compile(model)

@@ -16,9 +16,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import treecompile
 from treecompile import NORMALIZATIONS, Tree, reference
-from treecompile.models import DenseConfig, DenseForCausalLM
+from treecompile.models import DenseConfig
 from treecompile.runtime.data import scatter_to_dfs
 from treecompile.runtime.objectives import (SFT, KLPenalty, PolicyGradient, PPOClip, SequenceClip,
                                             grpo_advantages, token_coefficients)
@@ -26,17 +25,6 @@ from strategies import ODD_TREES, weighted_path_sets
 
 REL = 1e-9
 VOCAB = DenseConfig.tiny().vocab_size
-
-
-@pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    return DenseForCausalLM(DenseConfig.tiny()).double()
-
-
-@pytest.fixture(scope="module")
-def tmodel(model):
-    return treecompile.compile(model)
 
 
 # ---------------------------------------------------------------------- the two sides

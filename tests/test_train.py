@@ -21,7 +21,7 @@ import torch
 
 import treecompile
 from treecompile import NORMALIZATIONS, Tree
-from treecompile.models import DenseConfig, DenseForCausalLM, HybridConfig, HybridForCausalLM
+from treecompile.models import HybridConfig, HybridForCausalLM
 from treecompile.runtime.data import TrajectoryTree
 from treecompile.runtime.objectives import SFT, KLPenalty, PolicyGradient, PPOClip, SequenceClip
 from treecompile.runtime.partition import pack
@@ -30,17 +30,6 @@ from test_objectives import OBJECTIVES, Case, mixed_case, per_path_loss
 
 REL = 1e-9
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    return DenseForCausalLM(DenseConfig.tiny()).double()
-
-
-@pytest.fixture(scope="module")
-def tmodel(model):
-    return treecompile.compile(model)
 
 
 @pytest.fixture(scope="module")

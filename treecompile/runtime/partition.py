@@ -172,8 +172,24 @@ class PackedPartition:
         return self.tokens.numel()
 
 
+class _PlanCost:
+    """What both plans share: their length, tokens computed, and POR/ERR."""
+
+    def __len__(self) -> int:
+        return len(self.partitions)
+
+    @property
+    def cost(self) -> int:
+        """Tokens computed: the sum of partition sizes (packed: shared prefixes once per partition;
+        redundancy-free: every unique token exactly once)."""
+        return sum(p.num_tokens for p in self.partitions)
+
+    def reuse(self) -> Reuse:
+        return reuse(self.tree, self.cost)
+
+
 @dataclass
-class PackedPlan:
+class PackedPlan(_PlanCost):
     tree: Tree
     capacity: int
     partitions: list[PackedPartition]
@@ -181,16 +197,6 @@ class PackedPlan:
     _shape: TreeShape = field(repr=False, default=None)
     _weights: _WeightCache = field(repr=False, default=None)
 
-    def __len__(self) -> int:
-        return len(self.partitions)
-
-    @property
-    def cost(self) -> int:
-        """Tokens computed: the sum of partition sizes (shared prefixes counted once per partition)."""
-        return sum(p.num_tokens for p in self.partitions)
-
-    def reuse(self) -> Reuse:
-        return reuse(self.tree, self.cost)
 
     def leaf_paths(self, i: int) -> list[list[int]]:
         """Token ids of the root-to-leaf paths of partition i (the paths its Tree is built from)."""
@@ -336,7 +342,7 @@ class RedundancyFreePartition:
 
 
 @dataclass
-class RedundancyFreePlan:
+class RedundancyFreePlan(_PlanCost):
     tree: Tree
     capacity: int
     partitions: list[RedundancyFreePartition]
@@ -347,16 +353,6 @@ class RedundancyFreePlan:
     # gradient's sum_p c_p A_p m[p,t]); set with dataclasses.replace(plan, token_weights=w)
     token_weights: torch.Tensor | None = None
 
-    def __len__(self) -> int:
-        return len(self.partitions)
-
-    @property
-    def cost(self) -> int:
-        """Tokens computed: every unique token exactly once."""
-        return sum(p.num_tokens for p in self.partitions)
-
-    def reuse(self) -> Reuse:
-        return reuse(self.tree, self.cost)
 
     @property
     def owner(self) -> torch.Tensor:
