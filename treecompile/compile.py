@@ -59,7 +59,8 @@ class TreeModel(nn.Module):
 
     def __init__(self, model: nn.Module, *, disable: tuple[str, ...] = (), debug: bool = False,
                  logits_chunk: int | None = None, compile_cuda: bool = True, swaps: list | None = None,
-                 bucket: bool = True, boundary: bool = False, gdn_kernel: str = "auto"):
+                 bucket: bool = True, boundary: bool = False, gdn_kernel: str = "auto",
+                 allow_dropout: bool = False):
         super().__init__()
         captured: Captured = capture(model, swaps=swaps)
         ep = captured.program
@@ -67,7 +68,7 @@ class TreeModel(nn.Module):
             raise ValueError(f"{type(model).__name__} mutates buffers in forward "
                              f"({sorted(ep.graph_signature.buffers_to_mutate.values())}); not supported")
         gm = ep.graph_module
-        ctx = PassContext(gm, captured.input_name, {"logits_chunk": logits_chunk})
+        ctx = PassContext(gm, captured.input_name, {"logits_chunk": logits_chunk, "allow_dropout": allow_dropout})
         results = run_passes(gm, ctx, disable=disable, debug=debug,
                              passes=BOUNDARY_PASSES if boundary else None)
         tree_inputs = [n.name[len("tree_"):] for n in gm.graph.nodes
@@ -171,7 +172,8 @@ class TreeModel(nn.Module):
 
 def compile(model=None, *, disable: tuple[str, ...] = (), debug: bool = False,  # noqa: A001 (mirrors torch.compile)
             logits_chunk: int | None = None, compile_cuda: bool = True, bucket: bool = True,
-            boundary: bool = False, gdn_kernel: str = "auto", swaps: list | None = None):
+            boundary: bool = False, gdn_kernel: str = "auto", swaps: list | None = None,
+            allow_dropout: bool = False):
     """Rewrite ``model`` for tree batches and return a :class:`TreeModel`.
 
     Usable as ``treecompile.compile(model, ...)``, or as a decorator (bare or with options) on an
@@ -187,9 +189,13 @@ def compile(model=None, *, disable: tuple[str, ...] = (), debug: bool = False,  
             for ``treecompile.runtime.redundancy_free``.
         gdn_kernel: ``"auto"``, ``"fla"`` or ``"reference"``: the Gated DeltaNet kernel on CUDA.
         swaps: context managers entered during capture (default: ``frontend.kernel_swaps(model)``).
+        allow_dropout: accept active dropout (one mask per shared token, so gradients equal the
+            per-path ones only in expectation); by default it is refused.
+
+    Capture bakes the model's train/eval mode into the graph: compile in the mode you train in.
     """
     options = dict(disable=disable, debug=debug, logits_chunk=logits_chunk, compile_cuda=compile_cuda,
-                   bucket=bucket, boundary=boundary, gdn_kernel=gdn_kernel, swaps=swaps)
+                   bucket=bucket, boundary=boundary, gdn_kernel=gdn_kernel, swaps=swaps, allow_dropout=allow_dropout)
     if model is None:
         return functools.partial(compile, **options)
     if isinstance(model, nn.Module):

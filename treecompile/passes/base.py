@@ -66,7 +66,13 @@ def where(node: fx.Node) -> str:
             code = lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith("File ") else ""
             loc = f"{m.group(1)}:{m.group(2)} in {m.group(3)}" + (f": {code}" if code else "")
             break
-    return f"node {node.name}" + (f" ({loc})" if loc else "")
+    stack = node.meta.get("nn_module_stack") or {}
+    module = ""
+    if stack:
+        path, typ = list(stack.values())[-1][:2]
+        name = getattr(typ, "__name__", None) or str(typ).rsplit(".", 1)[-1].strip("'>")
+        module = f" in module {path or '<root>'} ({name})"
+    return f"node {node.name}{module}" + (f" ({loc})" if loc else "")
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """The pass pipeline: orders the passes, runs them, names the failing one.
 
 Passes, in order (one module each in this package):
+- ``check_dropout`` (check_dropout.py): refuses active dropout (changes nothing).
 - ``rewrite_attention`` (rewrite_attention.py): causal SDPA -> ``treecompile::tree_attention``.
 - ``route_gdn_states`` (route_gdn_states.py): Gated DeltaNet node states and conv context from the
   parent node (the captured tree ops are re-pointed at the batch's node tensors / conv_index).
@@ -24,6 +25,7 @@ from torch import fx
 
 from treecompile.passes.base import PassContext, PassResult
 from treecompile.passes.expose_boundary import expose_boundary
+from treecompile.passes.check_dropout import check_dropout
 from treecompile.passes.rewrite_attention import rewrite_attention
 from treecompile.passes.rewrite_loss import rewrite_loss
 from treecompile.passes.rewrite_positions import rewrite_positions
@@ -34,6 +36,7 @@ log = logging.getLogger("treecompile.passes")
 PassFn = Callable[[fx.GraphModule, PassContext], PassResult]
 
 PASSES: list[tuple[str, PassFn]] = [
+    ("check_dropout", check_dropout),
     ("rewrite_attention", rewrite_attention),
     ("route_gdn_states", route_gdn_states),
     ("rewrite_positions", rewrite_positions),

@@ -1,0 +1,85 @@
+"""More unmodified HF causal LMs (tiny random configs, float64) on a tree, and dropout handling."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import treecompile
+from treecompile import Tree, reference
+from treecompile.passes import PassError
+from helpers import flat_grads, reference_noise, rel
+
+transformers = pytest.importorskip("transformers")
+
+COMMON = dict(vocab_size=37, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+ZOO = {  # name: (model class, config class, config kwargs) - what each adds to the Llama/Qwen3 tests
+    "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", COMMON),  # q/k/v biases
+    "mistral": ("MistralForCausalLM", "MistralConfig", dict(COMMON, sliding_window=None)),
+    "phi3": ("Phi3ForCausalLM", "Phi3Config", COMMON),  # fused qkv / gate_up
+    "gemma": ("GemmaForCausalLM", "GemmaConfig", dict(COMMON, head_dim=8)),  # scaled embeddings, (1+w) norms
+    "olmo2": ("Olmo2ForCausalLM", "Olmo2Config", COMMON),  # post-norms, q/k norms over all heads
+    "granite": ("GraniteForCausalLM", "GraniteConfig", COMMON),  # logit/residual/attention multipliers
+    "gpt_neox": ("GPTNeoXForCausalLM", "GPTNeoXConfig",  # partial rotary, parallel residual
+                 dict(vocab_size=37, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                      intermediate_size=48, max_position_embeddings=256)),
+    "phi": ("PhiForCausalLM", "PhiConfig",  # partial rotary, lm_head bias
+            dict(vocab_size=37, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                 max_position_embeddings=256)),
+    "gpt2": ("GPT2LMHeadModel", "GPT2Config",  # learned absolute positions (wpe), no RoPE
+             dict(vocab_size=37, n_embd=32, n_layer=2, n_head=4, n_positions=256, attn_pdrop=0.0,
+                  resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=1, eos_token_id=2)),
+}
+PATHS = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 9, 10], [1, 2, 11, 12, 13, 14, 15], [1, 2, 3, 4, 5, 6], [1, 7]]
+
+
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_hf_model_tree_equals_per_path(name):
+    mcls, ccls, kw = ZOO[name]
+    if not hasattr(transformers, mcls):
+        pytest.skip(f"transformers has no {mcls}")
+    torch.manual_seed(0)
+    model = getattr(transformers, mcls)(getattr(transformers, ccls)(**kw)).double()
+    tmodel = treecompile.compile(model)
+    assert tmodel.pass_results["rewrite_attention"].count == 2
+    assert tmodel.pass_results["rewrite_positions"].count >= 1
+    batch = Tree.from_paths(PATHS).to_batch()
+    params = [p for p in model.parameters() if p.requires_grad]
+    out = tmodel(batch)
+    ref = reference.run(model, PATHS)
+    g_tree, g_ref = flat_grads(out.loss, params), flat_grads(ref.loss, params)
+    g_noise, loss_noise = reference_noise(model, PATHS, None, None, batch, ref, params, g_ref)
+    assert rel(g_tree, g_ref) <= 10 * g_noise + 1e-12
+    assert abs(float(out.loss - ref.loss)) <= 10 * loss_noise + 1e-12 * abs(float(ref.loss))
+    for a, r in zip(batch.path_logprobs(out.logprobs.detach()), ref.logprobs):
+        assert float((a - r.detach()).abs().max()) <= 1e-6  # float32 internals: per-token log-probs agree
+
+
+class WithDropout(torch.nn.Module):
+    def __init__(self, p=0.1):
+        super().__init__()
+        self.emb = torch.nn.Embedding(11, 8)
+        self.drop = torch.nn.Dropout(p)
+        self.head = torch.nn.Linear(8, 11)
+
+    def forward(self, ids):
+        x = self.drop(self.emb(ids))[:, None]
+        x = torch.nn.functional.scaled_dot_product_attention(x, x, x, is_causal=True)
+        return self.head(x[:, 0])
+
+
+def test_active_dropout_is_refused_naming_the_module():
+    with pytest.raises(PassError, match=r"module drop \(Dropout\).*dropout p=0.1 is active"):
+        treecompile.compile(WithDropout().train())
+
+
+def test_dropout_in_eval_mode_or_allowed():
+    torch.manual_seed(0)
+    model = WithDropout().double().eval()
+    tm = treecompile.compile(model)  # captured in eval mode: dropout is the identity
+    paths = [[1, 2, 3], [1, 2, 4, 5]]
+    torch.testing.assert_close(tm(Tree.from_paths(paths).to_batch()).loss, reference.run(model, paths).loss,
+                               rtol=1e-12, atol=0)
+    allowed = treecompile.compile(WithDropout().train(), allow_dropout=True)
+    assert allowed.pass_results["check_dropout"].info["active_dropout"] == 1
