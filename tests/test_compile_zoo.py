@@ -27,6 +27,8 @@ ZOO = {  # name: (model class, config class, config kwargs) - what each adds to 
     "phi": ("PhiForCausalLM", "PhiConfig",  # partial rotary, lm_head bias
             dict(vocab_size=37, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                  max_position_embeddings=256)),
+    "smollm3": ("SmolLM3ForCausalLM", "SmolLM3Config",  # NoPE layers (every 4th layer has no RoPE)
+                dict(COMMON, num_hidden_layers=4)),
     "gpt2": ("GPT2LMHeadModel", "GPT2Config",  # learned absolute positions (wpe), no RoPE
              dict(vocab_size=37, n_embd=32, n_layer=2, n_head=4, n_positions=256, attn_pdrop=0.0,
                   resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=1, eos_token_id=2)),
@@ -42,7 +44,7 @@ def test_hf_model_tree_equals_per_path(name):
     torch.manual_seed(0)
     model = getattr(transformers, mcls)(getattr(transformers, ccls)(**kw)).double()
     tmodel = treecompile.compile(model)
-    assert tmodel.pass_results["rewrite_attention"].count == 2
+    assert tmodel.pass_results["rewrite_attention"].count == model.config.num_hidden_layers  # one per layer
     assert tmodel.pass_results["rewrite_positions"].count >= 1
     batch = Tree.from_paths(PATHS).to_batch()
     params = [p for p in model.parameters() if p.requires_grad]
