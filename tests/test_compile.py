@@ -68,6 +68,7 @@ def test_parameters_are_shared_and_state_dict_unchanged(dense):
     assert list(tmodel.state_dict().keys()) == list(model.state_dict().keys())
     # an optimizer on model.parameters() trains the tree model
     tree = Tree.from_paths([[1, 2, 3, 4], [1, 2, 5]])
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     b = tree.to_batch()
     before = float(tmodel(b).loss)
@@ -76,8 +77,8 @@ def test_parameters_are_shared_and_state_dict_unchanged(dense):
         tmodel(b).loss.backward()
         opt.step()
     assert float(tmodel(b).loss) < before
-    with torch.no_grad():  # restore for other tests sharing the fixture
-        pass
+    model.load_state_dict(saved)  # the fixture is shared by the other tests of this module
+    model.zero_grad(set_to_none=True)
 
 
 def test_padding_does_not_change_results(dense):
