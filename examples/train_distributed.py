@@ -8,8 +8,8 @@ Launch (CPU, gloo; or CUDA, nccl: one process per GPU):
 
 Data: JSONL, one trajectory (path) per line: ``{"tree_id": ..., "input_ids": [...]}`` with optional
 ``"loss_mask"`` (0/1 per token) and ``"weight"`` (path weight); lines sharing a ``tree_id`` form one
-tree.  (``treecompile.runtime.data`` is not on this branch: this reader is self-contained.)  Every rank
-reads the whole file; :class:`TreeSampler` draws the same global steps on every rank and
+tree (``treecompile.runtime.data.read_trajectories``, which names the file and line of any bad
+input).  Every rank reads the whole file; :class:`TreeSampler` draws the same global steps on every rank and
 :func:`rank_batches` deals each step's trees (or packed partitions, ``--capacity``) to ranks by computed
 tokens, with the *global* normalization of the step and weights times the world size (DDP/FSDP average
 gradients).
@@ -17,9 +17,12 @@ gradients).
 Wrapping order (``--wrap``):
 - ``ddp``: ``tmodel = treecompile.compile(model)`` on the device, then ``DDP(tmodel)``.
 - ``fsdp``: ``tmodel = treecompile.compile(model)``, then ``fully_shard(tmodel)`` (root only).
-- ``fsdp_layer``: ``fully_shard`` every decoder layer, then the root, plus a pre-forward hook that
-  gathers the layers (:func:`fully_shard_tree_model`): sharded at rest, whole during a step.
-On CUDA the TreeModel torch.compiles its graph itself (inside the DDP/FSDP wrapper).
+- ``fsdp_layer``: ``fully_shard`` every decoder layer, then the root (:func:`fully_shard_tree_model`):
+  the rewritten graph is split per layer and each layer's part runs through the layer's own call, so
+  FSDP2 gathers one layer at a time, as for an ordinary model.
+On CUDA the TreeModel torch.compiles its graph itself (inside the DDP/FSDP wrapper; per layer with
+``fsdp_layer``).  ``--pad-to L`` pads every batch to L tokens (one compiled shape; with
+``--capacity L`` nothing is longer), else lengths fall into ``treecompile.bucket_length`` buckets.
 
 ``--baseline per_path`` trains the same data the usual way, each path alone through the model wrapped
 in DDP (optionally ``torch.compile``d), with the same global loss: the throughput reference.
@@ -34,58 +37,22 @@ import json
 import os
 import random
 import time
-from collections import OrderedDict
 
 import torch
 import torch.distributed as dist
 
 import treecompile
 from treecompile import Tree
+from treecompile.runtime.data import read_trajectories
 from treecompile.models import DenseConfig, DenseForCausalLM
 from treecompile.runtime.distributed import (GlobalNorm, TreeSampler, backward_step, deal,
                                              fully_shard_tree_model, global_loss, rank_batches)
 
 
 # ------------------------------------------------------------------------------------------- data
-def read_trees(path: str) -> list[dict]:
-    """JSONL -> [{"tree_id", "paths", "masks" (or None), "weights" (or None)}] in first-seen order."""
-    trees: OrderedDict = OrderedDict()
-    with open(path) as f:
-        for ln, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{ln}: not JSON ({e})") from None
-            for key in ("tree_id", "input_ids"):
-                if key not in rec:
-                    raise ValueError(f"{path}:{ln}: missing {key!r}")
-            t = trees.setdefault(rec["tree_id"], {"tree_id": rec["tree_id"], "paths": [], "masks": [], "weights": [],
-                                                  "lines": []})
-            ids = rec["input_ids"]
-            t["paths"].append(ids)
-            t["masks"].append(rec.get("loss_mask"))
-            t["weights"].append(float(rec.get("weight", 1.0)))
-            t["lines"].append(ln)
-    out = []
-    for t in trees.values():
-        if all(m is None for m in t["masks"]):
-            t["masks"] = None
-        elif any(m is None for m in t["masks"]):
-            bad = t["lines"][[m is None for m in t["masks"]].index(True)]
-            raise ValueError(f"{path}:{bad}: tree {t['tree_id']!r} mixes lines with and without loss_mask")
-        out.append(t)
-    if not out:
-        raise ValueError(f"{path}: no trajectories")
-    return out
-
-
-def build_tree(rec: dict) -> Tree:
-    try:
-        return Tree.from_paths(rec["paths"], loss_masks=rec["masks"], path_weights=rec["weights"])
-    except ValueError as e:
-        raise ValueError(f"tree {rec['tree_id']!r}: {e}") from None
+def read_trees(path: str, vocab_size: int | None = None) -> list[Tree]:
+    """The JSONL trajectory file (``treecompile.runtime.data`` format) -> trees, in file order."""
+    return [t.tree for t in read_trajectories(path, vocab_size=vocab_size)]
 
 
 def make_data(path: str, num_trees: int, vocab: int, seed: int, scale: int) -> None:
@@ -121,6 +88,9 @@ def parse_args():
     ap.add_argument("--normalize", default="sum", choices=list(treecompile.NORMALIZATIONS))
     ap.add_argument("--trees-per-step", type=int, default=8)
     ap.add_argument("--capacity", type=int, help="split trees larger than this into packed partitions")
+    ap.add_argument("--batch-tokens", type=int, help="merge a rank's whole trees into batches of at most this "
+                    "many tokens (default: --pad-to)")
+    ap.add_argument("--pad-to", type=int, help="pad every tree batch to this many tokens (one compiled shape)")
     ap.add_argument("--steps", type=int, default=20, help="optimizer steps (cycles through epochs)")
     ap.add_argument("--warmup", type=int, default=2, help="steps left out of the timing")
     ap.add_argument("--lr", type=float, default=1e-4)
@@ -192,8 +162,13 @@ def main():
         raise SystemExit("--data (or --make-data) is required")
     device = setup()
     rank, world = dist.get_rank(), dist.get_world_size()
-    records = read_trees(args.data)
     model = build_model(args, device)
+    records = read_trees(args.data, vocab_size=model.config.vocab_size)
+    if args.pad_to and not args.baseline:
+        longest = max(t.num_tokens for t in records) if args.capacity is None else args.capacity
+        if longest > args.pad_to:
+            raise SystemExit(f"--pad-to {args.pad_to} is below the longest batch ({longest} tokens): "
+                             "raise it or pass --capacity <= --pad-to")
     if args.baseline:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -217,13 +192,13 @@ def main():
     opt = torch.optim.AdamW(params.parameters(), lr=args.lr)
     sampler = TreeSampler(len(records), trees_per_step=args.trees_per_step, seed=args.seed)
 
-    step, epoch, timed, t_total = 0, 0, [], 0.0
+    step, epoch, timed = 0, 0, []
     while step < args.steps:
         sampler.set_epoch(epoch)
         for idx in sampler:
             if step >= args.steps:
                 break
-            trees = [build_tree(records[i]) for i in idx]
+            trees = [records[i] for i in idx]
             norm = GlobalNorm.from_trees(trees, args.normalize, grad_scale=world)
             if device.type == "cuda":
                 torch.cuda.synchronize()
@@ -233,8 +208,10 @@ def main():
                 loads = None
             else:
                 batches, items, loads = rank_batches(trees, norm, rank=rank, world_size=world,
-                                                     capacity=args.capacity, seed=args.seed, epoch=epoch,
-                                                     device=device)
+                                                     capacity=args.capacity, batch_tokens=args.batch_tokens or args.pad_to,
+                                                     seed=args.seed, epoch=epoch, device=device)
+                if args.pad_to:
+                    batches = [b.padded(args.pad_to) for b in batches]
                 local = backward_step(module, batches)
                 computed = loads[rank]
             opt.step()
@@ -250,7 +227,8 @@ def main():
             if rank == 0:
                 print(f"step {step:4d} epoch {epoch} loss {float(loss):.5f} {dt * 1e3:8.1f} ms "
                       f"trees {len(trees)} path tokens {path_tokens} unique {unique} "
-                      f"loads {loads if loads is not None else computed}", flush=True)
+                      f"loads {loads if loads is not None else computed}"
+                      + (f" batches {len(batches)}" if not args.baseline else ""), flush=True)
             step += 1
         epoch += 1
 

@@ -80,6 +80,7 @@ def _full(t):
 def _worker(rank: int, store: str, out_dir: str):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from treecompile.runtime.distributed import fully_shard_tree_model, global_loss
@@ -99,6 +100,13 @@ def _worker(rank: int, store: str, out_dir: str):
                 module = fully_shard_tree_model(tmodel, layers=layers, mesh=mesh)
                 w = model.model.layers[0].mlp.up_proj.weight
                 results[(wrap, "sharded")] = (type(w).__name__, tuple(w.to_local().shape), tuple(w.shape))
+                gathered = results.setdefault((wrap, "gathered"), [])
+
+                def record(mod, args, layers=list(model.model.layers), gathered=gathered):  # after FSDP's hook
+                    gathered.append([not isinstance(m.mlp.up_proj.weight, DTensor) for m in layers])
+
+                for m in model.model.layers:
+                    m.register_forward_pre_hook(record)
             for name, spec, capacity in make_steps():
                 trees = build_trees(spec)
                 for normalize in NORMALIZATIONS:
@@ -110,6 +118,8 @@ def _worker(rank: int, store: str, out_dir: str):
                             [trees[it.tree] for it in items], normalize)
                     for p in tmodel.parameters():
                         p.grad = None
+                    if (wrap, "gathered") in results:
+                        results[(wrap, "gathered")].append(None)  # a step starts
                     local = backward_step(module, batches)
                     loss = global_loss(local, norm)
                     grads = {n: _full(p.grad).detach().clone() for n, p in tmodel.named_parameters()}
@@ -192,6 +202,29 @@ def test_global_norm_all_reduce_equals_whole_step(dist_results):
             for normalize in NORMALIZATIONS:
                 want = GlobalNorm.from_trees(build_trees(spec), normalize, grad_scale=WORLD)
                 assert all(res[("ddp", name, normalize, "all_reduce")] == want for res in dist_results)
+
+
+def test_fsdp_per_layer_gathers_one_layer_at_a_time(dist_results):
+    """In a step's first forward, each layer's FSDP hook gathers that layer alone (the others stay
+    sharded; later micro-batches of the step keep the layers gathered, as ``backward_step`` asks of
+    gradient accumulation); with root-only FSDP the whole model is gathered before the graph runs."""
+    for res in dist_results:
+        steps = _split_steps(res[("fsdp_layer", "gathered")])
+        n = len(steps[0][0])
+        assert len(steps) == 9 and n == 2
+        for step in steps:
+            assert [s for s in step[:n]] == [[i == k for i in range(n)] for k in range(n)], step
+        assert all(all(state) for step in _split_steps(res[("fsdp_root", "gathered")]) for state in step)
+
+
+def _split_steps(records):
+    steps = []
+    for r in records:
+        if r is None:
+            steps.append([])
+        else:
+            steps[-1].append(r)
+    return steps
 
 
 @pytest.mark.parametrize("wrap", ["fsdp_root", "fsdp_layer"])
@@ -301,3 +334,48 @@ def test_rank_batches_errors_and_dummy():
         work_items([Tree.from_paths([[1] * 20])], capacity=8)
     with pytest.raises(ValueError, match="at least one batch"):
         backward_step(torch.nn.Identity(), [])
+
+
+@pytest.mark.parametrize("normalize", NORMALIZATIONS)
+def test_batch_tokens_merges_trees_and_keeps_the_gradients(compiled, normalize):
+    """``batch_tokens`` groups a rank's whole trees into merged forests of at most that many tokens
+    (fewer batches); loss and gradients equal the per-path reference of all paths of the step."""
+    model, tmodel = compiled
+    params = list(model.parameters())
+    name, spec, _ = make_steps()[0]
+    trees = build_trees(spec)
+    paths, masks, weights = flat_paths(spec)
+    ref = reference.run(model, paths, loss_masks=masks, path_weights=weights, normalize=normalize)
+    g_ref = torch.cat([g.flatten() for g in torch.autograd.grad(ref.loss, params)])
+    ref_loss = float(ref.loss.detach())
+    norm = GlobalNorm.from_trees(trees, normalize)
+    sizes = sorted(t.num_tokens for t in trees)
+    for batch_tokens, want in [(None, len(trees)), (sizes[-1] - 1, None), (sum(sizes), 1)]:
+        batches, items, _ = rank_batches(trees, norm, rank=0, world_size=1, batch_tokens=batch_tokens)
+        assert len(items) == len(trees)
+        if want is not None:
+            assert len(batches) == want
+        else:
+            assert 1 < len(batches) < len(trees)  # the largest tree alone, the rest grouped
+        if batch_tokens is not None:
+            assert all(b.num_tokens <= batch_tokens or b.num_tokens == sizes[-1] for b in batches)
+        for p in params:
+            p.grad = None
+        local = backward_step(tmodel, batches)
+        g = torch.cat([p.grad.flatten() for p in params])
+        assert abs(float(local) - ref_loss) <= 1e-9 * abs(ref_loss)
+        assert rel(g, g_ref) < 1e-9
+
+
+def test_tree_merge_keeps_paths_masks_and_weights():
+    rng = random.Random(7)
+    specs = [_tree_spec(rng, 4, 6, True, True), _tree_spec(rng, 3, 5, False, False), _tree_spec(rng, 2, 4, True, False)]
+    trees = build_trees(specs)
+    merged = Tree.merge(trees)
+    paths, masks, weights = flat_paths(specs)
+    assert merged.num_paths == len(paths) and [merged.path(p) for p in range(len(paths))] == paths
+    assert merged.loss_mask.tolist() == [bool(x) for m in masks for x in m]
+    assert merged.path_weights.tolist() == weights
+    assert merged.num_tokens <= sum(t.num_tokens for t in trees)  # shared prefixes stored once
+    with pytest.raises(ValueError, match="no trees"):
+        Tree.merge([])

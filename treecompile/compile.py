@@ -116,22 +116,57 @@ class TreeModel(nn.Module):
         if gdn_kernel not in GDN_KERNELS:
             raise ValueError(f"gdn_kernel: expected one of {GDN_KERNELS}, got {gdn_kernel!r}")
         self._compile_cuda, self._bucket, self._gdn_kernel = compile_cuda, bucket, gdn_kernel
+        self._lifted_by_name = {s.arg.name: (s.kind, s.target) for s in program.graph_signature.input_specs
+                                if s.kind != InputKind.USER_INPUT}
+        self._split_owners: list[str] = []
+
+    def split_at(self, modules) -> "TreeModel":
+        """Run each of ``modules``' part of the graph through that module's own ``__call__``.
+
+        ``modules``: submodules of the model (e.g. ``model.model.layers``), disjoint.  The graph is
+        cut into consecutive segments (``passes.split_modules``); a module's segment runs as that
+        module's forward, so hooks registered on it fire around its part of the step: FSDP2's
+        per-layer all-gather/reshard/reduce-scatter (``runtime.distributed.fully_shard_tree_model``
+        calls this), forward/backward hooks.  Each segment reads the module's parameters only inside
+        the call.  On CUDA every segment is compiled on its own (as torchtitan compiles per block).
+        ``split_at(())`` undoes the split.  Returns ``self``.
+        """
+        from treecompile.passes.split_modules import split_by_modules
+
+        names = {id(m): n for n, m in self.model.named_modules()}
+        owners = []
+        for i, m in enumerate(modules):
+            if id(m) not in names or names[id(m)] == "":
+                raise ValueError(f"modules[{i}] ({type(m).__name__}) is not a submodule of the compiled model")
+            owners.append(names[id(m)])
+        if owners:  # fail now, not at the first step
+            split_by_modules(self.graph_module, owners, self._lifted_fqns())
+        self._split_owners = owners
+        self.__dict__.pop("_cuda_state", None)
+        self.__dict__.pop("_cpu_segments", None)
+        return self
+
+    def _lifted_fqns(self) -> dict[str, str]:
+        return {name: target for name, (kind, target) in self._lifted_by_name.items()}
 
     # ------------------------------------------------------------------ running
+    def _lifted_value(self, kind, target):
+        if kind == InputKind.PARAMETER:
+            return self.model.get_parameter(target)
+        if kind == InputKind.BUFFER:
+            return self.model.get_buffer(target)
+        return self.exported_program.constants[target]
+
     def _lifted_values(self):
-        vals = []
-        for kind, target in self._lifted:
-            if kind == InputKind.PARAMETER:
-                vals.append(self.model.get_parameter(target))
-            elif kind == InputKind.BUFFER:
-                vals.append(self.model.get_buffer(target))
-            else:
-                vals.append(self.exported_program.constants[target])
-        return vals
+        return [self._lifted_value(kind, target) for kind, target in self._lifted]
 
     def graph_inputs(self, batch: TreeBatch) -> list:
         """The flat inputs of the rewritten graph for ``batch`` (parameters first)."""
-        args = self._lifted_values()
+        return self._lifted_values() + self.batch_inputs(batch)
+
+    def batch_inputs(self, batch: TreeBatch) -> list:
+        """The graph inputs that come from ``batch`` (after the lifted parameters, in order)."""
+        args = []
         for name in self._user_inputs:
             args.append(batch.input_ids[None] if name == self._input_name else None)
         for name in self._tree_inputs:
@@ -157,7 +192,16 @@ class TreeModel(nn.Module):
             batch = batch.to(dev)
         if dev.type == "cuda":
             return self._forward_cuda(batch)
-        loss, lp = self.graph_module(*self.graph_inputs(batch))
+        if self._split_owners:
+            if "_cpu_segments" not in self.__dict__:
+                from treecompile.passes.split_modules import split_by_modules
+
+                segs = split_by_modules(self.graph_module, self._split_owners, self._lifted_fqns())
+                self.__dict__["_cpu_segments"] = [(s, s.graph_module) for s in segs]
+            loss, lp = run_segments(self, self.graph_module, self.__dict__["_cpu_segments"],
+                                    self.batch_inputs(batch))
+        else:
+            loss, lp = self.graph_module(*self.graph_inputs(batch))
         return TreeOutput(loss=loss, logprobs=lp)
 
     def _forward_cuda(self, batch: TreeBatch) -> TreeOutput:
@@ -168,6 +212,42 @@ class TreeModel(nn.Module):
     def extra_repr(self) -> str:
         done = ", ".join(f"{k}={v.count}" for k, v in self.pass_results.items())
         return f"passes: {done}"
+
+
+def run_segments(tmodel: TreeModel, graph_module, segments, batch_args: list):
+    """Run ``graph_module`` as its ``segments`` (``[(Segment, callable)]``, in order): a module's
+    segment through ``module.__call__`` with its lifted values looked up inside the call."""
+    phs = [n.name for n in graph_module.graph.nodes if n.op == "placeholder" and n.name not in tmodel._lifted_by_name]
+    if len(phs) != len(batch_args):
+        raise RuntimeError(f"graph takes {len(phs)} batch inputs, got {len(batch_args)}")
+    env = dict(zip(phs, batch_args))
+
+    def lifted(seg):
+        return [tmodel._lifted_value(*tmodel._lifted_by_name[name]) for name in seg.lifted]
+
+    for seg, fn in segments:
+        ins = [env[name] for name in seg.inputs]
+        if seg.owner is None:
+            out = fn(*lifted(seg), *ins)
+        else:
+            module = tmodel.model.get_submodule(seg.owner)
+
+            def forward(*args, _seg=seg, _fn=fn):
+                return _fn(*lifted(_seg), *args)
+
+            had = "forward" in module.__dict__
+            saved = module.__dict__.get("forward")
+            module.forward = forward
+            try:
+                out = module(*ins)
+            finally:
+                if had:
+                    module.forward = saved
+                else:
+                    del module.forward
+        env.update(zip(seg.outputs, out))
+    (result,) = [n.args[0] for n in graph_module.graph.nodes if n.op == "output"]
+    return tuple(env[a.name] for a in result)
 
 
 def compile(model=None, *, disable: tuple[str, ...] = (), debug: bool = False,  # noqa: A001 (mirrors torch.compile)

@@ -101,16 +101,29 @@ def run_cuda(tmodel, batch):
     if "graph" not in state:
         state["graph"], state["lowered"] = lower_for_cuda(tmodel.graph_module, compiled=tmodel._compile_cuda,
                                                           gdn_kernel=resolve_gdn_kernel(tmodel._gdn_kernel))
-        fn = state["graph"]
         if tmodel._compile_cuda:
             # one compile per length bucket; make room for many buckets before dynamo gives up
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-            fn = torch.compile(fn, dynamic=False)
-        state["fn"] = fn
+
+        def compiled(fn):
+            return torch.compile(fn, dynamic=False) if tmodel._compile_cuda else fn
+
+        if tmodel._split_owners:  # one compiled function per segment (per layer)
+            from treecompile.passes.split_modules import split_by_modules
+
+            segs = split_by_modules(state["graph"], tmodel._split_owners, tmodel._lifted_fqns())
+            state["segments"] = [(s, compiled(s.graph_module)) for s in segs]
+        else:
+            state["fn"] = compiled(state["graph"])
     T = batch.seq_len
     if tmodel._bucket:
         batch = batch.padded(bucket_length(T))
-    args = tmodel.graph_inputs(batch)
+    args = tmodel.batch_inputs(batch)
     args.append(tree_block_mask(batch.subtree_end, validate=False) if state["lowered"] else None)
-    loss, lp = state["fn"](*args)
+    if "segments" in state:
+        from treecompile.compile import run_segments
+
+        loss, lp = run_segments(tmodel, state["graph"], state["segments"], args)
+    else:
+        loss, lp = state["fn"](*tmodel._lifted_values(), *args)
     return TreeOutput(loss=loss, logprobs=lp[:T] if tmodel._bucket else lp)

@@ -235,6 +235,24 @@ class Tree:
         self.path_weights = self._check_weights(path_weights, P)
         return self
 
+    @classmethod
+    def merge(cls, trees: Sequence["Tree"]) -> "Tree":
+        """One tree holding every path of ``trees``, in order (their loss masks and path weights too).
+
+        A batch of several trees: a forest, where prefixes that several trees share (a common
+        system prompt) are stored once.  Per-path quantities are unchanged, so any per-path loss of
+        the merged tree is the sum of those of the parts.
+        """
+        trees = list(trees)
+        if not trees:
+            raise ValueError("Tree.merge: no trees given")
+        paths = [t.path(p) for t in trees for p in range(t.num_paths)]
+        masks = None
+        if not all(t.has_default_masks for t in trees):
+            masks = [m for t in trees for m in t.loss_mask.split(t.path_lengths.tolist())]
+        weights = torch.cat([t.path_weights for t in trees])
+        return cls.from_paths(paths, loss_masks=masks, path_weights=weights)
+
     @property
     def path_index(self) -> torch.Tensor:
         """DFS index of every path token, paths in the caller's order, flattened (cached).

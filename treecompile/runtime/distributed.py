@@ -56,7 +56,7 @@ from typing import Iterator, Sequence
 import torch
 from torch import nn
 
-from treecompile.runtime.partition import PackedPlan, pack
+from treecompile.runtime.partition import PackedPlan, _first_fit_decreasing, pack
 from treecompile.tree import DEFAULT_CONV_KERNEL, NORMALIZATIONS, Tree, TreeBatch
 
 __all__ = ["WorkItem", "GlobalNorm", "work_items", "deal", "TreeSampler", "rank_batches", "tree_batch",
@@ -257,31 +257,56 @@ class TreeSampler:
 
 
 def rank_batches(trees: Sequence[Tree], norm: GlobalNorm, *, rank: int, world_size: int,
-                 capacity: int | None = None, seed: int = 0, epoch: int = 0,
+                 capacity: int | None = None, batch_tokens: int | None = None, seed: int = 0, epoch: int = 0,
                  pad_to_multiple: int | None = None, device=None,
                  conv_kernel: int = DEFAULT_CONV_KERNEL) -> tuple[list[TreeBatch], list[WorkItem], list[int]]:
     """This rank's TreeBatches for the global step ``trees`` (the same list on every rank).
 
     Items (trees or, with ``capacity``, packed partitions) are dealt by :func:`deal`; each batch
-    carries the global weights of ``norm``.  Returns ``(batches, items, loads)``: ``items`` are this
-    rank's, ``loads`` the computed tokens of every rank, and ``batches`` holds this rank's items then
-    :func:`dummy_batch` fillers, so that every rank gets the same number of batches (at least one):
-    the collectives inside each forward (FSDP2 all-gathers, DDP buffer broadcasts) then match.
+    carries the global weights of ``norm``.  With ``batch_tokens``, a rank's whole trees are grouped
+    (first-fit decreasing) into batches of at most that many tokens, each one merged tree
+    (:meth:`Tree.merge`, a forest): fewer, larger steps; partitions and larger trees stay alone.
+    Returns ``(batches, items, loads)``: ``items`` are this rank's, ``loads`` the computed tokens of
+    every rank, and ``batches`` holds this rank's batches then :func:`dummy_batch` fillers, so that
+    every rank gets the same number of batches (at least one): the collectives inside each forward
+    (FSDP2 all-gathers, DDP buffer broadcasts) then match.
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank: expected 0 <= rank < world_size={world_size}, got {rank}")
+    if batch_tokens is not None and batch_tokens < 1:
+        raise ValueError(f"batch_tokens: expected a positive token count, got {batch_tokens}")
     items, plans = work_items(trees, capacity=capacity)
     dealt = deal([it.cost for it in items], world_size, seed=seed, epoch=epoch)
     loads = [sum(items[i].cost for i in d) for d in dealt]
+    groups = [_group_items([items[i] for i in d], batch_tokens) for d in dealt]
     mine = [items[i] for i in dealt[rank]]
     kw = dict(pad_to_multiple=pad_to_multiple, device=device, conv_kernel=conv_kernel)
-    batches = [tree_batch(trees[it.tree], norm, **kw) if it.partition is None
-               else partition_batch(plans[it.tree], it.partition, norm, **kw) for it in mine]
+    batches = []
+    for group in groups[rank]:
+        it = group[0]
+        if it.partition is not None:
+            batches.append(partition_batch(plans[it.tree], it.partition, norm, **kw))
+        elif len(group) == 1:
+            batches.append(tree_batch(trees[it.tree], norm, **kw))
+        else:
+            batches.append(tree_batch(Tree.merge([trees[g.tree] for g in group]), norm, **kw))
     # Every rank runs the same number of forward/backward passes: FSDP2 all-gathers in each forward
-    # (and DDP broadcasts buffers), so ranks with fewer items pad with zero-weight dummy batches.
-    count = max(1, max(len(d) for d in dealt))
+    # (and DDP broadcasts buffers), so ranks with fewer batches pad with zero-weight dummy batches.
+    count = max(1, max(len(g) for g in groups))
     batches += [dummy_batch(normalize=norm.normalize, device=device) for _ in range(count - len(batches))]
     return batches, mine, loads
+
+
+def _group_items(items: list[WorkItem], batch_tokens: int | None) -> list[list[WorkItem]]:
+    """Batches of one rank: each item alone, or whole trees grouped first-fit decreasing into at
+    most ``batch_tokens`` tokens (partitions and trees above the budget stay alone), in item order."""
+    if batch_tokens is None:
+        return [[it] for it in items]
+    small = [k for k, it in enumerate(items) if it.partition is None and it.cost <= batch_tokens]
+    bins = [[small[j] for j in b] for b in _first_fit_decreasing([items[k].cost for k in small], batch_tokens)]
+    grouped = set(small)
+    alone = [[k] for k in range(len(items)) if k not in grouped]
+    return [[items[k] for k in sorted(b)] for b in sorted(bins + alone)]
 
 
 # ------------------------------------------------------------------------------------------ running
@@ -336,11 +361,13 @@ def fully_shard_tree_model(tmodel: nn.Module, *, layers: Sequence[nn.Module] = (
     """FSDP2 for a TreeModel: ``fully_shard`` each of ``layers`` (e.g. ``model.model.layers``), then
     the TreeModel root; returns the (now FSDP) TreeModel.
 
-    The graph calls no layer ``forward``, so the layers' own FSDP hooks never fire: a root
-    pre-forward hook (registered after FSDP's own, which FSDP prepends) all-gathers every layer group
-    before the graph runs; the root's post-backward callback reduce-scatters and reshards them.  With
-    ``layers=()`` this is plain root-level ``fully_shard``.  ``fsdp_kwargs`` go to every
-    ``fully_shard`` call (``mp_policy``, ``reshard_after_forward``, ...).
+    The rewritten graph is one flat program that calls no layer's ``forward``, so it is split per
+    layer (:meth:`TreeModel.split_at`): each layer's part runs through that layer's ``__call__``, and
+    FSDP2's own hooks gather one layer at a time (all-gather before its forward, reshard after,
+    again around its backward, then reduce-scatter), as with an ordinary model.  On CUDA each layer's
+    segment is compiled on its own.  With ``layers=()`` this is plain root-level ``fully_shard``
+    (the whole model is gathered for the step).  ``fsdp_kwargs`` go to every ``fully_shard`` call
+    (``mp_policy``, ``reshard_after_forward``, ...).
     """
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
@@ -349,15 +376,9 @@ def fully_shard_tree_model(tmodel: nn.Module, *, layers: Sequence[nn.Module] = (
     for i, layer in enumerate(layers):
         if any(id(p) not in tree_params for p in layer.parameters()):
             raise ValueError(f"layers[{i}] ({type(layer).__name__}) holds parameters that are not the TreeModel's")
+    tmodel.split_at(layers)  # before sharding: a graph that cannot be split fails with nothing changed
+    for layer in layers:
         if not isinstance(layer, FSDPModule):
             fully_shard(layer, mesh=mesh, **fsdp_kwargs)
     fully_shard(tmodel, mesh=mesh, **fsdp_kwargs)
-    if layers:
-        def unshard_layers(module, args):
-            handles = [layer.unshard(async_op=True) for layer in layers]
-            for h in handles:
-                if h is not None:
-                    h.wait()
-
-        tmodel.register_forward_pre_hook(unshard_layers)
     return tmodel

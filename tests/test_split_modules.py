@@ -1,0 +1,125 @@
+"""``TreeModel.split_at``: the graph cut per module, each module's part run through its ``__call__``.
+
+Split and unsplit runs compute the same values with the same ops in the same order, so loss,
+log-probs and gradients are compared for equality (float64).  Hooks registered on the modules fire
+once per step, in layer order, and see the parameters the segment reads.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import treecompile
+from treecompile import Tree
+from treecompile.models import DenseConfig, DenseForCausalLM, HybridConfig, HybridForCausalLM
+from treecompile.passes.split_modules import SplitError
+
+PATHS = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 9, 10], [1, 2, 11, 12, 13, 14, 15], [1, 7]]
+
+
+def _run(tmodel, batch):
+    out = tmodel(batch)
+    params = [p for p in tmodel.parameters()]
+    grads = torch.autograd.grad(out.loss, params)
+    return out.loss.detach(), out.logprobs.detach(), grads
+
+
+def _check_equal(tmodel, layers):
+    batch = Tree.from_paths(PATHS).to_batch(normalize="path_mean")
+    loss0, lp0, g0 = _run(tmodel, batch)
+    seen = []
+    handles = [m.register_forward_pre_hook(lambda mod, args, i=i: seen.append(i)) for i, m in enumerate(layers)]
+    try:
+        tmodel.split_at(layers)
+        loss1, lp1, g1 = _run(tmodel, batch)
+    finally:
+        for h in handles:
+            h.remove()
+    assert seen == list(range(len(layers)))
+    assert torch.equal(loss0, loss1) and torch.equal(lp0, lp1)
+    for a, b in zip(g0, g1):
+        assert torch.equal(a, b)
+    assert all("forward" not in m.__dict__ for m in layers)  # the class forward is back
+    tmodel.split_at(())
+    loss2, _, _ = _run(tmodel, batch)
+    assert torch.equal(loss0, loss2)
+
+
+def test_dense_split_per_layer_equals_whole_graph():
+    torch.manual_seed(0)
+    model = DenseForCausalLM(DenseConfig.tiny(num_hidden_layers=3)).double()
+    _check_equal(treecompile.compile(model), list(model.model.layers))
+
+
+def test_hybrid_split_per_layer_equals_whole_graph():
+    torch.manual_seed(0)
+    model = HybridForCausalLM(HybridConfig.tiny()).double()
+    _check_equal(treecompile.compile(model), list(model.model.layers))
+
+
+def test_hf_qwen3_split_per_layer_equals_whole_graph():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Qwen3Config(vocab_size=37, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                   max_position_embeddings=256)
+    torch.manual_seed(0)
+    model = transformers.Qwen3ForCausalLM(cfg).double().eval()
+    _check_equal(treecompile.compile(model), list(model.model.layers))
+
+
+def test_module_hooks_see_the_segment_parameters_and_backward_hooks_fire():
+    torch.manual_seed(0)
+    model = DenseForCausalLM(DenseConfig.tiny()).double()
+    tmodel = treecompile.compile(model).split_at(model.model.layers)
+    layer = model.model.layers[1]
+    orig = layer.mlp.down_proj.weight
+    swapped = orig.detach().clone().requires_grad_(True)
+    fired = []
+
+    def swap_in(mod, args):  # what FSDP2's pre-forward does: new tensors for the layer's parameters
+        del mod.mlp.down_proj.weight
+        mod.mlp.down_proj.weight = torch.nn.Parameter(swapped)
+
+    layer.register_forward_pre_hook(swap_in)
+    layer.register_full_backward_hook(lambda mod, gin, gout: fired.append(len(gout)))
+    out = tmodel(Tree.from_paths(PATHS).to_batch())
+    out.loss.backward()
+    assert fired == [1]  # the layer's hidden-state output
+    assert orig.grad is None and layer.mlp.down_proj.weight.grad is not None  # read inside the call
+
+
+def test_split_errors_name_the_module():
+    torch.manual_seed(0)
+    model = DenseForCausalLM(DenseConfig.tiny()).double()
+    tmodel = treecompile.compile(model)
+    with pytest.raises(ValueError, match="not a submodule"):
+        tmodel.split_at([torch.nn.Linear(2, 2)])
+    with pytest.raises(SplitError, match="lies inside"):
+        tmodel.split_at([model.model.layers[0], model.model.layers[0].mlp])
+    unused = DenseForCausalLM(DenseConfig.tiny())
+    model.extra = unused.model.norm  # registered but never called by forward
+    with pytest.raises(SplitError, match="no graph node belongs to module"):
+        tmodel.split_at([model.extra])
+    with pytest.raises(SplitError, match="reads 'lm_head.weight'|reads 'model.embed_tokens.weight'"):
+        tied = DenseForCausalLM(DenseConfig.tiny(tie_word_embeddings=True)).double()
+        treecompile.compile(tied).split_at([tied.model.embed_tokens])
+
+
+def test_cuda_lowered_graph_splits_per_layer_with_the_block_mask_as_input():
+    """The graph run on CUDA (flex lowering, one BlockMask placeholder) splits the same way; each
+    layer segment takes the mask and holds its own attention call (CPU: structure only)."""
+    from treecompile.cuda import lower_for_cuda
+    from treecompile.passes.split_modules import split_by_modules
+
+    torch.manual_seed(0)
+    model = DenseForCausalLM(DenseConfig.tiny(num_hidden_layers=3)).double()
+    tmodel = treecompile.compile(model)
+    lowered, count = lower_for_cuda(tmodel.graph_module, compiled=True)
+    owners = [f"model.layers.{i}" for i in range(3)]
+    segs = split_by_modules(lowered, owners, tmodel._lifted_fqns())
+    assert [s.owner for s in segs] == [None] + owners + [None] and count == 3
+    for s in segs[1:-1]:
+        assert "tree_block_mask" in s.inputs and len(s.outputs) == 1
+        assert all(tmodel._lifted_fqns()[n].startswith(s.owner + ".") for n in s.lifted)
+        assert sum(n.op == "call_function" and "flex" in n.name for n in s.graph_module.graph.nodes) == 1
