@@ -251,3 +251,16 @@ def test_hf_graph_and_wrong_positions_are_far_above_noise(hf):
     broken = treecompile.compile(model, disable=("rewrite_positions",))
     g_broken = flat_grads(broken(batch).loss, params)
     assert rel(g_broken, g_ref) > 1e3 * max(noise, 1e-12)
+
+
+def test_tree_output_is_a_pytree_node():
+    """Wrappers find the output tensors through pytree (FSDP2 in torch 2.11 hooks its pre-backward,
+    and so the root's gradient reduce-scatter, on the tensors ``tree_flatten`` returns)."""
+    import torch.utils._pytree as pytree
+    from treecompile.compile import TreeOutput
+
+    out = TreeOutput(loss=torch.tensor(1.0), logprobs=torch.zeros(3))
+    leaves, spec = pytree.tree_flatten(out)
+    assert len(leaves) == 2 and leaves[0] is out.loss and leaves[1] is out.logprobs
+    back = pytree.tree_unflatten(leaves, spec)
+    assert isinstance(back, TreeOutput) and back.loss is out.loss

@@ -42,6 +42,14 @@ class TreeOutput:
     logprobs: torch.Tensor  # [T] log p(token | path prefix) in DFS order; 0 at roots and padding
 
 
+# A pytree node, so that wrappers that look for output tensors with pytree find them: FSDP2 (torch
+# 2.11) registers its pre-backward hook -- which queues the root's reduce-scatter -- on the tensors
+# ``tree_flatten`` finds in the output; an opaque dataclass left gradients unreduced on the root.
+torch.utils._pytree.register_pytree_node(
+    TreeOutput, lambda o: ([o.loss, o.logprobs], None), lambda xs, _: TreeOutput(*xs),
+    serialized_type_name="treecompile.TreeOutput")
+
+
 def bucket_length(T: int, *, min_bucket: int = 256, steps_per_octave: int = 8) -> int:
     """Round ``T`` up to a bucket: multiples of 2^(floor(log2 T)) / steps_per_octave (>= min_bucket).
 
