@@ -101,7 +101,8 @@ def test_split_errors_name_the_module():
     model.extra = unused.model.norm  # registered but never called by forward
     with pytest.raises(SplitError, match="no graph node belongs to module"):
         tmodel.split_at([model.extra])
-    with pytest.raises(SplitError, match="reads 'lm_head.weight'|reads 'model.embed_tokens.weight'"):
+    with pytest.raises(SplitError, match="reads '(lm_head|model.embed_tokens).weight', which belongs to module "
+                                         "'model.embed_tokens' \\(tied"):
         tied = DenseForCausalLM(DenseConfig.tiny(tie_word_embeddings=True)).double()
         treecompile.compile(tied).split_at([tied.model.embed_tokens])
 
@@ -123,3 +124,28 @@ def test_cuda_lowered_graph_splits_per_layer_with_the_block_mask_as_input():
         assert "tree_block_mask" in s.inputs and len(s.outputs) == 1
         assert all(tmodel._lifted_fqns()[n].startswith(s.owner + ".") for n in s.lifted)
         assert sum(n.op == "call_function" and "flex" in n.name for n in s.graph_module.graph.nodes) == 1
+
+
+class _SharedScaleModel(torch.nn.Module):
+    """Each layer reads a parameter held by the root (as models with a shared table do)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(17, 8)
+        self.scale = torch.nn.Parameter(torch.rand(8) + 0.5)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+        for layer in self.layers:
+            object.__setattr__(layer, "root", self)  # not registered: the parameter stays the root's
+        self.head = torch.nn.Linear(8, 17)
+
+    def forward(self, input_ids):
+        x = self.emb(input_ids)
+        for layer in self.layers:
+            x = x + torch.tanh(layer(x) * layer.root.scale)
+        return self.head(x)
+
+
+def test_layers_may_read_the_roots_parameters():
+    torch.manual_seed(0)
+    model = _SharedScaleModel().double()
+    _check_equal(treecompile.compile(model), list(model.layers))

@@ -148,7 +148,7 @@ class TreeModel(nn.Module):
                 raise ValueError(f"modules[{i}] ({type(m).__name__}) is not a submodule of the compiled model")
             owners.append(names[id(m)])
         if owners:  # fail now, not at the first step
-            split_by_modules(self.graph_module, owners, self._lifted_fqns())
+            split_by_modules(self.graph_module, owners, self._lifted_fqns(), self._aliases())
         self._split_owners = owners
         self.__dict__.pop("_cuda_state", None)
         self.__dict__.pop("_cpu_segments", None)
@@ -156,6 +156,14 @@ class TreeModel(nn.Module):
 
     def _lifted_fqns(self) -> dict[str, str]:
         return {name: target for name, (kind, target) in self._lifted_by_name.items()}
+
+    def _aliases(self) -> dict[str, list[str]]:
+        """FQN -> the other names of the same tensor in the model (tied weights)."""
+        names: dict[int, list[str]] = {}
+        for n, t in [*self.model.named_parameters(remove_duplicate=False),
+                     *self.model.named_buffers(remove_duplicate=False)]:
+            names.setdefault(id(t), []).append(n)
+        return {n: [m for m in group if m != n] for group in names.values() if len(group) > 1 for n in group}
 
     # ------------------------------------------------------------------ running
     def _lifted_value(self, kind, target):
@@ -204,7 +212,7 @@ class TreeModel(nn.Module):
             if "_cpu_segments" not in self.__dict__:
                 from treecompile.passes.split_modules import split_by_modules
 
-                segs = split_by_modules(self.graph_module, self._split_owners, self._lifted_fqns())
+                segs = split_by_modules(self.graph_module, self._split_owners, self._lifted_fqns(), self._aliases())
                 self.__dict__["_cpu_segments"] = [(s, s.graph_module) for s in segs]
             loss, lp = run_segments(self, self.graph_module, self.__dict__["_cpu_segments"],
                                     self.batch_inputs(batch))

@@ -111,7 +111,7 @@ def run_cuda(tmodel, batch):
         if tmodel._split_owners:  # one compiled function per segment (per layer)
             from treecompile.passes.split_modules import split_by_modules
 
-            segs = split_by_modules(state["graph"], tmodel._split_owners, tmodel._lifted_fqns())
+            segs = split_by_modules(state["graph"], tmodel._split_owners, tmodel._lifted_fqns(), tmodel._aliases())
             state["segments"] = [(s, compiled(s.graph_module)) for s in segs]
         else:
             state["fn"] = compiled(state["graph"])

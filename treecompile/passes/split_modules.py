@@ -46,18 +46,32 @@ def _inside(path: str, owner: str) -> bool:
     return path == owner or path.startswith(owner + ".")
 
 
-def _owner_of(node: fx.Node, owners: Sequence[str], lifted_fqn: dict[str, str]) -> tuple[str | None, bool]:
+def _holder(fqn: str, owners: Sequence[str], aliases: dict[str, list[str]]) -> str | None:
+    """The given module that holds a lifted value under any of its names (tied weights), else root."""
+    names = [fqn, *aliases.get(fqn, ())]
+    return next((o for o in owners if any(_inside(n, o) for n in names)), ROOT)
+
+
+def _owner_of(node: fx.Node, owners: Sequence[str], lifted_fqn: dict[str, str],
+              aliases: dict[str, list[str]]) -> tuple[str | None, bool]:
     """(owner, known): the module a node belongs to by its module stack or the parameters it reads."""
-    found = set()
     stack = node.meta.get("nn_module_stack") or {}
     paths = [v[0] for v in stack.values() if isinstance(v, tuple) and isinstance(v[0], str)]
-    for o in owners:
-        if any(_inside(p, o) for p in paths):
-            found.add(o)
+    by_stack = {o for o in owners if any(_inside(p, o) for p in paths)}
+    by_param = {}
     for a in node.all_input_nodes:
         fqn = lifted_fqn.get(a.name) if a.op == "placeholder" else None
-        if fqn is not None:
-            found.update(o for o in owners if _inside(fqn, o))
+        holder = _holder(fqn, owners, aliases) if fqn is not None else ROOT
+        if holder is not ROOT:
+            by_param[holder] = fqn
+    if paths:  # the model's own code: a node reading another module's tensor cannot be split off
+        inner = max(paths, key=len)
+        for holder, fqn in by_param.items():
+            if holder not in by_stack:
+                raise SplitError(f"{where(node)} (in {inner or 'the root'!r}) reads {fqn!r}, which belongs to "
+                                 f"module {holder!r} (tied or shared weights): it cannot run in that module's "
+                                 "segment; split at modules that hold all of their tensors alone")
+    found = by_stack | set(by_param)
     if len(found) > 1:
         raise SplitError(f"{where(node)} belongs to several of the given modules ({sorted(found)}); "
                          "they cannot run as separate segments")
@@ -66,14 +80,18 @@ def _owner_of(node: fx.Node, owners: Sequence[str], lifted_fqn: dict[str, str]) 
     return ROOT, bool(paths)  # a node from the model's own code outside every given module is root's
 
 
-def split_by_modules(gm: fx.GraphModule, owners: Sequence[str], lifted_fqn: dict[str, str]) -> list[Segment]:
+def split_by_modules(gm: fx.GraphModule, owners: Sequence[str], lifted_fqn: dict[str, str],
+                     aliases: dict[str, list[str]] | None = None) -> list[Segment]:
     """Cut ``gm`` into segments: one per FQN in ``owners`` and root segments between them.
 
     ``lifted_fqn`` maps the graph's lifted placeholders (parameters, buffers, constants) to the FQN
     they stand for; each is resolved by the runner inside the segment that reads it.  A lifted value
-    of a given module read outside that module's segment is an error, as is a module whose nodes
-    are interleaved with another's.
+    of a given module read outside that module's segment is an error (the root's own values may be
+    read by any segment), as is a module whose nodes are interleaved with another's.  ``aliases``
+    maps an FQN to the other names of the same tensor (tied weights): a value is a module's when any
+    of its names lies inside the module.
     """
+    aliases = aliases or {}
     owners = list(owners)
     if len(set(owners)) != len(owners):
         raise SplitError(f"modules given more than once: {owners}")
@@ -82,7 +100,7 @@ def split_by_modules(gm: fx.GraphModule, owners: Sequence[str], lifted_fqn: dict
             if a != b and _inside(b, a):
                 raise SplitError(f"module {b!r} lies inside {a!r}; give disjoint modules")
     body = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
-    tagged = [_owner_of(n, owners, lifted_fqn) for n in body]
+    tagged = [_owner_of(n, owners, lifted_fqn, aliases) for n in body]
 
     # untagged nodes (inserted by passes): a module's only when sandwiched between that module's nodes
     assign: list[str | None] = [o for o, _ in tagged]
@@ -132,8 +150,8 @@ def split_by_modules(gm: fx.GraphModule, owners: Sequence[str], lifted_fqn: dict
         lifted = [a for a in external if a.op == "placeholder" and a.name in lifted_fqn]
         for a in lifted:
             fqn = lifted_fqn[a.name]
-            holder = next((o for o in owners if _inside(fqn, o)), ROOT)
-            if holder != owner:
+            holder = _holder(fqn, owners, aliases)
+            if holder is not ROOT and holder != owner:  # the root's own tensors may be read anywhere
                 user = next(n for n in nodes if a in n.all_input_nodes)
                 raise SplitError(f"{where(user)} reads {fqn!r} of module {holder!r} outside that module's "
                                  "segment; it cannot be sharded with the module")
