@@ -157,10 +157,19 @@ def rope_cos_sin(T: int, rotary_dim: int, theta: float, device, dtype):
 
 class CausalLM(nn.Module):
     """Shared top of the reference models: embed -> layers(x, cos, sin) -> norm -> lm_head, and
-    HF-format checkpoints.  Subclasses set ``config_class``, build ``self.model`` (``embed_tokens``,
-    ``layers``, ``norm``) and ``self.lm_head``, and say how many head dims RoPE rotates."""
+    HF-format checkpoints.  Subclasses set ``config_class``, pass the config and the body
+    (``embed_tokens``, ``layers``, ``norm``) to ``__init__`` (which adds ``lm_head``, tied when the
+    config says so), and say how many head dims RoPE rotates."""
 
     config_class: type
+
+    def __init__(self, cfg, body: nn.Module):
+        super().__init__()
+        self.config = cfg
+        self.model = body
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     @property
     def rotary_dim(self) -> int:
@@ -193,9 +202,4 @@ class DenseForCausalLM(CausalLM):
     config_class = DenseConfig
 
     def __init__(self, cfg: DenseConfig):
-        super().__init__()
-        self.config = cfg
-        self.model = DenseModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        super().__init__(cfg, DenseModel(cfg))

@@ -391,12 +391,7 @@ class HybridForCausalLM(CausalLM):
     config_class = HybridConfig
 
     def __init__(self, cfg: HybridConfig):
-        super().__init__()
-        self.config = cfg
-        self.model = HybridModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        super().__init__(cfg, HybridModel(cfg))
 
     @property
     def rotary_dim(self) -> int:

@@ -111,18 +111,20 @@ def test_cuda_lowered_graph_splits_per_layer_with_the_block_mask_as_input():
     """The graph run on CUDA (flex lowering, one BlockMask placeholder) splits the same way; each
     layer segment takes the mask and holds its own attention call (CPU: structure only)."""
     from treecompile.cuda import lower_for_cuda
-    from treecompile.passes.split_modules import split_by_modules
 
     torch.manual_seed(0)
     model = DenseForCausalLM(DenseConfig.tiny(num_hidden_layers=3)).double()
-    tmodel = treecompile.compile(model)
+    tmodel = treecompile.compile(model).split_at(model.model.layers)
     lowered, count = lower_for_cuda(tmodel.graph_module, compiled=True)
     owners = [f"model.layers.{i}" for i in range(3)]
-    segs = split_by_modules(lowered, owners, tmodel._lifted_fqns())
+    split = tmodel.split_graph(lowered)
+    segs = [s for s, _ in split.segments]
     assert [s.owner for s in segs] == [None] + owners + [None] and count == 3
+    assert split.batch_names[-1] == "tree_block_mask" and len(split.result) == 2
+    fqn = {name: target for name, (_, target) in tmodel._lifted_by_name.items()}
     for s in segs[1:-1]:
         assert "tree_block_mask" in s.inputs and len(s.outputs) == 1
-        assert all(tmodel._lifted_fqns()[n].startswith(s.owner + ".") for n in s.lifted)
+        assert all(fqn[n].startswith(s.owner + ".") for n in s.lifted)
         assert sum(n.op == "call_function" and "flex" in n.name for n in s.graph_module.graph.nodes) == 1
 
 

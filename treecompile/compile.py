@@ -139,23 +139,31 @@ class TreeModel(nn.Module):
         the call.  On CUDA every segment is compiled on its own (as torchtitan compiles per block).
         ``split_at(())`` undoes the split.  Returns ``self``.
         """
-        from treecompile.passes.split_modules import split_by_modules
-
         names = {id(m): n for n, m in self.model.named_modules()}
         owners = []
         for i, m in enumerate(modules):
             if id(m) not in names or names[id(m)] == "":
                 raise ValueError(f"modules[{i}] ({type(m).__name__}) is not a submodule of the compiled model")
             owners.append(names[id(m)])
-        if owners:  # fail now, not at the first step
-            split_by_modules(self.graph_module, owners, self._lifted_fqns(), self._aliases())
         self._split_owners = owners
         self.__dict__.pop("_cuda_state", None)
-        self.__dict__.pop("_cpu_segments", None)
+        # built now: a graph that cannot be split fails here, not at the first step
+        self.__dict__["_cpu_split"] = self.split_graph(self.graph_module) if owners else None
         return self
 
-    def _lifted_fqns(self) -> dict[str, str]:
-        return {name: target for name, (kind, target) in self._lifted_by_name.items()}
+    def split_graph(self, graph_module, wrap=lambda gm: gm) -> "SplitGraph":
+        """``graph_module`` (the rewritten graph or its CUDA lowering) cut at the ``split_at``
+        modules, each segment passed through ``wrap`` (e.g. ``torch.compile``) once."""
+        from treecompile.passes.split_modules import split_by_modules
+
+        lifted_fqn = {name: target for name, (_kind, target) in self._lifted_by_name.items()}
+        segments = split_by_modules(graph_module, self._split_owners, lifted_fqn, self._aliases())
+        nodes = list(graph_module.graph.nodes)
+        (result,) = [n.args[0] for n in nodes if n.op == "output"]
+        return SplitGraph(segments=[(seg, wrap(seg.graph_module)) for seg in segments],
+                          batch_names=[n.name for n in nodes if n.op == "placeholder"
+                                       and n.name not in self._lifted_by_name],
+                          result=[a.name for a in result])
 
     def _aliases(self) -> dict[str, list[str]]:
         """FQN -> the other names of the same tensor in the model (tied weights)."""
@@ -209,13 +217,7 @@ class TreeModel(nn.Module):
         if dev.type == "cuda":
             return self._forward_cuda(batch)
         if self._split_owners:
-            if "_cpu_segments" not in self.__dict__:
-                from treecompile.passes.split_modules import split_by_modules
-
-                segs = split_by_modules(self.graph_module, self._split_owners, self._lifted_fqns(), self._aliases())
-                self.__dict__["_cpu_segments"] = [(s, s.graph_module) for s in segs]
-            loss, lp = run_segments(self, self.graph_module, self.__dict__["_cpu_segments"],
-                                    self.batch_inputs(batch))
+            loss, lp = run_segments(self, self.__dict__["_cpu_split"], self.batch_inputs(batch))
         else:
             loss, lp = self.graph_module(*self.graph_inputs(batch))
         return TreeOutput(loss=loss, logprobs=lp)
@@ -230,18 +232,26 @@ class TreeModel(nn.Module):
         return f"passes: {done}"
 
 
-def run_segments(tmodel: TreeModel, graph_module, segments, batch_args: list):
-    """Run ``graph_module`` as its ``segments`` (``[(Segment, callable)]``, in order): a module's
-    segment through ``module.__call__`` with its lifted values looked up inside the call."""
-    phs = [n.name for n in graph_module.graph.nodes if n.op == "placeholder" and n.name not in tmodel._lifted_by_name]
-    if len(phs) != len(batch_args):
-        raise RuntimeError(f"graph takes {len(phs)} batch inputs, got {len(batch_args)}")
-    env = dict(zip(phs, batch_args))
+@dataclass
+class SplitGraph:
+    """A graph cut by :meth:`TreeModel.split_graph`, with what running it needs precomputed."""
+
+    segments: list  # [(passes.split_modules.Segment, callable)], in graph order
+    batch_names: list[str]  # the graph's non-lifted placeholders, in order (fed from the batch)
+    result: list[str]  # names of the graph's outputs
+
+
+def run_segments(tmodel: TreeModel, split: SplitGraph, batch_args: list):
+    """Run a split graph: a module's segment through ``module.__call__``, with its lifted values
+    looked up inside the call (after the module's pre-forward hooks, e.g. FSDP2's all-gather)."""
+    if len(split.batch_names) != len(batch_args):
+        raise RuntimeError(f"graph takes {len(split.batch_names)} batch inputs, got {len(batch_args)}")
+    env = dict(zip(split.batch_names, batch_args))
 
     def lifted(seg):
         return [tmodel._lifted_value(*tmodel._lifted_by_name[name]) for name in seg.lifted]
 
-    for seg, fn in segments:
+    for seg, fn in split.segments:
         ins = [env[name] for name in seg.inputs]
         if seg.owner is None:
             out = fn(*lifted(seg), *ins)
@@ -262,8 +272,7 @@ def run_segments(tmodel: TreeModel, graph_module, segments, batch_args: list):
                 else:
                     del module.forward
         env.update(zip(seg.outputs, out))
-    (result,) = [n.args[0] for n in graph_module.graph.nodes if n.op == "output"]
-    return tuple(env[a.name] for a in result)
+    return tuple(env[name] for name in split.result)
 
 
 def compile(model=None, *, disable: tuple[str, ...] = (), debug: bool = False,  # noqa: A001 (mirrors torch.compile)

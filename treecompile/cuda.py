@@ -109,10 +109,7 @@ def run_cuda(tmodel, batch):
             return torch.compile(fn, dynamic=False) if tmodel._compile_cuda else fn
 
         if tmodel._split_owners:  # one compiled function per segment (per layer)
-            from treecompile.passes.split_modules import split_by_modules
-
-            segs = split_by_modules(state["graph"], tmodel._split_owners, tmodel._lifted_fqns(), tmodel._aliases())
-            state["segments"] = [(s, compiled(s.graph_module)) for s in segs]
+            state["split"] = tmodel.split_graph(state["graph"], wrap=compiled)
         else:
             state["fn"] = compiled(state["graph"])
     T = batch.seq_len
@@ -120,10 +117,10 @@ def run_cuda(tmodel, batch):
         batch = batch.padded(bucket_length(T))
     args = tmodel.batch_inputs(batch)
     args.append(tree_block_mask(batch.subtree_end, validate=False) if state["lowered"] else None)
-    if "segments" in state:
+    if "split" in state:
         from treecompile.compile import run_segments
 
-        loss, lp = run_segments(tmodel, state["graph"], state["segments"], args)
+        loss, lp = run_segments(tmodel, state["split"], args)
     else:
         loss, lp = state["fn"](*tmodel._lifted_values(), *args)
     return TreeOutput(loss=loss, logprobs=lp[:T] if tmodel._bucket else lp)

@@ -56,7 +56,7 @@ from typing import Iterator, Sequence
 import torch
 from torch import nn
 
-from treecompile.runtime.partition import PackedPlan, _first_fit_decreasing, pack
+from treecompile.runtime.partition import PackedPlan, first_fit_decreasing, pack
 from treecompile.tree import DEFAULT_CONV_KERNEL, NORMALIZATIONS, Tree, TreeBatch
 
 __all__ = ["WorkItem", "GlobalNorm", "work_items", "deal", "TreeSampler", "rank_batches", "tree_batch",
@@ -303,7 +303,7 @@ def _group_items(items: list[WorkItem], batch_tokens: int | None) -> list[list[W
     if batch_tokens is None:
         return [[it] for it in items]
     small = [k for k, it in enumerate(items) if it.partition is None and it.cost <= batch_tokens]
-    bins = [[small[j] for j in b] for b in _first_fit_decreasing([items[k].cost for k in small], batch_tokens)]
+    bins = [[small[j] for j in b] for b in first_fit_decreasing([items[k].cost for k in small], batch_tokens)]
     grouped = set(small)
     alone = [[k] for k in range(len(items)) if k not in grouped]
     return [[items[k] for k in sorted(b)] for b in sorted(bins + alone)]

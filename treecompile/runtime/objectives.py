@@ -123,6 +123,12 @@ def _normalize(normalize: str | None, batch: TreeBatch) -> str:
     return n
 
 
+def _check_clip(name: str, clip_low: float, clip_high: float) -> None:
+    if not (0 <= clip_low < 1) or not (clip_high >= 0) or math.isinf(clip_high):
+        raise ValueError(f"{name}: need 0 <= clip_low < 1 and finite clip_high >= 0, got "
+                         f"clip_low={clip_low}, clip_high={clip_high}")
+
+
 def _check_logprobs(logprobs: torch.Tensor, batch: TreeBatch) -> None:
     if not isinstance(logprobs, torch.Tensor) or logprobs.dim() != 1 or logprobs.numel() != batch.seq_len:
         shape = tuple(logprobs.shape) if isinstance(logprobs, torch.Tensor) else type(logprobs).__name__
@@ -211,9 +217,7 @@ class PPOClip:
     normalize: str | None = None
 
     def __post_init__(self):
-        if not (0 <= self.clip_low < 1) or not (self.clip_high >= 0) or math.isinf(self.clip_high):
-            raise ValueError(f"PPOClip: need 0 <= clip_low < 1 and finite clip_high >= 0, got "
-                             f"clip_low={self.clip_low}, clip_high={self.clip_high}")
+        _check_clip("PPOClip", self.clip_low, self.clip_high)
 
     def loss(self, logprobs: torch.Tensor, batch: TreeBatch, *, advantages=None, old_logprobs=None) -> torch.Tensor:
         _check_logprobs(logprobs, batch)
@@ -275,9 +279,7 @@ class SequenceClip:
     clip_high: float = 4e-4
 
     def __post_init__(self):
-        if not (0 <= self.clip_low < 1) or not (self.clip_high >= 0) or math.isinf(self.clip_high):
-            raise ValueError(f"SequenceClip: need 0 <= clip_low < 1 and finite clip_high >= 0, got "
-                             f"clip_low={self.clip_low}, clip_high={self.clip_high}")
+        _check_clip("SequenceClip", self.clip_low, self.clip_high)
 
     def loss(self, logprobs: torch.Tensor, batch: TreeBatch, *, advantages=None, old_logprobs=None) -> torch.Tensor:
         _check_logprobs(logprobs, batch)

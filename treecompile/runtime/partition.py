@@ -506,7 +506,7 @@ class RedundancyFreePlan(_PlanCost):
         return [self.batch(i, **kw) for i in range(len(self))]
 
 
-def _first_fit_decreasing(sizes: list[int], C: int) -> list[list[int]]:
+def first_fit_decreasing(sizes: list[int], C: int) -> list[list[int]]:
     """Indices of items grouped into bins of total size <= C (each item <= C): items largest
     first, each into the bin with the least room that still fits it (bisect over sorted rooms)."""
     bins: list[list[int]] = []
@@ -547,7 +547,7 @@ def partition_redundancy_free(tree: Tree, capacity: int) -> RedundancyFreePlan:
     raw: list[tuple[int, list[tuple[int, int]]]] = []  # (hang token, DFS ranges)
 
     def pack_light(hang: int, light: list[int]) -> None:
-        for group in _first_fit_decreasing([size[c] for c in light], C):
+        for group in first_fit_decreasing([size[c] for c in light], C):
             raw.append((hang, [(sh.start[light[k]], sub_end[light[k]]) for k in group]))
 
     pack_light(-1, [r for r in sh.roots if size[r] <= C])
