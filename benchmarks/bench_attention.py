@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import platform
 import random
 import time
@@ -213,6 +212,39 @@ def sdpa_repeat_fn(backend):
     return f
 
 
+def dense_row(name, case, se, q, k, v, do, nnz, ref) -> dict:
+    """Time one dense decomposition of the tree (plan built outside the timed call) -> a table row."""
+    from dense_tree_attention import segmented_tree_attention, tree_varlen_plan, varlen_tree_attention
+
+    plan = tree_varlen_plan(se)
+    if name == "segmented_cudnn":
+        fn = lambda q_, k_, v_: segmented_tree_attention(q_, k_, v_, plan)  # noqa: E731
+    elif name.startswith("varlen_"):
+        backend = name.split("_", 1)[1]
+        fn = lambda q_, k_, v_: varlen_tree_attention(q_, k_, v_, plan, backend=backend)  # noqa: E731
+    else:
+        raise ValueError(f"--dense: unknown decomposition {name!r}")
+    row = dict(case=case, contender=name, segments=plan.num_segments, path_tokens=plan.path_tokens)
+    try:
+        t0 = time.perf_counter()
+        fn(q, k, v).backward(do)
+        torch.cuda.synchronize()
+        row["cold ms"] = fmt(1e3 * (time.perf_counter() - t0))
+        row["out err"] = f"{sampled_rows_error(fn(q, k, v).detach(), q.detach(), k.detach(), v.detach(), se):.1e}"
+    except Exception as e:  # a kernel that refuses the shapes is a row
+        row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}"
+    finally:
+        q.grad = k.grad = v.grad = None
+    r = run_contender(case, name, fn, q, k, v, do, nnz)
+    row.update({"fwd TF/s": fmt(r.fwd_tfs), "fwd+bwd TF/s": fmt(r.fwdbwd_tfs), "fwd+bwd ms": fmt(r.fwdbwd_ms, 2)})
+    if r.error:
+        row["error"] = r.error
+    elif ref is not None:
+        row["% of SDPA (fwd / fwd+bwd)"] = f"{100 * r.fwd_tfs / ref.fwd_tfs:.0f} / {100 * r.fwdbwd_tfs / ref.fwdbwd_tfs:.0f}"
+    row["_result"] = r
+    return row
+
+
 def build_time_ms(se, block, validate):
     from triton.testing import do_bench
     return do_bench(lambda: fta.tree_block_mask(se, block_size=block, validate=validate),
@@ -231,6 +263,9 @@ def main() -> None:
     ap.add_argument("--sweep-size", type=int, default=32768)
     ap.add_argument("--sweep", default="all", help="comma-separated config names, or 'all', or 'none'")
     ap.add_argument("--quick", action="store_true", help="small sizes, two configs (smoke test)")
+    ap.add_argument("--dense", default="varlen_flash,segmented_cudnn",
+                    help="dense decompositions to time beside flex (dense_tree_attention.py): comma-separated "
+                         "from varlen_flash, varlen_cudnn, segmented_cudnn; 'none' for none")
     ap.add_argument("--out", default=None, help="write the markdown section here")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
@@ -293,8 +328,9 @@ def main() -> None:
     print(f"best config: {best}", flush=True)
     del q, k, v, do
 
-    # ---- all sizes: SDPA baselines, flex causal (single path), flex tree stock and best
-    main_rows = []
+    # ---- all sizes: SDPA baselines, flex causal (single path), flex tree stock and best, dense decompositions
+    main_rows, dense_rows = [], []
+    dense = [] if a.dense == "none" else a.dense.split(",")
     for T in sizes:
         q, k, v, do = inputs(T, seed=T)
         causal_nnz = T * (T + 1) // 2
@@ -344,6 +380,11 @@ def main() -> None:
                     row[f"{tag} % of SDPA (fwd / fwd+bwd)"] = (f"{100 * rr.fwd_tfs / ref.fwd_tfs:.0f} / "
                                                                f"{100 * rr.fwdbwd_tfs / ref.fwdbwd_tfs:.0f}")
             main_rows.append(row)
+            for nm in dense:
+                drow = dense_row(nm, case, se, q, k, v, do, nnz, ref)
+                results.append(drow.pop("_result"))
+                dense_rows.append(drow)
+                print(drow, flush=True)
         del q, k, v, do
         torch.cuda.empty_cache()
 
@@ -356,8 +397,8 @@ def main() -> None:
             d[key] = fmt(d[key], 3 if key.endswith("ms") else 1)
     text = ["## Tree attention", "",
             "Conditions: " + ", ".join(f"{k_}={v_}" for k_, v_ in cond.items()) +
-            f"; GQA via enable_gqa (cuDNN SDPA gets k/v repeated inside the timed call); TF/s on unmasked entries "
-            f"(fwd 4*H*D*nnz, bwd 2.5x fwd); do_bench medians; out err = norm-relative error of the bf16 output on 128 "
+            "; GQA via enable_gqa (cuDNN SDPA gets k/v repeated inside the timed call); TF/s on unmasked entries "
+            "(fwd 4*H*D*nnz, bwd 2.5x fwd); do_bench medians; out err = norm-relative error of the bf16 output on 128 "
             "sampled query rows vs an fp32 dense-mask softmax.", "",
             "Trees (random branching generator in this file, 16 equal-length paths):", "",
             tabulate(stat_rows, headers="keys", tablefmt="github"), "",
@@ -370,6 +411,10 @@ def main() -> None:
             tabulate(base_rows, headers="keys", tablefmt="github"), "",
             "Tree attention vs the best causal SDPA at the same T:", "",
             tabulate(main_rows, headers="keys", tablefmt="github"), ""]
+    if dense_rows:
+        text += ["Dense decompositions (benchmarks/dense_tree_attention.py) vs the best causal SDPA at the same T; "
+                 "cold = first fwd+bwd (cuDNN builds an execution plan per new shape):", "",
+                 tabulate(dense_rows, headers="keys", tablefmt="github"), ""]
     out = "\n".join(text)
     print(out, flush=True)
     if a.out:

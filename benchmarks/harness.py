@@ -8,10 +8,11 @@ accumulated in ``.grad``; **optimizer step excluded**), median of ``--iters`` af
 - ``eager_per_path``: the unmodified model run on each path alone (what per-branch trainers do);
 - ``compiled_per_path``: the same under ``torch.compile(dynamic=True)`` (one graph for all path
   lengths), causal SDPA with cuDNN first in the backend priority;
-- ``packed_flex``: all paths concatenated into one sequence, the model compiled with its SDPA call
-  replaced by compiled FlexAttention under a document-causal BlockMask (RoPE is relative, so global
-  positions give the per-path scores); dense models only (a GDN layer would carry state across
-  documents);
+- ``packed_flex``: paths concatenated into packs of at most ``--capacity`` tokens (first-fit
+  decreasing, whole paths, every pack padded to one length; all paths in one pack when they fit), the
+  model compiled with its SDPA call replaced by compiled FlexAttention under a document-causal
+  BlockMask (RoPE is relative, so global positions give the per-path scores); dense models only (a GDN
+  layer would carry state across documents);
 - ``tree``: ``treecompile.compile(model)`` on the whole tree (CUDA: compiled, flex tree attention,
   length buckets);
 - ``tree_packed``: the tree split by ``runtime.partition.pack`` under ``--capacity`` (partitions
@@ -268,28 +269,20 @@ class Steps:
         return step
 
     def packed_flex(self):
+        """Paths packed whole, first-fit decreasing, into packs of <= max(--capacity, longest path)
+        tokens, each padded to the same length (a multiple of 128: one compiled shape); one step =
+        every pack's fwd+bwd (all paths in one pack when they fit)."""
+        from treecompile.runtime.partition import first_fit_decreasing
+
         if self.spec.kind != "dense":
             raise _Skip("dense models only (a GDN layer would carry its state across documents)")
         lens = [len(p) for p in self.case.paths]
-        S = sum(lens)
-        pad = (-S) % 128
-        ids = torch.cat(self.path_ids + [torch.zeros(pad, dtype=torch.long, device=self.dev)])
-        doc = torch.repeat_interleave(torch.arange(len(lens) + 1, device=self.dev),
-                                      torch.tensor(lens + [pad], device=self.dev))
-        # target of position t is ids[t+1] within the same document, weighted by its path's coefficient
-        w = torch.repeat_interleave(torch.tensor(self.coef + [0.0], device=self.dev,
-                                                 dtype=_upcast(next(self.model.parameters())).dtype),
-                                    torch.tensor(lens + [pad], device=self.dev))
-        same = torch.zeros_like(w)
-        same[:-1] = (doc[1:] == doc[:-1]).float() * w[:-1]
-        targets = torch.cat([ids[1:], ids[:1]])
+        cap = max(self.cfg.capacity, max(lens))
+        groups = first_fit_decreasing(lens, cap)
+        n = -(-max(sum(lens[i] for i in g) for g in groups) // 128) * 128
+        wdtype = _upcast(next(self.model.parameters())).dtype
+        packs = [self._pack(sorted(g), n, wdtype) for g in groups]
         if self.dev.type == "cuda":
-            from torch.nn.attention.flex_attention import create_block_mask
-
-            def doc_causal(b, h, q, k):
-                return (doc[q] == doc[k]) & (k <= q)
-
-            mask = create_block_mask(doc_causal, None, None, S + pad, S + pad, device=self.dev)
             try:
                 from treecompile.ops.flex_tree_attention import kernel_options_for
 
@@ -299,10 +292,6 @@ class Steps:
                 _Packed.kernel_options = kernel_options_for(probe)
             except ImportError:
                 _Packed.kernel_options = None
-        else:
-            n = S + pad
-            q = torch.arange(n, device=self.dev)
-            mask = (doc[:, None] == doc[None, :]) & (q[None, :] <= q[:, None])
         model = self.model
 
         def loss_fn(ids, targets, same):
@@ -315,12 +304,40 @@ class Steps:
 
         def step():
             self.zero()
-            _Packed.mask = mask
+            total = 0.0
             with _patched_sdpa():
-                loss = fn(ids, targets, same)
-                loss.backward()
-            return loss.detach()
+                for ids, targets, same, mask in packs:
+                    _Packed.mask = mask
+                    loss = fn(ids, targets, same)
+                    loss.backward()
+                    total += loss.detach()
+            return total
         return step
+
+    def _pack(self, members: list[int], n: int, wdtype):
+        """One pack of the given paths, padded to ``n`` tokens: (ids, targets, weights, mask)."""
+        lens = [len(self.case.paths[i]) for i in members]
+        pad = n - sum(lens)
+        ids = torch.cat([self.path_ids[i] for i in members] + [torch.zeros(pad, dtype=torch.long, device=self.dev)])
+        sizes = torch.tensor(lens + [pad], device=self.dev)
+        doc = torch.repeat_interleave(torch.arange(len(lens) + 1, device=self.dev), sizes)
+        # target of position t is ids[t+1] within the same document, weighted by its path's coefficient
+        w = torch.repeat_interleave(torch.tensor([self.coef[i] for i in members] + [0.0], device=self.dev,
+                                                 dtype=wdtype), sizes)
+        same = torch.zeros_like(w)
+        same[:-1] = (doc[1:] == doc[:-1]).to(wdtype) * w[:-1]
+        targets = torch.cat([ids[1:], ids[:1]])
+        if self.dev.type == "cuda":
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            def doc_causal(b, h, q, k):
+                return (doc[q] == doc[k]) & (k <= q)
+
+            mask = create_block_mask(doc_causal, None, None, n, n, device=self.dev)
+        else:
+            q = torch.arange(n, device=self.dev)
+            mask = (doc[:, None] == doc[None, :]) & (q[None, :] <= q[:, None])
+        return ids, targets, same, mask
 
     def _tree_model(self, boundary=False):
         import treecompile
@@ -610,7 +627,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--agentic-scale", type=float, default=1.0)
     ap.add_argument("--agentic", nargs="+", help="names of agentic specs to run (default all)")
     ap.add_argument("--contenders", nargs="+", choices=CONTENDERS, default=list(CONTENDERS))
-    ap.add_argument("--capacity", type=int, default=16384, help="token budget of partitioned contenders")
+    ap.add_argument("--capacity", type=int, default=16384, help="token budget of partitioned contenders and of each packed_flex pack")
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, help="default bfloat16 on CUDA, float32 on CPU")

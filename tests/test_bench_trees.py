@@ -89,3 +89,20 @@ def test_harness_cpu_smoke(tmp_path):
     # bound = per-path FLOPs / tree FLOPs > 1 at POR 0.7; and computed tokens == unique tokens
     assert int(tree["computed_tokens"]) == int(tree["tree_tokens"]) and float(tree["bound"]) > 2
     assert (tmp_path / "tables.md").read_text().count("| dense-tiny") == 3
+
+
+def test_harness_packed_flex_in_several_packs_matches_per_path(tmp_path):
+    """packed_flex with a capacity below the path tokens: several padded packs, gradients accumulated;
+    loss and gradients equal the per-path baseline (CPU float64, dense document mask)."""
+    import csv
+
+    from benchmarks import harness
+
+    rc = harness.main(["--device", "cpu", "--tiny", "--model", "dense-tiny", "--dtype", "float64", "--suite", "sweep",
+                       "--por", "0.5", "--capacity", "100", "--contenders", "eager_per_path", "packed_flex",
+                       "--out", str(tmp_path)])
+    assert rc == 0
+    rows = {r["contender"]: r for r in csv.DictReader(open(tmp_path / "results.csv"))}
+    assert rows["packed_flex"]["status"] == "ok", rows
+    assert float(rows["packed_flex"]["loss_rel_dev"]) < 1e-9
+    assert float(rows["packed_flex"]["grad_cos"]) > 1 - 1e-9
