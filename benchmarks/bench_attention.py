@@ -265,7 +265,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="small sizes, two configs (smoke test)")
     ap.add_argument("--dense", default="varlen_flash,segmented_cudnn",
                     help="dense decompositions to time beside flex (dense_tree_attention.py): comma-separated "
-                         "from varlen_flash, varlen_cudnn, segmented_cudnn; 'none' for none")
+                         "from varlen_flash, segmented_cudnn; 'none' for none")
     ap.add_argument("--out", default=None, help="write the markdown section here")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()

@@ -12,9 +12,10 @@ decompositions follow, both computing every unmasked entry once and no masked ti
 
 * **varlen** (``varlen_tree_attention``): one variable-length call whose sequences are the segments
   (queries contiguous in the serialised sequence) against their gathered paths, with the causal
-  diagonal aligned bottom-right.  Flash's varlen kernel does that (``backend="flash"``); cuDNN's
-  varlen entry point (``backend="cudnn"``) gave wrong outputs (relative error ~1) and ~50 ms per call
-  under torch 2.11, and torch 2.13's own ``varlen_attn`` no longer routes to it.
+  diagonal aligned bottom-right.  Flash's varlen kernel does that (``backend="flash"``).  cuDNN's
+  varlen entry point (``aten._cudnn_attention_forward`` with ``cum_seq_q/k``) is not offered: under
+  torch 2.11 it gave wrong outputs (relative error 1-2), took ~50 ms per call and, at T=32k, an
+  illegal memory access; torch 2.13's own ``varlen_attn`` no longer routes to it.
 * **segmented** (``segmented_tree_attention``): per segment, dense cuDNN attention of the segment to
   itself (causal, top-left aligned since the lengths are equal) and to its gathered prefix (no mask),
   merged by log-sum-exp; the backward calls each piece's cuDNN backward with the merged output and
@@ -111,17 +112,6 @@ def varlen_tree_attention_reference(q, k, v, plan: VarlenTreePlan, scale=None):
 
 
 # ------------------------------------------------------------------------------------------ CUDA kernels
-def _cudnn_fwd(q, k, v, plan, scale):
-    r = torch.ops.aten._cudnn_attention_forward(q, k, v, None, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k,
-                                                True, 0.0, True, False, scale=scale)
-    return r[0], r[1], (r[6], r[7])
-
-
-def _cudnn_bwd(do, q, k, v, out, lse, rng, plan, scale):
-    return torch.ops.aten._cudnn_attention_backward(do, q, k, v, out, lse, rng[0], rng[1], None, plan.cu_q,
-                                                    plan.cu_k, plan.max_q, plan.max_k, 0.0, True, scale=scale)
-
-
 def _flash_fwd(q, k, v, plan, scale):
     out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(
         q, k, v, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, 0.0, True, False, scale=scale)
@@ -133,7 +123,7 @@ def _flash_bwd(do, q, k, v, out, lse, rng, plan, scale):
                                                     plan.max_k, 0.0, True, rng[0], rng[1], scale=scale)
 
 
-KERNELS = {"cudnn": (_cudnn_fwd, _cudnn_bwd), "flash": (_flash_fwd, _flash_bwd)}
+KERNELS = {"flash": (_flash_fwd, _flash_bwd)}
 
 
 def _gather(x, plan, heads):
@@ -181,7 +171,7 @@ def varlen_tree_attention(q, k, v, plan: VarlenTreePlan, *, scale=None, backend:
                           native_gqa: bool = True):
     """Tree attention through a dense varlen kernel (CUDA): ``q [1, H, T, D]``, ``k, v [1, Hkv, T, D]``.
 
-    backend: ``"cudnn"`` or ``"flash"``.  ``native_gqa=False`` repeats k/v heads in the gather for
+    backend: a key of ``KERNELS`` (``"flash"``).  ``native_gqa=False`` repeats k/v heads in the gather for
     kernels without grouped-query support.
     """
     if scale is None:

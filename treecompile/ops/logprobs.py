@@ -4,6 +4,12 @@
 at most ``[chunk, V]`` logits exist at once (in float32, or float64 for a float64 model), in forward
 and backward alike (the backward recomputes each chunk's logits from the saved log-sum-exp).
 Shapes: ``h [N, D]``, ``W [V, D]``, optional ``b [V]``, ``targets [N]`` int64; returns ``[N]``.
+
+On CUDA with bf16/fp16 logits the per-chunk softmax work of the (opaque) forward runs as one Triton
+kernel (one read of the chunk's logits: log-sum-exp and the target's log-prob) instead of a chain of
+float32 ops over ``[chunk, V]``; an eager backward uses a second one (``d logits`` written over the
+recomputed logits).  A compiled backward is traced from the torch ops below and fused by inductor.
+The arithmetic (float32, the same formulas) is unchanged.  Elsewhere (CPU, float32/float64) torch ops.
 """
 
 from __future__ import annotations
@@ -22,6 +28,21 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _fused(logits: torch.Tensor) -> bool:
+    """Whether the Triton row kernels serve these logits: CUDA, half precision, triton importable, and
+    real tensors.  The forward is an opaque op, so under torch.compile it runs here on real tensors;
+    the backward formula is traced (AOTAutograd, fake tensors) and inductor fuses its torch ops."""
+    if not (logits.is_cuda and logits.dtype in (torch.bfloat16, torch.float16)):
+        return False
+    from torch._subclasses.fake_tensor import is_fake
+
+    if is_fake(logits) or torch.compiler.is_compiling():
+        return False
+    from treecompile.ops import logprobs_triton
+
+    return logprobs_triton.available()
+
+
 def _chunk_logits(h, W, b):
     logits = h @ W.t()
     if b is not None:
@@ -38,7 +59,15 @@ def linear_logprobs(h: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None, ta
     lp = torch.empty(N, dtype=acc, device=h.device)
     lse = torch.empty(N, dtype=acc, device=h.device)
     for s in range(0, N, chunk):
-        logits = _chunk_logits(h[s:s + chunk], W, b)
+        raw = h[s:s + chunk] @ W.t()
+        if b is not None:
+            raw = raw + b
+        if _fused(raw):
+            from treecompile.ops.logprobs_triton import lse_and_target
+
+            lse_and_target(raw, targets[s:s + chunk], lp[s:s + chunk], lse[s:s + chunk])
+            continue
+        logits = raw.to(acc)
         lse[s:s + chunk] = torch.logsumexp(logits, -1)
         lp[s:s + chunk] = logits.gather(-1, targets[s:s + chunk, None])[:, 0] - lse[s:s + chunk]
     return lp, lse
@@ -67,16 +96,26 @@ def _backward(ctx, grad_lp, grad_lse):
         grad_lse = torch.zeros_like(lse)
     for s in range(0, h.shape[0], ctx.chunk):
         hc = h[s:s + ctx.chunk]
-        p = torch.exp(_chunk_logits(hc, W, b) - lse[s:s + ctx.chunk, None])
-        g = grad_lp[s:s + ctx.chunk].to(acc)
-        # d lp / d logits = onehot - p ; d lse / d logits = p
-        dlogits = p * (grad_lse[s:s + ctx.chunk].to(acc) - g)[:, None]
-        dlogits.scatter_add_(-1, targets[s:s + ctx.chunk, None], g[:, None])
-        dl = dlogits.to(h.dtype)
+        g = grad_lp[s:s + ctx.chunk].to(acc).contiguous()  # the grad of a sum is an expanded view
+        gl = grad_lse[s:s + ctx.chunk].to(acc).contiguous()
+        raw = hc @ W.t()
+        if b is not None:
+            raw = raw + b
+        if _fused(raw):  # d logits written over the chunk's logits, in their dtype
+            from treecompile.ops.logprobs_triton import dlogits_
+            dl = dlogits_(raw, targets[s:s + ctx.chunk], lse[s:s + ctx.chunk], g, gl)
+            dsum = dl.sum(0, dtype=acc) if gb is not None else None
+        else:
+            p = torch.exp(raw.to(acc) - lse[s:s + ctx.chunk, None])
+            # d lp / d logits = onehot - p ; d lse / d logits = p
+            dlogits = p * (gl - g)[:, None]
+            dlogits.scatter_add_(-1, targets[s:s + ctx.chunk, None], g[:, None])
+            dl = dlogits.to(h.dtype)
+            dsum = dlogits.sum(0) if gb is not None else None
         gh[s:s + ctx.chunk] = dl @ W
         gW += (dl.t() @ hc).to(acc)
         if gb is not None:
-            gb += dlogits.sum(0)
+            gb += dsum
     return gh, gW.to(W.dtype), (gb.to(b.dtype) if gb is not None else None), None, None
 
 
