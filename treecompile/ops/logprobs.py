@@ -44,10 +44,9 @@ def _fused(logits: torch.Tensor) -> bool:
 
 
 def _chunk_logits(h, W, b):
+    """One chunk's logits in the model's dtype (upcast by the caller, or read by the Triton kernels)."""
     logits = h @ W.t()
-    if b is not None:
-        logits = logits + b
-    return logits.to(_acc_dtype(h.dtype))
+    return logits if b is None else logits + b
 
 
 @torch.library.custom_op("treecompile::linear_logprobs", mutates_args=())
@@ -59,13 +58,11 @@ def linear_logprobs(h: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None, ta
     lp = torch.empty(N, dtype=acc, device=h.device)
     lse = torch.empty(N, dtype=acc, device=h.device)
     for s in range(0, N, chunk):
-        raw = h[s:s + chunk] @ W.t()
-        if b is not None:
-            raw = raw + b
+        raw = _chunk_logits(h[s:s + chunk], W, b)
         if _fused(raw):
             from treecompile.ops.logprobs_triton import lse_and_target
 
-            lse_and_target(raw, targets[s:s + chunk], lp[s:s + chunk], lse[s:s + chunk])
+            lse_and_target(raw, targets[s:s + chunk].contiguous(), lp[s:s + chunk], lse[s:s + chunk])
             continue
         logits = raw.to(acc)
         lse[s:s + chunk] = torch.logsumexp(logits, -1)
@@ -98,12 +95,10 @@ def _backward(ctx, grad_lp, grad_lse):
         hc = h[s:s + ctx.chunk]
         g = grad_lp[s:s + ctx.chunk].to(acc).contiguous()  # the grad of a sum is an expanded view
         gl = grad_lse[s:s + ctx.chunk].to(acc).contiguous()
-        raw = hc @ W.t()
-        if b is not None:
-            raw = raw + b
+        raw = _chunk_logits(hc, W, b)
         if _fused(raw):  # d logits written over the chunk's logits, in their dtype
             from treecompile.ops.logprobs_triton import dlogits_
-            dl = dlogits_(raw, targets[s:s + ctx.chunk], lse[s:s + ctx.chunk], g, gl)
+            dl = dlogits_(raw, targets[s:s + ctx.chunk].contiguous(), lse[s:s + ctx.chunk], g, gl)
             dsum = dl.sum(0, dtype=acc) if gb is not None else None
         else:
             p = torch.exp(raw.to(acc) - lse[s:s + ctx.chunk, None])
