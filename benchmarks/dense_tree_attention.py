@@ -46,13 +46,21 @@ class VarlenTreePlan:
     cu_q: torch.Tensor  # [S+1] int32
     cu_k: torch.Tensor  # [S+1] int32
     kv_index: torch.Tensor  # [N] int64, N = sum of path lengths
-    max_q: int  # longest segment
-    max_k: int  # longest path
+    bounds_q: tuple[int, ...]  # cu_q on the host (segment loops need no device sync)
+    bounds_k: tuple[int, ...]  # cu_k on the host
     seq_len: int  # T
 
     @property
     def num_segments(self) -> int:
-        return self.cu_q.numel() - 1
+        return len(self.bounds_q) - 1
+
+    @property
+    def max_q(self) -> int:  # longest segment
+        return max(b - a for a, b in zip(self.bounds_q, self.bounds_q[1:]))
+
+    @property
+    def max_k(self) -> int:  # longest path
+        return max(b - a for a, b in zip(self.bounds_k, self.bounds_k[1:]))
 
     @property
     def path_tokens(self) -> int:
@@ -62,7 +70,8 @@ class VarlenTreePlan:
 def tree_varlen_plan(subtree_end: torch.Tensor, *, max_matrix_entries: int = 1 << 26) -> VarlenTreePlan:
     """The varlen plan of a DFS-serialised tree (``q`` sees ``k`` iff ``k <= q < subtree_end[k]``).
 
-    Tensor ops on ``subtree_end``'s device; two host synchronisations (the key count and the maxima).
+    Tensor ops on ``subtree_end``'s device; host synchronisations: one per chunk (the key count) and one
+    for the offsets.
     The key sets come from a ``[segments, T]`` comparison made in chunks of at most
     ``max_matrix_entries`` entries.
     """
@@ -86,8 +95,9 @@ def tree_varlen_plan(subtree_end: torch.Tensor, *, max_matrix_entries: int = 1 <
     kv_index = torch.cat(index)
     cu_q = F.pad(ends, (1, 0)).to(torch.int32)
     cu_k = F.pad(counts.cumsum(0), (1, 0)).to(torch.int32)
-    max_q, max_k = (int(x) for x in torch.stack([(ends - starts).max(), counts.max()]).tolist())
-    return VarlenTreePlan(cu_q=cu_q, cu_k=cu_k, kv_index=kv_index, max_q=max_q, max_k=max_k, seq_len=T)
+    host = torch.stack([cu_q, cu_k]).tolist()
+    return VarlenTreePlan(cu_q=cu_q, cu_k=cu_k, kv_index=kv_index, bounds_q=tuple(host[0]),
+                          bounds_k=tuple(host[1]), seq_len=T)
 
 
 def _bottom_right_causal(lq: int, lk: int, device) -> torch.Tensor:
@@ -100,7 +110,7 @@ def varlen_tree_attention_reference(q, k, v, plan: VarlenTreePlan, scale=None):
     """Segment-by-segment SDPA over the plan (differentiable, any device): ``q [1, H, T, D]``,
     ``k, v [1, Hkv, T, D]`` -> ``[1, H, T, D]``."""
     gqa = q.shape[1] != k.shape[1]
-    cu_q, cu_k = plan.cu_q.tolist(), plan.cu_k.tolist()
+    cu_q, cu_k = plan.bounds_q, plan.bounds_k
     outs = []
     for j in range(plan.num_segments):
         idx = plan.kv_index[cu_k[j]:cu_k[j + 1]]
@@ -201,7 +211,7 @@ def _segment_pieces(plan: VarlenTreePlan) -> list[tuple[int, int, list[tuple[int
     ``kv_index[a:b]``.  A segment of m >= 2 tokens: its own keys causally (``causal=True``; the
     keys are then the contiguous ``[s, e)``) and its n prefix keys fully, when n > 0.  A one-token
     segment: its whole path at once, fully (cuDNN refuses s_q = s_kv = 1; n = 0 is handled apart)."""
-    cu_q, cu_k = plan.cu_q.tolist(), plan.cu_k.tolist()
+    cu_q, cu_k = plan.bounds_q, plan.bounds_k
     out = []
     for j in range(plan.num_segments):
         s, e, a, b = cu_q[j], cu_q[j + 1], cu_k[j], cu_k[j + 1]
@@ -224,20 +234,18 @@ class _SegmentedTreeAttention(torch.autograd.Function):
         segs = _segment_pieces(plan)
         out = torch.empty_like(q)
         lse = torch.empty(1, H, T, device=q.device, dtype=torch.float32 if q.element_size() < 4 else q.dtype)
-        rng = []
+        philox = None  # cuDNN's dropout seed/offset: any call's (dropout is 0), for the backward calls
         for s, e, pieces in segs:
             qj = q[:, :, s:e]
             if not pieces:  # a lone token: it sees only itself
                 out[:, :, s:e] = _rep(v[:, :, s:e], H)
                 lse[:, :, s:e] = (qj.float() * _rep(k[:, :, s:e], H).float()).sum(-1) * scale
-                rng.append(None)
                 continue
             res = []
             for a, b, causal in pieces:
                 kj, vj = _piece_kv(k, v, plan, a, b, causal, H)
-                o, l, sd, of = _cudnn_dense_fwd(qj, kj, vj, causal, scale)
+                o, l, *philox = _cudnn_dense_fwd(qj, kj, vj, causal, scale)
                 res.append((o, l.view(1, H, -1)))
-                rng.append((sd, of))
             if len(res) == 1:
                 out[:, :, s:e], lse[:, :, s:e] = res[0]
             else:
@@ -246,7 +254,7 @@ class _SegmentedTreeAttention(torch.autograd.Function):
                 out[:, :, s:e] = oA * torch.exp(lA - l)[..., None] + oB * torch.exp(lB - l)[..., None]
                 lse[:, :, s:e] = l
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.plan, ctx.scale, ctx.rng, ctx.segs = plan, scale, rng, segs
+        ctx.plan, ctx.scale, ctx.philox, ctx.segs = plan, scale, philox, segs
         return out
 
     @staticmethod
@@ -262,19 +270,16 @@ class _SegmentedTreeAttention(torch.autograd.Function):
         def fold(g):  # [1, H, n, D] -> [1, Hkv, n, D] (sum over each kv head's query group)
             return g.unflatten(1, (Hkv, H // Hkv)).sum(2, dtype=acc)
 
-        rng = iter(ctx.rng)
         for s, e, pieces in ctx.segs:
             dj = dout[:, :, s:e]
             if not pieces:  # out = v: only v gets a gradient
-                next(rng)
                 dv[:, :, s:e] += fold(dj)
                 continue
             qj, oj = q[:, :, s:e], out[:, :, s:e]
             lj = lse[:, :, s:e].unsqueeze(-1).contiguous()  # [1, H, m, 1] as cuDNN returns it
             for a, b, causal in pieces:
-                sd, of = next(rng)
                 kj, vj = _piece_kv(k, v, plan, a, b, causal, H)
-                gq, gk, gv = _cudnn_dense_bwd(dj, qj, kj, vj, oj, lj, sd, of, causal, scale)
+                gq, gk, gv = _cudnn_dense_bwd(dj, qj, kj, vj, oj, lj, *ctx.philox, causal, scale)
                 dq[:, :, s:e] += gq
                 if causal:  # the segment's own keys: contiguous
                     dk[:, :, a:b] += fold(gk)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import types
@@ -208,13 +209,6 @@ def hf_dir(tmp_path_factory):
     return d
 
 
-def _copy_dir(src: Path, dst: Path) -> Path:
-    dst.mkdir()
-    for f in src.iterdir():
-        (dst / f.name).write_bytes(f.read_bytes())
-    return dst
-
-
 def test_rewrite_and_inspect_reference_model(tmp_path, capsys):
     out_dir = tmp_path / "out"
     rc, out, err = run_cli(["rewrite", "dense-tiny", "--out", str(out_dir), "--seed", "3"], capsys)
@@ -241,14 +235,14 @@ def test_rewrite_bad_inputs_exit_1_and_leave_nothing(tmp_path, capsys, hf_dir):
     no_weights.mkdir()
     (no_weights / "config.json").write_text((hf_dir / "config.json").read_text())
     cases.append((["rewrite", str(no_weights)], ["no_weights", "no *.safetensors"]))
-    corrupt = _copy_dir(hf_dir, tmp_path / "corrupt")
+    corrupt = shutil.copytree(hf_dir, tmp_path / "corrupt")
     w = corrupt / "model.safetensors"
     w.write_bytes(w.read_bytes()[:200])
     cases.append((["rewrite", str(corrupt)], ["model.safetensors", "cannot read safetensors"]))
-    garbage = _copy_dir(hf_dir, tmp_path / "garbage")
+    garbage = shutil.copytree(hf_dir, tmp_path / "garbage")
     (garbage / "model.safetensors").write_bytes(b"\x00" * 64)
     cases.append((["rewrite", str(garbage)], ["model.safetensors", "cannot read safetensors"]))
-    badjson = _copy_dir(hf_dir, tmp_path / "badjson")
+    badjson = shutil.copytree(hf_dir, tmp_path / "badjson")
     (badjson / "config.json").write_text("{not json")
     cases.append((["rewrite", str(badjson)], ["config.json", "invalid JSON"]))
     a_file = tmp_path / "a_file"
@@ -268,7 +262,7 @@ def test_rewrite_bad_inputs_exit_1_and_leave_nothing(tmp_path, capsys, hf_dir):
 def test_rewrite_weights_missing_a_tensor_is_refused(tmp_path, capsys, hf_dir):
     from safetensors.torch import load_file, save_file
 
-    d = _copy_dir(hf_dir, tmp_path / "partial")
+    d = shutil.copytree(hf_dir, tmp_path / "partial")
     state = load_file(str(d / "model.safetensors"))
     state.pop("model.norm.weight")
     save_file(state, str(d / "model.safetensors"), metadata={"format": "pt"})

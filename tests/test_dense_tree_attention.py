@@ -51,8 +51,8 @@ def fake_dense_bwd(do, q, k, v, out, lse, seed, offset, causal, scale):
     return _math_bwd(do, q, k, v, out, lse[..., 0], _mask(q.shape[2], k.shape[2], causal), scale)
 
 
-def _varlen_loop(plan, fn):
-    cu_q, cu_k = plan.cu_q.tolist(), plan.cu_k.tolist()
+def _varlen_loop(plan):
+    cu_q, cu_k = plan.bounds_q, plan.bounds_k
     for j in range(plan.num_segments):
         yield slice(cu_q[j], cu_q[j + 1]), slice(cu_k[j], cu_k[j + 1])
 
@@ -60,7 +60,7 @@ def _varlen_loop(plan, fn):
 def fake_varlen_fwd(q, k, v, plan, scale):  # q [T, H, D], k/v [N, Hkv, D]: GQA, bottom-right causal
     rep = q.shape[1] // k.shape[1]
     out, lse = torch.empty_like(q), torch.empty(q.shape[1], q.shape[0], dtype=q.dtype)
-    for sq, sk in _varlen_loop(plan, None):
+    for sq, sk in _varlen_loop(plan):
         qs, ks, vs = q[sq].transpose(0, 1), k[sk].transpose(0, 1), v[sk].transpose(0, 1)
         ks, vs = ks.repeat_interleave(rep, 0), vs.repeat_interleave(rep, 0)
         m = dta._bottom_right_causal(qs.shape[1], ks.shape[1], q.device)
@@ -72,7 +72,7 @@ def fake_varlen_fwd(q, k, v, plan, scale):  # q [T, H, D], k/v [N, Hkv, D]: GQA,
 def fake_varlen_bwd(do, q, k, v, out, lse, rng, plan, scale):
     rep = q.shape[1] // k.shape[1]
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    for sq, sk in _varlen_loop(plan, None):
+    for sq, sk in _varlen_loop(plan):
         t = lambda x: x.transpose(0, 1)  # noqa: E731
         ks, vs = t(k[sk]).repeat_interleave(rep, 0), t(v[sk]).repeat_interleave(rep, 0)
         m = dta._bottom_right_causal(sq.stop - sq.start, sk.stop - sk.start, q.device)
@@ -123,7 +123,7 @@ def _plan_mask(plan: dta.VarlenTreePlan) -> torch.Tensor:
     """The [T, T] mask the plan implies: segment queries see their keys bottom-right causally."""
     T = plan.seq_len
     m = torch.zeros(T, T, dtype=torch.bool)
-    cu_q, cu_k = plan.cu_q.tolist(), plan.cu_k.tolist()
+    cu_q, cu_k = plan.bounds_q, plan.bounds_k
     for j in range(plan.num_segments):
         keys = plan.kv_index[cu_k[j]:cu_k[j + 1]]
         lq, lk = cu_q[j + 1] - cu_q[j], keys.numel()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -183,33 +184,26 @@ def test_overwrite_replaces_atomically(saved_models, tmp_path):
     assert sorted(p.name for p in target.iterdir()) == sorted([saved.PROGRAM, saved.WEIGHTS, saved.MANIFEST])
 
 
-def _copy(src: Path, dst: Path) -> Path:
-    dst.mkdir()
-    for f in src.iterdir():
-        (dst / f.name).write_bytes(f.read_bytes())
-    return dst
-
-
 def test_load_errors_name_the_file(saved_models, tmp_path):
     src, _, _ = saved_models["dense"]
     with pytest.raises(saved.SavedProgramError, match="no such directory"):
         saved.load(tmp_path / "nope")
-    d = _copy(src, tmp_path / "a")
+    d = shutil.copytree(src, tmp_path / "a")
     w = d / saved.WEIGHTS
     w.write_bytes(w.read_bytes()[: w.stat().st_size // 2])  # truncated
     with pytest.raises(saved.SavedProgramError, match=r"model\.safetensors: cannot read"):
         saved.load(d)
-    d = _copy(src, tmp_path / "b")
+    d = shutil.copytree(src, tmp_path / "b")
     (d / saved.MANIFEST).unlink()
     with pytest.raises(saved.SavedProgramError, match=r"manifest\.json: missing"):
         saved.load(d)
-    d = _copy(src, tmp_path / "c")
+    d = shutil.copytree(src, tmp_path / "c")
     m = json.loads((d / saved.MANIFEST).read_text())
     m["tensors"]["model.norm.weight"]["shape"] = [3]
     (d / saved.MANIFEST).write_text(json.dumps(m))
     with pytest.raises(saved.SavedProgramError, match=r"model\.norm\.weight"):
         saved.load(d)
-    d = _copy(src, tmp_path / "d")
+    d = shutil.copytree(src, tmp_path / "d")
     (d / saved.PROGRAM).write_bytes(b"not a zip")
     with pytest.raises(saved.SavedProgramError, match=r"program\.pt2: cannot load"):
         saved.load(d)

@@ -29,7 +29,7 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _fused(logits: torch.Tensor) -> bool:
-    """Whether the Triton row kernels serve these logits: CUDA, half precision, triton importable, and
+    """Whether the Triton row kernels serve logits like these: CUDA, half precision, triton importable, and
     real tensors.  The forward is an opaque op, so under torch.compile it runs here on real tensors;
     the backward formula is traced (AOTAutograd, fake tensors) and inductor fuses its torch ops."""
     if not (logits.is_cuda and logits.dtype in (torch.bfloat16, torch.float16)):
@@ -57,12 +57,15 @@ def linear_logprobs(h: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None, ta
     acc = _acc_dtype(h.dtype)
     lp = torch.empty(N, dtype=acc, device=h.device)
     lse = torch.empty(N, dtype=acc, device=h.device)
+    fused = _fused(h)  # the chunks' logits have h's dtype and device
+    if fused:
+        from treecompile.ops.logprobs_triton import lse_and_target
+
+        targets = targets.contiguous()  # the kernel reads it as a flat vector
     for s in range(0, N, chunk):
         raw = _chunk_logits(h[s:s + chunk], W, b)
-        if _fused(raw):
-            from treecompile.ops.logprobs_triton import lse_and_target
-
-            lse_and_target(raw, targets[s:s + chunk].contiguous(), lp[s:s + chunk], lse[s:s + chunk])
+        if fused:
+            lse_and_target(raw, targets[s:s + chunk], lp[s:s + chunk], lse[s:s + chunk])
             continue
         logits = raw.to(acc)
         lse[s:s + chunk] = torch.logsumexp(logits, -1)
@@ -91,14 +94,18 @@ def _backward(ctx, grad_lp, grad_lse):
     gb = torch.zeros(W.shape[0], dtype=acc, device=W.device) if ctx.has_bias else None
     if grad_lse is None:
         grad_lse = torch.zeros_like(lse)
+    fused = _fused(h)
+    if fused:
+        from treecompile.ops.logprobs_triton import dlogits_
+
+        targets = targets.contiguous()
     for s in range(0, h.shape[0], ctx.chunk):
         hc = h[s:s + ctx.chunk]
         g = grad_lp[s:s + ctx.chunk].to(acc).contiguous()  # the grad of a sum is an expanded view
         gl = grad_lse[s:s + ctx.chunk].to(acc).contiguous()
         raw = _chunk_logits(hc, W, b)
-        if _fused(raw):  # d logits written over the chunk's logits, in their dtype
-            from treecompile.ops.logprobs_triton import dlogits_
-            dl = dlogits_(raw, targets[s:s + ctx.chunk].contiguous(), lse[s:s + ctx.chunk], g, gl)
+        if fused:  # d logits written over the chunk's logits, in their dtype
+            dl = dlogits_(raw, targets[s:s + ctx.chunk], lse[s:s + ctx.chunk], g, gl)
             dsum = dl.sum(0, dtype=acc) if gb is not None else None
         else:
             p = torch.exp(raw.to(acc) - lse[s:s + ctx.chunk, None])
