@@ -5,7 +5,12 @@ iff ``k <= q < subtree_end[k]``.  Shapes: ``q [1, H, T, D]``, ``k``/``v`` ``[1, 
 ``H % Hkv == 0`` (query head ``h`` reads kv head ``h // (H // Hkv)``, as SDPA's ``enable_gqa``),
 ``subtree_end [T]`` int64; returns ``[1, H, T, D]``.
 
-This module holds the registered op and its CPU implementation (SDPA with a dense boolean tree
+``treecompile::tree_attention_biased`` is the sibling for hand-written attention (matmul, mask,
+softmax, matmul) with an additive score bias (ALiBi and other position biases, computed by the
+model's own ops from the tree's depth positions) and the softmax dtype the model asked for; it runs
+its dense ``[*, T, T]`` reference on every device (the CUDA lowering leaves it as it is).
+
+This module holds the registered ops and its CPU implementation (SDPA with a dense boolean tree
 mask; torch refuses FlexAttention backward on CPU).  On CUDA the compiled graph does not call this
 op: ``treecompile.compile`` lowers it to FlexAttention with a BlockMask built from the tree
 (``treecompile.ops.flex_tree_attention``), so that inductor sees the kernel and its backward.
@@ -16,7 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["tree_attention", "tree_mask", "tree_attention_reference"]
+__all__ = ["tree_attention", "tree_mask", "tree_attention_reference", "tree_attention_biased",
+           "tree_attention_biased_reference"]
 
 
 def tree_mask(subtree_end: torch.Tensor) -> torch.Tensor:
@@ -74,3 +80,56 @@ def _backward(ctx, grad):
 
 
 tree_attention.register_autograd(_backward, setup_context=_setup)
+
+
+# --------------------------------------------------------------------------- biased (hand-written attention)
+def tree_attention_biased_reference(q, k, v, subtree_end, bias=None, *, scale: float = 1.0, softmax_dtype=None):
+    """``softmax(scale * q @ k^T + bias, masked to the tree) @ v``, dense and differentiable.
+
+    ``q [*, T, D]``, ``k [*, T, D]``, ``v [*, T, Dv]`` (leading dims broadcast as ``torch.matmul``),
+    ``bias`` broadcastable to ``[*, T, T]`` or None, ``softmax_dtype`` the dtype the softmax runs in
+    (its result is cast back to ``v.dtype``).  Returns ``[*, T, Dv]``.
+    """
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if bias is not None:
+        s = s + bias
+    s = s.masked_fill(~tree_mask(subtree_end), float("-inf"))
+    p = torch.softmax(s, -1, dtype=softmax_dtype).to(v.dtype)
+    return torch.matmul(p, v)
+
+
+@torch.library.custom_op("treecompile::tree_attention_biased", mutates_args=())
+def tree_attention_biased(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, subtree_end: torch.Tensor,
+                          bias: torch.Tensor | None, scale: float, softmax_dtype: torch.dtype | None = None
+                          ) -> torch.Tensor:
+    """Hand-written causal attention on the tree (see :func:`tree_attention_biased_reference`)."""
+    with torch.no_grad():
+        return tree_attention_biased_reference(q, k, v, subtree_end, bias, scale=scale,
+                                               softmax_dtype=softmax_dtype).contiguous()
+
+
+@tree_attention_biased.register_fake
+def _(q, k, v, subtree_end, bias, scale, softmax_dtype=None):
+    lead = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    return q.new_empty(tuple(lead) + (q.shape[-2], v.shape[-1]), dtype=v.dtype)
+
+
+def _biased_setup(ctx, inputs, output):
+    q, k, v, subtree_end, bias, scale, softmax_dtype = inputs
+    ctx.save_for_backward(q, k, v, subtree_end, bias)
+    ctx.scale, ctx.softmax_dtype = scale, softmax_dtype
+
+
+def _biased_backward(ctx, grad):
+    q, k, v, subtree_end, bias = ctx.saved_tensors
+    bias_grad = bias is not None and ctx.needs_input_grad[4]
+    with torch.enable_grad():
+        ins = [t.detach().requires_grad_() for t in (q, k, v)]
+        bb = bias.detach().requires_grad_() if bias_grad else bias
+        out = tree_attention_biased_reference(*ins, subtree_end, bb, scale=ctx.scale,
+                                              softmax_dtype=ctx.softmax_dtype)
+        grads = torch.autograd.grad(out, ins + ([bb] if bias_grad else []), grad)
+    return grads[0], grads[1], grads[2], None, (grads[3] if bias_grad else None), None, None
+
+
+tree_attention_biased.register_autograd(_biased_backward, setup_context=_biased_setup)
