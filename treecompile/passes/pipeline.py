@@ -6,6 +6,15 @@ Passes, in order (one module each in this package):
 - ``route_gdn_states`` (route_gdn_states.py): Gated DeltaNet node states and conv context from the
   parent node (the captured tree ops are re-pointed at the batch's node tensors / conv_index).
 - ``rewrite_positions`` (rewrite_positions.py): sequence ``arange`` -> the tree's depth positions.
+- ``rewrite_scans`` (rewrite_scans.py): ``cumsum``/``cumprod``/``logcumsumexp`` along the sequence ->
+  ``treecompile::tree_scan`` (prefix along each token's path).
+- ``rewrite_causal_convs`` (rewrite_causal_convs.py): depthwise causal ``conv1d`` ->
+  ``treecompile::tree_causal_conv1d`` over ``treecompile::tree_ancestors``.
+- ``rewrite_token_shifts`` (rewrite_token_shifts.py): a shift by k tokens toward the past (pad+slice,
+  cat, roll+mask, found by evaluating it) -> ``treecompile::tree_shift`` (the k-th path ancestor).
+- ``rewrite_causal_attention`` (rewrite_causal_attention.py): hand-written causal attention (matmul,
+  mask, optional position bias such as ALiBi, softmax, matmul) -> ``treecompile::tree_attention_biased``;
+  runs after the position and scan rewrites, so that the bias is computed from depth positions.
 - ``rewrite_loss`` (rewrite_loss.py): logits -> per-token log-probs at the path predecessor and the
   weighted loss; outputs become ``(loss, logprobs)``.
 ``BOUNDARY_PASSES`` (``treecompile.compile(model, boundary=True)``) appends
@@ -27,8 +36,12 @@ from treecompile.passes.base import PassContext, PassResult
 from treecompile.passes.expose_boundary import expose_boundary
 from treecompile.passes.check_dropout import check_dropout
 from treecompile.passes.rewrite_attention import rewrite_attention
+from treecompile.passes.rewrite_causal_attention import rewrite_causal_attention
+from treecompile.passes.rewrite_causal_convs import rewrite_causal_convs
 from treecompile.passes.rewrite_loss import rewrite_loss
 from treecompile.passes.rewrite_positions import rewrite_positions
+from treecompile.passes.rewrite_scans import rewrite_scans
+from treecompile.passes.rewrite_token_shifts import rewrite_token_shifts
 from treecompile.passes.route_gdn_states import route_gdn_states
 
 log = logging.getLogger("treecompile.passes")
@@ -40,6 +53,10 @@ PASSES: list[tuple[str, PassFn]] = [
     ("rewrite_attention", rewrite_attention),
     ("route_gdn_states", route_gdn_states),
     ("rewrite_positions", rewrite_positions),
+    ("rewrite_scans", rewrite_scans),
+    ("rewrite_causal_convs", rewrite_causal_convs),
+    ("rewrite_token_shifts", rewrite_token_shifts),
+    ("rewrite_causal_attention", rewrite_causal_attention),
     ("rewrite_loss", rewrite_loss),
 ]
 BOUNDARY_PASSES: list[tuple[str, PassFn]] = PASSES + [("expose_boundary", expose_boundary)]

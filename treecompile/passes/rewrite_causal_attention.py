@@ -1,0 +1,252 @@
+"""rewrite_causal_attention: hand-written causal attention becomes ``tree_attention_biased``.
+
+Eager attention written out (``q @ k^T``, a scale, a causal mask from ``triu``/``tril``/``masked_fill``/
+an additive ``-inf``/``finfo.min``, an additive position bias such as ALiBi, ``softmax``, ``@ v``;
+HF BLOOM's ``baddbmm`` form) mixes every token with every earlier DFS token.  The site is found
+from the softmax: a softmax over the last dim of a ``[*, T, T]`` score tensor whose result, through
+casts / a zero-probability dropout / views, is the left operand of a matmul with ``v``.  Walking back
+from the scores through views, scalar scales, additions and masking (whose other operands must not
+depend on the input ids) reaches the ``q @ k^T`` matmul.  The score subgraph ``g`` (scores as a
+function of the product ``X = q @ k^T``) is then *evaluated* (``token_probe.Probe``):
+
+1. on plain sequences of a few lengths: ``g(X) - g(0) == c * X`` on the entries that ``g(0)`` does
+   not mask, where ``c`` is the product of the scalar scales on the path, and the unmasked entries
+   are exactly the causal lower triangle;
+2. on a small tree: the bias ``g(0)`` that the graph computes from the tree's depth positions
+   (``rewrite_positions``/``rewrite_scans`` ran before) equals, for every pair of tokens on one path,
+   what the per-path run computes for that pair.
+
+Then ``out = tree_attention_biased(q, k, v, subtree_end, g(0), c, softmax_dtype)`` (``g(0)``
+recomputed in the graph from the side operands; None when it is zero on every allowed entry).
+Anything that fails a check is left alone (a bidirectional or sliding-window mask, a bias that reads
+the input ids or that depends on the sequence length): the verifier refuses it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+import treecompile.ops.tree_attention  # noqa: F401  (registers treecompile::tree_attention_biased)
+from treecompile.passes.base import PassContext, PassResult, remove_dead_code
+from treecompile.passes.token_probe import PROBE_TREE, Probe, chain_batch, concrete_shape, token_dims, value_nodes
+from treecompile.tree import Tree
+
+aten = torch.ops.aten
+BIASED = torch.ops.treecompile.tree_attention_biased.default
+SOFTMAX = {aten.softmax.int, aten._softmax.default}
+PRODUCTS = {aten.matmul.default, aten.bmm.default}
+VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+CASTS = {aten.to.dtype, aten._to_copy.default}
+COPIES = {aten.clone.default, aten.contiguous.default, aten.alias.default}
+ADDS = {aten.add.Tensor, aten.sub.Tensor, aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.where.self,
+        aten.where.ScalarOther, aten.where.ScalarSelf}
+SCALES = {aten.mul.Tensor, aten.div.Tensor}
+_ASSERTS = {aten._assert_tensor_metadata.default}
+PROBE_LENGTHS = (5, 11)
+
+
+def _users(n: fx.Node) -> list[fx.Node]:
+    return [u for u in n.users if u.target not in _ASSERTS]
+
+
+def _keeps_last2(n: fx.Node) -> bool:
+    a, b = n.args[0].meta["val"].shape, n.meta["val"].shape
+    return len(a) >= 2 and len(b) >= 2 and str(a[-2:]) == str(b[-2:])
+
+
+def _softmax_dtype(sm: fx.Node):
+    if sm.target == aten._softmax.default:
+        return torch.float32 if sm.args[2] else None
+    return sm.args[2] if len(sm.args) > 2 else sm.kwargs.get("dtype")
+
+
+def _probs_to_pv(sm: fx.Node):
+    """From the softmax forward to the ``probs @ v`` matmul, or None."""
+    cur = sm
+    while True:
+        us = _users(cur)
+        if len(us) != 1:
+            return None
+        u = us[0]
+        if u.target in PRODUCTS and u.args[0] is cur:
+            return u
+        if u.target in CASTS or u.target in COPIES:
+            pass
+        elif u.target == aten.dropout.default:
+            if u.args[1] != 0 and u.args[2]:
+                return None
+        elif u.target in VIEWS:
+            if not _keeps_last2(u):
+                return None
+        else:
+            return None
+        cur = u
+
+
+def _scores_to_qk(s: fx.Node, inputs: set):
+    """Walk back from the scores to the ``q @ k^T`` product: (product node, chain, scale) or None.
+    ``chain``: the nodes between them, product side first."""
+    chain, scale, cur = [], 1.0, s
+    while True:
+        t = cur.target
+        if t in PRODUCTS or t == aten.baddbmm.default:
+            if t == aten.baddbmm.default:
+                alpha = cur.kwargs.get("alpha", 1)
+                if not isinstance(alpha, (int, float)):
+                    return None
+                scale *= alpha
+            return cur, chain[::-1], scale
+        if cur.op != "call_function":
+            return None
+        ins = [a for a in cur.args if isinstance(a, fx.Node)]
+        main = [a for a in ins if a in inputs]
+        if len(main) != 1:
+            return None
+        if t in VIEWS or t in COPIES:
+            if t in VIEWS and not _keeps_last2(cur):
+                return None
+        elif t in SCALES:
+            other = [a for a in cur.args if a is not main[0]]
+            if len(other) != 1 or not isinstance(other[0], (int, float)):
+                return None
+            scale = scale * other[0] if t == aten.mul.Tensor else scale / other[0]
+        elif t == aten.sub.Tensor:
+            if cur.args[0] is not main[0]:
+                return None
+        elif t not in ADDS:
+            return None
+        chain.append(cur)
+        cur = main[0]
+
+
+def rewrite_causal_attention(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+    inputs = value_nodes(gm.graph, {ctx.input_node})
+    probe = Probe(ctx)
+    count, biased = 0, 0
+    for sm in list(gm.graph.nodes):
+        if sm.op != "call_function" or sm.target not in SOFTMAX:
+            continue
+        s = sm.args[0]
+        sv = s.meta["val"]
+        if sv.dim() < 2 or sm.args[1] % sv.dim() != sv.dim() - 1 or not {sv.dim() - 2, sv.dim() - 1} <= set(
+                token_dims(sv, ctx)):
+            continue
+        pv = _probs_to_pv(sm)
+        found = _scores_to_qk(s, inputs) if pv is not None else None
+        if found is None:
+            continue
+        qk, chain, scale = found
+        if qk.target == aten.baddbmm.default:
+            qk, chain = _split_baddbmm(gm, ctx, qk, chain)
+        q, kt, v = qk.args[0], qk.args[1], pv.args[1]
+        qkv, probs = qk.meta["val"], pv.args[0]
+        if (token_dims(q.meta["val"], ctx)[-1:] != [q.meta["val"].dim() - 2]
+                or token_dims(kt.meta["val"], ctx)[-1:] != [kt.meta["val"].dim() - 1]
+                or token_dims(v.meta["val"], ctx)[-1:] != [v.meta["val"].dim() - 2]
+                or str(probs.meta["val"].shape) != str(qkv.shape)):
+            continue  # the input batch is [1, T]: leading dims are batch 1 times heads
+        has_bias = _check_scores(probe, ctx, qk, s, scale)
+        if has_bias is None:
+            continue
+        with gm.graph.inserting_before(pv):
+            k = ctx.call(aten.transpose.int, (kt, -1, -2), like=qk)
+            bias = _bias_nodes(ctx, qk, chain, s) if has_bias else None
+            new = ctx.call(BIASED, (q, k, v, ctx.tree_input("subtree_end"), bias, float(scale),
+                                    _softmax_dtype(sm)), like=sm)
+        if str(new.meta["val"].shape) != str(pv.meta["val"].shape):
+            gm.graph.erase_node(new)
+            continue
+        pv.replace_all_uses_with(new)
+        count += 1
+        biased += bool(has_bias)
+    if count:
+        remove_dead_code(gm)
+    return PassResult(count, {"with_bias": biased} if count else {})
+
+
+def _split_baddbmm(gm, ctx, node, chain):
+    """``baddbmm(b, q, kT, beta, alpha)`` -> ``alpha * bmm(q, kT) + beta * b`` (same math)."""
+    b, q, kt = node.args[:3]
+    beta, alpha = node.kwargs.get("beta", 1), node.kwargs.get("alpha", 1)
+    with gm.graph.inserting_before(node):
+        prod = ctx.call(aten.bmm.default, (q, kt), like=node)
+        scaled = ctx.call(aten.mul.Tensor, (prod, alpha), like=node) if alpha != 1 else prod
+        side = ctx.call(aten.mul.Tensor, (b, beta), like=node) if beta != 1 else b
+        new = ctx.call(aten.add.Tensor, (scaled, side), like=node)
+    node.replace_all_uses_with(new)
+    gm.graph.erase_node(node)
+    return prod, ([scaled] if scaled is not prod else []) + [new] + chain
+
+
+def _check_scores(probe: Probe, ctx: PassContext, qk: fx.Node, s: fx.Node, scale: float):
+    """True/False (bias or none) if the scores are ``scale * X + bias`` under a causal mask with a
+    bias that is exact on trees; None otherwise (see the module docstring)."""
+    gen = torch.Generator().manual_seed(0)
+    has_bias = False
+    for T in PROBE_LENGTHS:
+        x = probe.random(qk, T, gen)
+        zero = torch.zeros_like(x)
+        outs = [probe.run([s], chain_batch(T), {qk: v}) for v in (zero, x)]
+        if any(o is None for o in outs):
+            return None
+        s0, sx = (o[0] for o in outs)
+        if s0.numel() != x.numel():
+            return None
+        s0, sx = s0.reshape(x.shape), sx.reshape(x.shape)
+        allowed = _allowed(s0)
+        causal = torch.ones(T, T, dtype=torch.bool).tril().expand(x.shape)
+        if not torch.equal(allowed, causal) or not torch.equal(_allowed(sx), causal):
+            return None
+        tol = 1e-9 if s0.dtype == torch.float64 else 1e3 * torch.finfo(s0.dtype).eps
+        d, want = (sx - s0)[causal].double(), scale * x[causal].double()
+        if not torch.allclose(d, want, rtol=tol, atol=tol * float(want.abs().max())):
+            return None
+        has_bias = has_bias or bool((s0[causal] != 0).any())
+    if not has_bias:
+        return False
+    return True if _bias_exact_on_tree(probe, ctx, qk, s) else None
+
+
+def _allowed(s: torch.Tensor) -> torch.Tensor:
+    return ~(torch.isneginf(s) | (s <= torch.finfo(s.dtype).min / 2))
+
+
+def _bias_exact_on_tree(probe: Probe, ctx: PassContext, qk: fx.Node, s: fx.Node) -> bool:
+    """The bias the graph computes on a tree equals the per-path bias on every pair of one path."""
+    tree = Tree.from_paths(PROBE_TREE)
+    batch = tree.to_batch()
+    shape = concrete_shape(qk.meta["val"], ctx, batch.seq_len)
+    out = probe.run([s], batch, {qk: torch.zeros(shape, dtype=qk.meta["val"].dtype)})
+    if out is None:
+        return False
+    b_tree = out[0].reshape(shape)
+    starts = torch.cumsum(tree.path_lengths, 0) - tree.path_lengths
+    for p, L in enumerate(tree.path_lengths.tolist()):
+        idx = tree.path_index[int(starts[p]):int(starts[p]) + L]
+        pshape = concrete_shape(qk.meta["val"], ctx, L)
+        ref = probe.run([s], chain_batch(L), {qk: torch.zeros(pshape, dtype=qk.meta["val"].dtype)})
+        if ref is None:
+            return False
+        b_path = ref[0].reshape(pshape)
+        low = torch.ones(L, L, dtype=torch.bool).tril()
+        got = b_tree[..., idx[:, None], idx[None, :]]
+        if not torch.allclose(got[..., low], b_path[..., low], rtol=1e-12, atol=0):
+            return False
+    return True
+
+
+def _bias_nodes(ctx: PassContext, qk: fx.Node, chain: list[fx.Node], s: fx.Node) -> fx.Node:
+    """The scores with the product replaced by zeros (in the graph), in the product's shape."""
+    val, g = qk.meta["val"], ctx.graph
+    q, kt = qk.args[0], qk.args[1]
+    shape = list(val.shape[:-2]) + [ctx.call(aten.sym_size.int, (q, q.meta["val"].dim() - 2)),
+                                    ctx.call(aten.sym_size.int, (kt, kt.meta["val"].dim() - 1))]
+    env = {qk: ctx.call(aten.zeros.default, (shape,), {"dtype": val.dtype, "device": val.device})}
+    for n in chain:
+        new = g.node_copy(n, lambda a: env.get(a, a))
+        env[n] = ctx.set_val(new)
+    out = env[s]
+    if str(out.meta["val"].shape) != str(val.shape):
+        out = ctx.call(aten.reshape.default, (out, shape))
+    return out
