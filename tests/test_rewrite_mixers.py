@@ -1,0 +1,191 @@
+"""Causal mixers with an exact tree form: token shifts, depthwise causal convs, scans, hand-written
+attention (ALiBi, HF BLOOM).  Each rewrite: it fired (count), loss / per-token log-probs / every
+parameter gradient equal the per-path reference in float64, and it does not fire on a near miss."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+import mixer_models as mm
+import treecompile
+from helpers import flat_grads, rel
+from treecompile import Tree, reference
+from treecompile.frontend import capture, kernel_swaps
+from treecompile.ops.tree_attention import tree_attention_biased, tree_attention_reference
+from treecompile.ops.tree_mixers import tree_ancestors, tree_scan, tree_shift
+from treecompile.ops.tree_mixers_ref import (tree_ancestors_reference, tree_scan_reference,
+                                             tree_shift_reference)
+from treecompile.passes import PassContext, run_passes
+from treecompile.passes.pipeline import PASSES
+
+# odd shapes: a path that is a prefix of another, a duplicate, 1-token nodes, fan-out 4 at token 10,
+# nodes shorter than the shift k=3 and than the conv kernels (context spans several ancestors), a
+# second root with a 2-token path
+PATHS = [[1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 9], [1, 2, 3, 9], [1, 2, 10],
+         [1, 2, 10, 11, 12, 13, 14, 15], [1, 2, 10, 16], [1, 2, 10, 17, 18], [1, 2, 10, 19], [20, 21],
+         [1, 5, 6, 7, 8, 9, 10, 11, 12, 13]]
+EXACT = 1e-9
+
+# (id, model factory, pass, expected count)
+REWRITES = [
+    ("shift_pad_k1", lambda: mm.ShiftPad(1), "rewrite_token_shifts", 1),
+    ("shift_pad_k3", lambda: mm.ShiftPad(3), "rewrite_token_shifts", 1),
+    ("shift_cat_k3", lambda: mm.ShiftCat(3), "rewrite_token_shifts", 1),
+    ("shift_roll_mask", mm.ShiftRollMask, "rewrite_token_shifts", 1),
+    ("conv_padded_k4", mm.ConvPadded, "rewrite_causal_convs", 1),
+    ("conv_padded_k6_nobias", lambda: mm.ConvPadded(6, bias=False), "rewrite_causal_convs", 1),
+    ("conv_leftpad_dilated", mm.ConvLeftPad, "rewrite_causal_convs", 1),
+    ("scans", mm.Scans, "rewrite_scans", 4),
+    ("attention", mm.HandAttention, "rewrite_causal_attention", 1),
+    ("attention_alibi_relative", lambda: mm.HandAttention(alibi="relative"), "rewrite_causal_attention", 1),
+    ("attention_alibi_key", lambda: mm.HandAttention(alibi="key"), "rewrite_causal_attention", 1),
+    ("attention_additive_mask", mm.AdditiveMaskAttention, "rewrite_causal_attention", 1),
+]
+
+NEAR_MISSES = [
+    ("shift_toward_future", mm.ShiftFuture, "rewrite_token_shifts"),
+    ("roll_wraps_around", mm.RollWrap, "rewrite_token_shifts"),
+    ("conv_not_depthwise", mm.ConvDense, "rewrite_causal_convs"),
+    ("conv_centred_padding", mm.ConvCentred, "rewrite_causal_convs"),
+    ("cumsum_over_features", mm.CumsumFeatures, "rewrite_scans"),
+    ("attention_without_mask", lambda: mm.HandAttention(causal=False), "rewrite_causal_attention"),
+]
+
+
+def _compare(model, tmodel, paths=PATHS):
+    batch = Tree.from_paths(paths).to_batch()
+    params = [p for p in model.parameters() if p.requires_grad]
+    out = tmodel(batch)
+    ref = reference.run(model, paths)
+    lp = max(float((a - r.detach()).abs().max())
+             for a, r in zip(batch.path_logprobs(out.logprobs.detach()), ref.logprobs))
+    return (rel(out.loss.detach(), ref.loss.detach()), lp,
+            rel(flat_grads(out.loss, params), flat_grads(ref.loss, params)))
+
+
+@pytest.mark.parametrize("factory,name,count", [r[1:] for r in REWRITES], ids=[r[0] for r in REWRITES])
+def test_rewrite_fires_and_is_exact(factory, name, count):
+    torch.manual_seed(0)
+    model = factory().double()
+    tmodel = treecompile.compile(model)
+    assert tmodel.pass_results[name].count == count
+    loss, lp, grads = _compare(model, tmodel)
+    assert loss <= EXACT and lp <= EXACT and grads <= EXACT, (loss, lp, grads)
+
+
+def _passes_through(name):
+    names = [n for n, _ in PASSES]
+    return PASSES[:names.index(name) + 1]
+
+
+@pytest.mark.parametrize("factory,name", [r[1:] for r in NEAR_MISSES], ids=[r[0] for r in NEAR_MISSES])
+def test_rewrite_does_not_fire_on_near_miss(factory, name):
+    torch.manual_seed(0)
+    captured = capture(factory().double())
+    gm = captured.program.graph_module
+    ctx = PassContext(gm, captured.input_name, {})
+    results = run_passes(gm, ctx, passes=_passes_through(name))
+    assert results[name].count == 0
+    assert not any(str(n.target).startswith("treecompile.") and "tree_" in str(n.target)
+                   and n.target != torch.ops.treecompile.tree_attention.default for n in gm.graph.nodes)
+
+
+# --------------------------------------------------------------------------- ops against references
+@pytest.fixture(scope="module")
+def batch():
+    return Tree.from_paths(PATHS).to_batch()
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 7])
+def test_tree_shift_equals_per_token_reference(batch, k):
+    x = torch.randn(2, batch.seq_len, 3, dtype=torch.float64, requires_grad=True)
+    y, r = tree_shift(x, batch.pred_index, k, 1), tree_shift_reference(x, batch.pred_index, k, 1)
+    assert torch.equal(y, r)
+    g = torch.randn_like(y)
+    assert rel(torch.autograd.grad(y, x, g)[0], torch.autograd.grad(r, x, g)[0]) <= 1e-15  # sum order differs
+
+
+@pytest.mark.parametrize("op", ["sum", "prod", "logsumexp"])
+def test_tree_scan_equals_per_token_reference(batch, op):
+    x = torch.randn(batch.seq_len, 2, dtype=torch.float64)
+    x[5, 0] = 0.0  # a zero inside a product
+    x.requires_grad_()
+    y, r = tree_scan(x, batch.pred_index, 0, op), tree_scan_reference(x, batch.pred_index, 0, op)
+    assert rel(y.detach(), r.detach()) <= 1e-14
+    g = torch.randn_like(y)
+    assert rel(torch.autograd.grad(y, x, g)[0], torch.autograd.grad(r, x, g)[0]) <= 1e-14
+
+
+def test_tree_ancestors_equals_reference(batch):
+    for n, step in [(0, 1), (3, 1), (2, 2), (5, 3)]:
+        assert torch.equal(tree_ancestors(batch.pred_index, n, step),
+                           tree_ancestors_reference(batch.pred_index, n, step))
+
+
+def test_tree_attention_biased_without_bias_equals_tree_attention(batch):
+    T = batch.seq_len
+    q, k, v = (torch.randn(1, 2, T, 4, dtype=torch.float64) for _ in range(3))
+    got = tree_attention_biased(q, k, v, batch.subtree_end, None, 0.5)
+    assert rel(got, tree_attention_reference(q, k, v, batch.subtree_end, 0.5)) <= 1e-14
+
+
+@pytest.mark.parametrize("op,args", [
+    ("tree_shift", lambda b, x: (x, b.pred_index, 2, 1)),
+    ("tree_scan", lambda b, x: (x, b.pred_index, 1, "prod")),
+    ("tree_ancestors", lambda b, x: (b.pred_index, 3, 2)),
+    ("tree_attention_biased", lambda b, x: (x, x, x, b.subtree_end, torch.randn(
+        2, 1, b.seq_len, dtype=torch.float64, requires_grad=True), 0.3, torch.float32)),
+])
+def test_ops_registration(batch, op, args):
+    x = torch.randn(2, batch.seq_len, 3, dtype=torch.float64, requires_grad=True)
+    torch.library.opcheck(getattr(torch.ops.treecompile, op).default, args(batch, x))
+
+
+# --------------------------------------------------------------------------- HF BLOOM (ALiBi, eager)
+transformers = pytest.importorskip("transformers")
+
+
+@contextlib.contextmanager
+def _eager_attention(model):
+    """BLOOM has only the eager attention (``_supports_sdpa`` is False): capture it as such."""
+    old = model.config._attn_implementation
+    model.config._attn_implementation = "eager"
+    try:
+        yield
+    finally:
+        model.config._attn_implementation = old
+
+
+def test_bloom_alibi_attention_equals_per_path():
+    torch.manual_seed(0)
+    cfg = transformers.BloomConfig(vocab_size=37, hidden_size=32, n_layer=2, n_head=4, attention_dropout=0.0,
+                                   hidden_dropout=0.0)
+    model = transformers.BloomForCausalLM(cfg).double().eval()
+    tmodel = treecompile.compile(model, swaps=kernel_swaps(model) + [_eager_attention(model)])
+    res = tmodel.pass_results["rewrite_causal_attention"]
+    assert res.count == 2 and res.info["with_bias"] == 2  # one ALiBi attention per layer
+    batch = Tree.from_paths(PATHS).to_batch()
+    params = [p for p in model.parameters() if p.requires_grad]
+    out = tmodel(batch)
+    ref = reference.run(model, PATHS)
+    # BLOOM's softmax runs in float32 even in a float64 model; the tree sums each row's float32 exps
+    # in other SIMD lanes than the path does.  Bound: the reference's own float32 rounding, i.e. its
+    # distance to the same per-path run with a float64 softmax.
+    real = torch.nn.functional.softmax
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("transformers.models.bloom.modeling_bloom.F.softmax",
+                   lambda x, dim=None, dtype=None, **kw: real(x, dim=dim))
+        ref64 = reference.run(model, PATHS)
+    g_ref = flat_grads(ref.loss, params)
+    loss_noise = abs(float((ref64.loss - ref.loss).detach()))
+    g_noise = rel(flat_grads(ref64.loss, params), g_ref)
+    lp_noise = max(float((a - r).detach().abs().max()) for a, r in zip(ref64.logprobs, ref.logprobs))
+    assert 0 < loss_noise < 1e-9 and 0 < g_noise < 1e-7  # the float32 softmax is really there, and small
+    assert abs(float(out.loss - ref.loss)) <= 10 * loss_noise
+    assert rel(flat_grads(out.loss, params), g_ref) <= 10 * g_noise
+    lp = max(float((a - r.detach()).abs().max())
+             for a, r in zip(batch.path_logprobs(out.logprobs.detach()), ref.logprobs))
+    assert lp <= 10 * lp_noise
