@@ -18,7 +18,7 @@ from treecompile.ops.tree_attention import tree_attention_biased, tree_attention
 from treecompile.ops.tree_mixers import tree_ancestors, tree_scan, tree_shift
 from treecompile.ops.tree_mixers_ref import (tree_ancestors_reference, tree_scan_reference,
                                              tree_shift_reference)
-from treecompile.passes import PassContext, run_passes
+from treecompile.passes import PassContext, PassError, run_passes
 from treecompile.passes.pipeline import PASSES
 
 # odd shapes: a path that is a prefix of another, a duplicate, 1-token nodes, fan-out 4 at token 10,
@@ -91,6 +91,13 @@ def test_rewrite_does_not_fire_on_near_miss(factory, name):
     assert results[name].count == 0
     assert not any(str(n.target).startswith("treecompile.") and "tree_" in str(n.target)
                    and n.target != torch.ops.treecompile.tree_attention.default for n in gm.graph.nodes)
+
+
+@pytest.mark.parametrize("factory", [mm.ShiftPad, mm.ConvPadded, mm.Scans, mm.HandAttention],
+                         ids=["shift", "conv", "scan", "attention"])
+def test_partition_boundary_refuses_mixers_by_name(factory):
+    with pytest.raises(PassError, match=r"expose_boundary.*treecompile::tree_\w+ has no partition-boundary form"):
+        treecompile.compile(factory().double(), boundary=True)
 
 
 # --------------------------------------------------------------------------- ops against references

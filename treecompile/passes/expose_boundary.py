@@ -75,8 +75,19 @@ def _loss_rows(ctx: PassContext) -> fx.Node:
     return sites[0]
 
 
+# mixer rewrites (rewrite_token_shifts/_causal_convs/_scans/_causal_attention) with no boundary form yet
+_NO_BOUNDARY_FORM = ("tree_shift", "tree_scan", "tree_ancestors", "tree_attention_biased")
+
+
 def expose_boundary(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     graph = gm.graph
+    for n in graph.nodes:
+        name = getattr(n.target, "__name__", "")
+        if (n.op == "call_function" and getattr(n.target, "namespace", None) == "treecompile"
+                and name.split(".")[0] in _NO_BOUNDARY_FORM):
+            raise UnsupportedModelError(f"{where(n)}: treecompile::{name.split('.')[0]} has no partition-boundary "
+                                        f"form yet (its context would stop at the partition); train this model "
+                                        f"on whole trees (boundary=False)")
     attn = [n for n in graph.nodes if n.op == "call_function" and n.target == ATTENTION]
     gdn = [n for n in graph.nodes if n.op == "call_function" and n.target == GDN]
     conv = [n for n in graph.nodes if n.op == "call_function" and n.target == CONV]
