@@ -160,3 +160,16 @@ class AdditiveMaskAttention(MixerLM):
         q, k, v = self.qkv(h).split(C, -1)
         mask = torch.zeros(T, T).masked_fill(torch.tril(torch.ones(T, T)) == 0, float("-inf"))
         return torch.softmax(q @ k.transpose(1, 2) * C ** -0.5 + mask, dim=-1) @ v
+
+
+class AllMixers(HandAttention):
+    """A shift, a causal conv, a scan and ALiBi attention in one model (saved-program test)."""
+
+    def __init__(self):
+        super().__init__(alibi="key")
+        self.conv = nn.Conv1d(C, C, 4, padding=3, groups=C)
+
+    def mix(self, h):
+        h = h + F.pad(h, (0, 0, 2, 0))[:, :-2]
+        h = self.conv(h.transpose(1, 2))[..., :h.shape[1]].transpose(1, 2) + torch.cumsum(h, 1) / 8
+        return super().mix(h)

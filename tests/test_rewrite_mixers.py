@@ -100,6 +100,22 @@ def test_partition_boundary_refuses_mixers_by_name(factory):
         treecompile.compile(factory().double(), boundary=True)
 
 
+def test_saved_program_with_every_mixer_loads_and_stays_exact(tmp_path):
+    torch.manual_seed(0)
+    model = mm.AllMixers().double()
+    tmodel = treecompile.compile(model)
+    counts = {k: v.count for k, v in tmodel.pass_results.items()}
+    assert [counts[k] for k in ("rewrite_token_shifts", "rewrite_causal_convs", "rewrite_scans",
+                                "rewrite_causal_attention")] == [1, 1, 1, 1]
+    treecompile.save(tmodel, tmp_path / "prog")
+    loaded = treecompile.load(tmp_path / "prog")
+    batch = Tree.from_paths(PATHS).to_batch()
+    a, b = tmodel(batch), loaded(batch)
+    assert torch.equal(a.loss, b.loss) and torch.equal(a.logprobs, b.logprobs)
+    loss, lp, grads = _compare(model, tmodel)
+    assert loss <= EXACT and lp <= EXACT and grads <= EXACT, (loss, lp, grads)
+
+
 # --------------------------------------------------------------------------- ops against references
 @pytest.fixture(scope="module")
 def batch():
