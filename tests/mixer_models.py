@@ -127,9 +127,9 @@ class CumsumFeatures(MixerLM):  # near miss: a cumsum over features mixes no tok
 class HandAttention(MixerLM):
     """q @ k^T * scale, triu mask by masked_fill(-inf), optional ALiBi, softmax, @ v."""
 
-    def __init__(self, heads=2, alibi=None, causal=True):
+    def __init__(self, heads=2, alibi=None, causal=True, window=None):
         super().__init__()
-        self.H, self.alibi, self.causal = heads, alibi, causal
+        self.H, self.alibi, self.causal, self.window = heads, alibi, causal, window
         self.qkv = nn.Linear(C, 3 * C)
         self.register_buffer("slopes", torch.tensor([0.5 ** (i + 1) for i in range(heads)]), persistent=False)
 
@@ -142,8 +142,12 @@ class HandAttention(MixerLM):
             s = s + self.slopes[:, None, None] * (pos[None, :] - pos[:, None])
         elif self.alibi == "key":  # slope * k_pos (BLOOM's form)
             s = s + self.slopes[:, None, None] * pos[None, None, :]
+        elif self.alibi == "per_length":  # near miss: depends on the sequence length, not only positions
+            s = s + self.slopes[:, None, None] * pos[None, None, :] / T
         if self.causal:
             s = s.masked_fill(torch.triu(torch.ones(T, T, dtype=torch.bool), 1), float("-inf"))
+        if self.window:  # near miss: a sliding window is not the causal mask
+            s = s.masked_fill(torch.tril(torch.ones(T, T, dtype=torch.bool), -self.window), float("-inf"))
         o = torch.softmax(s, -1) @ v
         return o.transpose(1, 2).reshape(1, T, C)
 

@@ -52,6 +52,8 @@ NEAR_MISSES = [
     ("conv_centred_padding", mm.ConvCentred, "rewrite_causal_convs"),
     ("cumsum_over_features", mm.CumsumFeatures, "rewrite_scans"),
     ("attention_without_mask", lambda: mm.HandAttention(causal=False), "rewrite_causal_attention"),
+    ("attention_sliding_window", lambda: mm.HandAttention(window=2), "rewrite_causal_attention"),
+    ("attention_bias_per_length", lambda: mm.HandAttention(alibi="per_length"), "rewrite_causal_attention"),
 ]
 
 
