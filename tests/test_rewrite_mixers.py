@@ -20,6 +20,7 @@ from treecompile.ops.tree_mixers_ref import (tree_ancestors_reference, tree_scan
                                              tree_shift_reference)
 from treecompile.passes import PassContext, PassError, run_passes
 from treecompile.passes.pipeline import PASSES
+from tests.conftest import DEVICES
 
 # odd shapes: a path that is a prefix of another, a duplicate, 1-token nodes, fan-out 4 at token 10,
 # nodes shorter than the shift k=3 and than the conv kernels (context spans several ancestors), a
@@ -124,24 +125,32 @@ def batch():
     return Tree.from_paths(PATHS).to_batch()
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("k", [1, 2, 3, 7])
-def test_tree_shift_equals_per_token_reference(batch, k):
+def test_tree_shift_equals_per_token_reference(batch, k, device):
     x = torch.randn(2, batch.seq_len, 3, dtype=torch.float64, requires_grad=True)
-    y, r = tree_shift(x, batch.pred_index, k, 1), tree_shift_reference(x, batch.pred_index, k, 1)
-    assert torch.equal(y, r)
-    g = torch.randn_like(y)
-    assert rel(torch.autograd.grad(y, x, g)[0], torch.autograd.grad(r, x, g)[0]) <= 1e-15  # sum order differs
+    r = tree_shift_reference(x, batch.pred_index, k, 1)
+    xd = x.detach().to(device).requires_grad_()
+    y = tree_shift(xd, batch.pred_index.to(device), k, 1)
+    assert torch.equal(y.cpu(), r)
+    g = torch.randn_like(r)
+    gy = torch.autograd.grad(y, xd, g.to(device))[0].cpu()
+    assert rel(gy, torch.autograd.grad(r, x, g)[0]) <= 1e-15  # sum order differs
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("op", ["sum", "prod", "logsumexp"])
-def test_tree_scan_equals_per_token_reference(batch, op):
+def test_tree_scan_equals_per_token_reference(batch, op, device):
     x = torch.randn(batch.seq_len, 2, dtype=torch.float64)
     x[5, 0] = 0.0  # a zero inside a product
     x.requires_grad_()
-    y, r = tree_scan(x, batch.pred_index, 0, op), tree_scan_reference(x, batch.pred_index, 0, op)
-    assert rel(y.detach(), r.detach()) <= 1e-14
-    g = torch.randn_like(y)
-    assert rel(torch.autograd.grad(y, x, g)[0], torch.autograd.grad(r, x, g)[0]) <= 1e-14
+    r = tree_scan_reference(x, batch.pred_index, 0, op)
+    xd = x.detach().to(device).requires_grad_()
+    y = tree_scan(xd, batch.pred_index.to(device), 0, op)
+    assert rel(y.detach().cpu(), r.detach()) <= 1e-14
+    g = torch.randn_like(r)
+    gy = torch.autograd.grad(y, xd, g.to(device))[0].cpu()
+    assert rel(gy, torch.autograd.grad(r, x, g)[0]) <= 1e-14
 
 
 def test_tree_ancestors_equals_reference(batch):
@@ -150,11 +159,28 @@ def test_tree_ancestors_equals_reference(batch):
                            tree_ancestors_reference(batch.pred_index, n, step))
 
 
-def test_tree_attention_biased_without_bias_equals_tree_attention(batch):
+@pytest.mark.parametrize("device", DEVICES)
+def test_tree_attention_biased_without_bias_equals_tree_attention(batch, device):
     T = batch.seq_len
     q, k, v = (torch.randn(1, 2, T, 4, dtype=torch.float64) for _ in range(3))
-    got = tree_attention_biased(q, k, v, batch.subtree_end, None, 0.5)
-    assert rel(got, tree_attention_reference(q, k, v, batch.subtree_end, 0.5)) <= 1e-14
+    got = tree_attention_biased(q.to(device), k.to(device), v.to(device), batch.subtree_end.to(device), None, 0.5)
+    assert rel(got.cpu(), tree_attention_reference(q, k, v, batch.subtree_end, 0.5)) <= 1e-14
+
+
+def test_tree_attention_biased_bias_equals_per_path_attention(batch):
+    """With an ALiBi bias on depth positions, each token's output is plain causal attention on its path."""
+    T, tree = batch.seq_len, batch.tree
+    q, k, v = (torch.randn(1, 2, T, 4, dtype=torch.float64) for _ in range(3))
+    slopes = torch.tensor([0.5, 0.25], dtype=torch.float64)[:, None, None]
+    bias = slopes * (batch.position_ids[None, :] - batch.position_ids[:, None])  # [2, T, T]
+    got = tree_attention_biased(q, k, v, batch.subtree_end, bias, 0.5, torch.float64)
+    starts = torch.cumsum(tree.path_lengths, 0) - tree.path_lengths
+    for p, L in enumerate(tree.path_lengths.tolist()):
+        idx = tree.path_index[int(starts[p]):int(starts[p]) + L]
+        pos = torch.arange(L, dtype=torch.float64)
+        s = (q[..., idx, :] @ k[..., idx, :].transpose(-1, -2)) * 0.5 + slopes * (pos[None, :] - pos[:, None])
+        s = s.masked_fill(torch.ones(L, L, dtype=torch.bool).triu(1), float("-inf"))
+        assert rel(got[..., idx, :], torch.softmax(s, -1) @ v[..., idx, :]) <= 1e-14
 
 
 @pytest.mark.parametrize("op,args", [
