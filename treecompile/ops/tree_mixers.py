@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["tree_ancestors", "tree_shift", "tree_scan", "SCAN_OPS"]
+__all__ = ["SCAN_OPS", "tree_ancestors", "tree_scan", "tree_shift"]
 
 SCAN_OPS = ("sum", "prod", "logsumexp")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["path_of", "tree_shift_reference", "tree_scan_reference", "tree_ancestors_reference"]
+__all__ = ["path_of", "tree_ancestors_reference", "tree_scan_reference", "tree_shift_reference"]
 
 
 def path_of(pred_index: Tensor, t: int) -> list[int]:

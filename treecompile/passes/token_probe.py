@@ -22,7 +22,7 @@ from torch import fx
 from treecompile.passes.base import TREE_INPUTS, PassContext
 from treecompile.tree import Tree, TreeBatch, ancestor_index
 
-__all__ = ["value_nodes", "token_dims", "involves_tokens", "Probe", "chain_batch", "PROBE_TREE"]
+__all__ = ["PROBE_TREE", "Probe", "chain_batch", "involves_tokens", "token_dims", "value_nodes"]
 
 aten = torch.ops.aten
 _SHAPE_ONLY = {aten.sym_size.int, aten.sym_numel.default, aten.sym_stride.int}
