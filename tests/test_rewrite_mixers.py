@@ -58,6 +58,19 @@ NEAR_MISSES = [
 ]
 
 
+_ATEN = torch.ops.aten
+_MIXERS = {_ATEN.softmax.int, _ATEN.triu.default, _ATEN.tril.default, _ATEN.matmul.default, _ATEN.bmm.default,
+           _ATEN.baddbmm.default, _ATEN.cumsum.default, _ATEN.cumprod.default, _ATEN.logcumsumexp.default,
+           _ATEN.conv1d.default, _ATEN.roll.default, _ATEN.pad.default, _ATEN.cat.default}
+
+
+def _assert_mixers_gone(gm):
+    """No sequence mixer of the model (nor its mask subgraph) is left in the rewritten graph."""
+    left = [f"{n.name} ({n.target})" for n in gm.graph.nodes if n.op == "call_function" and n.target in _MIXERS
+            and any("s" in str(d) for d in getattr(n.meta.get("val"), "shape", ()))]
+    assert not left, left
+
+
 def _compare(model, tmodel, paths=PATHS):
     batch = Tree.from_paths(paths).to_batch()
     params = [p for p in model.parameters() if p.requires_grad]
@@ -75,6 +88,7 @@ def test_rewrite_fires_and_is_exact(factory, name, count):
     model = factory().double()
     tmodel = treecompile.compile(model)
     assert tmodel.pass_results[name].count == count
+    _assert_mixers_gone(tmodel.graph_module)
     loss, lp, grads = _compare(model, tmodel)
     assert loss <= EXACT and lp <= EXACT and grads <= EXACT, (loss, lp, grads)
 
@@ -218,6 +232,7 @@ def test_bloom_alibi_attention_equals_per_path():
     tmodel = treecompile.compile(model, swaps=kernel_swaps(model) + [_eager_attention(model)])
     res = tmodel.pass_results["rewrite_causal_attention"]
     assert res.count == 2 and res.info["with_bias"] == 2  # one ALiBi attention per layer
+    _assert_mixers_gone(tmodel.graph_module)
     batch = Tree.from_paths(PATHS).to_batch()
     params = [p for p in model.parameters() if p.requires_grad]
     out = tmodel(batch)

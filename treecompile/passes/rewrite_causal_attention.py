@@ -62,15 +62,16 @@ def _softmax_dtype(sm: fx.Node):
 
 
 def _probs_to_pv(sm: fx.Node):
-    """From the softmax forward to the ``probs @ v`` matmul, or None."""
-    cur = sm
+    """From the softmax forward to the ``probs @ v`` matmul: (matmul, [softmax, ..., matmul]) or None."""
+    cur, chain = sm, [sm]
     while True:
         us = _users(cur)
         if len(us) != 1:
             return None
         u = us[0]
+        chain.append(u)
         if u.target in PRODUCTS and u.args[0] is cur:
-            return u
+            return u, chain
         if u.target in CASTS or u.target in COPIES:
             pass
         elif u.target == aten.dropout.default:
@@ -132,10 +133,11 @@ def rewrite_causal_attention(gm: fx.GraphModule, ctx: PassContext) -> PassResult
         if sv.dim() < 2 or sm.args[1] % sv.dim() != sv.dim() - 1 or not {sv.dim() - 2, sv.dim() - 1} <= set(
                 token_dims(sv, ctx)):
             continue
-        pv = _probs_to_pv(sm)
-        found = _scores_to_qk(s, inputs) if pv is not None else None
+        probs_chain = _probs_to_pv(sm)
+        found = _scores_to_qk(s, inputs) if probs_chain is not None else None
         if found is None:
             continue
+        pv, probs_chain = probs_chain
         qk, chain, scale = found
         if qk.target == aten.baddbmm.default:
             qk, chain = _split_baddbmm(gm, ctx, qk, chain)
@@ -151,18 +153,29 @@ def rewrite_causal_attention(gm: fx.GraphModule, ctx: PassContext) -> PassResult
             continue
         with gm.graph.inserting_before(pv):
             k = ctx.call(aten.transpose.int, (kt, -1, -2), like=qk)
-            bias = _bias_nodes(ctx, qk, chain, s) if has_bias else None
+            bias = _bias_nodes(ctx, probe, qk, chain, s) if has_bias else None
             new = ctx.call(BIASED, (q, k, v, ctx.tree_input("subtree_end"), bias, float(scale),
                                     _softmax_dtype(sm)), like=sm)
         if str(new.meta["val"].shape) != str(pv.meta["val"].shape):
             gm.graph.erase_node(new)
             continue
         pv.replace_all_uses_with(new)
+        _erase_dead(gm, probs_chain)  # dead-code elimination keeps dropout (an impure op) alive
         count += 1
         biased += bool(has_bias)
     if count:
         remove_dead_code(gm)
     return PassResult(count, {"with_bias": biased} if count else {})
+
+
+def _erase_dead(gm: fx.GraphModule, chain: list[fx.Node]) -> None:
+    """Erase ``chain`` (softmax ... probs @ v, all single-user) from its end, with their asserts."""
+    for n in reversed(chain):
+        for u in [u for u in n.users if u.target in _ASSERTS]:
+            gm.graph.erase_node(u)
+        if n.users:
+            return
+        gm.graph.erase_node(n)
 
 
 def _split_baddbmm(gm, ctx, node, chain):
@@ -236,16 +249,44 @@ def _bias_exact_on_tree(probe: Probe, ctx: PassContext, qk: fx.Node, s: fx.Node)
     return True
 
 
-def _bias_nodes(ctx: PassContext, qk: fx.Node, chain: list[fx.Node], s: fx.Node) -> fx.Node:
-    """The scores with the product replaced by zeros (in the graph), in the product's shape."""
+def _is_mask_value(x) -> bool:
+    return isinstance(x, (int, float)) and x < 0 and (x == float("-inf") or x <= -1e30)
+
+
+def _masks_only(probe: Probe, side: fx.Node) -> bool:
+    """An additive operand whose values are only 0 and -inf/finfo.min (a mask, not a bias)."""
+    out = probe.run([side], chain_batch(PROBE_LENGTHS[-1]), {})
+    if out is None or not out[0].dtype.is_floating_point:
+        return False
+    v = out[0]
+    return bool(((v == 0) | ~_allowed(v)).all())
+
+
+def _bias_nodes(ctx: PassContext, probe: Probe, qk: fx.Node, chain: list[fx.Node], s: fx.Node) -> fx.Node:
+    """The scores with the product replaced by zeros (in the graph), in the product's shape.
+
+    Masking steps are left out (``masked_fill``/``where`` with -inf/finfo.min, additions of an operand
+    that holds only 0 and -inf): the op applies the tree mask, and on every pair the tree lets attend
+    the masks do not fire (checked on the probe tree), so the bias there is unchanged; their
+    subgraphs (``triu`` of DFS indices, ...) die."""
     val, g = qk.meta["val"], ctx.graph
     q, kt = qk.args[0], qk.args[1]
     shape = list(val.shape[:-2]) + [ctx.call(aten.sym_size.int, (q, q.meta["val"].dim() - 2)),
                                     ctx.call(aten.sym_size.int, (kt, kt.meta["val"].dim() - 1))]
     env = {qk: ctx.call(aten.zeros.default, (shape,), {"dtype": val.dtype, "device": val.device})}
+    prev = qk
     for n in chain:
-        new = g.node_copy(n, lambda a: env.get(a, a))
-        env[n] = ctx.set_val(new)
+        t, a = n.target, n.args
+        skip = ((t in (aten.masked_fill.Scalar, aten.masked_fill.Tensor) and a[0] is prev and _is_mask_value(a[2]))
+                or (t == aten.where.ScalarOther and a[1] is prev and _is_mask_value(a[2]))
+                or (t == aten.where.ScalarSelf and a[2] is prev and _is_mask_value(a[1]))
+                or (t == aten.add.Tensor and len(a) == 2 and not n.kwargs
+                    and _masks_only(probe, a[1] if a[0] is prev else a[0])))
+        if skip:
+            env[n] = env[prev]
+        else:
+            env[n] = ctx.set_val(g.node_copy(n, lambda x: env.get(x, x)))
+        prev = n
     out = env[s]
     if str(out.meta["val"].shape) != str(val.shape):
         out = ctx.call(aten.reshape.default, (out, shape))
