@@ -169,11 +169,14 @@ def hybrid():
 def test_pass_fires_and_default_pipeline_unchanged(dense, hybrid):
     for (model, tmodel, bmodel), want in ((dense, dict(attention=2, gdn=0, conv=0)),
                                           (hybrid, dict(attention=1, gdn=3, conv=3))):
-        assert "expose_boundary" not in tmodel.pass_results and tmodel.boundary is None
+        assert "expose_boundary" not in tmodel.pass_results and tmodel.program.boundary is None
         assert not any(n.name.startswith("boundary_") for n in tmodel.graph_module.graph.nodes)
         res = bmodel.pass_results["expose_boundary"]
         assert res.count == sum(want.values()) + 1
         assert {k: res.info[k] for k in want} == want
+        spec = bmodel.program.boundary
+        assert spec is res.spec and {k: getattr(spec, k) for k in want} == want
+        assert len(spec.input_shapes) == len(spec.inputs)
         targets = {n.target for n in bmodel.graph_module.graph.nodes}
         assert ops.tree_attention.default not in targets and ops.tree_gated_delta_rule.default not in targets
         assert ops.tree_causal_conv1d.default not in targets and ops.tree_attention_past.default in targets

@@ -26,13 +26,15 @@ root-to-hang chain) were computed by earlier partitions.  The rewritten graph th
 Graph inputs: the default ones, then (in this order) ``past_k``/``past_v`` per attention layer,
 ``past_visible``, ``initial_state`` per GDN layer, ``state_nodes``, ``past_x`` per conv, and
 ``past_hidden``.  Outputs: ``(loss, logprobs, k/v per attention layer, states per GDN layer, x per
-conv, hidden)``.  ``PassResult.info`` lists both as ``(kind, layer)`` pairs (``layer`` counts the
-layers of that kind in graph order; ``-1`` for shared entries) plus ``conv_width`` (K-1).
+conv, hidden)``.  The pass returns a :class:`BoundaryResult` whose ``spec`` (:class:`BoundarySpec`)
+is the contract the runtime reads: both lists as ``(kind, layer)`` pairs (``layer`` counts the layers
+of that kind in graph order; ``-1`` for shared entries), the inputs' shapes and ``conv_width`` (K-1).
 """
 
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 
 import torch
 from torch import fx
@@ -42,6 +44,8 @@ import treecompile.ops.tree_attention_past  # noqa: F401
 import treecompile.ops.tree_recurrent_past  # noqa: F401
 from treecompile.passes.base import PassContext, PassResult, UnsupportedModelError, remove_dead_code, where
 
+__all__ = ["BoundarySpec", "BoundaryResult", "expose_boundary"]
+
 aten = torch.ops.aten
 ATTENTION = torch.ops.treecompile.tree_attention.default
 ATTENTION_PAST = torch.ops.treecompile.tree_attention_past.default
@@ -49,6 +53,24 @@ GDN = torch.ops.treecompile.tree_gated_delta_rule.default
 GDN_STATES = torch.ops.treecompile.tree_gated_delta_rule_states.default
 CONV = torch.ops.treecompile.tree_causal_conv1d.default
 CONV_PAST = torch.ops.treecompile.tree_causal_conv1d_past.default
+
+
+@dataclass(frozen=True)
+class BoundarySpec:
+    """The boundary inputs and outputs of a partition graph, in graph order (module docstring)."""
+
+    inputs: tuple[tuple[str, int], ...]  # (kind, layer) after the batch inputs
+    input_shapes: tuple[tuple[tuple[int | None, ...], torch.dtype], ...]  # per input; None: a sized dim
+    outputs: tuple[tuple[str, int], ...]  # (kind, layer) after (loss, logprobs)
+    conv_width: int | None  # K-1 of the causal convs; None: no conv
+    attention: int  # layers of each kind
+    gdn: int
+    conv: int
+
+
+@dataclass
+class BoundaryResult(PassResult):
+    spec: BoundarySpec | None = None
 
 
 def _placeholder(ctx: PassContext, name: str, shape, dtype, device) -> fx.Node:
@@ -75,7 +97,7 @@ def _loss_rows(ctx: PassContext) -> fx.Node:
     return sites[0]
 
 
-def expose_boundary(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+def expose_boundary(gm: fx.GraphModule, ctx: PassContext) -> BoundaryResult:
     graph = gm.graph
     attn = [n for n in graph.nodes if n.op == "call_function" and n.target == ATTENTION]
     gdn = [n for n in graph.nodes if n.op == "call_function" and n.target == GDN]
@@ -169,7 +191,7 @@ def expose_boundary(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     loss, lp = out.args[0][:2]
     out.args = ((loss, lp, *exports),)
     remove_dead_code(gm)
-    return PassResult(len(attn) + len(gdn) + len(conv) + 1,
-                      {"inputs": tuple(inputs), "input_shapes": shapes, "outputs": tuple(outputs),
-                       "conv_width": width,
-                       "attention": len(attn), "gdn": len(gdn), "conv": len(conv)})
+    spec = BoundarySpec(inputs=tuple(inputs), input_shapes=shapes, outputs=tuple(outputs), conv_width=width,
+                        attention=len(attn), gdn=len(gdn), conv=len(conv))
+    return BoundaryResult(len(attn) + len(gdn) + len(conv) + 1,
+                          {"attention": len(attn), "gdn": len(gdn), "conv": len(conv)}, spec)

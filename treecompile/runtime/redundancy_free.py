@@ -24,8 +24,9 @@ ancestors), at most ``longest path + C`` tokens for this planner (``plan.peak_ch
 plus the exported boundary rows.  The summed partition losses equal the whole-tree loss and the
 gradients equal the whole tree's (checked in float64 in ``tests/test_redundancy_free.py``).
 
-The graph runs eagerly (CPU reference ops; on CUDA the same ops run with their dense-mask
-reference, not a compiled kernel).
+Each partition runs through the model's one runner, ``tmodel.program.run(batch, boundary_inputs)``;
+on CUDA the lowering (``passes/lower_cuda.py``) runs a boundary program eagerly and unpadded, and
+its boundary ops run their dense-mask reference (no flex/fla lowering of them yet).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from treecompile.passes.expose_boundary import BoundarySpec
 from treecompile.runtime.metrics import Reuse, reuse
 from treecompile.runtime.partition import RedundancyFreePlan
 
@@ -68,8 +70,8 @@ class _Alive:
     hidden: torch.Tensor | None = None  # leaf [E, D]
 
 
-def _spec(tmodel):
-    spec = getattr(tmodel, "boundary", None)
+def _spec(tmodel) -> BoundarySpec:
+    spec = tmodel.program.boundary
     if spec is None:
         raise ValueError("run_redundancy_free needs a model compiled with treecompile.compile(model, boundary=True)")
     return spec
@@ -109,7 +111,7 @@ class _Executor:
         self.plan = plan
         self.normalize = normalize
         self.spec = _spec(tmodel)
-        self.width = self.spec["conv_width"]
+        self.width = self.spec.conv_width
         self.device = tmodel.device
         self.alive: dict[int, _Alive] = {}
         self.conv_tok = _conv_tails(plan, self.width) if self.width else None
@@ -149,7 +151,7 @@ class _Executor:
         return src.index_select(dim, idx)
 
     def _empty(self, k: int, n: int) -> torch.Tensor:
-        shape, dtype = self.spec["input_shapes"][k]
+        shape, dtype = self.spec.input_shapes[k]
         dims = [n if d is None else d for d in shape]
         return torch.zeros(dims, dtype=dtype, device=self.device)
 
@@ -207,7 +209,7 @@ class _Executor:
         conv_at = self._gather_index(i, past[conv_used], lambda a: alive[a].conv_tok, "conv input") \
             if conv_used.numel() else None
         extra = []
-        for k, (kind, layer) in enumerate(spec["inputs"]):
+        for k, (kind, layer) in enumerate(spec.inputs):
             if kind in ("past_k", "past_v"):
                 j = 0 if kind == "past_k" else 1
                 extra.append(self._take(kv_at, lambda a: alive[a].kv[layer][j], 2) if kv_at else self._empty(k, 0))
@@ -224,7 +226,7 @@ class _Executor:
                 extra.append(self._take(hang_at, lambda a: alive[a].hidden, 0) if hang_at else self._empty(k, 0))
             else:
                 raise ValueError(f"unknown boundary input {kind!r}")
-        outs = self.tm.graph_module(*self.tm.graph_inputs(b2), *extra)
+        outs = self.tm.program.run(b2, extra)
         loss, lp = outs[0], outs[1]
 
         # exports: the rows descendants read
@@ -234,7 +236,7 @@ class _Executor:
         kv_pos = _local(tokens, kv_tok, "exported K/V", i).to(dev)
         conv_pos = _local(tokens, conv_tok, "exported conv input", i).to(dev)
         has_children = bool(part.children)
-        for (kind, layer), t in zip(spec["outputs"], outs[2:]):
+        for (kind, layer), t in zip(spec.outputs, outs[2:]):
             if not has_children:
                 break
             if kind in ("k", "v"):
