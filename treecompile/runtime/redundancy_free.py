@@ -171,7 +171,7 @@ class _Executor:
         hang_depth = int(plan.tree.depth[hang]) if hang >= 0 else -1
 
         # predecessor rows: every boundary predecessor must be the hang token
-        pred_boundary = ex["pred_boundary"]
+        pred_boundary = ex["pred_past"]
         has_pb = pred_boundary >= 0
         if bool(has_pb.any()) and bool((pred_boundary[has_pb] != hang_depth).any()):
             q = int(torch.nonzero(has_pb & (pred_boundary != hang_depth))[0])
