@@ -82,7 +82,7 @@ def _gdn_inputs(T, seed=2):
     return [q, k, v, g, beta]
 
 
-def test_gdn_boundary_are_each_nodes_final_state():
+def test_gdn_boundary_states_are_each_nodes_final_state():
     """final[state_nodes] == the recurrence run along the node's root path from initial_state."""
     tree, _ = _tree_and_plan()
     b = tree.to_batch()
@@ -266,3 +266,24 @@ def test_hybrid_odd_trees(hybrid, name):
     tree = Tree.from_paths([[t % VOCAB for t in p] for p in ODD_TREES[name]])
     for C in (1, 2, 4):
         check_partitioned(*hybrid, tree, C, "token_mean")
+
+
+def test_partitions_run_through_the_programs_one_runner(dense, monkeypatch):
+    """Every partition goes through ``program.run`` with its boundary inputs (the runner that also
+    picks the CUDA lowering); a default program refuses boundary inputs by name."""
+    model, tmodel, bmodel = dense
+    tree = Tree.from_paths([[1, 2, 3, 4, 5], [1, 2, 3, 6], [1, 7, 8, 9]])
+    plan = partition_redundancy_free(tree, 3)
+    calls = []
+    run = bmodel.program.run
+
+    def counting(batch, boundary_inputs=(), **kw):
+        calls.append(len(boundary_inputs))
+        return run(batch, boundary_inputs, **kw)
+
+    monkeypatch.setattr(bmodel.program, "run", counting)
+    run_redundancy_free(bmodel, plan)
+    model.zero_grad()
+    assert len(plan) > 1 and calls == [len(bmodel.program.boundary.inputs)] * len(plan)
+    with pytest.raises(TypeError, match="takes 0 boundary inputs, got 1.*boundary=True"):
+        tmodel.program.run(tree.to_batch(), [torch.zeros(1)])
