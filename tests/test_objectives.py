@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 from treecompile import NORMALIZATIONS, Tree, reference
 from treecompile.models import DenseConfig
 from treecompile.runtime.data import scatter_to_dfs
-from treecompile.runtime.objectives import (SFT, KLPenalty, PolicyGradient, PPOClip, SequenceClip,
-                                            grpo_advantages, token_coefficients)
+from treecompile.runtime.normalization import token_coefficients
+from treecompile.runtime.objectives import SFT, KLPenalty, PolicyGradient, PPOClip, SequenceClip, grpo_advantages
 from strategies import ODD_TREES, weighted_path_sets
 
 REL = 1e-9

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from treecompile import NORMALIZATIONS, Tree, reference
-from treecompile.runtime.dp import dp_multi_path, dp_single_path, leaf_groups_cost
+from treecompile.runtime.optimal_partition import dp_multi_path, dp_single_path, leaf_groups_cost
 from treecompile.runtime.metrics import dataset_reuse, reuse
 from treecompile.runtime.partition import TreeShape, pack, partition_redundancy_free
 from strategies import ODD_TREES, path_sets, weighted_path_sets
@@ -366,8 +366,8 @@ def brute_force_multi(tree, C) -> int:
 
 
 def brute_force_single(tree, C, order="deepest") -> int:
-    from treecompile.runtime.partition import _leaf_order
-    leaves, _ = _leaf_order(TreeShape(tree), order)
+    from treecompile.runtime.partition import leaf_order
+    leaves, _ = leaf_order(TreeShape(tree), order)
     L = len(leaves)
     best = None
     for cuts in itertools.product([0, 1], repeat=L - 1):
@@ -493,7 +493,10 @@ def test_gradients_match_per_path_reference(case, normalize):
     for i in range(len(plan)):
         b = plan.batch(i, normalize=normalize)
         sub_paths = plan.leaf_paths(i)
-        lp = _oracle_dfs(model, b.tree, sub_paths)
+        sub = Tree.from_paths(sub_paths)  # the partition as a tree of its own: the same DFS order
+        tok = plan.partitions[i].tokens
+        assert torch.equal(sub.input_ids, tree.input_ids[tok]) and torch.equal(sub.depth, tree.depth[tok])
+        lp = _oracle_dfs(model, sub, sub_paths)
         loss = loss - (b.loss_weight * lp).sum()
     g = _grads(model, loss)
     assert abs(loss.item() - ref.loss.item()) <= 1e-9 * abs(ref.loss.item()) + 1e-15
