@@ -195,6 +195,15 @@ def test_pack_padding_keeps_weights():
     b = rf.batch(1, pad_to_multiple=8)
     assert b.seq_len == 8 and (b.loss_weight[b.num_tokens:] == 0).all()
     assert (b.extras["pred_past"][b.num_tokens:] == -1).all()
+    # one padding rule (TreeBatch.padded): the padding is one extra root node; per-node extras follow
+    for b in (plan.batch(1, pad_to_multiple=8), rf.batch(1, pad_to_multiple=8)):
+        n = b.num_tokens
+        assert b.node_start[-1] == n and b.node_end[-1] == 8 and b.node_parent[-1] == -1
+        assert (b.node_id[n:] == b.num_nodes - 1).all() and (b.subtree_end[n:] == torch.arange(n, 8) + 1).all()
+    unpadded = rf.batch(1)
+    assert b.num_nodes == unpadded.num_nodes + 1
+    assert b.extras["node_past_parent"].tolist() == unpadded.extras["node_past_parent"].tolist() + [-1]
+    assert b.extras["conv_past_index"].shape == (8, 3) and b.extras["past_visible"].shape == (8,)
 
 
 # ------------------------------------------------------------------------------- redundancy-free

@@ -517,6 +517,10 @@ class TreeBatch:
         """
         if pad_to_multiple is not None and (isinstance(pad_to_multiple, bool) or int(pad_to_multiple) < 1):
             raise ValueError(f"pad_to_multiple: expected a positive integer, got {pad_to_multiple}")
+        if tokens is not None and (tokens.dim() != 1 or tokens.numel() == 0 or tokens.dtype != torch.long
+                                   or bool((tokens[1:] <= tokens[:-1]).any()) or int(tokens[0]) < 0
+                                   or int(tokens[-1]) >= tree.num_tokens):
+            raise ValueError("tokens: expected ascending, distinct whole-tree DFS indices (int64, at least one)")
         if weights is None:
             weights = tree.token_weights(normalize)
             if tokens is not None:
@@ -535,9 +539,6 @@ class TreeBatch:
                         num_paths=tree.num_paths if num_paths is None else num_paths, normalize=normalize)
         else:
             tok = tokens
-            if tok.dim() != 1 or n == 0 or (n > 1 and not bool((tok[1:] > tok[:-1]).all())) \
-                    or int(tok[0]) < 0 or int(tok[-1]) >= tree.num_tokens:
-                raise ValueError("tokens: expected ascending, distinct whole-tree DFS indices (at least one)")
             pred = _to_local(tok, tree.pred[tok])
             ar = torch.arange(n, dtype=torch.long)
             # a node starts at a whole-tree node start, and wherever the path leaves the subset
