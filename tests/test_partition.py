@@ -102,6 +102,11 @@ def check_packed(paths, C, masks=None, weights=None):
         glob_pred = tree.pred[tok]
         loc_pred = bt.pred_index[:bt.num_tokens]
         assert torch.equal(torch.where(loc_pred >= 0, tok[loc_pred.clamp(min=0)], -1), glob_pred)
+        # ... with the radix nodes of the tree of its own leaf paths (no extra GDN segments or levels)
+        own = Tree.from_paths(plan.leaf_paths(part.index)).to_batch()
+        for f in ("pred_index", "subtree_end", "node_id", "node_start", "node_end", "node_parent", "node_level",
+                  "conv_index"):
+            assert torch.equal(getattr(bt, f), getattr(own, f)), f
     assert (owned_count == 1).all(), "each token's weight is carried by exactly one partition"
     assert (assigned == 1).all(), "each path is assigned to exactly one partition"
     assert plan.cost == sum(p.num_tokens for p in plan.partitions) >= T

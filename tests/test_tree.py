@@ -166,13 +166,22 @@ def test_from_tokens_restricts_the_tree(pmw, seed, K):
     sees = (tok[None, :] <= tok[:, None]) & (tok[:, None] < se[None, :])
     ar = torch.arange(n)
     assert torch.equal((ar[None, :] <= ar[:, None]) & (ar[:, None] < b.subtree_end[:n][None, :]), sees)
-    # nodes: contiguous along the path, inside one whole-tree node; the padding is one extra root node
+    # radix nodes of the subset: j ends its node iff it has != 1 child in the subset, its child is not
+    # j+1, or it is one of node_ends; a node's parent holds its first token's predecessor
+    ends = tok[torch.rand(n, generator=g) < 0.2]
+    b = TreeBatch.from_tokens(tree, tok, weights=w, conv_kernel=K, pad_to_multiple=8, node_ends=ends)
+    pred = b.pred_index[:n].tolist()
+    for j in range(n):
+        kids = [q for q in range(n) if pred[q] == j]
+        want_end = len(kids) != 1 or kids[0] != j + 1 or int(tok[j]) in set(ends.tolist())
+        assert (int(b.node_end[int(b.node_id[j])]) == j + 1) == want_end, j
+        if j > 0 and int(b.node_start[int(b.node_id[j])]) < j:
+            assert pred[j] == j - 1
     for k in range(b.num_nodes - (b.seq_len > n)):
-        s_, e_ = int(b.node_start[k]), int(b.node_end[k])
-        assert all(int(b.pred_index[t]) == t - 1 for t in range(s_ + 1, e_))
-        assert len(set(tree.node_id[tok[s_:e_]].tolist())) == 1
+        s_ = int(b.node_start[k])
         par = int(b.node_parent[k])
-        assert par == (int(b.node_id[int(b.pred_index[s_])]) if int(b.pred_index[s_]) >= 0 else -1)
+        assert par == (int(b.node_id[pred[s_]]) if pred[s_] >= 0 else -1)
+        assert int(b.node_level[k]) == (0 if par < 0 else int(b.node_level[par]) + 1)
     if b.seq_len > n:
         assert b.node_start[-1] == n and b.node_end[-1] == b.seq_len and b.node_parent[-1] == -1
 

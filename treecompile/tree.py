@@ -501,8 +501,8 @@ class TreeBatch:
     @classmethod
     def from_tokens(cls, tree: Tree, tokens: torch.Tensor | None, *, weights: torch.Tensor | None = None,
                     normalize: str = "sum", conv_kernel: int = DEFAULT_CONV_KERNEL,
-                    pad_to_multiple: int | None = None, device=None,
-                    num_paths: int | None = None) -> "TreeBatch":
+                    pad_to_multiple: int | None = None, device=None, num_paths: int | None = None,
+                    node_ends: torch.Tensor | None = None) -> "TreeBatch":
         """The one batch builder: ``tree`` restricted to ``tokens`` (whole-tree DFS indices, ascending;
         None: every token), serialised in the whole tree's DFS order.
 
@@ -510,10 +510,12 @@ class TreeBatch:
         :meth:`Tree.token_weights` of ``normalize`` on those tokens.  ``normalize`` names what the
         weights are.  For a subset, links that leave it are cut: ``pred_index``/``conv_index`` are -1
         where the path predecessor lies outside (the caller feeds that context, e.g. a redundancy-free
-        boundary); radix nodes are the whole tree's, cut again where the subset is not contiguous
-        along a path (so every token with a child outside ends a node); ``tree`` is None (the batch is
-        not a set of whole paths; ``extras["tokens"]`` maps back) and ``num_paths`` is the caller's
-        count.  Padding: :meth:`padded`.
+        boundary); radix nodes are the subset's own (a node runs along a path while each token has
+        exactly one child in the subset: a prefix-closed subset gets the nodes of the tree of its
+        paths), and also end after every whole-tree token in ``node_ends`` (e.g. where a later
+        partition starts from the recurrent state); ``tree`` is None (the batch is not a set of
+        whole paths; ``extras["tokens"]`` maps back) and ``num_paths`` is the caller's count.
+        Padding: :meth:`padded`.
         """
         if pad_to_multiple is not None and (isinstance(pad_to_multiple, bool) or int(pad_to_multiple) < 1):
             raise ValueError(f"pad_to_multiple: expected a positive integer, got {pad_to_multiple}")
@@ -541,8 +543,15 @@ class TreeBatch:
             tok = tokens
             pred = _to_local(tok, tree.pred[tok])
             ar = torch.arange(n, dtype=torch.long)
-            # a node starts at a whole-tree node start, and wherever the path leaves the subset
-            is_cut = (tree.node_start[tree.node_id[tok]] == tok) | (pred != ar - 1) | (pred < 0)
+            # radix nodes of the subset: token j continues j-1's node iff j-1 is its predecessor, has no
+            # other child in the subset, and is not in node_ends
+            children = torch.zeros(n + 1, dtype=torch.long).index_add_(0, pred + 1, torch.ones_like(pred))[1:]
+            keep_end = torch.zeros(n, dtype=torch.bool)
+            if node_ends is not None:
+                e = _to_local(tok, torch.as_tensor(node_ends, dtype=torch.long).flatten())
+                keep_end[e[e >= 0]] = True
+            prev = (ar - 1).clamp(min=0)
+            is_cut = (pred < 0) | (pred != ar - 1) | (children[prev] != 1) | keep_end[prev]
             node_start, node_end, node_id, node_parent, node_level, _ = _radix_nodes(is_cut, pred)
             batch = cls(input_ids=tree.input_ids[tok], position_ids=tree.depth[tok], pred_index=pred,
                         loss_weight=weights, subtree_end=torch.searchsorted(tok, tree.subtree_end[tok]),

@@ -432,8 +432,10 @@ class RedundancyFreePlan(_PlanCost):
         tree = self.tree
         tok = self.partitions[i].tokens
         n = tok.numel()
+        # a node ends at each token a child partition hangs below (the executor hands its state on)
+        hangs = torch.tensor([self.partitions[c].hang for c in self.partitions[i].children], dtype=torch.long)
         b = TreeBatch.from_tokens(tree, tok, weights=weights[tok], normalize=normalize, conv_kernel=conv_kernel,
-                                  pad_to_multiple=pad_to_multiple,
+                                  pad_to_multiple=pad_to_multiple, node_ends=hangs,
                                   num_paths=int((self._owner[tree.path_end] == i).sum()))
         # the context outside the partition: along a path it is the boundary chain, position == depth
         past = self.boundary(i)
