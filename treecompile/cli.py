@@ -1,8 +1,10 @@
-"""Command line: ``treecompile {demo, rewrite, inspect, stats, bench}``.
+"""Command line: ``treecompile {demo, rewrite, inspect, stats}``.
 
-Conventions: ``--help`` on every command; exit status 0 (done), 1 (a problem with the user's input or
-environment: one line on stderr naming the file or argument, no traceback), 2 (usage, from argparse);
-outputs are written to a temporary name and renamed, so a failure leaves nothing behind.
+Conventions: ``--help`` on every command (it imports no torch: heavy imports happen inside the
+commands); exit status 0 (done), 1 (a problem with the user's input or environment: one line on
+stderr naming the file, ``file:line``, argument or model construct, no traceback), 2 (usage, from
+argparse); outputs are written to a temporary name and renamed, so a failure leaves nothing behind.
+``bench`` is not here: the harness runs from a source checkout as ``python -m benchmarks.harness``.
 """
 
 from __future__ import annotations

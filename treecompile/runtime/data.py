@@ -1,4 +1,5 @@
-"""Trajectory JSONL -> trees, streamed, one tree at a time.
+"""Trajectory JSONL -> trees, streamed, one tree at a time: the one reader of the format
+(training and ``treecompile stats`` both use it).
 
 One JSON object per line (blank lines are skipped; everything else is a trajectory = one path):
 
@@ -20,6 +21,7 @@ key                type                      meaning
 Rules (each violation is a ValueError ``"<file>:<line>: <what>"``; nothing is dropped or truncated):
 
 - Any other key is an error (a typo such as ``loss_masks`` would otherwise train every token).
+  ``group_id`` is not an alias of ``tree_id`` (one name for one thing); its error says to rename it.
 - ``NaN``/``Infinity`` literals and numbers that overflow to infinity are errors; so are bools
   where numbers or ids are expected, and floats in ``input_ids``.
 - Per-token lists must have exactly ``len(input_ids)`` entries.  ``old_logprobs`` and
