@@ -152,7 +152,9 @@ def _check_out(out: Path, overwrite: bool) -> None:
         raise UserError(f"--out {out}: parent directory {parent} is not writable")
     if not out.exists() and not out.is_symlink():
         return
-    if out.is_symlink() or not out.is_dir():
+    if out.is_symlink():
+        raise UserError(f"--out {out}: is a symbolic link; --out must be a new or empty directory")
+    if not out.is_dir():
         raise UserError(f"--out {out}: is an existing file; --out must be a new or empty directory"
                         + (" (--overwrite replaces only a saved program directory)" if overwrite else ""))
     here = Path.cwd().resolve()
@@ -279,57 +281,9 @@ def _modules(paths: list[str], show: int = 2) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- stats
-def stats_modes() -> tuple[str, ...]:
-    """The modes ``stats`` reports: ``whole`` (one batch per tree) and train_step's partitioned modes."""
-    from treecompile.runtime.train import MODES
-
-    return ("whole", *MODES)
-
-
-def tree_stats(tree, budget: int) -> dict:
-    """Paths, path tokens, unique tokens, POR and ERR/partitions per partitioning mode at ``budget``."""
-    from treecompile.runtime.metrics import reuse
-    from treecompile.runtime.partition import pack, partition_redundancy_free
-
-    row = {"paths": tree.num_paths, "path_tokens": tree.num_path_tokens, "unique_tokens": tree.num_tokens,
-           "por": tree.por, "modes": {}}
-    row["modes"]["whole"] = {"computed_tokens": tree.num_tokens, "err": reuse(tree).err, "partitions": 1}
-    longest = int(tree.path_lengths.max())
-    if longest <= budget:
-        plan = pack(tree, budget)
-        r = plan.reuse()
-        row["modes"]["packed"] = {"computed_tokens": r.computed_tokens, "err": r.err, "partitions": len(plan)}
-    else:
-        row["modes"]["packed"] = {"computed_tokens": None, "err": None, "partitions": None,
-                                  "why": f"a path of {longest} tokens exceeds the budget {budget}"}
-    rf = partition_redundancy_free(tree, budget)
-    r = rf.reuse()
-    row["modes"]["redundancy_free"] = {"computed_tokens": r.computed_tokens, "err": r.err, "partitions": len(rf)}
-    return row
-
-
-def total_stats(rows: list[dict]) -> dict:
-    """Token-summed totals (POR/ERR over summed tokens); a mode that some tree cannot run is None."""
-    pt = sum(r["path_tokens"] for r in rows)
-    ut = sum(r["unique_tokens"] for r in rows)
-    tot = {"trees": len(rows), "paths": sum(r["paths"] for r in rows), "path_tokens": pt, "unique_tokens": ut,
-           "por": 1 - ut / pt, "modes": {}}
-    for mode in stats_modes():
-        ms = [r["modes"][mode] for r in rows]
-        if any(m["computed_tokens"] is None for m in ms):
-            n = sum(m["computed_tokens"] is None for m in ms)
-            tot["modes"][mode] = {"computed_tokens": None, "err": None, "partitions": None,
-                                  "why": f"{n} tree(s) have a path longer than the budget"}
-        else:
-            c = sum(m["computed_tokens"] for m in ms)
-            tot["modes"][mode] = {"computed_tokens": c, "err": 1 - c / pt, "partitions": sum(m["partitions"] for m in ms)}
-    return tot
-
-
 def cmd_stats(args) -> int:
-    from tabulate import tabulate
-
     from treecompile.runtime.data import read_trajectories
+    from treecompile.runtime.stats import stats_table, total_stats, tree_stats
 
     if args.budget < 1:
         raise UserError(f"--budget {args.budget}: must be a positive number of tokens")
@@ -354,24 +308,9 @@ def cmd_stats(args) -> int:
                           "trees": rows, "total": total}, indent=1))
         return 0
 
-    def fmt(m, key):
-        v = m[key]
-        return "-" if v is None else f"{v:.4f}" if key == "err" else v
-
-    headers = ["tree", "paths", "path tok", "unique tok", "POR", "bound 1/(1-POR)"]
-    modes = stats_modes()
-    for mode in modes:
-        headers += [f"ERR {mode}", f"parts {mode}"]
-    table = []
-    for r in rows + [{"tree_id": "TOTAL", **total}]:
-        line = [r["tree_id"], r["paths"], r["path_tokens"], r["unique_tokens"], f"{r['por']:.4f}",
-                f"{1 / (1 - r['por']):.2f}x" if r["por"] < 1 else "inf"]
-        for mode in modes:
-            line += [fmt(r["modes"][mode], "err"), fmt(r["modes"][mode], "partitions")]
-        table.append(line)
     print(f"{path}: {len(rows)} trees, budget C={args.budget} tokens "
           f"(ERR = 1 - computed/path tokens; totals are token-summed)")
-    print(tabulate(table, headers=headers, tablefmt="github"))
+    print(stats_table(rows, total))
     why = total["modes"]["packed"].get("why")
     if why:
         print(f"packed: {why} (packed partitioning needs every path whole in one partition)")
