@@ -43,7 +43,6 @@ ascending).  Redundancy-free plans are run by :mod:`treecompile.runtime.redundan
 from __future__ import annotations
 
 import bisect
-import dataclasses
 from dataclasses import dataclass, field
 
 import torch

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -53,12 +52,13 @@ from treecompile.runtime.metrics import Reuse, dataset_reuse
 from treecompile.runtime.normalization import GlobalNorm, partition_batch, tree_batch
 from treecompile.runtime.objectives import SFT
 from treecompile.runtime.partition import pack, partition_redundancy_free
+from treecompile.runtime.progress import Progress
 from treecompile.runtime.redundancy_free import run_redundancy_free
 from treecompile.tree import NORMALIZATIONS, Tree
 
 __all__ = ["train_step", "StepResult", "MODES"]
 
-MODES = ("packed", "redundancy_free")
+MODES = ("packed", "redundancy_free")  # partitioned modes; None: each tree whole (stats calls it "whole")
 
 
 @dataclass
@@ -102,29 +102,6 @@ def _items(tree_or_trees) -> list[_Item]:
     return out
 
 
-class _Progress:
-    """A one-line progress bar on stderr (no dependency), redrawn at most 10 times a second."""
-
-    def __init__(self, total: int, enabled: bool, width: int = 30):
-        self.total, self.enabled, self.width = total, enabled, width
-        self.done = self.tokens = 0
-        self.t0 = self.last = time.perf_counter()
-
-    def update(self, tokens: int) -> None:
-        self.done += 1
-        self.tokens += tokens
-        now = time.perf_counter()
-        if self.enabled and (now - self.last >= 0.1 or self.done == self.total):
-            self.last = now
-            fill = self.width * self.done // max(self.total, 1)
-            sys.stderr.write(f"\rtrain_step [{'#' * fill}{'.' * (self.width - fill)}] {self.done}/{self.total} "
-                             f"batches, {self.tokens} tokens, {now - self.t0:.1f}s")
-            sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.enabled:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
 
 
 def train_step(tmodel, tree_or_trees: Tree | TrajectoryTree | Sequence[Tree | TrajectoryTree], objective=None,
@@ -178,7 +155,7 @@ def train_step(tmodel, tree_or_trees: Tree | TrajectoryTree | Sequence[Tree | Tr
         except ValueError as e:
             raise ValueError(f"{it.label}: {e}") from None
     total = sum(1 if p is None else len(p) for p in plans)
-    bar = _Progress(total, progress)
+    bar = Progress(total, "train_step", enabled=progress, unit="batches")
 
     if optimizer is not None:
         optimizer.zero_grad(set_to_none=True)
