@@ -70,7 +70,8 @@ def test_attention_boundary_gradients_and_opcheck():
                                       fast_mode=True)
     torch.library.opcheck(ops.tree_attention_boundary.default, (*args[:3], se, *args[3:], vis))
     # an empty boundary is the plain tree attention
-    out = ops.tree_attention_boundary(*args[:3], se, args[3][:, :, :0], args[4][:, :, :0], torch.zeros(T, dtype=torch.long))
+    out = ops.tree_attention_boundary(*args[:3], se, args[3][:, :, :0], args[4][:, :, :0],
+                                      torch.zeros(T, dtype=torch.long))
     assert torch.equal(out, tree_attention_reference(*args[:3], se))
 
 

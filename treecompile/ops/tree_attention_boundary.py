@@ -7,8 +7,8 @@ local key ``k`` iff ``k <= q < subtree_end[k]`` (the usual DFS tree rule).  The 
 both sets together, so the result equals the whole tree's attention for that token.
 
 Shapes: ``q [1, H, T, D]``, ``k [1, Hkv, T, D]``, ``v [1, Hkv, T, Dv]``, ``subtree_end [T]`` int64,
-``boundary_k [1, Hkv, B, D]``, ``boundary_v [1, Hkv, B, Dv]`` (B may be 0), ``boundary_visible [T]`` int64 in
-``[0, B]``; ``H % Hkv == 0`` (GQA as SDPA's ``enable_gqa``).  Returns ``[1, H, T, Dv]``.
+``boundary_k [1, Hkv, B, D]``, ``boundary_v [1, Hkv, B, Dv]`` (B may be 0), ``boundary_visible [T]``
+int64 in ``[0, B]``; ``H % Hkv == 0`` (GQA as SDPA's ``enable_gqa``).  Returns ``[1, H, T, Dv]``.
 
 CPU reference (runs on any device torch runs on): SDPA with a dense ``[T, B + T]`` boolean mask.
 The backward recomputes the reference under autograd and returns gradients for ``q, k, v`` and for
@@ -38,8 +38,8 @@ def tree_attention_boundary_reference(q, k, v, subtree_end, boundary_k, boundary
     keys = torch.cat([boundary_k, k], 2)
     vals = torch.cat([boundary_v, v], 2)
     enable_gqa = int(q.shape[1]) != int(k.shape[1])
-    return F.scaled_dot_product_attention(q, keys, vals, attn_mask=boundary_tree_mask(subtree_end, boundary_visible, B),
-                                          scale=scale, enable_gqa=enable_gqa)
+    mask = boundary_tree_mask(subtree_end, boundary_visible, B)
+    return F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
 
 
 def _check(q, k, v, subtree_end, boundary_k, boundary_v, boundary_visible):
@@ -47,13 +47,14 @@ def _check(q, k, v, subtree_end, boundary_k, boundary_v, boundary_visible):
         raise ValueError(f"tree_attention_boundary: expected q [1,H,T,D], k/v [1,Hkv,T,D]; got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
     if q.shape[1] % k.shape[1]:
-        raise ValueError(f"tree_attention_boundary: {q.shape[1]} query heads is not a multiple of {k.shape[1]} kv heads")
+        raise ValueError(f"tree_attention_boundary: {q.shape[1]} query heads is not a multiple of "
+                         f"{k.shape[1]} kv heads")
     if boundary_k.dim() != 4 or boundary_k.shape[:2] != k.shape[:2] or boundary_k.shape[3] != k.shape[3]:
         raise ValueError(f"tree_attention_boundary: boundary_k must be [1, Hkv={k.shape[1]}, B, D={k.shape[3]}], "
                          f"got {tuple(boundary_k.shape)}")
     if boundary_v.dim() != 4 or boundary_v.shape[:3] != boundary_k.shape[:3] or boundary_v.shape[3] != v.shape[3]:
-        raise ValueError(f"tree_attention_boundary: boundary_v must be [1, Hkv, B={boundary_k.shape[2]}, Dv={v.shape[3]}], "
-                         f"got {tuple(boundary_v.shape)}")
+        raise ValueError(f"tree_attention_boundary: boundary_v must be [1, Hkv, B={boundary_k.shape[2]}, "
+                         f"Dv={v.shape[3]}], got {tuple(boundary_v.shape)}")
     T = q.shape[2]
     for name, t in (("subtree_end", subtree_end), ("boundary_visible", boundary_visible)):
         if t.shape != (T,) or t.dtype != torch.long:
@@ -62,11 +63,12 @@ def _check(q, k, v, subtree_end, boundary_k, boundary_v, boundary_visible):
 
 @torch.library.custom_op("treecompile::tree_attention_boundary", mutates_args=())
 def tree_attention_boundary(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, subtree_end: torch.Tensor,
-                        boundary_k: torch.Tensor, boundary_v: torch.Tensor, boundary_visible: torch.Tensor,
-                        scale: float | None = None) -> torch.Tensor:
+                            boundary_k: torch.Tensor, boundary_v: torch.Tensor, boundary_visible: torch.Tensor,
+                            scale: float | None = None) -> torch.Tensor:
     _check(q, k, v, subtree_end, boundary_k, boundary_v, boundary_visible)
     with torch.no_grad():
-        return tree_attention_boundary_reference(q, k, v, subtree_end, boundary_k, boundary_v, boundary_visible, scale).contiguous()
+        return tree_attention_boundary_reference(q, k, v, subtree_end, boundary_k, boundary_v, boundary_visible,
+                                                 scale).contiguous()
 
 
 @tree_attention_boundary.register_fake
@@ -84,7 +86,8 @@ def _backward(ctx, grad):
     q, k, v, subtree_end, boundary_k, boundary_v, boundary_visible = ctx.saved_tensors
     with torch.enable_grad():
         xs = [t.detach().requires_grad_() for t in (q, k, v, boundary_k, boundary_v)]
-        out = tree_attention_boundary_reference(xs[0], xs[1], xs[2], subtree_end, xs[3], xs[4], boundary_visible, ctx.scale)
+        out = tree_attention_boundary_reference(xs[0], xs[1], xs[2], subtree_end, xs[3], xs[4], boundary_visible,
+                                                ctx.scale)
         gq, gk, gv, gpk, gpv = torch.autograd.grad(out, xs, grad)
     return gq, gk, gv, None, gpk, gpv, None, None
 

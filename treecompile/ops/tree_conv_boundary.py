@@ -30,7 +30,7 @@ def _conv_all(x, weight, bias, conv_index, boundary_x, activation):
 
 @torch.library.custom_op("treecompile::tree_causal_conv1d_boundary", mutates_args=())
 def tree_causal_conv1d_boundary(x: Tensor, weight: Tensor, bias: Optional[Tensor], conv_index: Tensor,
-                            boundary_x: Tensor, activation: Optional[str] = None) -> Tensor:
+                                boundary_x: Tensor, activation: Optional[str] = None) -> Tensor:
     """Tree causal conv1d whose context may read boundary columns ``boundary_x`` (module docstring)."""
     T, P = x.shape[2], boundary_x.shape[2]
     if boundary_x.dim() != 3 or boundary_x.shape[:2] != x.shape[:2]:

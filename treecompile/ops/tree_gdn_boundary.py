@@ -34,10 +34,10 @@ def _check_states(node_start, initial_state, state_nodes):
 
 @torch.library.custom_op("treecompile::tree_gated_delta_rule_boundary", mutates_args=())
 def tree_gated_delta_rule_boundary(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, node_start: Tensor,
-                                 node_end: Tensor, node_parent: Tensor, node_level: Tensor,
-                                 initial_state: Tensor, state_nodes: Tensor, *, scale: Optional[float] = None,
-                                 use_qk_l2norm_in_kernel: bool = False,
-                                 chunk_size: int = 64) -> tuple[Tensor, Tensor]:
+                                   node_end: Tensor, node_parent: Tensor, node_level: Tensor,
+                                   initial_state: Tensor, state_nodes: Tensor, *, scale: Optional[float] = None,
+                                   use_qk_l2norm_in_kernel: bool = False,
+                                   chunk_size: int = 64) -> tuple[Tensor, Tensor]:
     """Tree GDN from ``initial_state``; returns ``(o [1, T, Hv, Dv], final[state_nodes] [E, Hv, Dk, Dv])``."""
     check_inputs(q, k, v, g, beta, node_start, node_end, node_parent, node_level, initial_state)
     _check_states(node_start, initial_state, state_nodes)

@@ -8,8 +8,9 @@
 - **forward of partition i** (parents first): its boundary tensors are gathered from its ancestors'
   exports: per attention layer the K/V of its boundary (the tokens from the root to the token it
   hangs below, ``hang``), per GDN layer the recurrent state after the hang token, per conv the inputs
-  of the boundary tokens inside the kernel's reach, and the hang token's final hidden row (it predicts the first token below the hang: that log-prob and its
-  loss weight stay in the child; the hidden row is fed, the gradient goes back through it).  The
+  of the boundary tokens inside the kernel's reach, and the hang token's final hidden row (it
+  predicts the first token below the hang: that log-prob and its loss weight stay in the child; the
+  hidden row is fed, the gradient goes back through it).  The
   graph returns the partition's loss and its own per-layer tensors; the executor keeps only the rows
   that later partitions read (``plan.exported(i)`` for K/V, the children's hang tokens for states
   and hidden rows, boundary tails for conv inputs) together with their autograd graph, and hands
