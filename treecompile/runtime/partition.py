@@ -449,8 +449,8 @@ class RedundancyFreePlan(_PlanCost):
         real_nodes = b.node_start[:Nn] < n
         node_past_parent = torch.full((Nn,), -1, dtype=torch.long)
         node_past_parent[real_nodes] = pred_past[b.node_start[real_nodes]]
-        b.extras.update(past_index=past, past_visible=_pad(past_visible, T - n, 0),
-                        pred_past=_pad(pred_past, T - n, -1), conv_past_index=_pad(ctx_past[:, :conv_kernel - 1], T - n, -1),
+        b.extras.update(past_index=past, past_visible=_pad(past_visible, T - n, 0), pred_past=_pad(pred_past, T - n, -1),
+                        conv_past_index=_pad(ctx_past[:, :conv_kernel - 1], T - n, -1),
                         node_past_parent=node_past_parent)
         return b.to(device) if device is not None else b
 
