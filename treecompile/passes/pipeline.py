@@ -8,9 +8,15 @@ Passes, in order (one module each in this package):
 - ``rewrite_positions`` (rewrite_positions.py): sequence ``arange`` -> the tree's depth positions.
 - ``rewrite_loss`` (rewrite_loss.py): logits -> per-token log-probs at the path predecessor and the
   weighted loss; outputs become ``(loss, logprobs)``.
+- ``verify_token_locality`` (verify_token_locality.py): last; proves that every op treats tokens
+  independently (or is a tree op) and refuses the graph otherwise, naming each token-mixing site.
+  Disabling it warns (:class:`UnverifiedGraphWarning`): the graph may then read other branches.
 ``BOUNDARY_PASSES`` (``treecompile.compile(model, boundary=True)``) appends
 - ``expose_boundary`` (expose_boundary.py): the graph takes and returns the per-layer boundary
-  tensors of a redundancy-free partition (K/V, GDN states, conv inputs, predecessor hidden rows).
+  tensors of a redundancy-free partition (K/V, GDN states, conv inputs, predecessor hidden rows),
+  before the verifier.
+Nodes a pass inserts are marked ``meta["treecompile_pass"] = <pass name>`` (the verifier's contract:
+they are tree-aware by construction).
 Set ``debug=True`` (or the ``treecompile.passes`` logger to DEBUG) to log each
 pass's time and what it changed.
 """
@@ -19,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from typing import Callable
 
 from torch import fx
@@ -30,6 +37,7 @@ from treecompile.passes.rewrite_attention import rewrite_attention
 from treecompile.passes.rewrite_loss import rewrite_loss
 from treecompile.passes.rewrite_positions import rewrite_positions
 from treecompile.passes.route_gdn_states import route_gdn_states
+from treecompile.passes.verify_token_locality import PASS_KEY, verify_token_locality
 
 log = logging.getLogger("treecompile.passes")
 
@@ -41,12 +49,18 @@ PASSES: list[tuple[str, PassFn]] = [
     ("route_gdn_states", route_gdn_states),
     ("rewrite_positions", rewrite_positions),
     ("rewrite_loss", rewrite_loss),
+    ("verify_token_locality", verify_token_locality),
 ]
-BOUNDARY_PASSES: list[tuple[str, PassFn]] = PASSES + [("expose_boundary", expose_boundary)]
+BOUNDARY_PASSES: list[tuple[str, PassFn]] = PASSES[:-1] + [("expose_boundary", expose_boundary), PASSES[-1]]
+VERIFIER = "verify_token_locality"
 
 
 class PassError(RuntimeError):
     """A pass failed; the message names it and the passes that ran before it."""
+
+
+class UnverifiedGraphWarning(UserWarning):
+    """The token-locality verifier was disabled: nothing shows that the graph reads only its path."""
 
 
 def run_passes(gm: fx.GraphModule, ctx: PassContext, *, disable: tuple[str, ...] = (),
@@ -56,12 +70,17 @@ def run_passes(gm: fx.GraphModule, ctx: PassContext, *, disable: tuple[str, ...]
     if unknown:
         raise ValueError(f"disable: unknown pass name(s) {sorted(unknown)}; passes are "
                          f"{[name for name, _ in passes]}")
+    if VERIFIER in disable:
+        warnings.warn(f"disable={tuple(disable)!r} turns off {VERIFIER}: the rewritten graph is UNVERIFIED; an op "
+                      f"that mixes tokens along the sequence would read other branches of the tree and train "
+                      f"silently wrong", UnverifiedGraphWarning, stacklevel=3)
     results: dict[str, PassResult] = {}
     ran: list[str] = []
     for name, fn in passes:
         if name in disable:
             continue
         t0 = time.perf_counter()
+        before = set(gm.graph.nodes)
         try:
             res = fn(gm, ctx)
         except Exception as e:
@@ -70,12 +89,15 @@ def run_passes(gm: fx.GraphModule, ctx: PassContext, *, disable: tuple[str, ...]
         if res.count:
             gm.graph.lint()
             gm.recompile()
+        for n in gm.graph.nodes:
+            if n not in before:
+                n.meta.setdefault(PASS_KEY, name)
         ran.append(name)
         results[name] = res
-        msg = "pass %s: %d change(s) %s in %.1f ms"
-        args = (name, res.count, res.info or "", 1e3 * (time.perf_counter() - t0))
-        if debug:
-            log.warning(msg, *args)
-        else:
-            log.debug(msg, *args)
+        level = logging.WARNING if debug else logging.DEBUG
+        info = {k: v for k, v in res.info.items() if k != "sites"}
+        log.log(level, "pass %s: %d change(s) %s in %.1f ms", name, res.count, info or "",
+                1e3 * (time.perf_counter() - t0))
+        for site in res.info.get("sites", ()):
+            log.log(level, "  token-mixing site %s", site)
     return results
