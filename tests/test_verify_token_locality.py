@@ -284,3 +284,20 @@ def test_verifier_runs_last_in_both_pipelines():
     from treecompile.passes.pipeline import BOUNDARY_PASSES, PASSES
 
     assert PASSES[-1][0] == BOUNDARY_PASSES[-1][0] == "verify_token_locality"
+
+
+def test_saved_manifest_and_inspect_list_the_sites(tmp_path, capsys):
+    from treecompile import cli, saved
+
+    torch.manual_seed(0)
+    tm = treecompile.compile(OneOp(_mean_feat).double())
+    saved.save(tm, tmp_path / "prog")
+    sites = saved.read_manifest(tmp_path / "prog")["passes"]["verify_token_locality"]["info"]["sites"]
+    assert {s["op"] for s in sites} >= {"treecompile.linear_logprobs.default", "aten.index_select.default"}
+    assert all(set(s) == {"node", "op", "source", "action", "detail"} for s in sites)
+    assert cli.main(["inspect", str(tmp_path / "prog")]) == 0
+    out = capsys.readouterr().out
+    assert "token-mixing sites" in out and "linear_logprobs" in out and "tree-aware" in out
+    loaded = saved.load(tmp_path / "prog")
+    batch = Tree.from_paths(PATHS).to_batch()
+    assert float(loaded(batch).loss) == float(tm(batch).loss)

@@ -109,8 +109,9 @@ def is_elementwise(op) -> bool:
 class Op:
     """One call: its bound arguments and the token dims of its tensor inputs."""
 
-    def __init__(self, node: fx.Node, tok, t_dims):
-        self.node, self.op, self._tok, self.t_dims = node, node.target, tok, t_dims
+    def __init__(self, node: fx.Node, tok, t_dims, layout, T):
+        self.node, self.op, self._tok, self.t_dims, self.layout, self.T = node, node.target, tok, t_dims, layout, T
+        self.new_layout = None  # set by a rule that changes how the token dim is laid out (reshape)
         schema = self.op._schema
         self.args = {}
         for i, a in enumerate(schema.arguments):
@@ -159,17 +160,33 @@ def elementwise(c: Op) -> set[int]:
     return out
 
 
+def _whole(e, T) -> bool:
+    """``e`` is a positive integer that does not depend on the sequence length."""
+    e = sympy.simplify(e)
+    return T.free_symbols.isdisjoint(e.free_symbols) and bool(e.is_integer) and bool(e.is_positive)
+
+
 def reshape(c: Op) -> set[int]:
+    """Row-major reinterpretation.  A token dim may be merged with neighbours: its layout ``(outer,
+    inner)`` says the dim has size ``outer * T * inner`` with the token index ``(i // inner) % T``.
+    The token survives iff some output dim holds the factor T at the same row-major place."""
     x = c.args.get("self", c.args.get("input"))
     ins, outs = list(c.val(x).shape), list(c.out.shape)
     res = set()
     for d in c.tok(x):
-        before = prod(ins[:d])
-        hit = [j for j in range(len(outs)) if same(outs[j], ins[d]) and sympy.expand(prod(outs[:j]) - before) == 0]
-        if not hit:
-            raise Mixes(f"reshapes {list(ins)} -> {list(outs)}, merging or splitting the sequence axis with "
-                        f"another dim")
-        res.add(hit[0])
+        outer, inner = c.layout(x)
+        pre, post = prod(ins[:d]) * outer, inner * prod(ins[d + 1:])
+        for j in range(len(outs)):
+            o = sympy.simplify(pre / prod(outs[:j]))
+            if not _whole(o, c.T):
+                continue
+            i = sympy.simplify(expr(outs[j]) / (o * c.T))
+            if _whole(i, c.T) and sympy.expand(i * prod(outs[j + 1:]) - post) == 0:
+                res.add(j)
+                c.new_layout = (o, i)
+                break
+        else:
+            raise Mixes(f"reshapes {list(ins)} -> {list(outs)}, cutting the sequence axis apart")
     return res
 
 

@@ -8,8 +8,9 @@ of size ``T`` (the symbolic length of ``input_ids [1, T]``) indexed by the DFS t
 the placeholders (``input_ids`` dim 1, the tree and boundary inputs' ``T`` dims) and goes through
 each op by the rules of :mod:`treecompile.passes.token_axis` (derived from what the op does to
 dims: which it reduces, indexes, shifts, contracts).  Invariants on every value: at most one dim
-carries tokens, it is exactly the dims of size ``T``, no dim has a size like ``T + 1`` or ``T * D``,
-and ``T`` itself is never used as a value (on a tree it counts all paths' tokens).
+carries tokens, its size is ``outer * T * inner`` with a known layout (``[1, T, H, D] -> [H*T, D]``
+merges heads into it, ``-> [1, T, H*D]`` restores it), no other dim's size involves ``T``, and ``T``
+itself is never used as a value (on a tree it counts all paths' tokens).
 
 The contract for tree-aware code, which the pass accepts without looking inside:
 - every op in the ``treecompile::`` namespace (tree_attention, the GDN/conv tree ops, the loss
@@ -70,6 +71,7 @@ class _Verifier:
         self.T = ta.expr(ctx.seq_len)
         self.sym = next(iter(self.T.free_symbols)) if self.T.free_symbols else None
         self.sites: list[TokenMixingSite] = []
+        self.layout: dict = {}  # node -> (outer, inner) of its token dim when not (1, 1)
         self.refused = 0
         self.nodes = 0
 
@@ -114,6 +116,8 @@ class _Verifier:
             return _POISON
         val = node.meta.get("val")
         if node.target is operator.getitem and isinstance(state.get(node.args[0]), tuple):
+            if node.args[0] in self.layout:
+                self.layout[node] = self.layout[node.args[0]]
             return state[node.args[0]][node.args[1]]
         try:
             return self._check(gm, node, state, val)
@@ -142,10 +146,12 @@ class _Verifier:
         if isinstance(target, torch._ops.HigherOrderOperator) and target.__name__ in _BODY_HOPS:
             return self._body(gm, node, state)
         for a in node.all_input_nodes:
-            odd = self._odd_dims(a.meta.get("val"))
-            if odd:
-                raise ta.Mixes(f"reads {a.name} whose size {odd[0]} mixes the sequence length with something "
-                               f"else; the token axis cannot be tracked")
+            v, s = a.meta.get("val"), state.get(a)
+            if isinstance(v, torch.Tensor) and isinstance(s, frozenset):
+                odd = [sz for d, sz in enumerate(v.shape) if d not in s and self._involves_t(sz)]
+                if odd:
+                    raise ta.Mixes(f"reads {a.name} whose size {odd[0]} mixes the sequence length with something "
+                                   f"else; the token axis cannot be tracked")
         if not isinstance(target, torch._ops.OpOverload):
             if carries:
                 raise ta.Mixes(f"{_op_name(target)} is not an op treecompile knows to treat tokens independently")
@@ -161,25 +167,32 @@ class _Verifier:
         rule = ta.rule_for(target)
         if rule is None:
             raise ta.Mixes(self._unknown(node, val))
-        mapped = rule(ta.Op(node, self._tok(state), self.t_dims))
-        return self._settle(node, val, mapped)
+        layouts = {self.layout.get(a, (1, 1)) for a in carries}
+        if len(layouts) > 1:
+            raise ta.Mixes("combines tensors whose token axes are merged with other dims in different ways")
+        c = ta.Op(node, self._tok(state), self.t_dims, lambda x: self.layout.get(x, (1, 1)), self.T)
+        mapped = rule(c)
+        layout = c.new_layout or layouts.pop()
+        if layout != (1, 1):
+            self.layout[node] = layout
+        return self._settle(node, val, mapped, layout)
 
-    def _settle(self, node, val, mapped):
-        """The output's token dims are its dims of size T; they must be exactly the rule's."""
+    def _settle(self, node, val, mapped, layout=(1, 1)):
+        """The output's token dim must be the rule's, of size outer * T * inner; no other size involves T."""
         if isinstance(val, (tuple, list)):
             mapped = mapped if isinstance(mapped, tuple) else tuple(mapped for _ in val)
-            return tuple(self._settle(node, v, m) for v, m in zip(val, mapped))
+            return tuple(self._settle(node, v, m, layout) for v, m in zip(val, mapped))
         if not isinstance(val, torch.Tensor):
             return frozenset()
-        dims = set(self.t_dims(val))
-        odd = self._odd_dims(val)
-        if odd:
-            raise ta.Mixes(f"gives a size {odd[0]} that mixes the sequence length with another dim")
-        if len(dims) > 1 or len(mapped) > 1:
+        involved = {d for d, s in enumerate(val.shape) if self._involves_t(s)}
+        if len(involved) > 1 or len(mapped) > 1:
             raise ta.Mixes(f"pairs every token with every other token (output {list(val.shape)})")
-        if dims != set(mapped):
+        if involved != set(mapped):
             raise ta.Mixes(f"moves the sequence axis where it cannot be followed (output {list(val.shape)})")
-        return frozenset(dims)
+        for d in mapped:
+            if sympy.expand(ta.expr(val.shape[d]) - layout[0] * self.T * layout[1]) != 0:
+                raise ta.Mixes(f"changes the length of the sequence axis (output {list(val.shape)})")
+        return frozenset(mapped)
 
     def _token_free(self, node, val, *, uniform: bool):
         """No input carries tokens: fine unless the op builds values along a new axis of length T."""
@@ -209,7 +222,8 @@ class _Verifier:
 
     def _unknown(self, node, val) -> str:
         name = _op_name(node.target)
-        kept = any(self.t_dims(v) for v in (val if isinstance(val, (tuple, list)) else (val,)))
+        kept = any(isinstance(v, torch.Tensor) and any(self._involves_t(s) for s in v.shape)
+                   for v in (val if isinstance(val, (tuple, list)) else (val,)))
         if not kept:
             return (f"{name} collapses the sequence axis (a reduction over tokens, a read of single positions "
                     f"or data-dependent positions)")
@@ -226,8 +240,15 @@ class _Verifier:
         inner = {}
         for ph, a in zip(phs, node.args[i + 1:]):
             inner[ph] = state.get(a, frozenset()) if isinstance(a, fx.Node) else frozenset()
+            if a in self.layout:
+                self.layout[ph] = self.layout[a]
         self.run(sub, inner)
         out = sub.graph.output_node().args[0]
+        layouts = {self.layout[a] for a in (out if isinstance(out, (tuple, list)) else (out,)) if a in self.layout}
+        if len(layouts) > 1:
+            raise ta.Mixes("returns tensors whose token axes are merged with other dims in different ways")
+        if layouts:
+            self.layout[node] = layouts.pop()
         res = tuple(inner.get(a, frozenset()) if isinstance(a, fx.Node) else frozenset()
                     for a in (out if isinstance(out, (tuple, list)) else (out,)))
         if any(r is _POISON for r in res):
