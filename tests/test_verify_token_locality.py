@@ -26,7 +26,7 @@ PATHS = [[1, 2, 3, 4], [1, 2, 5], [1, 6, 7, 8, 9], [3, 4]]  # two roots, shared 
 
 
 class OneOp(nn.Module):
-    """ids -> embedding [1, T, D] -> ``fn`` -> linear head [1, T, V]."""
+    """ids -> embedding [1, T, D] -> ``fn(self, x, ids)`` -> linear head [1, T, V]."""
 
     def __init__(self, fn, conv: nn.Module | None = None):
         super().__init__()
@@ -36,67 +36,80 @@ class OneOp(nn.Module):
         self.fn = fn
 
     def forward(self, ids):
-        return self.head(self.fn(self, self.emb(ids)))
+        return self.head(self.fn(self, self.emb(ids), ids))
 
 
-def _mean_seq(m, x):
+def _mean_seq(m, x, ids):
     return x + x.mean(dim=1, keepdim=True)
 
 
-def _max_seq(m, x):
+def _max_seq(m, x, ids):
     return x + x.max(dim=1, keepdim=True).values
 
 
-def _amax_seq(m, x):
+def _amax_seq(m, x, ids):
     return x * x.amax(dim=-2, keepdim=True)
 
 
-def _flip_seq(m, x):
+def _flip_seq(m, x, ids):
     return x + torch.flip(x, dims=[1])
 
 
-def _roll_seq(m, x):
+def _roll_seq(m, x, ids):
     return x + torch.roll(x, shifts=1, dims=1)
 
 
-def _cumsum_seq(m, x):
+def _cumsum_seq(m, x, ids):
     return torch.cumsum(x, dim=1)
 
 
-def _shift_seq(m, x):  # RWKV-style token shift
+def _shift_seq(m, x, ids):  # RWKV-style token shift
     return x + F.pad(x, (0, 0, 1, 0))[:, :-1]
 
 
-def _last_token(m, x):  # reading the last DFS token is not the last token of each path
+def _last_token(m, x, ids):  # reading the last DFS token is not the last token of each path
     return x + x[:, -1:]
 
 
-def _softmax_seq(m, x):
+def _softmax_seq(m, x, ids):
     return x * torch.softmax(x, dim=1)
 
 
-def _sort_seq(m, x):
+def _sort_seq(m, x, ids):
     return torch.sort(x, dim=1).values
 
 
-def _causal_conv(m, x):  # Mamba/Hyena-style depthwise causal conv on a left-padded input
+def _causal_conv(m, x, ids):  # Mamba/Hyena-style depthwise causal conv on a left-padded input
     return m.conv(F.pad(x.transpose(1, 2), (2, 0))).transpose(1, 2)
 
 
-def _nonzero_gather(m, ids_x):  # a gather through torch.nonzero of the ids: data-dependent positions
-    x = ids_x
-    return x + x[:, torch.nonzero(x[0, :, 0] > 0)[:, 0]].sum(1, keepdim=True)
+def _nonzero_gather(m, x, ids):  # a gather through torch.nonzero of the ids: data-dependent positions
+    return x + x[:, torch.nonzero(ids[0] > 2)[:, 0]].sum(1, keepdim=True)
 
 
-def _manual_attention(m, x):  # hand-written causal attention, no SDPA
+def _manual_attention(m, x, ids):  # hand-written causal attention, no SDPA
     T = x.shape[1]
     s = x @ x.transpose(1, 2) / D ** 0.5
     s = s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
     return torch.softmax(s, dim=-1) @ x
 
 
-def _seq_len_value(m, x):
+def _seq_len_value(m, x, ids):
     return x / x.shape[1]
+
+
+def _mean_by_matmul(m, x, ids):  # a mean over the sequence spelled as a matmul with ones
+    return x + torch.ones(1, 1, x.shape[1], dtype=x.dtype) @ x
+
+
+def _einsum_seq(m, x, ids):
+    return torch.einsum("btd,bsd->bsd", x, x)  # sums over t
+
+
+def _mean_under_no_grad(m, x, ids):  # inside a higher-order op body (wrap_with_set_grad_enabled)
+    with torch.no_grad():
+        c = x.mean(dim=1, keepdim=True)
+    return x - c
 
 
 @torch.library.custom_op("tokenmix_test::whole_sequence", mutates_args=())
@@ -110,7 +123,7 @@ def _(x):
     return torch.empty_like(x)
 
 
-def _custom_op(m, x):
+def _custom_op(m, x, ids):
     return whole_sequence(x)
 
 
@@ -129,6 +142,9 @@ REFUSED = {  # name: (fn, the aten op the refusal names, a word of the reason)
     "nonzero_gather": (_nonzero_gather, "aten.nonzero.default", "collapses the sequence"),
     "manual_attention": (_manual_attention, "aten.matmul.default", "pairs every token"),
     "sequence_length_as_value": (_seq_len_value, "aten.div.Tensor", "sequence length as a value"),
+    "mean_by_matmul": (_mean_by_matmul, "aten.matmul.default", "contracts the sequence"),
+    "einsum_over_sequence": (_einsum_seq, "aten.einsum.default", "contracts the sequence"),
+    "mean_under_no_grad": (_mean_under_no_grad, "aten.mean.dim", "reduces over the sequence"),
     "custom_op": (_custom_op, "tokenmix_test.whole_sequence.default", "custom op outside treecompile"),
 }
 
@@ -150,7 +166,7 @@ def test_token_mixing_is_refused_naming_node_op_and_line(name):
 
 
 def test_conv_without_padding_along_sequence_is_refused_too():
-    def conv_only(m, x):  # a padded conv along the sequence (no pad node) still mixes neighbours
+    def conv_only(m, x, ids):  # a padded conv along the sequence (no pad node) still mixes neighbours
         return m.conv(x.transpose(1, 2)).transpose(1, 2)
 
     with pytest.raises(PassError, match=r"aten\.conv1d\.default.*convolves along the sequence"):
@@ -158,7 +174,7 @@ def test_conv_without_padding_along_sequence_is_refused_too():
 
 
 def test_pointwise_conv_along_sequence_is_accepted():
-    def conv_k1(m, x):  # kernel size 1: a linear map per token
+    def conv_k1(m, x, ids):  # kernel size 1: a linear map per token
         return m.conv(x.transpose(1, 2)).transpose(1, 2)
 
     torch.manual_seed(0)
@@ -167,49 +183,62 @@ def test_pointwise_conv_along_sequence_is_accepted():
     assert abs(float(out.loss - reference.run(model, PATHS).loss)) <= 1e-9 * abs(float(out.loss))
 
 
-def _mean_feat(m, x):
+def _mean_feat(m, x, ids):
     return x - x.mean(dim=-1, keepdim=True)
 
 
-def _softmax_feat(m, x):
+def _softmax_feat(m, x, ids):
     return torch.softmax(x, dim=-1)
 
 
-def _cumsum_feat(m, x):
+def _cumsum_feat(m, x, ids):
     return torch.cumsum(x, dim=2)
 
 
-def _roll_feat(m, x):
+def _roll_feat(m, x, ids):
     return torch.roll(x, 1, dims=-1) + torch.flip(x, dims=[0])  # dim 0 is the batch of one
 
 
-def _heads(m, x):  # reshapes that keep the token axis, per-token attention over 2 "heads"
+def _heads(m, x, ids):  # reshapes that keep the token axis, per-token attention over 2 "heads"
     h = x.view(1, x.shape[1], 2, D // 2).transpose(1, 2)  # [1, 2, T, 4]
     g = h.transpose(1, 2).reshape(1, x.shape[1], D)
     return g + torch.einsum("btd,de->bte", x, torch.ones(D, D, dtype=x.dtype)) / D
 
 
-def _sort_topk_feat(m, x):
+def _sort_topk_feat(m, x, ids):
     v, i = torch.topk(x, 3, dim=-1)
     return torch.zeros_like(x).scatter(-1, i, v) + torch.sort(x, dim=-1).values
 
 
-def _full_slice(m, x):
+def _full_slice(m, x, ids):
     return x[:, : x.shape[1]] * x[:, 0:].amax(-1, keepdim=True)
 
 
-def _pad_features(m, x):
+def _pad_features(m, x, ids):
     return F.pad(x, (1, 1))[..., 1:-1] + torch.cat([x[..., :2], x[..., 2:]], dim=-1)
 
 
-def _inplace(m, x):
+def _inplace(m, x, ids):
     y = x.clone()
     y[..., :2] = x[..., 2:4] * 2
     y.mul_(2.0)
     return y / y.norm(dim=-1, keepdim=True)
 
 
+def _merge_tokens(m, x, ids):  # [1, T, D] -> [T*D] -> [1, T, D]: the token axis is followed through
+    T = x.shape[1]
+    return torch.tanh(x.reshape(T * D)).view(1, T, D)
+
+
+def _heads_into_tokens(m, x, ids):  # [1, T, 2, 4] -> [2T, 4], norm per head, back (as GDN output norms do)
+    T = x.shape[1]
+    h = F.layer_norm(x.view(1, T, 2, D // 2).reshape(-1, D // 2), (D // 2,))
+    return h.reshape(1, T, D)
+
+
 ACCEPTED = {
+    "tokens_merged_with_features": _merge_tokens,
+    "heads_merged_into_tokens": _heads_into_tokens,
     "mean_over_features": _mean_feat,
     "softmax_over_features": _softmax_feat,
     "cumsum_over_features": _cumsum_feat,
@@ -259,7 +288,7 @@ def test_debug_logs_the_sites(model, caplog):
 
 
 def test_refusal_lists_every_independent_site():
-    def two(m, x):
+    def two(m, x, ids):
         return x.mean(dim=1, keepdim=True) + torch.flip(x, dims=[1])
 
     with pytest.raises(PassError) as info:
