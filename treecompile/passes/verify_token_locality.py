@@ -34,6 +34,7 @@ import torch
 from torch import fx
 
 from treecompile.passes import token_axis as ta
+from treecompile.passes.token_axis_compute import rule_for
 from treecompile.passes.base import PassContext, PassResult, UnsupportedModelError, where
 
 PASS_KEY = "treecompile_pass"  # node.meta key: the pass that inserted the node
@@ -124,7 +125,8 @@ class _Verifier:
         except ta.Mixes as e:
             inserted = node.meta.get(PASS_KEY)
             if inserted:
-                self.site(node, "tree-aware", f"built by {inserted} from the tree inputs ({e.args[0]})")
+                self.site(node, "tree-aware", f"inserted by {inserted}, tree-aware by construction (as a model op "
+                                              f"it would be refused: {e.args[0]})")
                 return self.from_shape(val)
             self.refused += 1
             self.site(node, "refused", f"{e.args[0]}: it {MIXING}")
@@ -164,14 +166,19 @@ class _Verifier:
             return self.from_shape(val)
         if not carries:
             return self._token_free(node, val, uniform=packet in ta.UNIFORM_FACTORIES)
-        rule = ta.rule_for(target)
+        rule = rule_for(target)
         if rule is None:
             raise ta.Mixes(self._unknown(node, val))
         layouts = {self.layout.get(a, (1, 1)) for a in carries}
         if len(layouts) > 1:
             raise ta.Mixes("combines tensors whose token axes are merged with other dims in different ways")
         c = ta.Op(node, self._tok(state), self.t_dims, lambda x: self.layout.get(x, (1, 1)), self.T)
-        mapped = rule(c)
+        try:
+            mapped = rule(c)
+        except ta.Mixes:
+            raise
+        except Exception as e:  # noqa: BLE001 - an op the rule cannot read is refused, not guessed
+            raise ta.Mixes(f"could not be analysed ({type(e).__name__}: {e})") from e
         layout = c.new_layout or layouts.pop()
         if layout != (1, 1):
             self.layout[node] = layout
