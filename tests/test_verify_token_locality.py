@@ -236,7 +236,18 @@ def _heads_into_tokens(m, x, ids):  # [1, T, 2, 4] -> [2T, 4], norm per head, ba
     return h.reshape(1, T, D)
 
 
+def _index_put_features(m, x, ids):  # y[:, :, idx] = values: per-token writes into feature columns
+    y = torch.zeros_like(x)
+    y[:, :, torch.tensor([1, 3])] = x[..., :2] * 3
+    return y + x
+
+
+def _noise(m, x, ids):
+    return x + 0 * torch.rand_like(x)
+
+
 ACCEPTED = {
+    "index_put_into_features": _index_put_features,
     "tokens_merged_with_features": _merge_tokens,
     "heads_merged_into_tokens": _heads_into_tokens,
     "mean_over_features": _mean_feat,
@@ -285,6 +296,13 @@ def test_debug_logs_the_sites(model, caplog):
         treecompile.compile(model, debug=True)
     lines = [r.getMessage() for r in caplog.records if "token-mixing site" in r.getMessage()]
     assert any("tree_attention" in ln for ln in lines) and any("linear_logprobs" in ln for ln in lines)
+
+
+def test_random_values_per_token_are_refused_unless_allowed():
+    with pytest.raises(PassError, match="random values per DFS position"):
+        treecompile.compile(OneOp(_noise).double())
+    tm = treecompile.compile(OneOp(_noise).double(), allow_dropout=True)
+    assert not [s for s in tm.pass_results["verify_token_locality"].info["sites"] if s.action == "refused"]
 
 
 def test_refusal_lists_every_independent_site():

@@ -114,6 +114,7 @@ class Op:
     def __init__(self, node: fx.Node, tok, t_dims, layout, T):
         self.node, self.op, self._tok, self.t_dims, self.layout, self.T = node, node.target, tok, t_dims, layout, T
         self.new_layout = None  # set by a rule that changes how the token dim is laid out (reshape)
+        self.allow_random = False  # random values per token (allow_dropout=True)
         schema = self.op._schema
         self.args = {}
         for i, a in enumerate(schema.arguments):
@@ -153,9 +154,9 @@ def _aligned(x_nd: int, out_nd: int, dims: set[int]) -> set[int]:
 def elementwise(c: Op) -> set[int]:
     first = c.args.get("self", c.args.get("input"))
     srcs = [first] if c.op.overloadpacket in (aten.type_as,) else c.tensors()
-    if c.op.overloadpacket in RANDOM and (any(c.tok(x) for x in srcs) or c.t_dims(c.out)):
+    if c.op.overloadpacket in RANDOM and not c.allow_random and (any(c.tok(x) for x in srcs) or c.t_dims(c.out)):
         raise Mixes("draws random values per DFS position: a token shared by several paths would draw "
-                    "one value for all of them")
+                    "one value for all of them (allow_dropout=True accepts that, as for dropout)")
     out = set()
     for x in srcs:
         out |= _aligned(c.nd(x), c.out_nd, c.tok(x))
@@ -307,9 +308,11 @@ def index_put(c: Op) -> set[int]:
     x, indices, values = c.args["self"], list(c.args["indices"]), c.args["values"]
     if any(ix is not None and c.tok(ix) for ix in indices):
         raise Mixes("writes at positions computed from per-token data (a scatter of tokens)")
-    _index_layout(c, x, indices)
-    if c.tok(values):
-        raise Mixes("writes per-token values at computed positions")
+    view = _index_layout(c, x, indices)  # token dims of x[indices], the place ``values`` broadcasts into
+    n_idx = [ix for ix in indices if ix is not None]
+    view_nd = c.nd(x) - len(n_idx) + max([c.nd(ix) for ix in n_idx] or [0])
+    if not _aligned(c.nd(values), view_nd, c.tok(values)) <= view:
+        raise Mixes("writes per-token values at positions of other tokens")
     return c.tok(x)
 
 

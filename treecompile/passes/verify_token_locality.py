@@ -69,6 +69,8 @@ def _op_name(target) -> str:
 
 class _Verifier:
     def __init__(self, ctx: PassContext):
+        opts = ctx.options
+        self.allow_random = bool(opts.get("allow_dropout") if isinstance(opts, dict) else getattr(opts, "allow_dropout", False))
         self.T = ta.expr(ctx.seq_len)
         self.sym = next(iter(self.T.free_symbols)) if self.T.free_symbols else None
         self.sites: list[TokenMixingSite] = []
@@ -173,6 +175,7 @@ class _Verifier:
         if len(layouts) > 1:
             raise ta.Mixes("combines tensors whose token axes are merged with other dims in different ways")
         c = ta.Op(node, self._tok(state), self.t_dims, lambda x: self.layout.get(x, (1, 1)), self.T)
+        c.allow_random = self.allow_random
         try:
             mapped = rule(c)
         except ta.Mixes:
