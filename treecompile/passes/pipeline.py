@@ -14,9 +14,11 @@ Passes, in order (one module each in this package):
 ``BOUNDARY_PASSES`` (``treecompile.compile(model, boundary=True)``) appends
 - ``expose_boundary`` (expose_boundary.py): the graph takes and returns the per-layer boundary
   tensors of a redundancy-free partition (K/V, GDN states, conv inputs, predecessor hidden rows),
-  before the verifier.
+  before the verifier; its result carries the typed contract the runtime reads (``BoundarySpec``).
 Nodes a pass inserts are marked ``meta["treecompile_pass"] = <pass name>`` (the verifier's contract:
 they are tree-aware by construction).
+Not in this pipeline: ``lower_cuda`` (lower_cuda.py), the CUDA lowering of the rewritten graph that
+``treecompile.program.TreeProgram`` makes at its first CUDA call (typed ``CudaOptions``).
 Set ``debug=True`` (or the ``treecompile.passes`` logger to DEBUG) to log each
 pass's time and what it changed.
 """
@@ -80,7 +82,7 @@ def run_passes(gm: fx.GraphModule, ctx: PassContext, *, disable: tuple[str, ...]
         if name in disable:
             continue
         t0 = time.perf_counter()
-        before = set(gm.graph.nodes)
+        existing = set(gm.graph.nodes)
         try:
             res = fn(gm, ctx)
         except Exception as e:
@@ -90,7 +92,7 @@ def run_passes(gm: fx.GraphModule, ctx: PassContext, *, disable: tuple[str, ...]
             gm.graph.lint()
             gm.recompile()
         for n in gm.graph.nodes:
-            if n not in before:
+            if n not in existing:
                 n.meta.setdefault(PASS_KEY, name)
         ran.append(name)
         results[name] = res

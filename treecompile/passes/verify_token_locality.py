@@ -69,8 +69,7 @@ def _op_name(target) -> str:
 
 class _Verifier:
     def __init__(self, ctx: PassContext):
-        opts = ctx.options
-        self.allow_random = bool(opts.get("allow_dropout") if isinstance(opts, dict) else getattr(opts, "allow_dropout", False))
+        self.allow_random = ctx.options.allow_dropout
         self.T = ta.expr(ctx.seq_len)
         self.sym = next(iter(self.T.free_symbols)) if self.T.free_symbols else None
         self.sites: list[TokenMixingSite] = []
