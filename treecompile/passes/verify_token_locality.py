@@ -19,8 +19,9 @@ The contract for tree-aware code, which the pass accepts without looking inside:
 - nodes that an earlier pass of the pipeline inserted (``meta["treecompile_pass"]``, set by
   ``run_passes``), e.g. rewrite_loss's gather at the path predecessor and its loss sum: they read
   tree inputs (``pred_index``), and each pass is tested against the per-path run.
-Every such op touching the token axis is reported, as is every refusal: ``PassResult.info["sites"]``
-holds :class:`TokenMixingSite` records.  Refusals raise :class:`UnsupportedModelError` naming
+Every tree op, every inserted node that the rules alone would refuse, and every refusal is a
+:class:`TokenMixingSite` in ``PassResult.info["sites"]``.  New rewrite passes go before this one
+(``PASSES[-1]``; ``BOUNDARY_PASSES`` puts ``expose_boundary`` just before it).  Refusals raise :class:`UnsupportedModelError` naming
 each node, its op, the model's source line and why.
 """
 
