@@ -101,7 +101,7 @@ def test_graph_after_rewrite(dense):
     assert {k: v.count for k, v in tmodel.pass_results.items()} == {
         "check_dropout": 0, "rewrite_attention": 2, "route_gdn_states": 0, "rewrite_positions": 1,
         "rewrite_scans": 0, "rewrite_causal_convs": 0, "rewrite_token_shifts": 0, "rewrite_causal_attention": 0,
-        "rewrite_loss": 1}
+        "rewrite_loss": 1, "verify_token_locality": 0}
     for n in g.nodes:  # every node carries meta["val"]
         if n.op in ("call_function", "placeholder"):
             assert "val" in n.meta, n.name
@@ -249,7 +249,10 @@ def test_hf_graph_and_wrong_positions_are_far_above_noise(hf):
     ref = reference.run(model, paths)
     g_ref = flat_grads(ref.loss, params)
     noise, _ = reference_noise(model, paths, None, None, batch, ref, params, g_ref)
-    broken = treecompile.compile(model, disable=("rewrite_positions",))
+    with pytest.raises(treecompile.passes.PassError, match=r"(?s)verify_token_locality.*aten\.arange"):
+        treecompile.compile(model, disable=("rewrite_positions",))  # the verifier catches the DFS positions
+    with pytest.warns(treecompile.passes.UnverifiedGraphWarning):
+        broken = treecompile.compile(model, disable=("rewrite_positions", "verify_token_locality"))
     g_broken = flat_grads(broken(batch).loss, params)
     assert rel(g_broken, g_ref) > 1e3 * max(noise, 1e-12)
 

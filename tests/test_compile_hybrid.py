@@ -295,7 +295,10 @@ def test_gdn_pass_disabled_leaks_sibling_state_far_above_noise(hf):
     kind, model, tmodel, _ = hf
     paths = FIXED["short_node_chain"]
     f = check_hf(model, tmodel, paths, None, None)
-    broken = treecompile.compile(model, disable=("route_gdn_states",))
+    with pytest.raises(treecompile.passes.PassError, match=r"(?s)verify_token_locality.*sequence length as a value"):
+        treecompile.compile(model, disable=("route_gdn_states",))  # the verifier catches the chain node tensors
+    with pytest.warns(treecompile.passes.UnverifiedGraphWarning):
+        broken = treecompile.compile(model, disable=("route_gdn_states", "verify_token_locality"))
     assert "route_gdn_states" not in broken.pass_results
     named = list(model.named_parameters())
     batch = Tree.from_paths(paths).to_batch()

@@ -256,9 +256,15 @@ def cmd_inspect(args) -> int:
           f"{len(m.get('tensors', {}))}" + (f"   tied {m['tied']}" if m.get("tied") else ""))
     print(f"  versions   treecompile {m.get('treecompile_version')}, torch {m.get('torch_version')}")
     print("\npasses")
-    rows = [[k, v["count"], ", ".join(f"{a}={b}" for a, b in v.get("info", {}).items())]
+    rows = [[k, v["count"], ", ".join(f"{a}={b}" for a, b in v.get("info", {}).items() if a != "sites")]
             for k, v in m.get("passes", {}).items()]
     print(tabulate(rows, headers=["pass", "changed", "info"], tablefmt="github"))
+    verified = m.get("passes", {}).get("verify_token_locality")
+    print("\ntoken-mixing sites (ops that touch the sequence axis, and what became of them)" if verified else
+          "\ntoken locality NOT verified (verify_token_locality was disabled)")
+    rows = [[s["action"], s["op"], s["node"], s["source"], s["detail"]] for s in (verified or {}).get("info", {}).get("sites", [])]
+    if rows:
+        print(tabulate(rows, headers=["action", "op", "node", "where", "detail"], tablefmt="github"))
     print("\nreplaced ops per layer type")
     rows = [[r["layer_type"], r["replaces"], r["op"], r["pass"], r["count"], _modules(r["modules"])]
             for r in m.get("replaced_ops", [])]

@@ -16,8 +16,9 @@ place only when all of them are written (a failure leaves nothing behind):
   models and for treecompile's reference models); a tied weight is stored once, under the name the
   program uses.
 - ``manifest.json``: format version, treecompile/torch versions, the model class, the passes applied
-  with what each changed, the ops that were replaced per layer (module) type, and the inputs the
-  program expects (names, dtypes, shapes in ``T``/``N``).
+  with what each changed (``verify_token_locality``'s ``info.sites``: the token-mixing sites found),
+  the ops that were replaced per layer (module) type, and the inputs the program expects (names,
+  dtypes, shapes in ``T``/``N``).
 
 ``load(DIR)`` returns a :class:`~treecompile.compile.TreeModel` built from the program
 (:meth:`TreeModel.from_program`): same ``forward(batch) -> TreeOutput``, parameters trainable
@@ -27,6 +28,7 @@ loading imports ``treecompile.ops``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -153,6 +155,8 @@ def _jsonable(x):
         return [_jsonable(v) for v in x]
     if isinstance(x, (bool, int, float, str)) or x is None:
         return x
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):  # e.g. the verifier's TokenMixingSite
+        return _jsonable(dataclasses.asdict(x))
     return repr(x)
 
 

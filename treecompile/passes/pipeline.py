@@ -17,10 +17,15 @@ Passes, in order (one module each in this package):
   runs after the position and scan rewrites, so that the bias is computed from depth positions.
 - ``rewrite_loss`` (rewrite_loss.py): logits -> per-token log-probs at the path predecessor and the
   weighted loss; outputs become ``(loss, logprobs)``.
+- ``verify_token_locality`` (verify_token_locality.py): last; proves that every op treats tokens
+  independently (or is a tree op) and refuses the graph otherwise, naming each token-mixing site.
+  Disabling it warns (:class:`UnverifiedGraphWarning`): the graph may then read other branches.
 ``BOUNDARY_PASSES`` (``treecompile.compile(model, boundary=True)``) appends
 - ``expose_boundary`` (expose_boundary.py): the graph takes and returns the per-layer boundary
-  tensors of a redundancy-free partition (K/V, GDN states, conv inputs, predecessor hidden rows);
-  its result carries the typed contract the runtime reads (``BoundarySpec``).
+  tensors of a redundancy-free partition (K/V, GDN states, conv inputs, predecessor hidden rows),
+  before the verifier; its result carries the typed contract the runtime reads (``BoundarySpec``).
+Nodes a pass inserts are marked ``meta["treecompile_pass"] = <pass name>`` (the verifier's contract:
+they are tree-aware by construction).
 Not in this pipeline: ``lower_cuda`` (lower_cuda.py), the CUDA lowering of the rewritten graph that
 ``treecompile.program.TreeProgram`` makes at its first CUDA call (typed ``CudaOptions``).
 Set ``debug=True`` (or the ``treecompile.passes`` logger to DEBUG) to log each
@@ -31,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from typing import Callable
 
 from torch import fx
@@ -46,6 +52,7 @@ from treecompile.passes.rewrite_positions import rewrite_positions
 from treecompile.passes.rewrite_scans import rewrite_scans
 from treecompile.passes.rewrite_token_shifts import rewrite_token_shifts
 from treecompile.passes.route_gdn_states import route_gdn_states
+from treecompile.passes.verify_token_locality import PASS_KEY, verify_token_locality
 
 log = logging.getLogger("treecompile.passes")
 
@@ -61,12 +68,18 @@ PASSES: list[tuple[str, PassFn]] = [
     ("rewrite_token_shifts", rewrite_token_shifts),
     ("rewrite_causal_attention", rewrite_causal_attention),
     ("rewrite_loss", rewrite_loss),
+    ("verify_token_locality", verify_token_locality),
 ]
-BOUNDARY_PASSES: list[tuple[str, PassFn]] = PASSES + [("expose_boundary", expose_boundary)]
+BOUNDARY_PASSES: list[tuple[str, PassFn]] = PASSES[:-1] + [("expose_boundary", expose_boundary), PASSES[-1]]
+VERIFIER = "verify_token_locality"
 
 
 class PassError(RuntimeError):
     """A pass failed; the message names it and the passes that ran before it."""
+
+
+class UnverifiedGraphWarning(UserWarning):
+    """The token-locality verifier was disabled: nothing shows that the graph reads only its path."""
 
 
 def run_passes(gm: fx.GraphModule, ctx: PassContext, *, disable: tuple[str, ...] = (),
@@ -76,12 +89,17 @@ def run_passes(gm: fx.GraphModule, ctx: PassContext, *, disable: tuple[str, ...]
     if unknown:
         raise ValueError(f"disable: unknown pass name(s) {sorted(unknown)}; passes are "
                          f"{[name for name, _ in passes]}")
+    if VERIFIER in disable:
+        warnings.warn(f"disable={tuple(disable)!r} turns off {VERIFIER}: the rewritten graph is UNVERIFIED; an op "
+                      f"that mixes tokens along the sequence would read other branches of the tree and train "
+                      f"silently wrong", UnverifiedGraphWarning, stacklevel=3)
     results: dict[str, PassResult] = {}
     ran: list[str] = []
     for name, fn in passes:
         if name in disable:
             continue
         t0 = time.perf_counter()
+        existing = set(gm.graph.nodes)
         try:
             res = fn(gm, ctx)
         except Exception as e:
@@ -90,12 +108,15 @@ def run_passes(gm: fx.GraphModule, ctx: PassContext, *, disable: tuple[str, ...]
         if res.count:
             gm.graph.lint()
             gm.recompile()
+        for n in gm.graph.nodes:
+            if n not in existing:
+                n.meta.setdefault(PASS_KEY, name)
         ran.append(name)
         results[name] = res
-        msg = "pass %s: %d change(s) %s in %.1f ms"
-        args = (name, res.count, res.info or "", 1e3 * (time.perf_counter() - t0))
-        if debug:
-            log.warning(msg, *args)
-        else:
-            log.debug(msg, *args)
+        level = logging.WARNING if debug else logging.DEBUG
+        info = {k: v for k, v in res.info.items() if k != "sites"}
+        log.log(level, "pass %s: %d change(s) %s in %.1f ms", name, res.count, info or "",
+                1e3 * (time.perf_counter() - t0))
+        for site in res.info.get("sites", ()):
+            log.log(level, "  token-mixing site %s", site)
     return results
