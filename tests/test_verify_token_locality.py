@@ -2,8 +2,9 @@
 
 Every model here is an embedding, one op, and a linear head, compiled in float64.  A refusal must
 name the node, the aten op and this file's source line; an accepted model must equal the per-path
-reference.  Token shift, cumsum along the sequence and depthwise causal conv are refused here as long
-as no rewrite turns them into tree ops before the verifier (their rewrites are tested on their own).
+reference.  Token shift, cumsum along the sequence, depthwise causal conv and hand-written causal
+attention have exact tree forms: their rewrite passes (tests/test_rewrite_mixers.py) turn them into
+tree ops before the verifier.  Here those passes are disabled, so the verifier itself must refuse them.
 """
 
 from __future__ import annotations
@@ -149,12 +150,18 @@ REFUSED = {  # name: (fn, the aten op the refusal names, a word of the reason)
 }
 
 
+# Causal mixers with an exact tree form: the pass that rewrites them is disabled for this test.
+REWRITTEN_BY = {"cumsum": "rewrite_scans", "token_shift": "rewrite_token_shifts",
+                "causal_conv": "rewrite_causal_convs", "manual_attention": "rewrite_causal_attention"}
+
+
 @pytest.mark.parametrize("name", sorted(REFUSED))
 def test_token_mixing_is_refused_naming_node_op_and_line(name):
     fn, op, reason = REFUSED[name]
     conv = nn.Conv1d(D, D, 3, groups=D) if fn is _causal_conv else None
+    disable = (REWRITTEN_BY[name],) if name in REWRITTEN_BY else ()
     with pytest.raises(PassError) as info:
-        treecompile.compile(OneOp(fn, conv).double())
+        treecompile.compile(OneOp(fn, conv).double(), disable=disable)
     msg = str(info.value)
     assert isinstance(info.value.__cause__, UnsupportedModelError)
     assert "verify_token_locality" in msg and "would read other branches" in msg
@@ -163,6 +170,22 @@ def test_token_mixing_is_refused_naming_node_op_and_line(name):
     assert reason in first, msg
     assert re.search(r"test_verify_token_locality\.py:\d+ in \w+", first), msg  # the user's source line
     assert re.search(r"node \w+", first), msg
+
+
+@pytest.mark.parametrize("name", sorted(REWRITTEN_BY))
+def test_causal_mixers_are_rewritten_not_refused(name):
+    """With every pass on, the causal mixers compile (rewritten into tree ops) and equal the per-path run."""
+    fn = REFUSED[name][0]
+    conv = nn.Conv1d(D, D, 3, groups=D) if fn is _causal_conv else None
+    torch.manual_seed(0)
+    model = OneOp(fn, conv).double()
+    tmodel = treecompile.compile(model)
+    assert tmodel.pass_results[REWRITTEN_BY[name]].count >= 1
+    out = tmodel(Tree.from_paths(PATHS).to_batch())
+    ref = reference.run(model, PATHS)
+    params = list(model.parameters())
+    assert abs(float(out.loss - ref.loss)) <= 1e-9 * abs(float(ref.loss))
+    assert rel(flat_grads(out.loss, params), flat_grads(ref.loss, params)) < 1e-9
 
 
 def test_conv_without_padding_along_sequence_is_refused_too():
