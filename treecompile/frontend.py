@@ -93,7 +93,10 @@ def _hf_capture_settings(model):
     cfg = model.config
     saved = cfg._attn_implementation
     try:
-        if saved != "sdpa":
+        # SDPA only where the model has an SDPA path; forced onto one without it (BLOOM), HF adds
+        # the mask as an additive score that is no longer recognisable as causal.  Such models stay
+        # on their own attention, which rewrite_causal_attention turns into tree attention.
+        if saved != "sdpa" and getattr(type(model), "_supports_sdpa", True):
             cfg._attn_implementation = "sdpa"
         yield
     finally:
