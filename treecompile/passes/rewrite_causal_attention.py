@@ -274,6 +274,19 @@ def _bias_nodes(ctx: PassContext, probe: Probe, qk: fx.Node, chain: list[fx.Node
     shape = list(val.shape[:-2]) + [ctx.call(aten.sym_size.int, (q, q.meta["val"].dim() - 2)),
                                     ctx.call(aten.sym_size.int, (kt, kt.meta["val"].dim() - 1))]
     env = {qk: ctx.call(aten.zeros.default, (shape,), {"dtype": val.dtype, "device": val.device})}
+
+    def pairwise(x):
+        """``x``, or for a [.., T, .., T] operand (e.g. ALiBi's ``k_pos - q_pos``) a copy of its
+        pairwise subgraph inserted by this pass: the bias proven on the probe tree is then built
+        only from nodes the verifier knows this pass made, and the user's originals die unless
+        something else reads them (which the verifier then judges on its own)."""
+        if not isinstance(x, fx.Node) or x in env:
+            return env.get(x, x)
+        if len(token_dims(x.meta.get("val"), ctx)) < 2 or x.op != "call_function":
+            return x
+        env[x] = ctx.set_val(g.node_copy(x, pairwise))
+        return env[x]
+
     prev = qk
     for n in chain:
         t, a = n.target, n.args
@@ -285,7 +298,7 @@ def _bias_nodes(ctx: PassContext, probe: Probe, qk: fx.Node, chain: list[fx.Node
         if skip:
             env[n] = env[prev]
         else:
-            env[n] = ctx.set_val(g.node_copy(n, lambda x: env.get(x, x)))
+            env[n] = ctx.set_val(g.node_copy(n, pairwise))
         prev = n
     out = env[s]
     if str(out.meta["val"].shape) != str(val.shape):
