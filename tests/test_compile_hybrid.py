@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import sys
-import types
 from unittest import mock
 
 import pytest
