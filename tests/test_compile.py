@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 import treecompile
 from treecompile import NORMALIZATIONS, Tree, reference
 from treecompile.models import DenseConfig, DenseForCausalLM
+from treecompile.frontend import CaptureError
 from treecompile.passes import UnsupportedModelError
 from helpers import flat_grads, reference_noise, rel
 from strategies import ODD_TREES, weighted_path_sets
@@ -188,6 +189,45 @@ def test_non_causal_attention_is_refused(cls, message):
         treecompile.compile(cls())
     assert isinstance(info.value.__cause__, UnsupportedModelError)
     assert "rewrite_attention" in str(info.value)
+
+
+class LoopOverLength(Bidirectional):  # a recurrent scan written as a Python loop: fixes the length
+    def forward(self, ids):
+        h = self.emb(ids)
+        outs = [h[:, 0]]
+        for i in range(1, ids.shape[1]):
+            outs.append(outs[-1] * 0.5 + h[:, i])
+        return self.head(torch.stack(outs, 1))
+
+
+def test_capture_refusal_names_the_model_source_line():
+    """From Python too (not only ``treecompile rewrite``), a model torch.export cannot capture at every
+    length is refused with one line naming the model's own source line; torch's error is the cause."""
+    with pytest.raises(CaptureError) as info:
+        treecompile.compile(LoopOverLength())
+    msg = str(info.value)
+    assert len(msg.splitlines()) == 1
+    for needle in ("LoopOverLength", "fixes the length to the example's 16 tokens",
+                   "test_compile.py:", "in forward", "for i in range(1, ids.shape[1]):"):
+        assert needle in msg, (needle, msg)
+    assert "Constraints violated" in str(info.value.__cause__)
+
+
+class LoopOverWidth(Bidirectional):  # the near miss: a Python loop whose count is not the length
+    def forward(self, ids):
+        h = self.emb(ids)
+        for _ in range(3):
+            h = torch.tanh(h) * 0.5 + h
+        return self.head(h)
+
+
+def test_loop_not_over_the_length_is_captured():
+    torch.manual_seed(0)
+    model = LoopOverWidth().double()
+    tm = treecompile.compile(model)
+    paths = [[1, 2, 3], [1, 2, 4, 5]]
+    out, ref = tm(Tree.from_paths(paths).to_batch()), reference.run(model, paths)
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-12, atol=0)
 
 
 def test_explicit_causal_mask_is_accepted():

@@ -199,7 +199,7 @@ def test_pack_padding_keeps_weights():
     rf = partition_redundancy_free(tree, 3)
     b = rf.batch(1, pad_to_multiple=8)
     assert b.seq_len == 8 and (b.loss_weight[b.num_tokens:] == 0).all()
-    assert (b.extras["pred_past"][b.num_tokens:] == -1).all()
+    assert (b.extras["pred_boundary"][b.num_tokens:] == -1).all()
     # one padding rule (TreeBatch.padded): the padding is one extra root node; per-node extras follow
     for b in (plan.batch(1, pad_to_multiple=8), rf.batch(1, pad_to_multiple=8)):
         n = b.num_tokens
@@ -207,8 +207,8 @@ def test_pack_padding_keeps_weights():
         assert (b.node_id[n:] == b.num_nodes - 1).all() and (b.subtree_end[n:] == torch.arange(n, 8) + 1).all()
     unpadded = rf.batch(1)
     assert b.num_nodes == unpadded.num_nodes + 1
-    assert b.extras["node_past_parent"].tolist() == unpadded.extras["node_past_parent"].tolist() + [-1]
-    assert b.extras["conv_past_index"].shape == (8, 3) and b.extras["past_visible"].shape == (8,)
+    assert b.extras["node_boundary_parent"].tolist() == unpadded.extras["node_boundary_parent"].tolist() + [-1]
+    assert b.extras["conv_boundary_index"].shape == (8, 3) and b.extras["boundary_visible"].shape == (8,)
 
 
 # ------------------------------------------------------------------------------- redundancy-free
@@ -228,15 +228,15 @@ def check_redundancy_free(paths, C, masks=None, weights=None, conv_kernel=4):
         assert (plan.owner[tok] == part.index).all()
         assert sum(e - s for s, e in part.ranges) == tok.numel()
         s = set(tok.tolist())
-        # boundary: exactly the ancestors outside the partition, root first, chain position == depth
+        # boundary: exactly the ancestors outside the partition, root first, boundary position == depth
         outside = set()
         for t in s:
             outside |= ancestors(tree, t) - s
         bnd = plan.boundary(part.index)
         assert set(bnd.tolist()) == outside and bnd.unique().numel() == bnd.numel()
         assert tree.depth[bnd].tolist() == list(range(bnd.numel()))
-        if part.hang >= 0:
-            assert int(bnd[-1]) == part.hang and part.parent == int(plan.owner[part.hang])
+        if part.boundary_last >= 0:
+            assert int(bnd[-1]) == part.boundary_last and part.parent == int(plan.owner[part.boundary_last])
             assert part.parent < part.index and part.ancestors[-1] == part.parent
             assert set(plan.owner[bnd].tolist()) == set(part.ancestors)
         else:
@@ -245,12 +245,12 @@ def check_redundancy_free(paths, C, masks=None, weights=None, conv_kernel=4):
         b = plan.batch(part.index, conv_kernel=conv_kernel)
         n = b.num_tokens
         x = b.extras
-        assert torch.equal(x["tokens"], tok) and torch.equal(x["past_index"], bnd)
+        assert torch.equal(x["tokens"], tok) and torch.equal(x["boundary_index"], bnd)
         assert torch.equal(b.input_ids, tree.input_ids[tok]) and torch.equal(b.position_ids, tree.depth[tok])
         assert torch.equal(b.loss_weight, whole_w[tok])
         tl, bl, se = tok.tolist(), bnd.tolist(), b.subtree_end.tolist()
-        pi, pp_, pv = b.pred_index.tolist(), x["pred_past"].tolist(), x["past_visible"].tolist()
-        ci, cpi = b.conv_index.tolist(), x["conv_past_index"].tolist()
+        pi, pp_, pv = b.pred_index.tolist(), x["pred_boundary"].tolist(), x["boundary_visible"].tolist()
+        ci, cpi = b.conv_index.tolist(), x["conv_boundary_index"].tolist()
         for q in range(n):
             tq = tl[q]
             anc = ancestors(tree, tq)
@@ -277,7 +277,7 @@ def check_redundancy_free(paths, C, masks=None, weights=None, conv_kernel=4):
         # local radix nodes: chains whose parent's last token precedes the node's first token
         nst, nen, npa, nid = (b.node_start.tolist(), b.node_end.tolist(), b.node_parent.tolist(),
                               b.node_id.tolist())
-        npp = x["node_past_parent"].tolist()
+        nbp = x["node_boundary_parent"].tolist()
         for k in range(b.num_nodes):
             ns, ne, npar = nst[k], nen[k], npa[k]
             assert all(pi[t] == t - 1 for t in range(ns + 1, ne))
@@ -285,12 +285,12 @@ def check_redundancy_free(paths, C, masks=None, weights=None, conv_kernel=4):
             assert npar == (-1 if first_pred < 0 else nid[first_pred])
             if npar >= 0:
                 assert nen[npar] - 1 == first_pred
-            assert npp[k] == pp_[ns]
-        # exported tokens: own tokens that some later partition attends to
+            assert nbp[k] == pp_[ns]
+        # boundary rows: own tokens that some later partition attends to
         later = set()
         for bo in all_bnd:
             later |= bo & s
-        assert set(plan.exported(part.index).tolist()) == later
+        assert set(plan.boundary_rows(part.index).tolist()) == later
     assert (count == 1).all(), "every unique token in exactly one partition"
     assert plan.cost == T
     r = plan.reuse()

@@ -53,9 +53,9 @@ def test_attention_boundary_equals_whole_tree_attention():
     assert len(plan) > 3
     for i in range(len(plan)):
         b = plan.batch(i)
-        tok, past = b.extras["tokens"], b.extras["past_index"]
-        out = ops.tree_attention_boundary(q[:, :, tok], k[:, :, tok], v[:, :, tok], b.subtree_end, k[:, :, past],
-                                      v[:, :, past], b.extras["past_visible"])
+        tok, bnd = b.extras["tokens"], b.extras["boundary_index"]
+        out = ops.tree_attention_boundary(q[:, :, tok], k[:, :, tok], v[:, :, tok], b.subtree_end, k[:, :, bnd],
+                                          v[:, :, bnd], b.extras["boundary_visible"])
         assert torch.allclose(out, whole[:, :, tok], rtol=0, atol=1e-14)
 
 
@@ -133,10 +133,10 @@ def test_conv_boundary_equals_whole_tree_conv():
     whole = ops.tree_causal_conv1d(x, w, bias, whole_b.conv_index, "silu")
     for i in range(len(plan)):
         b = plan.batch(i, conv_kernel=K)
-        tok, past, cpi = b.extras["tokens"], b.extras["past_index"], b.extras["conv_past_index"]
+        tok, bnd, cbi = b.extras["tokens"], b.extras["boundary_index"], b.extras["conv_boundary_index"]
         n = tok.numel()
-        idx = torch.where(cpi >= 0, n + cpi, b.conv_index)  # past_x = all boundary columns
-        out = ops.tree_causal_conv1d_boundary(x[:, :, tok], w, bias, idx, x[:, :, past], "silu")
+        idx = torch.where(cbi >= 0, n + cbi, b.conv_index)  # boundary_x = all boundary columns
+        out = ops.tree_causal_conv1d_boundary(x[:, :, tok], w, bias, idx, x[:, :, bnd], "silu")
         assert torch.allclose(out, whole[:, :, tok], rtol=0, atol=1e-14)
 
 

@@ -184,6 +184,29 @@ def test_overwrite_replaces_atomically(saved_models, tmp_path):
     assert sorted(p.name for p in target.iterdir()) == sorted([saved.PROGRAM, saved.WEIGHTS, saved.MANIFEST])
 
 
+def test_overwrite_failure_keeps_the_old_program_and_leaves_no_temporaries(saved_models, tmp_path, monkeypatch):
+    """A failed rename while overwriting (moving the old program aside, or the new one into place)
+    re-raises, leaves the previous program as it was, and no hidden ``.out.*.old``/``.tmp`` directory."""
+    _, _, tm = saved_models["dense"]
+    target = tmp_path / "out"
+    saved.save(tm, target)
+    before = {p.name: p.read_bytes() for p in target.iterdir()}
+    real = os.replace
+    for failing in ("old aside", "new in"):
+        def flaky(src, dst, failing=failing):
+            if (failing == "old aside" and Path(src) == target) or \
+                    (failing == "new in" and Path(dst) == target and Path(src).name.endswith(".tmp")):
+                raise OSError(13, "Permission denied")
+            return real(src, dst)
+
+        monkeypatch.setattr(os, "replace", flaky)
+        with pytest.raises(OSError, match="Permission denied"):
+            saved.save(tm, target, overwrite=True)
+        monkeypatch.setattr(os, "replace", real)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["out"], failing
+        assert {p.name: p.read_bytes() for p in target.iterdir()} == before, failing
+
+
 def test_load_errors_name_the_file(saved_models, tmp_path):
     src, _, _ = saved_models["dense"]
     with pytest.raises(saved.SavedProgramError, match="no such directory"):

@@ -12,7 +12,8 @@ capture code); :func:`explain_capture_error` turns a ``CaptureError`` plus those
     length to the example's 16 tokens at modeling_mamba.py:260 in slow_forward (`for index in
     range(seq_len):`), a Python loop or branch over the length (e.g. a recurrent scan) ...
 
-Used by the CLI (``treecompile rewrite``) around ``treecompile.compile``.
+Used by :func:`treecompile.frontend.capture` around ``torch.export.export``, so that
+``treecompile.compile`` (from Python or ``treecompile rewrite``) raises a ``CaptureError`` with that line.
 """
 
 from __future__ import annotations

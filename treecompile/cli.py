@@ -207,17 +207,11 @@ def cmd_rewrite(args) -> int:
 
     import treecompile
     from treecompile import saved
-    from treecompile.capture_errors import explain_capture_error, record_guards
-    from treecompile.frontend import CaptureError
 
     out = Path(args.out)
     _check_out(out, args.overwrite)
     model, info = load_model(args.model, dtype=args.dtype, seed=args.seed)
-    with record_guards() as guards:  # the model's source line, should torch.export refuse it
-        try:
-            tmodel = treecompile.compile(model)
-        except CaptureError as e:
-            raise UserError(explain_capture_error(e, guards)) from None
+    tmodel = treecompile.compile(model)  # a CaptureError names the model's source line (one line, below)
     _check_space(out, model)
     try:  # saved.save writes a temporary sibling and renames it: a failed write leaves nothing
         saved.save(tmodel, out, manifest_extra=info, overwrite=args.overwrite)
@@ -394,14 +388,11 @@ def user_error_message(e: BaseException) -> str | None:
         return " ".join(str(e).split())
     if "torch" not in sys.modules:  # nothing below can have been raised
         return None
-    from treecompile.capture_errors import explain_capture_error
-    from treecompile.frontend import CaptureError
+    from treecompile.frontend import CaptureError  # already one line: frontend.capture explained it
     from treecompile.passes.base import UnsupportedModelError
     from treecompile.saved import SavedProgramError
 
-    if isinstance(e, CaptureError):
-        return explain_capture_error(e)
-    if isinstance(e, (UnsupportedModelError, SavedProgramError)):
+    if isinstance(e, (CaptureError, UnsupportedModelError, SavedProgramError)):
         return " ".join(str(e).split())
     return None
 

@@ -116,12 +116,6 @@ class TreeModel(nn.Module):
     def exported_program(self) -> ExportedProgram:
         return self.program.exported_program
 
-    @property
-    def boundary(self):
-        """``program.boundary`` (a ``BoundarySpec``, or None for a default program), read-only; kept for
-        ``runtime/train.py``, which checks ``getattr(tmodel, "boundary", None)``: read ``program.boundary``."""
-        return self.program.boundary
-
     def split_at(self, modules) -> "TreeModel":
         """Run each of ``modules``' part of the graph through that module's own ``__call__``.
 

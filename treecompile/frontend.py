@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch.export import Dim, ExportedProgram
 
+from treecompile.capture_errors import explain_capture_error, record_guards
+
 __all__ = ["Captured", "capture", "CaptureError", "kernel_swaps"]
 
 # Kernel hooks that are swapped, during capture only, for registered tree ops (so that each Gated
@@ -123,6 +125,7 @@ def capture(model: torch.nn.Module, *, example_len: int = 16, max_len: int = 1 <
             stack.enter_context(_hf_capture_settings(model))
         for s in swaps:
             stack.enter_context(s)
+        guards = stack.enter_context(record_guards())  # the model's source line, should torch.export refuse it
         try:
             if is_hf:
                 ep = torch.export.export(model, (), {"input_ids": ids, "use_cache": False},
@@ -131,9 +134,10 @@ def capture(model: torch.nn.Module, *, example_len: int = 16, max_len: int = 1 <
             else:
                 ep = torch.export.export(model, (ids,), dynamic_shapes=({1: seq},), strict=False)
         except Exception as e:
-            raise CaptureError(f"torch.export could not capture {type(model).__name__} with a dynamic "
-                               f"sequence length: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-                               ) from e
+            raw = CaptureError(f"torch.export could not capture {type(model).__name__} with a dynamic "
+                               f"sequence length: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            raw.__cause__ = e
+            raise CaptureError(explain_capture_error(raw, guards)) from e
         finally:
             model.train(was_training)
     sig = ep.graph_signature

@@ -271,8 +271,17 @@ def save(tmodel, directory: str | os.PathLike, *, manifest_extra: dict | None = 
             os.chmod(tmp / f, 0o666 & ~umask)
         if out.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=parent))
-            os.replace(out, old / "x")
-            os.replace(tmp, out)
+            try:
+                os.replace(out, old / "x")
+            except BaseException:
+                shutil.rmtree(old, ignore_errors=True)  # still empty: nothing was moved
+                raise
+            try:
+                os.replace(tmp, out)
+            except BaseException:
+                os.replace(old / "x", out)  # put the previous program back (if this fails, it stays in old)
+                shutil.rmtree(old, ignore_errors=True)
+                raise
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, out)

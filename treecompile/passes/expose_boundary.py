@@ -3,24 +3,24 @@
 Enabled by ``treecompile.compile(model, boundary=True)``; runs after the default pipeline.  A
 partition of a redundancy-free plan (``treecompile.runtime.partition.partition_redundancy_free``)
 holds some tokens of the tree; the tokens it attends to but does not hold (its *boundary*: the
-tokens from the root down to the token it hangs below, ``plan.partitions[i].hang``) were computed by
-earlier partitions.  The rewritten graph then
+tokens from the root down to the token it hangs below, ``plan.partitions[i].boundary_last``) were
+computed by earlier partitions.  The rewritten graph then
 
 - takes, per attention layer, ``boundary_k [1, Hkv, B, D]`` / ``boundary_v [1, Hkv, B, Dv]`` (the
   boundary's keys and values exactly as the attention consumed them: after projections, norms and
   RoPE), and one ``boundary_visible [T]`` (token q sees boundary entries ``j < boundary_visible[q]``);
   ``tree_attention`` becomes ``treecompile::tree_attention_boundary``; it returns the layer's own
   ``k`` and ``v`` ``[1, Hkv, T, D]`` so that later partitions can read theirs;
-- per Gated DeltaNet layer takes ``initial_state [Hv, Dk, Dv]`` (the recurrent state after the hang
-  token; every local root node starts from it) and returns ``final[state_nodes]`` for one shared
+- per Gated DeltaNet layer takes ``initial_state [Hv, Dk, Dv]`` (the recurrent state after the
+  boundary's last token; every local root node starts from it) and returns ``final[state_nodes]`` for one shared
   input ``state_nodes [E]`` (the local nodes ending at a token that later partitions hang below):
   ``tree_gated_delta_rule`` becomes ``treecompile::tree_gated_delta_rule_boundary``;
 - per causal conv takes ``boundary_x [1, C, P]`` (conv inputs of the boundary tokens inside the
   kernel's reach) and returns its input ``x [1, C, T]``; ``conv_index`` entries ``T + r`` read
   ``boundary_x[..., r]`` (``treecompile::tree_causal_conv1d_boundary``);
 - for the loss takes ``boundary_hidden [Ph, D]``: the rows the lm_head reads for tokens whose path
-  predecessor is a boundary token (the first token below the hang is predicted by the hang token's
-  final hidden state, computed in the parent partition; the log-prob and its loss weight stay in the
+  predecessor is a boundary token (the first token below the boundary is predicted by the boundary's
+  last token's final hidden state, computed in the parent partition; the log-prob and its loss weight stay in the
   child, the gradient flows back through ``boundary_hidden``).  ``pred_index`` entries ``T + r`` read
   ``boundary_hidden[r]``.  It returns the rows it reads for its own tokens (``[T, D]``).
 

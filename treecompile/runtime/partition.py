@@ -19,19 +19,20 @@ without touching tokens.  Exact optima for small trees: :mod:`treecompile.runtim
 
 **Redundancy-free partitioning** (:func:`partition_redundancy_free`).  Partitions are disjoint and
 cover every token once (ERR == POR at every budget); a path may span several partitions.  Each
-partition is a group of connected pieces that all hang below one *hang token* ``h`` of an earlier
+partition is a group of connected pieces that all hang below one token ``h`` of an earlier
 partition (or below nothing).  Its tokens attend to their ancestors outside the partition, which
-are exactly the root-to-``h`` chain (the *boundary*, ``depth[h] + 1`` tokens, root first, so chain
-position == depth).  Those are fed as per-layer K/V (GDN: the recurrent state after ``h`` and the
-conv inputs of the chain's last K-1 tokens) instead of being recomputed; their gradients flow back
-into the earlier partition's graph.  The partitions form a tree (parent = the partition owning
-``h``); :meth:`RedundancyFreePlan.schedule` runs forwards in pre-order and each backward after its
+are exactly the tokens from the root to ``h`` (the *boundary*, ``depth[h] + 1`` tokens, root first,
+so boundary position == depth; ``h`` is the boundary's last token, ``partition.boundary_last``).
+Those are fed as per-layer K/V (GDN: the recurrent state after ``h`` and the conv inputs of the
+boundary's last K-1 tokens) instead of being recomputed; their gradients flow back into the earlier
+partition's graph.  The partitions form a tree (parent = the partition owning ``h``);
+:meth:`RedundancyFreePlan.schedule` runs forwards in pre-order and each backward after its
 descendants', so the activations alive at any time are one chain of partitions.
 
 The planner splits the tree into heavy paths (a node is heavy when its subtree holds more than C
 tokens; a heavy path continues into the largest heavy child) cut into chunks of C, and packs the
-light subtrees hanging below each heavy node (first-fit decreasing, one partition per hang token
-group).  Partitions with children then hold tokens of one path only, so the activations alive at
+light subtrees hanging below each heavy node (first-fit decreasing; the pieces of one partition
+share its boundary).  Partitions with children then hold tokens of one path only, so the activations alive at
 once are bounded by ``longest path + C`` tokens.
 
 Both plans give per-partition :class:`~treecompile.tree.TreeBatch` objects (``plan.batch(i)``, built
@@ -203,8 +204,8 @@ class PackedPlan(_PlanCost):
         sh, ids = self._shape, self.tree.input_ids
         out = []
         for leaf in self.partitions[i].leaves.tolist():
-            chain = sh.ancestors(int(self.tree.node_id[leaf]))
-            idx = _ranges_to_index([sh.start[a] for a in chain], [sh.end[a] for a in chain])
+            nodes = sh.ancestors(int(self.tree.node_id[leaf]))
+            idx = _ranges_to_index([sh.start[a] for a in nodes], [sh.end[a] for a in nodes])
             out.append(ids[idx].tolist())
         return out
 
@@ -317,15 +318,16 @@ class RedundancyFreePartition:
     """One partition of a redundancy-free plan.
 
     ``tokens``: whole-tree DFS indices, ascending; ``ranges``: the same as merged [start, end) DFS
-    ranges; ``hang``: the whole-tree token every piece hangs below (-1: below nothing); ``parent``:
-    the partition owning ``hang`` (-1 for none); ``ancestors``: the partition chain from the root
+    ranges; ``boundary_last``: the whole-tree token every piece hangs below, the last token of the
+    partition's boundary (-1: below nothing, no boundary); ``parent``: the partition owning
+    ``boundary_last`` (-1 for none); ``ancestors``: the partition chain from the root
     partition to the parent (all earlier in the plan); ``children``: partitions hanging below it.
     """
 
     index: int
     tokens: torch.Tensor
     ranges: list[tuple[int, int]]
-    hang: int
+    boundary_last: int
     parent: int
     ancestors: tuple[int, ...]
     children: tuple[int, ...]
@@ -355,20 +357,20 @@ class RedundancyFreePlan(_PlanCost):
 
     def boundary(self, i: int) -> torch.Tensor:
         """Whole-tree DFS indices of the tokens partition i attends to but does not hold: the
-        root-to-hang chain, root first (entry j has depth j).  Empty for a partition hanging below
-        nothing."""
-        h = self.partitions[i].hang
+        tokens from the root to ``boundary_last``, root first (entry j has depth j).  Empty for a
+        partition hanging below nothing."""
+        h = self.partitions[i].boundary_last
         if h < 0:
             return torch.empty(0, dtype=torch.long)
         sh = self._shape
-        chain = sh.ancestors(int(self.tree.node_id[h]))
-        ends = [sh.end[a] for a in chain]
+        nodes = sh.ancestors(int(self.tree.node_id[h]))
+        ends = [sh.end[a] for a in nodes]
         ends[-1] = h + 1
-        return _ranges_to_index([sh.start[a] for a in chain], ends)
+        return _ranges_to_index([sh.start[a] for a in nodes], ends)
 
-    def exported(self, i: int) -> torch.Tensor:
-        """Whole-tree DFS indices of partition i's tokens that later partitions attend to (their
-        per-layer K/V must be kept and handed on), ascending."""
+    def boundary_rows(self, i: int) -> torch.Tensor:
+        """Whole-tree DFS indices of partition i's tokens that lie on a later partition's boundary
+        (their per-layer K/V rows must be kept and handed on), ascending."""
         own = []
         for c in self.partitions[i].children:
             b = self.boundary(c)
@@ -414,17 +416,17 @@ class RedundancyFreePlan(_PlanCost):
         ``token_weights`` if set, else the tree's weights of ``normalize``.  ``tree`` is None (a
         partition is not a set of whole paths).  Padding (``pad_to_multiple``) is
         :meth:`TreeBatch.padded`'s: one extra root node.
-        ``extras`` (B = boundary length = ``depth[hang] + 1``, chain position j holds depth j; token
-        entries padded with -1, ``past_visible`` with 0):
+        ``extras`` (B = boundary length = ``depth[boundary_last] + 1``, boundary position j holds
+        depth j; token entries padded with -1, ``boundary_visible`` with 0):
 
         - ``tokens [T]``: whole-tree DFS index of each partition token;
-        - ``past_index [B]``: whole-tree DFS indices of the boundary chain (whose K/V are fed);
-        - ``past_visible [T]``: token q sees boundary entries ``j < past_visible[q]``;
-        - ``pred_past [T]``: chain position of q's predecessor when it is in the boundary, else -1;
-        - ``conv_past_index [T, K-1]``: chain position of the j+1-th preceding token when it is in
-          the boundary, else -1 (``conv_index`` holds the local ones);
-        - ``node_past_parent [num_nodes]``: chain position of the token a local root node hangs below
-          (its GDN initial state is the recurrent state after that token), else -1.
+        - ``boundary_index [B]``: whole-tree DFS indices of the boundary tokens (whose K/V are fed);
+        - ``boundary_visible [T]``: token q sees boundary entries ``j < boundary_visible[q]``;
+        - ``pred_boundary [T]``: boundary position of q's predecessor when it is in the boundary, else -1;
+        - ``conv_boundary_index [T, K-1]``: boundary position of the j+1-th preceding token when it is
+          in the boundary, else -1 (``conv_index`` holds the local ones);
+        - ``node_boundary_parent [num_nodes]``: boundary position of the token a local root node hangs
+          below (its GDN initial state is the recurrent state after that token), else -1.
         """
         if weights is None:
             weights = self._weights(normalize) if self.token_weights is None else self.token_weights
@@ -432,26 +434,28 @@ class RedundancyFreePlan(_PlanCost):
         tok = self.partitions[i].tokens
         n = tok.numel()
         # a node ends at each token a child partition hangs below (the executor hands its state on)
-        hangs = torch.tensor([self.partitions[c].hang for c in self.partitions[i].children], dtype=torch.long)
+        lasts = torch.tensor([self.partitions[c].boundary_last for c in self.partitions[i].children],
+                             dtype=torch.long)
         b = TreeBatch.from_tokens(tree, tok, weights=weights[tok], normalize=normalize, conv_kernel=conv_kernel,
-                                  pad_to_multiple=pad_to_multiple, node_ends=hangs,
+                                  pad_to_multiple=pad_to_multiple, node_ends=lasts,
                                   num_paths=int((self._owner[tree.path_end] == i).sum()))
-        # the context outside the partition: along a path it is the boundary chain, position == depth
-        past = self.boundary(i)
+        # the context outside the partition: along a path it is the boundary, position == depth
+        bnd = self.boundary(i)
         ctx = ancestor_index(tree.pred, max(conv_kernel - 1, 1), rows=tok)  # column 0: the predecessor
         g = ctx.clamp(min=0)
-        ctx_past = torch.where((ctx >= 0) & (self._owner[g] != i), tree.depth[g], -1)
-        pred_past = ctx_past[:, 0]
-        # boundary entries seen: subtree_end along the chain is non-increasing
-        past_visible = torch.searchsorted(-tree.subtree_end[past], -tok, right=False) if past.numel() \
+        ctx_bnd = torch.where((ctx >= 0) & (self._owner[g] != i), tree.depth[g], -1)
+        pred_boundary = ctx_bnd[:, 0]
+        # boundary entries seen: subtree_end along the boundary is non-increasing
+        visible = torch.searchsorted(-tree.subtree_end[bnd], -tok, right=False) if bnd.numel() \
             else torch.zeros(n, dtype=torch.long)
         T, Nn = b.seq_len, b.num_nodes
         real_nodes = b.node_start[:Nn] < n
-        node_past_parent = torch.full((Nn,), -1, dtype=torch.long)
-        node_past_parent[real_nodes] = pred_past[b.node_start[real_nodes]]
-        b.extras.update(past_index=past, past_visible=_pad(past_visible, T - n, 0), pred_past=_pad(pred_past, T - n, -1),
-                        conv_past_index=_pad(ctx_past[:, :conv_kernel - 1], T - n, -1),
-                        node_past_parent=node_past_parent)
+        node_boundary_parent = torch.full((Nn,), -1, dtype=torch.long)
+        node_boundary_parent[real_nodes] = pred_boundary[b.node_start[real_nodes]]
+        b.extras.update(boundary_index=bnd, boundary_visible=_pad(visible, T - n, 0),
+                        pred_boundary=_pad(pred_boundary, T - n, -1),
+                        conv_boundary_index=_pad(ctx_bnd[:, :conv_kernel - 1], T - n, -1),
+                        node_boundary_parent=node_boundary_parent)
         return b.to(device) if device is not None else b
 
     def batches(self, **kw) -> list[TreeBatch]:
@@ -496,11 +500,11 @@ def partition_redundancy_free(tree: Tree, capacity: int) -> RedundancyFreePlan:
         if p >= 0:
             size[p] += size[v]
     sub_end = tree.node_subtree_end.tolist()
-    raw: list[tuple[int, list[tuple[int, int]]]] = []  # (hang token, DFS ranges)
+    raw: list[tuple[int, list[tuple[int, int]]]] = []  # (boundary's last token, DFS ranges)
 
-    def pack_light(hang: int, light: list[int]) -> None:
+    def pack_light(last: int, light: list[int]) -> None:
         for group in first_fit_decreasing([size[c] for c in light], C):
-            raw.append((hang, [(sh.start[light[k]], sub_end[light[k]]) for k in group]))
+            raw.append((last, [(sh.start[light[k]], sub_end[light[k]]) for k in group]))
 
     pack_light(-1, [r for r in sh.roots if size[r] <= C])
     heads = [r for r in sh.roots if size[r] > C]  # tops of heavy paths
@@ -508,7 +512,7 @@ def partition_redundancy_free(tree: Tree, capacity: int) -> RedundancyFreePlan:
         v = heads.pop()
         chunk: list[tuple[int, int]] = []
         room = C
-        hang = int(tree.pred[sh.start[v]])
+        last = int(tree.pred[sh.start[v]])
         while v >= 0:  # walk down the heavy path
             s, e = sh.start[v], sh.end[v]
             while s < e:
@@ -517,15 +521,15 @@ def partition_redundancy_free(tree: Tree, capacity: int) -> RedundancyFreePlan:
                 s += take
                 room -= take
                 if room == 0:
-                    raw.append((hang, chunk))
-                    hang, chunk, room = s - 1, [], C
+                    raw.append((last, chunk))
+                    last, chunk, room = s - 1, [], C
             heavy = [c for c in sh.children[v] if size[c] > C]
             pack_light(e - 1, [c for c in sh.children[v] if size[c] <= C])
             nxt = max(heavy, key=lambda c: (size[c], -c)) if heavy else -1
             heads.extend(c for c in heavy if c != nxt)
             v = nxt
         if chunk:
-            raw.append((hang, chunk))
+            raw.append((last, chunk))
 
     # tokens, owners, the partition tree, then renumber in pre-order (parents first)
     T = tree.num_tokens
@@ -535,8 +539,8 @@ def partition_redundancy_free(tree: Tree, capacity: int) -> RedundancyFreePlan:
     toks = list(all_tok.split([sum(b - a for a, b in r) for r in rngs]))
     owner = torch.full((T,), -1, dtype=torch.long)
     owner[all_tok] = torch.repeat_interleave(torch.arange(len(raw)), torch.tensor([t.numel() for t in toks]))
-    hangs = [h for h, _ in raw]
-    parent = [int(owner[h]) if h >= 0 else -1 for h in hangs]
+    lasts = [h for h, _ in raw]
+    parent = [int(owner[h]) if h >= 0 else -1 for h in lasts]
     kids: list[list[int]] = [[] for _ in raw]
     for k, p in enumerate(parent):
         if p >= 0:
@@ -547,7 +551,7 @@ def partition_redundancy_free(tree: Tree, capacity: int) -> RedundancyFreePlan:
     while stack:
         k = stack.pop()
         order.append(k)
-        stack.extend(sorted(kids[k], key=lambda c: (hangs[c], first[c]), reverse=True))
+        stack.extend(sorted(kids[k], key=lambda c: (lasts[c], first[c]), reverse=True))
     new = {k: i for i, k in enumerate(order)}
     parts = []
     anc: list[tuple[int, ...]] = []
@@ -555,8 +559,8 @@ def partition_redundancy_free(tree: Tree, capacity: int) -> RedundancyFreePlan:
         p = new[parent[k]] if parent[k] >= 0 else -1
         anc.append(() if p < 0 else anc[p] + (p,))
         parts.append(RedundancyFreePartition(
-            index=i, tokens=toks[k], ranges=rngs[k], hang=hangs[k], parent=p, ancestors=anc[i],
-            children=tuple(new[c] for c in sorted(kids[k], key=lambda c: (hangs[c], first[c])))))
+            index=i, tokens=toks[k], ranges=rngs[k], boundary_last=lasts[k], parent=p, ancestors=anc[i],
+            children=tuple(new[c] for c in sorted(kids[k], key=lambda c: (lasts[c], first[c])))))
     remap = torch.tensor([new[k] for k in range(len(raw))], dtype=torch.long)
     return RedundancyFreePlan(tree=tree, capacity=C, partitions=parts, _shape=sh,
                               _weights=_WeightCache(tree), _owner=remap[owner])

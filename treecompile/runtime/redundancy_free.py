@@ -7,13 +7,13 @@
 
 - **forward of partition i** (parents first): its boundary tensors are gathered from its ancestors'
   exports: per attention layer the K/V of its boundary (the tokens from the root to the token it
-  hangs below, ``hang``), per GDN layer the recurrent state after the hang token, per conv the inputs
-  of the boundary tokens inside the kernel's reach, and the hang token's final hidden row (it
-  predicts the first token below the hang: that log-prob and its loss weight stay in the child; the
-  hidden row is fed, the gradient goes back through it).  The
+  hangs below, ``boundary_last``), per GDN layer the recurrent state after that last token, per conv
+  the inputs of the boundary tokens inside the kernel's reach, and the last token's final hidden row
+  (it predicts the partition's first token below it: that log-prob and its loss weight stay in the
+  child; the hidden row is fed, the gradient goes back through it).  The
   graph returns the partition's loss and its own per-layer tensors; the executor keeps only the rows
-  that later partitions read (``plan.exported(i)`` for K/V, the children's hang tokens for states
-  and hidden rows, boundary tails for conv inputs) together with their autograd graph, and hands
+  that later partitions read (``plan.boundary_rows(i)`` for K/V, the children's boundary-last tokens
+  for states and hidden rows, boundary tails for conv inputs) together with their autograd graph, and hands
   descendants *detached leaves* of them (same storage, ``requires_grad``), so that a descendant's
   backward stops at the leaf and accumulates the boundary gradient in ``leaf.grad``;
 - **backward of partition i** (after all partitions below it): ``torch.autograd.backward([loss_i,
@@ -63,7 +63,7 @@ class _Alive:
     exports: list  # graph-attached tensors, one per leaf
     leaves: list  # detached, requires_grad: what descendants read
     kv_tok: torch.Tensor  # whole-tree tokens (ascending) of the K/V rows kept for descendants
-    hang_tok: torch.Tensor  # children's hang tokens (ascending): states and hidden rows
+    last_tok: torch.Tensor  # children's boundary-last tokens (ascending): states and hidden rows
     conv_tok: torch.Tensor  # boundary-tail tokens (ascending) of the conv inputs kept
     kv: dict = field(default_factory=dict)  # attention layer -> (k leaf, v leaf) [1, Hkv, E, D]
     states: dict = field(default_factory=dict)  # GDN layer -> leaf [E, Hv, Dk, Dv]
@@ -85,7 +85,7 @@ def _conv_tails(plan: RedundancyFreePlan, width: int) -> list[torch.Tensor]:
     owner = plan.owner
     found: list[set[int]] = [set() for _ in range(len(plan))]
     for p in plan.partitions:
-        t = p.hang
+        t = p.boundary_last
         for _ in range(width):
             if t < 0:
                 break
@@ -116,8 +116,8 @@ class _Executor:
         self.device = tmodel.device
         self.alive: dict[int, _Alive] = {}
         self.conv_tok = _conv_tails(plan, self.width) if self.width else None
-        self.hang_tok = [torch.tensor(sorted({plan.partitions[c].hang for c in p.children}), dtype=torch.long)
-                         for p in plan.partitions]
+        self.child_last = [torch.tensor(sorted({plan.partitions[c].boundary_last for c in p.children}),
+                                        dtype=torch.long) for p in plan.partitions]
         T = plan.tree.num_tokens
         self.logprobs = torch.zeros(T, dtype=torch.float64)
         self.loss = torch.zeros((), dtype=torch.float64)
@@ -167,46 +167,48 @@ class _Executor:
         ex = batch.extras
         tokens = ex["tokens"]
         T = batch.seq_len
-        boundary = ex["past_index"]  # whole-tree tokens of the boundary, root first
-        hang = part.hang
-        hang_depth = int(plan.tree.depth[hang]) if hang >= 0 else -1
+        boundary = ex["boundary_index"]  # whole-tree tokens of the boundary, root first
+        last = part.boundary_last
+        last_depth = int(plan.tree.depth[last]) if last >= 0 else -1
 
-        # predecessor rows: every boundary predecessor must be the hang token
-        pred_boundary = ex["pred_past"]
+        # predecessor rows: every boundary predecessor must be the boundary's last token
+        pred_boundary = ex["pred_boundary"]
         has_pb = pred_boundary >= 0
-        if bool(has_pb.any()) and bool((pred_boundary[has_pb] != hang_depth).any()):
-            q = int(torch.nonzero(has_pb & (pred_boundary != hang_depth))[0])
+        if bool(has_pb.any()) and bool((pred_boundary[has_pb] != last_depth).any()):
+            q = int(torch.nonzero(has_pb & (pred_boundary != last_depth))[0])
             raise ValueError(f"partition {i}: token {int(tokens[q])} is predicted by boundary position "
-                             f"{int(pred_boundary[q])}, not by the hang token (depth {hang_depth})")
+                             f"{int(pred_boundary[q])}, not by the boundary's last token (depth {last_depth})")
         pred_index = torch.where(has_pb, T, batch.pred_index)
         conv_index = batch.conv_index
         conv_used = torch.empty(0, dtype=torch.long)
         if self.width:
-            cpi = ex["conv_past_index"]
+            cpi = ex["conv_boundary_index"]
             conv_used = torch.unique(cpi[cpi >= 0])  # ascending boundary positions
             rank = torch.searchsorted(conv_used, cpi.clamp(min=0))
             conv_index = torch.where(cpi >= 0, T + rank, conv_index)
-            # local root nodes start from the state after the hang token
+            # local root nodes start from the state after the boundary's last token
             roots = batch.node_parent[:batch.num_nodes] < 0
-            npp = ex["node_past_parent"][roots]
-            if bool((npp != hang_depth).any()):
+            nbp = ex["node_boundary_parent"][roots]
+            if bool((nbp != last_depth).any()):
                 raise ValueError(f"partition {i}: a local root node hangs below boundary position "
-                                 f"{int(npp[npp != hang_depth][0])}, not below the hang token (depth {hang_depth})")
+                                 f"{int(nbp[nbp != last_depth][0])}, not below the boundary's last token "
+                                 f"(depth {last_depth})")
         b2 = dataclasses.replace(batch, pred_index=pred_index, conv_index=conv_index).to(self.device)
 
-        # state_nodes: local nodes ending at the children's hang tokens
-        hang_tok = self.hang_tok[i]
-        hpos = _local(tokens, hang_tok, "child hang", i)
+        # state_nodes: local nodes ending at the children's boundary-last tokens
+        last_tok = self.child_last[i]
+        hpos = _local(tokens, last_tok, "a child's boundary-last", i)
         state_nodes = batch.node_id[hpos]
         if bool((batch.node_end[state_nodes] != hpos + 1).any()):
-            raise ValueError(f"partition {i}: a child's hang token does not end a local node")
-        kv_tok = plan.exported(i)
+            raise ValueError(f"partition {i}: a child's boundary-last token does not end a local node")
+        kv_tok = plan.boundary_rows(i)
         conv_tok = self.conv_tok[i] if self.width else torch.empty(0, dtype=torch.long)
 
         # boundary inputs, in the graph's order
         alive = self.alive
         kv_at = self._gather_index(i, boundary, lambda a: alive[a].kv_tok, "K/V") if boundary.numel() else None
-        hang_at = self._gather_index(i, torch.tensor([hang]), lambda a: alive[a].hang_tok, "hang") if hang >= 0 else None
+        last_at = self._gather_index(i, torch.tensor([last]), lambda a: alive[a].last_tok, "boundary-last") \
+            if last >= 0 else None
         conv_at = self._gather_index(i, boundary[conv_used], lambda a: alive[a].conv_tok, "conv input") \
             if conv_used.numel() else None
         extra = []
@@ -215,16 +217,16 @@ class _Executor:
                 j = 0 if kind == "boundary_k" else 1
                 extra.append(self._take(kv_at, lambda a: alive[a].kv[layer][j], 2) if kv_at else self._empty(k, 0))
             elif kind == "boundary_visible":
-                extra.append(ex["past_visible"].to(self.device))
+                extra.append(ex["boundary_visible"].to(self.device))
             elif kind == "initial_state":
-                extra.append(self._take(hang_at, lambda a: alive[a].states[layer], 0)[0] if hang_at
+                extra.append(self._take(last_at, lambda a: alive[a].states[layer], 0)[0] if last_at
                              else self._empty(k, 0))
             elif kind == "state_nodes":
                 extra.append(state_nodes.to(self.device))
             elif kind == "boundary_x":
                 extra.append(self._take(conv_at, lambda a: alive[a].conv[layer], 2) if conv_at else self._empty(k, 0))
             elif kind == "boundary_hidden":
-                extra.append(self._take(hang_at, lambda a: alive[a].hidden, 0) if hang_at else self._empty(k, 0))
+                extra.append(self._take(last_at, lambda a: alive[a].hidden, 0) if last_at else self._empty(k, 0))
             else:
                 raise ValueError(f"unknown boundary input {kind!r}")
         outs = self.tm.program.run(b2, extra)
@@ -233,7 +235,7 @@ class _Executor:
         # exports: the rows descendants read
         dev = self.device
         st = _Alive(loss=loss, num_tokens=batch.num_tokens, exports=[], leaves=[], kv_tok=kv_tok,
-                    hang_tok=hang_tok, conv_tok=conv_tok)
+                    last_tok=last_tok, conv_tok=conv_tok)
         kv_pos = _local(tokens, kv_tok, "K/V kept for descendants", i).to(dev)
         conv_pos = _local(tokens, conv_tok, "conv input kept for descendants", i).to(dev)
         has_children = bool(part.children)

@@ -133,9 +133,9 @@ def train_step(tmodel, tree_or_trees: Tree | TrajectoryTree | Sequence[Tree | Tr
         if not hasattr(objective, "token_weights"):
             raise ValueError(f"mode='redundancy_free' runs objectives linear in the log-probs, those with "
                              f"token_weights (SFT, PolicyGradient); {type(objective).__name__} is not (use mode='packed')")
-        if getattr(tmodel, "boundary", None) is None:
+        if tmodel.program.boundary is None:
             raise ValueError("mode='redundancy_free' needs a model compiled with treecompile.compile(model, boundary=True)")
-    elif getattr(tmodel, "boundary", None) is not None:
+    elif tmodel.program.boundary is not None:
         raise ValueError(f"this model was compiled with boundary=True: use mode='redundancy_free' (got mode={mode!r})")
 
     items = _items(tree_or_trees)
