@@ -263,4 +263,8 @@ def test_tree_output_is_a_pytree_node():
     leaves, spec = pytree.tree_flatten(out)
     assert len(leaves) == 2 and leaves[0] is out.loss and leaves[1] is out.logprobs
     back = pytree.tree_unflatten(leaves, spec)
-    assert isinstance(back, TreeOutput) and back.loss is out.loss
+    assert isinstance(back, TreeOutput) and back.loss is out.loss and back.entropy is None
+    out = TreeOutput(loss=torch.tensor(1.0), logprobs=torch.zeros(3), entropy=torch.ones(3))
+    leaves, spec = pytree.tree_flatten(out)
+    assert len(leaves) == 3 and leaves[2] is out.entropy
+    assert pytree.tree_unflatten(leaves, spec).entropy is out.entropy

@@ -40,13 +40,17 @@ GDN_KERNELS = ("auto", "fla", "reference")
 class TreeOutput:
     loss: torch.Tensor  # scalar: -(loss_weight * logprobs).sum()
     logprobs: torch.Tensor  # [T] log p(token | path prefix) in DFS order; 0 at roots and padding
+    # [T] entropy of the distribution that predicts each token (read where logprobs is), 0 where
+    # logprobs is 0; None unless compiled with entropy=True
+    entropy: torch.Tensor | None = None
 
 
 # A pytree node, so that wrappers that look for output tensors with pytree find them: FSDP2 (torch
 # 2.11) registers its pre-backward hook -- which queues the root's reduce-scatter -- on the tensors
 # ``tree_flatten`` finds in the output; an opaque dataclass left gradients unreduced on the root.
 torch.utils._pytree.register_pytree_node(
-    TreeOutput, lambda o: ([o.loss, o.logprobs], None), lambda xs, _: TreeOutput(*xs),
+    TreeOutput, lambda o: ([o.loss, o.logprobs] + ([] if o.entropy is None else [o.entropy]), o.entropy is not None),
+    lambda xs, _has_entropy: TreeOutput(*xs),
     serialized_type_name="treecompile.TreeOutput")
 
 
@@ -68,7 +72,7 @@ class TreeModel(nn.Module):
     def __init__(self, model: nn.Module, *, disable: tuple[str, ...] = (), debug: bool = False,
                  logits_chunk: int | None = None, compile_cuda: bool = True, swaps: list | None = None,
                  bucket: bool = True, boundary: bool = False, gdn_kernel: str = "auto",
-                 allow_dropout: bool = False):
+                 allow_dropout: bool = False, entropy: bool = False):
         super().__init__()
         captured: Captured = capture(model, swaps=swaps)
         ep = captured.program
@@ -76,7 +80,8 @@ class TreeModel(nn.Module):
             raise ValueError(f"{type(model).__name__} mutates buffers in forward "
                              f"({sorted(ep.graph_signature.buffers_to_mutate.values())}); not supported")
         gm = ep.graph_module
-        ctx = PassContext(gm, captured.input_name, {"logits_chunk": logits_chunk, "allow_dropout": allow_dropout})
+        ctx = PassContext(gm, captured.input_name, {"logits_chunk": logits_chunk, "allow_dropout": allow_dropout,
+                                                        "entropy": entropy})
         results = run_passes(gm, ctx, disable=disable, debug=debug,
                              passes=BOUNDARY_PASSES if boundary else None)
         tree_inputs = [n.name[len("tree_"):] for n in gm.graph.nodes
@@ -217,10 +222,10 @@ class TreeModel(nn.Module):
         if dev.type == "cuda":
             return self._forward_cuda(batch)
         if self._split_owners:
-            loss, lp = run_segments(self, self.__dict__["_cpu_split"], self.batch_inputs(batch))
+            res = run_segments(self, self.__dict__["_cpu_split"], self.batch_inputs(batch))
         else:
-            loss, lp = self.graph_module(*self.graph_inputs(batch))
-        return TreeOutput(loss=loss, logprobs=lp)
+            res = self.graph_module(*self.graph_inputs(batch))
+        return TreeOutput(*res)  # (loss, logprobs) or (loss, logprobs, entropy)
 
     def _forward_cuda(self, batch: TreeBatch) -> TreeOutput:
         from treecompile.cuda import run_cuda  # lazily: imports flex / inductor machinery
@@ -278,7 +283,7 @@ def run_segments(tmodel: TreeModel, split: SplitGraph, batch_args: list):
 def compile(model=None, *, disable: tuple[str, ...] = (), debug: bool = False,  # noqa: A001 (mirrors torch.compile)
             logits_chunk: int | None = None, compile_cuda: bool = True, bucket: bool = True,
             boundary: bool = False, gdn_kernel: str = "auto", swaps: list | None = None,
-            allow_dropout: bool = False):
+            allow_dropout: bool = False, entropy: bool = False):
     """Rewrite ``model`` for tree batches and return a :class:`TreeModel`.
 
     Usable as ``treecompile.compile(model, ...)``, or as a decorator (bare or with options) on an
@@ -296,11 +301,16 @@ def compile(model=None, *, disable: tuple[str, ...] = (), debug: bool = False,  
         swaps: context managers entered during capture (default: ``frontend.kernel_swaps(model)``).
         allow_dropout: accept active dropout (one mask per shared token, so gradients equal the
             per-path ones only in expectation); by default it is refused.
+        entropy: also return ``out.entropy [T]`` (the entropy of each token's predicting
+            distribution, from the fused head's chunks, differentiable).  Off by default: it is one
+            more ``[T]`` output, and the torch head computes it with two more passes over each
+            logits chunk (the Triton head in the same pass).
 
     Capture bakes the model's train/eval mode into the graph: compile in the mode you train in.
     """
     options = dict(disable=disable, debug=debug, logits_chunk=logits_chunk, compile_cuda=compile_cuda,
-                   bucket=bucket, boundary=boundary, gdn_kernel=gdn_kernel, swaps=swaps, allow_dropout=allow_dropout)
+                   bucket=bucket, boundary=boundary, gdn_kernel=gdn_kernel, swaps=swaps, allow_dropout=allow_dropout,
+                   entropy=entropy)
     if model is None:
         return functools.partial(compile, **options)
     if isinstance(model, nn.Module):

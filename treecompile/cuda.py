@@ -23,6 +23,16 @@ __all__ = ["run_cuda", "lower_for_cuda"]
 
 TREE_ATTENTION = torch.ops.treecompile.tree_attention.default
 TREE_GDN = torch.ops.treecompile.tree_gated_delta_rule.default
+LINEAR_LOGPROBS = torch.ops.treecompile.linear_logprobs.default
+HALF = (torch.bfloat16, torch.float16)
+
+
+def _triton_head(n: fx.Node) -> bool:
+    """Whether the fused head ``n`` (``treecompile::linear_logprobs``) runs the Triton row kernels:
+    half-precision hidden states and triton importable (else the reference op's torch ops)."""
+    from treecompile.ops import logprobs_triton
+
+    return n.args[0].meta["val"].dtype in HALF and logprobs_triton.available()
 
 
 @torch._dynamo.disable  # a host-side level schedule and fla's autograd Functions: kept out of dynamo
@@ -65,7 +75,8 @@ def lower_for_cuda(gm: fx.GraphModule, *, compiled: bool = True, gdn_kernel: str
                    ) -> tuple[fx.GraphModule, int]:
     """A copy of ``gm`` whose tree_attention calls run FlexAttention under one shared BlockMask input
     (a new last placeholder ``tree_block_mask``), and whose tree GDN calls run fla when
-    ``gdn_kernel == "fla"``.  ``compiled``: the copy will run under torch.compile (else eagerly).
+    ``gdn_kernel == "fla"``, and whose half-precision fused heads run the Triton head
+    (``treecompile::linear_logprobs_triton``, same signature).  ``compiled``: the copy will run under torch.compile (else eagerly).
     Returns (graph module, number of lowered attention calls)."""
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
@@ -83,6 +94,8 @@ def lower_for_cuda(gm: fx.GraphModule, *, compiled: bool = True, gdn_kernel: str
             n.replace_all_uses_with(new)
             graph.erase_node(n)
             count += 1
+        elif n.op == "call_function" and n.target == LINEAR_LOGPROBS and _triton_head(n):
+            n.target = torch.ops.treecompile.linear_logprobs_triton.default
         elif n.op == "call_function" and n.target == TREE_GDN and gdn_kernel == "fla":
             with graph.inserting_before(n):
                 new = graph.call_function(_gdn_fla, n.args, dict(n.kwargs))
@@ -120,7 +133,8 @@ def run_cuda(tmodel, batch):
     if "split" in state:
         from treecompile.compile import run_segments
 
-        loss, lp = run_segments(tmodel, state["split"], args)
+        res = run_segments(tmodel, state["split"], args)
     else:
-        loss, lp = state["fn"](*tmodel._lifted_values(), *args)
-    return TreeOutput(loss=loss, logprobs=lp[:T] if tmodel._bucket else lp)
+        res = state["fn"](*tmodel._lifted_values(), *args)
+    # (loss, logprobs[, entropy]): per-token outputs cut back from the bucket
+    return TreeOutput(res[0], *(x[:T] if tmodel._bucket else x for x in res[1:]))
