@@ -279,3 +279,50 @@ def test_cuda_lowering_picks_the_triton_head_for_half_precision(monkeypatch, dty
         assert heads[0].target == (fast_op if fast and avail else ref_op)
         assert heads[0].args[-1] is True  # entropy requested
     assert [n.target for n in tm.graph_module.graph.nodes].count(ref_op) == 1  # the CPU graph is untouched
+
+
+# ------------------------------------------------------------------ objectives and train_step
+@pytest.mark.parametrize("budget", [None, 6])
+@pytest.mark.parametrize("normalize", ["sum", "token_mean"])
+def test_entropy_bonus_in_train_step_equals_per_path(dense, budget, normalize):
+    """``train_step(..., (SFT(), EntropyBonus(coef)))``, whole and packed into partitions: loss,
+    gradients and the entropy metric equal the per-path computation."""
+    from treecompile import reference
+    from treecompile.runtime.objectives import SFT, EntropyBonus
+    from treecompile.runtime.train import train_step
+
+    model, tmodel = dense
+    paths = [[1, 2, 3, 4, 5], [1, 2, 3, 6], [1, 2, 7, 8, 9, 10], [11, 12, 3], [1, 2, 3, 4, 5, 6]]
+    coef = 0.3
+    tree = Tree.from_paths(paths)
+    params = list(model.parameters())
+    for p in params:
+        p.grad = None
+    res = train_step(tmodel, tree, (SFT(), EntropyBonus(coef)), budget=budget, normalize=normalize)
+    g_tree = torch.cat([p.grad.flatten() for p in params])
+
+    ref = reference.run(model, paths, normalize=normalize)
+    c = tree.path_coefficients(normalize)
+    H = [per_path_entropy(model, p) for p in paths]
+    bonus = -coef * sum(c[i] * H[i][1:].sum() for i in range(len(paths)))
+    loss_ref = ref.loss + bonus
+    g_ref = flat_grads(loss_ref, params)
+    assert abs(res.loss - float(loss_ref)) <= 1e-12 * abs(float(loss_ref))
+    assert rel(g_tree, g_ref) < 1e-10
+    mean_H = float(sum(h[1:].sum() for h in H) / sum(len(p) - 1 for p in paths))
+    assert abs(res.metrics["entropy"] - mean_H) < 1e-12
+    assert res.metrics["partitions"] > (1 if budget else 0)
+
+
+def test_entropy_bonus_needs_the_entropy(dense):
+    from treecompile.runtime.objectives import EntropyBonus
+    from treecompile.runtime.train import train_step
+
+    model, _ = dense
+    plain = treecompile.compile(model)
+    with pytest.raises(ValueError, match="entropy=True"):
+        train_step(plain, Tree.from_paths([[1, 2, 3]]), EntropyBonus(0.1))
+    res = train_step(plain, Tree.from_paths([[1, 2, 3]]))
+    assert res.metrics["entropy"] is None
+    for p in model.parameters():
+        p.grad = None

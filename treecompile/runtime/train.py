@@ -49,7 +49,7 @@ import torch
 from treecompile.runtime.data import TrajectoryTree
 from treecompile.runtime.distributed import GlobalNorm, partition_batch, tree_batch
 from treecompile.runtime.metrics import Reuse, dataset_reuse
-from treecompile.runtime.objectives import SFT, PolicyGradient
+from treecompile.runtime.objectives import SFT, PolicyGradient, trained_counts
 from treecompile.runtime.partition import pack, partition_redundancy_free
 from treecompile.runtime.redundancy_free import run_redundancy_free
 from treecompile.tree import NORMALIZATIONS, Tree
@@ -65,7 +65,9 @@ class StepResult:
     ``trees``, ``paths``, ``partitions``, ``path_tokens``, ``unique_tokens``, ``tokens_computed``,
     ``por``, ``err`` (1 - computed / path tokens), ``peak_tokens`` (largest batch, or chain of
     partitions alive at once), ``seconds``, ``tokens_per_s`` (computed tokens), ``grad_norm``
-    (before the optimizer step), ``mode``."""
+    (before the optimizer step), ``mode``, ``entropy`` (mean entropy of the predicting distribution over
+    all trained path tokens, as per-path training would log it; None unless the model was compiled
+    with ``entropy=True``)."""
 
     loss: float
     metrics: dict = field(default_factory=dict)
@@ -130,6 +132,30 @@ def _objective_normalize(objective, normalize: str) -> str:
     return normalize if n is None else n
 
 
+def _objectives(objective) -> tuple:
+    """``objective``: one objective or a tuple/list of them (their losses are added)."""
+    objs = tuple(objective) if isinstance(objective, (tuple, list)) else (SFT() if objective is None else objective,)
+    if not objs:
+        raise ValueError("objective: an empty list of objectives")
+    for o in objs:
+        if not hasattr(o, "loss"):
+            raise TypeError(f"objective: expected an objective with .loss(logprobs, batch), got {type(o).__name__}")
+    return objs
+
+
+def _objective_loss(objectives: tuple, out, batch) -> torch.Tensor:
+    total = 0
+    for o in objectives:
+        if getattr(o, "uses_entropy", False):
+            if out.entropy is None:
+                raise ValueError(f"{type(o).__name__} needs the entropy: compile the model with "
+                                 f"treecompile.compile(model, entropy=True)")
+            total = total + o.loss(out.logprobs, batch, entropy=out.entropy)
+        else:
+            total = total + o.loss(out.logprobs, batch)
+    return total
+
+
 def _linear_weights(objective, item: _Item, norm: GlobalNorm | None, normalize: str) -> torch.Tensor:
     """Whole-tree DFS weights of an objective linear in the log-probs (redundancy-free mode)."""
     tree = item.tree
@@ -152,7 +178,7 @@ def train_step(tmodel, tree_or_trees: Tree | TrajectoryTree | Sequence[Tree | Tr
 
     ``tmodel``: ``treecompile.compile(model)`` (``compile(model, boundary=True)`` for
     ``mode="redundancy_free"``).  ``objective``: one of :mod:`treecompile.runtime.objectives`
-    (default ``SFT()``); its per-path/per-token data come from the TrajectoryTrees (``advantage``,
+    (default ``SFT()``) or a tuple of them (losses added, e.g. ``(PPOClip(), EntropyBonus(0.01))``); its per-path/per-token data come from the TrajectoryTrees (``advantage``,
     ``old_logprobs``, ``ref_logprobs`` in the JSONL).  ``budget``: tokens per partition (None: each
     tree whole).  ``mode``: ``"packed"`` (default with a budget) or ``"redundancy_free"``.
     ``normalize``: the step's normalization (an objective's own ``normalize`` wins).  ``progress``:
@@ -166,11 +192,10 @@ def train_step(tmodel, tree_or_trees: Tree | TrajectoryTree | Sequence[Tree | Tr
         raise ValueError(f"mode={mode!r} needs a token budget (budget=...)")
     if budget is not None and mode is None:
         mode = "packed"
-    objective = SFT() if objective is None else objective
-    if not hasattr(objective, "loss"):
-        raise TypeError(f"objective: expected an objective with .loss(logprobs, batch), got {type(objective).__name__}")
+    objectives = _objectives(objective)
+    objective = objectives[0]
     if mode == "redundancy_free":
-        if type(objective) not in (SFT, PolicyGradient):
+        if len(objectives) > 1 or type(objective) not in (SFT, PolicyGradient):
             raise ValueError(f"mode='redundancy_free' runs objectives linear in the log-probs (SFT, PolicyGradient); "
                              f"{type(objective).__name__} is not (use mode='packed')")
         if getattr(tmodel, "boundary", None) is None:
@@ -201,6 +226,7 @@ def train_step(tmodel, tree_or_trees: Tree | TrajectoryTree | Sequence[Tree | Tr
         optimizer.zero_grad(set_to_none=True)
     loss_sum = torch.zeros((), dtype=torch.float64)
     computed, peak, reuses = 0, 0, []
+    ent_sum = ent_count = 0.0  # the entropy metric: sum over trained path tokens, and their count
     try:
         for it, plan in zip(items, plans):
             tree = it.tree
@@ -221,7 +247,11 @@ def train_step(tmodel, tree_or_trees: Tree | TrajectoryTree | Sequence[Tree | Tr
                     batch = plan.batch(i, normalize=normalize) if norm is None else partition_batch(plan, i, norm)
                 batch.extras.update(it.extras)
                 out = tmodel(batch)
-                loss = objective.loss(out.logprobs, batch)
+                loss = _objective_loss(objectives, out, batch)
+                if out.entropy is not None:
+                    n = trained_counts(batch)
+                    ent_sum += float((n.cpu() * out.entropy.detach().to(torch.float64).cpu()).sum())
+                    ent_count += float(n.sum())
                 if loss.requires_grad:
                     loss.backward()
                 loss_sum += loss.detach().to(torch.float64).cpu()
@@ -246,5 +276,6 @@ def train_step(tmodel, tree_or_trees: Tree | TrajectoryTree | Sequence[Tree | Tr
         "tokens_computed": computed, "por": r.por, "err": r.err, "peak_tokens": peak,
         "seconds": seconds, "tokens_per_s": computed / seconds if seconds > 0 else float("inf"),
         "grad_norm": grad_norm,
+        "entropy": ent_sum / ent_count if ent_count > 0 else None,
     }
     return StepResult(loss=float(loss_sum), metrics=metrics)
