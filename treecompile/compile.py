@@ -43,14 +43,26 @@ class TreeOutput:
     # [T] entropy of the distribution that predicts each token (read where logprobs is), 0 where
     # logprobs is 0; None unless compiled with entropy=True
     entropy: torch.Tensor | None = None
+    # the MoE router auxiliary loss on the tree (compile(router_aux="batch"|"path")), already added
+    # to loss times the model's coefficient; None otherwise
+    aux_loss: torch.Tensor | None = None
 
 
 # A pytree node, so that wrappers that look for output tensors with pytree find them: FSDP2 (torch
 # 2.11) registers its pre-backward hook -- which queues the root's reduce-scatter -- on the tensors
 # ``tree_flatten`` finds in the output; an opaque dataclass left gradients unreduced on the root.
+def _flatten_output(o: TreeOutput):
+    optional = (o.entropy, o.aux_loss)
+    return [o.loss, o.logprobs, *(x for x in optional if x is not None)], tuple(x is not None for x in optional)
+
+
+def _unflatten_output(xs, present) -> TreeOutput:
+    rest = iter(xs[2:])
+    return TreeOutput(xs[0], xs[1], *(next(rest) if p else None for p in present))
+
+
 torch.utils._pytree.register_pytree_node(
-    TreeOutput, lambda o: ([o.loss, o.logprobs] + ([] if o.entropy is None else [o.entropy]), o.entropy is not None),
-    lambda xs, _has_entropy: TreeOutput(*xs),
+    TreeOutput, _flatten_output, _unflatten_output,
     serialized_type_name="treecompile.TreeOutput")
 
 
@@ -72,7 +84,7 @@ class TreeModel(nn.Module):
     def __init__(self, model: nn.Module, *, disable: tuple[str, ...] = (), debug: bool = False,
                  logits_chunk: int | None = None, compile_cuda: bool = True, swaps: list | None = None,
                  bucket: bool = True, boundary: bool = False, gdn_kernel: str = "auto",
-                 allow_dropout: bool = False, entropy: bool = False):
+                 allow_dropout: bool = False, entropy: bool = False, router_aux: str | None = None):
         super().__init__()
         captured: Captured = capture(model, swaps=swaps)
         ep = captured.program
@@ -81,7 +93,8 @@ class TreeModel(nn.Module):
                              f"({sorted(ep.graph_signature.buffers_to_mutate.values())}); not supported")
         gm = ep.graph_module
         ctx = PassContext(gm, captured.input_name, {"logits_chunk": logits_chunk, "allow_dropout": allow_dropout,
-                                                        "entropy": entropy})
+                                                        "entropy": entropy, "router_aux": router_aux,
+                                                        "output_names": _output_names(ep)})
         results = run_passes(gm, ctx, disable=disable, debug=debug,
                              passes=BOUNDARY_PASSES if boundary else None)
         tree_inputs = [n.name[len("tree_"):] for n in gm.graph.nodes
@@ -90,6 +103,11 @@ class TreeModel(nn.Module):
         self._bind(model, ep, input_name=captured.input_name, user_inputs=user_inputs, tree_inputs=tree_inputs,
                    conv_width=ctx.conv_width, pass_results=results, compile_cuda=compile_cuda, bucket=bucket,
                    gdn_kernel=gdn_kernel)
+        rr = results.get("rewrite_router_loss")
+        if rr is not None and rr.info.get("router_logits"):
+            from treecompile.router_aux import RouterAux
+
+            self.router_aux = RouterAux.from_model(model, router_aux)
 
     @classmethod
     def from_program(cls, model: nn.Module, program, *, input_name: str, user_inputs: list[str],
@@ -132,6 +150,7 @@ class TreeModel(nn.Module):
         self._lifted_by_name = {s.arg.name: (s.kind, s.target) for s in program.graph_signature.input_specs
                                 if s.kind != InputKind.USER_INPUT}
         self._split_owners: list[str] = []
+        self.router_aux = None  # RouterAux when the graph returns router logits
 
     def split_at(self, modules) -> "TreeModel":
         """Run each of ``modules``' part of the graph through that module's own ``__call__``.
@@ -225,7 +244,21 @@ class TreeModel(nn.Module):
             res = run_segments(self, self.__dict__["_cpu_split"], self.batch_inputs(batch))
         else:
             res = self.graph_module(*self.graph_inputs(batch))
-        return TreeOutput(*res)  # (loss, logprobs) or (loss, logprobs, entropy)
+        return self.tree_output(res, batch)
+
+    def tree_output(self, res, batch: TreeBatch) -> TreeOutput:
+        """The graph's outputs ``(loss, logprobs[, entropy][, *router_logits])`` -> TreeOutput, with the
+        router aux loss computed on the tree and added to the loss."""
+        info = self.pass_results["rewrite_loss"].info if "rewrite_loss" in self.pass_results else {}
+        k = 3 if info.get("entropy") else 2
+        out = TreeOutput(*res[:k])
+        if len(res) > k and self.router_aux is None:
+            raise RuntimeError(f"the graph returns {len(res) - k} router-logits outputs but this TreeModel has no "
+                               f"router_aux spec (a loaded program?): the router loss would be dropped")
+        if self.router_aux is not None:
+            out.aux_loss = self.router_aux.loss(res[k:], batch)
+            out.loss = out.loss + self.router_aux.coef * out.aux_loss.to(out.loss.dtype)
+        return out
 
     def _forward_cuda(self, batch: TreeBatch) -> TreeOutput:
         from treecompile.cuda import run_cuda  # lazily: imports flex / inductor machinery
@@ -244,6 +277,18 @@ class SplitGraph:
     segments: list  # [(passes.split_modules.Segment, callable)], in graph order
     batch_names: list[str]  # the graph's non-lifted placeholders, in order (fed from the batch)
     result: list[str]  # names of the graph's outputs
+
+
+def _output_names(ep) -> list[str]:
+    """Names of the captured program's flat outputs (``logits``, ``aux_loss``, ``router_logits.0``...)."""
+    def walk(spec, prefix):
+        if spec.is_leaf():
+            return [prefix]
+        ctx = spec.context
+        keys = ctx if isinstance(ctx, (list, tuple)) and len(ctx) == spec.num_children else range(spec.num_children)
+        return [name for key, child in zip(keys, spec.children()) for name in walk(child, f"{prefix}{key}.")]
+
+    return [n.rstrip(".") for n in walk(ep.call_spec.out_spec, "")]
 
 
 def run_segments(tmodel: TreeModel, split: SplitGraph, batch_args: list):
@@ -283,7 +328,7 @@ def run_segments(tmodel: TreeModel, split: SplitGraph, batch_args: list):
 def compile(model=None, *, disable: tuple[str, ...] = (), debug: bool = False,  # noqa: A001 (mirrors torch.compile)
             logits_chunk: int | None = None, compile_cuda: bool = True, bucket: bool = True,
             boundary: bool = False, gdn_kernel: str = "auto", swaps: list | None = None,
-            allow_dropout: bool = False, entropy: bool = False):
+            allow_dropout: bool = False, entropy: bool = False, router_aux: str | None = None):
     """Rewrite ``model`` for tree batches and return a :class:`TreeModel`.
 
     Usable as ``treecompile.compile(model, ...)``, or as a decorator (bare or with options) on an
@@ -305,12 +350,18 @@ def compile(model=None, *, disable: tuple[str, ...] = (), debug: bool = False,  
             distribution, from the fused head's chunks, differentiable).  Off by default: it is one
             more ``[T]`` output, and the torch head computes it with two more passes over each
             logits chunk (the Triton head in the same pass).
+        router_aux: a MoE model that computes a router load-balancing loss (HF
+            ``output_router_logits=True``) is refused unless this says which loss to compute on the tree:
+            ``"batch"`` (statistics over all path tokens, each shared token counted once per path: what
+            packing the paths computes), ``"path"`` (each path's own loss, averaged over paths: what
+            per-path training computes) or ``"none"`` (drop it).  The loss comes back as
+            ``out.aux_loss`` and is added to ``out.loss`` times the model's ``router_aux_loss_coef``.
 
     Capture bakes the model's train/eval mode into the graph: compile in the mode you train in.
     """
     options = dict(disable=disable, debug=debug, logits_chunk=logits_chunk, compile_cuda=compile_cuda,
                    bucket=bucket, boundary=boundary, gdn_kernel=gdn_kernel, swaps=swaps, allow_dropout=allow_dropout,
-                   entropy=entropy)
+                   entropy=entropy, router_aux=router_aux)
     if model is None:
         return functools.partial(compile, **options)
     if isinstance(model, nn.Module):

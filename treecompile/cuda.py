@@ -108,7 +108,7 @@ def lower_for_cuda(gm: fx.GraphModule, *, compiled: bool = True, gdn_kernel: str
 
 
 def run_cuda(tmodel, batch):
-    from treecompile.compile import TreeOutput, bucket_length
+    from treecompile.compile import bucket_length
 
     state = tmodel.__dict__.setdefault("_cuda_state", {})
     if "graph" not in state:
@@ -136,5 +136,5 @@ def run_cuda(tmodel, batch):
         res = run_segments(tmodel, state["split"], args)
     else:
         res = state["fn"](*tmodel._lifted_values(), *args)
-    # (loss, logprobs[, entropy]): per-token outputs cut back from the bucket
-    return TreeOutput(res[0], *(x[:T] if tmodel._bucket else x for x in res[1:]))
+    # (loss, logprobs[, entropy][, router logits]): per-token outputs cut back from the bucket
+    return tmodel.tree_output([res[0], *(x[:T] if tmodel._bucket else x for x in res[1:])], batch)

@@ -6,6 +6,8 @@ Passes, in order (one module each in this package):
 - ``route_gdn_states`` (route_gdn_states.py): Gated DeltaNet node states and conv context from the
   parent node (the captured tree ops are re-pointed at the batch's node tensors / conv_index).
 - ``rewrite_positions`` (rewrite_positions.py): sequence ``arange`` -> the tree's depth positions.
+- ``rewrite_router_loss`` (rewrite_router_loss.py): a MoE model's own router aux loss is refused or
+  dropped, its router logits kept as outputs (compile option ``router_aux``).
 - ``rewrite_loss`` (rewrite_loss.py): logits -> per-token log-probs at the path predecessor and the
   weighted loss; outputs become ``(loss, logprobs)``.
 ``BOUNDARY_PASSES`` (``treecompile.compile(model, boundary=True)``) appends
@@ -29,6 +31,7 @@ from treecompile.passes.check_dropout import check_dropout
 from treecompile.passes.rewrite_attention import rewrite_attention
 from treecompile.passes.rewrite_loss import rewrite_loss
 from treecompile.passes.rewrite_positions import rewrite_positions
+from treecompile.passes.rewrite_router_loss import rewrite_router_loss
 from treecompile.passes.route_gdn_states import route_gdn_states
 
 log = logging.getLogger("treecompile.passes")
@@ -40,6 +43,7 @@ PASSES: list[tuple[str, PassFn]] = [
     ("rewrite_attention", rewrite_attention),
     ("route_gdn_states", route_gdn_states),
     ("rewrite_positions", rewrite_positions),
+    ("rewrite_router_loss", rewrite_router_loss),
     ("rewrite_loss", rewrite_loss),
 ]
 BOUNDARY_PASSES: list[tuple[str, PassFn]] = PASSES + [("expose_boundary", expose_boundary)]

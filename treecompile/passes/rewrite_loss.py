@@ -5,6 +5,7 @@
 ``loss = -(loss_weight * logprobs).sum()``.  The graph's outputs become ``(loss, logprobs)``, or
 ``(loss, logprobs, entropy)`` with the option ``entropy``: ``entropy[t]`` is the entropy of the
 distribution that predicts token t (read at the same predecessor; 0 where ``logprobs`` is 0).
+Outputs tagged ``node.meta["treecompile_output"]`` by an earlier pass (router logits) follow.
 
 When the logits come straight from a linear layer (the lm_head; through slices/casts/views that
 change nothing), the head is fused: ``treecompile::linear_logprobs`` gathers the predecessor
@@ -90,6 +91,10 @@ def rewrite_loss(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         loss = ctx.call(aten.neg.default, (ctx.call(aten.sum.default, (ctx.call(aten.mul.Tensor, (lp, w)),)),))
         if entropy:
             ent = ctx.call(aten.where.ScalarOther, (has_pred, ctx.call(operator.getitem, (res, 2)), 0.0))
-    out.args = ((loss, lp, ent) if entropy else (loss, lp),)
+    # outputs another pass asked to keep (rewrite_router_loss: router logits), in their order
+    kept = sorted((n for n in flat if isinstance(n, fx.Node) and "treecompile_output" in n.meta),
+                  key=lambda n: n.meta["treecompile_output"])
+    out.args = ((loss, lp, *([ent] if entropy else []), *kept),)
     remove_dead_code(gm)
-    return PassResult(1, {"fused_lm_head": head is not None, "vocab": V, "chunk": chunk, "entropy": entropy})
+    return PassResult(1, {"fused_lm_head": head is not None, "vocab": V, "chunk": chunk, "entropy": entropy,
+                          "kept": [n.meta["treecompile_output"] for n in kept]})
