@@ -195,3 +195,39 @@ def test_router_aux_refuses_partitions(moe):
     batch.extras["whole_tree"] = tree
     with pytest.raises(NotImplementedError, match="partitions"):
         tms["batch"](batch)
+
+
+@pytest.mark.parametrize("budget", [None, 8])
+def test_hf_moe_train_step_path_semantics_whole_and_packed(moe, budget):
+    """``train_step`` adds ``coef * aux`` to the objective's loss; with ``router_aux="path"`` packed
+    partitions each sum over the paths assigned to them, so the step's loss and gradients equal the
+    whole tree's: to rounding, and HF's float32 RMSNorm rounds differently per partition, so the bound
+    is 10x the disagreement of the SFT-only step (same partitions, no router loss) with the whole tree."""
+    from treecompile.runtime.train import train_step
+
+    model, tms = moe
+    tree = Tree.from_paths(PATHS, path_weights=WEIGHTS)
+    params = list(model.parameters())
+
+    def step(tm):
+        for p in params:
+            p.grad = None
+        res = train_step(tm, tree, budget=budget)
+        g = torch.cat([(torch.zeros_like(p) if p.grad is None else p.grad).flatten() for p in params])
+        for p in params:
+            p.grad = None
+        return res, g
+
+    res, g = step(tms["path"])
+    out = tms["path"](tree.to_batch())
+    assert abs(res.loss - float(out.loss)) <= 1e-12 * abs(float(out.loss))
+    assert abs(res.metrics["aux_loss"] - float(out.aux_loss)) <= 1e-12 * abs(float(out.aux_loss))
+    g_whole = flat_grads(out.loss, params)
+    plain = treecompile.compile(model, router_aux="none")
+    _, g_sft = step(plain)
+    noise = rel(g_sft, flat_grads(plain(tree.to_batch()).loss, params))
+    assert rel(g, g_whole) <= 10 * noise + 1e-12
+    if budget:
+        assert res.metrics["partitions"] > 1
+        with pytest.raises(NotImplementedError, match="router_aux='batch'"):
+            train_step(tms["batch"], tree, budget=budget)

@@ -86,6 +86,9 @@ class TreeModel(nn.Module):
                  bucket: bool = True, boundary: bool = False, gdn_kernel: str = "auto",
                  allow_dropout: bool = False, entropy: bool = False, router_aux: str | None = None):
         super().__init__()
+        if boundary and (entropy or router_aux in ("batch", "path")):
+            raise ValueError("compile(boundary=True) (redundancy-free partitions) does not return the entropy or "
+                             "router logits yet")
         captured: Captured = capture(model, swaps=swaps)
         ep = captured.program
         if ep.graph_signature.buffers_to_mutate:

@@ -13,8 +13,12 @@ loss as ``out.aux_loss``.
 - ``"path"``: ``sum_p (w_p / N) aux(p)``, ``aux(p)`` HF's loss of path p run alone, ``w_p`` the path
   weights, ``N`` the number of paths (the path mean of ``normalize="sum"`` / ``"path_mean"``).
 
-A batch is one whole tree; partitions of a tree (``extras["whole_tree"]``) are refused: their
-statistics are products of sums over the whole tree.
+A batch is one whole tree, or a packed partition of one (``extras["whole_tree"]``, ``["tokens"]``,
+``["paths"]``: the paths lying whole in it) for ``"path"``, whose loss then sums over the paths
+assigned to the partition (the partition losses add up to the tree's).  ``N`` is the step's path count
+when the batch says it belongs to a step of several trees (``extras["norm"]``).  Refused: ``"batch"`` on
+a partition (its statistics are products of sums over all the step's tokens, which no partition has
+before its backward) and partitions that cut paths (redundancy-free).
 """
 
 from __future__ import annotations
@@ -51,10 +55,17 @@ class RouterAux:
 
     def loss(self, router_logits, batch: TreeBatch) -> torch.Tensor:
         """The tree's aux loss (float64 scalar) from the graph's ``router_logits`` (``[T, E]`` each)."""
-        if "whole_tree" in batch.extras:
-            raise NotImplementedError("router_aux: partitions of a tree are not supported (the statistics are "
-                                      "products of sums over the whole tree); run each tree whole")
-        tree = batch.tree
+        partition = "whole_tree" in batch.extras
+        if self.semantics == "batch" and "norm" in batch.extras:
+            raise NotImplementedError("router_aux='batch' on one tree of a step of several: the statistics are "
+                                      "products of sums over all the step's tokens; use router_aux='path'")
+        if partition and (self.semantics == "batch" or "paths" not in batch.extras):
+            raise NotImplementedError(
+                f"router_aux={self.semantics!r} on a partition that "
+                + ("cuts paths (redundancy-free)" if "paths" not in batch.extras else
+                   "holds part of the step's tokens: the statistics are products of sums over all of them")
+                + "; use router_aux='path' with packed partitions, or run each tree whole")
+        tree = batch.extras.get("whole_tree", batch.tree)
         n = batch.num_tokens
         logits = [rl[:n] for rl in router_logits]
         if logits[0].shape[-1] != self.num_experts:
@@ -66,6 +77,15 @@ class RouterAux:
             share = tree.aggregate(torch.ones(tree.num_paths, dtype=torch.float64),
                                    torch.ones(tree.num_path_tokens, dtype=torch.float64))
             return load_balancing_loss(probs, counts, num_layers=L, semantics="batch", share_count=share)
-        coef = tree.path_weights.to(torch.float64) / tree.num_paths
-        return load_balancing_loss(probs, counts, num_layers=L, semantics="path", subtree_end=tree.subtree_end,
-                                   path_end=tree.path_end, path_coef=coef)
+        norm = batch.extras.get("norm")
+        scale = 1.0 / tree.num_paths if norm is None else norm.grad_scale / norm.num_paths
+        if partition:  # the paths assigned to this partition, located among its tokens
+            paths = torch.as_tensor(batch.extras["paths"], dtype=torch.long)
+            tok = batch.extras["tokens"].cpu()
+            end = torch.searchsorted(tok, tree.path_end[paths])
+            subtree_end = batch.subtree_end[:n].cpu()
+        else:
+            paths, end, subtree_end = torch.arange(tree.num_paths), tree.path_end, tree.subtree_end
+        coef = tree.path_weights.to(torch.float64)[paths] * scale
+        return load_balancing_loss(probs, counts, num_layers=L, semantics="path", subtree_end=subtree_end,
+                                   path_end=end, path_coef=coef)

@@ -67,7 +67,8 @@ class StepResult:
     partitions alive at once), ``seconds``, ``tokens_per_s`` (computed tokens), ``grad_norm``
     (before the optimizer step), ``mode``, ``entropy`` (mean entropy of the predicting distribution over
     all trained path tokens, as per-path training would log it; None unless the model was compiled
-    with ``entropy=True``)."""
+    with ``entropy=True``), ``aux_loss`` (the MoE router loss of ``compile(router_aux=...)``, summed
+    over the step's batches and added to the loss times the model's coefficient; else None)."""
 
     loss: float
     metrics: dict = field(default_factory=dict)
@@ -227,6 +228,7 @@ def train_step(tmodel, tree_or_trees: Tree | TrajectoryTree | Sequence[Tree | Tr
     loss_sum = torch.zeros((), dtype=torch.float64)
     computed, peak, reuses = 0, 0, []
     ent_sum = ent_count = 0.0  # the entropy metric: sum over trained path tokens, and their count
+    aux_sum = None if getattr(tmodel, "router_aux", None) is None else 0.0
     try:
         for it, plan in zip(items, plans):
             tree = it.tree
@@ -248,6 +250,9 @@ def train_step(tmodel, tree_or_trees: Tree | TrajectoryTree | Sequence[Tree | Tr
                 batch.extras.update(it.extras)
                 out = tmodel(batch)
                 loss = _objective_loss(objectives, out, batch)
+                if out.aux_loss is not None:  # the MoE router loss (compile(router_aux=...)), as out.loss has it
+                    loss = loss + tmodel.router_aux.coef * out.aux_loss
+                    aux_sum += float(out.aux_loss.detach())
                 if out.entropy is not None:
                     n = trained_counts(batch)
                     ent_sum += float((n.cpu() * out.entropy.detach().to(torch.float64).cpu()).sum())
@@ -277,5 +282,6 @@ def train_step(tmodel, tree_or_trees: Tree | TrajectoryTree | Sequence[Tree | Tr
         "seconds": seconds, "tokens_per_s": computed / seconds if seconds > 0 else float("inf"),
         "grad_norm": grad_norm,
         "entropy": ent_sum / ent_count if ent_count > 0 else None,
+        "aux_loss": aux_sum,
     }
     return StepResult(loss=float(loss_sum), metrics=metrics)
