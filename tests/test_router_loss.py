@@ -231,3 +231,61 @@ def test_hf_moe_train_step_path_semantics_whole_and_packed(moe, budget):
         assert res.metrics["partitions"] > 1
         with pytest.raises(NotImplementedError, match="router_aux='batch'"):
             train_step(tms["batch"], tree, budget=budget)
+
+
+# ------------------------------------------------------------------ our MoE reference model (float64, exact)
+@pytest.fixture(scope="module")
+def ours():
+    from treecompile.models import HybridConfig, HybridForCausalLM
+
+    torch.manual_seed(0)
+    cfg = HybridConfig.tiny(vocab_size=31, num_experts=4, output_router_logits=True, router_aux_loss_coef=0.1)
+    model = HybridForCausalLM(cfg).double()
+    return model, {s: treecompile.compile(model, router_aux=s) for s in ("batch", "path")}
+
+
+@pytest.mark.parametrize("semantics", ["batch", "path"])
+def test_reference_moe_model_tree_equals_per_path_float64(ours, semantics):
+    """Whole tree: ``out.aux_loss``, ``out.loss`` (LM + coef * aux) and every parameter gradient (the
+    routers' included) equal the per-path computation to float64 rounding."""
+    from treecompile import reference
+    from models.hybrid import load_balancing_loss
+
+    model, tms = ours
+    cfg = model.config
+    tree = Tree.from_paths(PATHS, path_weights=WEIGHTS)
+    params = list(model.parameters())
+    out = tms[semantics](tree.to_batch())
+    runs = [model(torch.tensor([p])) for p in PATHS]
+    if semantics == "batch":
+        L = len(runs[0].router_logits)
+        ref_aux = load_balancing_loss([torch.cat([r.router_logits[i] for r in runs]) for i in range(L)],
+                                      cfg.num_experts, cfg.num_experts_per_tok)
+    else:
+        ref_aux = sum(w * r.aux_loss for w, r in zip(WEIGHTS, runs)) / len(PATHS)
+    ref_loss = reference.run(model, PATHS, path_weights=WEIGHTS).loss + cfg.router_aux_loss_coef * ref_aux
+    assert abs(float(out.aux_loss - ref_aux)) <= 1e-12 * abs(float(ref_aux))
+    assert abs(float(out.loss - ref_loss)) <= 1e-12 * abs(float(ref_loss))
+    assert rel(flat_grads(out.aux_loss, params), flat_grads(ref_aux, params)) < 1e-9
+    assert rel(flat_grads(out.loss, params), flat_grads(ref_loss, params)) < 1e-9
+    gates = [p for n, p in model.named_parameters() if n.endswith("mlp.gate.weight")]
+    assert len(gates) == 4 and all(float(g.norm()) > 0 for g in torch.autograd.grad(out.aux_loss, gates))
+
+
+def test_reference_moe_model_packed_path_semantics_float64(ours):
+    """``train_step`` on packed partitions (router_aux="path"): loss and gradients equal the whole tree's."""
+    from treecompile.runtime.train import train_step
+
+    model, tms = ours
+    tree = Tree.from_paths(PATHS, path_weights=WEIGHTS)
+    params = list(model.parameters())
+    for p in params:
+        p.grad = None
+    res = train_step(tms["path"], tree, budget=8)
+    g = torch.cat([p.grad.flatten() for p in params])
+    for p in params:
+        p.grad = None
+    out = tms["path"](tree.to_batch())
+    assert res.metrics["partitions"] > 1
+    assert abs(res.loss - float(out.loss)) <= 1e-12 * abs(float(out.loss))
+    assert rel(g, flat_grads(out.loss, params)) < 1e-9

@@ -284,14 +284,16 @@ class SplitGraph:
 
 def _output_names(ep) -> list[str]:
     """Names of the captured program's flat outputs (``logits``, ``aux_loss``, ``router_logits.0``...)."""
-    def walk(spec, prefix):
-        if spec.is_leaf():
-            return [prefix]
-        ctx = spec.context
-        keys = ctx if isinstance(ctx, (list, tuple)) and len(ctx) == spec.num_children else range(spec.num_children)
-        return [name for key, child in zip(keys, spec.children()) for name in walk(child, f"{prefix}{key}.")]
-
-    return [n.rstrip(".") for n in walk(ep.call_spec.out_spec, "")]
+    pytree = torch.utils._pytree
+    spec = ep.call_spec.out_spec
+    try:  # rebuild the output structure around the leaf indices, then read each leaf's key path
+        flat, _ = pytree.tree_flatten_with_path(pytree.tree_unflatten(list(range(spec.num_leaves)), spec))
+    except Exception:  # an output type that cannot be rebuilt from placeholders: no names
+        return [""] * spec.num_leaves
+    names = [""] * spec.num_leaves
+    for path, i in flat:
+        names[i] = ".".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+    return names
 
 
 def run_segments(tmodel: TreeModel, split: SplitGraph, batch_args: list):
