@@ -72,7 +72,7 @@ def test_gather_logprobs_entropy_float64(chunk):
 
 
 def test_entropy_off_returns_an_empty_tensor_and_same_logprobs():
-    h, W, b, t, cot = _inputs(9, 8, 30, torch.float64, True)
+    h, W, b, t, _ = _inputs(9, 8, 30, torch.float64, True)
     lp0, lse0, e0 = linear_logprobs(h, W, b, t, 4)
     lp1, lse1, e1 = linear_logprobs(h, W, b, t, 4, True)
     assert e0.shape == (0,) and e1.shape == (9,)
@@ -272,7 +272,7 @@ def test_cuda_lowering_picks_the_triton_head_for_half_precision(monkeypatch, dty
     ref_op = torch.ops.treecompile.linear_logprobs.default
     fast_op = torch.ops.treecompile.linear_logprobs_triton.default
     for avail in (True, False):
-        monkeypatch.setattr(logprobs_triton, "available", lambda: avail)
+        monkeypatch.setattr(logprobs_triton, "available", lambda avail=avail: avail)
         gm, _ = tc_cuda.lower_for_cuda(tm.graph_module)
         heads = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in (ref_op, fast_op)]
         assert len(heads) == 1

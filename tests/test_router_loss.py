@@ -16,7 +16,6 @@ import torch
 import treecompile
 from treecompile import Tree
 from treecompile.ops.router_loss import ancestor_sums, load_balancing_loss, router_statistics, router_z_loss
-from treecompile.passes import UnsupportedModelError
 from helpers import rel
 
 transformers = pytest.importorskip("transformers")
