@@ -264,8 +264,8 @@ def test_cuda_lowering_picks_the_triton_head_for_half_precision(monkeypatch, dty
     """The choice of the Triton head lives in the CUDA lowering (the reference op never makes it):
     half-precision heads are swapped for ``linear_logprobs_triton`` (same arguments, entropy flag
     included); a float32 head (the near miss) and an install without triton keep the reference op."""
-    import treecompile.cuda as tc_cuda
     from treecompile.ops import logprobs_triton
+    from treecompile.passes.lower_cuda import CudaOptions, lower_cuda
 
     torch.manual_seed(0)
     tm = treecompile.compile(DenseForCausalLM(DenseConfig.tiny()).to(dtype), entropy=True)
@@ -273,9 +273,9 @@ def test_cuda_lowering_picks_the_triton_head_for_half_precision(monkeypatch, dty
     fast_op = torch.ops.treecompile.linear_logprobs_triton.default
     for avail in (True, False):
         monkeypatch.setattr(logprobs_triton, "available", lambda avail=avail: avail)
-        gm, _ = tc_cuda.lower_for_cuda(tm.graph_module)
-        heads = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in (ref_op, fast_op)]
-        assert len(heads) == 1
+        lowering = lower_cuda(tm.graph_module, CudaOptions(gdn_kernel="reference"))
+        heads = [n for n in lowering.graph_module.graph.nodes if n.op == "call_function" and n.target in (ref_op, fast_op)]
+        assert len(heads) == 1 and lowering.triton_head == int(fast and avail)
         assert heads[0].target == (fast_op if fast and avail else ref_op)
         assert heads[0].args[-1] is True  # entropy requested
     assert [n.target for n in tm.graph_module.graph.nodes].count(ref_op) == 1  # the CPU graph is untouched

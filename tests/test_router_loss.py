@@ -166,7 +166,7 @@ def test_hf_moe_tree_aux_loss_and_gradients_equal_per_path(moe, semantics):
     gate = [i for i, (n, _) in enumerate(model.named_parameters()) if n.endswith("mlp.gate.weight")]
     assert gate and all(float(g.norm()) > 0 for g in torch.autograd.grad(out.aux_loss, [params[i] for i in gate]))
     # near miss: the model's own aux loss on the DFS rows is far from both semantics
-    dfs = aux64([r[:tree.num_tokens] for r in tm.graph_module(*tm.graph_inputs(batch))[2:]], k)
+    dfs = aux64([r[:tree.num_tokens] for r in tm.program.run(batch)[2:]], k)
     assert abs(float(dfs - ref)) > 1e3 * (v_noise + 1e-12 * abs(float(ref)))
 
 

@@ -15,9 +15,8 @@ loss as ``out.aux_loss``.
 
 A batch is one whole tree, or a packed partition of one (``extras["whole_tree"]``, ``["tokens"]``,
 ``["paths"]``: the paths lying whole in it) for ``"path"``, whose loss then sums over the paths
-assigned to the partition (the partition losses add up to the tree's).  ``N`` is the step's path count
-when the batch says it belongs to a step of several trees (``extras["norm"]``).  Refused: ``"batch"`` on
-a partition (its statistics are products of sums over all the step's tokens, which no partition has
+assigned to the partition (the partition losses add up to the tree's).  ``N`` is the tree's path count
+(``train_step`` rescales to the step's paths).  Refused: ``"batch"`` on a partition (its statistics are products of sums over all the step's tokens, which no partition has
 before its backward) and partitions that cut paths (redundancy-free).
 """
 
@@ -56,9 +55,6 @@ class RouterAux:
     def loss(self, router_logits, batch: TreeBatch) -> torch.Tensor:
         """The tree's aux loss (float64 scalar) from the graph's ``router_logits`` (``[T, E]`` each)."""
         partition = "whole_tree" in batch.extras
-        if self.semantics == "batch" and "norm" in batch.extras:
-            raise NotImplementedError("router_aux='batch' on one tree of a step of several: the statistics are "
-                                      "products of sums over all the step's tokens; use router_aux='path'")
         if partition and (self.semantics == "batch" or "paths" not in batch.extras):
             raise NotImplementedError(
                 f"router_aux={self.semantics!r} on a partition that "
@@ -77,8 +73,7 @@ class RouterAux:
             share = tree.aggregate(torch.ones(tree.num_paths, dtype=torch.float64),
                                    torch.ones(tree.num_path_tokens, dtype=torch.float64))
             return load_balancing_loss(probs, counts, num_layers=L, semantics="batch", share_count=share)
-        norm = batch.extras.get("norm")
-        scale = 1.0 / tree.num_paths if norm is None else norm.grad_scale / norm.num_paths
+        scale = 1.0 / tree.num_paths
         if partition:  # the paths assigned to this partition, located among its tokens
             paths = torch.as_tensor(batch.extras["paths"], dtype=torch.long)
             tok = batch.extras["tokens"].cpu()

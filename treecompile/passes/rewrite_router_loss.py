@@ -27,10 +27,10 @@ TAG = "treecompile_output"
 
 
 def rewrite_router_loss(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
-    mode = ctx.options.get("router_aux")
+    mode = ctx.options.router_aux
     if mode is not None and mode not in ROUTER_AUX:
         raise ValueError(f"router_aux: expected one of {ROUTER_AUX} or None, got {mode!r}")
-    names = ctx.options.get("output_names")
+    names = ctx.options.output_names
     out = gm.graph.output_node()
     flat = list(out.args[0]) if isinstance(out.args[0], (tuple, list)) else [out.args[0]]
     if names is None or len(names) != len(flat):
