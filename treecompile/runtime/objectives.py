@@ -326,6 +326,7 @@ class SequenceClip:
 
     clip_low: float = 3e-4
     clip_high: float = 4e-4
+    path_level = True  # needs every token of a path in one batch (not on redundancy-free partitions)
 
     def __post_init__(self):
         _check_clip("SequenceClip", self.clip_low, self.clip_high)

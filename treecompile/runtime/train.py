@@ -25,11 +25,13 @@ each tree's.  Each tree is run
   (``SequenceClip``) sum over the paths assigned to each partition (each lies whole in it);
 - ``mode="redundancy_free"``: :func:`~treecompile.runtime.partition.partition_redundancy_free` run by
   :func:`~treecompile.runtime.redundancy_free.run_redundancy_free` (a model compiled with
-  ``boundary=True``); every unique token computed once.  The partition graph computes the loss
-  ``-(loss_weight * lp).sum()`` itself, so this mode takes the objectives *linear* in the
-  log-probs, whose per-token weights are fixed before the forward and which say them
-  (``objective.token_weights(tree, norm, data)``: ``SFT``, ``PolicyGradient``).  Others are refused
-  (their weights depend on the log-probs being computed).
+  ``boundary=True``); every unique token computed once.  One objective linear in the log-probs that
+  says its weights (``objective.token_weights(tree, norm, data)``: ``SFT``, ``PolicyGradient``) runs
+  as the partition graph's own loss ``-(loss_weight * lp).sum()``; any other token-level objective
+  (``PPOClip``, ``KLPenalty``, a tuple of objectives) is evaluated on each partition's log-probs with
+  the whole tree's coefficients (``run_redundancy_free(loss_fn=...)``), each token in exactly one
+  partition.  Refused: path-level objectives (``SequenceClip``: a partition cuts paths) and those
+  needing the entropy (the partition graph does not return it yet).
 
 Partitions run one after another, forward then backward, so at most one partition's activations
 (packed) or one chain of partitions (redundancy-free) are alive.  With an ``optimizer`` the step
@@ -166,10 +168,14 @@ def train_step(tmodel, tree_or_trees: Tree | TrajectoryTree | Sequence[Tree | Tr
         mode = "packed"
     objectives = _objectives(objective)
     objective = objectives[0]
+    linear = len(objectives) == 1 and hasattr(objective, "token_weights")
     if mode == "redundancy_free":
-        if len(objectives) > 1 or not hasattr(objective, "token_weights"):
-            raise ValueError(f"mode='redundancy_free' runs one objective linear in the log-probs, with "
-                             f"token_weights (SFT, PolicyGradient); {type(objective).__name__} is not (use mode='packed')")
+        for o in objectives:
+            if getattr(o, "uses_entropy", False) or getattr(o, "path_level", False):
+                raise ValueError(f"mode='redundancy_free': {type(o).__name__} needs "
+                                 + ("the entropy, which partition graphs do not return yet" if
+                                    getattr(o, "uses_entropy", False) else "every token of a path in one batch; "
+                                    "redundancy-free partitions cut paths") + " (use mode='packed')")
         if getattr(tmodel, "boundary", None) is None:
             raise ValueError("mode='redundancy_free' needs a model compiled with treecompile.compile(model, boundary=True)")
     elif getattr(tmodel, "boundary", None) is not None:
@@ -185,8 +191,10 @@ def train_step(tmodel, tree_or_trees: Tree | TrajectoryTree | Sequence[Tree | Tr
             if mode == "packed":
                 plans.append(pack(it.tree, budget))
             elif mode == "redundancy_free":
-                w = objective.token_weights(it.tree, norm, it.extras)
-                plans.append(dataclasses.replace(partition_redundancy_free(it.tree, budget), token_weights=w))
+                plan = partition_redundancy_free(it.tree, budget)
+                if linear:  # the weights of the graph's own loss
+                    plan = dataclasses.replace(plan, token_weights=objective.token_weights(it.tree, norm, it.extras))
+                plans.append(plan)
             else:
                 plans.append(None)
         except ValueError as e:
@@ -204,7 +212,12 @@ def train_step(tmodel, tree_or_trees: Tree | TrajectoryTree | Sequence[Tree | Tr
         for it, plan in zip(items, plans):
             tree = it.tree
             if mode == "redundancy_free":
-                res = run_redundancy_free(tmodel, plan, normalize=normalize)
+                if linear:
+                    res = run_redundancy_free(tmodel, plan, normalize=normalize)
+                else:
+                    res = run_redundancy_free(
+                        tmodel, plan, normalize=normalize, data=it.extras,
+                        loss_fn=lambda lp, b: sum(o.loss(lp, b, norm=norm) for o in objectives))
                 loss_sum += res.loss
                 computed += res.tokens_computed
                 peak = max(peak, res.peak_alive_tokens)
