@@ -100,7 +100,7 @@ def test_graph_after_rewrite(dense):
     assert not any(t in (aten.arange.default, aten.arange.start) for t in targets)
     assert {k: v.count for k, v in tmodel.pass_results.items()} == {
         "check_dropout": 0, "rewrite_attention": 2, "route_gdn_states": 0, "rewrite_positions": 1,
-        "rewrite_loss": 1}
+        "rewrite_router_loss": 0, "rewrite_loss": 1}
     for n in g.nodes:  # every node carries meta["val"]
         if n.op in ("call_function", "placeholder"):
             assert "val" in n.meta, n.name
