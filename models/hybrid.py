@@ -63,6 +63,9 @@ class HybridConfig:
     norm_topk_prob: bool = True
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    # router load-balancing loss (HF names): forward returns MoeOutput(logits, aux_loss, router_logits)
+    output_router_logits: bool = False
+    router_aux_loss_coef: float = 0.001
 
     def __post_init__(self):
         if self.model_type not in LAYOUTS:
@@ -119,7 +122,8 @@ class HybridConfig:
                  max_position_embeddings=32768)
         if self.model_type == "qwen3_5_text":
             for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
-                      "shared_expert_intermediate_size", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers"):
+                      "shared_expert_intermediate_size", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
+                      "output_router_logits", "router_aux_loss_coef"):
                 d.pop(k)
         return d
 
@@ -348,8 +352,12 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
-    def forward(self, x):
-        probs = torch.softmax(self.gate(x), dim=-1)
+    def forward(self, x, router_logits: list | None = None):
+        """``router_logits``: a list that receives this layer's ``[B * T, E]`` router logits."""
+        logits = self.gate(x)
+        if router_logits is not None:
+            router_logits.append(logits.reshape(-1, logits.shape[-1]))
+        probs = torch.softmax(logits, dim=-1)
         top_w, top_i = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             top_w = top_w / top_w.sum(-1, keepdim=True)
@@ -370,11 +378,14 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, router_logits: list | None = None):
         h = self.input_layernorm(x)
         h = self.linear_attn(h) if self.layer_type == "linear_attention" else self.self_attn(h, cos, sin)
         x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        if router_logits is not None and isinstance(self.mlp, SparseMoeBlock):
+            return x + self.mlp(h, router_logits)
+        return x + self.mlp(h)
 
 
 class HybridModel(nn.Module):
@@ -385,13 +396,51 @@ class HybridModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
+@dataclass
+class MoeOutput:
+    """``HybridForCausalLM`` output with ``output_router_logits``: ``logits [B, T, V]``, the router
+    load-balancing loss (:func:`load_balancing_loss`) and each MoE layer's ``[B * T, E]`` router logits."""
+
+    logits: torch.Tensor
+    aux_loss: torch.Tensor
+    router_logits: tuple[torch.Tensor, ...]
+
+
+torch.utils._pytree.register_dataclass(MoeOutput)  # torch.export flattens it field by field
+
+
+def load_balancing_loss(router_logits, num_experts: int, top_k: int) -> torch.Tensor:
+    """Switch-style load balancing as HF's ``load_balancing_loss_func`` (no attention mask), in the
+    logits' dtype: ``E * sum_e f_e P_e`` over all layers' rows, ``f_e`` the fraction of top-k slots routed
+    to ``e`` and ``P_e`` the mean router probability."""
+    probs = [torch.softmax(r, dim=-1) for r in router_logits]
+    rows = sum(p.shape[0] for p in probs)
+    f = sum(F.one_hot(torch.topk(p, top_k, dim=-1).indices, num_experts).sum((0, 1)).to(p.dtype) for p in probs) / rows
+    P = sum(p.sum(0) for p in probs) / rows
+    return num_experts * (f * P).sum()
+
+
 class HybridForCausalLM(CausalLM):
-    """``forward(input_ids [B, T]) -> logits [B, T, V]``."""
+    """``forward(input_ids [B, T]) -> logits [B, T, V]``, or a :class:`MoeOutput` when the config
+    says ``output_router_logits`` (MoE layers only)."""
 
     config_class = HybridConfig
 
     def __init__(self, cfg: HybridConfig):
         super().__init__(cfg, HybridModel(cfg))
+
+    def forward(self, input_ids: torch.Tensor):
+        cfg = self.config
+        if not (cfg.output_router_logits and cfg.num_experts):
+            return super().forward(input_ids)
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rope(input_ids.shape[1], x.device, x.dtype)
+        router_logits: list[torch.Tensor] = []
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, router_logits)
+        logits = self.lm_head(self.model.norm(x))
+        aux = load_balancing_loss(router_logits, cfg.num_experts, cfg.num_experts_per_tok)
+        return MoeOutput(logits=logits, aux_loss=aux, router_logits=tuple(router_logits))
 
     @property
     def rotary_dim(self) -> int:

@@ -102,7 +102,7 @@ def test_graph_after_rewrite(dense):
     assert {k: v.count for k, v in tmodel.pass_results.items()} == {
         "check_dropout": 0, "rewrite_attention": 2, "route_gdn_states": 0, "rewrite_positions": 1,
         "rewrite_scans": 0, "rewrite_causal_convs": 0, "rewrite_token_shifts": 0, "rewrite_causal_attention": 0,
-        "rewrite_loss": 1, "verify_token_locality": 0}
+        "rewrite_router_loss": 0, "rewrite_loss": 1, "verify_token_locality": 0}
     for n in g.nodes:  # every node carries meta["val"]
         if n.op in ("call_function", "placeholder"):
             assert "val" in n.meta, n.name
@@ -307,4 +307,8 @@ def test_tree_output_is_a_pytree_node():
     leaves, spec = pytree.tree_flatten(out)
     assert len(leaves) == 2 and leaves[0] is out.loss and leaves[1] is out.logprobs
     back = pytree.tree_unflatten(leaves, spec)
-    assert isinstance(back, TreeOutput) and back.loss is out.loss
+    assert isinstance(back, TreeOutput) and back.loss is out.loss and back.entropy is None
+    out = TreeOutput(loss=torch.tensor(1.0), logprobs=torch.zeros(3), entropy=torch.ones(3))
+    leaves, spec = pytree.tree_flatten(out)
+    assert len(leaves) == 3 and leaves[2] is out.entropy
+    assert pytree.tree_unflatten(leaves, spec).entropy is out.entropy

@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 import treecompile
 from treecompile import NORMALIZATIONS, Tree, reference
 from treecompile.models import HybridConfig, HybridForCausalLM
+from treecompile import hf_adapters
 from treecompile.ops import moe
 from helpers import equal_per_path_computations
 from strategies import ODD_TREES
@@ -334,12 +335,12 @@ def test_moe_op_equals_dense_reference_forward_and_backward():
 def test_moe_op_equals_hf_eager_experts():
     model = hf_model("qwen3_next_moe")
     experts = next(m for m in model.modules() if type(m).__name__ == "Qwen3NextExperts")
-    assert moe.hf_experts_supported(experts) is None
+    assert hf_adapters.hf_experts_supported(experts) is None
     hidden, idx, w, _, _ = moe_inputs(D=experts.hidden_dim, E=experts.num_experts)
     hidden, w = hidden.requires_grad_(), w.requires_grad_()
     params = [hidden, w, experts.gate_up_proj, experts.down_proj]
     want = experts(hidden, idx, w)  # HF's own eager loop
-    got = moe.hf_experts_forward(experts, hidden, idx, w)
+    got = hf_adapters.hf_experts_forward(experts, hidden, idx, w)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-15)
     go = torch.randn_like(want)
     for a, b in zip(torch.autograd.grad(got, params, go), torch.autograd.grad(want, params, go)):
@@ -373,7 +374,7 @@ def test_unsupported_experts_are_left_alone():
     model = hf_model("qwen3_next_moe")
     experts = next(m for m in model.modules() if type(m).__name__ == "Qwen3NextExperts")
     experts.act_fn = torch.nn.GELU()
-    assert "activation GELU" in moe.hf_experts_supported(experts)
+    assert "activation GELU" in hf_adapters.hf_experts_supported(experts)
     from treecompile.frontend import kernel_swaps
     n_gdn_swaps = len(kernel_swaps(hf_model("qwen3_next")))
     assert len(kernel_swaps(model)) == n_gdn_swaps + model.config.num_hidden_layers - 1

@@ -23,7 +23,7 @@ import treecompile
 from treecompile import NORMALIZATIONS, Tree
 from treecompile.models import HybridConfig, HybridForCausalLM
 from treecompile.runtime.data import TrajectoryTree
-from treecompile.runtime.objectives import SFT, KLPenalty, PolicyGradient, PPOClip, SequenceClip
+from treecompile.runtime.objectives import SFT, PolicyGradient, PPOClip, SequenceClip
 from treecompile.runtime.partition import pack
 from treecompile.runtime.train import train_step
 from test_objectives import OBJECTIVES, Case, mixed_case, per_path_loss
@@ -234,9 +234,10 @@ def test_errors(model, tmodel, bmodel):
         train_step(tmodel, tt, budget=9, mode="rf")
     with pytest.raises(ValueError, match=r"tree 0 \(case, lines 1-6\): path 1 has 9 tokens, more than the budget C=8"):
         train_step(tmodel, tt, budget=8)
-    for obj in (PPOClip(), KLPenalty(0.1), SequenceClip()):
-        with pytest.raises(ValueError, match="linear in the log-probs"):
-            train_step(bmodel, tt, obj, budget=4, mode="redundancy_free")
+    # PPOClip and KLPenalty run in redundancy-free mode (tests/test_objectives_modes.py); the path-level
+    # SequenceClip is refused there
+    with pytest.raises(ValueError, match="SequenceClip needs every token of a path in one batch"):
+        train_step(bmodel, tt, SequenceClip(), budget=4, mode="redundancy_free")
     with pytest.raises(ValueError, match="boundary=True"):
         train_step(tmodel, tt, budget=4, mode="redundancy_free")
     with pytest.raises(ValueError, match="use mode='redundancy_free'"):

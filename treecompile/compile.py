@@ -36,13 +36,29 @@ __all__ = ["compile", "TreeModel", "TreeOutput", "bucket_length"]  # bucket_leng
 class TreeOutput:
     loss: torch.Tensor  # scalar: -(loss_weight * logprobs).sum()
     logprobs: torch.Tensor  # [T] log p(token | path prefix) in DFS order; 0 at roots and padding
+    # [T] entropy of the distribution that predicts each token (read where logprobs is), 0 where
+    # logprobs is 0; None unless compiled with entropy=True
+    entropy: torch.Tensor | None = None
+    # the MoE router auxiliary loss on the tree (compile(router_aux="batch"|"path")), already added
+    # to loss times the model's coefficient; None otherwise
+    aux_loss: torch.Tensor | None = None
 
 
 # A pytree node, so that wrappers that look for output tensors with pytree find them: FSDP2 (torch
 # 2.11) registers its pre-backward hook -- which queues the root's reduce-scatter -- on the tensors
 # ``tree_flatten`` finds in the output; an opaque dataclass left gradients unreduced on the root.
+def _flatten_output(o: TreeOutput):
+    optional = (o.entropy, o.aux_loss)
+    return [o.loss, o.logprobs, *(x for x in optional if x is not None)], tuple(x is not None for x in optional)
+
+
+def _unflatten_output(xs, present) -> TreeOutput:
+    rest = iter(xs[2:])
+    return TreeOutput(xs[0], xs[1], *(next(rest) if p else None for p in present))
+
+
 torch.utils._pytree.register_pytree_node(
-    TreeOutput, lambda o: ([o.loss, o.logprobs], None), lambda xs, _: TreeOutput(*xs),
+    TreeOutput, _flatten_output, _unflatten_output,
     serialized_type_name="treecompile.TreeOutput")
 
 
@@ -57,8 +73,11 @@ class TreeModel(nn.Module):
     def __init__(self, model: nn.Module, *, disable: tuple[str, ...] = (), debug: bool = False,
                  logits_chunk: int | None = None, compile_cuda: bool = True, swaps: list | None = None,
                  bucket: bool = True, boundary: bool = False, gdn_kernel: str = "auto",
-                 allow_dropout: bool = False):
+                 allow_dropout: bool = False, entropy: bool = False, router_aux: str | None = None):
         super().__init__()
+        if boundary and (entropy or router_aux in ("batch", "path")):
+            raise ValueError("compile(boundary=True) (redundancy-free partitions) does not return the entropy or "
+                             "router logits yet")
         options = CudaOptions(compile_cuda=compile_cuda, bucket=bucket, gdn_kernel=gdn_kernel)
         captured: Captured = capture(model, swaps=swaps)
         ep = captured.program
@@ -67,7 +86,8 @@ class TreeModel(nn.Module):
                              f"({sorted(ep.graph_signature.buffers_to_mutate.values())}); not supported")
         gm = ep.graph_module
         ctx = PassContext(gm, captured.input_name,
-                          CompileOptions(logits_chunk=logits_chunk, allow_dropout=allow_dropout))
+                          CompileOptions(logits_chunk=logits_chunk, allow_dropout=allow_dropout, entropy=entropy,
+                                         router_aux=router_aux, output_names=_output_names(ep)))
         results = run_passes(gm, ctx, disable=disable, debug=debug,
                              passes=BOUNDARY_PASSES if boundary else None)
         tree_inputs = [n.name[len("tree_"):] for n in gm.graph.nodes
@@ -77,6 +97,11 @@ class TreeModel(nn.Module):
         program = TreeProgram(model, ep, input_name=captured.input_name, user_inputs=user_inputs,
                               tree_inputs=tree_inputs, conv_width=ctx.conv_width, boundary=spec, options=options)
         self._bind(model, program, results)
+        rr = results.get("rewrite_router_loss")
+        if rr is not None and rr.info.get("router_logits"):
+            from treecompile.router_aux import RouterAux
+
+            self.router_aux = RouterAux.from_model(model, router_aux)
 
     @classmethod
     def from_program(cls, model: nn.Module, program: ExportedProgram, *, input_name: str, user_inputs: list[str],
@@ -106,6 +131,7 @@ class TreeModel(nn.Module):
         object.__setattr__(self, "model", model)  # the user's module, not registered twice
         object.__setattr__(self, "program", program)
         self.pass_results = dict(pass_results)
+        self.router_aux = None  # a router_aux.RouterAux when the graph returns router logits
 
     @property
     def graph_module(self):
@@ -154,18 +180,45 @@ class TreeModel(nn.Module):
         if self.program.boundary is not None:
             raise TypeError("this TreeModel was compiled with boundary=True (partition graph); run it through "
                             "treecompile.runtime.redundancy_free.run_redundancy_free")
-        loss, lp = self.program.run(batch)
-        return TreeOutput(loss=loss, logprobs=lp)
+        return self.tree_output(self.program.run(batch), batch)
+
+    def tree_output(self, res: tuple, batch: TreeBatch) -> TreeOutput:
+        """The graph's outputs ``(loss, logprobs[, entropy][, *router_logits])`` -> TreeOutput, with the
+        router aux loss computed on the tree and added to the loss."""
+        info = self.pass_results["rewrite_loss"].info if "rewrite_loss" in self.pass_results else {}
+        k = 3 if info.get("entropy") else 2
+        out = TreeOutput(*res[:k])
+        if len(res) > k and self.router_aux is None:
+            raise RuntimeError(f"the graph returns {len(res) - k} router-logits outputs but this TreeModel has no "
+                               f"router_aux spec (a loaded program?): the router loss would be dropped")
+        if self.router_aux is not None:
+            out.aux_loss = self.router_aux.loss(res[k:], batch)
+            out.loss = out.loss + self.router_aux.coef * out.aux_loss.to(out.loss.dtype)
+        return out
 
     def extra_repr(self) -> str:
         done = ", ".join(f"{k}={v.count}" for k, v in self.pass_results.items())
         return f"passes: {done}"
 
 
+def _output_names(ep) -> tuple[str, ...]:
+    """Names of the captured program's flat outputs (``logits``, ``aux_loss``, ``router_logits.0``...)."""
+    pytree = torch.utils._pytree
+    spec = ep.call_spec.out_spec
+    try:  # rebuild the output structure around the leaf indices, then read each leaf's key path
+        flat, _ = pytree.tree_flatten_with_path(pytree.tree_unflatten(list(range(spec.num_leaves)), spec))
+    except Exception:  # an output type that cannot be rebuilt from placeholders: no names
+        return ("",) * spec.num_leaves
+    names = [""] * spec.num_leaves
+    for path, i in flat:
+        names[i] = ".".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+    return tuple(names)
+
+
 def compile(model=None, *, disable: tuple[str, ...] = (), debug: bool = False,  # noqa: A001 (mirrors torch.compile)
             logits_chunk: int | None = None, compile_cuda: bool = True, bucket: bool = True,
             boundary: bool = False, gdn_kernel: str = "auto", swaps: list | None = None,
-            allow_dropout: bool = False):
+            allow_dropout: bool = False, entropy: bool = False, router_aux: str | None = None):
     """Rewrite ``model`` for tree batches and return a :class:`TreeModel`.
 
     Usable as ``treecompile.compile(model, ...)``, or as a decorator (bare or with options) on an
@@ -183,11 +236,22 @@ def compile(model=None, *, disable: tuple[str, ...] = (), debug: bool = False,  
         swaps: context managers entered during capture (default: ``frontend.kernel_swaps(model)``).
         allow_dropout: accept active dropout (one mask per shared token, so gradients equal the
             per-path ones only in expectation); by default it is refused.
+        entropy: also return ``out.entropy [T]`` (the entropy of each token's predicting
+            distribution, from the fused head's chunks, differentiable).  Off by default: it is one
+            more ``[T]`` output, and the torch head computes it with two more passes over each
+            logits chunk (the Triton head in the same pass).
+        router_aux: a MoE model that computes a router load-balancing loss (HF
+            ``output_router_logits=True``) is refused unless this says which loss to compute on the tree:
+            ``"batch"`` (statistics over all path tokens, each shared token counted once per path: what
+            packing the paths computes), ``"path"`` (each path's own loss, averaged over paths: what
+            per-path training computes) or ``"none"`` (drop it).  The loss comes back as
+            ``out.aux_loss`` and is added to ``out.loss`` times the model's ``router_aux_loss_coef``.
 
     Capture bakes the model's train/eval mode into the graph: compile in the mode you train in.
     """
     options = dict(disable=disable, debug=debug, logits_chunk=logits_chunk, compile_cuda=compile_cuda,
-                   bucket=bucket, boundary=boundary, gdn_kernel=gdn_kernel, swaps=swaps, allow_dropout=allow_dropout)
+                   bucket=bucket, boundary=boundary, gdn_kernel=gdn_kernel, swaps=swaps, allow_dropout=allow_dropout,
+                   entropy=entropy, router_aux=router_aux)
     if model is None:
         return functools.partial(compile, **options)
     if isinstance(model, nn.Module):

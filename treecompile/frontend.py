@@ -49,14 +49,14 @@ def kernel_swaps(model: torch.nn.Module) -> list:
     ``GDN_HOOKS`` and one of ``CONV_HOOKS`` as callables.  HF experts modules (classes decorated with
     ``use_experts_implementation``: their eager loop is data-dependent, ``grouped_mm`` refuses float64)
     get their instance ``forward`` swapped for ``treecompile::moe_experts`` when
-    :func:`treecompile.ops.moe.hf_experts_supported` says it computes them exactly; others are left
+    :func:`treecompile.hf_adapters.hf_experts_supported` says it computes them exactly; others are left
     as they are.  Returns [] for models without such layers.
     """
     import sys
     import types
 
     from treecompile.hf_adapters import hf_causal_conv1d_fn, hf_chunk_gated_delta_rule
-    from treecompile.ops.moe import hf_experts_forward, hf_experts_supported
+    from treecompile.hf_adapters import hf_experts_forward, hf_experts_supported
 
     swaps, done = [], set()
     for m in model.modules():

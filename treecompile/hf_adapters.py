@@ -3,18 +3,22 @@
 ``frontend.kernel_swaps`` swaps them in for the duration of a capture only, so that each Gated
 DeltaNet layer becomes one ``treecompile::tree_gated_delta_rule`` node and each short convolution
 one ``treecompile::tree_causal_conv1d`` node with a dynamic length; the passes then re-point their
-node/context inputs at the batch's (``passes.route_gdn_states``).  They run one plain sequence per
+node/context inputs at the batch's (``passes.route_gdn_states``).  HF experts modules get their
+instance ``forward`` swapped for :func:`hf_experts_forward` (one ``treecompile::moe_experts`` node per
+MoE layer) where :func:`hf_experts_supported` says it computes them exactly.  They run one plain sequence per
 batch row ("a tree of root nodes"): outside a capture they compute what HF's functions compute.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
+from treecompile.ops.moe import moe_experts
 from treecompile.ops.tree_conv import chain_conv_index, tree_causal_conv1d
 from treecompile.ops.tree_gdn import sequence_nodes, tree_gated_delta_rule
 
-__all__ = ["hf_chunk_gated_delta_rule", "hf_causal_conv1d_fn"]
+__all__ = ["hf_chunk_gated_delta_rule", "hf_causal_conv1d_fn", "hf_experts_forward", "hf_experts_supported"]
 
 
 def hf_chunk_gated_delta_rule(query, key, value, g, beta, chunk_size: int = 64, initial_state=None,
@@ -48,3 +52,39 @@ def hf_causal_conv1d_fn(hidden_states: Tensor, weight: Tensor, bias: Tensor | No
     T = hidden_states.shape[-1]
     return tree_causal_conv1d(hidden_states, weight, bias, chain_conv_index(T, weight.shape[1],
                                                                             hidden_states.device), activation)
+
+
+def hf_experts_supported(module: torch.nn.Module) -> str | None:
+    """None if ``module`` is an HF experts module :func:`hf_experts_forward` computes exactly, else why not.
+
+    Supported: the layout of ``use_experts_implementation``'s defaults (concatenated ``[gate; up]``,
+    optionally transposed weights), SiLU gate, default ``_apply_gate``, no biases, no post-expert norm,
+    not expert-parallel.
+    """
+    from transformers.activations import SiLUActivation  # only reached for HF modules
+    from transformers.integrations.moe import _default_apply_gate
+
+    gu, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    if not (isinstance(gu, torch.Tensor) and isinstance(down, torch.Tensor) and gu.dim() == down.dim() == 3):
+        return "no 3-D gate_up_proj / down_proj"
+    checks = {"has_gate": True, "has_bias": False, "is_concatenated": True, "has_post_expert_norm": False,
+              "_is_expert_parallel": False}
+    for name, want in checks.items():
+        if getattr(module, name, want) != want:
+            return f"{name}={getattr(module, name)!r} (supported: {want!r})"
+    if getattr(type(module), "_apply_gate", _default_apply_gate) is not _default_apply_gate:
+        return "a custom _apply_gate"
+    act = getattr(module, "act_fn", None)
+    if not isinstance(act, (torch.nn.SiLU, SiLUActivation)):
+        return f"activation {type(act).__name__} (supported: SiLU)"
+    return None
+
+
+def hf_experts_forward(module: torch.nn.Module, hidden_states: Tensor, top_k_index: Tensor,
+                       top_k_weights: Tensor) -> Tensor:
+    """HF experts ``forward(hidden_states [T, D], top_k_index [T, k], top_k_weights [T, k])`` as one op."""
+    gu, down = module.gate_up_proj, module.down_proj
+    if getattr(module, "is_transposed", False):  # stored [E, D, 2I] / [E, I, D]
+        gu, down = gu.transpose(1, 2), down.transpose(1, 2)
+    out = moe_experts(hidden_states, top_k_index, top_k_weights.to(hidden_states.dtype), gu, down)
+    return out.to(hidden_states.dtype)

@@ -241,6 +241,6 @@ class TreeProgram:
                 out = self._run_segments(state.run, args)
             else:
                 out = tuple(state.run(*[self.lifted_value(x) for x in self.lifted], *args))
-        if state.lowering.bucket:
-            out = (out[0], out[1][:T], *out[2:])
+        if state.lowering.bucket:  # every output after the loss is per token (log-probs, entropy, router logits)
+            out = (out[0], *(x[:T] for x in out[1:]))
         return out

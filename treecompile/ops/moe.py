@@ -4,7 +4,7 @@ Hugging Face's experts modules (``Qwen3NextExperts``, ``Qwen3_5MoeExperts``, ...
 ``use_experts_implementation``) cannot be exported with a dynamic length: the eager forward loops
 over the experts that were hit (a data-dependent count) and the ``grouped_mm`` default refuses
 float64.  During capture only, the frontend swaps such a module's forward for
-:func:`hf_experts_forward`, which calls this op; the sparse dispatch (sort by expert, gather,
+``treecompile.hf_adapters.hf_experts_forward``, which calls this op; the sparse dispatch (sort by expert, gather,
 per-expert matmuls, scatter-add) happens inside the op, so the graph holds one node per MoE layer
 whose shapes depend only on ``T``.
 
@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["moe_experts", "moe_experts_reference", "hf_experts_forward", "hf_experts_supported"]
+__all__ = ["moe_experts", "moe_experts_reference"]
 
 
 def _check(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj):
@@ -150,40 +150,3 @@ def moe_experts_reference(hidden: Tensor, top_k_index: Tensor, top_k_weights: Te
     y = torch.einsum("tei,edi->ted", torch.nn.functional.silu(gate) * up, down_proj)  # [T, E, D]
     dense_w = hidden.new_zeros(hidden.shape[0], E + 1).scatter_add(1, top_k_index.long(), top_k_weights)
     return torch.einsum("te,ted->td", dense_w[:, :E], y)
-
-
-# ---------------------------------------------------------------- capture drop-in for HF experts modules
-def hf_experts_supported(module: torch.nn.Module) -> str | None:
-    """None if ``module`` is an HF experts module :func:`hf_experts_forward` computes exactly, else why not.
-
-    Supported: the layout of ``use_experts_implementation``'s defaults (concatenated ``[gate; up]``,
-    optionally transposed weights), SiLU gate, default ``_apply_gate``, no biases, no post-expert norm,
-    not expert-parallel.
-    """
-    from transformers.activations import SiLUActivation  # only reached for HF modules
-    from transformers.integrations.moe import _default_apply_gate
-
-    gu, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
-    if not (isinstance(gu, torch.Tensor) and isinstance(down, torch.Tensor) and gu.dim() == down.dim() == 3):
-        return "no 3-D gate_up_proj / down_proj"
-    checks = {"has_gate": True, "has_bias": False, "is_concatenated": True, "has_post_expert_norm": False,
-              "_is_expert_parallel": False}
-    for name, want in checks.items():
-        if getattr(module, name, want) != want:
-            return f"{name}={getattr(module, name)!r} (supported: {want!r})"
-    if getattr(type(module), "_apply_gate", _default_apply_gate) is not _default_apply_gate:
-        return "a custom _apply_gate"
-    act = getattr(module, "act_fn", None)
-    if not isinstance(act, (torch.nn.SiLU, SiLUActivation)):
-        return f"activation {type(act).__name__} (supported: SiLU)"
-    return None
-
-
-def hf_experts_forward(module: torch.nn.Module, hidden_states: Tensor, top_k_index: Tensor,
-                       top_k_weights: Tensor) -> Tensor:
-    """HF experts ``forward(hidden_states [T, D], top_k_index [T, k], top_k_weights [T, k])`` as one op."""
-    gu, down = module.gate_up_proj, module.down_proj
-    if getattr(module, "is_transposed", False):  # stored [E, D, 2I] / [E, I, D]
-        gu, down = gu.transpose(1, 2), down.transpose(1, 2)
-    out = moe_experts(hidden_states, top_k_index, top_k_weights.to(hidden_states.dtype), gu, down)
-    return out.to(hidden_states.dtype)

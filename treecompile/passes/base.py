@@ -87,10 +87,16 @@ class CompileOptions:
 
     logits_chunk: rows of logits per chunk in the fused loss (None: ~256 MiB of float32).
     allow_dropout: accept active dropout (``check_dropout``).
+    entropy: ``rewrite_loss`` also outputs each token's predicting-distribution entropy.
+    router_aux: ``rewrite_router_loss``'s choice for a model's router aux loss (None: refuse it).
+    output_names: the captured program's flat output names (``aux_loss``, ``router_logits.0``, ...).
     """
 
     logits_chunk: int | None = None
     allow_dropout: bool = False
+    entropy: bool = False
+    router_aux: str | None = None
+    output_names: tuple[str, ...] | None = None
 
     def get(self, name: str, default=None):
         """Read an option by name: kept for ``rewrite_loss`` until it reads ``ctx.options.logits_chunk``."""

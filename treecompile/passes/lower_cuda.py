@@ -6,6 +6,9 @@ BlockMask input (a new last placeholder ``tree_block_mask``, built once per batc
 ``ops.flex_tree_attention.tree_block_mask``, O(blocks)), so that inductor compiles the attention
 kernel and its backward together with the rest of the graph.  ``treecompile::tree_gated_delta_rule``
 is lowered to flash-linear-attention's varlen kernel when the resolved ``gdn_kernel`` is ``"fla"``.
+The fused head ``treecompile::linear_logprobs`` of a half-precision model becomes
+``treecompile::linear_logprobs_triton`` (same arguments; Triton row kernels) when triton imports: the
+reference op never chooses it.
 
 The lowering also decides how the copy runs (:class:`CudaLowering`): under ``torch.compile`` with
 static shapes and sequence lengths padded to buckets (``program.bucket_length``: at most one compile
@@ -28,6 +31,7 @@ from torch import fx
 from torch.nn.attention.flex_attention import flex_attention
 
 import treecompile.ops.tree_attention  # noqa: F401  (registers the ops lowered here)
+import treecompile.ops.logprobs  # noqa: F401
 import treecompile.ops.tree_gdn  # noqa: F401
 from treecompile.ops.flex_tree_attention import kernel_options_for, tree_attention_flex
 
@@ -35,6 +39,8 @@ __all__ = ["CudaOptions", "CudaLowering", "lower_cuda", "resolve_gdn_kernel", "G
 
 TREE_ATTENTION = torch.ops.treecompile.tree_attention.default
 TREE_GDN = torch.ops.treecompile.tree_gated_delta_rule.default
+LINEAR_LOGPROBS = torch.ops.treecompile.linear_logprobs.default
+HALF = (torch.bfloat16, torch.float16)
 
 # Gated DeltaNet kernel on CUDA: "fla" (flash-linear-attention, one varlen call per tree level),
 # "reference" (the registered op's torch implementation), "auto" (fla if installed, else reference
@@ -71,6 +77,7 @@ class CudaLowering:
     graph_module: fx.GraphModule  # the rewritten graph's placeholders, then ``tree_block_mask``
     attention: int  # tree_attention calls lowered to flex (0: feed None for the block mask)
     gdn_fla: int  # tree GDN calls lowered to fla
+    triton_head: int  # fused heads lowered to linear_logprobs_triton
     compiled: bool  # run under torch.compile(dynamic=False)
     bucket: bool  # pad the batch to bucket_length(T) and cut the outputs back to T
 
@@ -111,6 +118,14 @@ def _flex_eager(q, k, v, block_mask, scale):
     return tree_attention_flex(q, k, v, block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
+def _triton_head(n: fx.Node) -> bool:
+    """Whether the fused head ``n`` runs the Triton row kernels: half-precision hidden states and
+    triton importable (else the reference op's torch ops)."""
+    from treecompile.ops import logprobs_triton
+
+    return n.args[0].meta["val"].dtype in HALF and logprobs_triton.available()
+
+
 def _replace(graph: fx.Graph, n: fx.Node, target, args, kwargs=None) -> None:
     with graph.inserting_before(n):
         new = graph.call_function(target, tuple(args), dict(kwargs or {}))
@@ -128,7 +143,7 @@ def lower_cuda(gm: fx.GraphModule, options: CudaOptions, *, boundary: bool = Fal
     last_ph = [n for n in graph.nodes if n.op == "placeholder"][-1]
     with graph.inserting_after(last_ph):
         mask = graph.placeholder("tree_block_mask")
-    attention = gdn_fla = 0
+    attention = gdn_fla = triton_head = 0
     for n in list(graph.nodes):
         if n.op == "call_function" and n.target == TREE_ATTENTION:
             q, k, v, _subtree_end = n.args[:4]
@@ -138,6 +153,10 @@ def lower_cuda(gm: fx.GraphModule, options: CudaOptions, *, boundary: bool = Fal
         elif n.op == "call_function" and n.target == TREE_GDN and gdn_kernel == "fla":
             _replace(graph, n, _gdn_fla, n.args, n.kwargs)
             gdn_fla += 1
+        elif n.op == "call_function" and n.target == LINEAR_LOGPROBS and _triton_head(n):
+            _replace(graph, n, torch.ops.treecompile.linear_logprobs_triton.default, n.args, n.kwargs)
+            triton_head += 1
     graph.eliminate_dead_code()
     return CudaLowering(graph_module=fx.GraphModule(gm, graph), attention=attention, gdn_fla=gdn_fla,
+                        triton_head=triton_head,
                         compiled=compiled, bucket=options.bucket and not boundary)

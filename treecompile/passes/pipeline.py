@@ -15,6 +15,8 @@ Passes, in order (one module each in this package):
 - ``rewrite_causal_attention`` (rewrite_causal_attention.py): hand-written causal attention (matmul,
   mask, optional position bias such as ALiBi, softmax, matmul) -> ``treecompile::tree_attention_biased``;
   runs after the position and scan rewrites, so that the bias is computed from depth positions.
+- ``rewrite_router_loss`` (rewrite_router_loss.py): a MoE model's own router aux loss is refused or
+  dropped, its router logits kept as outputs (compile option ``router_aux``).
 - ``rewrite_loss`` (rewrite_loss.py): logits -> per-token log-probs at the path predecessor and the
   weighted loss; outputs become ``(loss, logprobs)``.
 - ``verify_token_locality`` (verify_token_locality.py): last; proves that every op treats tokens
@@ -51,6 +53,7 @@ from treecompile.passes.rewrite_loss import rewrite_loss
 from treecompile.passes.rewrite_positions import rewrite_positions
 from treecompile.passes.rewrite_scans import rewrite_scans
 from treecompile.passes.rewrite_token_shifts import rewrite_token_shifts
+from treecompile.passes.rewrite_router_loss import rewrite_router_loss
 from treecompile.passes.route_gdn_states import route_gdn_states
 from treecompile.passes.verify_token_locality import PASS_KEY, verify_token_locality
 
@@ -67,6 +70,7 @@ PASSES: list[tuple[str, PassFn]] = [
     ("rewrite_causal_convs", rewrite_causal_convs),
     ("rewrite_token_shifts", rewrite_token_shifts),
     ("rewrite_causal_attention", rewrite_causal_attention),
+    ("rewrite_router_loss", rewrite_router_loss),
     ("rewrite_loss", rewrite_loss),
     ("verify_token_locality", verify_token_locality),
 ]

@@ -2,7 +2,10 @@
 
 ``logprobs[t] = log p(token t | path prefix)`` is read at the token's *path predecessor*
 (``pred_index``): a parent's last position predicts the first token of every child.  Roots get 0.
-``loss = -(loss_weight * logprobs).sum()``.  The graph's outputs become ``(loss, logprobs)``.
+``loss = -(loss_weight * logprobs).sum()``.  The graph's outputs become ``(loss, logprobs)``, or
+``(loss, logprobs, entropy)`` with the option ``entropy``: ``entropy[t]`` is the entropy of the
+distribution that predicts token t (read at the same predecessor; 0 where ``logprobs`` is 0).
+Outputs tagged ``node.meta["treecompile_output"]`` by an earlier pass (router logits) follow.
 
 When the logits come straight from a linear layer (the lm_head; through slices/casts/views that
 change nothing), the head is fused: ``treecompile::linear_logprobs`` gathers the predecessor
@@ -61,7 +64,8 @@ def rewrite_loss(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     flat = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
     logits = _find_logits(flat, ctx.seq_len)
     V = int(logits.meta["val"].shape[-1])
-    chunk = int(ctx.options.get("logits_chunk") or default_chunk(V))
+    chunk = int(ctx.options.logits_chunk or default_chunk(V))
+    entropy = bool(ctx.options.entropy)
     head = _lm_head(logits)
     pred = ctx.tree_input("pred_index")
     weight = ctx.tree_input("loss_weight")
@@ -73,16 +77,24 @@ def rewrite_loss(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             b = head.args[2] if len(head.args) > 2 else head.kwargs.get("bias")
             h2 = ctx.call(aten.select.int, (h, 0, 0))
             hp = ctx.call(aten.index_select.default, (h2, 0, idx))
-            res = ctx.call(torch.ops.treecompile.linear_logprobs.default, (hp, W, b, targets, chunk), like=head)
+            res = ctx.call(torch.ops.treecompile.linear_logprobs.default, (hp, W, b, targets, chunk, entropy),
+                          like=head)
         else:
             l2 = ctx.call(aten.select.int, (logits, 0, 0))
             lp_in = ctx.call(aten.index_select.default, (l2, 0, idx))
-            res = ctx.call(torch.ops.treecompile.gather_logprobs.default, (lp_in, targets, chunk), like=logits)
+            res = ctx.call(torch.ops.treecompile.gather_logprobs.default, (lp_in, targets, chunk, entropy),
+                          like=logits)
         lp_raw = ctx.call(operator.getitem, (res, 0))
         has_pred = ctx.call(aten.ge.Scalar, (pred, 0))
         lp = ctx.call(aten.where.ScalarOther, (has_pred, lp_raw, 0.0))
         w = ctx.call(aten._to_copy.default, (weight,), {"dtype": lp.meta["val"].dtype})
         loss = ctx.call(aten.neg.default, (ctx.call(aten.sum.default, (ctx.call(aten.mul.Tensor, (lp, w)),)),))
-    out.args = ((loss, lp),)
+        if entropy:
+            ent = ctx.call(aten.where.ScalarOther, (has_pred, ctx.call(operator.getitem, (res, 2)), 0.0))
+    # outputs another pass asked to keep (rewrite_router_loss: router logits), in their order
+    kept = sorted((n for n in flat if isinstance(n, fx.Node) and "treecompile_output" in n.meta),
+                  key=lambda n: n.meta["treecompile_output"])
+    out.args = ((loss, lp, *([ent] if entropy else []), *kept),)
     remove_dead_code(gm)
-    return PassResult(1, {"fused_lm_head": head is not None, "vocab": V, "chunk": chunk})
+    return PassResult(1, {"fused_lm_head": head is not None, "vocab": V, "chunk": chunk, "entropy": entropy,
+                          "kept": [n.meta["treecompile_output"] for n in kept]})

@@ -48,9 +48,11 @@ several trees passes its ``norm``.  :meth:`treecompile.runtime.partition.PackedP
 a path in one batch: on a packed partition it sums over the paths assigned to it (``extras["paths"]``,
 each lying whole in it).
 
-Entropy is not provided: ``out.logprobs`` holds only the sampled token's log-probability, and the
-entropy needs the whole distribution (``[T, vocab]`` logits), which the compiled model does not
-return.
+**Entropy.**  ``EntropyBonus(coef)`` is ``-coef * sum_p c_p sum_t m[p,t] H[t]`` with ``H`` the
+entropy of each token's predicting distribution (``out.entropy`` of a model compiled with
+``treecompile.compile(model, entropy=True)``; the fused head computes it from its logits chunks).
+Its loss takes ``entropy=`` (``train_step`` passes ``out.entropy`` to objectives whose
+``uses_entropy`` is true); add it to another objective by giving ``train_step`` a tuple of objectives.
 """
 
 from __future__ import annotations
@@ -64,7 +66,8 @@ import torch
 from treecompile.runtime.normalization import GlobalNorm
 from treecompile.tree import NORMALIZATIONS, Tree, TreeBatch
 
-__all__ = ["SFT", "PolicyGradient", "PPOClip", "KLPenalty", "SequenceClip", "KL_ESTIMATORS", "grpo_advantages"]
+__all__ = ["SFT", "PolicyGradient", "PPOClip", "KLPenalty", "SequenceClip", "EntropyBonus", "KL_ESTIMATORS",
+           "grpo_advantages", "trained_counts"]
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
@@ -271,6 +274,44 @@ class KLPenalty:
         return self.beta * (w * k).sum()
 
 
+@dataclass(frozen=True)
+class EntropyBonus:
+    """``-coef * sum_p c_p sum_t m[p,t] H[t]``: rewards the policy's entropy (``coef > 0``) on the
+    trained tokens, with the SFT token weights of ``normalize``.  ``H`` = ``out.entropy`` of a model
+    compiled with ``entropy=True``, a differentiable ``[T]`` in DFS order."""
+
+    coef: float
+    normalize: str | None = None
+    uses_entropy = True  # train_step passes entropy=out.entropy
+
+    def __post_init__(self):
+        if not math.isfinite(self.coef):
+            raise ValueError(f"EntropyBonus.coef: expected a finite number, got {self.coef}")
+
+    def loss(self, logprobs: torch.Tensor, batch: TreeBatch, *, norm: GlobalNorm | None = None,
+             entropy=None) -> torch.Tensor:
+        _check_logprobs(logprobs, batch)
+        if entropy is None:
+            raise ValueError("EntropyBonus: no entropy given (compile the model with treecompile.compile(model, "
+                             "entropy=True) and pass entropy=out.entropy)")
+        _check_logprobs(entropy, batch)
+        w = _sft_weights(batch, _normalize(self.normalize, batch), norm, entropy)
+        return -self.coef * (w * entropy).sum()
+
+
+def trained_counts(batch: TreeBatch) -> torch.Tensor:
+    """Per token, the number of paths that train it (``sum_p m[p,t]``), float64 ``[seq_len]``, on
+    the batch's owned tokens of a partition (0 elsewhere): ``(counts * x).sum() / counts.sum()``
+    over a step's batches is the mean of ``x`` over all trained path tokens (``train_step``'s
+    ``entropy`` metric)."""
+    tree = _whole(batch)
+    n = tree.aggregate(torch.ones(tree.num_paths, dtype=torch.float64))
+    if _is_partition(batch):
+        tok, owned = batch.extras["tokens"].cpu(), batch.extras["owned"].cpu()
+        n = torch.where(owned, n[tok], torch.zeros((), dtype=torch.float64))
+    return _pad(n, batch, batch.loss_weight)
+
+
 # ---------------------------------------------------------------------- path-level objective
 @dataclass(frozen=True)
 class SequenceClip:
@@ -285,6 +326,7 @@ class SequenceClip:
 
     clip_low: float = 3e-4
     clip_high: float = 4e-4
+    path_level = True  # needs every token of a path in one batch (not on redundancy-free partitions)
 
     def __post_init__(self):
         _check_clip("SequenceClip", self.clip_low, self.clip_high)

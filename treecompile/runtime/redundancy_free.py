@@ -25,6 +25,17 @@ ancestors), at most ``longest path + C`` tokens for this planner (``plan.peak_ch
 plus the boundary rows kept for descendants.  The summed partition losses equal the whole-tree loss and the
 gradients equal the whole tree's (checked in float64 in ``tests/test_redundancy_free.py``).
 
+**Objectives.**  By default a partition's loss is the graph's own ``-(loss_weight * lp).sum()`` with
+the plan's weights fixed before the forward (the objectives linear in the log-probs).  With
+``loss_fn`` it is ``loss_fn(lp, batch)`` on the partition's log-probs instead: ``batch`` is the
+partition's TreeBatch with ``extras`` ``whole_tree``/``tokens``/``owned`` (every token owned: each
+lies in exactly one partition) plus ``data`` (per-path advantages, whole-tree DFS old/ref log-probs).
+Any objective whose loss is a sum over tokens of a function of that token's log-prob and whole-tree
+coefficients (PPO-clip, KL, SFT, policy gradient) then sums over the partitions to the whole-tree
+loss, and the backward of each partition (run after all partitions below it) carries its gradient.
+Path-level objectives (``SequenceClip``) need every token of a path in one batch and are refused by
+the objective itself.
+
 Each partition runs through the model's one runner, ``tmodel.program.run(batch, boundary_inputs)``;
 on CUDA the lowering (``passes/lower_cuda.py``) runs a boundary program eagerly and unpadded, and
 its boundary ops run their dense-mask reference (no flex/fla lowering of them yet).
@@ -34,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Callable, Mapping
 
 import torch
 
@@ -107,10 +119,13 @@ def _local(tokens: torch.Tensor, wanted: torch.Tensor, what: str, i: int) -> tor
 
 
 class _Executor:
-    def __init__(self, tmodel, plan: RedundancyFreePlan, normalize: str):
+    def __init__(self, tmodel, plan: RedundancyFreePlan, normalize: str, loss_fn: Callable | None = None,
+                 data: Mapping | None = None):
         self.tm = tmodel
         self.plan = plan
         self.normalize = normalize
+        self.loss_fn = loss_fn
+        self.data = dict(data or {})
         self.spec = _spec(tmodel)
         self.width = self.spec.conv_width
         self.device = tmodel.device
@@ -231,6 +246,10 @@ class _Executor:
                 raise ValueError(f"unknown boundary input {kind!r}")
         outs = self.tm.program.run(b2, extra)
         loss, lp = outs[0], outs[1]
+        if self.loss_fn is not None:  # the objective on this partition's log-probs (module docstring)
+            obj_batch = dataclasses.replace(batch, extras={**batch.extras, **self.data, "whole_tree": plan.tree,
+                                                           "owned": torch.ones(batch.seq_len, dtype=torch.bool)})
+            loss = self.loss_fn(lp, obj_batch)
 
         # exports: the rows descendants read
         dev = self.device
@@ -285,15 +304,17 @@ class _Executor:
             torch.autograd.backward(tensors, grads)
 
 
-def run_redundancy_free(tmodel, plan: RedundancyFreePlan, *, normalize: str = "sum") -> RedundancyFreeResult:
+def run_redundancy_free(tmodel, plan: RedundancyFreePlan, *, normalize: str = "sum", loss_fn: Callable | None = None,
+                        data: Mapping | None = None) -> RedundancyFreeResult:
     """Forward and backward of every partition of ``plan`` (see the module docstring).
 
     ``tmodel``: ``treecompile.compile(model, boundary=True)``.  Gradients accumulate in the model's
     parameters (call ``optimizer.zero_grad()`` before, as for any backward).  Returns the summed
     loss (== the whole-tree loss for ``normalize``), the whole-tree log-probs in DFS order and the
-    token counts (``tokens_computed == tree.num_tokens``: ERR == POR).
+    token counts (``tokens_computed == tree.num_tokens``: ERR == POR).  ``loss_fn(lp, batch)`` and
+    ``data``: a partition's loss from an objective instead of the graph's (module docstring).
     """
-    ex = _Executor(tmodel, plan, normalize)
+    ex = _Executor(tmodel, plan, normalize, loss_fn, data)
     for event, i in plan.schedule():
         if event == "forward":
             ex.forward(i)

@@ -25,11 +25,13 @@ each tree's.  Each tree is run
   (``SequenceClip``) sum over the paths assigned to each partition (each lies whole in it);
 - ``mode="redundancy_free"``: :func:`~treecompile.runtime.partition.partition_redundancy_free` run by
   :func:`~treecompile.runtime.redundancy_free.run_redundancy_free` (a model compiled with
-  ``boundary=True``); every unique token computed once.  The partition graph computes the loss
-  ``-(loss_weight * lp).sum()`` itself, so this mode takes the objectives *linear* in the
-  log-probs, whose per-token weights are fixed before the forward and which say them
-  (``objective.token_weights(tree, norm, data)``: ``SFT``, ``PolicyGradient``).  Others are refused
-  (their weights depend on the log-probs being computed).
+  ``boundary=True``); every unique token computed once.  One objective linear in the log-probs that
+  says its weights (``objective.token_weights(tree, norm, data)``: ``SFT``, ``PolicyGradient``) runs
+  as the partition graph's own loss ``-(loss_weight * lp).sum()``; any other token-level objective
+  (``PPOClip``, ``KLPenalty``, a tuple of objectives) is evaluated on each partition's log-probs with
+  the whole tree's coefficients (``run_redundancy_free(loss_fn=...)``), each token in exactly one
+  partition.  Refused: path-level objectives (``SequenceClip``: a partition cuts paths) and those
+  needing the entropy (the partition graph does not return it yet).
 
 Partitions run one after another, forward then backward, so at most one partition's activations
 (packed) or one chain of partitions (redundancy-free) are alive.  With an ``optimizer`` the step
@@ -50,7 +52,7 @@ import torch
 from treecompile.runtime.data import TrajectoryTree
 from treecompile.runtime.metrics import Reuse, dataset_reuse
 from treecompile.runtime.normalization import GlobalNorm, partition_batch, tree_batch
-from treecompile.runtime.objectives import SFT
+from treecompile.runtime.objectives import SFT, trained_counts
 from treecompile.runtime.partition import pack, partition_redundancy_free
 from treecompile.runtime.progress import Progress
 from treecompile.runtime.redundancy_free import run_redundancy_free
@@ -67,7 +69,10 @@ class StepResult:
     ``trees``, ``paths``, ``partitions``, ``path_tokens``, ``unique_tokens``, ``tokens_computed``,
     ``por``, ``err`` (1 - computed / path tokens), ``peak_tokens`` (largest batch, or chain of
     partitions alive at once), ``seconds``, ``tokens_per_s`` (computed tokens), ``grad_norm``
-    (before the optimizer step), ``mode``."""
+    (before the optimizer step), ``mode``, ``entropy`` (mean entropy of the predicting distribution over
+    all trained path tokens, as per-path training would log it; None unless the model was compiled
+    with ``entropy=True``), ``aux_loss`` (the MoE router loss of ``compile(router_aux=...)``, summed
+    over the step's batches and added to the loss times the model's coefficient; else None)."""
 
     loss: float
     metrics: dict = field(default_factory=dict)
@@ -102,6 +107,40 @@ def _items(tree_or_trees) -> list[_Item]:
     return out
 
 
+def _objectives(objective) -> tuple:
+    """``objective``: one objective or a tuple/list of them (their losses are added)."""
+    objs = tuple(objective) if isinstance(objective, (tuple, list)) else (SFT() if objective is None else objective,)
+    if not objs:
+        raise ValueError("objective: an empty list of objectives")
+    for o in objs:
+        if not hasattr(o, "loss"):
+            raise TypeError(f"objective: expected an objective with .loss(logprobs, batch), got {type(o).__name__}")
+    return objs
+
+
+def _objective_loss(objectives: tuple, out, batch, norm: GlobalNorm) -> torch.Tensor:
+    total = 0
+    for o in objectives:
+        if getattr(o, "uses_entropy", False):
+            if out.entropy is None:
+                raise ValueError(f"{type(o).__name__} needs the entropy: compile the model with "
+                                 f"treecompile.compile(model, entropy=True)")
+            total = total + o.loss(out.logprobs, batch, norm=norm, entropy=out.entropy)
+        else:
+            total = total + o.loss(out.logprobs, batch, norm=norm)
+    return total
+
+
+def _router_scale(tmodel, tree: Tree, norm: GlobalNorm, num_trees: int) -> float:
+    """Factor from ``out.aux_loss`` (the batch's tree alone) to the step's: ``"path"`` averages over
+    the step's paths (``w_p grad_scale / N_step`` instead of ``w_p / N_tree``); ``"batch"`` statistics
+    over several trees' tokens are products of sums no single batch has (refused)."""
+    if tmodel.router_aux.semantics == "batch":
+        if num_trees > 1:
+            raise NotImplementedError("router_aux='batch' on a step of several trees: the statistics are "
+                                      "products of sums over all the step's tokens; use router_aux='path'")
+        return norm.grad_scale
+    return tree.num_paths * norm.grad_scale / norm.num_paths
 
 
 def train_step(tmodel, tree_or_trees: Tree | TrajectoryTree | Sequence[Tree | TrajectoryTree], objective=None,
@@ -111,9 +150,10 @@ def train_step(tmodel, tree_or_trees: Tree | TrajectoryTree | Sequence[Tree | Tr
 
     ``tmodel``: ``treecompile.compile(model)`` (``compile(model, boundary=True)`` for
     ``mode="redundancy_free"``).  ``objective``: one of :mod:`treecompile.runtime.objectives`
-    (default ``SFT()``); its per-path/per-token data come from the TrajectoryTrees (``advantage``,
-    ``old_logprobs``, ``ref_logprobs`` in the JSONL); it is called as ``objective.loss(logprobs, batch,
-    norm=step_norm)`` with the step's :class:`~treecompile.runtime.normalization.GlobalNorm`.  ``budget``: tokens per partition (None: each
+    (default ``SFT()``) or a tuple of them (losses added, e.g. ``(PPOClip(), EntropyBonus(0.01))``); its
+    per-path/per-token data come from the TrajectoryTrees (``advantage``, ``old_logprobs``, ``ref_logprobs``
+    in the JSONL); each is called as ``objective.loss(logprobs, batch, norm=step_norm)`` with the step's
+    :class:`~treecompile.runtime.normalization.GlobalNorm`.  ``budget``: tokens per partition (None: each
     tree whole).  ``mode``: ``"packed"`` (default with a budget) or ``"redundancy_free"``.
     ``normalize``: the step's normalization (an objective's own ``normalize`` wins).  ``progress``:
     a progress bar on stderr.
@@ -126,13 +166,16 @@ def train_step(tmodel, tree_or_trees: Tree | TrajectoryTree | Sequence[Tree | Tr
         raise ValueError(f"mode={mode!r} needs a token budget (budget=...)")
     if budget is not None and mode is None:
         mode = "packed"
-    objective = SFT() if objective is None else objective
-    if not hasattr(objective, "loss"):
-        raise TypeError(f"objective: expected an objective with .loss(logprobs, batch), got {type(objective).__name__}")
+    objectives = _objectives(objective)
+    objective = objectives[0]
+    linear = len(objectives) == 1 and hasattr(objective, "token_weights")
     if mode == "redundancy_free":
-        if not hasattr(objective, "token_weights"):
-            raise ValueError(f"mode='redundancy_free' runs objectives linear in the log-probs, those with "
-                             f"token_weights (SFT, PolicyGradient); {type(objective).__name__} is not (use mode='packed')")
+        for o in objectives:
+            if getattr(o, "uses_entropy", False) or getattr(o, "path_level", False):
+                raise ValueError(f"mode='redundancy_free': {type(o).__name__} needs "
+                                 + ("the entropy, which partition graphs do not return yet" if
+                                    getattr(o, "uses_entropy", False) else "every token of a path in one batch; "
+                                    "redundancy-free partitions cut paths") + " (use mode='packed')")
         if tmodel.program.boundary is None:
             raise ValueError("mode='redundancy_free' needs a model compiled with treecompile.compile(model, boundary=True)")
     elif tmodel.program.boundary is not None:
@@ -148,8 +191,10 @@ def train_step(tmodel, tree_or_trees: Tree | TrajectoryTree | Sequence[Tree | Tr
             if mode == "packed":
                 plans.append(pack(it.tree, budget))
             elif mode == "redundancy_free":
-                w = objective.token_weights(it.tree, norm, it.extras)
-                plans.append(dataclasses.replace(partition_redundancy_free(it.tree, budget), token_weights=w))
+                plan = partition_redundancy_free(it.tree, budget)
+                if linear:  # the weights of the graph's own loss
+                    plan = dataclasses.replace(plan, token_weights=objective.token_weights(it.tree, norm, it.extras))
+                plans.append(plan)
             else:
                 plans.append(None)
         except ValueError as e:
@@ -161,11 +206,18 @@ def train_step(tmodel, tree_or_trees: Tree | TrajectoryTree | Sequence[Tree | Tr
         optimizer.zero_grad(set_to_none=True)
     loss_sum = torch.zeros((), dtype=torch.float64)
     computed, peak, reuses = 0, 0, []
+    ent_sum = ent_count = 0.0  # the entropy metric: sum over trained path tokens, and their count
+    aux_sum = None if getattr(tmodel, "router_aux", None) is None else 0.0
     try:
         for it, plan in zip(items, plans):
             tree = it.tree
             if mode == "redundancy_free":
-                res = run_redundancy_free(tmodel, plan, normalize=normalize)
+                if linear:
+                    res = run_redundancy_free(tmodel, plan, normalize=normalize)
+                else:
+                    res = run_redundancy_free(
+                        tmodel, plan, normalize=normalize, data=it.extras,
+                        loss_fn=lambda lp, b: sum(o.loss(lp, b, norm=norm) for o in objectives))
                 loss_sum += res.loss
                 computed += res.tokens_computed
                 peak = max(peak, res.peak_alive_tokens)
@@ -178,7 +230,15 @@ def train_step(tmodel, tree_or_trees: Tree | TrajectoryTree | Sequence[Tree | Tr
                 batch = tree_batch(tree, norm) if plan is None else partition_batch(plan, i, norm)
                 batch.extras.update(it.extras)
                 out = tmodel(batch)
-                loss = objective.loss(out.logprobs, batch, norm=norm)
+                loss = _objective_loss(objectives, out, batch, norm)
+                if out.aux_loss is not None:  # the MoE router loss (compile(router_aux=...)), as out.loss has it
+                    aux = out.aux_loss * _router_scale(tmodel, tree, norm, len(items))
+                    loss = loss + tmodel.router_aux.coef * aux
+                    aux_sum += float(aux.detach())
+                if out.entropy is not None:
+                    n = trained_counts(batch)
+                    ent_sum += float((n.cpu() * out.entropy.detach().to(torch.float64).cpu()).sum())
+                    ent_count += float(n.sum())
                 if loss.requires_grad:
                     loss.backward()
                 loss_sum += loss.detach().to(torch.float64).cpu()
@@ -203,5 +263,7 @@ def train_step(tmodel, tree_or_trees: Tree | TrajectoryTree | Sequence[Tree | Tr
         "tokens_computed": computed, "por": r.por, "err": r.err, "peak_tokens": peak,
         "seconds": seconds, "tokens_per_s": computed / seconds if seconds > 0 else float("inf"),
         "grad_norm": grad_norm,
+        "entropy": ent_sum / ent_count if ent_count > 0 else None,
+        "aux_loss": aux_sum,
     }
     return StepResult(loss=float(loss_sum), metrics=metrics)
