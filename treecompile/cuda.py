@@ -17,6 +17,7 @@ import torch
 from torch import fx
 from torch.nn.attention.flex_attention import flex_attention
 
+from treecompile.ops.fa4_tree_attention import FA4_KERNEL_OPTIONS, fa4_unusable_reason, tree_attention_fa4
 from treecompile.ops.flex_tree_attention import kernel_options_for, tree_attention_flex, tree_block_mask
 
 __all__ = ["run_cuda", "lower_for_cuda"]
@@ -48,24 +49,56 @@ def resolve_gdn_kernel(requested: str) -> str:
     return "reference"
 
 
-def _flex(q, k, v, block_mask, scale):
-    """Inside a graph that runs under torch.compile: inductor compiles flex with the rest."""
+# Tree attention kernel on CUDA: "fa4" (FlashAttention-4 through FlexAttention's FLASH backend),
+# "flex" (FlexAttention's Triton kernel), "auto" (fa4 where it can run, else flex with one warning).
+ATTENTION_KERNELS = ("auto", "fa4", "flex")
+_WARNED: set = set()
+
+
+def resolve_attention_kernel(requested: str, q) -> str:
+    """``"fa4"`` or ``"flex"`` for attention inputs ``q`` (real or fake ``[B, H, T, D]``).
+
+    ``"fa4"`` that cannot run raises RuntimeError naming the reason; ``"auto"`` falls back to flex
+    and warns once per reason."""
+    if requested == "flex":
+        return "flex"
+    if requested not in ATTENTION_KERNELS:
+        raise ValueError(f"attention_kernel: expected one of {ATTENTION_KERNELS}, got {requested!r}")
+    reason = fa4_unusable_reason(q)
+    if reason is None:
+        return "fa4"
+    if requested == "fa4":
+        raise RuntimeError(f"attention_kernel='fa4': {reason}")
+    if reason not in _WARNED:
+        _WARNED.add(reason)
+        warnings.warn(f"attention_kernel='auto': {reason}; tree attention runs FlexAttention's Triton kernel",
+                      stacklevel=2)
+    return "flex"
+
+
+def _flex(q, k, v, block_mask, scale, kernel="flex"):
+    """Inside a graph that runs under torch.compile: inductor compiles flex with the rest (the kernel is
+    resolved at trace time, on the fake inputs' device, dtype and head size)."""
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
+    fa4 = resolve_attention_kernel(kernel, q) == "fa4"
     return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
-                          kernel_options=kernel_options_for(q))
+                          kernel_options=dict(FA4_KERNEL_OPTIONS) if fa4 else kernel_options_for(q))
 
 
-def _flex_eager(q, k, v, block_mask, scale):
+def _flex_eager(q, k, v, block_mask, scale, kernel="flex"):
     """In a graph that runs eagerly: the separately compiled flex kernel (never the T^2 eager flex)."""
+    if resolve_attention_kernel(kernel, q) == "fa4":
+        return tree_attention_fa4(q, k, v, block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     return tree_attention_flex(q, k, v, block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
-def lower_for_cuda(gm: fx.GraphModule, *, compiled: bool = True, gdn_kernel: str = "reference"
-                   ) -> tuple[fx.GraphModule, int]:
+def lower_for_cuda(gm: fx.GraphModule, *, compiled: bool = True, gdn_kernel: str = "reference",
+                   attention_kernel: str = "auto") -> tuple[fx.GraphModule, int]:
     """A copy of ``gm`` whose tree_attention calls run FlexAttention under one shared BlockMask input
     (a new last placeholder ``tree_block_mask``), and whose tree GDN calls run fla when
     ``gdn_kernel == "fla"``.  ``compiled``: the copy will run under torch.compile (else eagerly).
+    ``attention_kernel``: ``"auto" | "fa4" | "flex"``, resolved when the attention first runs.
     Returns (graph module, number of lowered attention calls)."""
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
@@ -78,7 +111,7 @@ def lower_for_cuda(gm: fx.GraphModule, *, compiled: bool = True, gdn_kernel: str
             q, k, v, _subtree_end = n.args[:4]
             scale = n.args[4] if len(n.args) > 4 else n.kwargs.get("scale")
             with graph.inserting_before(n):
-                new = graph.call_function(_flex if compiled else _flex_eager, (q, k, v, mask, scale))
+                new = graph.call_function(_flex if compiled else _flex_eager, (q, k, v, mask, scale, attention_kernel))
             new.meta = dict(n.meta)
             n.replace_all_uses_with(new)
             graph.erase_node(n)
@@ -100,7 +133,8 @@ def run_cuda(tmodel, batch):
     state = tmodel.__dict__.setdefault("_cuda_state", {})
     if "graph" not in state:
         state["graph"], state["lowered"] = lower_for_cuda(tmodel.graph_module, compiled=tmodel._compile_cuda,
-                                                          gdn_kernel=resolve_gdn_kernel(tmodel._gdn_kernel))
+                                                          gdn_kernel=resolve_gdn_kernel(tmodel._gdn_kernel),
+                                                          attention_kernel=getattr(tmodel, "_attention_kernel", "auto"))
         if tmodel._compile_cuda:
             # one compile per length bucket; make room for many buckets before dynamo gives up
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
