@@ -150,24 +150,24 @@ def part_b(out: dict) -> None:
     res["per-path bf16, fla GDN"] = cosines(grads_by_group(model), oracle)
     res["tree bf16, fla GDN (eager graph)"] = cosines(tree_run(tm, batch), oracle)
     print(json.dumps(res), flush=True)
-    variants = [("tree bf16, reference GDN op (eager graph)", dict(gdn_kernel="reference", compile_cuda=False)),
-                ("tree bf16, fla GDN (compiled, as issue 17)", dict(gdn_kernel="fla"))]
-    for name, opts in variants:
+    # the tree through fla with fp32 GDN inputs (fla_gdn.COMPUTE_DTYPE switch), then the issue's compiled run
+    prev = fla_gdn.COMPUTE_DTYPE
+    variants = [("tree bf16, reference GDN op (eager graph)", dict(gdn_kernel="reference", compile_cuda=False), None),
+                ("tree bf16, fla GDN fp32 inputs (eager graph)", dict(gdn_kernel="fla", compile_cuda=False),
+                 torch.float32),
+                ("tree bf16, fla GDN (compiled, as issue 17)", dict(gdn_kernel="fla"), None)]
+    for name, opts, cdt in variants:
+        fla_gdn.COMPUTE_DTYPE = cdt
         try:
             t0 = time.perf_counter()
             res[name] = cosines(tree_run(treecompile.compile(model, **opts), batch), oracle)
             res[name]["s"] = round(time.perf_counter() - t0, 1)
         except Exception as e:  # a variant that fails is a row
             res[name] = f"{type(e).__name__}: {str(e)[:200]}"
+        finally:
+            fla_gdn.COMPUTE_DTYPE = prev
+        out["B cosines vs fp32 per-path oracle"] = res
         print(json.dumps(res), flush=True)
-    # the tree through fla with fp32 GDN inputs (fla_gdn.COMPUTE_DTYPE switch)
-    prev = fla_gdn.COMPUTE_DTYPE
-    fla_gdn.COMPUTE_DTYPE = torch.float32
-    try:
-        res["tree bf16, fla GDN fp32 inputs (eager graph)"] = cosines(
-            tree_run(treecompile.compile(model, gdn_kernel="fla", compile_cuda=False), batch), oracle)
-    finally:
-        fla_gdn.COMPUTE_DTYPE = prev
     out["B cosines vs fp32 per-path oracle"] = res
     print(json.dumps(res), flush=True)
 
