@@ -16,6 +16,7 @@ import torch
 
 from tests.strategies import ODD_TREES
 from tests.test_flex_tree_attention import ancestor_mask, check_block_mask, dense_sdpa, random_paths, rel_err
+import treecompile
 from treecompile import Tree
 from treecompile.ops import fa4_tree_attention as fa4
 from treecompile.ops.flex_tree_attention import tree_block_mask
@@ -129,3 +130,59 @@ def test_fa4_tree_attention_vs_fp64_oracle(kind, T, roots, pad_to, H, Hkv, D):
         assert torch.isfinite(f).all(), name
         ef, er = rel_err(f, o), rel_err(r, o)
         assert ef <= 2 * er + u, f"{name}: FA4 error {ef:.3g} > 2 * dense bf16 error {er:.3g} + {u:.1g}"
+
+
+# ---------------------------------------------------------------------------- the lowering's option (CPU)
+def test_attention_kernel_option_is_checked():
+    from treecompile.models import DenseConfig, DenseForCausalLM
+    from treecompile.passes.lower_cuda import CudaOptions
+
+    with pytest.raises(ValueError, match="attention_kernel"):
+        CudaOptions(attention_kernel="triton")
+    with pytest.raises(ValueError, match="attention_kernel"):
+        treecompile.compile(DenseForCausalLM(DenseConfig.tiny()), attention_kernel="cudnn")
+
+
+def test_lowering_carries_the_attention_kernel():
+    from treecompile.models import DenseConfig, DenseForCausalLM
+    from treecompile.passes import lower_cuda as lc
+
+    tm = treecompile.compile(DenseForCausalLM(DenseConfig.tiny()))
+    for kernel in lc.ATTENTION_KERNELS:
+        low = lc.lower_cuda(tm.graph_module, lc.CudaOptions(gdn_kernel="reference", attention_kernel=kernel))
+        calls = [n for n in low.graph_module.graph.nodes if n.target is lc._flex]
+        assert len(calls) == 2 and all(n.args[-1] == kernel for n in calls)
+
+
+def test_resolve_attention_kernel(monkeypatch):
+    import warnings
+
+    from treecompile.passes import lower_cuda as lc
+
+    q = torch.empty(1, 2, 8, 128)  # CPU: FA4 cannot run it
+    monkeypatch.setattr(lc, "_WARNED", set())
+    assert lc.resolve_attention_kernel("flex", q) == "flex"
+    with pytest.raises(RuntimeError, match="attention_kernel='fa4': "):
+        lc.resolve_attention_kernel("fa4", q)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert lc.resolve_attention_kernel("auto", q) == "flex"
+        assert lc.resolve_attention_kernel("auto", q) == "flex"
+    assert len([w for w in caught if "attention_kernel='auto'" in str(w.message)]) == 1  # once per reason
+    monkeypatch.setattr(lc, "fa4_unusable_reason", lambda q_: None)  # where FA4 can run
+    assert lc.resolve_attention_kernel("auto", q) == "fa4" and lc.resolve_attention_kernel("fa4", q) == "fa4"
+
+
+def test_saved_program_takes_the_kernel_at_load(tmp_path):
+    from treecompile import saved
+    from treecompile.models import DenseConfig, DenseForCausalLM
+
+    torch.manual_seed(0)
+    model = DenseForCausalLM(DenseConfig.tiny()).double()
+    tm = treecompile.compile(model)
+    saved.save(tm, tmp_path / "p")
+    for kernel in ("flex", "fa4"):
+        lm = saved.load(tmp_path / "p", attention_kernel=kernel)
+        assert lm.program.options.attention_kernel == kernel
+    b = Tree.from_paths([[1, 2, 3], [1, 4]]).to_batch()
+    assert torch.equal(saved.load(tmp_path / "p", attention_kernel="fa4")(b).logprobs, tm(b).logprobs)  # CPU: no lowering
