@@ -115,7 +115,7 @@ def cosines(g, ref):
     return {k: round(float(F.cosine_similarity(g[k], ref[k], dim=0)), 5) for k in ref if k in g}
 
 
-def part_b(out: dict) -> None:
+def part_b(out: dict, fp32_inputs_only: bool = False) -> None:
     torch.manual_seed(0)
     paths = branching_paths(6, prompt=1500, seg=1200, vocab=SMALL_HYBRID.vocab_size, seed=1)
     model = init_(HybridForCausalLM(SMALL_HYBRID)).to("cuda", torch.bfloat16)
@@ -144,6 +144,21 @@ def part_b(out: dict) -> None:
         return grads_by_group(model)
 
     tm = treecompile.compile(model, gdn_kernel="fla", compile_cuda=False)
+    if fp32_inputs_only:  # per-path and tree through fla with the GDN inputs upcast to fp32
+        prev = fla_gdn.COMPUTE_DTYPE
+        fla_gdn.COMPUTE_DTYPE = torch.float32
+        try:
+            model.zero_grad(set_to_none=True)
+            for p in paths:
+                (tm(Tree.from_paths([p]).to_batch(device="cuda")).loss / n).backward()
+            res["per-path bf16, fla GDN fp32 inputs"] = cosines(grads_by_group(model), oracle)
+            print(json.dumps(res), flush=True)
+            res["tree bf16, fla GDN fp32 inputs (eager graph)"] = cosines(tree_run(tm, batch), oracle)
+        finally:
+            fla_gdn.COMPUTE_DTYPE = prev
+        out["B cosines vs fp32 per-path oracle"] = res
+        print(json.dumps(res), flush=True)
+        return
     model.zero_grad(set_to_none=True)
     for p in paths:
         (tm(Tree.from_paths([p]).to_batch(device="cuda")).loss / n).backward()
@@ -176,6 +191,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--skip-model", action="store_true")
     ap.add_argument("--skip-op", action="store_true")
+    ap.add_argument("--fp32-inputs-only", action="store_true",
+                    help="model level: only the oracle, the baseline and fla with fp32 GDN inputs")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     import triton
@@ -188,7 +205,7 @@ def main():
         if not a.skip_op:
             part_a(out)
         if not a.skip_model:
-            part_b(out)
+            part_b(out, a.fp32_inputs_only)
     finally:
         if a.out:
             with open(a.out, "w") as f:
