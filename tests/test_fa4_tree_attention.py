@@ -151,7 +151,9 @@ def test_lowering_carries_the_attention_kernel():
     for kernel in lc.ATTENTION_KERNELS:
         low = lc.lower_cuda(tm.graph_module, lc.CudaOptions(gdn_kernel="reference", attention_kernel=kernel))
         calls = [n for n in low.graph_module.graph.nodes if n.target is lc._flex]
-        assert len(calls) == 2 and all(n.args[-1] == kernel for n in calls)
+        assert len(calls) == 2 and all(n.args[5] == kernel for n in calls)
+        # the installation/device probe is made at lowering time (here: no FA4 on this machine)
+        assert all((n.args[6] is None) == (kernel == "flex" or lc.fa4_unusable_reason() is None) for n in calls)
 
 
 def test_resolve_attention_kernel(monkeypatch):
@@ -169,8 +171,14 @@ def test_resolve_attention_kernel(monkeypatch):
         assert lc.resolve_attention_kernel("auto", q) == "flex"
         assert lc.resolve_attention_kernel("auto", q) == "flex"
     assert len([w for w in caught if "attention_kernel='auto'" in str(w.message)]) == 1  # once per reason
-    monkeypatch.setattr(lc, "fa4_unusable_reason", lambda q_: None)  # where FA4 can run
+    # a setup probe made at lowering time: only the inputs are checked when the graph is traced
+    assert lc.resolve_attention_kernel("auto", q, "no CUDA device") == "flex"
+    with pytest.raises(RuntimeError, match="runs on CUDA"):
+        lc.resolve_attention_kernel("fa4", q, None)  # installed and usable, but the inputs are on CPU
+    monkeypatch.setattr(lc, "fa4_unusable_reason", lambda q_=None: None)  # where FA4 can run
     assert lc.resolve_attention_kernel("auto", q) == "fa4" and lc.resolve_attention_kernel("fa4", q) == "fa4"
+    monkeypatch.setattr(lc, "fa4_input_reason", lambda q_: None)
+    assert lc.resolve_attention_kernel("auto", q, None) == "fa4"
 
 
 def test_saved_program_takes_the_kernel_at_load(tmp_path):

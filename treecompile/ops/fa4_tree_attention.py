@@ -39,6 +39,7 @@ __all__ = [
     "FA4_KERNEL_OPTIONS",
     "FA4_HEAD_DIMS",
     "fa4_unusable_reason",
+    "fa4_input_reason",
     "fa4_block_sparse_tensors",
     "tree_attention_fa4",
     "tree_attention_fa4_direct",
@@ -75,12 +76,27 @@ def _device_reason(index: int) -> str | None:
     return None
 
 
+def fa4_input_reason(q: torch.Tensor, *, block_size=(128, 128)) -> str | None:
+    """The checks on the inputs alone (CUDA, bf16/fp16, head dim in :data:`FA4_HEAD_DIMS`, 128x128
+    sparse blocks): attribute reads only -- no imports, no device queries -- so dynamo traces it as
+    plain Python on fake inputs."""
+    if q.device.type != "cuda":
+        return f"FlashAttention-4 runs on CUDA, the inputs are on {q.device}"
+    if q.dtype not in _DTYPES:
+        return f"FlashAttention-4 tree attention takes bf16/fp16, got {q.dtype}"
+    if q.shape[-1] not in FA4_HEAD_DIMS:
+        return f"head_dim {q.shape[-1]} is not one of {FA4_HEAD_DIMS} (FA4's sm_90 tiles vs 128x128 sparse blocks)"
+    if tuple(block_size) != (128, 128):
+        return f"FA4 tree attention is built for 128x128 sparse blocks, got {tuple(block_size)}"
+    return None
+
+
 def fa4_unusable_reason(q: torch.Tensor | None = None, *, block_size=(128, 128)) -> str | None:
     """Why FA4 tree attention cannot serve ``q`` (``[B, H, T, D]``, real or fake), or None when it can.
 
-    Checks: flash-attn-4 importable with torch's FLASH backend, a CUDA device of sm_90 or newer,
-    bf16/fp16, head dim in :data:`FA4_HEAD_DIMS`, 128x128 sparse blocks.  ``q=None`` checks the
-    installation and the current device only.
+    Checks: flash-attn-4 importable with torch's FLASH backend, a CUDA device of sm_90 or newer, then
+    :func:`fa4_input_reason`.  ``q=None`` checks the installation and the current device only (call
+    it outside traced code: it imports and queries the device).
     """
     reason = _import_reason()
     if reason:
@@ -89,18 +105,10 @@ def fa4_unusable_reason(q: torch.Tensor | None = None, *, block_size=(128, 128))
         if not torch.cuda.is_available():
             return "no CUDA device"
         return _device_reason(torch.cuda.current_device())
-    if q.device.type != "cuda":
-        return f"FlashAttention-4 runs on CUDA, the inputs are on {q.device}"
-    reason = _device_reason(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    reason = fa4_input_reason(q, block_size=block_size)
     if reason:
         return reason
-    if q.dtype not in _DTYPES:
-        return f"FlashAttention-4 tree attention takes bf16/fp16, got {q.dtype}"
-    if q.shape[-1] not in FA4_HEAD_DIMS:
-        return f"head_dim {q.shape[-1]} is not one of {FA4_HEAD_DIMS} (FA4's sm_90 tiles vs 128x128 sparse blocks)"
-    if tuple(block_size) != (128, 128):
-        return f"FA4 tree attention is built for 128x128 sparse blocks, got {tuple(block_size)}"
-    return None
+    return _device_reason(q.device.index if q.device.index is not None else torch.cuda.current_device())
 
 
 def _check(q, k, v, block_mask, enable_gqa):

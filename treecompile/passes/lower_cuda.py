@@ -33,7 +33,8 @@ from torch.nn.attention.flex_attention import flex_attention
 
 import treecompile.ops.tree_attention  # noqa: F401  (registers the ops lowered here)
 import treecompile.ops.tree_gdn  # noqa: F401
-from treecompile.ops.fa4_tree_attention import FA4_KERNEL_OPTIONS, fa4_unusable_reason, tree_attention_fa4
+from treecompile.ops.fa4_tree_attention import (FA4_KERNEL_OPTIONS, fa4_input_reason, fa4_unusable_reason,
+                                                tree_attention_fa4)
 from treecompile.ops.flex_tree_attention import kernel_options_for, tree_attention_flex
 
 __all__ = ["CudaOptions", "CudaLowering", "lower_cuda", "resolve_gdn_kernel", "resolve_attention_kernel",
@@ -114,16 +115,25 @@ def resolve_gdn_kernel(requested: str) -> str:
 _WARNED: set = set()  # reasons "auto" already warned about (once per process)
 
 
-def resolve_attention_kernel(requested: str, q) -> str:
+_PROBE = object()  # resolve_attention_kernel: probe the installation and device now
+
+
+def resolve_attention_kernel(requested: str, q, setup_reason=_PROBE) -> str:
     """``"fa4"`` or ``"flex"`` for attention inputs ``q`` (real or fake ``[B, H, T, D]``).
 
+    ``setup_reason``: what ``fa4_unusable_reason()`` said about the installation and device when the
+    graph was lowered (None: usable); then only the inputs are checked here, as plain Python that
+    dynamo traces without imports or device queries.  By default both are probed now.
     ``"fa4"`` that cannot run raises RuntimeError naming the reason; ``"auto"`` falls back to flex
     and warns once per reason."""
     if requested == "flex":
         return "flex"
     if requested not in ATTENTION_KERNELS:
         raise ValueError(f"attention_kernel: expected one of {ATTENTION_KERNELS}, got {requested!r}")
-    reason = fa4_unusable_reason(q)
+    if setup_reason is _PROBE:
+        reason = fa4_unusable_reason(q)
+    else:
+        reason = setup_reason or fa4_input_reason(q)
     if reason is None:
         return "fa4"
     if requested == "fa4":
@@ -135,19 +145,20 @@ def resolve_attention_kernel(requested: str, q) -> str:
     return "flex"
 
 
-def _flex(q, k, v, block_mask, scale, kernel="flex"):
+def _flex(q, k, v, block_mask, scale, kernel="flex", setup_reason=None):
     """Inside a graph that runs under torch.compile: inductor compiles flex with the rest (the kernel
-    is resolved at trace time, on the fake inputs' device, dtype and head size)."""
+    is resolved at trace time from the fake inputs' device, dtype and head size, and the installation
+    and device probe made at lowering time)."""
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    fa4 = resolve_attention_kernel(kernel, q) == "fa4"
+    fa4 = resolve_attention_kernel(kernel, q, setup_reason) == "fa4"
     return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
                           kernel_options=dict(FA4_KERNEL_OPTIONS) if fa4 else kernel_options_for(q))
 
 
-def _flex_eager(q, k, v, block_mask, scale, kernel="flex"):
+def _flex_eager(q, k, v, block_mask, scale, kernel="flex", setup_reason=None):
     """In a graph that runs eagerly: the separately compiled kernel (never the T^2 eager flex)."""
-    if resolve_attention_kernel(kernel, q) == "fa4":
+    if resolve_attention_kernel(kernel, q, setup_reason) == "fa4":
         return tree_attention_fa4(q, k, v, block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     return tree_attention_flex(q, k, v, block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
@@ -164,6 +175,8 @@ def lower_cuda(gm: fx.GraphModule, options: CudaOptions, *, boundary: bool = Fal
     """A copy of ``gm`` for CUDA (module docstring).  ``boundary``: ``gm`` is a boundary program."""
     compiled = options.compile_cuda and not boundary
     gdn_kernel = resolve_gdn_kernel(options.gdn_kernel)
+    # installation and device, probed here (eagerly): the traced graph only checks its inputs
+    setup_reason = None if options.attention_kernel == "flex" else fa4_unusable_reason()
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
     last_ph = [n for n in graph.nodes if n.op == "placeholder"][-1]
@@ -174,7 +187,8 @@ def lower_cuda(gm: fx.GraphModule, options: CudaOptions, *, boundary: bool = Fal
         if n.op == "call_function" and n.target == TREE_ATTENTION:
             q, k, v, _subtree_end = n.args[:4]
             scale = n.args[4] if len(n.args) > 4 else n.kwargs.get("scale")
-            _replace(graph, n, _flex if compiled else _flex_eager, (q, k, v, mask, scale, options.attention_kernel))
+            _replace(graph, n, _flex if compiled else _flex_eager, (q, k, v, mask, scale, options.attention_kernel,
+                                                                         setup_reason))
             attention += 1
         elif n.op == "call_function" and n.target == TREE_GDN and gdn_kernel == "fla":
             _replace(graph, n, _gdn_fla, n.args, n.kwargs)
