@@ -10,6 +10,9 @@ accumulated in ``.grad``; **optimizer step excluded**), median of ``--iters`` af
 - ``eager_per_path``: the unmodified model run on each path alone (what per-branch trainers do);
 - ``compiled_per_path``: the same under ``torch.compile(dynamic=True)`` (one graph for all path
   lengths), causal SDPA with cuDNN first in the backend priority;
+- ``compiled_per_path_fa4`` / ``packed_fa4_varlen``: the same per-path and packed steps with attention
+  through FlashAttention-4 (causal; varlen causal over ``cu_seqlens``), see :mod:`benchmarks.fa4_baselines`
+  (CUDA with flash-attn-4 only; a skipped row elsewhere);
 - ``packed_flex``: paths concatenated into packs of at most ``--capacity`` tokens (first-fit
   decreasing, whole paths, every pack padded to one length; all paths in one pack when they fit), the
   model compiled with its SDPA call replaced by compiled FlexAttention under a document-causal
@@ -61,7 +64,7 @@ else:  # run as a script: benchmarks/ is on sys.path
     from flops import FlopModel, path_attention_entries, tree_attention_entries
     from trees import agentic_paths, agentic_specs, max_por, synthetic_paths
 
-BASELINES = ("eager_per_path", "compiled_per_path", "packed_flex")
+BASELINES = ("eager_per_path", "compiled_per_path", "packed_flex", "compiled_per_path_fa4", "packed_fa4_varlen")
 TREE_CONTENDERS = ("tree", "tree_packed", "tree_rf")
 CONTENDERS = BASELINES + TREE_CONTENDERS
 
@@ -316,6 +319,27 @@ class Steps:
                     total += loss.detach()
             return total
         return step
+
+    def compiled_per_path_fa4(self):
+        return self._fa4_baseline("compiled_per_path_fa4")
+
+    def packed_fa4_varlen(self):
+        return self._fa4_baseline("packed_fa4_varlen")
+
+    def _fa4_baseline(self, name):
+        """The FA4 baselines (benchmarks/fa4_baselines.py); a skipped row where FA4 cannot run."""
+        if __package__:
+            from benchmarks import fa4_baselines
+        else:
+            import fa4_baselines
+        from treecompile.ops.fa4_tree_attention import fa4_unusable_reason
+
+        reason = fa4_unusable_reason() if self.dev.type == "cuda" else "FA4 runs on CUDA only"
+        if reason:
+            raise _Skip(reason)
+        if name == "packed_fa4_varlen":
+            return fa4_baselines.packed_fa4_varlen(self, self.cfg.capacity)
+        return fa4_baselines.compiled_per_path_fa4(self)
 
     def _pack(self, members: list[int], n: int, wdtype):
         """One pack of the given paths, padded to ``n`` tokens: (ids, targets, weights, mask)."""

@@ -311,11 +311,11 @@ def read_manifest(directory: str | os.PathLike) -> dict:
 
 
 def load(directory: str | os.PathLike, *, device=None, compile_cuda: bool = True, bucket: bool = True,
-         gdn_kernel: str = "auto"):
+         gdn_kernel: str = "auto", attention_kernel: str = "auto"):
     """A :class:`~treecompile.compile.TreeModel` from a directory written by :func:`save`.
 
-    ``device``: where the weights go (default: CPU).  ``compile_cuda``, ``bucket``, ``gdn_kernel``:
-    the run options of :func:`treecompile.compile`.
+    ``device``: where the weights go (default: CPU).  ``compile_cuda``, ``bucket``, ``gdn_kernel``,
+    ``attention_kernel``: the run options of :func:`treecompile.compile` (chosen at load, never saved).
     """
     import safetensors.torch
 
@@ -373,7 +373,8 @@ def load(directory: str | os.PathLike, *, device=None, compile_cuda: bool = True
             if isinstance(v, torch.Tensor):
                 ep.constants[k] = v.to(device)
     passes = {k: PassResult(v["count"], v.get("info", {})) for k, v in manifest.get("passes", {}).items()}
-    options = CudaOptions(compile_cuda=compile_cuda, bucket=bucket, gdn_kernel=gdn_kernel)
+    options = CudaOptions(compile_cuda=compile_cuda, bucket=bucket, gdn_kernel=gdn_kernel,
+                          attention_kernel=attention_kernel)
     tm = TreeModel.from_program(module, ep, input_name="input_ids", user_inputs=["input_ids"],
                                 tree_inputs=[u[len("tree_"):] for u in user[1:]],
                                 conv_width=manifest.get("conv_width"), pass_results=passes, options=options)

@@ -18,7 +18,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["fla_available", "fla_unusable_reason", "tree_gated_delta_rule_fla"]
+__all__ = ["COMPUTE_DTYPE", "fla_available", "fla_unusable_reason", "tree_gated_delta_rule_fla"]
+
+# dtype the fla kernels compute in when the caller passes none: None = the inputs' dtype (fla keeps its
+# chunk states h in the input dtype and its final states in float32); torch.float32 upcasts bf16 inputs
+# (what the model's own GDN does), at fla's fp32 speed.  benchmarks/gdn_precision.py measures both.
+COMPUTE_DTYPE: torch.dtype | None = None
 
 
 def fla_unusable_reason(device: torch.device | None = None) -> str | None:
@@ -99,15 +104,21 @@ def _cached_schedule(node_start, node_end, node_parent, node_level):
 def tree_gated_delta_rule_fla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, node_start: Tensor,
                               node_end: Tensor, node_parent: Tensor, node_level: Tensor,
                               initial_state: Tensor | None = None, *, scale: float | None = None,
-                              use_qk_l2norm_in_kernel: bool = False, chunk_size: int = 64) -> Tensor:
+                              use_qk_l2norm_in_kernel: bool = False, chunk_size: int = 64,
+                              compute_dtype: torch.dtype | None = None) -> Tensor:
     """q, k ``[1, T, H, Dk]``, v ``[1, T, Hv, Dv]``, g (log decay) / beta ``[1, T, Hv]``; node tensors
-    ``[N]`` as in a TreeBatch; ``initial_state [Hv, Dk, Dv]`` for root nodes.  Returns ``[1, T, Hv, Dv]``."""
+    ``[N]`` as in a TreeBatch; ``initial_state [Hv, Dk, Dv]`` for root nodes.  Returns ``[1, T, Hv, Dv]``
+    in v's dtype.  ``compute_dtype``: the dtype q, k, v, g, beta enter fla in (default
+    :data:`COMPUTE_DTYPE`, None = as given); states between levels are float32 either way."""
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     except ImportError as e:
         raise ImportError("the 'fla' GDN kernel needs flash-linear-attention (pip install 'treecompile[gpu]')") from e
     Hv, Dk, Dv = v.shape[2], q.shape[3], v.shape[3]
     o = v.new_zeros(v.shape)
+    compute_dtype = compute_dtype if compute_dtype is not None else COMPUTE_DTYPE
+    if compute_dtype is not None:
+        q, k, v, g, beta = (x.to(compute_dtype) for x in (q, k, v, g, beta))
     states = None
     for idx, cu, prow in _cached_schedule(node_start, node_end, node_parent, node_level):
         n = cu.numel() - 1

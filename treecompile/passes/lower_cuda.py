@@ -4,7 +4,11 @@
 name; on CUDA it is lowered, in a *copy* of the rewritten graph, to ``flex_attention`` under one
 BlockMask input (a new last placeholder ``tree_block_mask``, built once per batch from the tree by
 ``ops.flex_tree_attention.tree_block_mask``, O(blocks)), so that inductor compiles the attention
-kernel and its backward together with the rest of the graph.  ``treecompile::tree_gated_delta_rule``
+kernel and its backward together with the rest of the graph.  ``attention_kernel`` picks the flex
+kernel: ``"fa4"`` (FlashAttention-4 through FlexAttention's FLASH backend, same BlockMask), ``"flex"``
+(FlexAttention's Triton kernel), ``"auto"`` (fa4 where it can run, else flex with one warning); it is
+resolved when the graph is traced, on the attention inputs (device, dtype, head size).
+``treecompile::tree_gated_delta_rule``
 is lowered to flash-linear-attention's varlen kernel when the resolved ``gdn_kernel`` is ``"fla"``.
 The fused head ``treecompile::linear_logprobs`` of a half-precision model becomes
 ``treecompile::linear_logprobs_triton`` (same arguments; Triton row kernels) when triton imports: the
@@ -33,9 +37,12 @@ from torch.nn.attention.flex_attention import flex_attention
 import treecompile.ops.tree_attention  # noqa: F401  (registers the ops lowered here)
 import treecompile.ops.logprobs  # noqa: F401
 import treecompile.ops.tree_gdn  # noqa: F401
+from treecompile.ops.fa4_tree_attention import (FA4_KERNEL_OPTIONS, fa4_input_reason, fa4_unusable_reason,
+                                                tree_attention_fa4)
 from treecompile.ops.flex_tree_attention import kernel_options_for, tree_attention_flex
 
-__all__ = ["CudaOptions", "CudaLowering", "lower_cuda", "resolve_gdn_kernel", "GDN_KERNELS"]
+__all__ = ["CudaOptions", "CudaLowering", "lower_cuda", "resolve_gdn_kernel", "resolve_attention_kernel",
+           "GDN_KERNELS", "ATTENTION_KERNELS"]
 
 TREE_ATTENTION = torch.ops.treecompile.tree_attention.default
 TREE_GDN = torch.ops.treecompile.tree_gated_delta_rule.default
@@ -46,6 +53,9 @@ HALF = (torch.bfloat16, torch.float16)
 # "reference" (the registered op's torch implementation), "auto" (fla if installed, else reference
 # with a warning).  On CPU the reference always runs.
 GDN_KERNELS = ("auto", "fla", "reference")
+# Tree attention kernel on CUDA: "fa4" (FlashAttention-4 through FlexAttention's FLASH backend),
+# "flex" (FlexAttention's Triton kernel), "auto" (fa4 where it can run, else flex with one warning).
+ATTENTION_KERNELS = ("auto", "fa4", "flex")
 
 
 @dataclass(frozen=True)
@@ -55,6 +65,7 @@ class CudaOptions:
     compile_cuda: run the lowered graph under ``torch.compile`` (else eagerly, flex compiled alone).
     bucket: pad sequence lengths to ``bucket_length`` buckets (bounded recompiles).
     gdn_kernel: one of ``GDN_KERNELS``.
+    attention_kernel: one of ``ATTENTION_KERNELS``.
     recompile_limit: dynamo's ``recompile_limit`` while a compiled graph runs (one compile per length
         bucket needs room for many), applied with ``torch._dynamo.config.patch`` around each call
         only: the global setting is left as it is.  Never lowers a higher global limit.
@@ -64,10 +75,13 @@ class CudaOptions:
     bucket: bool = True
     gdn_kernel: str = "auto"
     recompile_limit: int = 64
+    attention_kernel: str = "auto"
 
     def __post_init__(self):
         if self.gdn_kernel not in GDN_KERNELS:
             raise ValueError(f"gdn_kernel: expected one of {GDN_KERNELS}, got {self.gdn_kernel!r}")
+        if self.attention_kernel not in ATTENTION_KERNELS:
+            raise ValueError(f"attention_kernel: expected one of {ATTENTION_KERNELS}, got {self.attention_kernel!r}")
 
 
 @dataclass
@@ -105,16 +119,54 @@ def resolve_gdn_kernel(requested: str) -> str:
     return "reference"
 
 
-def _flex(q, k, v, block_mask, scale):
-    """Inside a graph that runs under torch.compile: inductor compiles flex with the rest."""
+_WARNED: set = set()  # reasons "auto" already warned about (once per process)
+
+
+_PROBE = object()  # resolve_attention_kernel: probe the installation and device now
+
+
+def resolve_attention_kernel(requested: str, q, setup_reason=_PROBE) -> str:
+    """``"fa4"`` or ``"flex"`` for attention inputs ``q`` (real or fake ``[B, H, T, D]``).
+
+    ``setup_reason``: what ``fa4_unusable_reason()`` said about the installation and device when the
+    graph was lowered (None: usable); then only the inputs are checked here, as plain Python that
+    dynamo traces without imports or device queries.  By default both are probed now.
+    ``"fa4"`` that cannot run raises RuntimeError naming the reason; ``"auto"`` falls back to flex
+    and warns once per reason."""
+    if requested == "flex":
+        return "flex"
+    if requested not in ATTENTION_KERNELS:
+        raise ValueError(f"attention_kernel: expected one of {ATTENTION_KERNELS}, got {requested!r}")
+    if setup_reason is _PROBE:
+        reason = fa4_unusable_reason(q)
+    else:
+        reason = setup_reason or fa4_input_reason(q)
+    if reason is None:
+        return "fa4"
+    if requested == "fa4":
+        raise RuntimeError(f"attention_kernel='fa4': {reason}")
+    if reason not in _WARNED:
+        _WARNED.add(reason)
+        warnings.warn(f"attention_kernel='auto': {reason}; tree attention runs FlexAttention's Triton kernel",
+                      stacklevel=2)
+    return "flex"
+
+
+def _flex(q, k, v, block_mask, scale, kernel="flex", setup_reason=None):
+    """Inside a graph that runs under torch.compile: inductor compiles flex with the rest (the kernel
+    is resolved at trace time from the fake inputs' device, dtype and head size, and the installation
+    and device probe made at lowering time)."""
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
+    fa4 = resolve_attention_kernel(kernel, q, setup_reason) == "fa4"
     return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
-                          kernel_options=kernel_options_for(q))
+                          kernel_options=dict(FA4_KERNEL_OPTIONS) if fa4 else kernel_options_for(q))
 
 
-def _flex_eager(q, k, v, block_mask, scale):
-    """In a graph that runs eagerly: the separately compiled flex kernel (never the T^2 eager flex)."""
+def _flex_eager(q, k, v, block_mask, scale, kernel="flex", setup_reason=None):
+    """In a graph that runs eagerly: the separately compiled kernel (never the T^2 eager flex)."""
+    if resolve_attention_kernel(kernel, q, setup_reason) == "fa4":
+        return tree_attention_fa4(q, k, v, block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     return tree_attention_flex(q, k, v, block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
@@ -138,6 +190,8 @@ def lower_cuda(gm: fx.GraphModule, options: CudaOptions, *, boundary: bool = Fal
     """A copy of ``gm`` for CUDA (module docstring).  ``boundary``: ``gm`` is a boundary program."""
     compiled = options.compile_cuda and not boundary
     gdn_kernel = resolve_gdn_kernel(options.gdn_kernel)
+    # installation and device, probed here (eagerly): the traced graph only checks its inputs
+    setup_reason = None if options.attention_kernel == "flex" else fa4_unusable_reason()
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
     last_ph = [n for n in graph.nodes if n.op == "placeholder"][-1]
@@ -148,7 +202,8 @@ def lower_cuda(gm: fx.GraphModule, options: CudaOptions, *, boundary: bool = Fal
         if n.op == "call_function" and n.target == TREE_ATTENTION:
             q, k, v, _subtree_end = n.args[:4]
             scale = n.args[4] if len(n.args) > 4 else n.kwargs.get("scale")
-            _replace(graph, n, _flex if compiled else _flex_eager, (q, k, v, mask, scale))
+            _replace(graph, n, _flex if compiled else _flex_eager, (q, k, v, mask, scale, options.attention_kernel,
+                                                                         setup_reason))
             attention += 1
         elif n.op == "call_function" and n.target == TREE_GDN and gdn_kernel == "fla":
             _replace(graph, n, _gdn_fla, n.args, n.kwargs)

@@ -1,0 +1,208 @@
+"""Tree attention through FlashAttention-4 on Hopper vs FA4's own causal kernel, fwd+bwd (issue 16 item 1).
+
+Contenders at each tree (one H100/H200, bf16, Qwen3 attention shape H=16, Hkv=8, D=128, inputs in the
+model's layout: ``[B, T, H, D]`` storage viewed as ``[B, H, T, D]``):
+
+- ``cudnn_causal`` / ``fa4_causal``: dense causal attention over the tree's T tokens (cuDNN SDPA with k/v
+  repeated for GQA inside the timed call; ``flash_attn.cute.flash_attn_func(causal=True)``);
+- ``flex_triton``: compiled FlexAttention's Triton kernel under the tree BlockMask (tuned options);
+- ``fa4_flex``: the same BlockMask through FlexAttention's ``BACKEND="FLASH"`` (FA4 kernels);
+- ``fa4_direct``: ``flash_attn.cute.flash_attn_func`` with a CuTe mask_mod and the BlockMask's lists.
+
+TF/s over UNMASKED entries (fwd 4*H*D*nnz, bwd 2.5x fwd; causal nnz = T(T+1)/2); ``% FA4 causal`` =
+tree TF/s / FA4 causal TF/s at the same T (the issue's target: >= 90 %).  ``out err``: norm-relative
+error of the bf16 output on 128 sampled rows vs an fp32 dense-mask softmax.
+
+Trees: synthetic (bench_attention.random_tree_paths, 16 paths) at the requested sizes and PORs, and
+deep short-node agentic trees (benchmarks/trees.py, 50+ levels, ~90-token nodes).
+
+Run on a GPU:  python benchmarks/bench_fa4_attention.py [--sizes 16384,32768,65536] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+import torch
+from tabulate import tabulate
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_attention import H, HKV, D, DTYPE, TreeSpec, random_tree_paths, sampled_rows_error, tree_stats  # noqa: E402
+from trees import AgenticSpec, agentic_paths  # noqa: E402
+
+from treecompile import Tree  # noqa: E402
+from treecompile.ops import fa4_tree_attention as fa4  # noqa: E402
+from treecompile.ops import flex_tree_attention as fta  # noqa: E402
+
+DEEP = [  # deep agentic trees with short nodes (20-200 tokens), 50+ levels
+    AgenticSpec("deep-16k", prompt=800, turns=52, think=60, action=25, observation=50, fanout=2,
+                fanout_turns=(20, 40), seed=7),
+    AgenticSpec("deep-32k", prompt=1000, turns=56, think=70, action=30, observation=60, fanout=2,
+                fanout_turns=(12, 28, 44), seed=8),
+]
+
+
+def versions() -> dict:
+    import triton
+
+    out = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+               cuda=torch.version.cuda, python=platform.python_version())
+    from importlib.metadata import PackageNotFoundError, version
+
+    for pkg in ("flash-attn-4", "nvidia-cutlass-dsl", "tilelang", "flash-linear-attention"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def inputs(T, seed):
+    """Leaves in the model's layout [1, T, H, D]; contenders see [1, H, T, D] views."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    mk = lambda h: torch.randn(1, T, h, D, device="cuda", dtype=DTYPE, generator=g)  # noqa: E731
+    q, k, v = (mk(h).requires_grad_() for h in (H, HKV, HKV))
+    do = mk(H).transpose(1, 2)
+    return q, k, v, do
+
+
+def timed(fn, q, k, v, do):
+    """(fwd ms, fwd+bwd ms, first-call s): do_bench medians after one warm call."""
+    from triton.testing import do_bench
+
+    view = lambda x: x.transpose(1, 2)  # noqa: E731
+    t0 = time.perf_counter()
+    fn(view(q), view(k), view(v)).backward(do)
+    torch.cuda.synchronize()
+    first = time.perf_counter() - t0
+    f = do_bench(lambda: fn(view(q), view(k), view(v)), warmup=25, rep=200, return_mode="median")
+    fb = do_bench(lambda: fn(view(q), view(k), view(v)).backward(do), warmup=25, rep=200,
+                  grad_to_none=[q, k, v], return_mode="median")
+    return f, fb, first
+
+
+def row(case, name, fn, q, k, v, do, nnz, se=None) -> dict:
+    r = dict(case=case, contender=name)
+    try:
+        f, fb, first = timed(fn, q, k, v, do)
+        flops = 4.0 * H * D * nnz
+        r.update(fwd_ms=round(f, 3), fwdbwd_ms=round(fb, 3), fwd_tfs=round(flops / f / 1e9, 1),
+                 fwdbwd_tfs=round(3.5 * flops / fb / 1e9, 1), first_s=round(first, 1))
+        if se is not None:
+            with torch.no_grad():
+                out = fn(*(x.detach().transpose(1, 2) for x in (q, k, v)))
+            r["out_err"] = f"{sampled_rows_error(out, *(x.detach().transpose(1, 2) for x in (q, k, v)), se):.1e}"
+    except torch.cuda.OutOfMemoryError:
+        r["error"] = "OOM"
+    except Exception as e:  # a kernel that refuses is a row
+        r["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+    finally:
+        q.grad = k.grad = v.grad = None
+        torch.cuda.empty_cache()
+    print(json.dumps(r), flush=True)
+    return r
+
+
+def causal_fns():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def cudnn(q, k, v):
+        r = q.shape[1] // k.shape[1]
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return torch.nn.functional.scaled_dot_product_attention(
+                q, k.repeat_interleave(r, 1), v.repeat_interleave(r, 1), is_causal=True)
+
+    def fa4_causal(q, k, v):
+        from flash_attn.cute import flash_attn_func
+
+        o = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
+        return (o[0] if isinstance(o, tuple) else o).transpose(1, 2)
+
+    return {"cudnn_causal": cudnn, "fa4_causal": fa4_causal}
+
+
+def tree_fns(se, bm, which):
+    opts = dict(fta.HOPPER_KERNEL_OPTIONS)
+    out = {}
+    if "flex_triton" in which:
+        out["flex_triton"] = lambda q, k, v: fta.tree_attention_flex(q, k, v, bm, enable_gqa=True, kernel_options=opts)
+    if "fa4_flex" in which:
+        out["fa4_flex"] = lambda q, k, v: fa4.tree_attention_fa4(q, k, v, bm, enable_gqa=True)
+    if "fa4_direct" in which:
+        sparse = fa4.fa4_block_sparse_tensors(bm)
+        out["fa4_direct"] = lambda q, k, v: fa4.tree_attention_fa4_direct(q, k, v, se, bm, block_sparse=sparse)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="16384,32768,65536")
+    ap.add_argument("--pors", default="0.5,0.75,0.9")
+    ap.add_argument("--deep", default="deep-16k,deep-32k", help="agentic deep trees ('none' for none)")
+    ap.add_argument("--contenders", default="flex_triton,fa4_flex,fa4_direct")
+    ap.add_argument("--out", default=None, help="folder for fa4_attention.{json,md}")
+    a = ap.parse_args()
+    for key in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
+        if hasattr(torch._dynamo.config, key):
+            setattr(torch._dynamo.config, key, 512)
+    cond = versions()
+    cond.update(dtype="bfloat16", heads=H, kv_heads=HKV, head_dim=D)
+    print(json.dumps(cond), flush=True)
+    which = a.contenders.split(",")
+    cases = []  # (case name, T, Tree)
+    for T in [int(s) for s in a.sizes.split(",") if s]:
+        for por in [float(p) for p in a.pors.split(",") if p]:
+            tree = Tree.from_paths(random_tree_paths(TreeSpec(T, por)))
+            cases.append((f"syn T={T} POR={tree.por:.2f}", tree))
+    for spec in DEEP:
+        if a.deep != "none" and spec.name in a.deep.split(","):
+            tree = Tree.from_paths(agentic_paths(spec))
+            cases.append((f"agentic {spec.name} T={tree.num_tokens} POR={tree.por:.2f}", tree))
+    stats, rows = [], []
+    causal = {}
+    for case, tree in cases:
+        T = tree.num_tokens
+        Tp = -(-T // 128) * 128  # whole 128-blocks, as the length buckets of the lowering are
+        batch = tree.to_batch(pad_to_multiple=128, device="cuda")
+        se = batch.subtree_end
+        st = tree_stats(tree, se[:T].contiguous())
+        bm = fta.tree_block_mask(se)
+        levels = int(batch.node_level.max()) + 1
+        stats.append(dict(case=case, T_padded=Tp, levels=levels, **st))
+        q, k, v, do = inputs(Tp, seed=T)
+        if Tp not in causal:
+            causal[Tp] = {}
+            for name, fn in causal_fns().items():
+                r = row(f"causal T={Tp}", name, fn, q, k, v, do, Tp * (Tp + 1) // 2)
+                rows.append(r)
+                causal[Tp][name] = r
+        # padding tokens see only themselves: count their entries so TF/s match the kernel's work
+        nnz = int((se.cpu() - torch.arange(Tp)).sum())
+        ref = causal[Tp].get("fa4_causal", {}).get("fwdbwd_tfs")
+        for name, fn in tree_fns(se, bm, which).items():
+            r = row(case, name, fn, q, k, v, do, nnz, se)
+            if ref and "fwdbwd_tfs" in r:
+                r["pct_fa4_causal"] = round(100 * r["fwdbwd_tfs"] / ref, 1)
+            rows.append(r)
+        del q, k, v, do
+    text = ["Conditions: " + json.dumps(cond) + "; TF/s over unmasked entries (fwd 4*H*D*nnz, bwd 2.5x fwd); "
+            "do_bench medians; inputs in the model layout ([B,T,H,D] storage); trees padded to whole 128-blocks.",
+            "", tabulate(stats, headers="keys", tablefmt="github"), "",
+            tabulate(rows, headers="keys", tablefmt="github"), ""]
+    out = "\n".join(text)
+    print(out, flush=True)
+    if a.out:
+        os.makedirs(a.out, exist_ok=True)
+        with open(os.path.join(a.out, "fa4_attention.md"), "w") as f:
+            f.write(out)
+        with open(os.path.join(a.out, "fa4_attention.json"), "w") as f:
+            json.dump(dict(cond=cond, stats=stats, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,202 @@
+"""FlashAttention-4 baselines of the benchmark harness (issue 16 item 3): the honest dense references.
+
+- ``compiled_per_path_fa4``: the unmodified model on each path alone under ``torch.compile(dynamic=True)``
+  with its causal SDPA call served by FA4's causal kernel;
+- ``packed_fa4_varlen``: paths packed whole (first-fit decreasing under ``--capacity``, as
+  ``packed_flex``) and each pack run as ONE sequence whose attention is FA4's varlen causal kernel over
+  ``cu_seqlens`` (the Megatron-style packing baseline; RoPE is relative, so global positions give
+  the per-path scores; the pack's padding is a sequence of its own).
+
+FA4's Python entry points are autograd Functions that dynamo cannot trace, so the kernels are wrapped
+here as torch custom ops (``tcbench::fa4_fwd`` / ``tcbench::fa4_bwd`` with a registered autograd
+formula and fake implementations): the compiled graphs keep one piece per step, with FA4 opaque
+inside, and no graph breaks.  Imports flash_attn lazily (the module itself imports on CPU).
+"""
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+_OPS = None
+
+
+def fa4_ops():
+    """Register (once) and return the FA4 custom ops: (fwd, bwd)."""
+    global _OPS
+    if _OPS is not None:
+        return _OPS
+
+    @torch.library.custom_op("tcbench::fa4_fwd", mutates_args=())
+    def fa4_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Optional[Tensor], max_seqlen: int,
+                scale: float) -> tuple[Tensor, Tensor]:
+        from flash_attn.cute.interface import _flash_attn_fwd
+
+        kw = {} if cu_seqlens is None else dict(cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
+                                                 max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen)
+        out, lse = _flash_attn_fwd(q, k, v, softmax_scale=scale, causal=True, return_lse=True, **kw)[:2]
+        return out, lse
+
+    @fa4_fwd.register_fake
+    def _(q, k, v, cu_seqlens, max_seqlen, scale):
+        if cu_seqlens is None:  # q [B, T, H, D] -> lse [B, H, T]
+            return q.new_empty(q.shape), q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
+        return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)  # [H, total]
+
+    @torch.library.custom_op("tcbench::fa4_bwd", mutates_args=())
+    def fa4_bwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, dout: Tensor, lse: Tensor, cu_seqlens: Optional[Tensor],
+                max_seqlen: int, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+        from flash_attn.cute.interface import _flash_attn_bwd
+
+        kw = {} if cu_seqlens is None else dict(cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
+                                                 max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen)
+        dq, dk, dv = _flash_attn_bwd(q, k, v, out, dout.contiguous(), lse, scale, True, **kw)[:3]
+        return dq, dk, dv
+
+    @fa4_bwd.register_fake
+    def _(q, k, v, out, dout, lse, cu_seqlens, max_seqlen, scale):
+        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+    def setup(ctx, inputs, output):
+        q, k, v, cu, max_seqlen, scale = inputs
+        out, lse = output
+        ctx.save_for_backward(q, k, v, out, lse, cu)
+        ctx.max_seqlen, ctx.scale = max_seqlen, scale
+
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse, cu = ctx.saved_tensors
+        dq, dk, dv = fa4_bwd(q, k, v, out, dout, lse, cu, ctx.max_seqlen, ctx.scale)
+        return dq, dk, dv, None, None, None
+
+    fa4_fwd.register_autograd(backward, setup_context=setup)
+    _OPS = (fa4_fwd, fa4_bwd)
+    return _OPS
+
+
+class Varlen:
+    """The pack being run: ``cu_seqlens`` (int32, on the device) and its longest sequence."""
+
+    cu_seqlens: Optional[Tensor] = None
+    max_seqlen: int = 0
+
+
+def fa4_causal_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """SDPA replacement (causal, [B, H, T, D]) through FA4 (GQA native)."""
+    if attn_mask is not None or dropout_p or not is_causal:
+        raise NotImplementedError("the FA4 baseline serves causal SDPA without mask or dropout only")
+    fwd, _ = fa4_ops()
+    s = q.shape[-1] ** -0.5 if scale is None else scale
+    out, _lse = fwd(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, 0, s)
+    return out.transpose(1, 2)
+
+
+def fa4_varlen_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """SDPA replacement for one packed sequence ([1, H, n, D]): FA4 varlen causal over ``Varlen.cu_seqlens``."""
+    if q.shape[0] != 1:
+        raise NotImplementedError("a pack is one sequence (batch 1)")
+    fwd, _ = fa4_ops()
+    s = q.shape[-1] ** -0.5 if scale is None else scale
+    out, _lse = fwd(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), Varlen.cu_seqlens,
+                    Varlen.max_seqlen, s)
+    return out.transpose(0, 1)[None]
+
+
+class patched_sdpa:
+    """Context manager: ``F.scaled_dot_product_attention`` replaced by ``fn`` (the models call it by attribute)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __enter__(self):
+        self.orig = torch.nn.functional.scaled_dot_product_attention
+        torch.nn.functional.scaled_dot_product_attention = self.fn
+
+    def __exit__(self, *exc):
+        torch.nn.functional.scaled_dot_product_attention = self.orig
+
+
+def _upcast(x):
+    return x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
+
+
+def compiled_per_path_fa4(steps):
+    """Per-path step: each path alone, compiled (dynamic shapes), causal attention through FA4."""
+    model = steps.model
+    if steps.dev.type != "cuda":
+        raise RuntimeError("FA4 runs on CUDA only")
+    fa4_ops()
+
+    def path_ce(ids):
+        logits = model(ids[None])
+        return F.cross_entropy(_upcast(logits[0, :-1]), ids[1:], reduction="sum")
+
+    if "per_path_fa4_fn" not in steps.tmodels:
+        steps.tmodels["per_path_fa4_fn"] = torch.compile(path_ce, dynamic=True)
+    fn = steps.tmodels["per_path_fa4_fn"]
+
+    def step():
+        steps.zero()
+        total = 0.0
+        with patched_sdpa(fa4_causal_sdpa):
+            for ids, c in zip(steps.path_ids, steps.coef):
+                loss = fn(ids) * c
+                loss.backward()
+                total += loss.detach()
+        return total
+    return step
+
+
+def packed_fa4_varlen(steps, capacity: int):
+    """Packed step: paths packed whole under ``capacity`` (first-fit decreasing), each pack one sequence
+    padded to a multiple of 128 with FA4 varlen causal attention over its documents."""
+    from treecompile.runtime.partition import first_fit_decreasing
+
+    if steps.spec.kind != "dense":
+        raise RuntimeError("dense models only (a GDN layer would carry its state across documents)")
+    if steps.dev.type != "cuda":
+        raise RuntimeError("FA4 runs on CUDA only")
+    fa4_ops()
+    paths = steps.case.paths
+    lens = [len(p) for p in paths]
+    groups = first_fit_decreasing(lens, max(capacity, max(lens)))
+    n = -(-max(sum(lens[i] for i in g) for g in groups) // 128) * 128
+    wdtype = _upcast(next(steps.model.parameters())).dtype
+    packs = []
+    for g in groups:
+        g = sorted(g)
+        glens = [lens[i] for i in g]
+        pad = n - sum(glens)
+        ids = torch.cat([steps.path_ids[i] for i in g] + [torch.zeros(pad, dtype=torch.long, device=steps.dev)])
+        seqs = glens + ([pad] if pad else [])
+        cu = torch.tensor([0] + seqs, device=steps.dev).cumsum(0).to(torch.int32)
+        sizes = torch.tensor(seqs, device=steps.dev)
+        doc = torch.repeat_interleave(torch.arange(len(seqs), device=steps.dev), sizes)
+        w = torch.repeat_interleave(torch.tensor([steps.coef[i] for i in g] + ([0.0] if pad else []),
+                                                 device=steps.dev, dtype=wdtype), sizes)
+        same = torch.zeros_like(w)
+        same[:-1] = (doc[1:] == doc[:-1]).to(wdtype) * w[:-1]  # target t+1 in the same document
+        targets = torch.cat([ids[1:], ids[:1]])
+        packs.append((ids, targets, same, cu))
+    # one max_seqlen for every pack (an upper bound only sizes the grid): a per-pack value is a Python
+    # int that dynamo specialises on, one compile per distinct value (292 s first step on the H100)
+    mx = max(lens + [n - sum(lens[i] for i in g) for g in groups])
+    model = steps.model
+
+    def loss_fn(ids, targets, same):
+        logits = _upcast(model(ids[None])[0])
+        return (F.cross_entropy(logits, targets, reduction="none") * same).sum()
+
+    fn = torch.compile(loss_fn, dynamic=False)
+
+    def step():
+        steps.zero()
+        total = 0.0
+        with patched_sdpa(fa4_varlen_sdpa):
+            for ids, targets, same, cu in packs:
+                Varlen.cu_seqlens, Varlen.max_seqlen = cu, mx
+                loss = fn(ids, targets, same)
+                loss.backward()
+                total += loss.detach()
+        return total
+    return step
