@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.strategies import ODD_TREES
-from tests.test_flex_tree_attention import ancestor_mask, check_block_mask, dense_sdpa, random_paths, rel_err
+from tests.test_flex_tree_attention import ancestor_mask, check_block_mask, dense_sdpa, rel_err
 import treecompile
 from treecompile import Tree
 from treecompile.ops import fa4_tree_attention as fa4

@@ -1,5 +1,5 @@
 """After the merge: a small dense model (head_dim 128) compiled with attention_kernel fa4 / flex vs an fp32 per-path oracle."""
-import copy, json, sys, os, time
+import copy, json, sys, time
 import torch, torch.nn.functional as F
 sys.path.insert(0, "benchmarks")
 from gpu_checks import branching_paths, init_, flat_grads
