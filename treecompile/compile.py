@@ -127,6 +127,7 @@ class TreeModel(nn.Module):
         self._lifted_by_name = {s.arg.name: (s.kind, s.target) for s in program.graph_signature.input_specs
                                 if s.kind != InputKind.USER_INPUT}
         self._split_owners: list[str] = []
+        self.vocab_size = input_vocab_size(program.graph_module, input_name, self.pass_results)
 
     def split_at(self, modules) -> "TreeModel":
         """Run each of ``modules``' part of the graph through that module's own ``__call__``.
@@ -211,6 +212,7 @@ class TreeModel(nn.Module):
         if self.boundary is not None:
             raise TypeError("this TreeModel was compiled with boundary=True (partition graph); run it through "
                             "treecompile.runtime.redundancy_free.run_redundancy_free")
+        batch.check_ids(self.vocab_size)  # an id >= vocab is named here, not as an IndexError in the graph
         dev = self.device
         if batch.input_ids.device != dev:
             batch = batch.to(dev)
@@ -273,6 +275,18 @@ def run_segments(tmodel: TreeModel, split: SplitGraph, batch_args: list):
                     del module.forward
         env.update(zip(seg.outputs, out))
     return tuple(env[name] for name in split.result)
+
+
+def input_vocab_size(gm, input_name: str, pass_results: dict) -> int | None:
+    """The ids the graph accepts: rows of the embedding that reads ``input_name``, and the logits' width
+    (the ids are also the loss's targets); None where the graph shows neither."""
+    sizes = [n.args[0].meta["val"].shape[0] for n in gm.graph.nodes
+             if n.op == "call_function" and n.target == torch.ops.aten.embedding.default
+             and getattr(n.args[1], "name", None) == input_name and "val" in n.args[0].meta]
+    loss = pass_results.get("rewrite_loss")
+    if loss is not None and isinstance(loss.info.get("vocab"), int):
+        sizes.append(loss.info["vocab"])
+    return min(int(v) for v in sizes) if sizes else None
 
 
 def compile(model=None, *, disable: tuple[str, ...] = (), debug: bool = False,  # noqa: A001 (mirrors torch.compile)
