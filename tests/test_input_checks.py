@@ -1,5 +1,7 @@
 """Bad token ids are refused up front, naming the path and position (not an IndexError inside the graph)."""
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -7,16 +9,17 @@ import torch
 from treecompile import Tree
 
 
-@pytest.mark.parametrize("paths, where, got", [
-    ([[True, False]], "path 0, position 0", "True (bool)"),
-    ([[1, 2], (3, 4, False)], "path 1, position 2", "False (bool)"),
-    ([[1, 2.0]], "path 0, position 1", "2.0 (float)"),
-    ([[1, 2], np.array([True, False])], "path 1, position 0", "(bool"),
-    ([[1, 2, np.float64(3.0)]], "path 0, position 2", "(float64)"),
-    ([[1, None]], "path 0, position 1", "None (NoneType)"),
+@pytest.mark.parametrize("paths, path, got, position", [
+    ([[True, False]], 0, "True (bool)", 0),
+    ([[1, 2], (3, 4, False)], 1, "False (bool)", 2),
+    ([[1, 2.0]], 0, "2.0 (float)", 1),
+    ([[1, 2], np.array([True, False])], 1, "(bool", 0),
+    ([[1, 2, np.float64(3.0)]], 0, "(float64)", 2),
+    ([[1, None]], 0, "None (NoneType)", 1),
 ], ids=["bool", "bool-in-tuple", "float", "numpy-bool-array", "numpy-float", "none"])
-def test_from_paths_refuses_non_integer_ids(paths, where, got):
-    with pytest.raises(ValueError, match=rf"^{where}: token ids must be integers, got .*{__import__('re').escape(got)}"):
+def test_from_paths_refuses_non_integer_ids(paths, path, got, position):
+    with pytest.raises(ValueError, match=rf"^path {path}: token ids must be integers, got .*{re.escape(got)}.* "
+                                         rf"at position {position}$"):
         Tree.from_paths(paths)
 
 

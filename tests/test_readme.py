@@ -1,8 +1,8 @@
 """Every fenced code block of README.md runs as pasted, in a fresh temporary directory.
 
 - ```python blocks run with ``exec`` in a fresh namespace (cwd = a temporary directory);
-- in ```bash blocks (and unlabelled ones) every line that starts with ``treecompile `` runs as
-  ``python -m treecompile ...`` (exit status 0); other lines (``pip install``, ``python -m pytest``) are not run.
+- in ```bash blocks (and unlabelled ones) every line that starts with ``treecompile `` runs through
+  ``treecompile.cli.main(argv)`` (exit status 0); other lines (``pip install``, ``python -m pytest``) are not run.
 
 A block that cannot run here says so in the README, on the line just above its fence:
 ``<!-- readme-test: skip (needs torchrun) -->``, so that every skip is visible to readers of the source.
@@ -10,11 +10,8 @@ A block that cannot run here says so in the README, on the line just above its f
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -64,7 +61,7 @@ def test_the_extractor_sees_fences_and_skip_marks():
 
 
 @pytest.mark.parametrize("block", BLOCKS, ids=[f"README.md:{b['line']}" for b in BLOCKS])
-def test_readme_block_runs_as_pasted(block, tmp_path, monkeypatch):
+def test_readme_block_runs_as_pasted(block, tmp_path, monkeypatch, capsys):
     if block["skip"]:
         pytest.skip(f"README.md:{block['line']}: {block['skip']}")
     monkeypatch.chdir(tmp_path)
@@ -72,11 +69,11 @@ def test_readme_block_runs_as_pasted(block, tmp_path, monkeypatch):
         code = compile(block["source"], f"README.md:{block['line']}", "exec")
         exec(code, {"__name__": "__readme__"})  # noqa: S102 - the README's own example
         return
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    from treecompile import cli
+
     for k, ln in enumerate(block["source"].splitlines()):
         if not ln.strip().startswith("treecompile "):
             continue
         argv = shlex.split(ln.split(" #", 1)[0])
-        p = subprocess.run([sys.executable, "-m", "treecompile", *argv[1:]], cwd=tmp_path, env=env,
-                           capture_output=True, text=True, timeout=600)
-        assert p.returncode == 0, f"README.md:{block['line'] + 1 + k}: {ln.strip()}\n{p.stderr[-2000:]}"
+        # in this process (the console script is `treecompile.cli:main`; test_cli runs the entry point itself)
+        assert cli.main(argv[1:]) == 0, f"README.md:{block['line'] + 1 + k}: {ln.strip()}\n{capsys.readouterr().err}"

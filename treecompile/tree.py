@@ -63,7 +63,7 @@ def _refuse_non_int(p, i: int) -> None:
     """Raise ValueError naming the first id of path ``i`` that is not an integer (bools are not ids)."""
     for j, x in enumerate(p):
         if isinstance(x, bool) or not isinstance(x, numbers.Integral):
-            raise ValueError(f"path {i}, position {j}: token ids must be integers, got {x!r} ({type(x).__name__})")
+            raise ValueError(f"path {i}: token ids must be integers, got {x!r} ({type(x).__name__}) at position {j}")
 
 
 def _repeat_arange(counts: torch.Tensor) -> torch.Tensor:
