@@ -358,3 +358,13 @@ def test_saved_program_is_data_only_and_hashes_are_checked(saved_models, tmp_pat
     (d / saved.MANIFEST).write_text(json.dumps(m))
     with pytest.raises(saved.SavedProgramError, match=r"manifest\.json: no SHA-256 recorded for program\.pt2"):
         saved.load(d)
+
+
+def test_save_refuses_what_load_would_refuse_and_leaves_nothing(saved_models, tmp_path, monkeypatch):
+    from treecompile import program_check
+
+    _, _, tm = saved_models["dense"]
+    monkeypatch.setattr(program_check, "OP_NAMESPACES", ("torch.ops.treecompile.",))  # as if aten were not data
+    with pytest.raises(saved.SavedProgramError, match=r"cannot be saved as data only .*calls 'torch\.ops\.aten\."):
+        saved.save(tm, tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []

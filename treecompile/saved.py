@@ -272,6 +272,7 @@ def save(tmodel, directory: str | os.PathLike, *, manifest_extra: dict | None = 
             warnings.filterwarnings("ignore", message="No complete tensor found")
             torch.export.save(ep, tmp / PROGRAM)
         safetensors.torch.save_file(weights, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        _check_written(tmp / PROGRAM)  # what load would refuse is not saved
         manifest["sha256"] = {f: _sha256(tmp / f) for f in (PROGRAM, WEIGHTS)}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         umask = os.umask(0)
@@ -327,6 +328,16 @@ def verify(directory: str | os.PathLike) -> dict:
     Raises :class:`SavedProgramError` naming the file (and the archive entry).
     """
     return _verified(Path(directory))[0]
+
+
+def _check_written(path: Path) -> None:
+    from treecompile.program_check import UnsafeProgramError, check_program
+
+    try:
+        check_program(path.read_bytes())
+    except UnsafeProgramError as e:
+        raise SavedProgramError(f"the rewritten program cannot be saved as data only ({e}); "
+                                f"treecompile.load would refuse it") from None
 
 
 def _verified(d: Path) -> tuple[dict, bytes]:
