@@ -43,7 +43,7 @@ from torch.export.graph_signature import InputKind
 
 __all__ = ["save", "load", "verify", "read_manifest", "SavedProgramError", "FORMAT", "PROGRAM", "WEIGHTS", "MANIFEST"]
 
-FORMAT = "treecompile-saved/2"  # /2: SHA-256 of the files, no pickled example inputs
+FORMAT = "treecompile-saved/1"
 PROGRAM, WEIGHTS, MANIFEST = "program.pt2", "model.safetensors", "manifest.json"
 
 # which pass (or capture step) puts each tree op into the graph, for the manifest and `inspect`
@@ -350,7 +350,8 @@ def _verified(d: Path) -> tuple[dict, bytes]:
         if not (d / f).is_file():
             raise SavedProgramError(f"{d / f}: missing")
         if not isinstance(sums, dict) or not isinstance(sums.get(f), str):
-            raise SavedProgramError(f"{d / MANIFEST}: no SHA-256 recorded for {f}")
+            raise SavedProgramError(f"{d / MANIFEST}: no SHA-256 recorded for {f} (written by an older "
+                                    f"treecompile: rewrite it)")
     program = (d / PROGRAM).read_bytes()
     for f, digest in ((PROGRAM, hashlib.sha256(program).hexdigest()), (WEIGHTS, _sha256(d / WEIGHTS))):
         if digest != sums[f]:
