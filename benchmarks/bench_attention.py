@@ -214,7 +214,7 @@ def sdpa_repeat_fn(backend):
 
 def dense_row(name, case, se, q, k, v, do, nnz, ref) -> dict:
     """Time one dense decomposition of the tree (plan built outside the timed call) -> a table row."""
-    from dense_tree_attention import segmented_tree_attention, tree_varlen_plan, varlen_tree_attention
+    from treecompile.ops.dense_tree_attention import segmented_tree_attention, tree_varlen_plan, varlen_tree_attention
 
     plan = tree_varlen_plan(se)
     if name == "segmented_cudnn":
@@ -264,7 +264,7 @@ def main() -> None:
     ap.add_argument("--sweep", default="all", help="comma-separated config names, or 'all', or 'none'")
     ap.add_argument("--quick", action="store_true", help="small sizes, two configs (smoke test)")
     ap.add_argument("--dense", default="varlen_flash,segmented_cudnn",
-                    help="dense decompositions to time beside flex (dense_tree_attention.py): comma-separated "
+                    help="dense decompositions to time beside flex (treecompile/ops/dense_tree_attention.py): comma-separated "
                          "from varlen_flash, segmented_cudnn; 'none' for none")
     ap.add_argument("--out", default=None, help="write the markdown section here")
     ap.add_argument("--json", default=None)
@@ -412,7 +412,7 @@ def main() -> None:
             "Tree attention vs the best causal SDPA at the same T:", "",
             tabulate(main_rows, headers="keys", tablefmt="github"), ""]
     if dense_rows:
-        text += ["Dense decompositions (benchmarks/dense_tree_attention.py) vs the best causal SDPA at the same T; "
+        text += ["Dense decompositions (treecompile/ops/dense_tree_attention.py) vs the best causal SDPA at the same T; "
                  "cold = first fwd+bwd (cuDNN builds an execution plan per new shape):", "",
                  tabulate(dense_rows, headers="keys", tablefmt="github"), ""]
     out = "\n".join(text)

@@ -23,7 +23,7 @@ from tabulate import tabulate
 
 from bench_tree import make_paths  # the same synthetic ~1M-token tree
 from treecompile import Tree
-from treecompile.runtime.dp import dp_multi_path, dp_single_path
+from treecompile.runtime.optimal_partition import dp_multi_path, dp_single_path
 from treecompile.runtime.metrics import dataset_reuse
 from treecompile.runtime.partition import pack, partition_redundancy_free
 

@@ -1,4 +1,4 @@
-"""GPU equivalence and step-time checks of issues 3 and 4 (bf16, compiled), one run.
+"""GPU equivalence and step-time checks of compiled bf16 trees (dense and hybrid models), one run.
 
 For a Qwen3-0.6B-shaped dense model and a Qwen3.5-shaped hybrid model with random weights, on a
 synthetic branching tree of 8k-16k unique tokens: the tree loss against the per-path reference loss

@@ -1,6 +1,8 @@
 """Benchmark harness: training-step time of treecompile against per-path and packed baselines.
 
-``treecompile bench ...`` calls :func:`main`; on a source checkout also ``python benchmarks/harness.py``.
+Run from a source checkout: ``python -m benchmarks.harness ARGS`` (or ``python benchmarks/harness.py``);
+``pip install -e ".[bench]"`` adds matplotlib for the plot.  Not part of the installed ``treecompile``
+command: the harness, its baselines and tree generators are checkout tools, not library code.
 Every contender times one training step = forward + backward over all paths of one tree (gradients
 accumulated in ``.grad``; **optimizer step excluded**), median of ``--iters`` after one warm-up step
 (whose time, compile included, is reported as ``first_s``).  Contenders:
@@ -28,8 +30,9 @@ failures are rows.  ``--recompile-stream N`` runs N differently sized trees thro
 and counts dynamo compiles against the number of length buckets.
 
 Outputs (``--out DIR``): ``results.jsonl`` (one line per row, written as rows finish), ``results.csv``,
-``tables.md`` (tabulate github tables with their conditions), ``speedup_vs_por.png`` (matplotlib when
-available; ``--plot-from results.csv`` redraws it elsewhere).
+``tables.md`` (tabulate github tables with their conditions), ``speedup_vs_por.png`` (needs matplotlib:
+the ``bench`` extra; without it the run says so and skips the plot; ``--plot-from results.csv`` redraws
+it elsewhere).
 """
 
 from __future__ import annotations
@@ -580,18 +583,19 @@ def write_csv(rows: list[Result], path: str) -> None:
             w.writerow(dataclasses.asdict(r))
 
 
-def plot(csv_path: str, png_path: str) -> bool:
-    """Speedup over the fastest baseline against POR, one series per (model, contender); the work bound dashed."""
+def plot(csv_path: str, png_path: str) -> str | None:
+    """Speedup over the fastest baseline against POR, one series per (model, contender); the work bound
+    dashed.  Returns None when drawn, else why not."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return False
+        return "matplotlib is not installed (pip install -e '.[bench]')"
     with open(csv_path) as f:
         rows = [r for r in csv.DictReader(f) if r["x_best"] not in ("", "None")]
     if not rows:
-        return False
+        return f"{csv_path} has no row with a speedup"
     fig, ax = plt.subplots(figsize=(7, 4.5))
     series = {}
     for r in rows:
@@ -612,12 +616,12 @@ def plot(csv_path: str, png_path: str) -> bool:
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(png_path, dpi=120)
-    return True
+    return None
 
 
 # ---------------------------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="treecompile bench", description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.harness", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", action="append", help="repeatable; default qwen3-0.6b (tiny: dense-tiny, hybrid-tiny)")
     ap.add_argument("--suite", action="append", choices=["sweep", "agentic"], help="repeatable; default both")
@@ -650,8 +654,8 @@ def main(argv=None) -> int:
         if args.out:
             os.makedirs(args.out, exist_ok=True)
             png = os.path.join(args.out, "speedup_vs_por.png")
-        ok = plot(args.plot_from, png)
-        print(png if ok else "no plot (matplotlib missing or no rows)")
+        why = plot(args.plot_from, png)
+        print(png if why is None else f"no plot: {why}")
         return 0
     specs = model_specs()
     if args.tiny:
@@ -739,7 +743,9 @@ def main(argv=None) -> int:
             f.write(text)
         with open(os.path.join(out, "extra.json"), "w") as f:
             json.dump(extra, f)
-        plot(os.path.join(out, "results.csv"), os.path.join(out, "speedup_vs_por.png"))
+        why = plot(os.path.join(out, "results.csv"), os.path.join(out, "speedup_vs_por.png"))
+        if why is not None:
+            print(f"speedup_vs_por.png skipped: {why}", file=sys.stderr)
     return 0
 
 

@@ -1,7 +1,7 @@
 """Recompiles over a stream of differently sized trees with length buckets (dynamo, CPU).
 
 TreeModel on CUDA compiles its rewritten graph with static shapes and pads every batch to a length
-bucket (``compile.bucket_length``), so a stream of tree sizes should compile at most once per bucket.
+bucket (``program.bucket_length``), so a stream of tree sizes should compile at most once per bucket.
 This measures that mechanism where it lives, in dynamo: the same rewritten graph (CPU attention op
 instead of flex) under ``torch.compile(dynamic=False, backend="eager")``, 200 random trees, counting
 frame compiles against the number of distinct buckets.  Usage: python benchmarks/recompiles.py
@@ -16,7 +16,7 @@ import torch._dynamo
 
 import treecompile
 from treecompile import Tree
-from treecompile.compile import bucket_length
+from treecompile.program import bucket_length
 from treecompile.models import DenseConfig, DenseForCausalLM
 
 
@@ -45,7 +45,7 @@ def main(num_trees: int = 200, seed: int = 0) -> dict:
         L = bucket_length(batch.seq_len)
         buckets.add(L)
         with torch.no_grad():
-            fn(*tm.graph_inputs(batch.padded(L)))
+            fn(*tm.program.inputs(batch.padded(L)))
     res = {"trees": num_trees, "sizes": (min(sizes), max(sizes)), "distinct_sizes": len(set(sizes)),
            "buckets": len(buckets), "compiles": compiles}
     print(res)

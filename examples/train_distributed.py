@@ -45,8 +45,9 @@ import treecompile
 from treecompile import Tree
 from treecompile.runtime.data import read_trajectories
 from treecompile.models import DenseConfig, DenseForCausalLM
-from treecompile.runtime.distributed import (GlobalNorm, TreeSampler, backward_step, deal,
-                                             fully_shard_tree_model, global_loss, rank_batches)
+from treecompile.runtime.distributed import (TreeSampler, backward_step, deal, fully_shard_tree_model,
+                                             global_loss, rank_batches)
+from treecompile.runtime.normalization import GlobalNorm
 
 
 # ------------------------------------------------------------------------------------------- data

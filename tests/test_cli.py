@@ -64,15 +64,12 @@ def random_trees(seed: int, n_trees: int):
 
 def write_jsonl(path: Path, trees: dict, seed: int = 0) -> None:
     rng = random.Random(seed)
-    lines = [(tid, p) for tid, paths in trees.items() for p in paths]
-    first = {}
-    for i, (tid, _) in enumerate(lines):
-        first.setdefault(tid, i)
-    rng.shuffle(lines)  # interleave trees; the reader keeps first-appearance order
+    order = list(trees)
+    rng.shuffle(order)  # trees in any order; the lines of one tree are contiguous (the data contract)
     with open(path, "w") as f:
-        for i, (tid, p) in enumerate(lines):
-            key = "tree_id" if i % 3 else "group_id"
-            f.write(json.dumps({key: tid, "input_ids": p, "reward": 1.0}) + "\n")
+        for i, tid in enumerate(order):
+            for p in trees[tid]:
+                f.write(json.dumps({"tree_id": tid, "input_ids": p, "reward": 1.0}) + "\n")
             if i % 5 == 0:
                 f.write("\n")  # blank lines are skipped
 
@@ -146,29 +143,64 @@ def _first_order(path: Path) -> list:
     seen = []
     for line in path.read_text().splitlines():
         if line.strip():
-            rec = json.loads(line)
-            tid = rec.get("tree_id", rec.get("group_id"))
+            tid = json.loads(line)["tree_id"]
             if tid not in seen:
                 seen.append(tid)
     return seen
 
 
-@pytest.mark.parametrize("line, needle", [
-    ('{"tree_id": 1, "input_ids": [1, 2', "invalid JSON"),
-    ('{"tree_id": 1}', '"input_ids" must be'),
+# stats reads with the training reader (runtime/data.py): whatever training refuses, stats refuses,
+# naming file:line, in one line, exit 1
+BAD_LINES = [
+    ('{"tree_id": 1, "input_ids": [1, 2', "bad JSON"),
+    ('{"tree_id": 1}', "missing 'input_ids'"),
     ('{"tree_id": 1, "input_ids": [1, -2]}', "-2"),
     ('{"tree_id": 1, "input_ids": [1, 2.5]}', "2.5"),
+    ('{"tree_id": 1, "input_ids": [1, 2.0]}', "input_ids[1] = 2.0"),
+    ('{"tree_id": 1, "input_ids": [1, true]}', "input_ids[1] = true"),
+    ('{"tree_id": 1, "input_ids": [1, %d]}' % 2**70, "out of range"),
     ('{"input_ids": [1, 2]}', "tree_id"),
     ('[1, 2, 3]', "JSON object"),
-])
-def test_stats_jsonl_errors_name_file_and_line(tmp_path, capsys, line, needle):
+    ('{"tree_id": 1, "input_ids": [1, 2], "advantage": NaN}', "NaN"),
+    ('{"tree_id": 1, "input_ids": [1, 2], "weight": Infinity}', "Infinity"),
+    ('{"tree_id": 1, "input_ids": [1, 2], "weight": 1e999}', "'weight' is not finite"),
+    ('{"tree_id": 1, "input_ids": [1, 2], "loss_masks": [0, 1]}', "loss_masks"),
+    ('{"tree_id": 1, "input_ids": [1, 2], "loss_mask": [0, 1, 1]}', "'loss_mask' has 3 entries"),
+    ('{"tree_id": true, "input_ids": [1, 2]}', "'tree_id' must be"),
+    ('{"tree_id": 1.5, "input_ids": [1, 2]}', "'tree_id' must be"),
+    ('{"group_id": 1, "input_ids": [1, 2]}', "rename it to 'tree_id'"),
+    ('{"tree_id": 0, "input_ids": [1, 2]}', "tree_id 0 reappears"),  # line 1 is tree 0, line 2 tree 7
+]
+
+
+@pytest.mark.parametrize("line, needle", BAD_LINES, ids=[n for _, n in BAD_LINES])
+def test_stats_refuses_what_training_refuses(tmp_path, capsys, line, needle):
+    from treecompile.runtime.data import read_trajectories
+
     data = tmp_path / "bad.jsonl"
-    data.write_text('{"tree_id": 1, "input_ids": [1, 2, 3]}\n\n' + line + "\n")
+    data.write_text('{"tree_id": 0, "input_ids": [1, 2, 3]}\n{"tree_id": 7, "input_ids": [4, 5]}\n\n' + line + "\n")
     before = listing(tmp_path)
     rc, out, err = run_cli(["stats", str(data)], capsys)
     assert rc == 1 and out == ""
-    one_line_error(err, f"{data}:3", needle)
+    one_line_error(err, f"{data}:4", needle)
     assert listing(tmp_path) == before
+    with pytest.raises(ValueError) as e:  # the same refusal, word for word, from the training reader
+        list(read_trajectories(data))
+    assert err.strip() == f"treecompile stats: error: {' '.join(str(e.value).split())}"
+
+
+def test_stats_vocab_size(tmp_path, capsys):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"tree_id": 1, "input_ids": [1, 2, 3]}\n{"tree_id": 1, "input_ids": [1, 2, 9]}\n')
+    rc, out, err = run_cli(["stats", str(data), "--vocab-size", "10", "--json"], capsys)
+    assert rc == 0, err
+    assert json.loads(out)["vocab_size"] == 10 and json.loads(out)["total"]["unique_tokens"] == 4
+    rc, out, err = run_cli(["stats", str(data), "--vocab-size", "9"], capsys)
+    assert rc == 1 and out == ""
+    one_line_error(err, f"{data}:2", "input_ids[2] = 9", "vocab_size 9")
+    rc, _, err = run_cli(["stats", str(data), "--vocab-size", "0"], capsys)
+    assert rc == 1
+    one_line_error(err, "--vocab-size 0")
 
 
 def test_stats_missing_file_and_bad_budget(tmp_path, capsys):
@@ -184,15 +216,43 @@ def test_stats_missing_file_and_bad_budget(tmp_path, capsys):
     assert rc == 2 and "--budget" in err
 
 
-def test_progress_bar_only_on_a_terminal(capsys):
-    bar = cli.Progress(100, "x", enabled=False)
-    bar.update(50)
+def test_stats_into_a_closed_pipe_exits_quietly(tmp_path):
+    """`treecompile stats --json | head -1`: the reader leaves early; no BrokenPipeError traceback."""
+    trees = {t: [[1, 2, 3 + t % 40], [1, 2, 50 + t % 40, 7]] for t in range(1500)}
+    data = tmp_path / "many.jsonl"
+    write_jsonl(data, trees)
+    p = subprocess.Popen([sys.executable, "-m", "treecompile", "stats", str(data), "--json"], cwd=ROOT,
+                         env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert p.stdout.readline().strip() == b"{"
+    p.stdout.close()  # like `head -1`: the output (> a pipe buffer) is still being written
+    err = p.stderr.read().decode()
+    p.wait(timeout=120)
+    assert p.returncode == 1 and err == "", err
+
+
+# ---------------------------------------------------------------------------------------------- progress
+def test_one_progress_bar_for_stats_and_training(capsys):
+    from treecompile.runtime import data, progress, train
+
+    assert data.Progress is progress.Progress and train.Progress is progress.Progress
+    bar = progress.Progress(100, "x", enabled=False)
+    bar.update(advance=50)
     bar.close()
-    assert capsys.readouterr().err == ""
-    bar = cli.Progress(100, "x", enabled=True)
-    bar.update(50)
+    assert capsys.readouterr().err == "" and bar.done == 50
+    bar = progress.Progress(10, "train_step", enabled=True, unit="batches")
+    for _ in range(10):
+        bar.update(7)
+    text = capsys.readouterr().err
+    assert "100% 10/10 batches, 70 tokens" in text and text.startswith("\r")
     bar.close()
-    assert "50%" in capsys.readouterr().err
+    assert capsys.readouterr().err.strip() == ""  # the line is cleared
+
+
+def test_one_list_of_modes():
+    from treecompile.runtime import stats, train
+
+    assert stats.stats_modes() == ("whole", *train.MODES)
+    assert "MODES" not in vars(cli) and stats.MODES is train.MODES  # imported, not a second list
 
 
 # ---------------------------------------------------------------------------------------------- rewrite
@@ -229,6 +289,9 @@ def test_rewrite_and_inspect_reference_model(tmp_path, capsys):
 
 
 def test_rewrite_bad_inputs_exit_1_and_leave_nothing(tmp_path, capsys, hf_dir):
+    import torch
+    from safetensors.torch import load_file, save_file
+
     cases = []
     cases.append((["rewrite", str(tmp_path / "missing")], ["missing", "no such directory"]))
     no_weights = tmp_path / "no_weights"
@@ -247,7 +310,25 @@ def test_rewrite_bad_inputs_exit_1_and_leave_nothing(tmp_path, capsys, hf_dir):
     cases.append((["rewrite", str(badjson)], ["config.json", "invalid JSON"]))
     a_file = tmp_path / "a_file"
     a_file.write_text("x")
-    cases.append((["rewrite", "dense-tiny", "--out", str(a_file / "out")], ["--out", "does not exist"]))
+    cases.append((["rewrite", "dense-tiny", "--out", str(a_file / "out")], ["--out", f"{a_file} is a file"]))
+    cases.append((["rewrite", "dense-tiny", "--out", str(a_file / "sub" / "out")], [f"{a_file} is a file"]))
+    cases.append((["rewrite", "dense-tiny", "--out", str(tmp_path / "none" / "out")], ["does not exist"]))
+    empty_file = tmp_path / "empty_file"
+    empty_file.write_text("")
+    cases.append((["rewrite", "dense-tiny", "--out", str(empty_file)], ["empty_file", "is an existing file"]))
+    cases.append((["rewrite", "dense-tiny", "--out", str(a_file), "--overwrite"],
+                  ["a_file", "is an existing file", "replaces only a saved program"]))
+    user_dir = tmp_path / "user_dir"
+    user_dir.mkdir()
+    (user_dir / "notes.txt").write_text("mine")
+    cases.append((["rewrite", "dense-tiny", "--out", str(user_dir)], ["user_dir", "not empty", "--overwrite"]))
+    cases.append((["rewrite", "dense-tiny", "--out", str(user_dir), "--overwrite"],
+                  ["user_dir", "no treecompile manifest.json", "left as it is"]))
+    shapes = shutil.copytree(hf_dir, tmp_path / "shapes")
+    state = load_file(str(shapes / "model.safetensors"))
+    state["model.norm.weight"] = torch.ones(17)
+    save_file(state, str(shapes / "model.safetensors"), metadata={"format": "pt"})
+    cases.append((["rewrite", str(shapes)], ["shapes", "model.norm.weight: file [17], config [16]"]))
     cases.append((["rewrite", "nonsense-model"], ["nonsense-model", "dense-tiny"]))
     for argv, needles in cases:
         if "--out" not in argv:
@@ -272,49 +353,146 @@ def test_rewrite_weights_missing_a_tensor_is_refused(tmp_path, capsys, hf_dir):
     assert not (tmp_path / "out").exists()
 
 
-def test_rewrite_unwritable_out_fails_late_and_leaves_nothing(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("error", ["oserror", "safetensors"])
+def test_rewrite_unwritable_out_fails_late_and_leaves_nothing(tmp_path, capsys, monkeypatch, error):
     """The write itself fails (disk full): one line, exit 1, no temp directory left."""
     import safetensors.torch
+    from safetensors import SafetensorError
 
     def full(*a, **k):
-        raise OSError(28, "No space left on device")
+        if error == "oserror":
+            raise OSError(28, "No space left on device")
+        # what safetensors raises on a full disk
+        raise SafetensorError('Error while serializing: I/O error: IoError(Os { code: 28, kind: StorageFull, '
+                              'message: "No space left on device" })')
 
     monkeypatch.setattr(safetensors.torch, "save_file", full)
     rc, _, err = run_cli(["rewrite", "dense-tiny", "--out", str(tmp_path / "out")], capsys)
     assert rc == 1
-    one_line_error(err, "--out", "No space left on device")
+    one_line_error(err, "--out", "cannot write (No space left on device)")
     assert listing(tmp_path) == []
+
+
+def test_rewrite_refuses_when_the_weights_cannot_fit(tmp_path, capsys, monkeypatch):
+    import collections
+    import shutil as shutil_mod
+
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil_mod, "disk_usage", lambda p: usage(1 << 30, (1 << 30) - (1 << 20), 1 << 20))
+    rc, _, err = run_cli(["rewrite", "dense-tiny", "--out", str(tmp_path / "out")], capsys)
+    assert rc == 1
+    one_line_error(err, "--out", "not enough space (1 MiB free")
+    assert listing(tmp_path) == []
+
+
+def test_rewrite_overwrite_only_replaces_a_saved_program(tmp_path, capsys, monkeypatch):
+    out_dir = tmp_path / "out"
+    assert run_cli(["rewrite", "dense-tiny", "--out", str(out_dir), "--seed", "1"], capsys)[0] == 0
+    rc, _, err = run_cli(["rewrite", "dense-tiny", "--out", str(out_dir), "--seed", "2", "--overwrite"], capsys)
+    assert rc == 0, err
+    assert json.loads((out_dir / "manifest.json").read_text())["extra"]["seed"] == 2
+    assert listing(tmp_path) == ["out", "out/manifest.json", "out/model.safetensors", "out/program.pt2"]
+    # the current directory (or one holding it) cannot be renamed away: refused up front, nothing left
+    monkeypatch.chdir(out_dir)
+    for target in (".", str(out_dir), str(tmp_path)):
+        rc, _, err = run_cli(["rewrite", "dense-tiny", "--out", target, "--overwrite"], capsys)
+        assert rc == 1
+        one_line_error(err, f"--out {target}", "current directory")
+    assert listing(tmp_path) == ["out", "out/manifest.json", "out/model.safetensors", "out/program.pt2"]
+
+
+def test_capture_refusal_names_the_model_line(tmp_path, capsys, monkeypatch):
+    """torch.export's "Constraints violated (seq)" becomes one line naming the model's own source line."""
+    import torch
+    from torch import nn
+
+    class LoopOverLength(nn.Module):  # a recurrent scan written as a Python loop: specialises the length
+        def __init__(self):
+            super().__init__()
+            self.emb, self.head = nn.Embedding(8, 4), nn.Linear(4, 8)
+
+        def forward(self, ids):
+            h = self.emb(ids)
+            outs = [h[:, 0]]
+            for i in range(1, ids.shape[1]):  # LOOP-LINE
+                outs.append(outs[-1] * 0.5 + h[:, i])
+            return self.head(torch.stack(outs, 1))
+
+    class BoundedTable(nn.Module):  # a fixed-size position table: bounds the length
+        def __init__(self):
+            super().__init__()
+            self.emb, self.head = nn.Embedding(8, 4), nn.Linear(4, 8)
+            self.register_buffer("table", torch.randn(64, 4))
+
+        def forward(self, ids):
+            return self.head(self.emb(ids) + self.table[: ids.shape[1]])
+
+    for model, needles in ((LoopOverLength(), ["fixes the length to the example's 16 tokens",
+                                               "test_cli.py", "for i in range(1, ids.shape[1]):"]),
+                           (BoundedTable(), ["bounds the length", "test_cli.py", "self.table"])):
+        monkeypatch.setattr(cli, "load_model", lambda *a, m=model, **k: (m, {"source": "x", "dtype": "float32"}))
+        rc, _, err = run_cli(["rewrite", "whatever", "--out", str(tmp_path / "out")], capsys)
+        assert rc == 1
+        one_line_error(err, type(model).__name__, *needles)
+        assert listing(tmp_path) == []
 
 
 def test_inspect_errors(tmp_path, capsys):
     rc, _, err = run_cli(["inspect", str(tmp_path / "nope")], capsys)
     assert rc == 1
     one_line_error(err, "nope", "no such directory")
+    (tmp_path / "program.pt2").write_bytes(b"PK")
+    rc, _, err = run_cli(["inspect", str(tmp_path / "program.pt2")], capsys)
+    assert rc == 1
+    one_line_error(err, "program.pt2", "is a file, not a saved-program directory")
     rc, _, err = run_cli(["inspect", str(tmp_path)], capsys)
     assert rc == 1
     one_line_error(err, "manifest.json", "missing")
 
 
 # ---------------------------------------------------------------------------------------------- bench, help
-def test_bench_forwards_to_the_harness(capsys, monkeypatch):
-    seen = []
-    pkg = types.ModuleType("benchmarks")
-    harness = types.ModuleType("benchmarks.harness")
-    harness.main = lambda argv: seen.append(argv) or 0
-    pkg.harness = harness
-    monkeypatch.setitem(sys.modules, "benchmarks", pkg)
-    monkeypatch.setitem(sys.modules, "benchmarks.harness", harness)
-    rc, _, _ = run_cli(["bench", "--model", "dense-tiny", "--help"], capsys)
-    assert rc == 0 and seen == [["--model", "dense-tiny", "--help"]]
+def test_bench_says_where_the_harness_is(capsys):
+    """The harness is a checkout script, not part of the installed command: `bench` says how to run it."""
+    rc, out, err = run_cli(["bench", "--quick"], capsys)
+    assert rc == 1 and out == ""
+    one_line_error(err, "python -m benchmarks.harness", ".[bench]")
+    rc, out, err = run_cli(["bench", "--help"], capsys)
+    assert rc == 0 and "python -m benchmarks.harness" in out and err == ""
 
 
-def test_bench_without_harness_is_a_clear_error(capsys, monkeypatch):
-    monkeypatch.setattr(cli, "_import_harness", lambda: None)
-    rc, _, err = run_cli(["bench", "--quick"], capsys)
-    assert rc == 1
-    one_line_error(err, "benchmark harness")
-    rc, out, _ = run_cli(["bench", "--help"], capsys)
-    assert rc == 0 and "usage: treecompile bench" in out
+def test_bench_extra_installs_matplotlib():
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert any(r.startswith("matplotlib") for r in extras["bench"])
+
+
+def test_help_does_not_import_torch():
+    """`treecompile --help` (and every command's --help) runs without importing torch (fast start)."""
+    code = ("import sys\nfrom treecompile import cli\n"
+            "for argv in (['--help'], ['stats', '--help'], ['rewrite', '--help'], ['demo', '--help']):\n"
+            "    try:\n        cli.main(argv)\n    except SystemExit as e:\n        assert e.code == 0\n"
+            "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))[:3]\n")
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr
+
+
+def test_lazy_package_names():
+    import treecompile
+    import treecompile.compile  # noqa: F401  (binding the submodule must not shadow the function)
+
+    assert callable(treecompile.compile) and not isinstance(treecompile.compile, types.ModuleType)
+    assert treecompile.Tree.__name__ == "Tree" and treecompile.reference.run
+    assert set(treecompile.__all__) <= set(dir(treecompile))
+    with pytest.raises(AttributeError):
+        treecompile.nothing_here
+
+
+def test_demo_refuses_negative_steps(capsys):
+    rc, out, err = run_cli(["demo", "--steps", "-1"], capsys)
+    assert rc == 1 and out == ""
+    one_line_error(err, "--steps -1")
 
 
 @pytest.mark.parametrize("cmd", COMMANDS[:-1])
@@ -331,14 +509,22 @@ def test_usage_errors_exit_2(capsys):
         assert "usage:" in err
 
 
+def _env() -> dict:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+
+
 def test_entry_point_exit_codes_without_traceback(tmp_path):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = _env()
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"tree_id": 1, "input_ids": [1, 2]}\n{oops\n')
     p = subprocess.run([sys.executable, "-m", "treecompile", "stats", str(bad)], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 1 and p.stdout == ""
-    one_line_error(p.stderr, f"{bad}:2", "invalid JSON")
+    one_line_error(p.stderr, f"{bad}:2", "bad JSON")
+    p = subprocess.run([sys.executable, "-m", "treecompile", "stats", str(bad).replace("bad", "big")], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1
+    one_line_error(p.stderr, "big.jsonl", "no such file")
     p = subprocess.run([sys.executable, "-m", "treecompile", "inspect"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "Traceback" not in p.stderr

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 import treecompile
-import treecompile.cuda as tc_cuda
-from treecompile.compile import bucket_length
+import treecompile.passes.lower_cuda as tc_cuda
+from treecompile.passes.lower_cuda import CudaOptions
+from treecompile.program import bucket_length
 from treecompile.models import DenseConfig, DenseForCausalLM, HybridConfig, HybridForCausalLM
 
 
@@ -18,7 +19,9 @@ def targets(gm):
 def test_attention_lowered_to_flex_with_one_shared_block_mask():
     tm = treecompile.compile(DenseForCausalLM(DenseConfig.tiny()))
     for compiled, fn in ((True, tc_cuda._flex), (False, tc_cuda._flex_eager)):
-        gm, n = tc_cuda.lower_for_cuda(tm.graph_module, compiled=compiled)
+        low = tc_cuda.lower_cuda(tm.graph_module, CudaOptions(compile_cuda=compiled, gdn_kernel="reference"))
+        gm, n = low.graph_module, low.attention
+        assert low.compiled == compiled and low.bucket
         t = targets(gm)
         assert n == 2 and t.count(fn) == 2 and tc_cuda.TREE_ATTENTION not in t
         masks = [p for p in gm.graph.nodes if p.op == "placeholder" and p.name == "tree_block_mask"]
@@ -28,10 +31,29 @@ def test_attention_lowered_to_flex_with_one_shared_block_mask():
 
 def test_gdn_lowered_to_fla_only_when_asked():
     tm = treecompile.compile(HybridForCausalLM(HybridConfig.tiny()))
-    gm, _ = tc_cuda.lower_for_cuda(tm.graph_module, gdn_kernel="fla")
-    assert targets(gm).count(tc_cuda._gdn_fla) == 3 and tc_cuda.TREE_GDN not in targets(gm)
-    gm, _ = tc_cuda.lower_for_cuda(tm.graph_module, gdn_kernel="reference")
-    assert targets(gm).count(tc_cuda.TREE_GDN) == 3
+    import treecompile.ops.fla_gdn as fla_gdn
+
+    with pytest.MonkeyPatch.context() as mp:  # "fla" resolves only where fla imports: pretend it does
+        mp.setattr(fla_gdn, "fla_unusable_reason", lambda device=None: None)
+        low = tc_cuda.lower_cuda(tm.graph_module, CudaOptions(gdn_kernel="fla"))
+    assert targets(low.graph_module).count(tc_cuda._gdn_fla) == 3 and tc_cuda.TREE_GDN not in targets(low.graph_module)
+    assert low.gdn_fla == 3
+    low = tc_cuda.lower_cuda(tm.graph_module, CudaOptions(gdn_kernel="reference"))
+    assert targets(low.graph_module).count(tc_cuda.TREE_GDN) == 3 and low.gdn_fla == 0
+
+
+def test_boundary_program_runs_eagerly_and_unpadded():
+    """A partition graph: nothing to lower (its ops have no flex/fla form), not compiled, not bucketed."""
+    tm = treecompile.compile(HybridForCausalLM(HybridConfig.tiny()), boundary=True)
+    low = tc_cuda.lower_cuda(tm.graph_module, CudaOptions(gdn_kernel="reference"), boundary=True)
+    assert (low.attention, low.gdn_fla, low.compiled, low.bucket) == (0, 0, False, False)
+
+
+def test_cuda_options_are_typed_and_checked():
+    with pytest.raises(ValueError, match="gdn_kernel"):
+        CudaOptions(gdn_kernel="triton")
+    with pytest.raises(Exception):  # frozen
+        CudaOptions().bucket = False
 
 
 def test_gdn_kernel_choice(monkeypatch):

@@ -175,6 +175,10 @@ MALFORMED = {
                                    "gives 'old_logprobs' on other lines (e.g. line 2)"),
     "ids_not_contiguous": ([ok("a", [1, 2]), ok("b", [1, 2]), ok("a", [1, 3])], 3,
                            "tree_id 'a' reappears; its lines 1-1 were followed by another tree"),
+    "group_id_is_not_an_alias": ([ok(0, [1, 2]), {"group_id": 0, "input_ids": [1, 3]}], 2,
+                                 "'group_id' is not a key of this format: rename it to 'tree_id'"),
+    "id_2_to_the_70": (['{"tree_id": 0, "input_ids": [1, %d]}' % 2**70], 1,
+                       f"input_ids[1] = {2**70} is out of range"),
 }
 
 
@@ -197,6 +201,19 @@ def test_vocab_size_checked(tmp_path):
     f = write(tmp_path, [ok(0, [1, 2]), ok(0, [1, 97])])
     with pytest.raises(ValueError, match=re.escape(f"{f}:2: input_ids[1] = 97 is not below vocab_size 97")):
         list(read_trajectories(f, vocab_size=97))
+
+
+@pytest.mark.parametrize("vocab_size", [0, -3, 2.5, True])
+def test_vocab_size_must_be_a_positive_int(tmp_path, vocab_size):
+    f = write(tmp_path, [ok(0, [1, 2])])
+    with pytest.raises(ValueError, match=re.escape(f"vocab_size: expected a positive integer, got {vocab_size!r}")):
+        list(read_trajectories(f, vocab_size=vocab_size))
+
+
+def test_progress_is_silent_off_a_terminal(tmp_path, capsys):
+    f = write(tmp_path, [ok(0, [1, 2]), ok(1, [3, 4])])
+    assert [t.tree_id for t in read_trajectories(f, progress=True)] == [0, 1]
+    assert capsys.readouterr().err == ""
 
 
 @pytest.mark.parametrize("content", ["", "\n\n  \n"], ids=["empty", "blank_lines_only"])

@@ -1,4 +1,4 @@
-"""Dense decompositions of tree attention (benchmarks/dense_tree_attention.py).
+"""Dense decompositions of tree attention (treecompile/ops/dense_tree_attention.py).
 
 On CPU the cuDNN / flash entry points are replaced by float64 math with the same contracts (output
 and natural-log log-sum-exp of the scaled scores forward; gradients from a given output and
@@ -13,7 +13,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from benchmarks import dense_tree_attention as dta
+from treecompile.ops import dense_tree_attention as dta
 from tests.conftest import CUDA
 from tests.strategies import ODD_TREES, path_sets
 from tests.test_flex_tree_attention import ancestor_mask, random_paths, tree_batch

@@ -20,8 +20,9 @@ import torch.multiprocessing as mp
 import treecompile
 from treecompile import NORMALIZATIONS, Tree, reference
 from treecompile.models import DenseConfig, DenseForCausalLM
-from treecompile.runtime.distributed import (GlobalNorm, TreeSampler, backward_step, deal, dummy_batch,
-                                             partition_batch, rank_batches, tree_batch, work_items)
+from treecompile.runtime.distributed import (TreeSampler, backward_step, deal, dummy_batch, rank_batches,
+                                             work_items)
+from treecompile.runtime.normalization import GlobalNorm, partition_batch, tree_batch
 
 WORLD = 2
 VOCAB = 11

@@ -120,7 +120,7 @@ def test_config_errors():
 def test_export_with_swapped_hooks_is_one_node_per_gdn_layer():
     """Swapping the two hooks for the registered ops makes each GDN layer export (dynamic length)
     with one tree_gated_delta_rule and one tree_causal_conv1d node, and the model is unchanged after."""
-    from treecompile.ops import tree_conv, tree_gdn
+    from treecompile import hf_adapters
     cfg = HybridConfig.tiny()
     torch.manual_seed(0)
     m = HybridForCausalLM(cfg).to(F64)
@@ -131,8 +131,8 @@ def test_export_with_swapped_hooks_is_one_node_per_gdn_layer():
         want = m(ids)
     try:
         for g in gdns:
-            g.chunk_gated_delta_rule = tree_gdn.hf_chunk_gated_delta_rule
-            g.causal_conv1d_fn = tree_conv.hf_causal_conv1d_fn
+            g.chunk_gated_delta_rule = hf_adapters.hf_chunk_gated_delta_rule
+            g.causal_conv1d_fn = hf_adapters.hf_causal_conv1d_fn
         ep = torch.export.export(m, (ids,), dynamic_shapes=({1: torch.export.Dim("seq", min=2, max=4096)},),
                                  strict=False)
     finally:

@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 from treecompile import NORMALIZATIONS, Tree, reference
 from treecompile.models import DenseConfig
 from treecompile.runtime.data import scatter_to_dfs
-from treecompile.runtime.objectives import (SFT, KLPenalty, PolicyGradient, PPOClip, SequenceClip,
-                                            grpo_advantages, token_coefficients)
+from treecompile.runtime.normalization import GlobalNorm, token_coefficients, tree_batch
+from treecompile.runtime.objectives import SFT, KLPenalty, PolicyGradient, PPOClip, SequenceClip, grpo_advantages
 from strategies import ODD_TREES, weighted_path_sets
 
 REL = 1e-9
@@ -284,3 +284,33 @@ def test_untrained_tokens_cannot_poison_the_loss(model, tmodel):
         l0, l1 = obj.loss(base, batch, **kw), obj.loss(extreme, batch, **kw)
         (g0,), (g1,) = torch.autograd.grad(l0, base), torch.autograd.grad(l1, extreme)
         assert l1.item() == l0.item() and torch.isfinite(g1).all() and torch.equal(g0, g1)
+
+
+def test_linear_objectives_say_their_token_weights_and_take_a_typed_norm(model):
+    """``token_weights`` of SFT / PolicyGradient are the weights their loss uses; a step's GlobalNorm
+    given as ``norm`` scales them exactly as it scales the batch built with it; the normalization of
+    one tree alone is ``Tree.path_coefficients`` to the bit (one formula)."""
+    case = mixed_case(model)
+    tree = case.tree
+    A = torch.tensor(case.advantages, dtype=torch.float64)
+    g = torch.Generator().manual_seed(5)
+    lp = -torch.rand(tree.num_tokens, generator=g, dtype=torch.float64)
+    for n in NORMALIZATIONS:
+        one = GlobalNorm.of_tree(tree, n)
+        assert torch.equal(one.path_coefficients(tree), tree.path_coefficients(n))
+        assert torch.equal(SFT().token_weights(tree, one), tree.token_weights(n))
+        assert torch.equal(PolicyGradient().token_weights(tree, one, {"advantages": A}),
+                           token_coefficients(tree, n, A))
+        # a step of two copies of the tree, grad_scale 3: half the "sum"/"token_mean" weights, times 3
+        step = GlobalNorm.from_trees([tree, tree], n, grad_scale=3.0)
+        batch = tree_batch(tree, step)
+        for obj, kw in [(SFT(), {}), (PolicyGradient(), dict(advantages=A))]:
+            w = obj.token_weights(tree, step, {"advantages": A})
+            got = obj.loss(lp, batch, norm=step, **kw)
+            assert torch.equal(got, -(w * lp).sum()), (obj, n)
+        assert torch.equal(batch.loss_weight, SFT().token_weights(tree, step))
+        assert torch.equal(SFT(normalize="sum").token_weights(tree, step), step.with_normalize("sum").token_weights(tree))
+    with pytest.raises(TypeError, match="GlobalNorm"):
+        SFT().loss(lp, tree.to_batch(), norm="sum")
+    with pytest.raises(ValueError, match="advantages: not given"):
+        PolicyGradient().token_weights(tree, GlobalNorm.of_tree(tree, "sum"), {})

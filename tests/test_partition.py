@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from treecompile import NORMALIZATIONS, Tree, reference
-from treecompile.runtime.dp import dp_multi_path, dp_single_path, leaf_groups_cost
+from treecompile.runtime.optimal_partition import dp_multi_path, dp_single_path, leaf_groups_cost
 from treecompile.runtime.metrics import dataset_reuse, reuse
 from treecompile.runtime.partition import TreeShape, pack, partition_redundancy_free
 from strategies import ODD_TREES, path_sets, weighted_path_sets
@@ -102,6 +102,11 @@ def check_packed(paths, C, masks=None, weights=None):
         glob_pred = tree.pred[tok]
         loc_pred = bt.pred_index[:bt.num_tokens]
         assert torch.equal(torch.where(loc_pred >= 0, tok[loc_pred.clamp(min=0)], -1), glob_pred)
+        # ... with the radix nodes of the tree of its own leaf paths (no extra GDN segments or levels)
+        own = Tree.from_paths(plan.leaf_paths(part.index)).to_batch()
+        for f in ("pred_index", "subtree_end", "node_id", "node_start", "node_end", "node_parent", "node_level",
+                  "conv_index"):
+            assert torch.equal(getattr(bt, f), getattr(own, f)), f
     assert (owned_count == 1).all(), "each token's weight is carried by exactly one partition"
     assert (assigned == 1).all(), "each path is assigned to exactly one partition"
     assert plan.cost == sum(p.num_tokens for p in plan.partitions) >= T
@@ -195,6 +200,15 @@ def test_pack_padding_keeps_weights():
     b = rf.batch(1, pad_to_multiple=8)
     assert b.seq_len == 8 and (b.loss_weight[b.num_tokens:] == 0).all()
     assert (b.extras["pred_past"][b.num_tokens:] == -1).all()
+    # one padding rule (TreeBatch.padded): the padding is one extra root node; per-node extras follow
+    for b in (plan.batch(1, pad_to_multiple=8), rf.batch(1, pad_to_multiple=8)):
+        n = b.num_tokens
+        assert b.node_start[-1] == n and b.node_end[-1] == 8 and b.node_parent[-1] == -1
+        assert (b.node_id[n:] == b.num_nodes - 1).all() and (b.subtree_end[n:] == torch.arange(n, 8) + 1).all()
+    unpadded = rf.batch(1)
+    assert b.num_nodes == unpadded.num_nodes + 1
+    assert b.extras["node_past_parent"].tolist() == unpadded.extras["node_past_parent"].tolist() + [-1]
+    assert b.extras["conv_past_index"].shape == (8, 3) and b.extras["past_visible"].shape == (8,)
 
 
 # ------------------------------------------------------------------------------- redundancy-free
@@ -366,8 +380,8 @@ def brute_force_multi(tree, C) -> int:
 
 
 def brute_force_single(tree, C, order="deepest") -> int:
-    from treecompile.runtime.partition import _leaf_order
-    leaves, _ = _leaf_order(TreeShape(tree), order)
+    from treecompile.runtime.partition import leaf_order
+    leaves, _ = leaf_order(TreeShape(tree), order)
     L = len(leaves)
     best = None
     for cuts in itertools.product([0, 1], repeat=L - 1):
@@ -493,7 +507,10 @@ def test_gradients_match_per_path_reference(case, normalize):
     for i in range(len(plan)):
         b = plan.batch(i, normalize=normalize)
         sub_paths = plan.leaf_paths(i)
-        lp = _oracle_dfs(model, b.tree, sub_paths)
+        sub = Tree.from_paths(sub_paths)  # the partition as a tree of its own: the same DFS order
+        tok = plan.partitions[i].tokens
+        assert torch.equal(sub.input_ids, tree.input_ids[tok]) and torch.equal(sub.depth, tree.depth[tok])
+        lp = _oracle_dfs(model, sub, sub_paths)
         loss = loss - (b.loss_weight * lp).sum()
     g = _grads(model, loss)
     assert abs(loss.item() - ref.loss.item()) <= 1e-9 * abs(ref.loss.item()) + 1e-15

@@ -24,8 +24,9 @@ from treecompile.runtime.partition import partition_redundancy_free
 from treecompile.runtime.redundancy_free import run_redundancy_free
 from strategies import ODD_TREES, weighted_path_sets
 
-import treecompile.ops.tree_attention_past  # noqa: F401  (registers the ops)
-import treecompile.ops.tree_recurrent_past  # noqa: F401
+import treecompile.ops.tree_attention_boundary  # noqa: F401  (registers the ops)
+import treecompile.ops.tree_conv_boundary  # noqa: F401
+import treecompile.ops.tree_gdn_boundary  # noqa: F401
 
 ops = torch.ops.treecompile
 f64 = torch.float64
@@ -42,7 +43,7 @@ def _tree_and_plan(C=2):
 
 
 # ------------------------------------------------------------------------------------------ ops
-def test_attention_past_equals_whole_tree_attention():
+def test_attention_boundary_equals_whole_tree_attention():
     """Each partition's queries over [its boundary's K/V ; its own] == the whole tree's attention."""
     torch.manual_seed(0)
     tree, plan = _tree_and_plan(C=3)
@@ -53,23 +54,24 @@ def test_attention_past_equals_whole_tree_attention():
     for i in range(len(plan)):
         b = plan.batch(i)
         tok, past = b.extras["tokens"], b.extras["past_index"]
-        out = ops.tree_attention_past(q[:, :, tok], k[:, :, tok], v[:, :, tok], b.subtree_end, k[:, :, past],
+        out = ops.tree_attention_boundary(q[:, :, tok], k[:, :, tok], v[:, :, tok], b.subtree_end, k[:, :, past],
                                       v[:, :, past], b.extras["past_visible"])
         assert torch.allclose(out, whole[:, :, tok], rtol=0, atol=1e-14)
 
 
-def test_attention_past_gradients_and_opcheck():
+def test_attention_boundary_gradients_and_opcheck():
     torch.manual_seed(1)
     T, B = 5, 3
     args = [torch.randn(1, 4, T, 8, dtype=f64), torch.randn(1, 2, T, 8, dtype=f64), torch.randn(1, 2, T, 6, dtype=f64),
             torch.randn(1, 2, B, 8, dtype=f64), torch.randn(1, 2, B, 6, dtype=f64)]
     args = [a.requires_grad_() for a in args]
     se, vis = torch.tensor([5, 3, 3, 5, 5]), torch.tensor([3, 3, 2, 3, 1])
-    assert torch.autograd.gradcheck(lambda q, k, v, pk, pv: ops.tree_attention_past(q, k, v, se, pk, pv, vis), args,
+    assert torch.autograd.gradcheck(lambda q, k, v, pk, pv: ops.tree_attention_boundary(q, k, v, se, pk, pv, vis), args,
                                       fast_mode=True)
-    torch.library.opcheck(ops.tree_attention_past.default, (*args[:3], se, *args[3:], vis))
+    torch.library.opcheck(ops.tree_attention_boundary.default, (*args[:3], se, *args[3:], vis))
     # an empty boundary is the plain tree attention
-    out = ops.tree_attention_past(*args[:3], se, args[3][:, :, :0], args[4][:, :, :0], torch.zeros(T, dtype=torch.long))
+    out = ops.tree_attention_boundary(*args[:3], se, args[3][:, :, :0], args[4][:, :, :0],
+                                      torch.zeros(T, dtype=torch.long))
     assert torch.equal(out, tree_attention_reference(*args[:3], se))
 
 
@@ -81,14 +83,14 @@ def _gdn_inputs(T, seed=2):
     return [q, k, v, g, beta]
 
 
-def test_gdn_states_are_each_nodes_final_state():
+def test_gdn_boundary_states_are_each_nodes_final_state():
     """final[state_nodes] == the recurrence run along the node's root path from initial_state."""
     tree, _ = _tree_and_plan()
     b = tree.to_batch()
     q, k, v, g, beta = _gdn_inputs(tree.num_tokens)
     h0 = torch.randn(4, 4, 3, dtype=f64)
     nodes = torch.arange(tree.num_nodes)
-    o, states = ops.tree_gated_delta_rule_states(q, k, v, g, beta, b.node_start, b.node_end, b.node_parent,
+    o, states = ops.tree_gated_delta_rule_boundary(q, k, v, g, beta, b.node_start, b.node_end, b.node_parent,
                                                  b.node_level, h0, nodes, use_qk_l2norm_in_kernel=True, chunk_size=2)
     o_ref = ops.tree_gated_delta_rule(q, k, v, g, beta, b.node_start, b.node_end, b.node_parent, b.node_level, h0,
                                       use_qk_l2norm_in_kernel=True, chunk_size=2)
@@ -105,7 +107,7 @@ def test_gdn_states_are_each_nodes_final_state():
         assert torch.allclose(states[n], hT[0], rtol=0, atol=1e-12), n
 
 
-def test_gdn_states_gradients_and_opcheck():
+def test_gdn_boundary_gradients_and_opcheck():
     tree = Tree.from_paths([[1, 2, 3], [1, 4, 5], [1, 4, 6]])
     b = tree.to_batch()
     nodes = (b.node_start, b.node_end, b.node_parent, b.node_level)
@@ -114,15 +116,15 @@ def test_gdn_states_gradients_and_opcheck():
     sn = torch.tensor([0, 2, 2, 3])  # a repeated node: its gradients add
 
     def f(q, k, v, g, beta, h0):
-        return ops.tree_gated_delta_rule_states(q, k, v, g, beta, *nodes, h0, sn, use_qk_l2norm_in_kernel=True,
+        return ops.tree_gated_delta_rule_boundary(q, k, v, g, beta, *nodes, h0, sn, use_qk_l2norm_in_kernel=True,
                                                 chunk_size=2)
 
     assert torch.autograd.gradcheck(f, xs, fast_mode=True)
-    torch.library.opcheck(ops.tree_gated_delta_rule_states.default, (*xs[:5], *nodes, xs[5], sn),
+    torch.library.opcheck(ops.tree_gated_delta_rule_boundary.default, (*xs[:5], *nodes, xs[5], sn),
                           {"use_qk_l2norm_in_kernel": True, "chunk_size": 2})
 
 
-def test_conv_past_equals_whole_tree_conv():
+def test_conv_boundary_equals_whole_tree_conv():
     torch.manual_seed(4)
     tree, plan = _tree_and_plan(C=1)
     K = 4
@@ -134,21 +136,21 @@ def test_conv_past_equals_whole_tree_conv():
         tok, past, cpi = b.extras["tokens"], b.extras["past_index"], b.extras["conv_past_index"]
         n = tok.numel()
         idx = torch.where(cpi >= 0, n + cpi, b.conv_index)  # past_x = all boundary columns
-        out = ops.tree_causal_conv1d_past(x[:, :, tok], w, bias, idx, x[:, :, past], "silu")
+        out = ops.tree_causal_conv1d_boundary(x[:, :, tok], w, bias, idx, x[:, :, past], "silu")
         assert torch.allclose(out, whole[:, :, tok], rtol=0, atol=1e-14)
 
 
-def test_conv_past_gradients_and_opcheck():
+def test_conv_boundary_gradients_and_opcheck():
     torch.manual_seed(5)
     xs = [torch.randn(1, 5, 5, dtype=f64), torch.randn(5, 4, dtype=f64), torch.randn(5, dtype=f64),
           torch.randn(1, 5, 2, dtype=f64)]
     xs = [x.requires_grad_() for x in xs]
     ci = torch.tensor([[6, 5, -1], [0, 6, 5], [1, 0, 6], [5, -1, -1], [3, 5, -1]])
-    assert torch.autograd.gradcheck(lambda x, w, b, p: ops.tree_causal_conv1d_past(x, w, b, ci, p, "silu"), xs,
+    assert torch.autograd.gradcheck(lambda x, w, b, p: ops.tree_causal_conv1d_boundary(x, w, b, ci, p, "silu"), xs,
                                       fast_mode=True)
-    torch.library.opcheck(ops.tree_causal_conv1d_past.default, (xs[0], xs[1], xs[2], ci, xs[3], "silu"))
+    torch.library.opcheck(ops.tree_causal_conv1d_boundary.default, (xs[0], xs[1], xs[2], ci, xs[3], "silu"))
     with pytest.raises(ValueError, match="conv_index: entry 7"):
-        ops.tree_causal_conv1d_past(xs[0], xs[1], xs[2], ci.clamp(max=7) + (ci == 6), xs[3], "silu")
+        ops.tree_causal_conv1d_boundary(xs[0], xs[1], xs[2], ci.clamp(max=7) + (ci == 6), xs[3], "silu")
 
 
 # ------------------------------------------------------------------------------------------ models
@@ -169,14 +171,17 @@ def hybrid():
 def test_pass_fires_and_default_pipeline_unchanged(dense, hybrid):
     for (model, tmodel, bmodel), want in ((dense, dict(attention=2, gdn=0, conv=0)),
                                           (hybrid, dict(attention=1, gdn=3, conv=3))):
-        assert "expose_boundary" not in tmodel.pass_results and tmodel.boundary is None
+        assert "expose_boundary" not in tmodel.pass_results and tmodel.program.boundary is None
         assert not any(n.name.startswith("boundary_") for n in tmodel.graph_module.graph.nodes)
         res = bmodel.pass_results["expose_boundary"]
         assert res.count == sum(want.values()) + 1
         assert {k: res.info[k] for k in want} == want
+        spec = bmodel.program.boundary
+        assert spec is res.spec and {k: getattr(spec, k) for k in want} == want
+        assert len(spec.input_shapes) == len(spec.inputs)
         targets = {n.target for n in bmodel.graph_module.graph.nodes}
         assert ops.tree_attention.default not in targets and ops.tree_gated_delta_rule.default not in targets
-        assert ops.tree_causal_conv1d.default not in targets and ops.tree_attention_past.default in targets
+        assert ops.tree_causal_conv1d.default not in targets and ops.tree_attention_boundary.default in targets
         with pytest.raises(TypeError, match="boundary=True"):
             bmodel(Tree.from_paths([[1, 2, 3]]).to_batch())
         with pytest.raises(ValueError, match="boundary=True"):
@@ -262,3 +267,24 @@ def test_hybrid_odd_trees(hybrid, name):
     tree = Tree.from_paths([[t % VOCAB for t in p] for p in ODD_TREES[name]])
     for C in (1, 2, 4):
         check_partitioned(*hybrid, tree, C, "token_mean")
+
+
+def test_partitions_run_through_the_programs_one_runner(dense, monkeypatch):
+    """Every partition goes through ``program.run`` with its boundary inputs (the runner that also
+    picks the CUDA lowering); a default program refuses boundary inputs by name."""
+    model, tmodel, bmodel = dense
+    tree = Tree.from_paths([[1, 2, 3, 4, 5], [1, 2, 3, 6], [1, 7, 8, 9]])
+    plan = partition_redundancy_free(tree, 3)
+    calls = []
+    run = bmodel.program.run
+
+    def counting(batch, boundary_inputs=(), **kw):
+        calls.append(len(boundary_inputs))
+        return run(batch, boundary_inputs, **kw)
+
+    monkeypatch.setattr(bmodel.program, "run", counting)
+    run_redundancy_free(bmodel, plan)
+    model.zero_grad()
+    assert len(plan) > 1 and calls == [len(bmodel.program.boundary.inputs)] * len(plan)
+    with pytest.raises(TypeError, match="takes 0 boundary inputs, got 1.*boundary=True"):
+        tmodel.program.run(tree.to_batch(), [torch.zeros(1)])

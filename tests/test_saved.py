@@ -135,9 +135,9 @@ def test_manifest_records_passes_inputs_and_weights(saved_models):
     m = saved.read_manifest(d)
     assert m["format"] == saved.FORMAT and m["torch_version"] == torch.__version__
     assert {k: v["count"] for k, v in m["passes"].items()} == {k: v.count for k, v in tm.pass_results.items()}
-    assert [r["name"] for r in m["inputs"]] == ["input_ids"] + [f"tree_{n}" for n in tm._tree_inputs]
+    assert [r["name"] for r in m["inputs"]] == ["input_ids"] + [f"tree_{n}" for n in tm.program.tree_inputs]
     conv = next(r for r in m["inputs"] if r["name"] == "tree_conv_index")
-    assert conv["shape"] == ["T", tm._conv_width]
+    assert conv["shape"] == ["T", tm.program.conv_width]
     ops = {(r["layer_type"], r["op"]): r["count"] for r in m["replaced_ops"]}
     n_gdn = sum(t == "linear_attention" for t in tm.model.config.layer_types)
     assert ops[("GatedDeltaNet", "treecompile::tree_gated_delta_rule")] == n_gdn

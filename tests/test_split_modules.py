@@ -110,18 +110,19 @@ def test_split_errors_name_the_module():
 def test_cuda_lowered_graph_splits_per_layer_with_the_block_mask_as_input():
     """The graph run on CUDA (flex lowering, one BlockMask placeholder) splits the same way; each
     layer segment takes the mask and holds its own attention call (CPU: structure only)."""
-    from treecompile.cuda import lower_for_cuda
+    from treecompile.passes.lower_cuda import CudaOptions, lower_cuda
 
     torch.manual_seed(0)
     model = DenseForCausalLM(DenseConfig.tiny(num_hidden_layers=3)).double()
     tmodel = treecompile.compile(model).split_at(model.model.layers)
-    lowered, count = lower_for_cuda(tmodel.graph_module, compiled=True)
+    low = lower_cuda(tmodel.graph_module, CudaOptions(gdn_kernel="reference"))
+    lowered, count = low.graph_module, low.attention
     owners = [f"model.layers.{i}" for i in range(3)]
-    split = tmodel.split_graph(lowered)
+    split = tmodel.program.split_graph(lowered)
     segs = [s for s, _ in split.segments]
     assert [s.owner for s in segs] == [None] + owners + [None] and count == 3
     assert split.batch_names[-1] == "tree_block_mask" and len(split.result) == 2
-    fqn = {name: target for name, (_, target) in tmodel._lifted_by_name.items()}
+    fqn = {x.name: x.target for x in tmodel.program.lifted}
     for s in segs[1:-1]:
         assert "tree_block_mask" in s.inputs and len(s.outputs) == 1
         assert all(fqn[n].startswith(s.owner + ".") for n in s.lifted)

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from treecompile import NORMALIZATIONS, Tree
+from treecompile import NORMALIZATIONS, Tree, TreeBatch
 from treecompile.tree import ancestor_index
 from strategies import ODD_TREES, path_sets, weighted_path_sets
 
@@ -133,6 +133,78 @@ def test_padding_sees_only_itself():
     # the padding is one extra root node
     assert b.node_start[-1] == 4 and b.node_end[-1] == 8 and b.node_parent[-1] == -1 and b.node_level[-1] == 0
     assert (b.node_id[pad] == b.num_nodes - 1).all()
+
+
+@settings(max_examples=60, deadline=None)
+@given(weighted_path_sets(), st.integers(0, 10_000), st.sampled_from([1, 2, 4]))
+def test_from_tokens_restricts_the_tree(pmw, seed, K):
+    """A token subset: ids/depths/weights are the tree's, local links exist exactly where the path
+    predecessor / conv context is in the subset, a node never spans a gap or a whole-tree node start."""
+    paths, masks, weights = pmw
+    tree = Tree.from_paths(paths, loss_masks=masks, path_weights=weights)
+    whole = TreeBatch.from_tokens(tree, None, normalize="path_mean", conv_kernel=K)
+    ref = tree.to_batch(normalize="path_mean", conv_kernel=K)
+    for f in ("input_ids", "position_ids", "pred_index", "loss_weight", "subtree_end", "node_id", "conv_index"):
+        assert torch.equal(getattr(whole, f), getattr(ref, f)), f
+    g = torch.Generator().manual_seed(seed)
+    keep = torch.rand(tree.num_tokens, generator=g) < 0.6
+    keep[int(torch.randint(tree.num_tokens, (1,), generator=g))] = True
+    tok = torch.nonzero(keep).flatten()
+    w = torch.rand(tok.numel(), generator=g, dtype=torch.float64)
+    b = TreeBatch.from_tokens(tree, tok, weights=w, normalize="sum", conv_kernel=K, pad_to_multiple=8)
+    n = tok.numel()
+    assert b.tree is None and torch.equal(b.extras["tokens"], tok) and b.seq_len % 8 == 0
+    assert torch.equal(b.input_ids[:n], tree.input_ids[tok]) and torch.equal(b.position_ids[:n], tree.depth[tok])
+    assert torch.equal(b.loss_weight[:n], w) and (b.loss_weight[n:] == 0).all()
+    ctx = ancestor_index(tree.pred, K, rows=tok)  # column 0: the predecessor, then the conv context
+    for loc, glob in ((b.pred_index[:n, None], ctx[:, :1]), (b.conv_index[:n], ctx[:, :K - 1])):
+        inside = (glob >= 0) & keep[glob.clamp(min=0)]
+        assert torch.equal(loc >= 0, inside)
+        assert torch.equal(tok[loc.clamp(min=0)][loc >= 0], glob[loc >= 0])
+    # attention: local k is seen by local q iff the whole tree's k sees q
+    se = tree.subtree_end[tok]
+    sees = (tok[None, :] <= tok[:, None]) & (tok[:, None] < se[None, :])
+    ar = torch.arange(n)
+    assert torch.equal((ar[None, :] <= ar[:, None]) & (ar[:, None] < b.subtree_end[:n][None, :]), sees)
+    # radix nodes of the subset: j ends its node iff it has != 1 child in the subset, its child is not
+    # j+1, or it is one of node_ends; a node's parent holds its first token's predecessor
+    ends = tok[torch.rand(n, generator=g) < 0.2]
+    b = TreeBatch.from_tokens(tree, tok, weights=w, conv_kernel=K, pad_to_multiple=8, node_ends=ends)
+    pred = b.pred_index[:n].tolist()
+    for j in range(n):
+        kids = [q for q in range(n) if pred[q] == j]
+        want_end = len(kids) != 1 or kids[0] != j + 1 or int(tok[j]) in set(ends.tolist())
+        assert (int(b.node_end[int(b.node_id[j])]) == j + 1) == want_end, j
+        if j > 0 and int(b.node_start[int(b.node_id[j])]) < j:
+            assert pred[j] == j - 1
+    for k in range(b.num_nodes - (b.seq_len > n)):
+        s_ = int(b.node_start[k])
+        par = int(b.node_parent[k])
+        assert par == (int(b.node_id[pred[s_]]) if pred[s_] >= 0 else -1)
+        assert int(b.node_level[k]) == (0 if par < 0 else int(b.node_level[par]) + 1)
+    if b.seq_len > n:
+        assert b.node_start[-1] == n and b.node_end[-1] == b.seq_len and b.node_parent[-1] == -1
+
+
+def test_from_tokens_refuses_bad_input():
+    tree = Tree.from_paths([[1, 2, 3], [1, 4]])
+    with pytest.raises(ValueError, match="tokens: expected ascending"):
+        TreeBatch.from_tokens(tree, torch.tensor([2, 1]))
+    with pytest.raises(ValueError, match="tokens: expected ascending"):
+        TreeBatch.from_tokens(tree, torch.tensor([0, 9]))
+    with pytest.raises(ValueError, match=r"weights: expected shape \[2\]"):
+        TreeBatch.from_tokens(tree, torch.tensor([0, 1]), weights=torch.zeros(3, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"weights: expected shape \[4\]"):
+        tree.to_batch(weights=torch.zeros(3, dtype=torch.float64))
+    with pytest.raises(ValueError, match="partition"):
+        TreeBatch.from_tokens(tree, torch.tensor([0, 1])).path_logprobs(torch.zeros(2))
+
+
+def test_to_batch_weights_are_used_as_given():
+    tree = Tree.from_paths([[1, 2, 3], [1, 4]])
+    w = torch.tensor([0.0, 0.5, -2.0, 3.0], dtype=torch.float64)
+    b = tree.to_batch(normalize="token_mean", weights=w, pad_to_multiple=8)
+    assert b.normalize == "token_mean" and torch.equal(b.loss_weight, torch.cat([w, torch.zeros(4, dtype=torch.float64)]))
 
 
 def test_path_logprobs_roundtrip():

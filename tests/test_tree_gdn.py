@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from treecompile import hf_adapters
 from treecompile.ops import gdn, tree_conv, tree_gdn
 from treecompile.tree import Tree
 from tests.strategies import ODD_TREES, path_sets
@@ -136,14 +137,14 @@ def test_hf_shims_equal_plain_kernels():
     q, k = torch.randn(2, 9, Hk, Dk, generator=gen, dtype=F64), torch.randn(2, 9, Hk, Dk, generator=gen, dtype=F64)
     v = torch.randn(2, 9, Hv, Dv, generator=gen, dtype=F64)
     g, beta = -torch.rand(2, 9, Hv, generator=gen, dtype=F64), torch.rand(2, 9, Hv, generator=gen, dtype=F64)
-    o, state = tree_gdn.hf_chunk_gated_delta_rule(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
+    o, state = hf_adapters.hf_chunk_gated_delta_rule(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
     want, _ = gdn.recurrent_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
     assert state is None
     torch.testing.assert_close(o, want, rtol=1e-10, atol=1e-12)
     with pytest.raises(ValueError, match="output_final_state"):
-        tree_gdn.hf_chunk_gated_delta_rule(q, k, v, g=g, beta=beta, output_final_state=True)
+        hf_adapters.hf_chunk_gated_delta_rule(q, k, v, g=g, beta=beta, output_final_state=True)
     x, w = torch.randn(2, C, 9, dtype=F64), torch.randn(C, K, dtype=F64)
-    torch.testing.assert_close(tree_conv.hf_causal_conv1d_fn(x, w, None, activation="silu"),
+    torch.testing.assert_close(hf_adapters.hf_causal_conv1d_fn(x, w, None, activation="silu"),
                                F.silu(F.conv1d(x, w[:, None], None, padding=K - 1, groups=C)[..., :9]))
 
 

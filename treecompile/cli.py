@@ -1,8 +1,10 @@
-"""Command line: ``treecompile {demo, rewrite, inspect, stats, bench}``.
+"""Command line: ``treecompile {demo, rewrite, inspect, stats}``.
 
-Conventions: ``--help`` on every command; exit status 0 (done), 1 (a problem with the user's input or
-environment: one line on stderr naming the file or argument, no traceback), 2 (usage, from argparse);
-outputs are written to a temporary name and renamed, so a failure leaves nothing behind.
+Conventions: ``--help`` on every command (it imports no torch: heavy imports happen inside the
+commands); exit status 0 (done), 1 (a problem with the user's input or environment: one line on
+stderr naming the file, ``file:line``, argument or model construct, no traceback), 2 (usage, from
+argparse); outputs are written to a temporary name and renamed, so a failure leaves nothing behind.
+``bench`` is not here: the harness runs from a source checkout as ``python -m benchmarks.harness``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ class UserError(Exception):
 
 # ---------------------------------------------------------------------------------------------- demo
 def cmd_demo(args) -> int:
+    if args.steps < 0:
+        raise UserError(f"--steps {args.steps}: must be 0 or more training steps")
     from treecompile.demo import run_demo
 
     run_demo(steps=args.steps)
@@ -104,8 +108,10 @@ def load_model(spec: str, *, dtype: str = "float32", seed: int = 0):
     tf_log.set_verbosity_error()  # missing weights are reported below, in one line
     tf_log.disable_progress_bar()
     try:
+        # mismatched shapes are refused below with their names and shapes (transformers' own refusal
+        # points at a report that the silenced logger never printed)
         model, info = transformers.AutoModelForCausalLM.from_pretrained(
-            str(d), dtype=torch_dtype, output_loading_info=True)
+            str(d), dtype=torch_dtype, output_loading_info=True, ignore_mismatched_sizes=True)
     except Exception as e:
         raise UserError(f"{d}: transformers could not load the model ({type(e).__name__}: "
                         f"{str(e).strip().splitlines()[0] if str(e).strip() else ''})") from None
@@ -114,36 +120,113 @@ def load_model(spec: str, *, dtype: str = "float32", seed: int = 0):
         if bars:
             tf_log.enable_progress_bar()
     missing = sorted(info.get("missing_keys") or [])
-    bad = sorted(info.get("mismatched_keys") or [])
-    if missing or bad:  # transformers would initialise these at random: refuse
-        raise UserError(f"{d}: the safetensors lack weights the model needs (missing {missing[:3]}, "
-                        f"mismatched {[k[0] if isinstance(k, tuple) else k for k in bad][:3]})")
+    bad = sorted(info.get("mismatched_keys") or [], key=str)
+    if bad:  # transformers would initialise these at random: refuse
+        shown = "; ".join(f"{k[0]}: file {list(k[1])}, config {list(k[2])}" if isinstance(k, tuple) and len(k) == 3
+                          else str(k) for k in bad[:4])
+        more = f" (and {len(bad) - 4} more)" if len(bad) > 4 else ""
+        raise UserError(f"{d}: {len(bad)} weight(s) in the safetensors do not have the shape config.json "
+                        f"gives: {shown}{more}")
+    if missing:
+        raise UserError(f"{d}: the safetensors lack weights the model needs: {', '.join(missing[:4])}"
+                        + (f" (and {len(missing) - 4} more)" if len(missing) > 4 else ""))
     return model, {"source": str(d.resolve()), "dtype": DTYPES[dtype],
                    "architecture": type(model).__name__}
 
 
 def _check_out(out: Path, overwrite: bool) -> None:
+    """Refuse an --out that could not be written, or whose replacement would lose the user's data.
+
+    ``--out`` is a new directory, an empty one, or (with ``--overwrite``) a previous saved program;
+    never a file, never the current directory or one that contains it (it cannot be renamed away).
+    """
     parent = out.parent if str(out.parent) else Path(".")
+    up = parent
+    while not up.exists() and up != up.parent:
+        up = up.parent
+    if up.exists() and not up.is_dir():
+        raise UserError(f"--out {out}: {up} is a file, not a directory")
     if not parent.is_dir():
         raise UserError(f"--out {out}: parent directory {parent} does not exist")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise UserError(f"--out {out}: parent directory {parent} is not writable")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
-        raise UserError(f"--out {out}: exists and is not empty (use --overwrite to replace it)")
+    if not out.exists() and not out.is_symlink():
+        return
+    if out.is_symlink():
+        raise UserError(f"--out {out}: is a symbolic link; --out must be a new or empty directory")
+    if not out.is_dir():
+        raise UserError(f"--out {out}: is an existing file; --out must be a new or empty directory"
+                        + (" (--overwrite replaces only a saved program directory)" if overwrite else ""))
+    here = Path.cwd().resolve()
+    if out.resolve() == here or out.resolve() in here.parents:
+        raise UserError(f"--out {out}: is the current directory or contains it; choose a new directory")
+    if not any(out.iterdir()):
+        return
+    if not overwrite:
+        raise UserError(f"--out {out}: directory exists and is not empty (use --overwrite to replace a "
+                        f"saved program)")
+    from treecompile import saved
+
+    try:
+        saved.read_manifest(out)
+    except saved.SavedProgramError:
+        raise UserError(f"--out {out}: --overwrite replaces only a directory written by `treecompile "
+                        f"rewrite`, and {out} has no treecompile {saved.MANIFEST}; left as it is") from None
+
+
+def _check_space(out: Path, model) -> None:
+    """Refuse before writing when the weights alone do not fit (torch's archive writer aborts the
+    process on a full disk instead of raising)."""
+    import shutil
+
+    seen, need = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            need += t.numel() * t.element_size()
+    need += 16 << 20  # program.pt2, manifest and file-system slack
+    parent = out.parent if str(out.parent) else Path(".")
+    free = shutil.disk_usage(parent).free
+    if free < need:
+        raise UserError(f"--out {out}: not enough space ({free / 2**20:.0f} MiB free on {parent}, about "
+                        f"{need / 2**20:.0f} MiB needed)")
+
+
+def _write_error(e: Exception) -> str:
+    """The OS reason inside a write failure (safetensors wraps it as ``IoError(Os { ... message: "..." })``)."""
+    import re
+
+    if isinstance(e, OSError):
+        return e.strerror or str(e)
+    m = re.search(r'message: "([^"]*)"', str(e))
+    return m.group(1) if m else (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 def cmd_rewrite(args) -> int:
+    from safetensors import SafetensorError
+
     import treecompile
     from treecompile import saved
+    from treecompile.capture_errors import explain_capture_error, record_guards
+    from treecompile.frontend import CaptureError
 
     out = Path(args.out)
     _check_out(out, args.overwrite)
     model, info = load_model(args.model, dtype=args.dtype, seed=args.seed)
-    tmodel = treecompile.compile(model)
-    try:
+    with record_guards() as guards:  # the model's source line, should torch.export refuse it
+        try:
+            tmodel = treecompile.compile(model)
+        except CaptureError as e:
+            raise UserError(explain_capture_error(e, guards)) from None
+    _check_space(out, model)
+    try:  # saved.save writes a temporary sibling and renames it: a failed write leaves nothing
         saved.save(tmodel, out, manifest_extra=info, overwrite=args.overwrite)
-    except OSError as e:
-        raise UserError(f"--out {out}: cannot write ({e.strerror or e})") from None
+    except (OSError, SafetensorError) as e:
+        raise UserError(f"--out {out}: cannot write ({_write_error(e)})") from None
+    except RuntimeError as e:  # torch's zip writer: "PytorchStreamWriter failed writing file ..."
+        if "PytorchStreamWriter" not in str(e) and "file write failed" not in str(e):
+            raise
+        raise UserError(f"--out {out}: cannot write {saved.PROGRAM} ({_write_error(e)})") from None
     passes = ", ".join(f"{k}={v.count}" for k, v in tmodel.pass_results.items())
     print(f"rewrote {info['source']} ({type(model).__name__}, {info['dtype']}): {passes}")
     print(f"saved to {out}/ ({saved.PROGRAM}, {saved.WEIGHTS}, {saved.MANIFEST}); "
@@ -158,6 +241,9 @@ def cmd_inspect(args) -> int:
     from treecompile import saved
 
     d = Path(args.dir)
+    if d.exists() and not d.is_dir():
+        raise UserError(f"{d}: is a file, not a saved-program directory (DIR is what `treecompile rewrite "
+                        f"--out DIR` wrote)")
     m = saved.verify(d)  # files present, SHA-256 as recorded, the program archive holds data only
     if args.json:
         print(json.dumps(m, indent=2))
@@ -192,158 +278,36 @@ def _modules(paths: list[str], show: int = 2) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- stats
-class Progress:
-    """A tiny stderr progress bar, drawn only when stderr is a terminal and the work is large."""
+def cmd_stats(args) -> int:
+    from treecompile.runtime.data import read_trajectories
+    from treecompile.runtime.stats import stats_table, total_stats, tree_stats
 
-    def __init__(self, total: int, label: str, *, enabled: bool):
-        self.total, self.label, self.enabled = max(total, 1), label, enabled
-        self.last = -1
-
-    def update(self, done: int) -> None:
-        if not self.enabled:
-            return
-        pct = min(100, done * 100 // self.total)
-        if pct != self.last:
-            self.last = pct
-            n = pct * 30 // 100
-            sys.stderr.write(f"\r{self.label} [{'#' * n}{'.' * (30 - n)}] {pct:3d}%")
-            sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.enabled and self.last >= 0:
-            sys.stderr.write("\r" + " " * (len(self.label) + 40) + "\r")
-            sys.stderr.flush()
-
-
-def read_trees(path: Path, *, progress: bool = False) -> dict:
-    """JSONL lines ``{"tree_id" | "group_id": ..., "input_ids": [int, ...]}`` -> {tree id: [paths]}.
-
-    Trees keep the order of their first line; errors name ``file:line``.  (A small reader of its
-    own: the runtime's JSONL loader lives in ``treecompile/runtime/data.py`` once merged.)
-    """
+    if args.budget < 1:
+        raise UserError(f"--budget {args.budget}: must be a positive number of tokens")
+    if args.vocab_size is not None and args.vocab_size < 1:
+        raise UserError(f"--vocab-size {args.vocab_size}: must be a positive number of token ids")
+    path = Path(args.data)
     if not path.exists():
         raise UserError(f"{path}: no such file")
     if not path.is_file():
         raise UserError(f"{path}: not a file")
-    size = path.stat().st_size
-    bar = Progress(size, f"reading {path.name}", enabled=progress and size > (8 << 20))
-    trees: dict = {}
-    done = 0
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            done += len(raw)
-            if lineno % 4096 == 0:
-                bar.update(done)
-            line = raw.strip()
-            if not line:
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                rec = json.loads(line)
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise UserError(f"{where}: invalid JSON ({e})") from None
-            if not isinstance(rec, dict):
-                raise UserError(f"{where}: expected a JSON object, got {type(rec).__name__}")
-            key = "tree_id" if "tree_id" in rec else "group_id" if "group_id" in rec else None
-            if key is None:
-                raise UserError(f"{where}: no \"tree_id\" or \"group_id\"")
-            tid = rec[key]
-            if not isinstance(tid, (str, int)) or isinstance(tid, bool):
-                raise UserError(f"{where}: {key} must be a string or an integer, got {json.dumps(tid)}")
-            ids = rec.get("input_ids")
-            if not isinstance(ids, list) or not ids:
-                raise UserError(f"{where}: \"input_ids\" must be a non-empty list of token ids")
-            if not all(type(t) is int and t >= 0 for t in ids):
-                bad = next(t for t in ids if not (type(t) is int and t >= 0))
-                raise UserError(f"{where}: \"input_ids\" holds {json.dumps(bad)}, not a non-negative integer")
-            trees.setdefault(tid, []).append(ids)
-    bar.close()
-    if not trees:
-        raise UserError(f"{path}: no trajectories")
-    return trees
-
-
-MODES = ("whole", "packed", "redundancy_free")
-
-
-def tree_stats(paths: list[list[int]], budget: int) -> dict:
-    """Paths, path tokens, unique tokens, POR and ERR/partitions per partitioning mode at ``budget``."""
-    from treecompile.runtime.metrics import reuse
-    from treecompile.runtime.partition import pack, partition_redundancy_free
-    from treecompile.tree import Tree
-
-    tree = Tree.from_paths(paths)
-    row = {"paths": tree.num_paths, "path_tokens": tree.num_path_tokens, "unique_tokens": tree.num_tokens,
-           "por": tree.por, "modes": {}}
-    row["modes"]["whole"] = {"computed_tokens": tree.num_tokens, "err": reuse(tree).err, "partitions": 1}
-    longest = int(tree.path_lengths.max())
-    if longest <= budget:
-        plan = pack(tree, budget)
-        r = plan.reuse()
-        row["modes"]["packed"] = {"computed_tokens": r.computed_tokens, "err": r.err, "partitions": len(plan)}
-    else:
-        row["modes"]["packed"] = {"computed_tokens": None, "err": None, "partitions": None,
-                                  "why": f"a path of {longest} tokens exceeds the budget {budget}"}
-    rf = partition_redundancy_free(tree, budget)
-    r = rf.reuse()
-    row["modes"]["redundancy_free"] = {"computed_tokens": r.computed_tokens, "err": r.err, "partitions": len(rf)}
-    return row
-
-
-def total_stats(rows: list[dict]) -> dict:
-    """Token-summed totals (POR/ERR over summed tokens); a mode that some tree cannot run is None."""
-    pt = sum(r["path_tokens"] for r in rows)
-    ut = sum(r["unique_tokens"] for r in rows)
-    tot = {"trees": len(rows), "paths": sum(r["paths"] for r in rows), "path_tokens": pt, "unique_tokens": ut,
-           "por": 1 - ut / pt, "modes": {}}
-    for mode in MODES:
-        ms = [r["modes"][mode] for r in rows]
-        if any(m["computed_tokens"] is None for m in ms):
-            n = sum(m["computed_tokens"] is None for m in ms)
-            tot["modes"][mode] = {"computed_tokens": None, "err": None, "partitions": None,
-                                  "why": f"{n} tree(s) have a path longer than the budget"}
-        else:
-            c = sum(m["computed_tokens"] for m in ms)
-            tot["modes"][mode] = {"computed_tokens": c, "err": 1 - c / pt, "partitions": sum(m["partitions"] for m in ms)}
-    return tot
-
-
-def cmd_stats(args) -> int:
-    from tabulate import tabulate
-
-    if args.budget is not None and args.budget < 1:
-        raise UserError(f"--budget {args.budget}: must be a positive number of tokens")
-    path = Path(args.data)
-    tty = sys.stderr.isatty()
-    trees = read_trees(path, progress=tty)
-    bar = Progress(len(trees), "partitioning", enabled=tty and len(trees) >= 200)
     rows = []
-    for i, (tid, paths) in enumerate(trees.items()):
-        rows.append({"tree_id": tid, **tree_stats(paths, args.budget)})
-        bar.update(i + 1)
-    bar.close()
+    try:  # the reader training uses: what stats accepts, training accepts
+        for t in read_trajectories(path, vocab_size=args.vocab_size, progress=True):
+            rows.append({"tree_id": t.tree_id, **tree_stats(t.tree, args.budget)})
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    except OSError as e:
+        raise UserError(f"{path}: cannot read ({e.strerror or e})") from None
     total = total_stats(rows)
     if args.json:
-        print(json.dumps({"file": str(path), "budget": args.budget, "trees": rows, "total": total}, indent=1))
+        print(json.dumps({"file": str(path), "budget": args.budget, "vocab_size": args.vocab_size,
+                          "trees": rows, "total": total}, indent=1))
         return 0
 
-    def fmt(m, key):
-        v = m[key]
-        return "-" if v is None else f"{v:.4f}" if key == "err" else v
-
-    headers = ["tree", "paths", "path tok", "unique tok", "POR", "bound 1/(1-POR)"]
-    for mode in MODES:
-        headers += [f"ERR {mode}", f"parts {mode}"]
-    table = []
-    for r in rows + [{"tree_id": "TOTAL", **total}]:
-        line = [r["tree_id"], r["paths"], r["path_tokens"], r["unique_tokens"], f"{r['por']:.4f}",
-                f"{1 / (1 - r['por']):.2f}x" if r["por"] < 1 else "inf"]
-        for mode in MODES:
-            line += [fmt(r["modes"][mode], "err"), fmt(r["modes"][mode], "partitions")]
-        table.append(line)
     print(f"{path}: {len(rows)} trees, budget C={args.budget} tokens "
           f"(ERR = 1 - computed/path tokens; totals are token-summed)")
-    print(tabulate(table, headers=headers, tablefmt="github"))
+    print(stats_table(rows, total))
     why = total["modes"]["packed"].get("why")
     if why:
         print(f"packed: {why} (packed partitioning needs every path whole in one partition)")
@@ -351,38 +315,20 @@ def cmd_stats(args) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- bench
-BENCH_HELP = ("usage: treecompile bench [ARGS ...]\n\nRun the benchmark harness (benchmarks/harness.py, "
-              "from a source checkout): every argument is passed to benchmarks.harness.main(argv).\n")
-
-
-def _import_harness():
-    try:
-        from benchmarks import harness
-        return harness
-    except ImportError:
-        pass
-    root = Path(__file__).resolve().parents[1]  # a source checkout: <root>/benchmarks/harness.py
-    if (root / "benchmarks" / "harness.py").is_file():
-        sys.path.insert(0, str(root))
-        try:
-            from benchmarks import harness
-            return harness
-        finally:
-            sys.path.remove(str(root))
-    return None
+# The benchmark harness is not part of the installed package: it lives in a source checkout
+# (benchmarks/harness.py with its baselines, tree generators and FLOP model) and runs as
+# ``python -m benchmarks.harness``.  The CLI used to find it by putting the checkout on sys.path;
+# it now says where it is instead.
+BENCH_MOVED = ("the benchmark harness is not part of the installed command: from a source checkout of "
+               "treecompile run `python -m benchmarks.harness ARGS` (pip install -e '.[bench]' adds "
+               "matplotlib for its plot)")
 
 
 def cmd_bench(args) -> int:
-    harness = _import_harness()
-    argv = list(args.args)
-    if harness is None or not hasattr(harness, "main"):
-        if any(a in ("-h", "--help") for a in argv):
-            print(BENCH_HELP + "\nThe harness is not installed here.")
-            return 0
-        raise UserError("bench: the benchmark harness (benchmarks/harness.py with main(argv)) was not found; "
-                        "run from a source checkout of treecompile")
-    rc = harness.main(argv)
-    return int(rc or 0)
+    if any(a in ("-h", "--help") for a in args.args):
+        print(f"usage: treecompile bench\n\n{BENCH_MOVED[0].upper()}{BENCH_MOVED[1:]}.")
+        return 0
+    raise UserError(BENCH_MOVED)
 
 
 # ---------------------------------------------------------------------------------------------- main
@@ -413,45 +359,69 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_inspect)
 
     p = sub.add_parser("stats", help="per-tree and total paths, tokens, POR and ERR per partitioning mode",
-                       description="Read trajectories (JSONL: one path per line, {\"tree_id\" or \"group_id\", "
-                                   "\"input_ids\": [...]}) and report, per tree and in total, paths, path "
+                       description="Read trajectories with the reader training uses (JSONL, one path per "
+                                   "line: {\"tree_id\": ..., \"input_ids\": [...], ...}; the format is in "
+                                   "treecompile/runtime/data.py) and report, per tree and in total, paths, path "
                                    "tokens, unique tokens, POR, and ERR for each partitioning mode at budget C: "
-                                   "whole (one batch), packed (Tree Packing), redundancy_free.")
+                                   "whole (one batch), packed (Tree Packing), redundancy_free.  A line that "
+                                   "training would refuse is an error naming FILE:LINE.")
     p.add_argument("data", metavar="DATA.jsonl", help="trajectories, one path per line")
     p.add_argument("--budget", type=int, default=8192, metavar="C", help="partition budget in tokens (default 8192)")
+    p.add_argument("--vocab-size", type=int, default=None, metavar="V",
+                   help="refuse token ids >= V (the model's vocabulary size)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_stats)
 
-    p = sub.add_parser("bench", help="run the benchmark harness (arguments are passed through)", add_help=False)
-    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for benchmarks.harness")
+    p = sub.add_parser("bench", help="moved: run `python -m benchmarks.harness` from a source checkout",
+                       add_help=False)
+    p.add_argument("args", nargs=argparse.REMAINDER, help="ignored")
     p.set_defaults(func=cmd_bench)
     return ap
 
 
-def _user_error_types() -> tuple:
+def user_error_message(e: BaseException) -> str | None:
+    """One line for an error that is the user's input or environment; None for a bug (traceback)."""
+    if isinstance(e, UserError):
+        return " ".join(str(e).split())
+    if "torch" not in sys.modules:  # nothing below can have been raised
+        return None
+    from treecompile.capture_errors import explain_capture_error
     from treecompile.frontend import CaptureError
     from treecompile.passes.base import UnsupportedModelError
     from treecompile.saved import SavedProgramError
 
-    return (UserError, CaptureError, UnsupportedModelError, SavedProgramError)
+    if isinstance(e, CaptureError):
+        return explain_capture_error(e)
+    if isinstance(e, (UnsupportedModelError, SavedProgramError)):
+        return " ".join(str(e).split())
+    return None
 
 
 def main(argv=None) -> int:
     ap = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["bench"]:  # everything after `bench` belongs to the harness, options included
+    if argv[:1] == ["bench"]:  # whatever follows `bench` (its old options included) gets the same answer
         args = argparse.Namespace(command="bench", args=argv[1:], func=cmd_bench)
     else:
         args = ap.parse_args(argv)  # usage errors: argparse prints them and exits with 2
     try:
-        return args.func(args)
-    except _user_error_types() as e:
-        msg = " ".join(str(e).split())  # one line
-        print(f"treecompile {args.command}: error: {msg}", file=sys.stderr)
+        rc = args.func(args)
+        sys.stdout.flush()  # a closed pipe (`| head`) shows here, inside the handler below
+        return rc
+    except BrokenPipeError:
+        # the reader went away (`treecompile stats --json | head`): stop quietly, as cat does; stdout
+        # points at devnull so that the interpreter's own flush at exit finds nothing to complain about
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
     except KeyboardInterrupt:
         print(f"treecompile {args.command}: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        msg = user_error_message(e)
+        if msg is None:
+            raise
+        print(f"treecompile {args.command}: error: {msg}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

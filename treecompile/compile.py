@@ -5,35 +5,31 @@ names, so ``tmodel.parameters()`` are ``model.parameters()`` and the state_dict 
 The rewritten graph is the *lifted* exported program: parameters are inputs, looked up on the model
 at every call (so optimizers, ``load_state_dict`` and FSDP's parameter swaps are seen).
 
-Execution is chosen explicitly by device: on CPU the graph runs eagerly (tests, float64
-exactness); on CUDA ``tree_attention`` is lowered to FlexAttention with a BlockMask built from the
-batch, and the graph runs under ``torch.compile`` with sequence lengths padded to buckets so that a
-stream of tree sizes causes a bounded number of recompiles.
+The program and the one way to run it live in ``treecompile/program.py`` (``TreeProgram.run``);
+execution is chosen there by device: on CPU the graph runs eagerly (tests, float64 exactness); on
+CUDA its lowering (``passes/lower_cuda.py``, chosen by typed ``CudaOptions``) runs.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
-import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
 from treecompile.frontend import Captured, capture
 from treecompile.passes import PassContext, run_passes
-from treecompile.passes.base import TREE_INPUTS
+from treecompile.passes.base import TREE_INPUTS, CompileOptions
+from treecompile.passes.lower_cuda import CudaOptions
 from treecompile.passes.pipeline import BOUNDARY_PASSES
-from treecompile.tree import TreeBatch, ancestor_index
+from treecompile.program import TreeProgram, bucket_length
+from treecompile.tree import TreeBatch
 
-__all__ = ["compile", "TreeModel", "TreeOutput", "bucket_length"]
-
-# Gated DeltaNet kernel on CUDA: "fla" (flash-linear-attention, one varlen call per tree level),
-# "reference" (the registered op's torch implementation), "auto" (fla if installed, else reference
-# with a warning).  On CPU the reference always runs.
-GDN_KERNELS = ("auto", "fla", "reference")
+__all__ = ["compile", "TreeModel", "TreeOutput", "bucket_length"]  # bucket_length: from treecompile.program
 
 
 @dataclass
@@ -50,46 +46,42 @@ torch.utils._pytree.register_pytree_node(
     serialized_type_name="treecompile.TreeOutput")
 
 
-def bucket_length(T: int, *, min_bucket: int = 256, steps_per_octave: int = 8) -> int:
-    """Round ``T`` up to a bucket: multiples of 2^(floor(log2 T)) / steps_per_octave (>= min_bucket).
-
-    Padding is below 1/steps_per_octave of T, and lengths up to L fall in about
-    steps_per_octave * log2(L / min_bucket) buckets, one compiled graph each.
-    """
-    if T <= min_bucket:
-        return min_bucket
-    step = max(min_bucket, (1 << (T.bit_length() - 1)) // steps_per_octave)
-    return math.ceil(T / step) * step
-
-
 class TreeModel(nn.Module):
-    """A causal LM rewritten for tree batches: ``out = tmodel(batch)`` -> ``TreeOutput``."""
+    """A causal LM rewritten for tree batches: ``out = tmodel(batch)`` -> ``TreeOutput``.
+
+    ``tmodel.program`` (a :class:`~treecompile.program.TreeProgram`) holds the rewritten graph and
+    runs it; ``program.boundary`` is set for a partition graph (``boundary=True``), which runs only
+    through ``treecompile.runtime.redundancy_free``.
+    """
 
     def __init__(self, model: nn.Module, *, disable: tuple[str, ...] = (), debug: bool = False,
                  logits_chunk: int | None = None, compile_cuda: bool = True, swaps: list | None = None,
                  bucket: bool = True, boundary: bool = False, gdn_kernel: str = "auto",
                  allow_dropout: bool = False):
         super().__init__()
+        options = CudaOptions(compile_cuda=compile_cuda, bucket=bucket, gdn_kernel=gdn_kernel)
         captured: Captured = capture(model, swaps=swaps)
         ep = captured.program
         if ep.graph_signature.buffers_to_mutate:
             raise ValueError(f"{type(model).__name__} mutates buffers in forward "
                              f"({sorted(ep.graph_signature.buffers_to_mutate.values())}); not supported")
         gm = ep.graph_module
-        ctx = PassContext(gm, captured.input_name, {"logits_chunk": logits_chunk, "allow_dropout": allow_dropout})
+        ctx = PassContext(gm, captured.input_name,
+                          CompileOptions(logits_chunk=logits_chunk, allow_dropout=allow_dropout))
         results = run_passes(gm, ctx, disable=disable, debug=debug,
                              passes=BOUNDARY_PASSES if boundary else None)
         tree_inputs = [n.name[len("tree_"):] for n in gm.graph.nodes
                        if n.op == "placeholder" and n.name.startswith("tree_") and n.name[5:] in TREE_INPUTS]
         user_inputs = [s.arg.name for s in ep.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
-        self._bind(model, ep, input_name=captured.input_name, user_inputs=user_inputs, tree_inputs=tree_inputs,
-                   conv_width=ctx.conv_width, pass_results=results, compile_cuda=compile_cuda, bucket=bucket,
-                   gdn_kernel=gdn_kernel)
+        spec = results["expose_boundary"].spec if "expose_boundary" in results else None
+        program = TreeProgram(model, ep, input_name=captured.input_name, user_inputs=user_inputs,
+                              tree_inputs=tree_inputs, conv_width=ctx.conv_width, boundary=spec, options=options)
+        self._bind(model, program, results)
 
     @classmethod
-    def from_program(cls, model: nn.Module, program, *, input_name: str, user_inputs: list[str],
+    def from_program(cls, model: nn.Module, program: ExportedProgram, *, input_name: str, user_inputs: list[str],
                      tree_inputs: list[str], conv_width: int | None, pass_results: dict,
-                     compile_cuda: bool = True, bucket: bool = True, gdn_kernel: str = "auto") -> "TreeModel":
+                     options: CudaOptions = CudaOptions()) -> "TreeModel":
         """A TreeModel around an already rewritten, lifted ``program`` (no capture, no passes).
 
         Used by ``treecompile.load``: ``model`` holds the tensors the program's lifted placeholders
@@ -98,13 +90,12 @@ class TreeModel(nn.Module):
         """
         self = cls.__new__(cls)
         nn.Module.__init__(self)
-        self._bind(model, program, input_name=input_name, user_inputs=user_inputs, tree_inputs=tree_inputs,
-                   conv_width=conv_width, pass_results=pass_results, compile_cuda=compile_cuda, bucket=bucket,
-                   gdn_kernel=gdn_kernel)
+        self._bind(model, TreeProgram(model, program, input_name=input_name, user_inputs=user_inputs,
+                                      tree_inputs=tree_inputs, conv_width=conv_width, options=options),
+                   pass_results)
         return self
 
-    def _bind(self, model, program, *, input_name, user_inputs, tree_inputs, conv_width, pass_results,
-              compile_cuda, bucket, gdn_kernel):
+    def _bind(self, model: nn.Module, program: TreeProgram, pass_results: dict) -> None:
         """Adopt ``model``'s children (shared parameters, unchanged state_dict keys) and hold the program."""
         for name, child in model.named_children():
             self.add_module(name, child)
@@ -113,21 +104,24 @@ class TreeModel(nn.Module):
         for name, b in model.named_buffers(recurse=False):
             self.register_buffer(name, b)
         object.__setattr__(self, "model", model)  # the user's module, not registered twice
-        object.__setattr__(self, "graph_module", program.graph_module)
-        object.__setattr__(self, "exported_program", program)
+        object.__setattr__(self, "program", program)
         self.pass_results = dict(pass_results)
-        self.boundary = self.pass_results["expose_boundary"].info if "expose_boundary" in self.pass_results else None
-        self._lifted = [(s.kind, s.target) for s in program.graph_signature.input_specs
-                        if s.kind != InputKind.USER_INPUT]
-        self._user_inputs, self._input_name = list(user_inputs), input_name
-        self._tree_inputs, self._conv_width = list(tree_inputs), conv_width
-        if gdn_kernel not in GDN_KERNELS:
-            raise ValueError(f"gdn_kernel: expected one of {GDN_KERNELS}, got {gdn_kernel!r}")
-        self._compile_cuda, self._bucket, self._gdn_kernel = compile_cuda, bucket, gdn_kernel
-        self._lifted_by_name = {s.arg.name: (s.kind, s.target) for s in program.graph_signature.input_specs
-                                if s.kind != InputKind.USER_INPUT}
-        self._split_owners: list[str] = []
-        self.vocab_size = input_vocab_size(program.graph_module, input_name, self.pass_results)
+        self.vocab_size = input_vocab_size(program.graph_module, program.input_name, self.pass_results)
+
+    @property
+    def graph_module(self):
+        """The rewritten graph (``program.graph_module``)."""
+        return self.program.graph_module
+
+    @property
+    def exported_program(self) -> ExportedProgram:
+        return self.program.exported_program
+
+    @property
+    def boundary(self):
+        """``program.boundary`` (a ``BoundarySpec``, or None for a default program), read-only; kept for
+        ``runtime/train.py``, which checks ``getattr(tmodel, "boundary", None)``: read ``program.boundary``."""
+        return self.program.boundary
 
     def split_at(self, modules) -> "TreeModel":
         """Run each of ``modules``' part of the graph through that module's own ``__call__``.
@@ -146,25 +140,8 @@ class TreeModel(nn.Module):
             if id(m) not in names or names[id(m)] == "":
                 raise ValueError(f"modules[{i}] ({type(m).__name__}) is not a submodule of the compiled model")
             owners.append(names[id(m)])
-        self._split_owners = owners
-        self.__dict__.pop("_cuda_state", None)
-        # built now: a graph that cannot be split fails here, not at the first step
-        self.__dict__["_cpu_split"] = self.split_graph(self.graph_module) if owners else None
+        self.program.split_at(owners, self._aliases())
         return self
-
-    def split_graph(self, graph_module, wrap=lambda gm: gm) -> "SplitGraph":
-        """``graph_module`` (the rewritten graph or its CUDA lowering) cut at the ``split_at``
-        modules, each segment passed through ``wrap`` (e.g. ``torch.compile``) once."""
-        from treecompile.passes.split_modules import split_by_modules
-
-        lifted_fqn = {name: target for name, (_kind, target) in self._lifted_by_name.items()}
-        segments = split_by_modules(graph_module, self._split_owners, lifted_fqn, self._aliases())
-        nodes = list(graph_module.graph.nodes)
-        (result,) = [n.args[0] for n in nodes if n.op == "output"]
-        return SplitGraph(segments=[(seg, wrap(seg.graph_module)) for seg in segments],
-                          batch_names=[n.name for n in nodes if n.op == "placeholder"
-                                       and n.name not in self._lifted_by_name],
-                          result=[a.name for a in result])
 
     def _aliases(self) -> dict[str, list[str]]:
         """FQN -> the other names of the same tensor in the model (tied weights)."""
@@ -174,107 +151,23 @@ class TreeModel(nn.Module):
             names.setdefault(id(t), []).append(n)
         return {n: [m for m in group if m != n] for group in names.values() if len(group) > 1 for n in group}
 
-    # ------------------------------------------------------------------ running
-    def _lifted_value(self, kind, target):
-        if kind == InputKind.PARAMETER:
-            return self.model.get_parameter(target)
-        if kind == InputKind.BUFFER:
-            return self.model.get_buffer(target)
-        return self.exported_program.constants[target]
-
-    def _lifted_values(self):
-        return [self._lifted_value(kind, target) for kind, target in self._lifted]
-
-    def graph_inputs(self, batch: TreeBatch) -> list:
-        """The flat inputs of the rewritten graph for ``batch`` (parameters first)."""
-        return self._lifted_values() + self.batch_inputs(batch)
-
-    def batch_inputs(self, batch: TreeBatch) -> list:
-        """The graph inputs that come from ``batch`` (after the lifted parameters, in order)."""
-        args = []
-        for name in self._user_inputs:
-            args.append(batch.input_ids[None] if name == self._input_name else None)
-        for name in self._tree_inputs:
-            if name == "conv_index" and batch.conv_index.shape[1] != self._conv_width:
-                args.append(ancestor_index(batch.pred_index, self._conv_width))
-            else:
-                args.append(getattr(batch, name))
-        return args
-
     @property
     def device(self) -> torch.device:
-        p = next(self.model.parameters(), None)
-        return p.device if p is not None else torch.device("cpu")
+        return self.program.device
 
     def forward(self, batch: TreeBatch) -> TreeOutput:
         if not isinstance(batch, TreeBatch):
             raise TypeError(f"TreeModel expects a treecompile.TreeBatch, got {type(batch).__name__}")
-        if self.boundary is not None:
+        if self.program.boundary is not None:
             raise TypeError("this TreeModel was compiled with boundary=True (partition graph); run it through "
                             "treecompile.runtime.redundancy_free.run_redundancy_free")
         batch.check_ids(self.vocab_size)  # an id >= vocab is named here, not as an IndexError in the graph
-        dev = self.device
-        if batch.input_ids.device != dev:
-            batch = batch.to(dev)
-        if dev.type == "cuda":
-            return self._forward_cuda(batch)
-        if self._split_owners:
-            loss, lp = run_segments(self, self.__dict__["_cpu_split"], self.batch_inputs(batch))
-        else:
-            loss, lp = self.graph_module(*self.graph_inputs(batch))
+        loss, lp = self.program.run(batch)
         return TreeOutput(loss=loss, logprobs=lp)
-
-    def _forward_cuda(self, batch: TreeBatch) -> TreeOutput:
-        from treecompile.cuda import run_cuda  # lazily: imports flex / inductor machinery
-
-        return run_cuda(self, batch)
 
     def extra_repr(self) -> str:
         done = ", ".join(f"{k}={v.count}" for k, v in self.pass_results.items())
         return f"passes: {done}"
-
-
-@dataclass
-class SplitGraph:
-    """A graph cut by :meth:`TreeModel.split_graph`, with what running it needs precomputed."""
-
-    segments: list  # [(passes.split_modules.Segment, callable)], in graph order
-    batch_names: list[str]  # the graph's non-lifted placeholders, in order (fed from the batch)
-    result: list[str]  # names of the graph's outputs
-
-
-def run_segments(tmodel: TreeModel, split: SplitGraph, batch_args: list):
-    """Run a split graph: a module's segment through ``module.__call__``, with its lifted values
-    looked up inside the call (after the module's pre-forward hooks, e.g. FSDP2's all-gather)."""
-    if len(split.batch_names) != len(batch_args):
-        raise RuntimeError(f"graph takes {len(split.batch_names)} batch inputs, got {len(batch_args)}")
-    env = dict(zip(split.batch_names, batch_args))
-
-    def lifted(seg):
-        return [tmodel._lifted_value(*tmodel._lifted_by_name[name]) for name in seg.lifted]
-
-    for seg, fn in split.segments:
-        ins = [env[name] for name in seg.inputs]
-        if seg.owner is None:
-            out = fn(*lifted(seg), *ins)
-        else:
-            module = tmodel.model.get_submodule(seg.owner)
-
-            def forward(*args, _seg=seg, _fn=fn):
-                return _fn(*lifted(_seg), *args)
-
-            had = "forward" in module.__dict__
-            saved = module.__dict__.get("forward")
-            module.forward = forward
-            try:
-                out = module(*ins)
-            finally:
-                if had:
-                    module.forward = saved
-                else:
-                    del module.forward
-        env.update(zip(seg.outputs, out))
-    return tuple(env[name] for name in split.result)
 
 
 def input_vocab_size(gm, input_name: str, pass_results: dict) -> int | None:

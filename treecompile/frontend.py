@@ -5,14 +5,14 @@ The model's forward must take ``input_ids [1, T]`` and return logits ``[1, T, V]
 ``use_cache=False`` and, for the duration of the capture only, with ``config._attn_implementation =
 "sdpa"`` so that attention arrives as one SDPA node.  Kernels that cannot be traced as one piece
 (Gated DeltaNet, causal conv, HF MoE experts) are swapped for registered ops during capture by
-``kernel swaps`` (see :func:`kernel_swaps`).  The model object is unchanged
+:func:`kernel_swaps` (the drop-ins live in ``treecompile.hf_adapters``).  The model object is unchanged
 afterwards: its training flag, config and attributes are restored.
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch.export import Dim, ExportedProgram
@@ -53,9 +53,8 @@ def kernel_swaps(model: torch.nn.Module) -> list:
     import sys
     import types
 
+    from treecompile.hf_adapters import hf_causal_conv1d_fn, hf_chunk_gated_delta_rule
     from treecompile.ops.moe import hf_experts_forward, hf_experts_supported
-    from treecompile.ops.tree_conv import hf_causal_conv1d_fn
-    from treecompile.ops.tree_gdn import hf_chunk_gated_delta_rule
 
     swaps, done = [], set()
     for m in model.modules():
@@ -82,9 +81,6 @@ class CaptureError(RuntimeError):
 class Captured:
     program: ExportedProgram
     input_name: str  # the user input placeholder (input_ids)
-    param_targets: list[str]  # FQNs of the lifted parameter/buffer/constant placeholders, in order
-    is_hf: bool
-    swaps: list[str] = field(default_factory=list)
 
 
 def _is_hf(model: torch.nn.Module) -> bool:
@@ -140,10 +136,7 @@ def capture(model: torch.nn.Module, *, example_len: int = 16, max_len: int = 1 <
     sig = ep.graph_signature
     user = [s.arg.name for s in sig.input_specs if s.kind == torch.export.graph_signature.InputKind.USER_INPUT
             and s.arg.name == "input_ids"] or sig.user_inputs[:1]
-    targets = [s.target for s in sig.input_specs
-               if s.kind != torch.export.graph_signature.InputKind.USER_INPUT]
-    return Captured(program=ep, input_name=user[0], param_targets=targets, is_hf=is_hf,
-                    swaps=[repr(s) for s in swaps])
+    return Captured(program=ep, input_name=user[0])
 
 
 def _vocab_size(model) -> int:

@@ -87,19 +87,8 @@ class _Holder(nn.Module):
         object.__setattr__(self, "_tm", tmodel)
 
     def forward(self, input_ids: torch.Tensor, tree: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        tm = self._tm
-        args = []
-        for kind, target in tm._lifted:
-            if kind == InputKind.PARAMETER:
-                args.append(self.get_parameter(target))
-            elif kind == InputKind.BUFFER:
-                args.append(self.get_buffer(target))
-            else:  # lifted constants: closed over, re-lifted by export
-                args.append(tm.exported_program.constants[target])
-        for name in tm._user_inputs:
-            args.append(input_ids if name == tm._input_name else None)
-        args += [tree[name] for name in tm._tree_inputs]
-        return tuple(tm.graph_module(*args))
+        # the program's one runner, on this module's tensors, never the CUDA lowering
+        return self._tm.program.run({"input_ids": input_ids, **tree}, tensors=self, lower=False)
 
 
 def _example(tm) -> tuple[torch.Tensor, dict, dict]:
@@ -109,12 +98,13 @@ def _example(tm) -> tuple[torch.Tensor, dict, dict]:
     tree = Tree.from_paths([[1, 2, 3, 4, 5], [1, 2, 3, 6, 7], [1, 2, 8], [9, 1]])
     b = tree.to_batch()
     dev = tm.device
+    prog = tm.program
     T, N = Dim("T", min=2, max=1 << 24), Dim("N", min=2, max=1 << 24)
     tree_inputs, tree_dyn = {}, {}
-    for name in tm._tree_inputs:
+    for name in prog.tree_inputs:
         v = getattr(b, name)
-        if name == "conv_index" and tm._conv_width is not None and v.shape[1] != tm._conv_width:
-            v = ancestor_index(b.pred_index, tm._conv_width)
+        if name == "conv_index" and prog.conv_width is not None and v.shape[1] != prog.conv_width:
+            v = ancestor_index(b.pred_index, prog.conv_width)
         tree_inputs[name] = v.to(dev)
         tree_dyn[name] = {0: N} if name.startswith("node_") else {0: T}
     assert b.seq_len == 10 and b.num_nodes == 6, "the example must keep T and N apart"
@@ -172,14 +162,14 @@ def _input_table(tm) -> list[dict]:
     from treecompile.passes.base import TREE_INPUTS
 
     rows = [{"name": "input_ids", "dtype": "int64", "shape": ["T"], "batch_field": "input_ids"}]
-    for name in tm._tree_inputs:
+    for name in tm.program.tree_inputs:
         dtype, shape = TREE_INPUTS[name]
         if shape == "T":
             sh = ["T"]
         elif shape == "N":
             sh = ["N"]
         else:
-            sh = ["T", tm._conv_width]
+            sh = ["T", tm.program.conv_width]
         rows.append({"name": f"tree_{name}", "dtype": str(dtype).removeprefix("torch."), "shape": sh,
                      "batch_field": name})
     return rows
@@ -210,11 +200,11 @@ def save(tmodel, directory: str | os.PathLike, *, manifest_extra: dict | None = 
     sig = tmodel.exported_program.graph_signature
     non_persistent = set(sig.non_persistent_buffers if hasattr(sig, "non_persistent_buffers") else ())
     tensors, kinds = {}, {}
-    for kind, target in tmodel._lifted:
-        if kind == InputKind.PARAMETER:
-            tensors[target], kinds[target] = tmodel.model.get_parameter(target), "parameter"
-        elif kind == InputKind.BUFFER:
-            tensors[target], kinds[target] = tmodel.model.get_buffer(target), "buffer"
+    for x in tmodel.program.lifted:
+        if x.kind == InputKind.PARAMETER:
+            tensors[x.target], kinds[x.target] = tmodel.model.get_parameter(x.target), "parameter"
+        elif x.kind == InputKind.BUFFER:
+            tensors[x.target], kinds[x.target] = tmodel.model.get_buffer(x.target), "buffer"
     # tied weights (one tensor under several names, e.g. lm_head.weight = embed_tokens.weight) are
     # stored once, under the first name; the others are recorded as aliases
     first: dict[int, str] = {}
@@ -239,7 +229,7 @@ def save(tmodel, directory: str | os.PathLike, *, manifest_extra: dict | None = 
         raise RuntimeError(f"re-exporting the rewritten graph failed: {type(e).__name__}: "
                            f"{str(e).splitlines()[0] if str(e) else ''}") from e
     phs = [s.arg.name for s in ep.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
-    expected = ["input_ids"] + [f"tree_{n}" for n in tmodel._tree_inputs]
+    expected = ["input_ids"] + [f"tree_{n}" for n in tmodel.program.tree_inputs]
     if phs != expected:  # the loader relies on this order
         raise RuntimeError(f"re-exported program inputs {phs} != expected {expected}")
 
@@ -254,7 +244,7 @@ def save(tmodel, directory: str | os.PathLike, *, manifest_extra: dict | None = 
         "inputs": _input_table(tmodel),
         "outputs": [{"name": "loss", "dtype": "float", "shape": []},
                     {"name": "logprobs", "dtype": "float", "shape": ["T"]}],
-        "conv_width": tmodel._conv_width,
+        "conv_width": tmodel.program.conv_width,
         "tensors": {k: {"kind": kinds[k], "persistent": k not in non_persistent,
                         "dtype": str(v.dtype).removeprefix("torch."), "shape": list(v.shape)}
                     for k, v in weights.items()},
@@ -377,6 +367,7 @@ def load(directory: str | os.PathLike, *, device=None, compile_cuda: bool = True
     import treecompile.ops  # noqa: F401 - registers the tree ops the program calls by name
     from treecompile.compile import TreeModel
     from treecompile.passes.base import PassResult
+    from treecompile.passes.lower_cuda import CudaOptions
 
     d = Path(directory)
     manifest, program = _verified(d)  # hashes match and the archive holds no pickle: torch may read it
@@ -424,9 +415,9 @@ def load(directory: str | os.PathLike, *, device=None, compile_cuda: bool = True
             if isinstance(v, torch.Tensor):
                 ep.constants[k] = v.to(device)
     passes = {k: PassResult(v["count"], v.get("info", {})) for k, v in manifest.get("passes", {}).items()}
+    options = CudaOptions(compile_cuda=compile_cuda, bucket=bucket, gdn_kernel=gdn_kernel)
     tm = TreeModel.from_program(module, ep, input_name="input_ids", user_inputs=["input_ids"],
                                 tree_inputs=[u[len("tree_"):] for u in user[1:]],
-                                conv_width=manifest.get("conv_width"), pass_results=passes,
-                                compile_cuda=compile_cuda, bucket=bucket, gdn_kernel=gdn_kernel)
+                                conv_width=manifest.get("conv_width"), pass_results=passes, options=options)
     object.__setattr__(tm, "manifest", manifest)
     return tm

@@ -29,7 +29,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["Tree", "TreeBatch", "NORMALIZATIONS"]
+__all__ = ["Tree", "TreeBatch", "NORMALIZATIONS", "path_coefficients", "ancestor_index"]
 
 NORMALIZATIONS = ("sum", "path_mean", "token_mean")
 DEFAULT_CONV_KERNEL = 4
@@ -132,10 +132,10 @@ def _walk_sorted(skeys: list[bytes]):
     return lcp_l, len_l, start_l, first_pred, end_pos, cuts, T
 
 
-def _radix_nodes(T: int, cuts: list[int], pred: torch.Tensor):
-    """Radix nodes from the cut points: start, end, per-token node id, parent, level, subtree end."""
-    is_cut = torch.zeros(T, dtype=torch.bool)
-    is_cut[torch.tensor(cuts, dtype=torch.long)] = True
+def _radix_nodes(is_cut: torch.Tensor, pred: torch.Tensor):
+    """Radix nodes from a cut mask ``[T]`` (True where a node starts; True at 0) and the path
+    predecessors: start, end, per-token node id, parent, level, subtree end."""
+    T = is_cut.numel()
     node_start = torch.nonzero(is_cut).flatten()
     Nn = node_start.numel()
     node_end = torch.empty(Nn, dtype=torch.long)
@@ -218,7 +218,9 @@ class Tree:
             raise ValueError(f"path {order[int(torch.nonzero(has_new)[i])]}: token ids must be "
                              f"non-negative integers (found {int(input_ids[t])})")
 
-        node_start, node_end, node_id, node_parent, node_level, node_subtree_end = _radix_nodes(T, cuts, pred)
+        is_cut = torch.zeros(T, dtype=torch.bool)
+        is_cut[torch.tensor(cuts, dtype=torch.long)] = True
+        node_start, node_end, node_id, node_parent, node_level, node_subtree_end = _radix_nodes(is_cut, pred)
 
         rank = torch.empty(P, dtype=torch.long)
         rank[order_t] = torch.arange(P)
@@ -374,19 +376,13 @@ class Tree:
             0, seg, self._loss_mask.to(torch.float64))
 
     def path_coefficients(self, normalize: str) -> torch.Tensor:
-        """Per-path factor that multiplies ``mask * log p`` in the loss of ``normalize``."""
+        """Per-path factor that multiplies ``mask * log p`` in the loss of ``normalize`` (this tree
+        alone; :func:`path_coefficients` is the formula)."""
         if normalize not in NORMALIZATIONS:
             raise ValueError(f"normalize: expected one of {NORMALIZATIONS}, got {normalize!r}")
-        N = self.num_paths
-        c = self.path_weights
-        if normalize == "sum":
-            return c / N
-        counts = self.trained_counts()
-        if normalize == "path_mean":
-            # a path with no trained token contributes nothing (0/0 is taken as 0)
-            return torch.where(counts > 0, c / (N * counts.clamp(min=1)), torch.zeros_like(c))
-        total = counts.sum()
-        return c / total if total > 0 else torch.zeros_like(c)
+        counts = None if normalize == "sum" else self.trained_counts()
+        return path_coefficients(normalize, self.path_weights, num_paths=self.num_paths, trained_counts=counts,
+                                 num_trained=None if counts is None else counts.sum())
 
     def aggregate(self, per_path: torch.Tensor, per_token: torch.Tensor | None = None) -> torch.Tensor:
         """sum over paths p through t of per_path[p] * per_token[p, t], for each unique token t.
@@ -413,43 +409,60 @@ class Tree:
         return self.aggregate(self.path_coefficients(normalize))
 
     # ------------------------------------------------------------------ batch
-    def to_batch(self, *, normalize: str = "sum", pad_to_multiple: int | None = None,
-                 device=None, conv_kernel: int = DEFAULT_CONV_KERNEL) -> "TreeBatch":
-        """DFS-serialised tensors for one forward/backward pass over the whole tree."""
-        if pad_to_multiple is not None and int(pad_to_multiple) < 1:
-            raise ValueError(f"pad_to_multiple: expected a positive integer, got {pad_to_multiple}")
-        batch = TreeBatch(
-            input_ids=self.input_ids,
-            position_ids=self.depth,
-            pred_index=self.pred,
-            loss_weight=self.token_weights(normalize),
-            subtree_end=self.subtree_end,
-            node_id=self.node_id,
-            node_start=self.node_start,
-            node_end=self.node_end,
-            node_parent=self.node_parent,
-            node_level=self.node_level,
-            conv_index=ancestor_index(self.pred, conv_kernel - 1),
-            tree=self,
-            num_tokens=self.num_tokens,
-            num_paths=self.num_paths,
-            normalize=normalize,
-        )
-        if pad_to_multiple is not None:
-            batch = batch.padded(math.ceil(self.num_tokens / pad_to_multiple) * pad_to_multiple)
-        return batch.to(device) if device is not None else batch
+    def to_batch(self, *, normalize: str = "sum", weights: torch.Tensor | None = None,
+                 pad_to_multiple: int | None = None, device=None,
+                 conv_kernel: int = DEFAULT_CONV_KERNEL) -> "TreeBatch":
+        """DFS-serialised tensors for one forward/backward pass over the whole tree.
+
+        ``weights``: the loss weight of every token ``[num_tokens]`` (float64, DFS order), e.g. a
+        step's global normalization; None: :meth:`token_weights` of ``normalize``, which names them.
+        """
+        return TreeBatch.from_tokens(self, None, weights=weights, normalize=normalize,
+                                     pad_to_multiple=pad_to_multiple, device=device, conv_kernel=conv_kernel)
 
 
-def ancestor_index(pred: torch.Tensor, n: int) -> torch.Tensor:
-    """[T, n]: column j is the (j+1)-th preceding token along the path (-1 where none)."""
+def path_coefficients(normalize: str, path_weights: torch.Tensor, *, num_paths: int,
+                      trained_counts: torch.Tensor | None = None, num_trained=None) -> torch.Tensor:
+    """The per-path loss coefficient ``c_p`` (float64 ``[P]``): the one formula every caller uses.
+
+    ``sum``: ``w_p / N``; ``path_mean``: ``w_p / (N * trained_p)`` (0 for a path with no trained
+    token); ``token_mean``: ``w_p / num_trained`` (0 when nothing is trained).  ``num_paths`` (N)
+    and ``num_trained`` count the paths / trained tokens of the whole loss (one tree, or a step of
+    several); ``trained_counts [P]`` are these paths' own counts (needed for ``path_mean``).
+    """
+    if normalize not in NORMALIZATIONS:
+        raise ValueError(f"normalize: expected one of {NORMALIZATIONS}, got {normalize!r}")
+    c = path_weights
+    if normalize == "sum":
+        return c / num_paths
+    if normalize == "path_mean":
+        return torch.where(trained_counts > 0, c / (num_paths * trained_counts.clamp(min=1)), torch.zeros_like(c))
+    return c / num_trained if num_trained > 0 else torch.zeros_like(c)
+
+
+def ancestor_index(pred: torch.Tensor, n: int, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """``[T, n]``: column j is the (j+1)-th preceding token along the path (-1 where none).
+
+    ``rows``: only those tokens' rows (``[len(rows), n]``, indices still into ``pred``).
+    """
     cols = []
-    c = pred
+    c = pred if rows is None else pred[rows]
     for _ in range(n):
         cols.append(c)
         c = torch.where(c >= 0, pred[c.clamp(min=0)], c)
     if not cols:
-        return pred.new_empty((pred.numel(), 0))
+        return pred.new_empty((c.numel(), 0))
     return torch.stack(cols, 1)
+
+
+def _to_local(tokens: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """Whole-tree DFS indices ``g`` (any shape, -1 allowed) -> positions in the ascending ``tokens``,
+    -1 where ``g`` is not one of them."""
+    n = tokens.numel()
+    pos = torch.searchsorted(tokens, g.clamp(min=0))
+    inside = (g >= 0) & (pos < n)
+    inside &= tokens[pos.clamp(max=n - 1)] == g
+    return torch.where(inside, pos, -1)
 
 
 _TENSOR_FIELDS = ("input_ids", "position_ids", "pred_index", "loss_weight", "subtree_end", "node_id",
@@ -467,7 +480,10 @@ class TreeBatch:
     the path, nearest first, -1 where none).  Node tensors ``[num_nodes]``: ``node_start``,
     ``node_end``, ``node_parent`` (-1 for roots), ``node_level``.  Padding tokens carry zero weight,
     position 0, no predecessor, and see only themselves (together they form one extra root node).
-    ``tree`` is the CPU :class:`Tree` that was serialised (path bookkeeping for ``path_logprobs``).
+    ``tree`` is the CPU :class:`Tree` that was serialised (path bookkeeping for ``path_logprobs``);
+    None for a partition (a subset of a tree's tokens, :meth:`from_tokens`), whose ``extras["tokens"]``
+    maps its tokens to the whole tree's DFS indices.  Built by :meth:`from_tokens` (``Tree.to_batch``
+    and the partition planners call it).
     """
 
     input_ids: torch.Tensor
@@ -481,7 +497,7 @@ class TreeBatch:
     node_parent: torch.Tensor
     node_level: torch.Tensor
     conv_index: torch.Tensor
-    tree: Tree  # the (CPU) tree this batch serialises: path bookkeeping lives there
+    tree: Tree | None  # the (CPU) tree this batch serialises (None: a partition); path bookkeeping
     num_tokens: int  # real (unpadded) tokens
     num_paths: int
     normalize: str
@@ -494,6 +510,72 @@ class TreeBatch:
     @property
     def num_nodes(self) -> int:
         return self.node_start.numel()
+
+    @classmethod
+    def from_tokens(cls, tree: Tree, tokens: torch.Tensor | None, *, weights: torch.Tensor | None = None,
+                    normalize: str = "sum", conv_kernel: int = DEFAULT_CONV_KERNEL,
+                    pad_to_multiple: int | None = None, device=None, num_paths: int | None = None,
+                    node_ends: torch.Tensor | None = None) -> "TreeBatch":
+        """The one batch builder: ``tree`` restricted to ``tokens`` (whole-tree DFS indices, ascending;
+        None: every token), serialised in the whole tree's DFS order.
+
+        ``weights``: loss weight per batch token ``[len(tokens)]`` (float64); None: the tree's
+        :meth:`Tree.token_weights` of ``normalize`` on those tokens.  ``normalize`` names what the
+        weights are.  For a subset, links that leave it are cut: ``pred_index``/``conv_index`` are -1
+        where the path predecessor lies outside (the caller feeds that context, e.g. a redundancy-free
+        boundary); radix nodes are the subset's own (a node runs along a path while each token has
+        exactly one child in the subset: a prefix-closed subset gets the nodes of the tree of its
+        paths), and also end after every whole-tree token in ``node_ends`` (e.g. where a later
+        partition starts from the recurrent state); ``tree`` is None (the batch is not a set of
+        whole paths; ``extras["tokens"]`` maps back) and ``num_paths`` is the caller's count.
+        Padding: :meth:`padded`.
+        """
+        if pad_to_multiple is not None and (isinstance(pad_to_multiple, bool) or int(pad_to_multiple) < 1):
+            raise ValueError(f"pad_to_multiple: expected a positive integer, got {pad_to_multiple}")
+        if tokens is not None and (tokens.dim() != 1 or tokens.numel() == 0 or tokens.dtype != torch.long
+                                   or bool((tokens[1:] <= tokens[:-1]).any()) or int(tokens[0]) < 0
+                                   or int(tokens[-1]) >= tree.num_tokens):
+            raise ValueError("tokens: expected ascending, distinct whole-tree DFS indices (int64, at least one)")
+        if weights is None:
+            weights = tree.token_weights(normalize)
+            if tokens is not None:
+                weights = weights[tokens]
+        elif normalize not in NORMALIZATIONS:
+            raise ValueError(f"normalize: expected one of {NORMALIZATIONS}, got {normalize!r}")
+        n = tree.num_tokens if tokens is None else tokens.numel()
+        weights = torch.as_tensor(weights, dtype=torch.float64)
+        if weights.dim() != 1 or weights.numel() != n:
+            raise ValueError(f"weights: expected shape [{n}] (one per batch token), got {tuple(weights.shape)}")
+        if tokens is None:
+            batch = cls(input_ids=tree.input_ids, position_ids=tree.depth, pred_index=tree.pred, loss_weight=weights,
+                        subtree_end=tree.subtree_end, node_id=tree.node_id, node_start=tree.node_start,
+                        node_end=tree.node_end, node_parent=tree.node_parent, node_level=tree.node_level,
+                        conv_index=ancestor_index(tree.pred, conv_kernel - 1), tree=tree, num_tokens=n,
+                        num_paths=tree.num_paths if num_paths is None else num_paths, normalize=normalize)
+        else:
+            tok = tokens
+            pred = _to_local(tok, tree.pred[tok])
+            ar = torch.arange(n, dtype=torch.long)
+            # radix nodes of the subset: token j continues j-1's node iff j-1 is its predecessor, has no
+            # other child in the subset, and is not in node_ends
+            children = torch.zeros(n + 1, dtype=torch.long).index_add_(0, pred + 1, torch.ones_like(pred))[1:]
+            keep_end = torch.zeros(n, dtype=torch.bool)
+            if node_ends is not None:
+                e = _to_local(tok, torch.as_tensor(node_ends, dtype=torch.long).flatten())
+                keep_end[e[e >= 0]] = True
+            prev = (ar - 1).clamp(min=0)
+            is_cut = (pred < 0) | (pred != ar - 1) | (children[prev] != 1) | keep_end[prev]
+            node_start, node_end, node_id, node_parent, node_level, _ = _radix_nodes(is_cut, pred)
+            batch = cls(input_ids=tree.input_ids[tok], position_ids=tree.depth[tok], pred_index=pred,
+                        loss_weight=weights, subtree_end=torch.searchsorted(tok, tree.subtree_end[tok]),
+                        node_id=node_id, node_start=node_start, node_end=node_end, node_parent=node_parent,
+                        node_level=node_level,
+                        conv_index=_to_local(tok, ancestor_index(tree.pred, conv_kernel - 1, rows=tok)),
+                        tree=None, num_tokens=n, num_paths=0 if num_paths is None else num_paths,
+                        normalize=normalize, extras={"tokens": tok})
+        if pad_to_multiple is not None:
+            batch = batch.padded(math.ceil(n / pad_to_multiple) * pad_to_multiple)
+        return batch.to(device) if device is not None else batch
 
     def padded(self, length: int) -> "TreeBatch":
         """This batch with padding tokens appended up to ``length`` tokens.
@@ -558,6 +640,9 @@ class TreeBatch:
 
     def path_logprobs(self, logprobs: torch.Tensor) -> list[torch.Tensor]:
         """Per-token DFS tensor ``[T]`` -> one tensor per path (path order); differentiable."""
+        if self.tree is None:
+            raise ValueError("path_logprobs: this batch is a partition (no tree of whole paths); map "
+                             "extras['tokens'] into the whole tree's DFS order instead")
         if logprobs.dim() != 1 or logprobs.numel() != self.seq_len:
             raise ValueError(f"logprobs: expected shape [{self.seq_len}], got {tuple(logprobs.shape)}")
         idx = self.tree.path_index.to(logprobs.device)

@@ -2,11 +2,13 @@
 
 Importing this package registers every op (``treecompile::tree_attention``, ``::linear_logprobs``,
 ``::gather_logprobs``, ``::tree_gated_delta_rule``, ``::tree_causal_conv1d``, ``::moe_experts`` and
-the partition-boundary variants), so that saved programs that name them load.  The CUDA attention
+the partition-boundary variants ``::tree_attention_boundary``, ``::tree_gated_delta_rule_boundary``,
+``::tree_causal_conv1d_boundary``), so that saved programs that name them load.  The CUDA attention
 path (``flex_tree_attention``) is imported only where it is used.
 """
 
-from treecompile.ops import moe, tree_attention_past, tree_conv, tree_gdn, tree_recurrent_past  # noqa: F401
+from treecompile.ops import (  # noqa: F401
+    moe, tree_attention_boundary, tree_conv, tree_conv_boundary, tree_gdn, tree_gdn_boundary)
 from treecompile.ops.logprobs import gather_logprobs, linear_logprobs
 from treecompile.ops.tree_attention import tree_attention, tree_attention_reference, tree_mask
 

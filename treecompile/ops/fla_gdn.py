@@ -9,7 +9,7 @@ per level forward and one per level backward.  The parents' final states are gat
 gradients for initial states and takes them for final states) carries gradients to every ancestor.
 
 This is a plain differentiable function, not a registered op: fla's kernels are autograd Functions,
-which a registered op's implementation cannot call with autograd.  ``treecompile.cuda`` calls it in
+which a registered op's implementation cannot call with autograd.  ``passes.lower_cuda`` calls it in
 place of the registered op when the GDN kernel is ``"fla"``.  fla is imported lazily, never at import.
 """
 

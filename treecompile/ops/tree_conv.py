@@ -10,7 +10,8 @@ Layout mirrors HF's ``causal_conv1d_fn``: ``x [B, C, T]``, ``weight [C, K]``, ``
 ``activation`` None or ``"silu"``/``"swish"``; returns ``[B, C, T]`` in x's dtype.  With B > 1 the
 batch rows share ``conv_index`` (each row is the same tree).  ``out[t] = bias + w[:, K-1] x[t] +
 sum_j w[:, K-2-j] x[conv_index[t, j]]``.  The backward is plain gathers and scatter-adds (traceable).
-Registered at import.  :func:`hf_causal_conv1d_fn` is the capture drop-in for HF's function.
+Registered at import.  HF's ``causal_conv1d_fn`` is swapped for it during capture by
+``treecompile.hf_adapters``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["tree_causal_conv1d", "chain_conv_index", "hf_causal_conv1d_fn", "ACTIVATIONS"]
+__all__ = ["tree_causal_conv1d", "chain_conv_index", "ACTIVATIONS"]
 
 ACTIVATIONS = (None, "silu", "swish")
 
@@ -111,15 +112,3 @@ def _backward(ctx, grad):
 
 
 tree_causal_conv1d.register_autograd(_backward, setup_context=_setup_context)
-
-
-def hf_causal_conv1d_fn(hidden_states: Tensor, weight: Tensor, bias: Tensor | None = None,
-                        activation: str | None = None, **kwargs) -> Tensor:
-    """Drop-in for HF's ``causal_conv1d_fn`` (same signature): the tree op on a plain sequence, so
-    that the conv pass only re-points ``conv_index`` at the batch's.  ``seq_idx`` (packed sequences)
-    is refused."""
-    if kwargs.get("seq_idx") is not None:
-        raise ValueError("hf_causal_conv1d_fn: seq_idx (packed sequences) is not supported")
-    T = hidden_states.shape[-1]
-    return tree_causal_conv1d(hidden_states, weight, bias, chain_conv_index(T, weight.shape[1],
-                                                                            hidden_states.device), activation)

@@ -16,14 +16,14 @@ The implementation is the reference of :mod:`treecompile.ops.gdn` (chunked forwa
 reverse-mode backward registered as ``treecompile::tree_gated_delta_rule_backward``); it runs on any
 device torch runs on.  Ops are registered at import.
 
-Capture helpers: :func:`hf_chunk_gated_delta_rule` has the signature of HF's
-``torch_chunk_gated_delta_rule`` and runs the tree op on a one-node-per-sequence "tree", so that a
-captured graph holds one ``tree_gated_delta_rule`` node per GDN layer whose node inputs the GDN pass
-re-points at the batch's ``node_*`` tensors.
+The level sweeps (:func:`sweep_forward`, :func:`backward_sweep` on a :class:`SweepInputs`) are shared
+with the boundary variant (``tree_gdn_boundary``).  HF's ``torch_chunk_gated_delta_rule`` is swapped
+for this op during capture by ``treecompile.hf_adapters``.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -31,7 +31,8 @@ from torch import Tensor
 
 from . import gdn
 
-__all__ = ["tree_gated_delta_rule", "sequence_nodes", "hf_chunk_gated_delta_rule", "level_schedule"]
+__all__ = ["tree_gated_delta_rule", "sequence_nodes", "level_schedule", "check_inputs", "SweepInputs",
+           "sweep_inputs", "sweep_forward", "backward_sweep"]
 
 
 def sequence_nodes(batch: int, seq_len, device=None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -41,7 +42,7 @@ def sequence_nodes(batch: int, seq_len, device=None) -> tuple[Tensor, Tensor, Te
         torch.zeros(batch, dtype=torch.long, device=device)
 
 
-def _check(q, k, v, g, beta, node_start, node_end, node_parent, node_level, initial_state):
+def check_inputs(q, k, v, g, beta, node_start, node_end, node_parent, node_level, initial_state):
     if q.dim() != 4 or q.shape[0] != 1 or k.shape != q.shape:
         raise ValueError(f"q, k: expected equal shapes [1, T, Hk, Dk], got {tuple(q.shape)} and {tuple(k.shape)}")
     T = q.shape[1]
@@ -91,35 +92,65 @@ def _segments(nodes, node_start, node_end, chunk_size):
     return gdn.pad_segments(ends - starts, starts)
 
 
-def _forward(qs, ks, vs, gs, bs, node_start, node_end, node_parent, levels, h0, chunk_size):
-    """Level sweep on prepared tensors ([T, H, D] etc.).
+@dataclass
+class SweepInputs:
+    """One tree GDN call, prepared for the level sweeps (:func:`sweep_inputs`)."""
+
+    q: Tensor  # the op's inputs as given: q, k [1, T, Hk, Dk], v [1, T, Hv, Dv], g, beta [1, T, Hv]
+    k: Tensor
+    v: Tensor
+    g: Tensor
+    beta: Tensor
+    qs: Tensor  # prepared in the compute dtype: qs, ks [T, Hv, Dk] (scaled, heads repeated, l2-normed)
+    ks: Tensor
+    vs: Tensor  # [T, Hv, Dv]
+    gs: Tensor  # [T, Hv]
+    bs: Tensor  # [T, Hv]
+    h0: Optional[Tensor]  # [Hv, Dk, Dv] roots' initial state, or None (zeros)
+    node_start: Tensor  # [N] int64
+    node_end: Tensor
+    node_parent: Tensor
+    levels: list[Tensor]  # node indices per level (level_schedule)
+    chunk_size: int
+    scale: Optional[float]
+    use_qk_l2norm_in_kernel: bool
+
+
+def sweep_inputs(q, k, v, g, beta, node_start, node_end, node_parent, node_level, initial_state, *,
+                 scale, use_qk_l2norm_in_kernel, chunk_size) -> SweepInputs:
+    """Check nothing (see :func:`check_inputs`); schedule the levels and prepare the tensors."""
+    levels = level_schedule(node_start, node_end, node_parent, node_level, v.shape[1])
+    ct = gdn._compute_dtype(v.dtype)
+    qs, ks = gdn.prepare_qk(q[0].to(ct), k[0].to(ct), v.shape[2], scale=scale,
+                            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    h0 = None if initial_state is None else initial_state.to(ct)
+    return SweepInputs(q=q, k=k, v=v, g=g, beta=beta, qs=qs, ks=ks, vs=v[0].to(ct), gs=g[0].to(ct),
+                       bs=beta[0].to(ct), h0=h0, node_start=node_start, node_end=node_end, node_parent=node_parent,
+                       levels=levels, chunk_size=chunk_size, scale=scale,
+                       use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+
+
+def sweep_forward(s: SweepInputs) -> tuple[Tensor, Tensor, Tensor]:
+    """Level sweep, parents first.
     Returns (o [T, H, Dv], node initial states [Nn, H, Dk, Dv], node final states [Nn, H, Dk, Dv])."""
-    T, H, Dk = ks.shape
-    Dv = vs.shape[-1]
-    Nn = node_start.numel()
+    qs = s.qs
+    T, H, Dk = s.ks.shape
+    Dv = s.vs.shape[-1]
+    Nn = s.node_start.numel()
     final = qs.new_zeros(Nn, H, Dk, Dv)
     inits = qs.new_zeros(Nn, H, Dk, Dv)
     o = qs.new_zeros(T, H, Dv)
-    root = qs.new_zeros(H, Dk, Dv) if h0 is None else h0
-    for nodes in levels:
-        par = node_parent[nodes]
+    root = qs.new_zeros(H, Dk, Dv) if s.h0 is None else s.h0
+    for nodes in s.levels:
+        par = s.node_parent[nodes]
         init = torch.where((par >= 0)[:, None, None, None], final[par.clamp(min=0)], root)
-        index, valid = _segments(nodes, node_start, node_end, chunk_size)
-        segs = [gdn._to_segments(x, index, valid) for x in (qs, ks, vs, gs, bs)]
-        o_seg, hT = gdn.core_forward_chunked(*segs, init, chunk_size)
+        index, valid = _segments(nodes, s.node_start, s.node_end, s.chunk_size)
+        segs = [gdn._to_segments(x, index, valid) for x in (qs, s.ks, s.vs, s.gs, s.bs)]
+        o_seg, hT = gdn.core_forward_chunked(*segs, init, s.chunk_size)
         o[index[valid]] = o_seg[valid]
         final[nodes] = hT
         inits[nodes] = init
     return o, inits, final
-
-
-def _prepare(q, k, v, g, beta, initial_state, scale, use_qk_l2norm_in_kernel):
-    ct = gdn._compute_dtype(v.dtype)
-    Hv = v.shape[2]
-    qs, ks = gdn.prepare_qk(q[0].to(ct), k[0].to(ct), Hv, scale=scale,
-                            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
-    h0 = None if initial_state is None else initial_state.to(ct)
-    return qs, ks, v[0].to(ct), g[0].to(ct), beta[0].to(ct), h0
 
 
 @torch.library.custom_op("treecompile::tree_gated_delta_rule", mutates_args=())
@@ -128,10 +159,10 @@ def tree_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tens
                           initial_state: Optional[Tensor] = None, *, scale: Optional[float] = None,
                           use_qk_l2norm_in_kernel: bool = False, chunk_size: int = 64) -> Tensor:
     """Gated delta rule over a DFS tree (see module docstring). Returns ``o [1, T, Hv, Dv]``."""
-    _check(q, k, v, g, beta, node_start, node_end, node_parent, node_level, initial_state)
-    levels = level_schedule(node_start, node_end, node_parent, node_level, q.shape[1])
-    qs, ks, vs, gs, bs, h0 = _prepare(q, k, v, g, beta, initial_state, scale, use_qk_l2norm_in_kernel)
-    o, _, _ = _forward(qs, ks, vs, gs, bs, node_start, node_end, node_parent, levels, h0, chunk_size)
+    check_inputs(q, k, v, g, beta, node_start, node_end, node_parent, node_level, initial_state)
+    s = sweep_inputs(q, k, v, g, beta, node_start, node_end, node_parent, node_level, initial_state, scale=scale,
+                     use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, chunk_size=chunk_size)
+    o, _, _ = sweep_forward(s)
     return o[None].to(v.dtype).contiguous()  # the fake impl promises a contiguous result
 
 
@@ -141,45 +172,46 @@ def _(q, k, v, g, beta, node_start, node_end, node_parent, node_level, initial_s
     return v.new_empty(v.shape)
 
 
-def backward_sweep(grad_o, q, k, v, g, beta, qs, ks, vs, gs, bs, inits, dfinal, node_start, node_end, node_parent,
-                   levels, chunk_size, scale, use_qk_l2norm_in_kernel):
+def backward_sweep(s: SweepInputs, grad_o: Tensor, *, inits: Tensor, dfinal: Tensor):
     """The reverse level sweep shared by the tree GDN backward ops.
 
-    ``qs..bs``/``inits`` come from ``_prepare``/``_forward``; ``dfinal [N, Hv, Dk, Dv]`` holds the
-    final-state gradients already known (zeros, or what later partitions sent back) and is updated in
-    place.  Deepest level first; a node's initial-state gradient is added to its parent's final-state
-    gradient (roots: to the returned ``dh0``).  Returns ``(dq, dk, dv, dg, dbeta)`` in the input dtypes
-    and ``dh0`` in the compute dtype.
+    ``inits`` come from :func:`sweep_forward`; ``dfinal [N, Hv, Dk, Dv]`` holds the final-state
+    gradients already known (zeros, or what later partitions sent back) and is updated in place.
+    Deepest level first; a node's initial-state gradient is added to its parent's final-state
+    gradient (roots: to the returned ``dh0``).  Returns ``(dq, dk, dv, dg, dbeta)`` in the input
+    dtypes and ``dh0`` in the compute dtype.
     """
+    q, k, v = s.q, s.k, s.v
+    qs = s.qs
     T, Hv, Dv = v.shape[1:]
     Hk, Dk = q.shape[2:]
     do = grad_o[0].to(qs.dtype)
     dh0 = qs.new_zeros(Hv, Dk, Dv)
-    dqs, dks, dvs, dgs, dbs = (torch.zeros_like(x) for x in (qs, ks, vs, gs, bs))
-    for nodes in reversed(levels):
-        index, valid = _segments(nodes, node_start, node_end, chunk_size)
-        segs = [gdn._to_segments(x, index, valid) for x in (qs, ks, vs, gs, bs, do)]
-        grads = gdn.core_backward(*segs[:5], inits[nodes], segs[5], dfinal[nodes], chunk_size)
+    dqs, dks, dvs, dgs, dbs = (torch.zeros_like(x) for x in (qs, s.ks, s.vs, s.gs, s.bs))
+    for nodes in reversed(s.levels):
+        index, valid = _segments(nodes, s.node_start, s.node_end, s.chunk_size)
+        segs = [gdn._to_segments(x, index, valid) for x in (qs, s.ks, s.vs, s.gs, s.bs, do)]
+        grads = gdn.core_backward(*segs[:5], inits[nodes], segs[5], dfinal[nodes], s.chunk_size)
         tok = index[valid]
         for acc, gr in zip((dqs, dks, dvs, dgs, dbs), grads[:5]):
             acc[tok] = gr[valid]
         d_init = grads[5]
-        par = node_parent[nodes]
+        par = s.node_parent[nodes]
         is_child = par >= 0
         dfinal.index_add_(0, par[is_child], d_init[is_child])
         dh0 = dh0 + d_init[~is_child].sum(0)
     # undo prepare_qk: scale, head repeat, l2norm
-    s = Dk ** -0.5 if scale is None else scale
-    dqs = dqs * s
+    scale = Dk ** -0.5 if s.scale is None else s.scale
+    dqs = dqs * scale
     if Hv != Hk:
         dqs = dqs.reshape(T, Hk, Hv // Hk, Dk).sum(2)
         dks = dks.reshape(T, Hk, Hv // Hk, Dk).sum(2)
-    if use_qk_l2norm_in_kernel:
+    if s.use_qk_l2norm_in_kernel:
         ct = qs.dtype
         dqs = gdn.l2norm_backward(q[0].to(ct), dqs)
         dks = gdn.l2norm_backward(k[0].to(ct), dks)
-    return (dqs[None].to(q.dtype), dks[None].to(k.dtype), dvs[None].to(v.dtype), dgs[None].to(g.dtype),
-            dbs[None].to(beta.dtype), dh0)
+    return (dqs[None].to(q.dtype), dks[None].to(k.dtype), dvs[None].to(v.dtype), dgs[None].to(s.g.dtype),
+            dbs[None].to(s.beta.dtype), dh0)
 
 
 @torch.library.custom_op("treecompile::tree_gated_delta_rule_backward", mutates_args=())
@@ -193,12 +225,10 @@ def tree_gated_delta_rule_backward(
     Reverse level sweep: the deepest level first; a node's initial-state gradient is added to its
     parent's final-state gradient (roots: to ``d_initial_state``, zeros when there is none).
     """
-    levels = level_schedule(node_start, node_end, node_parent, node_level, v.shape[1])
-    qs, ks, vs, gs, bs, h0 = _prepare(q, k, v, g, beta, initial_state, scale, use_qk_l2norm_in_kernel)
-    _, inits, _ = _forward(qs, ks, vs, gs, bs, node_start, node_end, node_parent, levels, h0, chunk_size)
-    dq, dk, dv, dg, dbeta, dh0 = backward_sweep(grad_o, q, k, v, g, beta, qs, ks, vs, gs, bs, inits,
-                                                 torch.zeros_like(inits), node_start, node_end, node_parent,
-                                                 levels, chunk_size, scale, use_qk_l2norm_in_kernel)
+    s = sweep_inputs(q, k, v, g, beta, node_start, node_end, node_parent, node_level, initial_state, scale=scale,
+                     use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, chunk_size=chunk_size)
+    _, inits, _ = sweep_forward(s)
+    dq, dk, dv, dg, dbeta, dh0 = backward_sweep(s, grad_o, inits=inits, dfinal=torch.zeros_like(inits))
     dh0 = dh0 if initial_state is None else dh0.to(initial_state.dtype)
     # contiguous, as the fake impl promises (inductor checks sizes and strides)
     return tuple(t.contiguous() for t in (dq, dk, dv, dg, dbeta, dh0))
@@ -227,24 +257,3 @@ def _backward(ctx, grad_o):
 
 
 tree_gated_delta_rule.register_autograd(_backward, setup_context=_setup_context)
-
-
-def hf_chunk_gated_delta_rule(query, key, value, g, beta, chunk_size: int = 64, initial_state=None,
-                              output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
-                              cu_seqlens=None, **kwargs):
-    """Drop-in for HF's ``torch_chunk_gated_delta_rule`` (same signature and ``(o, state)`` return):
-    each batch row is one root node of the tree op.  Training capture only: ``output_final_state``,
-    ``cu_seqlens`` and a batched ``initial_state`` are refused."""
-    if output_final_state:
-        raise ValueError("hf_chunk_gated_delta_rule: output_final_state=True is not supported (capture with "
-                         "use_cache=False)")
-    if cu_seqlens is not None:
-        raise ValueError("hf_chunk_gated_delta_rule: cu_seqlens (packed sequences) is not supported")
-    B, T = query.shape[:2]
-    if initial_state is not None and initial_state.shape[0] != 1:
-        raise ValueError(f"hf_chunk_gated_delta_rule: initial_state must have batch 1, got {tuple(initial_state.shape)}")
-    nodes = sequence_nodes(B, T, device=query.device)
-    flat = [x.reshape((1, B * T) + tuple(x.shape[2:])) for x in (query, key, value, g, beta)]
-    o = tree_gated_delta_rule(*flat, *nodes, None if initial_state is None else initial_state[0],
-                              use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, chunk_size=chunk_size)
-    return o.reshape(value.shape), None

@@ -14,7 +14,7 @@ import torch
 from torch import fx
 from torch._guards import detect_fake_mode
 
-__all__ = ["PassContext", "PassResult", "UnsupportedModelError", "remove_dead_code", "where"]
+__all__ = ["CompileOptions", "PassContext", "PassResult", "UnsupportedModelError", "remove_dead_code", "where"]
 
 _METADATA_ASSERTS = {torch.ops.aten._assert_tensor_metadata.default}
 
@@ -78,16 +78,32 @@ def where(node: fx.Node) -> str:
 @dataclass
 class PassResult:
     count: int  # sites rewritten; 0 means the graph is unchanged
-    info: dict = field(default_factory=dict)
+    info: dict = field(default_factory=dict)  # what changed, for logs and the saved manifest
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """Options the passes read (``treecompile.compile`` documents them).
+
+    logits_chunk: rows of logits per chunk in the fused loss (None: ~256 MiB of float32).
+    allow_dropout: accept active dropout (``check_dropout``).
+    """
+
+    logits_chunk: int | None = None
+    allow_dropout: bool = False
+
+    def get(self, name: str, default=None):
+        """Read an option by name: kept for ``rewrite_loss`` until it reads ``ctx.options.logits_chunk``."""
+        return getattr(self, name, default)
 
 
 class PassContext:
     """Shared state of one pipeline run over one captured graph."""
 
-    def __init__(self, gm: fx.GraphModule, input_name: str, options: dict | None = None):
+    def __init__(self, gm: fx.GraphModule, input_name: str, options: CompileOptions = CompileOptions()):
         self.gm = gm
         self.graph = gm.graph
-        self.options = dict(options or {})
+        self.options = options
         phs = [n for n in self.graph.nodes if n.op == "placeholder"]
         self.input_node = next(n for n in phs if n.name == input_name)
         self.fake_mode = detect_fake_mode([n.meta.get("val") for n in phs if "val" in n.meta])

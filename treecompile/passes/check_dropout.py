@@ -32,7 +32,7 @@ def check_dropout(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             p, train = _active(node)
             if p > 0 and train:
                 active.append((node, p))
-    if active and not ctx.options.get("allow_dropout"):
+    if active and not ctx.options.allow_dropout:
         node, p = active[0]
         raise UnsupportedModelError(
             f"{where(node)}: dropout p={p} is active ({len(active)} site(s)); on a tree a shared token draws one "

@@ -2,53 +2,78 @@
 
 Enabled by ``treecompile.compile(model, boundary=True)``; runs after the default pipeline.  A
 partition of a redundancy-free plan (``treecompile.runtime.partition.partition_redundancy_free``)
-holds some tokens of the tree; the tokens it attends to but does not hold (the *boundary*: the
-root-to-hang chain) were computed by earlier partitions.  The rewritten graph then
+holds some tokens of the tree; the tokens it attends to but does not hold (its *boundary*: the
+tokens from the root down to the token it hangs below, ``plan.partitions[i].hang``) were computed by
+earlier partitions.  The rewritten graph then
 
-- takes, per attention layer, ``past_k [1, Hkv, B, D]`` / ``past_v [1, Hkv, B, Dv]`` (the boundary's
-  keys and values exactly as the attention consumed them: after projections, norms and RoPE), and
-  one ``past_visible [T]`` (token q sees boundary entries ``j < past_visible[q]``);
-  ``tree_attention`` becomes ``treecompile::tree_attention_past``; it returns the layer's own
+- takes, per attention layer, ``boundary_k [1, Hkv, B, D]`` / ``boundary_v [1, Hkv, B, Dv]`` (the
+  boundary's keys and values exactly as the attention consumed them: after projections, norms and
+  RoPE), and one ``boundary_visible [T]`` (token q sees boundary entries ``j < boundary_visible[q]``);
+  ``tree_attention`` becomes ``treecompile::tree_attention_boundary``; it returns the layer's own
   ``k`` and ``v`` ``[1, Hkv, T, D]`` so that later partitions can read theirs;
 - per Gated DeltaNet layer takes ``initial_state [Hv, Dk, Dv]`` (the recurrent state after the hang
   token; every local root node starts from it) and returns ``final[state_nodes]`` for one shared
   input ``state_nodes [E]`` (the local nodes ending at a token that later partitions hang below):
-  ``tree_gated_delta_rule`` becomes ``treecompile::tree_gated_delta_rule_states``;
-- per causal conv takes ``past_x [1, C, P]`` (conv inputs of the boundary tokens inside the
+  ``tree_gated_delta_rule`` becomes ``treecompile::tree_gated_delta_rule_boundary``;
+- per causal conv takes ``boundary_x [1, C, P]`` (conv inputs of the boundary tokens inside the
   kernel's reach) and returns its input ``x [1, C, T]``; ``conv_index`` entries ``T + r`` read
-  ``past_x[..., r]`` (``treecompile::tree_causal_conv1d_past``);
-- for the loss takes ``past_hidden [Ph, D]``: the rows the lm_head reads for tokens whose path
+  ``boundary_x[..., r]`` (``treecompile::tree_causal_conv1d_boundary``);
+- for the loss takes ``boundary_hidden [Ph, D]``: the rows the lm_head reads for tokens whose path
   predecessor is a boundary token (the first token below the hang is predicted by the hang token's
   final hidden state, computed in the parent partition; the log-prob and its loss weight stay in the
-  child, the gradient flows back through ``past_hidden``).  ``pred_index`` entries ``T + r`` read
-  ``past_hidden[r]``.  It returns the rows it reads for its own tokens (``[T, D]``).
+  child, the gradient flows back through ``boundary_hidden``).  ``pred_index`` entries ``T + r`` read
+  ``boundary_hidden[r]``.  It returns the rows it reads for its own tokens (``[T, D]``).
 
-Graph inputs: the default ones, then (in this order) ``past_k``/``past_v`` per attention layer,
-``past_visible``, ``initial_state`` per GDN layer, ``state_nodes``, ``past_x`` per conv, and
-``past_hidden``.  Outputs: ``(loss, logprobs, k/v per attention layer, states per GDN layer, x per
-conv, hidden)``.  ``PassResult.info`` lists both as ``(kind, layer)`` pairs (``layer`` counts the
-layers of that kind in graph order; ``-1`` for shared entries) plus ``conv_width`` (K-1).
+Graph inputs: the default ones, then (in this order) ``boundary_k``/``boundary_v`` per attention
+layer, ``boundary_visible``, ``initial_state`` per GDN layer, ``state_nodes``, ``boundary_x`` per
+conv, and ``boundary_hidden``.  Outputs: ``(loss, logprobs, k/v per attention layer, states per GDN
+layer, x per conv, hidden)``.  The pass returns a :class:`BoundaryResult` whose ``spec``
+(:class:`BoundarySpec`) is the contract the runtime reads: both lists as ``(kind, layer)`` pairs
+(``layer`` counts the layers of that kind in graph order; ``-1`` for shared entries), the inputs'
+shapes and ``conv_width`` (K-1).
 """
 
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 
 import torch
 from torch import fx
 
 import treecompile.ops.tree_attention  # noqa: F401  (registers the ops)
-import treecompile.ops.tree_attention_past  # noqa: F401
-import treecompile.ops.tree_recurrent_past  # noqa: F401
+import treecompile.ops.tree_attention_boundary  # noqa: F401
+import treecompile.ops.tree_conv_boundary  # noqa: F401
+import treecompile.ops.tree_gdn_boundary  # noqa: F401
 from treecompile.passes.base import PassContext, PassResult, UnsupportedModelError, remove_dead_code, where
+
+__all__ = ["BoundarySpec", "BoundaryResult", "expose_boundary"]
 
 aten = torch.ops.aten
 ATTENTION = torch.ops.treecompile.tree_attention.default
-ATTENTION_PAST = torch.ops.treecompile.tree_attention_past.default
+ATTENTION_BOUNDARY = torch.ops.treecompile.tree_attention_boundary.default
 GDN = torch.ops.treecompile.tree_gated_delta_rule.default
-GDN_STATES = torch.ops.treecompile.tree_gated_delta_rule_states.default
+GDN_BOUNDARY = torch.ops.treecompile.tree_gated_delta_rule_boundary.default
 CONV = torch.ops.treecompile.tree_causal_conv1d.default
-CONV_PAST = torch.ops.treecompile.tree_causal_conv1d_past.default
+CONV_BOUNDARY = torch.ops.treecompile.tree_causal_conv1d_boundary.default
+
+
+@dataclass(frozen=True)
+class BoundarySpec:
+    """The boundary inputs and outputs of a partition graph, in graph order (module docstring)."""
+
+    inputs: tuple[tuple[str, int], ...]  # (kind, layer) after the batch inputs
+    input_shapes: tuple[tuple[tuple[int | None, ...], torch.dtype], ...]  # per input; None: a sized dim
+    outputs: tuple[tuple[str, int], ...]  # (kind, layer) after (loss, logprobs)
+    conv_width: int | None  # K-1 of the causal convs; None: no conv
+    attention: int  # layers of each kind
+    gdn: int
+    conv: int
+
+
+@dataclass
+class BoundaryResult(PassResult):
+    spec: BoundarySpec | None = None
 
 
 def _placeholder(ctx: PassContext, name: str, shape, dtype, device) -> fx.Node:
@@ -75,7 +100,7 @@ def _loss_rows(ctx: PassContext) -> fx.Node:
     return sites[0]
 
 
-def expose_boundary(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+def expose_boundary(gm: fx.GraphModule, ctx: PassContext) -> BoundaryResult:
     graph = gm.graph
     attn = [n for n in graph.nodes if n.op == "call_function" and n.target == ATTENTION]
     gdn = [n for n in graph.nodes if n.op == "call_function" and n.target == GDN]
@@ -87,19 +112,19 @@ def expose_boundary(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     exports: list[fx.Node] = []
 
     # placeholders, in the documented order
-    past_kv = []
+    boundary_kv = []
     for i, n in enumerate(attn):
         k, v = n.args[1], n.args[2]
         kv, vv = k.meta["val"], v.meta["val"]
-        pk = _placeholder(ctx, f"boundary_past_k_{i}", (1, kv.shape[1], None, kv.shape[3]), kv.dtype, kv.device)
+        pk = _placeholder(ctx, f"boundary_k_{i}", (1, kv.shape[1], None, kv.shape[3]), kv.dtype, kv.device)
         B = pk.meta["val"].shape[2]
-        pv = _placeholder(ctx, f"boundary_past_v_{i}", (1, vv.shape[1], B, vv.shape[3]), vv.dtype, vv.device)
-        past_kv.append((pk, pv))
-        inputs += [("past_k", i), ("past_v", i)]
+        pv = _placeholder(ctx, f"boundary_v_{i}", (1, vv.shape[1], B, vv.shape[3]), vv.dtype, vv.device)
+        boundary_kv.append((pk, pv))
+        inputs += [("boundary_k", i), ("boundary_v", i)]
     visible = None
     if attn:
-        visible = _placeholder(ctx, "boundary_past_visible", (T,), torch.long, ctx.device)
-        inputs.append(("past_visible", -1))
+        visible = _placeholder(ctx, "boundary_visible", (T,), torch.long, ctx.device)
+        inputs.append(("boundary_visible", -1))
     inits = []
     for i, n in enumerate(gdn):
         if len(n.args) > 9 and n.args[9] is not None or n.kwargs.get("initial_state") is not None:
@@ -114,33 +139,33 @@ def expose_boundary(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     if gdn:
         state_nodes = _placeholder(ctx, "boundary_state_nodes", (None,), torch.long, ctx.device)
         inputs.append(("state_nodes", -1))
-    past_x = []
+    boundary_x = []
     width = None
     for i, n in enumerate(conv):
         x = n.args[0].meta["val"]
         K1 = int(n.args[1].meta["val"].shape[1]) - 1
         width = K1 if width is None else width
-        shared = past_x[0].meta["val"].shape[2] if past_x else None
-        past_x.append(_placeholder(ctx, f"boundary_past_x_{i}", (x.shape[0], x.shape[1], shared), x.dtype, x.device))
-        inputs.append(("past_x", i))
+        shared = boundary_x[0].meta["val"].shape[2] if boundary_x else None
+        boundary_x.append(_placeholder(ctx, f"boundary_x_{i}", (x.shape[0], x.shape[1], shared), x.dtype, x.device))
+        inputs.append(("boundary_x", i))
     X = rows.args[0]
     xv = X.meta["val"]
-    past_hidden = _placeholder(ctx, "boundary_past_hidden", (None, xv.shape[1]), xv.dtype, xv.device)
-    inputs.append(("past_hidden", -1))
+    boundary_hidden = _placeholder(ctx, "boundary_hidden", (None, xv.shape[1]), xv.dtype, xv.device)
+    inputs.append(("boundary_hidden", -1))
 
     # rewrites
     for i, n in enumerate(attn):
         q, k, v, sub_end = n.args[:4]
         scale = n.args[4] if len(n.args) > 4 else n.kwargs.get("scale")
         with graph.inserting_before(n):
-            new = ctx.call(ATTENTION_PAST, (q, k, v, sub_end, *past_kv[i], visible, scale), like=n)
+            new = ctx.call(ATTENTION_BOUNDARY, (q, k, v, sub_end, *boundary_kv[i], visible, scale), like=n)
         n.replace_all_uses_with(new)
         graph.erase_node(n)
         exports += [k, v]
         outputs += [("k", i), ("v", i)]
     for i, n in enumerate(gdn):
         with graph.inserting_before(n):
-            new = ctx.call(GDN_STATES, (*n.args[:9], inits[i], state_nodes), dict(n.kwargs), like=n)
+            new = ctx.call(GDN_BOUNDARY, (*n.args[:9], inits[i], state_nodes), dict(n.kwargs), like=n)
             o = ctx.call(operator.getitem, (new, 0))
             st = ctx.call(operator.getitem, (new, 1))
         n.replace_all_uses_with(o)
@@ -151,13 +176,13 @@ def expose_boundary(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         x, w, b, idx = n.args[:4]
         act = n.args[4] if len(n.args) > 4 else n.kwargs.get("activation")
         with graph.inserting_before(n):
-            new = ctx.call(CONV_PAST, (x, w, b, idx, past_x[i], act), like=n)
+            new = ctx.call(CONV_BOUNDARY, (x, w, b, idx, boundary_x[i], act), like=n)
         n.replace_all_uses_with(new)
         graph.erase_node(n)
         exports.append(x)
         outputs.append(("x", i))
     with graph.inserting_before(rows):
-        both = ctx.call(aten.cat.default, ([X, past_hidden], 0))
+        both = ctx.call(aten.cat.default, ([X, boundary_hidden], 0))
     rows.replace_input_with(X, both)
     exports.append(X)
     outputs.append(("hidden", -1))
@@ -169,7 +194,7 @@ def expose_boundary(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     loss, lp = out.args[0][:2]
     out.args = ((loss, lp, *exports),)
     remove_dead_code(gm)
-    return PassResult(len(attn) + len(gdn) + len(conv) + 1,
-                      {"inputs": tuple(inputs), "input_shapes": shapes, "outputs": tuple(outputs),
-                       "conv_width": width,
-                       "attention": len(attn), "gdn": len(gdn), "conv": len(conv)})
+    spec = BoundarySpec(inputs=tuple(inputs), input_shapes=shapes, outputs=tuple(outputs), conv_width=width,
+                        attention=len(attn), gdn=len(gdn), conv=len(conv))
+    return BoundaryResult(len(attn) + len(gdn) + len(conv) + 1,
+                          {"attention": len(attn), "gdn": len(gdn), "conv": len(conv)}, spec)

@@ -10,7 +10,10 @@ Passes, in order (one module each in this package):
   weighted loss; outputs become ``(loss, logprobs)``.
 ``BOUNDARY_PASSES`` (``treecompile.compile(model, boundary=True)``) appends
 - ``expose_boundary`` (expose_boundary.py): the graph takes and returns the per-layer boundary
-  tensors of a redundancy-free partition (K/V, GDN states, conv inputs, predecessor hidden rows).
+  tensors of a redundancy-free partition (K/V, GDN states, conv inputs, predecessor hidden rows);
+  its result carries the typed contract the runtime reads (``BoundarySpec``).
+Not in this pipeline: ``lower_cuda`` (lower_cuda.py), the CUDA lowering of the rewritten graph that
+``treecompile.program.TreeProgram`` makes at its first CUDA call (typed ``CudaOptions``).
 Set ``debug=True`` (or the ``treecompile.passes`` logger to DEBUG) to log each
 pass's time and what it changed.
 """

@@ -6,7 +6,7 @@ those modules never fire.  FSDP2 applied per decoder layer lives on exactly thos
 before the layer's forward, reshard after, all-gather again before its backward, reduce-scatter
 after).  ``split_by_modules`` cuts the graph into consecutive *segments*: one per given module
 (every node whose ``nn_module_stack`` lies inside it, plus every node that reads one of its
-parameters or buffers) and root segments between them.  The runner (``compile.TreeModel``) calls a
+parameters or buffers) and root segments between them.  The runner (``program.TreeProgram``) calls a
 module's segment as that module's forward and resolves the segment's lifted parameters only there,
 after the module's pre-forward hooks ran.
 

@@ -1,4 +1,5 @@
-"""Trajectory JSONL -> trees, streamed, one tree at a time.
+"""Trajectory JSONL -> trees, streamed, one tree at a time: the one reader of the format
+(training and ``treecompile stats`` both use it).
 
 One JSON object per line (blank lines are skipped; everything else is a trajectory = one path):
 
@@ -20,6 +21,7 @@ key                type                      meaning
 Rules (each violation is a ValueError ``"<file>:<line>: <what>"``; nothing is dropped or truncated):
 
 - Any other key is an error (a typo such as ``loss_masks`` would otherwise train every token).
+  ``group_id`` is not an alias of ``tree_id`` (one name for one thing); its error says to rename it.
 - ``NaN``/``Infinity`` literals and numbers that overflow to infinity are errors; so are bools
   where numbers or ids are expected, and floats in ``input_ids``.
 - Per-token lists must have exactly ``len(input_ids)`` entries.  ``old_logprobs`` and
@@ -43,11 +45,13 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
 import torch
 
+from treecompile.runtime.progress import Progress
 from treecompile.tree import DEFAULT_CONV_KERNEL, Tree, TreeBatch
 
 __all__ = ["Trajectory", "TrajectoryTree", "parse_line", "read_trajectories", "scatter_to_dfs",
@@ -116,6 +120,8 @@ def parse_line(text: str, *, source: str, line: int, vocab_size: int | None = No
     if not isinstance(obj, dict):
         fail(f"expected a JSON object, got {type(obj).__name__}")
     unknown = [k for k in obj if k not in KEYS]
+    if "group_id" in unknown:  # one name for one thing: no alias (other formats call it group_id)
+        fail("'group_id' is not a key of this format: rename it to 'tree_id'")
     if unknown:
         fail(f"unknown key(s) {unknown}; allowed keys are {list(KEYS)} (put free-form data under 'meta')")
 
@@ -339,43 +345,61 @@ def _build(group: list[Trajectory], source: str) -> TrajectoryTree:
                           meta=[t.meta for t in group])
 
 
-def read_trajectories(path: str | os.PathLike, *, vocab_size: int | None = None) -> Iterator[TrajectoryTree]:
+def read_trajectories(path: str | os.PathLike, *, vocab_size: int | None = None,
+                      progress: bool = False) -> Iterator[TrajectoryTree]:
     """Stream a trajectory JSONL file, yielding one :class:`TrajectoryTree` per (contiguous) tree id.
 
     The file is read line by line; a tree is built and yielded as soon as the next id starts, so
     memory holds one tree.  Errors (see the module docstring) name ``<file>:<line>``; an error in a
     later line is raised when the reader gets there, after the earlier trees have been yielded.
+    ``vocab_size``: ids must be below it.  ``progress``: a bar of bytes read on stderr, drawn when
+    stderr is a terminal and the file is over 8 MiB.  This is the one reader of the format:
+    training and ``treecompile stats`` both use it.
     """
     source = os.fspath(path)
+    if vocab_size is not None and (not isinstance(vocab_size, int) or isinstance(vocab_size, bool)
+                                   or vocab_size < 1):
+        raise ValueError(f"vocab_size: expected a positive integer, got {vocab_size!r}")
+    with open(source, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        bar = Progress(size, f"reading {os.path.basename(source)}", unit="bytes",
+                       enabled=progress and size > (8 << 20) and sys.stderr.isatty())
+        try:
+            yield from _groups(f, source, vocab_size, bar)
+        finally:
+            bar.close()
+
+
+def _groups(f, source: str, vocab_size: int | None, bar: Progress) -> Iterator[TrajectoryTree]:
     seen: dict[Any, tuple[int, int]] = {}  # tree id -> (first line, last line)
     group: list[Trajectory] = []
     current = None
     blank = 0
-    with open(source, "rb") as f:
-        for n, raw in enumerate(f, 1):
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise ValueError(f"{source}:{n}: not UTF-8 (byte {e.start}: {raw[e.start:e.start + 1]!r})") from None
-            if not text.strip():
-                blank += 1
-                continue
-            traj = parse_line(text, source=source, line=n, vocab_size=vocab_size)
-            key = (type(traj.tree_id).__name__, traj.tree_id)  # 1 and "1" are different ids
-            if group and key == current:
-                group.append(traj)
-                seen[key] = (seen[key][0], n)
-                continue
-            if key in seen:
-                a, b = seen[key]
-                raise ValueError(f"{source}:{n}: tree_id {traj.tree_id!r} reappears; its lines {a}-{b} were "
-                                 f"followed by another tree, and the lines of one tree must be contiguous "
-                                 f"(sort the file by tree_id)")
-            if group:
-                yield _build(group, source)
-            seen[key] = (n, n)
-            current = key
-            group = [traj]
+    for n, raw in enumerate(f, 1):
+        bar.update(advance=len(raw))
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{source}:{n}: not UTF-8 (byte {e.start}: {raw[e.start:e.start + 1]!r})") from None
+        if not text.strip():
+            blank += 1
+            continue
+        traj = parse_line(text, source=source, line=n, vocab_size=vocab_size)
+        key = (type(traj.tree_id).__name__, traj.tree_id)  # 1 and "1" are different ids
+        if group and key == current:
+            group.append(traj)
+            seen[key] = (seen[key][0], n)
+            continue
+        if key in seen:
+            a, b = seen[key]
+            raise ValueError(f"{source}:{n}: tree_id {traj.tree_id!r} reappears; its lines {a}-{b} were "
+                             f"followed by another tree, and the lines of one tree must be contiguous "
+                             f"(sort the file by tree_id)")
+        if group:
+            yield _build(group, source)
+        seen[key] = (n, n)
+        current = key
+        group = [traj]
     if group:
         yield _build(group, source)
     else:

@@ -10,12 +10,11 @@ derives the same assignment with no communication.  :class:`TreeSampler` draws t
 epoch (shuffled by ``seed + epoch``, like ``DistributedSampler``) and yields the same step lists on
 every rank.
 
-**Global loss normalization.**  The loss of a global step is the single-process loss of *all* its
-paths taken together (``reference.run`` on the concatenated path list): ``sum`` divides by the number
-of paths N of the whole step, ``path_mean`` by N and each path's trained-token count, ``token_mean`` by
-the trained tokens of the whole step.  A rank's batches must therefore carry weights built with the
-global N / token count (:class:`GlobalNorm`), never their own tree's.  DDP and FSDP2 *average*
-gradients over ranks (they divide the summed gradient by the world size), so :class:`GlobalNorm`
+**Global loss normalization** (:mod:`treecompile.runtime.normalization`).  The loss of a global step
+is the single-process loss of *all* its paths taken together, so a rank's batches carry weights built
+with the step's path / trained-token counts (:class:`~treecompile.runtime.normalization.GlobalNorm`,
+``GlobalNorm.from_trees`` or ``GlobalNorm.all_reduce``), never their own tree's.  DDP and FSDP2
+*average* gradients over ranks (they divide the summed gradient by the world size), so the norm
 multiplies every weight by ``grad_scale`` = world size: the averaged gradient is then exactly the
 global loss's gradient.  (If you instead make the reduction a plain sum, e.g. an FSDP2
 ``set_gradient_divide_factor(1.0)`` or a DDP comm hook that does not divide, use ``grad_scale=1``.)
@@ -48,7 +47,6 @@ with root-only sharding.  Layer-at-a-time gathering needs the graph itself split
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import random
 from dataclasses import dataclass
 from typing import Iterator, Sequence
@@ -56,114 +54,19 @@ from typing import Iterator, Sequence
 import torch
 from torch import nn
 
+from treecompile.runtime.normalization import GlobalNorm, partition_batch, tree_batch
 from treecompile.runtime.partition import PackedPlan, first_fit_decreasing, pack
-from treecompile.tree import DEFAULT_CONV_KERNEL, NORMALIZATIONS, Tree, TreeBatch
+from treecompile.tree import DEFAULT_CONV_KERNEL, Tree, TreeBatch
 
-__all__ = ["WorkItem", "GlobalNorm", "work_items", "deal", "TreeSampler", "rank_batches", "tree_batch",
-           "partition_batch", "dummy_batch", "backward_step", "global_loss", "fully_shard_tree_model"]
-
-
-# ------------------------------------------------------------------------------------ normalization
-@dataclass(frozen=True)
-class GlobalNorm:
-    """The normalization constants of a global step, shared by every rank.
-
-    ``num_paths``: paths of all trees of the step; ``num_trained``: trained tokens (loss-mask ones)
-    of all its paths; ``grad_scale``: factor on every weight (the world size when DDP/FSDP average
-    gradients over ranks, 1 when they sum).
-    """
-
-    normalize: str
-    num_paths: int
-    num_trained: float
-    grad_scale: float = 1.0
-
-    def __post_init__(self):
-        if self.normalize not in NORMALIZATIONS:
-            raise ValueError(f"normalize: expected one of {NORMALIZATIONS}, got {self.normalize!r}")
-        if self.num_paths < 1:
-            raise ValueError(f"num_paths: a global step needs at least one path, got {self.num_paths}")
-        if self.num_trained < 0:
-            raise ValueError(f"num_trained: expected a count >= 0, got {self.num_trained}")
-
-    @classmethod
-    def from_trees(cls, trees: Sequence[Tree], normalize: str, *, grad_scale: float = 1.0) -> "GlobalNorm":
-        """Constants of the step made of ``trees`` (every rank passes the same, whole step)."""
-        if not trees:
-            raise ValueError("trees: a global step needs at least one tree")
-        n = sum(t.num_paths for t in trees)
-        tok = sum(float(t.trained_counts().sum()) for t in trees)
-        return cls(normalize, n, tok, float(grad_scale))
-
-    @classmethod
-    def all_reduce(cls, local_trees: Sequence[Tree], normalize: str, *, grad_scale: float | None = None,
-                   group=None) -> "GlobalNorm":
-        """Constants from each rank's own trees, summed with one all-reduce (ranks may hold none).
-
-        ``grad_scale`` defaults to the group's world size (DDP/FSDP average gradients).
-        """
-        import torch.distributed as dist
-
-        counts = torch.tensor([float(sum(t.num_paths for t in local_trees)),
-                               float(sum(float(t.trained_counts().sum()) for t in local_trees))],
-                              dtype=torch.float64)
-        backend = dist.get_backend(group)
-        dev = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-        counts = counts.to(dev)
-        dist.all_reduce(counts, group=group)
-        scale = float(dist.get_world_size(group)) if grad_scale is None else float(grad_scale)
-        return cls(normalize, int(counts[0].item()), float(counts[1].item()), scale)
-
-    def path_coefficients(self, tree: Tree) -> torch.Tensor:
-        """Per-path factor on ``mask * log p`` in the global loss, times ``grad_scale``."""
-        c = tree.path_weights
-        if self.normalize == "sum":
-            coef = c / self.num_paths
-        elif self.normalize == "path_mean":
-            counts = tree.trained_counts()
-            coef = torch.where(counts > 0, c / (self.num_paths * counts.clamp(min=1)), torch.zeros_like(c))
-        else:
-            coef = c / self.num_trained if self.num_trained > 0 else torch.zeros_like(c)
-        return coef * self.grad_scale
-
-    def token_weights(self, tree: Tree) -> torch.Tensor:
-        """Loss weight of every unique token of ``tree`` (DFS order, float64) in the global loss."""
-        return tree.aggregate(self.path_coefficients(tree))
-
-
-def _with_weights(batch: TreeBatch, w: torch.Tensor, normalize: str) -> TreeBatch:
-    lw = batch.loss_weight.new_zeros(batch.seq_len)
-    lw[:w.numel()] = w.to(lw.device)
-    return dataclasses.replace(batch, loss_weight=lw, normalize=normalize)
-
-
-def tree_batch(tree: Tree, norm: GlobalNorm, *, pad_to_multiple: int | None = None, device=None,
-               conv_kernel: int = DEFAULT_CONV_KERNEL) -> TreeBatch:
-    """``tree`` as one TreeBatch whose weights are its share of the global loss."""
-    b = tree.to_batch(normalize="sum", pad_to_multiple=pad_to_multiple, conv_kernel=conv_kernel)
-    b = _with_weights(b, norm.token_weights(tree), norm.normalize)
-    b.extras["norm"] = norm  # objectives other than SFT read the step's normalization from here
-    return b.to(device) if device is not None else b
-
-
-def partition_batch(plan: PackedPlan, i: int, norm: GlobalNorm, *, pad_to_multiple: int | None = None,
-                    device=None, conv_kernel: int = DEFAULT_CONV_KERNEL) -> TreeBatch:
-    """Packed partition ``i`` of ``plan``: the global weight on the tokens it owns, 0 elsewhere."""
-    b = plan.batch(i, normalize="sum", pad_to_multiple=pad_to_multiple, conv_kernel=conv_kernel)
-    part = plan.partitions[i]
-    w = norm.token_weights(plan.tree)[part.tokens]
-    w = torch.where(part.owned, w, torch.zeros((), dtype=w.dtype))
-    b = _with_weights(b, w, norm.normalize)
-    b.extras["norm"] = norm
-    return b.to(device) if device is not None else b
+__all__ = ["WorkItem", "work_items", "deal", "TreeSampler", "rank_batches", "dummy_batch", "backward_step",
+           "global_loss", "fully_shard_tree_model"]
 
 
 def dummy_batch(*, normalize: str = "sum", device=None) -> TreeBatch:
     """A two-token batch with zero loss weight: a rank with no work runs it to join the collectives
     (every parameter gets a zero gradient, so DDP's and FSDP's reductions see the same tensors)."""
-    b = Tree.from_paths([[0, 0]]).to_batch(normalize="sum")
-    b = dataclasses.replace(b, loss_weight=torch.zeros_like(b.loss_weight), normalize=normalize)
-    return b.to(device) if device is not None else b
+    return Tree.from_paths([[0, 0]]).to_batch(normalize=normalize, weights=torch.zeros(2, dtype=torch.float64),
+                                              device=device)
 
 
 # ------------------------------------------------------------------------------------------ dealing

@@ -2,9 +2,10 @@
 
 Notation: paths ``p``, their tokens ``t``; ``lp[t]`` = log p(token t | path prefix), the model's
 per-token DFS output (``out.logprobs``), which is the same number on every path through ``t``;
-``m[p,t]`` the loss mask; ``c_p = tree.path_coefficients(normalize)`` (path weight times the
-normalization: ``sum`` 1/N, ``path_mean`` 1/(N * trained tokens of p), ``token_mean`` 1/(all
-trained tokens)).  A per-path loss ``sum_p c_p sum_t m[p,t] f(lp[t], A_p, data[t])`` becomes a sum
+``m[p,t]`` the loss mask; ``c_p`` = path weight times the normalization (``sum`` 1/N, ``path_mean``
+1/(N * trained tokens of p), ``token_mean`` 1/(all trained tokens); N and the token count are the
+step's: :class:`~treecompile.runtime.normalization.GlobalNorm`, by default the batch's tree alone,
+``tree.path_coefficients(normalize)``).  A per-path loss ``sum_p c_p sum_t m[p,t] f(lp[t], A_p, data[t])`` becomes a sum
 over *unique* tokens once the per-path factors are aggregated over the paths through each token
 (``tree.aggregate``): that is all every token-level objective here does.
 
@@ -22,8 +23,13 @@ objective           per-path loss (what the tree loss equals)
                     ``s_p = exp(mean over trained t of (lp - old))``; through ``batch.path_logprobs``
 ==================  ==============================================================================
 
-Each objective is a frozen dataclass whose one method ``loss(logprobs, batch, ...)`` returns the
-scalar loss (float64; add several objectives' losses to combine them).  Per-path advantages and
+Each objective is a frozen dataclass whose method ``loss(logprobs, batch, *, norm=None, ...)`` returns
+the scalar loss (float64; add several objectives' losses to combine them); ``norm`` is the step's
+:class:`~treecompile.runtime.normalization.GlobalNorm` (None: the batch's tree alone, with the
+objective's ``normalize`` or else the batch's).  Objectives *linear* in the log-probs (``SFT``,
+``PolicyGradient``) also say their token weights, ``token_weights(tree, norm, data) -> w [T]``
+(whole-tree DFS, loss ``-sum_t w(t) lp[t]``), which is what ``train_step``'s redundancy-free mode
+runs.  Per-path advantages and
 per-token DFS old/ref log-probs are keyword arguments; left out, they are read from
 ``batch.extras`` (``advantages`` [P], ``old_logprobs``/``ref_logprobs`` [T], as
 :meth:`treecompile.runtime.data.TrajectoryTree.to_batch` fills them).  Per-token data that comes
@@ -36,9 +42,8 @@ and ``owned`` (bool per partition token: the partition that carries the token's 
 whole-tree token is owned by exactly one partition).  The weights are then the *whole tree's*,
 restricted to the partition's tokens and zeroed where not owned, so the partition losses sum to the
 whole-tree loss; per-path advantages are the whole tree's ``[P]``; per-token old/ref log-probs may
-be given over the whole tree ``[whole T]`` (sliced here) or over the partition.  ``extras["norm"]``
-(a :class:`treecompile.runtime.distributed.GlobalNorm`) replaces the tree's own normalization by the
-one of a step made of several trees.  :meth:`treecompile.runtime.partition.PackedPlan.batch` fills
+be given over the whole tree ``[whole T]`` (sliced here) or over the partition.  A step made of
+several trees passes its ``norm``.  :meth:`treecompile.runtime.partition.PackedPlan.batch` fills
 ``whole_tree``/``tokens``/``owned``/``paths``.  The path-level ``SequenceClip`` needs every token of
 a path in one batch: on a packed partition it sums over the paths assigned to it (``extras["paths"]``,
 each lying whole in it).
@@ -50,25 +55,18 @@ return.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Mapping
 
 import torch
 
+from treecompile.runtime.normalization import GlobalNorm
 from treecompile.tree import NORMALIZATIONS, Tree, TreeBatch
 
-__all__ = ["SFT", "PolicyGradient", "PPOClip", "KLPenalty", "SequenceClip", "KL_ESTIMATORS",
-           "token_coefficients", "grpo_advantages"]
+__all__ = ["SFT", "PolicyGradient", "PPOClip", "KLPenalty", "SequenceClip", "KL_ESTIMATORS", "grpo_advantages"]
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
-
-
-def token_coefficients(tree: Tree, normalize: str, per_path: torch.Tensor | None = None) -> torch.Tensor:
-    """``sum over paths p through t of c_p * per_path[p] * m[p,t]`` for each unique token, DFS
-    order, float64 ``[tree.num_tokens]`` (``per_path`` None means 1: the SFT weights)."""
-    c = tree.path_coefficients(normalize)
-    return tree.aggregate(c if per_path is None else c * per_path.to(torch.float64).cpu())
 
 
 # ---------------------------------------------------------------------- whole tree / partition
@@ -85,22 +83,17 @@ def _is_partition(batch: TreeBatch) -> bool:
     return "whole_tree" in batch.extras
 
 
-def _path_coefficients(batch: TreeBatch, normalize: str) -> torch.Tensor:
-    """c_p of the whole tree's paths, with the step's normalization (``extras["norm"]``) if given."""
-    tree = _whole(batch)
-    norm = batch.extras.get("norm")
+def _step_norm(batch: TreeBatch, normalize: str, norm: GlobalNorm | None) -> GlobalNorm:
+    """The step's normalization under ``normalize``: ``norm`` if given, else the batch's tree alone."""
     if norm is None:
-        return tree.path_coefficients(normalize)
-    if norm.normalize != normalize:
-        norm = dataclasses.replace(norm, normalize=normalize)
-    return norm.path_coefficients(tree)
+        return GlobalNorm.of_tree(_whole(batch), normalize)
+    if not isinstance(norm, GlobalNorm):
+        raise TypeError(f"norm: expected a treecompile.runtime.normalization.GlobalNorm, got {type(norm).__name__}")
+    return norm.with_normalize(normalize)
 
 
-def _token_weights(batch: TreeBatch, normalize: str, per_path: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
-    """``sum_p c_p per_path[p] m[p,t]`` over the whole tree, restricted to the batch's (owned) tokens,
-    padded to ``seq_len`` on ``like``'s device."""
-    c = _path_coefficients(batch, normalize)
-    w = _whole(batch).aggregate(c if per_path is None else c * per_path.to(torch.float64).cpu())
+def _restrict(w: torch.Tensor, batch: TreeBatch, like: torch.Tensor) -> torch.Tensor:
+    """Whole-tree DFS weights -> the batch's (owned) tokens, padded to ``seq_len`` on ``like``'s device."""
     if _is_partition(batch):
         ex = batch.extras
         tok, owned = ex["tokens"].cpu(), ex["owned"].cpu()
@@ -108,11 +101,12 @@ def _token_weights(batch: TreeBatch, normalize: str, per_path: torch.Tensor | No
     return _pad(w, batch, like)
 
 
-def _batch_weights(batch: TreeBatch, normalize: str, like: torch.Tensor) -> torch.Tensor:
-    """The SFT weights: the batch's own ``loss_weight`` when it has that normalization."""
-    if normalize == batch.normalize:
+def _sft_weights(batch: TreeBatch, normalize: str, norm: GlobalNorm | None, like: torch.Tensor) -> torch.Tensor:
+    """The SFT weights: the batch's own ``loss_weight`` when it has that normalization (and no step's
+    ``norm`` is given), else the step's weights restricted to the batch."""
+    if norm is None and normalize == batch.normalize:
         return _pad(batch.loss_weight, batch, like)
-    return _token_weights(batch, normalize, None, like)
+    return _restrict(_step_norm(batch, normalize, norm).token_weights(_whole(batch)), batch, like)
 
 
 # ---------------------------------------------------------------------- argument checks
@@ -144,13 +138,13 @@ def _pad(x: torch.Tensor, batch: TreeBatch, like: torch.Tensor) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(batch.seq_len - x.numel())])
 
 
-def _per_path(value, batch: TreeBatch, name: str) -> torch.Tensor:
+def _per_path(value, data: Mapping, P: int, name: str) -> torch.Tensor:
+    """A per-path tensor ``[P]``: ``value``, or ``data[name]`` (a batch's extras, a tree's data)."""
     if value is None:
-        if name not in batch.extras:
+        if name not in data:
             raise ValueError(f"{name}: not given and not in batch.extras (pass {name}=..., or give it in the data)")
-        value = batch.extras[name]
+        value = data[name]
     v = torch.as_tensor(value, dtype=torch.float64).cpu()
-    P = _whole(batch).num_paths
     if v.dim() != 1 or v.numel() != P:
         raise ValueError(f"{name}: expected shape [{P}] (one per path), got {tuple(v.shape)}")
     bad = torch.nonzero(~torch.isfinite(v)).flatten()
@@ -184,9 +178,13 @@ class SFT:
 
     normalize: str | None = None
 
-    def loss(self, logprobs: torch.Tensor, batch: TreeBatch) -> torch.Tensor:
+    def token_weights(self, tree: Tree, norm: GlobalNorm, data: Mapping = {}) -> torch.Tensor:
+        """Whole-tree DFS weights ``w [T]`` of the loss ``-sum_t w(t) lp[t]`` under the step's ``norm``."""
+        return norm.with_normalize(self.normalize).token_weights(tree)
+
+    def loss(self, logprobs: torch.Tensor, batch: TreeBatch, *, norm: GlobalNorm | None = None) -> torch.Tensor:
         _check_logprobs(logprobs, batch)
-        w = _batch_weights(batch, _normalize(self.normalize, batch), logprobs)
+        w = _sft_weights(batch, _normalize(self.normalize, batch), norm, logprobs)
         return -(w * logprobs).sum()
 
 
@@ -196,11 +194,18 @@ class PolicyGradient:
 
     normalize: str | None = None
 
-    def loss(self, logprobs: torch.Tensor, batch: TreeBatch, *, advantages=None) -> torch.Tensor:
+    def token_weights(self, tree: Tree, norm: GlobalNorm, data: Mapping = {}, *, advantages=None) -> torch.Tensor:
+        """Whole-tree DFS weights ``sum_p c_p A_p m[p,t]``; ``A`` = ``advantages`` or ``data["advantages"]``."""
+        A = _per_path(advantages, data, tree.num_paths, "advantages")
+        return norm.with_normalize(self.normalize).token_weights(tree, A)
+
+    def loss(self, logprobs: torch.Tensor, batch: TreeBatch, *, norm: GlobalNorm | None = None,
+             advantages=None) -> torch.Tensor:
         _check_logprobs(logprobs, batch)
-        A = _per_path(advantages, batch, "advantages")
-        w = _token_weights(batch, _normalize(self.normalize, batch), A, logprobs)
-        return -(w * logprobs).sum()
+        tree = _whole(batch)
+        w = self.token_weights(tree, _step_norm(batch, _normalize(self.normalize, batch), norm), batch.extras,
+                               advantages=advantages)
+        return -(_restrict(w, batch, logprobs) * logprobs).sum()
 
 
 @dataclass(frozen=True)
@@ -219,13 +224,15 @@ class PPOClip:
     def __post_init__(self):
         _check_clip("PPOClip", self.clip_low, self.clip_high)
 
-    def loss(self, logprobs: torch.Tensor, batch: TreeBatch, *, advantages=None, old_logprobs=None) -> torch.Tensor:
+    def loss(self, logprobs: torch.Tensor, batch: TreeBatch, *, norm: GlobalNorm | None = None,
+             advantages=None, old_logprobs=None) -> torch.Tensor:
         _check_logprobs(logprobs, batch)
-        A = _per_path(advantages, batch, "advantages")
+        tree = _whole(batch)
+        A = _per_path(advantages, batch.extras, tree.num_paths, "advantages")
         old = _per_token(old_logprobs, batch, "old_logprobs", logprobs)
-        n = _normalize(self.normalize, batch)
-        s_pos = _token_weights(batch, n, A.clamp(min=0), logprobs)
-        s_neg = _token_weights(batch, n, A.clamp(max=0), logprobs)
+        step = _step_norm(batch, _normalize(self.normalize, batch), norm)
+        s_pos = _restrict(step.token_weights(tree, A.clamp(min=0)), batch, logprobs)
+        s_neg = _restrict(step.token_weights(tree, A.clamp(max=0)), batch, logprobs)
         # tokens no path trains carry no old log-prob (0): keep exp() away from them entirely
         active = (s_pos != 0) | (s_neg != 0)
         r = torch.exp(torch.where(active, logprobs - old, torch.zeros_like(old)))
@@ -249,10 +256,11 @@ class KLPenalty:
         if not math.isfinite(self.beta):
             raise ValueError(f"KLPenalty.beta: expected a finite number, got {self.beta}")
 
-    def loss(self, logprobs: torch.Tensor, batch: TreeBatch, *, ref_logprobs=None) -> torch.Tensor:
+    def loss(self, logprobs: torch.Tensor, batch: TreeBatch, *, norm: GlobalNorm | None = None,
+             ref_logprobs=None) -> torch.Tensor:
         _check_logprobs(logprobs, batch)
         ref = _per_token(ref_logprobs, batch, "ref_logprobs", logprobs)
-        w = _batch_weights(batch, _normalize(self.normalize, batch), logprobs)
+        w = _sft_weights(batch, _normalize(self.normalize, batch), norm, logprobs)
         d = torch.where(w != 0, ref - logprobs, torch.zeros_like(ref))  # untrained tokens have no ref (0)
         if self.estimator == "k3":
             k = torch.exp(d) - d - 1
@@ -281,11 +289,12 @@ class SequenceClip:
     def __post_init__(self):
         _check_clip("SequenceClip", self.clip_low, self.clip_high)
 
-    def loss(self, logprobs: torch.Tensor, batch: TreeBatch, *, advantages=None, old_logprobs=None) -> torch.Tensor:
+    def loss(self, logprobs: torch.Tensor, batch: TreeBatch, *, norm: GlobalNorm | None = None,
+             advantages=None, old_logprobs=None) -> torch.Tensor:
         _check_logprobs(logprobs, batch)
         tree = _whole(batch)
         dev = logprobs.device
-        A = _per_path(advantages, batch, "advantages")
+        A = _per_path(advantages, batch.extras, tree.num_paths, "advantages")
         old = _per_token(old_logprobs, batch, "old_logprobs", logprobs)
         if _is_partition(batch):  # the whole paths assigned to this partition
             if "paths" not in batch.extras:
@@ -316,7 +325,7 @@ class SequenceClip:
         s = torch.exp(diff / count.clamp(min=1))
         clipped = s.clamp(1 - self.clip_low, 1 + self.clip_high)
         A = A[paths].to(dev)
-        w = _path_coefficients(batch, "sum")[paths].to(dev)  # w_p / N
+        w = _step_norm(batch, "sum", norm).path_coefficients(tree)[paths].to(dev)  # w_p / N
         return -(w * torch.minimum(s * A, clipped * A)).sum()
 
 

@@ -15,7 +15,7 @@ The heuristic is linear: traverse the radix nodes depth first, visiting children
 first (so deep leaves are allocated first and leaves of similar depth sit next to each other), and
 add leaves to the open partition while its size stays <= C.  In any DFS order of leaves the union of
 a run of consecutive leaves grows by ``len(leaf) - lcp(previous leaf, leaf)``, which gives the size
-without touching tokens.  Exact optima for small trees: :mod:`treecompile.runtime.dp`.
+without touching tokens.  Exact optima for small trees: :mod:`treecompile.runtime.optimal_partition`.
 
 **Redundancy-free partitioning** (:func:`partition_redundancy_free`).  Partitions are disjoint and
 cover every token once (ERR == POR at every budget); a path may span several partitions.  Each
@@ -34,25 +34,24 @@ light subtrees hanging below each heavy node (first-fit decreasing, one partitio
 group).  Partitions with children then hold tokens of one path only, so the activations alive at
 once are bounded by ``longest path + C`` tokens.
 
-Both plans give per-partition :class:`~treecompile.tree.TreeBatch` objects (``plan.batch(i)``) and
-the map from partition tokens to whole-tree DFS tokens (``partition.tokens``, ascending: a partition's
-DFS order is the whole tree's restricted to it).  The executor interface for redundancy-free plans
-is written down in ``notes/partition.md``.
+Both plans give per-partition :class:`~treecompile.tree.TreeBatch` objects (``plan.batch(i)``, built
+by :meth:`TreeBatch.from_tokens` from the whole tree: a partition's DFS order is the whole tree's
+restricted to it) and the map from partition tokens to whole-tree DFS tokens (``partition.tokens``,
+ascending).  Redundancy-free plans are run by :mod:`treecompile.runtime.redundancy_free`.
 """
 
 from __future__ import annotations
 
 import bisect
-import dataclasses
 from dataclasses import dataclass, field
 
 import torch
 
 from treecompile.runtime.metrics import Reuse, reuse
-from treecompile.tree import DEFAULT_CONV_KERNEL, NORMALIZATIONS, Tree, TreeBatch
+from treecompile.tree import DEFAULT_CONV_KERNEL, NORMALIZATIONS, Tree, TreeBatch, ancestor_index
 
 __all__ = ["PackedPartition", "PackedPlan", "pack", "RedundancyFreePartition", "RedundancyFreePlan",
-           "partition_redundancy_free", "TreeShape"]
+           "partition_redundancy_free", "TreeShape", "check_capacity", "leaf_order", "first_fit_decreasing"]
 
 
 # ---------------------------------------------------------------------------------------------- shape
@@ -96,7 +95,7 @@ class TreeShape:
         return out[::-1]
 
 
-def _check_capacity(capacity) -> int:
+def check_capacity(capacity) -> int:
     if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
         raise ValueError(f"capacity: expected a positive integer token budget, got {capacity!r}")
     return capacity
@@ -144,6 +143,7 @@ class _WeightCache:
 
 
 def _pad(t: torch.Tensor, n: int, value) -> torch.Tensor:
+    """``t`` with ``n`` rows of ``value`` appended."""
     if n == 0:
         return t
     return torch.cat([t, torch.full((n,) + tuple(t.shape[1:]), value, dtype=t.dtype)])
@@ -208,34 +208,28 @@ class PackedPlan(_PlanCost):
             out.append(ids[idx].tolist())
         return out
 
-    def batch(self, i: int, *, normalize: str = "sum", pad_to_multiple: int | None = None, device=None,
-              conv_kernel: int = DEFAULT_CONV_KERNEL) -> TreeBatch:
-        """Partition i as a TreeBatch.  Its ``tree`` is built from the partition's leaf paths (path
-        bookkeeping only); ``loss_weight`` is the whole tree's weight on owned tokens, 0 elsewhere.
-        ``extras``: ``tokens`` (partition token -> whole-tree DFS index), ``owned``, ``whole_tree``
-        (this plan's tree) and ``paths`` (the whole-tree paths assigned to it), which the objectives
-        read (:mod:`treecompile.runtime.objectives`)."""
-        w = self._weights(normalize)
+    def batch(self, i: int, *, normalize: str = "sum", weights: torch.Tensor | None = None,
+              pad_to_multiple: int | None = None, device=None, conv_kernel: int = DEFAULT_CONV_KERNEL) -> TreeBatch:
+        """Partition i as a TreeBatch (:meth:`TreeBatch.from_tokens` of its tokens): ``loss_weight`` is
+        the whole tree's weight on owned tokens, 0 elsewhere; ``weights`` (whole-tree DFS ``[T]``)
+        replaces the tree's own weights of ``normalize`` (e.g. a step's, ``normalization.partition_batch``).
+        ``tree`` is None; ``extras``: ``tokens`` (partition token -> whole-tree DFS index), ``owned``,
+        ``whole_tree`` (this plan's tree) and ``paths`` (the whole-tree paths assigned to it), which
+        the objectives read (:mod:`treecompile.runtime.objectives`)."""
+        w = self._weights(normalize) if weights is None else weights
         part = self.partitions[i]
-        sub = Tree.from_paths(self.leaf_paths(i))
-        b = sub.to_batch(normalize="sum", pad_to_multiple=pad_to_multiple, conv_kernel=conv_kernel)
         tok = part.tokens
-        n = tok.numel()
-        if sub.num_tokens != n or not torch.equal(sub.input_ids, self.tree.input_ids[tok]) \
-                or not torch.equal(sub.depth, self.tree.depth[tok]):
-            raise RuntimeError(f"partition {i}: its tree's DFS order is not the whole tree's restricted to it")
         lw = torch.where(part.owned, w[tok], torch.zeros((), dtype=torch.float64))
-        npad = b.seq_len - n
-        b = dataclasses.replace(b, loss_weight=_pad(lw, npad, 0.0), normalize=normalize,
-                                extras={"tokens": tok, "owned": part.owned, "whole_tree": self.tree,
-                                        "paths": part.paths})
+        b = TreeBatch.from_tokens(self.tree, tok, weights=lw, normalize=normalize, conv_kernel=conv_kernel,
+                                  pad_to_multiple=pad_to_multiple, num_paths=part.paths.numel())
+        b.extras.update(owned=part.owned, whole_tree=self.tree, paths=part.paths)
         return b.to(device) if device is not None else b
 
     def batches(self, **kw) -> list[TreeBatch]:
         return [self.batch(i, **kw) for i in range(len(self))]
 
 
-def _leaf_order(sh: TreeShape, order: str) -> tuple[list[int], list[int]]:
+def leaf_order(sh: TreeShape, order: str) -> tuple[list[int], list[int]]:
     """Leaf nodes in a DFS traversal, and each leaf's LCP (tokens) with the previous leaf."""
     if order not in ("deepest", "dfs"):
         raise ValueError(f"order: expected 'deepest' or 'dfs', got {order!r}")
@@ -265,14 +259,14 @@ def pack(tree: Tree, capacity: int, *, order: str = "deepest") -> PackedPlan:
     ``order="deepest"`` visits children deepest subtree first (the paper's heuristic); ``"dfs"`` keeps
     the tree's own child order.  Raises ValueError, naming the path, if a path is longer than C.
     """
-    C = _check_capacity(capacity)
+    C = check_capacity(capacity)
     longest = int(tree.path_lengths.max())
     if longest > C:
         p = int(tree.path_lengths.argmax())
         raise ValueError(f"path {p} has {longest} tokens, more than the budget C={C}: packed partitioning "
                          f"needs every path whole in one partition (use partition_redundancy_free)")
     sh = TreeShape(tree)
-    leaves, lcps = _leaf_order(sh, order)
+    leaves, lcps = leaf_order(sh, order)
     groups: list[list[int]] = []
     run = C + 1
     for n, l in zip(leaves, lcps):
@@ -408,15 +402,20 @@ class RedundancyFreePlan(_PlanCost):
             chain[p.index] = sizes[p.index] + (chain[p.parent] if p.parent >= 0 else 0)
         return max(chain)
 
-    def batch(self, i: int, *, normalize: str = "sum", pad_to_multiple: int | None = None, device=None,
-              conv_kernel: int = DEFAULT_CONV_KERNEL) -> TreeBatch:
-        """Partition i as a TreeBatch over its own tokens; links to the boundary are in ``extras``.
+    def batch(self, i: int, *, normalize: str = "sum", weights: torch.Tensor | None = None,
+              pad_to_multiple: int | None = None, device=None, conv_kernel: int = DEFAULT_CONV_KERNEL) -> TreeBatch:
+        """Partition i as a TreeBatch over its own tokens (:meth:`TreeBatch.from_tokens`); links to the
+        boundary are in ``extras``.
 
         Token tensors index the partition's tokens (ascending whole-tree order): ``position_ids`` are
         whole-tree depths, ``pred_index``/``conv_index``/``subtree_end``/nodes are local, with -1 where
         the predecessor lies in the boundary; ``loss_weight`` is the whole-tree weight (each token is
-        in exactly one partition).  ``tree`` is None (a partition is not a set of whole paths).
-        ``extras`` (B = boundary length = ``depth[hang] + 1``, chain position j holds depth j):
+        in exactly one partition): ``weights`` (whole-tree DFS ``[T]``) if given, else the plan's
+        ``token_weights`` if set, else the tree's weights of ``normalize``.  ``tree`` is None (a
+        partition is not a set of whole paths).  Padding (``pad_to_multiple``) is
+        :meth:`TreeBatch.padded`'s: one extra root node.
+        ``extras`` (B = boundary length = ``depth[hang] + 1``, chain position j holds depth j; token
+        entries padded with -1, ``past_visible`` with 0):
 
         - ``tokens [T]``: whole-tree DFS index of each partition token;
         - ``past_index [B]``: whole-tree DFS indices of the boundary chain (whose K/V are fed);
@@ -427,79 +426,32 @@ class RedundancyFreePlan(_PlanCost):
         - ``node_past_parent [num_nodes]``: chain position of the token a local root node hangs below
           (its GDN initial state is the recurrent state after that token), else -1.
         """
-        w = self._weights(normalize) if self.token_weights is None else self.token_weights
+        if weights is None:
+            weights = self._weights(normalize) if self.token_weights is None else self.token_weights
         tree = self.tree
-        part = self.partitions[i]
-        tok = part.tokens
+        tok = self.partitions[i].tokens
         n = tok.numel()
+        # a node ends at each token a child partition hangs below (the executor hands its state on)
+        hangs = torch.tensor([self.partitions[c].hang for c in self.partitions[i].children], dtype=torch.long)
+        b = TreeBatch.from_tokens(tree, tok, weights=weights[tok], normalize=normalize, conv_kernel=conv_kernel,
+                                  pad_to_multiple=pad_to_multiple, node_ends=hangs,
+                                  num_paths=int((self._owner[tree.path_end] == i).sum()))
+        # the context outside the partition: along a path it is the boundary chain, position == depth
         past = self.boundary(i)
-
-        def local(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            pos = torch.searchsorted(tok, g.clamp(min=0))
-            inside = (g >= 0) & (pos < n)
-            inside &= tok[pos.clamp(max=n - 1)] == g
-            return torch.where(inside, pos, -1), inside
-
-        gpred = tree.pred[tok]
-        pred_local, pin = local(gpred)
-        pred_past = torch.where((gpred >= 0) & ~pin, tree.depth[gpred.clamp(min=0)], -1)
-        sub_end = torch.searchsorted(tok, tree.subtree_end[tok])
+        ctx = ancestor_index(tree.pred, max(conv_kernel - 1, 1), rows=tok)  # column 0: the predecessor
+        g = ctx.clamp(min=0)
+        ctx_past = torch.where((ctx >= 0) & (self._owner[g] != i), tree.depth[g], -1)
+        pred_past = ctx_past[:, 0]
         # boundary entries seen: subtree_end along the chain is non-increasing
         past_visible = torch.searchsorted(-tree.subtree_end[past], -tok, right=False) if past.numel() \
             else torch.zeros(n, dtype=torch.long)
-        # conv context along the path, split into local and boundary parts
-        conv_local, conv_past = [], []
-        c = gpred
-        for _ in range(conv_kernel - 1):
-            lc, cin = local(c)
-            conv_local.append(lc)
-            conv_past.append(torch.where((c >= 0) & ~cin, tree.depth[c.clamp(min=0)], -1))
-            c = torch.where(c >= 0, tree.pred[c.clamp(min=0)], c)
-        conv_index = torch.stack(conv_local, 1) if conv_local else torch.empty((n, 0), dtype=torch.long)
-        conv_past_index = torch.stack(conv_past, 1) if conv_past else torch.empty((n, 0), dtype=torch.long)
-        # local radix nodes: whole-tree node starts, plus tokens whose predecessor is not the previous
-        # local token (a piece's top, or a token after a cut); a token whose predecessor is in the
-        # boundary (pred_local == -1) always starts a node, also at local position 0
-        ar = torch.arange(n, dtype=torch.long)
-        is_cut = (tree.node_start[tree.node_id[tok]] == tok) | (pred_local != ar - 1) | (pred_local < 0)
-        node_start = torch.nonzero(is_cut).flatten()
-        Nn = node_start.numel()
-        node_end = torch.cat([node_start[1:], torch.tensor([n])])
-        node_id = torch.cumsum(is_cut.long(), 0) - 1
-        fp = pred_local[node_start]
-        node_parent = torch.where(fp >= 0, node_id[fp.clamp(min=0)], -1)
-        par = node_parent.tolist()
-        level = [0] * Nn
-        for k in range(Nn):
-            if par[k] >= 0:
-                level[k] = level[par[k]] + 1
-        node_past_parent = pred_past[node_start]
-
-        Tp = n if pad_to_multiple is None else -(-n // int(pad_to_multiple)) * int(pad_to_multiple)
-        if pad_to_multiple is not None and int(pad_to_multiple) < 1:
-            raise ValueError(f"pad_to_multiple: expected a positive integer, got {pad_to_multiple}")
-        npad = Tp - n
-        pad_ar = torch.arange(n, Tp, dtype=torch.long)
-        b = TreeBatch(
-            input_ids=_pad(tree.input_ids[tok], npad, 0),
-            position_ids=_pad(tree.depth[tok], npad, 0),
-            pred_index=_pad(pred_local, npad, -1),
-            loss_weight=_pad(w[tok], npad, 0.0),
-            subtree_end=torch.cat([sub_end, pad_ar + 1]),
-            node_id=torch.cat([node_id, Nn + torch.arange(npad)]),
-            node_start=torch.cat([node_start, pad_ar]),
-            node_end=torch.cat([node_end, pad_ar + 1]),
-            node_parent=_pad(node_parent, npad, -1),
-            node_level=_pad(torch.tensor(level, dtype=torch.long), npad, 0),
-            conv_index=_pad(conv_index, npad, -1),
-            tree=None,
-            num_tokens=n,
-            num_paths=int((self._owner[tree.path_end] == i).sum()),
-            normalize=normalize,
-            extras={"tokens": tok, "past_index": past, "past_visible": _pad(past_visible, npad, 0),
-                    "pred_past": _pad(pred_past, npad, -1), "conv_past_index": _pad(conv_past_index, npad, -1),
-                    "node_past_parent": _pad(node_past_parent, npad, -1)},
-        )
+        T, Nn = b.seq_len, b.num_nodes
+        real_nodes = b.node_start[:Nn] < n
+        node_past_parent = torch.full((Nn,), -1, dtype=torch.long)
+        node_past_parent[real_nodes] = pred_past[b.node_start[real_nodes]]
+        b.extras.update(past_index=past, past_visible=_pad(past_visible, T - n, 0), pred_past=_pad(pred_past, T - n, -1),
+                        conv_past_index=_pad(ctx_past[:, :conv_kernel - 1], T - n, -1),
+                        node_past_parent=node_past_parent)
         return b.to(device) if device is not None else b
 
     def batches(self, **kw) -> list[TreeBatch]:
@@ -535,7 +487,7 @@ def partition_redundancy_free(tree: Tree, capacity: int) -> RedundancyFreePlan:
     partition below them, and a partition with children holds only tokens of one path, so the
     activations alive at once (a chain) are at most ``longest path + C`` tokens.
     """
-    C = _check_capacity(capacity)
+    C = check_capacity(capacity)
     sh = TreeShape(tree)
     n_nodes = sh.num_nodes
     size = [sh.end[v] - sh.start[v] for v in range(n_nodes)]

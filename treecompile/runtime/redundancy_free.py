@@ -6,13 +6,14 @@
 :meth:`~treecompile.runtime.partition.RedundancyFreePlan.schedule`:
 
 - **forward of partition i** (parents first): its boundary tensors are gathered from its ancestors'
-  exports: per attention layer the K/V of the root-to-hang chain, per GDN layer the recurrent state
-  after the hang token, per conv the inputs of the chain tokens inside the kernel's reach, and the
-  hang token's final hidden row (it predicts the first token below the hang: that log-prob and its
-  loss weight stay in the child; the hidden row is fed, the gradient goes back through it).  The
+  exports: per attention layer the K/V of its boundary (the tokens from the root to the token it
+  hangs below, ``hang``), per GDN layer the recurrent state after the hang token, per conv the inputs
+  of the boundary tokens inside the kernel's reach, and the hang token's final hidden row (it
+  predicts the first token below the hang: that log-prob and its loss weight stay in the child; the
+  hidden row is fed, the gradient goes back through it).  The
   graph returns the partition's loss and its own per-layer tensors; the executor keeps only the rows
   that later partitions read (``plan.exported(i)`` for K/V, the children's hang tokens for states
-  and hidden rows, chain tails for conv inputs) together with their autograd graph, and hands
+  and hidden rows, boundary tails for conv inputs) together with their autograd graph, and hands
   descendants *detached leaves* of them (same storage, ``requires_grad``), so that a descendant's
   backward stops at the leaf and accumulates the boundary gradient in ``leaf.grad``;
 - **backward of partition i** (after all partitions below it): ``torch.autograd.backward([loss_i,
@@ -21,11 +22,12 @@
 
 Activations alive at any time: the graphs of one chain of partitions (the current one and its
 ancestors), at most ``longest path + C`` tokens for this planner (``plan.peak_chain_tokens()``),
-plus the exported boundary rows.  The summed partition losses equal the whole-tree loss and the
+plus the boundary rows kept for descendants.  The summed partition losses equal the whole-tree loss and the
 gradients equal the whole tree's (checked in float64 in ``tests/test_redundancy_free.py``).
 
-The graph runs eagerly (CPU reference ops; on CUDA the same ops run with their dense-mask
-reference, not a compiled kernel).
+Each partition runs through the model's one runner, ``tmodel.program.run(batch, boundary_inputs)``;
+on CUDA the lowering (``passes/lower_cuda.py``) runs a boundary program eagerly and unpadded, and
+its boundary ops run their dense-mask reference (no flex/fla lowering of them yet).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from treecompile.passes.expose_boundary import BoundarySpec
 from treecompile.runtime.metrics import Reuse, reuse
 from treecompile.runtime.partition import RedundancyFreePlan
 
@@ -53,30 +56,30 @@ class RedundancyFreeResult:
 
 @dataclass
 class _Alive:
-    """A partition whose forward ran and whose backward has not: its loss and exported rows."""
+    """A partition whose forward ran and whose backward has not: its loss and the rows it keeps for descendants."""
 
     loss: torch.Tensor
     num_tokens: int
     exports: list  # graph-attached tensors, one per leaf
     leaves: list  # detached, requires_grad: what descendants read
-    kv_tok: torch.Tensor  # whole-tree tokens (ascending) of the exported K/V rows
+    kv_tok: torch.Tensor  # whole-tree tokens (ascending) of the K/V rows kept for descendants
     hang_tok: torch.Tensor  # children's hang tokens (ascending): states and hidden rows
-    conv_tok: torch.Tensor  # chain-tail tokens (ascending) of the exported conv inputs
+    conv_tok: torch.Tensor  # boundary-tail tokens (ascending) of the conv inputs kept
     kv: dict = field(default_factory=dict)  # attention layer -> (k leaf, v leaf) [1, Hkv, E, D]
     states: dict = field(default_factory=dict)  # GDN layer -> leaf [E, Hv, Dk, Dv]
     conv: dict = field(default_factory=dict)  # conv layer -> leaf [1, C, E]
     hidden: torch.Tensor | None = None  # leaf [E, D]
 
 
-def _spec(tmodel):
-    spec = getattr(tmodel, "boundary", None)
+def _spec(tmodel) -> BoundarySpec:
+    spec = tmodel.program.boundary
     if spec is None:
         raise ValueError("run_redundancy_free needs a model compiled with treecompile.compile(model, boundary=True)")
     return spec
 
 
 def _conv_tails(plan: RedundancyFreePlan, width: int) -> list[torch.Tensor]:
-    """Per partition: its tokens (ascending) among the last ``width`` chain tokens of any partition's
+    """Per partition: its tokens (ascending) among the last ``width`` tokens of any partition's
     boundary (the conv context a descendant reads)."""
     tree = plan.tree
     owner = plan.owner
@@ -109,7 +112,7 @@ class _Executor:
         self.plan = plan
         self.normalize = normalize
         self.spec = _spec(tmodel)
-        self.width = self.spec["conv_width"]
+        self.width = self.spec.conv_width
         self.device = tmodel.device
         self.alive: dict[int, _Alive] = {}
         self.conv_tok = _conv_tails(plan, self.width) if self.width else None
@@ -123,8 +126,8 @@ class _Executor:
 
     # ------------------------------------------------------------------ gathering boundary rows
     def _gather_index(self, i: int, tokens: torch.Tensor, tok_of, what: str):
-        """Where the rows of ``tokens`` (whole-tree indices) live: the ancestors that own them (chain
-        order) and each token's row in the concatenation of those ancestors' exports."""
+        """Where the rows of ``tokens`` (whole-tree indices) live: the ancestors that own them (root
+        first) and each token's row in the concatenation of those ancestors' exports."""
         part = self.plan.partitions[i]
         owner = self.plan.owner[tokens]
         used = [a for a in part.ancestors if bool((owner == a).any())]
@@ -149,7 +152,7 @@ class _Executor:
         return src.index_select(dim, idx)
 
     def _empty(self, k: int, n: int) -> torch.Tensor:
-        shape, dtype = self.spec["input_shapes"][k]
+        shape, dtype = self.spec.input_shapes[k]
         dims = [n if d is None else d for d in shape]
         return torch.zeros(dims, dtype=dtype, device=self.device)
 
@@ -164,23 +167,23 @@ class _Executor:
         ex = batch.extras
         tokens = ex["tokens"]
         T = batch.seq_len
-        past = ex["past_index"]
+        boundary = ex["past_index"]  # whole-tree tokens of the boundary, root first
         hang = part.hang
         hang_depth = int(plan.tree.depth[hang]) if hang >= 0 else -1
 
         # predecessor rows: every boundary predecessor must be the hang token
-        pred_past = ex["pred_past"]
-        has_pp = pred_past >= 0
-        if bool(has_pp.any()) and bool((pred_past[has_pp] != hang_depth).any()):
-            q = int(torch.nonzero(has_pp & (pred_past != hang_depth))[0])
+        pred_boundary = ex["pred_past"]
+        has_pb = pred_boundary >= 0
+        if bool(has_pb.any()) and bool((pred_boundary[has_pb] != hang_depth).any()):
+            q = int(torch.nonzero(has_pb & (pred_boundary != hang_depth))[0])
             raise ValueError(f"partition {i}: token {int(tokens[q])} is predicted by boundary position "
-                             f"{int(pred_past[q])}, not by the hang token (depth {hang_depth})")
-        pred_index = torch.where(has_pp, T, batch.pred_index)
+                             f"{int(pred_boundary[q])}, not by the hang token (depth {hang_depth})")
+        pred_index = torch.where(has_pb, T, batch.pred_index)
         conv_index = batch.conv_index
         conv_used = torch.empty(0, dtype=torch.long)
         if self.width:
             cpi = ex["conv_past_index"]
-            conv_used = torch.unique(cpi[cpi >= 0])  # ascending chain positions
+            conv_used = torch.unique(cpi[cpi >= 0])  # ascending boundary positions
             rank = torch.searchsorted(conv_used, cpi.clamp(min=0))
             conv_index = torch.where(cpi >= 0, T + rank, conv_index)
             # local root nodes start from the state after the hang token
@@ -202,39 +205,39 @@ class _Executor:
 
         # boundary inputs, in the graph's order
         alive = self.alive
-        kv_at = self._gather_index(i, past, lambda a: alive[a].kv_tok, "K/V") if past.numel() else None
+        kv_at = self._gather_index(i, boundary, lambda a: alive[a].kv_tok, "K/V") if boundary.numel() else None
         hang_at = self._gather_index(i, torch.tensor([hang]), lambda a: alive[a].hang_tok, "hang") if hang >= 0 else None
-        conv_at = self._gather_index(i, past[conv_used], lambda a: alive[a].conv_tok, "conv input") \
+        conv_at = self._gather_index(i, boundary[conv_used], lambda a: alive[a].conv_tok, "conv input") \
             if conv_used.numel() else None
         extra = []
-        for k, (kind, layer) in enumerate(spec["inputs"]):
-            if kind in ("past_k", "past_v"):
-                j = 0 if kind == "past_k" else 1
+        for k, (kind, layer) in enumerate(spec.inputs):
+            if kind in ("boundary_k", "boundary_v"):
+                j = 0 if kind == "boundary_k" else 1
                 extra.append(self._take(kv_at, lambda a: alive[a].kv[layer][j], 2) if kv_at else self._empty(k, 0))
-            elif kind == "past_visible":
+            elif kind == "boundary_visible":
                 extra.append(ex["past_visible"].to(self.device))
             elif kind == "initial_state":
                 extra.append(self._take(hang_at, lambda a: alive[a].states[layer], 0)[0] if hang_at
                              else self._empty(k, 0))
             elif kind == "state_nodes":
                 extra.append(state_nodes.to(self.device))
-            elif kind == "past_x":
+            elif kind == "boundary_x":
                 extra.append(self._take(conv_at, lambda a: alive[a].conv[layer], 2) if conv_at else self._empty(k, 0))
-            elif kind == "past_hidden":
+            elif kind == "boundary_hidden":
                 extra.append(self._take(hang_at, lambda a: alive[a].hidden, 0) if hang_at else self._empty(k, 0))
             else:
                 raise ValueError(f"unknown boundary input {kind!r}")
-        outs = self.tm.graph_module(*self.tm.graph_inputs(b2), *extra)
+        outs = self.tm.program.run(b2, extra)
         loss, lp = outs[0], outs[1]
 
         # exports: the rows descendants read
         dev = self.device
         st = _Alive(loss=loss, num_tokens=batch.num_tokens, exports=[], leaves=[], kv_tok=kv_tok,
                     hang_tok=hang_tok, conv_tok=conv_tok)
-        kv_pos = _local(tokens, kv_tok, "exported K/V", i).to(dev)
-        conv_pos = _local(tokens, conv_tok, "exported conv input", i).to(dev)
+        kv_pos = _local(tokens, kv_tok, "K/V kept for descendants", i).to(dev)
+        conv_pos = _local(tokens, conv_tok, "conv input kept for descendants", i).to(dev)
         has_children = bool(part.children)
-        for (kind, layer), t in zip(spec["outputs"], outs[2:]):
+        for (kind, layer), t in zip(spec.outputs, outs[2:]):
             if not has_children:
                 break
             if kind in ("k", "v"):

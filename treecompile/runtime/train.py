@@ -12,7 +12,8 @@
 What a step computes.  The loss of a step is the loss of *all its paths taken together*, as if every
 path were run alone (``reference.run`` on the concatenated path list): with several trees the
 normalization counts the paths / trained tokens of the whole step
-(:class:`~treecompile.runtime.distributed.GlobalNorm`), not each tree's.  Each tree is run
+(:class:`~treecompile.runtime.normalization.GlobalNorm`, passed to the objective as ``norm``), not
+each tree's.  Each tree is run
 
 - whole (``budget=None``): one batch per tree;
 - ``mode="packed"`` (default when a budget is given): :func:`~treecompile.runtime.partition.pack`,
@@ -26,8 +27,9 @@ normalization counts the paths / trained tokens of the whole step
   :func:`~treecompile.runtime.redundancy_free.run_redundancy_free` (a model compiled with
   ``boundary=True``); every unique token computed once.  The partition graph computes the loss
   ``-(loss_weight * lp).sum()`` itself, so this mode takes the objectives *linear* in the
-  log-probs, whose per-token weights are fixed before the forward: ``SFT`` and ``PolicyGradient``.
-  Others are refused (their weights depend on the log-probs being computed).
+  log-probs, whose per-token weights are fixed before the forward and which say them
+  (``objective.token_weights(tree, norm, data)``: ``SFT``, ``PolicyGradient``).  Others are refused
+  (their weights depend on the log-probs being computed).
 
 Partitions run one after another, forward then backward, so at most one partition's activations
 (packed) or one chain of partitions (redundancy-free) are alive.  With an ``optimizer`` the step
@@ -39,7 +41,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -47,16 +48,17 @@ from typing import Sequence
 import torch
 
 from treecompile.runtime.data import TrajectoryTree
-from treecompile.runtime.distributed import GlobalNorm, partition_batch, tree_batch
 from treecompile.runtime.metrics import Reuse, dataset_reuse
-from treecompile.runtime.objectives import SFT, PolicyGradient
+from treecompile.runtime.normalization import GlobalNorm, partition_batch, tree_batch
+from treecompile.runtime.objectives import SFT
 from treecompile.runtime.partition import pack, partition_redundancy_free
+from treecompile.runtime.progress import Progress
 from treecompile.runtime.redundancy_free import run_redundancy_free
 from treecompile.tree import NORMALIZATIONS, Tree
 
 __all__ = ["train_step", "StepResult", "MODES"]
 
-MODES = ("packed", "redundancy_free")
+MODES = ("packed", "redundancy_free")  # partitioned modes; None: each tree whole (stats calls it "whole")
 
 
 @dataclass
@@ -100,49 +102,6 @@ def _items(tree_or_trees) -> list[_Item]:
     return out
 
 
-class _Progress:
-    """A one-line progress bar on stderr (no dependency), redrawn at most 10 times a second."""
-
-    def __init__(self, total: int, enabled: bool, width: int = 30):
-        self.total, self.enabled, self.width = total, enabled, width
-        self.done = self.tokens = 0
-        self.t0 = self.last = time.perf_counter()
-
-    def update(self, tokens: int) -> None:
-        self.done += 1
-        self.tokens += tokens
-        now = time.perf_counter()
-        if self.enabled and (now - self.last >= 0.1 or self.done == self.total):
-            self.last = now
-            fill = self.width * self.done // max(self.total, 1)
-            sys.stderr.write(f"\rtrain_step [{'#' * fill}{'.' * (self.width - fill)}] {self.done}/{self.total} "
-                             f"batches, {self.tokens} tokens, {now - self.t0:.1f}s")
-            sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.enabled:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
-
-
-def _objective_normalize(objective, normalize: str) -> str:
-    n = getattr(objective, "normalize", None)
-    return normalize if n is None else n
-
-
-def _linear_weights(objective, item: _Item, norm: GlobalNorm | None, normalize: str) -> torch.Tensor:
-    """Whole-tree DFS weights of an objective linear in the log-probs (redundancy-free mode)."""
-    tree = item.tree
-    n = _objective_normalize(objective, normalize)
-    c = tree.path_coefficients(n) if norm is None else dataclasses.replace(norm, normalize=n).path_coefficients(tree)
-    if type(objective) is SFT:
-        return tree.aggregate(c)
-    if "advantages" not in item.extras:
-        raise ValueError("PolicyGradient: the tree has no advantages (give them in the data)")
-    A = torch.as_tensor(item.extras["advantages"], dtype=torch.float64)
-    if A.numel() != tree.num_paths or not bool(torch.isfinite(A).all()):
-        raise ValueError(f"advantages: expected {tree.num_paths} finite values, got {A.tolist()}")
-    return tree.aggregate(c * A)
 
 
 def train_step(tmodel, tree_or_trees: Tree | TrajectoryTree | Sequence[Tree | TrajectoryTree], objective=None,
@@ -153,7 +112,8 @@ def train_step(tmodel, tree_or_trees: Tree | TrajectoryTree | Sequence[Tree | Tr
     ``tmodel``: ``treecompile.compile(model)`` (``compile(model, boundary=True)`` for
     ``mode="redundancy_free"``).  ``objective``: one of :mod:`treecompile.runtime.objectives`
     (default ``SFT()``); its per-path/per-token data come from the TrajectoryTrees (``advantage``,
-    ``old_logprobs``, ``ref_logprobs`` in the JSONL).  ``budget``: tokens per partition (None: each
+    ``old_logprobs``, ``ref_logprobs`` in the JSONL); it is called as ``objective.loss(logprobs, batch,
+    norm=step_norm)`` with the step's :class:`~treecompile.runtime.normalization.GlobalNorm`.  ``budget``: tokens per partition (None: each
     tree whole).  ``mode``: ``"packed"`` (default with a budget) or ``"redundancy_free"``.
     ``normalize``: the step's normalization (an objective's own ``normalize`` wins).  ``progress``:
     a progress bar on stderr.
@@ -170,16 +130,16 @@ def train_step(tmodel, tree_or_trees: Tree | TrajectoryTree | Sequence[Tree | Tr
     if not hasattr(objective, "loss"):
         raise TypeError(f"objective: expected an objective with .loss(logprobs, batch), got {type(objective).__name__}")
     if mode == "redundancy_free":
-        if type(objective) not in (SFT, PolicyGradient):
-            raise ValueError(f"mode='redundancy_free' runs objectives linear in the log-probs (SFT, PolicyGradient); "
-                             f"{type(objective).__name__} is not (use mode='packed')")
+        if not hasattr(objective, "token_weights"):
+            raise ValueError(f"mode='redundancy_free' runs objectives linear in the log-probs, those with "
+                             f"token_weights (SFT, PolicyGradient); {type(objective).__name__} is not (use mode='packed')")
         if getattr(tmodel, "boundary", None) is None:
             raise ValueError("mode='redundancy_free' needs a model compiled with treecompile.compile(model, boundary=True)")
     elif getattr(tmodel, "boundary", None) is not None:
         raise ValueError(f"this model was compiled with boundary=True: use mode='redundancy_free' (got mode={mode!r})")
 
     items = _items(tree_or_trees)
-    norm = GlobalNorm.from_trees([it.tree for it in items], normalize) if len(items) > 1 else None
+    norm = GlobalNorm.from_trees([it.tree for it in items], normalize)
     t0 = time.perf_counter()
     # plan every tree first (cheap), so that the progress bar knows the total
     plans = []
@@ -188,14 +148,14 @@ def train_step(tmodel, tree_or_trees: Tree | TrajectoryTree | Sequence[Tree | Tr
             if mode == "packed":
                 plans.append(pack(it.tree, budget))
             elif mode == "redundancy_free":
-                w = _linear_weights(objective, it, norm, normalize)
+                w = objective.token_weights(it.tree, norm, it.extras)
                 plans.append(dataclasses.replace(partition_redundancy_free(it.tree, budget), token_weights=w))
             else:
                 plans.append(None)
         except ValueError as e:
             raise ValueError(f"{it.label}: {e}") from None
     total = sum(1 if p is None else len(p) for p in plans)
-    bar = _Progress(total, progress)
+    bar = Progress(total, "train_step", enabled=progress, unit="batches")
 
     if optimizer is not None:
         optimizer.zero_grad(set_to_none=True)
@@ -215,13 +175,10 @@ def train_step(tmodel, tree_or_trees: Tree | TrajectoryTree | Sequence[Tree | Tr
                 continue
             n_tree = 0
             for i in range(1 if plan is None else len(plan)):
-                if plan is None:
-                    batch = tree.to_batch(normalize=normalize) if norm is None else tree_batch(tree, norm)
-                else:
-                    batch = plan.batch(i, normalize=normalize) if norm is None else partition_batch(plan, i, norm)
+                batch = tree_batch(tree, norm) if plan is None else partition_batch(plan, i, norm)
                 batch.extras.update(it.extras)
                 out = tmodel(batch)
-                loss = objective.loss(out.logprobs, batch)
+                loss = objective.loss(out.logprobs, batch, norm=norm)
                 if loss.requires_grad:
                     loss.backward()
                 loss_sum += loss.detach().to(torch.float64).cpu()

@@ -1,4 +1,5 @@
-"""Exact optima of packed partitioning for small trees (ground truth for the heuristic's cost).
+"""Exact optima of packed partitioning for small trees: the oracle that tests and
+``benchmarks/bench_partition.py`` measure :func:`~treecompile.runtime.partition.pack`'s cost against.
 
 A packed partition is prefix-closed; giving every leaf to one partition that holds it and shrinking
 each partition to the union of its leaves' root paths never raises the cost (every token lies on
@@ -19,7 +20,7 @@ notes/partition.md):
 
 from __future__ import annotations
 
-from treecompile.runtime.partition import TreeShape, _check_capacity, _leaf_order
+from treecompile.runtime.partition import TreeShape, check_capacity, leaf_order
 from treecompile.tree import Tree
 
 __all__ = ["dp_single_path", "dp_multi_path", "leaf_groups_cost"]
@@ -34,10 +35,10 @@ def _check_fits(tree: Tree, C: int) -> None:
 
 def dp_single_path(tree: Tree, capacity: int, *, order: str = "deepest") -> int:
     """Minimum cost over cuts of the leaf sequence (``order`` as in :func:`pack`) into runs."""
-    C = _check_capacity(capacity)
+    C = check_capacity(capacity)
     _check_fits(tree, C)
     sh = TreeShape(tree)
-    leaves, lcps = _leaf_order(sh, order)
+    leaves, lcps = leaf_order(sh, order)
     L = len(leaves)
     lens = [sh.leaf_len(n) for n in leaves]
     # S[k] = sum_{m<k} (len_m - lcp_m), so union(j..i-1) = len_j + S[i] - S[j+1]
@@ -72,7 +73,7 @@ def leaf_groups_cost(tree: Tree, groups) -> int:
 
 def dp_multi_path(tree: Tree, capacity: int, *, max_leaves: int = 12) -> int:
     """Minimum cost over all groupings of the leaves (exact optimum of packed partitioning)."""
-    C = _check_capacity(capacity)
+    C = check_capacity(capacity)
     _check_fits(tree, C)
     sh = TreeShape(tree)
     leaves = [n for n in range(sh.num_nodes) if sh.is_leaf(n)]

@@ -1,8 +1,11 @@
-"""Tree attention through dense attention kernels (cuDNN, flash): contenders of bench_attention.py.
+"""Tree attention through dense attention kernels (cuDNN, flash): exact decompositions, timed by
+``benchmarks/bench_attention.py --dense``.
 
 Measured slower than compiled FlexAttention with the tree BlockMask on an H200 (torch 2.11; numbers
-in benchmarks/RESULTS.md, "Dense decompositions"), so the library does not use them; they stay here,
-tested, so that the comparison can be re-run when the kernels underneath change.
+in benchmarks/RESULTS.md, "Dense decompositions"), so ``treecompile.compile`` does not use them.  They
+live in ``ops/`` (tensors and kernels only, like the other tree-attention ops) rather than in
+``benchmarks/`` so that their tests (tests/test_dense_tree_attention.py) import library code and the
+comparison can be re-run when the kernels underneath change.
 
 In DFS order the tokens between two consecutive leaves form a chain: the tokens that the path to the
 second leaf adds to the tree.  Call it the path's *segment*.  Segments tile the sequence, and a query

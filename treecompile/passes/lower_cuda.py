@@ -1,0 +1,143 @@
+"""lower_cuda: the rewritten graph as it runs on CUDA, chosen by typed :class:`CudaOptions`.
+
+``treecompile::tree_attention`` is a registered op so that rewritten programs save and load by
+name; on CUDA it is lowered, in a *copy* of the rewritten graph, to ``flex_attention`` under one
+BlockMask input (a new last placeholder ``tree_block_mask``, built once per batch from the tree by
+``ops.flex_tree_attention.tree_block_mask``, O(blocks)), so that inductor compiles the attention
+kernel and its backward together with the rest of the graph.  ``treecompile::tree_gated_delta_rule``
+is lowered to flash-linear-attention's varlen kernel when the resolved ``gdn_kernel`` is ``"fla"``.
+
+The lowering also decides how the copy runs (:class:`CudaLowering`): under ``torch.compile`` with
+static shapes and sequence lengths padded to buckets (``program.bucket_length``: at most one compile
+per bucket), or eagerly.  A *boundary* program (``expose_boundary``) runs eagerly and unpadded: its
+boundary inputs are indexed by the partition's own tokens (padding would have to pad them too) and
+every partition has its own length; its ops have no flex/fla lowering yet, so nothing is replaced.
+
+Unlike the passes of ``pipeline.py`` it runs at the first CUDA call, not at compile time, and
+returns a new graph module: the rewritten graph (the one ``treecompile.save`` writes) is untouched.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+from torch.nn.attention.flex_attention import flex_attention
+
+import treecompile.ops.tree_attention  # noqa: F401  (registers the ops lowered here)
+import treecompile.ops.tree_gdn  # noqa: F401
+from treecompile.ops.flex_tree_attention import kernel_options_for, tree_attention_flex
+
+__all__ = ["CudaOptions", "CudaLowering", "lower_cuda", "resolve_gdn_kernel", "GDN_KERNELS"]
+
+TREE_ATTENTION = torch.ops.treecompile.tree_attention.default
+TREE_GDN = torch.ops.treecompile.tree_gated_delta_rule.default
+
+# Gated DeltaNet kernel on CUDA: "fla" (flash-linear-attention, one varlen call per tree level),
+# "reference" (the registered op's torch implementation), "auto" (fla if installed, else reference
+# with a warning).  On CPU the reference always runs.
+GDN_KERNELS = ("auto", "fla", "reference")
+
+
+@dataclass(frozen=True)
+class CudaOptions:
+    """How a TreeModel runs on CUDA (ignored on CPU, where the rewritten graph runs eagerly).
+
+    compile_cuda: run the lowered graph under ``torch.compile`` (else eagerly, flex compiled alone).
+    bucket: pad sequence lengths to ``bucket_length`` buckets (bounded recompiles).
+    gdn_kernel: one of ``GDN_KERNELS``.
+    recompile_limit: dynamo's ``recompile_limit`` while a compiled graph runs (one compile per length
+        bucket needs room for many), applied with ``torch._dynamo.config.patch`` around each call
+        only: the global setting is left as it is.  Never lowers a higher global limit.
+    """
+
+    compile_cuda: bool = True
+    bucket: bool = True
+    gdn_kernel: str = "auto"
+    recompile_limit: int = 64
+
+    def __post_init__(self):
+        if self.gdn_kernel not in GDN_KERNELS:
+            raise ValueError(f"gdn_kernel: expected one of {GDN_KERNELS}, got {self.gdn_kernel!r}")
+
+
+@dataclass
+class CudaLowering:
+    """What :func:`lower_cuda` made: the graph to run and how to run it."""
+
+    graph_module: fx.GraphModule  # the rewritten graph's placeholders, then ``tree_block_mask``
+    attention: int  # tree_attention calls lowered to flex (0: feed None for the block mask)
+    gdn_fla: int  # tree GDN calls lowered to fla
+    compiled: bool  # run under torch.compile(dynamic=False)
+    bucket: bool  # pad the batch to bucket_length(T) and cut the outputs back to T
+
+
+@torch._dynamo.disable  # a host-side level schedule and fla's autograd Functions: kept out of dynamo
+def _gdn_fla(*args, **kwargs):
+    from treecompile.ops.fla_gdn import tree_gated_delta_rule_fla
+
+    return tree_gated_delta_rule_fla(*args, **kwargs)
+
+
+def resolve_gdn_kernel(requested: str) -> str:
+    """``"auto"`` -> ``"fla"`` when flash-linear-attention imports, else ``"reference"`` (with a warning)."""
+    from treecompile.ops.fla_gdn import fla_unusable_reason
+
+    if requested == "reference":
+        return requested
+    reason = fla_unusable_reason()
+    if reason is None:
+        return "fla"
+    if requested == "fla":
+        raise RuntimeError(f"gdn_kernel='fla': {reason}")
+    warnings.warn(f"{reason}; Gated DeltaNet layers run the slow reference implementation on CUDA",
+                  stacklevel=3)
+    return "reference"
+
+
+def _flex(q, k, v, block_mask, scale):
+    """Inside a graph that runs under torch.compile: inductor compiles flex with the rest."""
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
+                          kernel_options=kernel_options_for(q))
+
+
+def _flex_eager(q, k, v, block_mask, scale):
+    """In a graph that runs eagerly: the separately compiled flex kernel (never the T^2 eager flex)."""
+    return tree_attention_flex(q, k, v, block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def _replace(graph: fx.Graph, n: fx.Node, target, args, kwargs=None) -> None:
+    with graph.inserting_before(n):
+        new = graph.call_function(target, tuple(args), dict(kwargs or {}))
+    new.meta = dict(n.meta)
+    n.replace_all_uses_with(new)
+    graph.erase_node(n)
+
+
+def lower_cuda(gm: fx.GraphModule, options: CudaOptions, *, boundary: bool = False) -> CudaLowering:
+    """A copy of ``gm`` for CUDA (module docstring).  ``boundary``: ``gm`` is a boundary program."""
+    compiled = options.compile_cuda and not boundary
+    gdn_kernel = resolve_gdn_kernel(options.gdn_kernel)
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    last_ph = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    with graph.inserting_after(last_ph):
+        mask = graph.placeholder("tree_block_mask")
+    attention = gdn_fla = 0
+    for n in list(graph.nodes):
+        if n.op == "call_function" and n.target == TREE_ATTENTION:
+            q, k, v, _subtree_end = n.args[:4]
+            scale = n.args[4] if len(n.args) > 4 else n.kwargs.get("scale")
+            _replace(graph, n, _flex if compiled else _flex_eager, (q, k, v, mask, scale))
+            attention += 1
+        elif n.op == "call_function" and n.target == TREE_GDN and gdn_kernel == "fla":
+            _replace(graph, n, _gdn_fla, n.args, n.kwargs)
+            gdn_fla += 1
+    graph.eliminate_dead_code()
+    return CudaLowering(graph_module=fx.GraphModule(gm, graph), attention=attention, gdn_fla=gdn_fla,
+                        compiled=compiled, bucket=options.bucket and not boundary)

@@ -1,0 +1,246 @@
+"""``TreeProgram``: the rewritten graph and the one way to run it.
+
+Every caller runs the rewritten graph through :meth:`TreeProgram.run`: ``TreeModel.forward``, the
+redundancy-free executor (``runtime.redundancy_free``, with boundary inputs), split segments
+(``TreeModel.split_at``) and the re-export in ``treecompile.save``.  It holds
+
+- the rewritten *lifted* graph (parameters, buffers and constants are its first inputs, looked up
+  on the model at every call by FQN, so optimizers, ``load_state_dict`` and FSDP's parameter swaps
+  are seen; :attr:`lifted` lists them);
+- the batch inputs that follow: :attr:`user_inputs` (the model's own, fed ``input_ids [1, T]`` or
+  None) and :attr:`tree_inputs` (``TreeBatch`` field names, fed as ``tree_<field>``), then the
+  boundary inputs of a boundary program (:attr:`boundary`, a ``passes.expose_boundary.BoundarySpec``);
+- how it runs on CUDA (:attr:`options`, ``passes.lower_cuda.CudaOptions``): on CPU the graph runs
+  eagerly (tests, float64 exactness); on CUDA its lowering (``passes.lower_cuda.lower_cuda``, made at
+  the first CUDA call and kept) runs, compiled per length bucket or eagerly as the lowering decides.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import fx, nn
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind
+
+from treecompile.passes.expose_boundary import BoundarySpec
+from treecompile.passes.lower_cuda import CudaLowering, CudaOptions, lower_cuda
+from treecompile.passes.split_modules import Segment, split_by_modules
+from treecompile.tree import TreeBatch, ancestor_index
+
+__all__ = ["TreeProgram", "LiftedInput", "SplitGraph", "bucket_length"]
+
+
+def bucket_length(T: int, *, min_bucket: int = 256, steps_per_octave: int = 8) -> int:
+    """Round ``T`` up to a bucket: multiples of 2^(floor(log2 T)) / steps_per_octave (>= min_bucket).
+
+    Padding is below 1/steps_per_octave of T, and lengths up to L fall in about
+    steps_per_octave * log2(L / min_bucket) buckets, one compiled graph each.
+    """
+    if T <= min_bucket:
+        return min_bucket
+    step = max(min_bucket, (1 << (T.bit_length() - 1)) // steps_per_octave)
+    return math.ceil(T / step) * step
+
+
+@dataclass(frozen=True)
+class LiftedInput:
+    """A lifted placeholder of the rewritten graph: a parameter, buffer or constant of the model."""
+
+    name: str  # placeholder name
+    kind: InputKind  # PARAMETER, BUFFER or CONSTANT_TENSOR
+    target: str  # FQN in the model (key in ``exported_program.constants`` for constants)
+
+
+@dataclass
+class SplitGraph:
+    """A graph cut by :meth:`TreeProgram.split_graph`, with what running it needs precomputed."""
+
+    segments: list[tuple[Segment, object]]  # (segment, callable running its graph), in graph order
+    batch_names: list[str]  # the graph's non-lifted placeholders, in order (batch, boundary, mask)
+    result: list[str]  # names of the graph's outputs
+
+
+@dataclass
+class _CudaState:
+    lowering: CudaLowering
+    run: object  # the (compiled) lowered graph module, or a SplitGraph of it
+
+
+class TreeProgram:
+    """The rewritten graph of one model and the one way to run it (module docstring)."""
+
+    def __init__(self, model: nn.Module, exported_program: ExportedProgram, *, input_name: str,
+                 user_inputs: Sequence[str], tree_inputs: Sequence[str], conv_width: int | None,
+                 boundary: BoundarySpec | None = None, options: CudaOptions = CudaOptions()):
+        self.model = model  # holds the tensors the lifted placeholders name
+        self.exported_program = exported_program
+        self.graph_module: fx.GraphModule = exported_program.graph_module
+        self.lifted = [LiftedInput(s.arg.name, s.kind, s.target) for s in exported_program.graph_signature.input_specs
+                       if s.kind != InputKind.USER_INPUT]
+        self.input_name = input_name
+        self.user_inputs = list(user_inputs)
+        self.tree_inputs = list(tree_inputs)
+        self.conv_width = conv_width  # K-1 of the model's causal convs (None: no conv)
+        self.boundary = boundary  # not None: a partition graph of a redundancy-free plan
+        self.options = options
+        self.split_owners: list[str] = []
+        self._lifted_by_name = {x.name: x for x in self.lifted}
+        self._aliases: dict[str, list[str]] = {}
+        self._cpu_split: SplitGraph | None = None
+        self._cuda: _CudaState | None = None
+
+    # ------------------------------------------------------------------ inputs
+    @property
+    def device(self) -> torch.device:
+        p = next(self.model.parameters(), None)
+        return p.device if p is not None else torch.device("cpu")
+
+    def lifted_value(self, x: LiftedInput, tensors: nn.Module | None = None) -> torch.Tensor:
+        """The tensor ``x`` names, looked up now on ``tensors`` (default: the model)."""
+        src = self.model if tensors is None else tensors
+        if x.kind == InputKind.PARAMETER:
+            return src.get_parameter(x.target)
+        if x.kind == InputKind.BUFFER:
+            return src.get_buffer(x.target)
+        return self.exported_program.constants[x.target]
+
+    def batch_args(self, batch: TreeBatch | Mapping[str, torch.Tensor]) -> list:
+        """The graph inputs that come from ``batch`` (after the lifted ones, before the boundary's).
+
+        ``batch``: a TreeBatch, or a mapping from ``input_ids`` (``[1, T]``) and tree field names to
+        tensors taken as they are (the re-export in ``treecompile.save``).
+        """
+        if isinstance(batch, Mapping):
+            ids = batch["input_ids"]
+            args = [ids if name == self.input_name else None for name in self.user_inputs]
+            return args + [batch[name] for name in self.tree_inputs]
+        args = [batch.input_ids[None] if name == self.input_name else None for name in self.user_inputs]
+        for name in self.tree_inputs:
+            if name == "conv_index" and batch.conv_index.shape[1] != self.conv_width:
+                args.append(ancestor_index(batch.pred_index, self.conv_width))
+            else:
+                args.append(getattr(batch, name))
+        return args
+
+    def inputs(self, batch: TreeBatch | Mapping[str, torch.Tensor], tensors: nn.Module | None = None) -> list:
+        """All inputs of the rewritten graph for ``batch``: the lifted values, then :meth:`batch_args`."""
+        return [self.lifted_value(x, tensors) for x in self.lifted] + self.batch_args(batch)
+
+    # ------------------------------------------------------------------ split
+    def split_at(self, owners: Sequence[str], aliases: dict[str, list[str]] | None = None) -> None:
+        """Run each FQN in ``owners``' part of the graph through that module's ``__call__`` (see
+        ``TreeModel.split_at``); ``aliases``: FQN -> other names of the same tensor (tied weights)."""
+        self.split_owners = list(owners)
+        self._aliases = dict(aliases or {})
+        self._cuda = None
+        # built now: a graph that cannot be split fails here, not at the first step
+        self._cpu_split = self.split_graph(self.graph_module) if self.split_owners else None
+
+    def split_graph(self, graph_module: fx.GraphModule, wrap=lambda gm: gm) -> SplitGraph:
+        """``graph_module`` (the rewritten graph or its CUDA lowering) cut at the ``split_at``
+        modules, each segment passed through ``wrap`` (e.g. ``torch.compile``) once."""
+        lifted_fqn = {x.name: x.target for x in self.lifted}
+        segments = split_by_modules(graph_module, self.split_owners, lifted_fqn, self._aliases)
+        nodes = list(graph_module.graph.nodes)
+        (result,) = [n.args[0] for n in nodes if n.op == "output"]
+        return SplitGraph(segments=[(seg, wrap(seg.graph_module)) for seg in segments],
+                          batch_names=[n.name for n in nodes if n.op == "placeholder"
+                                       and n.name not in self._lifted_by_name],
+                          result=[a.name for a in result])
+
+    def _run_segments(self, split: SplitGraph, batch_args: list) -> tuple:
+        """A module's segment through ``module.__call__``, with its lifted values looked up inside
+        the call (after the module's pre-forward hooks, e.g. FSDP2's all-gather)."""
+        if len(split.batch_names) != len(batch_args):
+            raise RuntimeError(f"graph takes {len(split.batch_names)} batch inputs, got {len(batch_args)}")
+        env = dict(zip(split.batch_names, batch_args))
+
+        def lifted(seg):
+            return [self.lifted_value(self._lifted_by_name[name]) for name in seg.lifted]
+
+        for seg, fn in split.segments:
+            ins = [env[name] for name in seg.inputs]
+            if seg.owner is None:
+                out = fn(*lifted(seg), *ins)
+            else:
+                module = self.model.get_submodule(seg.owner)
+
+                def forward(*args, _seg=seg, _fn=fn):
+                    return _fn(*lifted(_seg), *args)
+
+                had = "forward" in module.__dict__
+                saved = module.__dict__.get("forward")
+                module.forward = forward
+                try:
+                    out = module(*ins)
+                finally:
+                    if had:
+                        module.forward = saved
+                    else:
+                        del module.forward
+            env.update(zip(seg.outputs, out))
+        return tuple(env[name] for name in split.result)
+
+    # ------------------------------------------------------------------ running
+    def run(self, batch: TreeBatch | Mapping[str, torch.Tensor], boundary_inputs: Sequence = (), *,
+            tensors: nn.Module | None = None, lower: bool = True) -> tuple:
+        """Run the program on ``batch``; returns the graph's outputs as a tuple.
+
+        Outputs: ``(loss [], logprobs [T])``, then for a boundary program the tensors
+        ``boundary.outputs`` lists.  ``boundary_inputs``: one tensor per ``boundary.inputs`` entry
+        (boundary programs only).  A TreeBatch is moved to the model's device.  ``tensors``: look the
+        lifted values up on this module instead of the model (by FQN).  ``lower=False``: run the
+        rewritten graph as it is on any device (what ``treecompile.save`` re-exports), never its
+        CUDA lowering.
+        """
+        boundary_inputs = list(boundary_inputs)
+        want = 0 if self.boundary is None else len(self.boundary.inputs)
+        if len(boundary_inputs) != want:
+            raise TypeError(f"this program takes {want} boundary inputs, got {len(boundary_inputs)}"
+                            + ("" if want else " (compile with treecompile.compile(model, boundary=True))"))
+        if isinstance(batch, TreeBatch) and tensors is None and batch.input_ids.device != self.device:
+            batch = batch.to(self.device)
+        if lower and self.device.type == "cuda":
+            return self._run_cuda(batch, boundary_inputs)
+        args = self.batch_args(batch) + boundary_inputs
+        if self._cpu_split is not None and tensors is None:
+            return self._run_segments(self._cpu_split, args)
+        return tuple(self.graph_module(*[self.lifted_value(x, tensors) for x in self.lifted], *args))
+
+    def _cuda_state(self) -> _CudaState:
+        if self._cuda is None:
+            lowering = lower_cuda(self.graph_module, self.options, boundary=self.boundary is not None)
+
+            def wrap(fn):
+                return torch.compile(fn, dynamic=False) if lowering.compiled else fn
+
+            run = self.split_graph(lowering.graph_module, wrap=wrap) if self.split_owners \
+                else wrap(lowering.graph_module)
+            self._cuda = _CudaState(lowering, run)
+        return self._cuda
+
+    def _run_cuda(self, batch, boundary_inputs: list) -> tuple:
+        from treecompile.ops.flex_tree_attention import tree_block_mask
+
+        state = self._cuda_state()
+        T = batch.seq_len
+        if state.lowering.bucket:
+            batch = batch.padded(bucket_length(T))
+        args = self.batch_args(batch) + boundary_inputs
+        args.append(tree_block_mask(batch.subtree_end, validate=False) if state.lowering.attention else None)
+        limit = max(torch._dynamo.config.recompile_limit, self.options.recompile_limit)
+        patch = torch._dynamo.config.patch(recompile_limit=limit) if state.lowering.compiled \
+            else contextlib.nullcontext()
+        with patch:
+            if isinstance(state.run, SplitGraph):
+                out = self._run_segments(state.run, args)
+            else:
+                out = tuple(state.run(*[self.lifted_value(x) for x in self.lifted], *args))
+        if state.lowering.bucket:
+            out = (out[0], out[1][:T], *out[2:])
+        return out
