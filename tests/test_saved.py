@@ -207,6 +207,15 @@ def test_overwrite_failure_keeps_the_old_program_and_leaves_no_temporaries(saved
         assert {p.name: p.read_bytes() for p in target.iterdir()} == before, failing
 
 
+def _rehash(d: Path, name: str) -> None:
+    """Record ``d/name``'s current SHA-256 in the manifest (as an attacker or a careless edit would)."""
+    import hashlib
+
+    m = json.loads((d / saved.MANIFEST).read_text())
+    m["sha256"][name] = hashlib.sha256((d / name).read_bytes()).hexdigest()
+    (d / saved.MANIFEST).write_text(json.dumps(m))
+
+
 def test_load_errors_name_the_file(saved_models, tmp_path):
     src, _, _ = saved_models["dense"]
     with pytest.raises(saved.SavedProgramError, match="no such directory"):
@@ -214,6 +223,7 @@ def test_load_errors_name_the_file(saved_models, tmp_path):
     d = shutil.copytree(src, tmp_path / "a")
     w = d / saved.WEIGHTS
     w.write_bytes(w.read_bytes()[: w.stat().st_size // 2])  # truncated
+    _rehash(d, saved.WEIGHTS)  # the manifest agrees: the corrupt file itself is named
     with pytest.raises(saved.SavedProgramError, match=r"model\.safetensors: cannot read"):
         saved.load(d)
     d = shutil.copytree(src, tmp_path / "b")
@@ -228,5 +238,156 @@ def test_load_errors_name_the_file(saved_models, tmp_path):
         saved.load(d)
     d = shutil.copytree(src, tmp_path / "d")
     (d / saved.PROGRAM).write_bytes(b"not a zip")
+    _rehash(d, saved.PROGRAM)
     with pytest.raises(saved.SavedProgramError, match=r"program\.pt2: cannot load"):
         saved.load(d)
+
+
+# ---------------------------------------------------------------------------------------------- loading runs no code
+class _Payload:
+    """Unpickling this creates the directory ``path`` (stands for any code an attacker would run)."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (os.mkdir, (self.path,))
+
+
+def _tamper(src: Path, dst: Path, edit) -> Path:
+    """A copy of the saved directory ``src`` whose program.pt2 entries went through ``edit(entries)``.
+
+    The manifest's SHA-256 is updated as an attacker would, so only the archive check stands in the way.
+    """
+    import zipfile
+
+    d = shutil.copytree(src, dst)
+    p = d / saved.PROGRAM
+    with zipfile.ZipFile(p) as z:
+        root = z.namelist()[0].split("/", 1)[0]
+        entries = {n.split("/", 1)[1]: z.read(n) for n in z.namelist()}
+    edit(entries)
+    with zipfile.ZipFile(p, "w") as z:
+        for n, b in entries.items():
+            z.writestr(f"{root}/{n}", b)
+    _rehash(d, saved.PROGRAM)
+    return d
+
+
+def _pickled_weight(marker):
+    def edit(entries):
+        cfg = json.loads(entries["data/weights/model_weights_config.json"])
+        meta = cfg["config"]["model.embed_tokens.weight"]
+        meta["use_pickle"] = True
+        entries["data/weights/" + meta["path_name"]] = __import__("pickle").dumps(_Payload(marker), protocol=2)
+        entries["data/weights/model_weights_config.json"] = json.dumps(cfg).encode()
+    return edit, r"entry 'data/weights/weight_\d+' \(model\.embed_tokens\.weight\) is marked use_pickle"
+
+
+def _pickled_sample_inputs(marker):
+    def edit(entries):
+        entries["data/sample_inputs/model.pt"] = __import__("pickle").dumps(_Payload(marker), protocol=2)
+    return edit, r"entry 'data/sample_inputs/model\.pt' holds a pickle"
+
+
+def _pickled_constant(marker):
+    def edit(entries):
+        entries["data/constants/opaque_obj_0"] = __import__("pickle").dumps(_Payload(marker), protocol=2)
+        entries["data/constants/model_constants_config.json"] = json.dumps(
+            {"config": {"c": {"path_name": "opaque_obj_0", "is_param": False, "use_pickle": True,
+                              "tensor_meta": None}}}).encode()
+    return edit, r"entry 'data/constants/opaque_obj_0' is not one a treecompile program holds"
+
+
+@pytest.mark.parametrize("attack", [_pickled_weight, _pickled_sample_inputs, _pickled_constant])
+def test_load_and_inspect_refuse_pickled_payloads_before_torch_runs_them(saved_models, tmp_path, capsys, attack):
+    src, _, _ = saved_models["dense"]
+    marker = tmp_path / "payload_ran"
+    edit, entry = attack(marker)
+    d = _tamper(src, tmp_path / "evil", edit)
+    # control: torch.export.load itself runs the payload (so this archive is a live attack)
+    try:
+        torch.export.load(d / saved.PROGRAM)
+    except Exception:
+        pass
+    assert marker.is_dir(), "the crafted payload did not run under torch.export.load: the test proves nothing"
+    marker.rmdir()
+
+    with pytest.raises(saved.SavedProgramError, match=r"program\.pt2: refused: " + entry):
+        saved.load(d)
+    assert not marker.exists()
+    assert cli.main(["inspect", str(d)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "program.pt2: refused: entry 'data/" in err, err
+    assert not marker.exists()
+
+
+def _graph_edit(change):
+    def edit(entries):
+        g = json.loads(entries["models/model.json"])
+        change(g)
+        entries["models/model.json"] = json.dumps(g).encode()
+    return edit
+
+
+def _set_target(target):
+    def change(g):
+        g["graph_module"]["graph"]["nodes"][3]["target"] = target
+    return change
+
+
+def _set_expr(g):
+    for v in g["graph_module"]["graph"]["sym_int_values"].values():
+        if v.get("as_expr"):
+            v["as_expr"]["expr_str"] = "Integer(1).__class__"
+            return
+    raise AssertionError("no symbolic size in the program")
+
+
+@pytest.mark.parametrize("change, message", [
+    (_set_target("torch.os.system"), r"calls 'torch\.os\.system': only torch\.ops\.aten"),
+    (_set_target("torch.ops.aten.save.default"), r"calls 'torch\.ops\.aten\.save\.default'"),
+    (_set_expr, r"symbolic expression 'Integer\(1\)\.__class__'"),
+    (lambda g: g.__setitem__("guards_code", ["__import__('os').mkdir('x')"]), r"guard"),
+], ids=["python-function", "file-writing-op", "sympify-eval", "guard-code"])
+def test_load_refuses_code_in_the_graph(saved_models, tmp_path, change, message):
+    src, _, _ = saved_models["dense"]
+    d = _tamper(src, tmp_path / "evil", _graph_edit(change))
+    with pytest.raises(saved.SavedProgramError, match=r"program\.pt2: refused: entry 'models/model\.json': .*" + message):
+        saved.load(d)
+
+
+def test_saved_program_is_data_only_and_hashes_are_checked(saved_models, tmp_path, capsys):
+    import zipfile
+
+    for name in saved_models:  # what save writes passes the check: no pickle at all
+        d = saved_models[name][0]
+        with zipfile.ZipFile(d / saved.PROGRAM) as z:
+            assert [i.file_size for i in z.infolist() if i.filename.endswith("sample_inputs/model.pt")] == [0]
+        assert saved.verify(d)["format"] == saved.FORMAT
+    src, _, _ = saved_models["dense"]
+    for f in (saved.WEIGHTS, saved.PROGRAM):
+        d = shutil.copytree(src, tmp_path / f)
+        data = bytearray((d / f).read_bytes())
+        data[-100] ^= 1
+        (d / f).write_bytes(bytes(data))
+        with pytest.raises(saved.SavedProgramError, match=rf"{f}: SHA-256 [0-9a-f]+\.\.\. does not match manifest\.json"):
+            saved.load(d)
+        assert cli.main(["inspect", str(d)]) == 1
+        assert f"{f}: SHA-256" in capsys.readouterr().err
+    d = shutil.copytree(src, tmp_path / "nohash")
+    m = json.loads((d / saved.MANIFEST).read_text())
+    del m["sha256"]
+    (d / saved.MANIFEST).write_text(json.dumps(m))
+    with pytest.raises(saved.SavedProgramError, match=r"manifest\.json: no SHA-256 recorded for program\.pt2"):
+        saved.load(d)
+
+
+def test_save_refuses_what_load_would_refuse_and_leaves_nothing(saved_models, tmp_path, monkeypatch):
+    from treecompile import program_check
+
+    _, _, tm = saved_models["dense"]
+    monkeypatch.setattr(program_check, "OP_NAMESPACES", ("torch.ops.treecompile.",))  # as if aten were not data
+    with pytest.raises(saved.SavedProgramError, match=r"cannot be saved as data only .*calls 'torch\.ops\.aten\."):
+        saved.save(tm, tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []

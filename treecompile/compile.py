@@ -134,6 +134,7 @@ class TreeModel(nn.Module):
         object.__setattr__(self, "program", program)
         self.pass_results = dict(pass_results)
         self.router_aux = None  # a router_aux.RouterAux when the graph returns router logits
+        self.vocab_size = input_vocab_size(program.graph_module, program.input_name, self.pass_results)
 
     @property
     def graph_module(self):
@@ -182,6 +183,7 @@ class TreeModel(nn.Module):
         if self.program.boundary is not None:
             raise TypeError("this TreeModel was compiled with boundary=True (partition graph); run it through "
                             "treecompile.runtime.redundancy_free.run_redundancy_free")
+        batch.check_ids(self.vocab_size)  # an id >= vocab is named here, not as an IndexError in the graph
         return self.tree_output(self.program.run(batch), batch)
 
     def tree_output(self, res: tuple, batch: TreeBatch) -> TreeOutput:
@@ -215,6 +217,18 @@ def _output_names(ep) -> tuple[str, ...]:
     for path, i in flat:
         names[i] = ".".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
     return tuple(names)
+
+
+def input_vocab_size(gm, input_name: str, pass_results: dict) -> int | None:
+    """The ids the graph accepts: rows of the embedding that reads ``input_name``, and the logits' width
+    (the ids are also the loss's targets); None where the graph shows neither."""
+    sizes = [n.args[0].meta["val"].shape[0] for n in gm.graph.nodes
+             if n.op == "call_function" and n.target == torch.ops.aten.embedding.default
+             and getattr(n.args[1], "name", None) == input_name and "val" in n.args[0].meta]
+    loss = pass_results.get("rewrite_loss")
+    if loss is not None and isinstance(loss.info.get("vocab"), int):
+        sizes.append(loss.info["vocab"])
+    return min(int(v) for v in sizes) if sizes else None
 
 
 def compile(model=None, *, disable: tuple[str, ...] = (), debug: bool = False,  # noqa: A001 (mirrors torch.compile)

@@ -29,6 +29,8 @@ loading imports ``treecompile.ops``.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import io
 import json
 import os
 import shutil
@@ -41,7 +43,7 @@ from torch import nn
 from torch.export import Dim
 from torch.export.graph_signature import InputKind
 
-__all__ = ["save", "load", "read_manifest", "SavedProgramError", "FORMAT", "PROGRAM", "WEIGHTS", "MANIFEST"]
+__all__ = ["save", "load", "verify", "read_manifest", "SavedProgramError", "FORMAT", "PROGRAM", "WEIGHTS", "MANIFEST"]
 
 FORMAT = "treecompile-saved/1"
 PROGRAM, WEIGHTS, MANIFEST = "program.pt2", "model.safetensors", "manifest.json"
@@ -259,10 +261,13 @@ def save(tmodel, directory: str | os.PathLike, *, manifest_extra: dict | None = 
 
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=parent))
     try:
+        ep.example_inputs = None  # torch would pickle them: a saved program holds data only
         with warnings.catch_warnings():  # the zero-stride stand-ins are "incomplete" by design
             warnings.filterwarnings("ignore", message="No complete tensor found")
             torch.export.save(ep, tmp / PROGRAM)
         safetensors.torch.save_file(weights, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        _check_written(tmp / PROGRAM)  # what load would refuse is not saved
+        manifest["sha256"] = {f: _sha256(tmp / f) for f in (PROGRAM, WEIGHTS)}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         umask = os.umask(0)
         os.umask(umask)  # mkdtemp makes 0700 and some writers 0600: give the usual modes
@@ -310,6 +315,59 @@ def read_manifest(directory: str | os.PathLike) -> dict:
     return m
 
 
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def verify(directory: str | os.PathLike) -> dict:
+    """The manifest of a saved directory whose files are intact and data only (what ``inspect`` shows).
+
+    Checks: the manifest; ``program.pt2`` and ``model.safetensors`` present with the SHA-256 the manifest
+    records; the program archive holds no pickle and no code (:func:`treecompile.program_check.check_program`).
+    Raises :class:`SavedProgramError` naming the file (and the archive entry).
+    """
+    return _verified(Path(directory))[0]
+
+
+def _check_written(path: Path) -> None:
+    from treecompile.program_check import UnsafeProgramError, check_program
+
+    try:
+        check_program(path.read_bytes())
+    except UnsafeProgramError as e:
+        raise SavedProgramError(f"the rewritten program cannot be saved as data only ({e}); "
+                                f"treecompile.load would refuse it") from None
+
+
+def _verified(d: Path) -> tuple[dict, bytes]:
+    """(manifest, the program's bytes): hashed and checked once, then handed to torch from memory."""
+    from treecompile.program_check import UnsafeProgramError, check_program
+
+    manifest = read_manifest(d)
+    sums = manifest.get("sha256")
+    for f in (PROGRAM, WEIGHTS):
+        if not (d / f).is_file():
+            raise SavedProgramError(f"{d / f}: missing")
+        if not isinstance(sums, dict) or not isinstance(sums.get(f), str):
+            raise SavedProgramError(f"{d / MANIFEST}: no SHA-256 recorded for {f} (written by an older "
+                                    f"treecompile: rewrite it)")
+    program = (d / PROGRAM).read_bytes()
+    for f, digest in ((PROGRAM, hashlib.sha256(program).hexdigest()), (WEIGHTS, _sha256(d / WEIGHTS))):
+        if digest != sums[f]:
+            raise SavedProgramError(f"{d / f}: SHA-256 {digest[:16]}... does not match {MANIFEST} "
+                                    f"({sums[f][:16]}...): the file changed after it was saved")
+    try:
+        check_program(program)
+    except UnsafeProgramError as e:
+        msg = str(e) if str(e).startswith("cannot load") else f"refused: {e}"
+        raise SavedProgramError(f"{d / PROGRAM}: {msg}") from None
+    return manifest, program
+
+
 def load(directory: str | os.PathLike, *, device=None, compile_cuda: bool = True, bucket: bool = True,
          gdn_kernel: str = "auto", attention_kernel: str = "auto"):
     """A :class:`~treecompile.compile.TreeModel` from a directory written by :func:`save`.
@@ -325,11 +383,8 @@ def load(directory: str | os.PathLike, *, device=None, compile_cuda: bool = True
     from treecompile.passes.lower_cuda import CudaOptions
 
     d = Path(directory)
-    manifest = read_manifest(d)
+    manifest, program = _verified(d)  # hashes match and the archive holds no pickle: torch may read it
     wpath, ppath = d / WEIGHTS, d / PROGRAM
-    for p in (wpath, ppath):
-        if not p.is_file():
-            raise SavedProgramError(f"{p}: missing")
     try:
         weights = safetensors.torch.load_file(str(wpath), device=str(device or "cpu"))
     except Exception as e:  # safetensors raises its own error types on corrupt headers
@@ -346,7 +401,7 @@ def load(directory: str | os.PathLike, *, device=None, compile_cuda: bool = True
             raise SavedProgramError(f"{wpath}: {k} is {str(w.dtype)}{list(w.shape)}, "
                                     f"{MANIFEST} says {s['dtype']}{s['shape']}")
     try:
-        ep = torch.export.load(ppath)
+        ep = torch.export.load(io.BytesIO(program))  # the bytes that were checked, not the file again
     except Exception as e:
         raise SavedProgramError(f"{ppath}: cannot load the exported program "
                                 f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from array import array
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -44,13 +45,25 @@ def _as_int_array(p, i: int) -> array:
         p = p.tolist()
     elif isinstance(p, (str, bytes)):
         raise ValueError(f"path {i}: expected a sequence of token ids, got {type(p).__name__}")
+    if isinstance(p, (list, tuple)) and bool in map(type, p):  # bool is an int: array('q') would take it
+        _refuse_non_int(p, i)
     try:
         a = array("q", p)
-    except (TypeError, OverflowError) as e:
+    except TypeError as e:  # floats, numpy bools, None, ...
+        _refuse_non_int(p, i)
+        raise ValueError(f"path {i}: token ids must be non-negative integers ({e})") from None
+    except OverflowError as e:
         raise ValueError(f"path {i}: token ids must be non-negative integers ({e})") from None
     if len(a) == 0:
         raise ValueError(f"path {i}: empty path")
     return a
+
+
+def _refuse_non_int(p, i: int) -> None:
+    """Raise ValueError naming the first id of path ``i`` that is not an integer (bools are not ids)."""
+    for j, x in enumerate(p):
+        if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+            raise ValueError(f"path {i}: token ids must be integers, got {x!r} ({type(x).__name__}) at position {j}")
 
 
 def _repeat_arange(counts: torch.Tensor) -> torch.Tensor:
@@ -603,6 +616,27 @@ class TreeBatch:
         extras = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.extras.items()}
         return TreeBatch(**kw, tree=self.tree, num_tokens=self.num_tokens, num_paths=self.num_paths,
                          normalize=self.normalize, extras=extras)
+
+    def check_ids(self, vocab_size: int | None) -> None:
+        """Raise ValueError naming the path and position of a token id outside ``[0, vocab_size)``.
+
+        Reads the CPU tree's ids when the batch has a tree (no device sync); ``None`` checks nothing.
+        """
+        if vocab_size is None:
+            return
+        ids = self.tree.input_ids if self.tree is not None else self.input_ids[: self.num_tokens]
+        if ids.numel() == 0:
+            return
+        lo, hi = torch.aminmax(ids)
+        if int(lo) >= 0 and int(hi) < vocab_size:
+            return
+        t = int(torch.nonzero((ids < 0) | (ids >= vocab_size))[0])
+        what = f"token id {int(ids[t])} is outside the model's vocabulary [0, {vocab_size})"
+        if self.tree is None:
+            raise ValueError(f"DFS token {t}: {what}")
+        j = int(torch.nonzero(self.tree.path_index == t)[0])
+        p = int(torch.searchsorted(self.tree.path_offsets, j, right=True)) - 1
+        raise ValueError(f"path {p}, position {j - int(self.tree.path_offsets[p])}: {what}")
 
     def path_logprobs(self, logprobs: torch.Tensor) -> list[torch.Tensor]:
         """Per-token DFS tensor ``[T]`` -> one tensor per path (path order); differentiable."""

@@ -1,0 +1,39 @@
+"""Bad token ids are refused up front, naming the path and position (not an IndexError inside the graph)."""
+
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from treecompile import Tree
+
+
+@pytest.mark.parametrize("paths, path, got, position", [
+    ([[True, False]], 0, "True (bool)", 0),
+    ([[1, 2], (3, 4, False)], 1, "False (bool)", 2),
+    ([[1, 2.0]], 0, "2.0 (float)", 1),
+    ([[1, 2], np.array([True, False])], 1, "(bool", 0),
+    ([[1, 2, np.float64(3.0)]], 0, "(float64)", 2),
+    ([[1, None]], 0, "None (NoneType)", 1),
+], ids=["bool", "bool-in-tuple", "float", "numpy-bool-array", "numpy-float", "none"])
+def test_from_paths_refuses_non_integer_ids(paths, path, got, position):
+    with pytest.raises(ValueError, match=rf"^path {path}: token ids must be integers, got .*{re.escape(got)}.* "
+                                         rf"at position {position}$"):
+        Tree.from_paths(paths)
+
+
+def test_from_paths_still_takes_integer_kinds():
+    t = Tree.from_paths([[1, 2, 3], np.array([1, 2, 4]), torch.tensor([1, 5]), (np.int32(1), np.int64(2))])
+    assert t.num_paths == 4 and t.num_tokens == 5
+
+
+def test_ids_outside_the_vocabulary_are_named_before_the_graph_runs(tmodel):
+    V = tmodel.vocab_size
+    assert V == tmodel.model.config.vocab_size
+    tmodel(Tree.from_paths([[1, V - 1, 2]]).to_batch())  # the largest id is fine
+    with pytest.raises(ValueError, match=rf"^path 2, position 3: token id {V} is outside the model's "
+                                         rf"vocabulary \[0, {V}\)"):
+        tmodel(Tree.from_paths([[1, 2, 3], [1, 2], [1, 2, 4, V, 5]]).to_batch())
+    with pytest.raises(ValueError, match=rf"position 1: token id {V + 7} is outside"):
+        tmodel(Tree.from_paths([[3, V + 7]]).to_batch().to("cpu"))
