@@ -51,6 +51,19 @@ def test_dense_tree_equals_per_path(dense, pmw, normalize, use_masks):
     assert rel(g_tree, g_ref) < 1e-9
 
 
+@pytest.mark.parametrize("normalize", NORMALIZATIONS)
+def test_dense_tiny_path_weight_next_to_an_untrained_path(dense, normalize):
+    """Regression (found by test_dense_tree_equals_per_path): path [1] trains nothing but its weight
+    1.5 entered a prefix sum of path weights that absorbed the 3e-136 of path [1, 2, 3], so the tree's
+    loss and gradient were exactly 0 (relative error 1.0)."""
+    model, tmodel = dense
+    loss_err, lp_err, g_tree, g_ref, out, ref, _ = compare(model, tmodel, [[1], [1, 2, 3]], None, [1.5, 3e-136],
+                                                           normalize)
+    assert float(ref.loss) != 0 and float(g_ref.norm()) > 0
+    assert lp_err < 1e-12 and loss_err < 1e-9
+    assert rel(g_tree, g_ref) < 1e-9
+
+
 @pytest.mark.parametrize("name", sorted(ODD_TREES))
 @pytest.mark.parametrize("normalize", NORMALIZATIONS)
 def test_dense_odd_trees(dense, name, normalize):
