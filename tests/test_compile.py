@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -40,16 +42,78 @@ def compare(model, tmodel, paths, masks, weights, normalize):
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(weighted_path_sets(max_paths=8, max_len=10, vocab=11), st.sampled_from(NORMALIZATIONS), st.booleans())
 def test_dense_tree_equals_per_path(dense, pmw, normalize, use_masks):
+    """Tree == per path, to 1e-9 relative, above the rounding floor of the per-path sum itself.
+
+    Both the reference and the tree add the same per-path terms c_p * s_p (s_p = a path's masked
+    loss), grouped differently, so each is exact up to a few eps * sum_p |c_p| |s_p| (loss) and
+    sum_p |c_p| |grad s_p| (gradient).  When the terms cancel (duplicate paths weighted w and -w next
+    to a path weighted 3e-136), the reference's own result is that rounding (here: loss and gradient
+    0, the tree's ~1e-136 being right), so no error relative to it alone is meaningful; 1e-12 of the
+    terms' magnitudes (~1e4 eps) is that floor, and 1e-9 relative to the result is kept on top.
+    Below the normal range (a path weight of 5e-324) rounding is absolute, not relative: each
+    operation may be off by up to the subnormal spacing ``math.ulp(0.0)``, hence ``SUBNORMAL_FLOOR``.
+    """
     model, tmodel = dense
     paths, masks, weights = pmw
-    loss_err, lp_err, g_tree, g_ref, *_ = compare(model, tmodel, paths, masks if use_masks else None,
-                                                  weights, normalize)
-    if float(g_ref.norm()) == 0:  # e.g. every trained token masked out
-        assert float(g_tree.norm()) == 0
-        return
+    masks = masks if use_masks else None
+    _, lp_err, g_tree, g_ref, out, ref, batch = compare(model, tmodel, paths, masks, weights, normalize)
+    loss_scale, grad_scale = per_path_term_magnitudes(model, paths, masks, batch.tree.path_coefficients(normalize))
     assert lp_err < 1e-12
-    assert loss_err < 1e-9
+    assert abs(float(out.loss - ref.loss)) <= 1e-9 * abs(float(ref.loss)) + 1e-12 * loss_scale + SUBNORMAL_FLOOR
+    assert safe_norm(g_tree - g_ref) <= (1e-9 * safe_norm(g_ref) + 1e-12 * grad_scale
+                                         + SUBNORMAL_FLOOR * math.sqrt(g_ref.numel()))
+
+
+SUBNORMAL_FLOOR = 1e4 * math.ulp(0.0)  # ~5e-320: 1e4 absolute roundings of a subnormal
+
+
+def safe_norm(x: torch.Tensor) -> float:
+    """2-norm that does not underflow (torch squares the entries: 1e-170 -> norm 0)."""
+    m = x.detach().abs().max()
+    return float(m * (x.detach() / m).norm()) if float(m) > 0 else 0.0
+
+
+def per_path_term_magnitudes(model, paths, masks, coef):
+    """(sum_p |c_p| |s_p|, sum_p |c_p| |grad s_p|): the scale of the rounding of sum_p c_p s_p."""
+    params = list(model.parameters())
+    loss_scale = grad_scale = 0.0
+    for p, path in enumerate(paths):
+        one = reference.run(model, [path], loss_masks=None if masks is None else [masks[p]])
+        if one.loss.requires_grad and float(coef[p]) != 0:
+            loss_scale += abs(float(coef[p])) * abs(float(one.loss))
+            grad_scale += abs(float(coef[p])) * safe_norm(flat_grads(one.loss, params))
+    return loss_scale, grad_scale
+
+
+def test_reference_cancellation_is_within_the_derived_floor(dense):
+    """The inputs that made test_dense_tree_equals_per_path's old relative measure ill-posed: the
+    reference loses the 3e-136 path ((s + 3e-136 s') - s == 0), the tree keeps it; the floor admits
+    the reference's error (test_dense_tiny_path_weight_next_to_an_untrained_path shows that it does
+    not admit a tree that loses a path which the reference keeps)."""
+    model, tmodel = dense
+    paths, weights = [[1, 2, 3], [1, 2, 4], [1, 2, 3]], [1.0, 3e-136, -1.0]
+    _, _, g_tree, g_ref, out, ref, batch = compare(model, tmodel, paths, None, weights, "sum")
+    assert float(ref.loss) == 0 and float(g_ref.norm()) == 0 and float(out.loss) != 0  # the reference rounds
+    loss_scale, grad_scale = per_path_term_magnitudes(model, paths, None, batch.tree.path_coefficients("sum"))
+    assert abs(float(out.loss - ref.loss)) <= 1e-12 * loss_scale
+    assert safe_norm(g_tree - g_ref) <= 1e-12 * grad_scale
+
+
+@pytest.mark.parametrize("normalize", NORMALIZATIONS)
+def test_dense_tiny_path_weight_next_to_an_untrained_path(dense, normalize):
+    """Regression (found by test_dense_tree_equals_per_path): path [1] trains nothing but its weight
+    1.5 entered a prefix sum of path weights that absorbed the 3e-136 of path [1, 2, 3], so the tree's
+    loss and gradient were exactly 0 (relative error 1.0)."""
+    model, tmodel = dense
+    paths = [[1], [1, 2, 3]]
+    loss_err, lp_err, g_tree, g_ref, out, ref, batch = compare(model, tmodel, paths, None, [1.5, 3e-136], normalize)
+    assert float(ref.loss) != 0 and float(g_ref.norm()) > 0
+    assert lp_err < 1e-12 and loss_err < 1e-9
     assert rel(g_tree, g_ref) < 1e-9
+    # the rounding floor of test_dense_tree_equals_per_path does not hide the bug: the old 0 fails it
+    loss_scale, grad_scale = per_path_term_magnitudes(model, paths, None, batch.tree.path_coefficients(normalize))
+    assert not abs(float(ref.loss)) <= 1e-9 * abs(float(ref.loss)) + 1e-12 * loss_scale
+    assert not safe_norm(g_ref) <= 1e-9 * safe_norm(g_ref) + 1e-12 * grad_scale
 
 
 @pytest.mark.parametrize("name", sorted(ODD_TREES))

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from treecompile import NORMALIZATIONS, Tree, TreeBatch
-from treecompile.tree import ancestor_index
+from treecompile.tree import _range_sums, ancestor_index
 from strategies import ODD_TREES, path_sets, weighted_path_sets
 
 
@@ -119,6 +119,58 @@ def test_default_mask_fast_path_matches_general(pmw, normalize):
     fast = tree.aggregate(coef)
     general = tree.aggregate(coef, tree.loss_mask)
     torch.testing.assert_close(fast, general, rtol=1e-12, atol=1e-12)
+
+
+def exact_token_weights(tree, coef):
+    """w(t) = sum over paths p through t of coef[p] (default masks), each sum exact (math.fsum),
+    and the scale of its rounding: sum of |coef[p]| over the same paths."""
+    terms = [[] for _ in range(tree.num_tokens)]
+    for p in range(tree.num_paths):
+        s, e = int(tree.path_offsets[p]), int(tree.path_offsets[p + 1])
+        for t in tree.path_index[s + 1:e].tolist():  # token 0 of a path is untrained
+            terms[t].append(float(coef[p]))
+    return ([math.fsum(x) for x in terms], [math.fsum(abs(v) for v in x) for x in terms])
+
+
+@settings(max_examples=80, deadline=None)
+@given(weighted_path_sets(), st.sampled_from(NORMALIZATIONS))
+def test_default_mask_token_weights_have_relative_accuracy(pmw, normalize):
+    """Each token's weight is accurate relative to its own paths' weights (no absolute tolerance):
+    rounding may not borrow magnitude from paths that do not pass through the token."""
+    paths, _, weights = pmw
+    tree = Tree.from_paths(paths, path_weights=weights)
+    coef = tree.path_coefficients(normalize)
+    exact, scale = exact_token_weights(tree, coef)
+    for got, want, sc in zip(tree.aggregate(coef).tolist(), exact, scale):
+        assert abs(got - want) <= 1e-14 * sc, (got, want, sc)
+
+
+def test_tiny_path_weight_is_not_absorbed_by_other_paths():
+    """Regression: w(t) was a difference of prefix sums over DFS path ends, so the tiny weight of
+    path [1, 2, 3] vanished in (0.75 + 1.5e-136) - 0.75 (path [1] ends before it, and trains
+    nothing): every token weight, the loss and the gradient were 0 instead of ~1e-136."""
+    tree = Tree.from_paths([[1], [1, 2, 3]], path_weights=[1.5, 3e-136])
+    for normalize in NORMALIZATIONS:
+        coef = tree.path_coefficients(normalize)
+        exact, _ = exact_token_weights(tree, coef)
+        assert tree.aggregate(coef).tolist() == exact
+        assert exact[1] == exact[2] == float(coef[1]) > 0
+    tree = Tree.from_paths([[4, 5], [4, 5, 6], [4, 7], [4, 5, 6], [4, 7, 8]],
+                           path_weights=[2.0, 1e-200, -2.0, 5e-324, 1.0])
+    coef = tree.path_coefficients("sum")
+    exact, scale = exact_token_weights(tree, coef)
+    assert tree.aggregate(coef).tolist() == exact
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 8, 13, 64, 100])
+def test_range_sums_add_only_their_own_range(n):
+    rng = random.Random(n)
+    vals = [rng.choice([1.5, -1.5, 3e-136, 1e-300, 0.0, rng.uniform(-2, 2)]) for _ in range(n)]
+    pairs = [(a, b) for a in range(n + 1) for b in range(a, n + 1)]
+    got = _range_sums(torch.tensor(vals, dtype=torch.float64), torch.tensor([a for a, _ in pairs]),
+                      torch.tensor([b for _, b in pairs])).tolist()
+    for (a, b), g in zip(pairs, got):
+        assert abs(g - math.fsum(vals[a:b])) <= 1e-14 * math.fsum(abs(v) for v in vals[a:b]), (a, b)
 
 
 def test_padding_sees_only_itself():

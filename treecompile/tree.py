@@ -389,15 +389,23 @@ class Tree:
 
         ``per_token`` is flat over path tokens (caller's order); None means the loss mask.
         With the default mask this needs no per-path-token work: a token's paths are the path
-        ends inside its subtree, so prefix sums over path ends give the sum (depth-0 tokens,
-        untrained by default, get 0).
+        ends inside its subtree, the DFS range ``[t, subtree_end[t])`` (depth-0 tokens, untrained
+        by default, get 0).  Those range sums add only the token's own paths' values
+        (:func:`_range_sums`); a difference of prefix sums would not: its rounding is relative to
+        every path ending before the range, e.g. ``(1.5 + 3e-136) - 1.5 == 0`` dropped a path.
         """
         per_path = per_path.to(torch.float64)
         if per_token is None and self._loss_mask is None:
-            acc = torch.zeros(self.num_tokens + 1, dtype=torch.float64)
-            acc[1:].index_add_(0, self.path_end, per_path)
-            acc = torch.cumsum(acc, 0)
-            w = acc[self.subtree_end] - acc[:-1]
+            # ranges over the distinct path ends only: token t sums ends[lo[t]:hi[t]]; runs of
+            # tokens with the same (lo, hi) (at most nodes + paths of them) are summed once
+            pos, which = torch.unique(self.path_end, return_inverse=True)
+            ends = torch.zeros(pos.numel(), dtype=torch.float64).index_add_(0, which, per_path)
+            lo = torch.searchsorted(pos, torch.arange(self.num_tokens))
+            hi = torch.searchsorted(pos, self.subtree_end)
+            new_run = torch.ones(self.num_tokens, dtype=torch.bool)
+            new_run[1:] = (lo[1:] != lo[:-1]) | (hi[1:] != hi[:-1])
+            first = torch.nonzero(new_run).flatten()
+            w = _range_sums(ends, lo[first], hi[first])[torch.cumsum(new_run.long(), 0) - 1]
             return torch.where(self.depth > 0, w, torch.zeros_like(w))
         if per_token is None:
             per_token = self._loss_mask
@@ -438,6 +446,32 @@ def path_coefficients(normalize: str, path_weights: torch.Tensor, *, num_paths: 
     if normalize == "path_mean":
         return torch.where(trained_counts > 0, c / (num_paths * trained_counts.clamp(min=1)), torch.zeros_like(c))
     return c / num_trained if num_trained > 0 else torch.zeros_like(c)
+
+
+def _range_sums(values: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """``sum(values[s:e])`` for every pair of ``starts``/``ends`` (same shape), vectorised.
+
+    A bottom-up segment tree over power-of-two aligned blocks (each block the pairwise sum of its
+    halves): a range is the disjoint union of at most two blocks per level, so each result adds
+    only values inside its own range, and its rounding error is relative to the sum of their
+    magnitudes (``cumsum[e] - cumsum[s]`` is relative to everything before ``s`` as well).
+    """
+    out = torch.zeros(starts.shape, dtype=values.dtype)
+    lo, hi = starts.clone(), ends.clone()  # half-open block ranges at the current level
+    level = values
+    while bool((lo < hi).any()):
+        last = max(level.numel() - 1, 0)
+        take = (lo < hi) & (lo % 2 == 1)  # a left edge that is a right child: add it, step right
+        out += torch.where(take, level[lo.clamp(max=last)], 0.0)
+        lo = lo + take.long()
+        take = (lo < hi) & (hi % 2 == 1)  # a right edge that is a right child: step left, add it
+        hi = hi - take.long()
+        out += torch.where(take, level[hi.clamp(max=last)], 0.0)
+        lo, hi = lo // 2, hi // 2
+        if level.numel() % 2:
+            level = torch.cat([level, level.new_zeros(1)])
+        level = level[0::2] + level[1::2]
+    return out
 
 
 def ancestor_index(pred: torch.Tensor, n: int, rows: torch.Tensor | None = None) -> torch.Tensor:
