@@ -305,11 +305,7 @@ def trained_counts(batch: TreeBatch) -> torch.Tensor:
     over a step's batches is the mean of ``x`` over all trained path tokens (``train_step``'s
     ``entropy`` metric)."""
     tree = _whole(batch)
-    n = tree.aggregate(torch.ones(tree.num_paths, dtype=torch.float64))
-    if _is_partition(batch):
-        tok, owned = batch.extras["tokens"].cpu(), batch.extras["owned"].cpu()
-        n = torch.where(owned, n[tok], torch.zeros((), dtype=torch.float64))
-    return _pad(n, batch, batch.loss_weight)
+    return _restrict(tree.aggregate(torch.ones(tree.num_paths, dtype=torch.float64)), batch, batch.loss_weight)
 
 
 # ---------------------------------------------------------------------- path-level objective
