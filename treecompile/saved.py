@@ -95,20 +95,17 @@ class _Holder(nn.Module):
 
 def _example(tm) -> tuple[torch.Tensor, dict, dict]:
     """Example inputs (a small tree: T=10 tokens, N=6 nodes) and their dynamic shapes."""
-    from treecompile.tree import Tree, ancestor_index
+    from treecompile.tree import Tree
 
     tree = Tree.from_paths([[1, 2, 3, 4, 5], [1, 2, 3, 6, 7], [1, 2, 8], [9, 1]])
     b = tree.to_batch()
     dev = tm.device
     prog = tm.program
     T, N = Dim("T", min=2, max=1 << 24), Dim("N", min=2, max=1 << 24)
-    tree_inputs, tree_dyn = {}, {}
-    for name in prog.tree_inputs:
-        v = getattr(b, name)
-        if name == "conv_index" and prog.conv_width is not None and v.shape[1] != prog.conv_width:
-            v = ancestor_index(b.pred_index, prog.conv_width)
-        tree_inputs[name] = v.to(dev)
-        tree_dyn[name] = {0: N} if name.startswith("node_") else {0: T}
+    # the program's own batch inputs (conv_index at its conv width), after the user inputs
+    values = prog.batch_args(b)[len(prog.user_inputs):]
+    tree_inputs = {name: v.to(dev) for name, v in zip(prog.tree_inputs, values, strict=True)}
+    tree_dyn = {name: {0: N} if name.startswith("node_") else {0: T} for name in prog.tree_inputs}
     assert b.seq_len == 10 and b.num_nodes == 6, "the example must keep T and N apart"
     return b.input_ids[None].to(dev), tree_inputs, {"input_ids": {1: T}, "tree": tree_dyn}
 
