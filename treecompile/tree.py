@@ -66,13 +66,6 @@ def _refuse_non_int(p, i: int) -> None:
             raise ValueError(f"path {i}: token ids must be integers, got {x!r} ({type(x).__name__}) at position {j}")
 
 
-def _repeat_arange(counts: torch.Tensor) -> torch.Tensor:
-    """concat(arange(c) for c in counts), vectorised."""
-    total = int(counts.sum())
-    starts = torch.cumsum(counts, 0) - counts
-    return torch.arange(total, dtype=torch.long) - torch.repeat_interleave(starts, counts, output_size=total)
-
-
 def _lcp(x: bytes, y: bytes) -> int:
     """Longest common prefix, in tokens, of two paths stored as 8-byte-per-token bytes.
 
