@@ -56,7 +56,7 @@ from treecompile.runtime.objectives import SFT, trained_counts
 from treecompile.runtime.partition import pack, partition_redundancy_free
 from treecompile.runtime.progress import Progress
 from treecompile.runtime.redundancy_free import run_redundancy_free
-from treecompile.tree import NORMALIZATIONS, Tree
+from treecompile.tree import DEFAULT_CONV_KERNEL, NORMALIZATIONS, Tree
 
 __all__ = ["train_step", "StepResult", "MODES"]
 
@@ -202,6 +202,9 @@ def train_step(tmodel, tree_or_trees: Tree | TrajectoryTree | Sequence[Tree | Tr
     total = sum(1 if p is None else len(p) for p in plans)
     bar = Progress(total, "train_step", enabled=progress, unit="batches")
 
+    # batches carry conv_index at the model's own width (else program.run rebuilds it every step)
+    width = tmodel.program.conv_width
+    conv_kernel = DEFAULT_CONV_KERNEL if width is None else width + 1
     if optimizer is not None:
         optimizer.zero_grad(set_to_none=True)
     loss_sum = torch.zeros((), dtype=torch.float64)
@@ -227,7 +230,8 @@ def train_step(tmodel, tree_or_trees: Tree | TrajectoryTree | Sequence[Tree | Tr
                 continue
             n_tree = 0
             for i in range(1 if plan is None else len(plan)):
-                batch = tree_batch(tree, norm) if plan is None else partition_batch(plan, i, norm)
+                batch = tree_batch(tree, norm, conv_kernel=conv_kernel) if plan is None \
+                    else partition_batch(plan, i, norm, conv_kernel=conv_kernel)
                 batch.extras.update(it.extras)
                 out = tmodel(batch)
                 loss = _objective_loss(objectives, out, batch, norm)
