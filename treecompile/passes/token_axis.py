@@ -74,7 +74,6 @@ ELEMENTWISE = _packets(  # not tagged pointwise, but elementwise (casts, copies,
     "feature_dropout", "alpha_dropout", "feature_alpha_dropout", "clone", "zeros_like", "ones_like",
     "empty_like", "full_like", "_assert_tensor_metadata", "nan_to_num", "bernoulli", "rand_like", "randn_like")
 RANDOM = _packets("bernoulli", "rand_like", "randn_like", "randint_like", "normal", "uniform_", "normal_")
-DROPOUT = _packets("dropout", "native_dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout")
 RESHAPES = _packets("view", "reshape", "_unsafe_view", "view_copy", "_reshape_alias", "flatten", "unflatten",
                     "squeeze", "squeeze_", "unsqueeze", "unsqueeze_", "view_as_real", "view_as_complex")
 PERMUTES = _packets("permute", "transpose", "t", "movedim", "swapaxes", "swapdims", "numpy_T", "mT")
