@@ -106,6 +106,19 @@ def is_elementwise(op) -> bool:
     return torch.Tag.pointwise in op.tags or op.overloadpacket in ELEMENTWISE
 
 
+def bound_args(node: fx.Node) -> dict:
+    """``node``'s arguments by schema name (an OpOverload target); absent ones get their default or None."""
+    args = {}
+    for i, a in enumerate(node.target._schema.arguments):
+        if i < len(node.args):
+            args[a.name] = node.args[i]
+        elif a.name in node.kwargs:
+            args[a.name] = node.kwargs[a.name]
+        else:
+            args[a.name] = a.default_value if a.has_default_value() else None
+    return args
+
+
 # ------------------------------------------------------------------------------------------ rules
 class Op:
     """One call: its bound arguments and the token dims of its tensor inputs."""
@@ -114,15 +127,7 @@ class Op:
         self.node, self.op, self._tok, self.t_dims, self.layout, self.T = node, node.target, tok, t_dims, layout, T
         self.new_layout = None  # set by a rule that changes how the token dim is laid out (reshape)
         self.allow_random = False  # random values per token (allow_dropout=True)
-        schema = self.op._schema
-        self.args = {}
-        for i, a in enumerate(schema.arguments):
-            if i < len(node.args):
-                self.args[a.name] = node.args[i]
-            elif a.name in node.kwargs:
-                self.args[a.name] = node.kwargs[a.name]
-            else:
-                self.args[a.name] = a.default_value if a.has_default_value() else None
+        self.args = bound_args(node)
         self.out = node.meta.get("val")
 
     def tok(self, x) -> set[int]:
