@@ -33,7 +33,9 @@ import math
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask
+
+from .flex_tree_attention import check_tree_attention_inputs, tree_attention_flex
 
 __all__ = [
     "FA4_KERNEL_OPTIONS",
@@ -112,29 +114,10 @@ def fa4_unusable_reason(q: torch.Tensor | None = None, *, block_size=(128, 128))
 
 
 def _check(q, k, v, block_mask, enable_gqa):
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"q, k, v: expected [B, H, T, D] tensors, got {tuple(q.shape)}, {tuple(k.shape)}, "
-                         f"{tuple(v.shape)}")
-    T = q.shape[2]
-    if k.shape[2] != T or v.shape[2] != T:
-        raise ValueError(f"q, k, v: sequence lengths differ ({T}, {k.shape[2]}, {v.shape[2]})")
-    if tuple(block_mask.seq_lengths) != (T, T):
-        raise ValueError(f"block_mask: built for seq_lengths {tuple(block_mask.seq_lengths)}, the inputs have T={T}")
-    if k.shape[1] != q.shape[1] and not enable_gqa:
-        raise ValueError(f"q has {q.shape[1]} heads, k/v have {k.shape[1]}: pass enable_gqa=True")
+    check_tree_attention_inputs(q, k, v, block_mask, enable_gqa=enable_gqa)
     reason = fa4_unusable_reason(q, block_size=block_mask.BLOCK_SIZE)
     if reason:
         raise RuntimeError(f"FA4 tree attention: {reason}")
-
-
-_COMPILED = None
-
-
-def _compiled_flex():
-    global _COMPILED
-    if _COMPILED is None:  # made on first use, never at import
-        _COMPILED = torch.compile(flex_attention, dynamic=False, fullgraph=True)
-    return _COMPILED
 
 
 def tree_attention_fa4(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask, *,
@@ -145,10 +128,8 @@ def tree_attention_fa4(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_
     :data:`FA4_KERNEL_OPTIONS` itself).  Raises RuntimeError naming the reason when FA4 cannot run.
     """
     _check(q, k, v, block_mask, enable_gqa)
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1])
-    return _compiled_flex()(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa,
-                            kernel_options=dict(FA4_KERNEL_OPTIONS))
+    return tree_attention_flex(q, k, v, block_mask, scale=scale, enable_gqa=enable_gqa,
+                               kernel_options=dict(FA4_KERNEL_OPTIONS))
 
 
 # ------------------------------------------------------------------------------------------ direct

@@ -38,6 +38,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
     "HOPPER_KERNEL_OPTIONS",
+    "check_tree_attention_inputs",
     "kernel_options_for",
     "tree_block_mask",
     "tree_block_classes",
@@ -192,6 +193,21 @@ def kernel_options_for(q: torch.Tensor) -> dict | None:
     return None
 
 
+def check_tree_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask, *,
+                                enable_gqa: bool = False) -> None:
+    """Raise ValueError unless q ``[B, H, T, D]``, k, v ``[B, Hkv, T, D]`` fit each other and ``block_mask``."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k, v: expected [B, H, T, D] tensors, got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
+    T = q.shape[2]
+    if k.shape[2] != T or v.shape[2] != T:
+        raise ValueError(f"q, k, v: sequence lengths differ ({T}, {k.shape[2]}, {v.shape[2]})")
+    if tuple(block_mask.seq_lengths) != (T, T):
+        raise ValueError(f"block_mask: built for seq_lengths {tuple(block_mask.seq_lengths)}, the inputs have T={T}")
+    if k.shape[1] != q.shape[1] and not enable_gqa:
+        raise ValueError(f"q has {q.shape[1]} heads, k/v have {k.shape[1]}: pass enable_gqa=True")
+
+
 _COMPILED = None
 
 
@@ -215,16 +231,7 @@ def tree_attention_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block
 
     Each distinct T compiles once (``dynamic=False``): bucket sequence lengths upstream.
     """
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"q, k, v: expected [B, H, T, D] tensors, got {tuple(q.shape)}, {tuple(k.shape)}, "
-                         f"{tuple(v.shape)}")
-    T = q.shape[2]
-    if k.shape[2] != T or v.shape[2] != T:
-        raise ValueError(f"q, k, v: sequence lengths differ ({T}, {k.shape[2]}, {v.shape[2]})")
-    if tuple(block_mask.seq_lengths) != (T, T):
-        raise ValueError(f"block_mask: built for seq_lengths {tuple(block_mask.seq_lengths)}, the inputs have T={T}")
-    if k.shape[1] != q.shape[1] and not enable_gqa:
-        raise ValueError(f"q has {q.shape[1]} heads, k/v have {k.shape[1]}: pass enable_gqa=True")
+    check_tree_attention_inputs(q, k, v, block_mask, enable_gqa=enable_gqa)
     if kernel_options is None:
         kernel_options = kernel_options_for(q)
     if scale is None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["linear_logprobs", "gather_logprobs", "default_chunk", "chunk_stats", "chunk_dlogits"]
+__all__ = ["linear_logprobs", "gather_logprobs", "default_chunk", "chunk_logits", "chunk_stats", "chunk_dlogits"]
 
 
 def default_chunk(vocab: int, budget_bytes: int = 1 << 28) -> int:
@@ -30,8 +30,8 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _chunk_logits(h, W, b):
-    """One chunk's logits in the model's dtype (upcast by the caller)."""
+def chunk_logits(h, W, b):
+    """One chunk's logits ``h @ W.T (+ b)`` in the model's dtype (upcast by the caller)."""
     logits = h @ W.t()
     return logits if b is None else logits + b
 
@@ -84,7 +84,7 @@ def linear_logprobs(h: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None, ta
     lse = torch.empty(N, dtype=acc, device=h.device)
     ent = _empty_entropy(h, N, entropy)
     for s in range(0, N, chunk):
-        c_lp, c_lse, c_ent = chunk_stats(_chunk_logits(h[s:s + chunk], W, b).to(acc), targets[s:s + chunk], entropy)
+        c_lp, c_lse, c_ent = chunk_stats(chunk_logits(h[s:s + chunk], W, b).to(acc), targets[s:s + chunk], entropy)
         lp[s:s + chunk], lse[s:s + chunk] = c_lp, c_lse
         if entropy:
             ent[s:s + chunk] = c_ent
@@ -127,7 +127,7 @@ def _backward(ctx, grad_lp, grad_lse, grad_ent):
     g_all, gl_all = grad_lp.to(acc).contiguous(), grad_lse.to(acc).contiguous()
     ge_all = None if grad_ent is None else grad_ent.to(acc).contiguous()
     for s, (hc, t, l, g, gl, e, ge) in _slices(h.shape[0], ctx.chunk, h, targets, lse, g_all, gl_all, ent, ge_all):
-        dlogits = chunk_dlogits(_chunk_logits(hc, W, b).to(acc), t, l, g, gl, e, ge)
+        dlogits = chunk_dlogits(chunk_logits(hc, W, b).to(acc), t, l, g, gl, e, ge)
         dl = dlogits.to(h.dtype)
         gh[s:s + ctx.chunk] = dl @ W
         gW += (dl.t() @ hc).to(acc)

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from treecompile.ops.logprobs import chunk_logits
+
 try:
     import triton
     import triton.language as tl
@@ -125,11 +127,6 @@ def dlogits_(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, gra
 
 
 # ---------------------------------------------------------------- the op
-def _chunk_logits(h, W, b):
-    logits = h @ W.t()
-    return logits if b is None else logits + b
-
-
 def _check_inputs(h, W, b, targets):
     if not available():
         raise RuntimeError("treecompile::linear_logprobs_triton: triton is not importable")
@@ -159,7 +156,7 @@ def linear_logprobs_triton(h: torch.Tensor, W: torch.Tensor, b: torch.Tensor | N
     ent = torch.empty(N if entropy else 0, dtype=torch.float32, device=h.device)
     targets = targets.contiguous()
     for s in range(0, N, chunk):
-        stats_(_chunk_logits(h[s:s + chunk], W, b), targets[s:s + chunk], lp[s:s + chunk], lse[s:s + chunk],
+        stats_(chunk_logits(h[s:s + chunk], W, b), targets[s:s + chunk], lp[s:s + chunk], lse[s:s + chunk],
                ent[s:s + chunk] if entropy else None)
     return lp, lse, ent
 
@@ -188,7 +185,7 @@ def linear_logprobs_triton_backward(h: torch.Tensor, W: torch.Tensor, b: torch.T
     for s in range(0, h.shape[0], chunk):
         hc = h[s:s + chunk]
         sl = slice(s, s + chunk)
-        dl = dlogits_(_chunk_logits(hc, W, b), targets[sl], lse[sl], vecs[0][sl], vecs[1][sl],
+        dl = dlogits_(chunk_logits(hc, W, b), targets[sl], lse[sl], vecs[0][sl], vecs[1][sl],
                       None if ge is None else ent[sl], None if ge is None else ge[sl])
         gh[sl] = dl @ W
         gW += (dl.t() @ hc).float()

@@ -14,26 +14,27 @@ import torch
 from torch import fx
 from torch._guards import detect_fake_mode
 
-__all__ = ["CompileOptions", "PassContext", "PassResult", "UnsupportedModelError", "remove_dead_code", "where"]
+__all__ = ["METADATA_ASSERTS", "CompileOptions", "PassContext", "PassResult", "UnsupportedModelError", "remove_dead_code",
+           "where"]
 
-_METADATA_ASSERTS = {torch.ops.aten._assert_tensor_metadata.default}
+METADATA_ASSERTS = {torch.ops.aten._assert_tensor_metadata.default}
 
 
 def remove_dead_code(gm: fx.GraphModule) -> None:
     """Dead-code elimination that also drops export's tensor-metadata asserts on dead values
     (they would otherwise keep a replaced subgraph, e.g. the causal mask, alive)."""
     gm.graph.eliminate_dead_code(
-        is_impure_node=lambda n: n.target not in _METADATA_ASSERTS and n.is_impure())
+        is_impure_node=lambda n: n.target not in METADATA_ASSERTS and n.is_impure())
     # an assert whose checked value has no other user checks a dead value: drop it, then repeat
     while True:
-        dead = [n for n in gm.graph.nodes if n.target in _METADATA_ASSERTS
+        dead = [n for n in gm.graph.nodes if n.target in METADATA_ASSERTS
                 and isinstance(n.args[0], fx.Node) and len(n.args[0].users) == 1]
         if not dead:
             break
         for n in dead:
             gm.graph.erase_node(n)
         gm.graph.eliminate_dead_code(
-            is_impure_node=lambda n: n.target not in _METADATA_ASSERTS and n.is_impure())
+            is_impure_node=lambda n: n.target not in METADATA_ASSERTS and n.is_impure())
 
 # name -> (dtype, shape in units of the sequence length T: "T", or ("T", k) for [T, k], or "N" nodes)
 TREE_INPUTS = {

@@ -28,7 +28,7 @@ import torch
 from torch import fx
 
 import treecompile.ops.tree_attention  # noqa: F401  (registers treecompile::tree_attention_biased)
-from treecompile.passes.base import PassContext, PassResult, remove_dead_code
+from treecompile.passes.base import METADATA_ASSERTS, PassContext, PassResult, remove_dead_code
 from treecompile.passes.token_probe import PROBE_TREE, Probe, chain_batch, concrete_shape, token_dims, value_nodes
 from treecompile.tree import Tree
 
@@ -42,12 +42,11 @@ COPIES = {aten.clone.default, aten.contiguous.default, aten.alias.default}
 ADDS = {aten.add.Tensor, aten.sub.Tensor, aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.where.self,
         aten.where.ScalarOther, aten.where.ScalarSelf}
 SCALES = {aten.mul.Tensor, aten.div.Tensor}
-_ASSERTS = {aten._assert_tensor_metadata.default}
 PROBE_LENGTHS = (5, 11)
 
 
 def _users(n: fx.Node) -> list[fx.Node]:
-    return [u for u in n.users if u.target not in _ASSERTS]
+    return [u for u in n.users if u.target not in METADATA_ASSERTS]
 
 
 def _keeps_last2(n: fx.Node) -> bool:
@@ -171,7 +170,7 @@ def rewrite_causal_attention(gm: fx.GraphModule, ctx: PassContext) -> PassResult
 def _erase_dead(gm: fx.GraphModule, chain: list[fx.Node]) -> None:
     """Erase ``chain`` (softmax ... probs @ v, all single-user) from its end, with their asserts."""
     for n in reversed(chain):
-        for u in [u for u in n.users if u.target in _ASSERTS]:
+        for u in [u for u in n.users if u.target in METADATA_ASSERTS]:
             gm.graph.erase_node(u)
         if n.users:
             return

@@ -24,6 +24,7 @@ import treecompile.ops.tree_conv  # noqa: F401  (registers treecompile::tree_cau
 import treecompile.ops.tree_mixers  # noqa: F401  (registers treecompile::tree_ancestors)
 from treecompile.passes.base import PassContext, PassResult, remove_dead_code
 from treecompile.passes.rewrite_token_shifts import COPIES, moves_tokens
+from treecompile.passes.token_axis import bound_args
 from treecompile.passes.token_probe import Probe, chain_batch, token_dims
 
 aten = torch.ops.aten
@@ -31,15 +32,6 @@ CONVS = {aten.conv1d.default, aten.convolution.default}
 TREE_CONV = torch.ops.treecompile.tree_causal_conv1d.default
 ANCESTORS = torch.ops.treecompile.tree_ancestors.default
 PROBE_LENGTHS = (5, 13, 29)
-
-
-def _conv_args(node: fx.Node):
-    names = (["input", "weight", "bias", "stride", "padding", "dilation", "groups"] if node.target == aten.conv1d.default
-             else ["input", "weight", "bias", "stride", "padding", "dilation", "transposed", "output_padding",
-                   "groups"])
-    a = dict(zip(names, node.args))
-    a.update(node.kwargs)
-    return a
 
 
 def _through(node: fx.Node, ctx: PassContext) -> bool:
@@ -52,7 +44,7 @@ def rewrite_causal_convs(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     for conv in list(gm.graph.nodes):
         if conv.op != "call_function" or conv.target not in CONVS:
             continue
-        a = _conv_args(conv)
+        a = bound_args(conv)
         w, b = a["weight"], a.get("bias")
         wv = w.meta["val"]
         if a.get("transposed", False) or wv.dim() != 3 or wv.shape[1] != 1 or a.get("groups", 1) != wv.shape[0]:

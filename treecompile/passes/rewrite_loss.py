@@ -25,6 +25,7 @@ from treecompile.ops.logprobs import default_chunk
 from treecompile.passes.base import PassContext, PassResult, UnsupportedModelError, remove_dead_code
 
 aten = torch.ops.aten
+OUTPUT_TAG = "treecompile_output"  # node.meta key of an output another pass asks to keep (sorted by its value)
 _PASS_THROUGH = {aten.to.dtype, aten._to_copy.default, aten.alias.default, aten.clone.default,
                  aten.contiguous.default, aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 
@@ -92,9 +93,9 @@ def rewrite_loss(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         if entropy:
             ent = ctx.call(aten.where.ScalarOther, (has_pred, ctx.call(operator.getitem, (res, 2)), 0.0))
     # outputs another pass asked to keep (rewrite_router_loss: router logits), in their order
-    kept = sorted((n for n in flat if isinstance(n, fx.Node) and "treecompile_output" in n.meta),
-                  key=lambda n: n.meta["treecompile_output"])
+    kept = sorted((n for n in flat if isinstance(n, fx.Node) and OUTPUT_TAG in n.meta),
+                  key=lambda n: n.meta[OUTPUT_TAG])
     out.args = ((loss, lp, *([ent] if entropy else []), *kept),)
     remove_dead_code(gm)
     return PassResult(1, {"fused_lm_head": head is not None, "vocab": V, "chunk": chunk, "entropy": entropy,
-                          "kept": [n.meta["treecompile_output"] for n in kept]})
+                          "kept": [n.meta[OUTPUT_TAG] for n in kept]})

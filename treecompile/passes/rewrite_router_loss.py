@@ -21,9 +21,9 @@ from __future__ import annotations
 from torch import fx
 
 from treecompile.passes.base import PassContext, PassResult, UnsupportedModelError, where
+from treecompile.passes.rewrite_loss import OUTPUT_TAG
 
 ROUTER_AUX = ("batch", "path", "none")
-TAG = "treecompile_output"
 
 
 def rewrite_router_loss(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
@@ -52,7 +52,7 @@ def rewrite_router_loss(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             raise UnsupportedModelError(f"router_aux={mode!r}: the model returns no router_logits outputs "
                                         f"(HF: set config.output_router_logits=True)")
         for i, n in enumerate(router):
-            n.meta[TAG] = ("router_logits", i)
+            n.meta[OUTPUT_TAG] = ("router_logits", i)
     out.args = (tuple(a for a in flat if a not in aux),)
     return PassResult(1, {"router_aux": mode, "router_logits": len(router) if mode != "none" else 0,
                           "dropped": [names[flat.index(a)] for a in aux]})

@@ -74,7 +74,6 @@ ELEMENTWISE = _packets(  # not tagged pointwise, but elementwise (casts, copies,
     "feature_dropout", "alpha_dropout", "feature_alpha_dropout", "clone", "zeros_like", "ones_like",
     "empty_like", "full_like", "_assert_tensor_metadata", "nan_to_num", "bernoulli", "rand_like", "randn_like")
 RANDOM = _packets("bernoulli", "rand_like", "randn_like", "randint_like", "normal", "uniform_", "normal_")
-DROPOUT = _packets("dropout", "native_dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout")
 RESHAPES = _packets("view", "reshape", "_unsafe_view", "view_copy", "_reshape_alias", "flatten", "unflatten",
                     "squeeze", "squeeze_", "unsqueeze", "unsqueeze_", "view_as_real", "view_as_complex")
 PERMUTES = _packets("permute", "transpose", "t", "movedim", "swapaxes", "swapdims", "numpy_T", "mT")
@@ -107,6 +106,19 @@ def is_elementwise(op) -> bool:
     return torch.Tag.pointwise in op.tags or op.overloadpacket in ELEMENTWISE
 
 
+def bound_args(node: fx.Node) -> dict:
+    """``node``'s arguments by schema name (an OpOverload target); absent ones get their default or None."""
+    args = {}
+    for i, a in enumerate(node.target._schema.arguments):
+        if i < len(node.args):
+            args[a.name] = node.args[i]
+        elif a.name in node.kwargs:
+            args[a.name] = node.kwargs[a.name]
+        else:
+            args[a.name] = a.default_value if a.has_default_value() else None
+    return args
+
+
 # ------------------------------------------------------------------------------------------ rules
 class Op:
     """One call: its bound arguments and the token dims of its tensor inputs."""
@@ -115,15 +127,7 @@ class Op:
         self.node, self.op, self._tok, self.t_dims, self.layout, self.T = node, node.target, tok, t_dims, layout, T
         self.new_layout = None  # set by a rule that changes how the token dim is laid out (reshape)
         self.allow_random = False  # random values per token (allow_dropout=True)
-        schema = self.op._schema
-        self.args = {}
-        for i, a in enumerate(schema.arguments):
-            if i < len(node.args):
-                self.args[a.name] = node.args[i]
-            elif a.name in node.kwargs:
-                self.args[a.name] = node.kwargs[a.name]
-            else:
-                self.args[a.name] = a.default_value if a.has_default_value() else None
+        self.args = bound_args(node)
         self.out = node.meta.get("val")
 
     def tok(self, x) -> set[int]:
