@@ -37,3 +37,16 @@ def test_ids_outside_the_vocabulary_are_named_before_the_graph_runs(tmodel):
         tmodel(Tree.from_paths([[1, 2, 3], [1, 2], [1, 2, 4, V, 5]]).to_batch())
     with pytest.raises(ValueError, match=rf"position 1: token id {V + 7} is outside"):
         tmodel(Tree.from_paths([[3, V + 7]]).to_batch().to("cpu"))
+
+
+def test_ids_outside_the_vocabulary_are_named_in_redundancy_free_partitions(tmodel):
+    """Partitions run through program.run directly: the executor checks their ids as forward does."""
+    import treecompile
+    from treecompile.runtime.partition import partition_redundancy_free
+    from treecompile.runtime.redundancy_free import run_redundancy_free
+
+    V = tmodel.vocab_size
+    rf = treecompile.compile(tmodel.model, boundary=True)
+    plan = partition_redundancy_free(Tree.from_paths([[1, 2, 3, 4], [1, 2, 5, V + 3]]), 3)
+    with pytest.raises(ValueError, match=rf"^redundancy-free partition \d+: .*token id {V + 3} is outside"):
+        run_redundancy_free(rf, plan)
