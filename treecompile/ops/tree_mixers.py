@@ -27,6 +27,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from treecompile.tree import ancestor_index  # the data model: every room may depend on it
+
 __all__ = ["SCAN_OPS", "tree_ancestors", "tree_scan", "tree_shift"]
 
 SCAN_OPS = ("sum", "prod", "logsumexp")
@@ -52,14 +54,7 @@ def tree_ancestors(pred_index: Tensor, n: int, step: int = 1) -> Tensor:
     if n < 0 or step < 1:
         raise ValueError(f"tree_ancestors: need n >= 0 and step >= 1, got n={n}, step={step}")
     _check_pred(pred_index, pred_index.shape[0], "tree_ancestors")
-    cols, a = [], torch.arange(pred_index.numel(), device=pred_index.device)
-    for _ in range(n):
-        for _ in range(step):
-            a = torch.where(a >= 0, pred_index[a.clamp(min=0)], a)
-        cols.append(a)
-    if not cols:
-        return pred_index.new_empty((pred_index.numel(), 0))
-    return torch.stack(cols, 1)
+    return ancestor_index(pred_index, n * step)[:, step - 1::step].contiguous()
 
 
 @tree_ancestors.register_fake
