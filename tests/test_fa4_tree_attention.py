@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.strategies import ODD_TREES
-from tests.test_flex_tree_attention import ancestor_mask, check_block_mask, dense_sdpa, rel_err
+from tests.test_flex_tree_attention import ancestor_mask, check_block_mask, dense_sdpa, out_and_grads, rel_err
 import treecompile
 from treecompile import Tree
 from treecompile.ops import fa4_tree_attention as fa4
@@ -111,10 +111,7 @@ def test_fa4_tree_attention_vs_fp64_oracle(kind, T, roots, pad_to, H, Hkv, D):
     do = torch.randn(1, H, L, D, device="cuda", generator=g)
 
     def run(fn, dt):
-        qq, kk, vv = (x.detach().to(dt).requires_grad_() for x in (q, k, v))
-        o = fn(qq, kk, vv)
-        o.backward(do.to(dt))
-        return [o.detach(), qq.grad, kk.grad, vv.grad]
+        return out_and_grads(fn, q, k, v, do, dt)
 
     oracle = run(lambda a, b_, c: dense_sdpa(a, b_, c, dense, scale), torch.float64)
     with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):

@@ -233,6 +233,14 @@ CASES = [  # (tree tokens, padded length, dtype, heads, kv heads, head dim)
 ]
 
 
+def out_and_grads(fn, q, k, v, do, dt):
+    """``[out, dq, dk, dv]`` of ``fn(q, k, v)`` run in dtype ``dt``, back-propagating ``do``."""
+    qq, kk, vv = (x.detach().to(dt).requires_grad_() for x in (q, k, v))
+    o = fn(qq, kk, vv)
+    o.backward(do.to(dt))
+    return [o.detach(), qq.grad, kk.grad, vv.grad]
+
+
 @pytest.mark.skipif(not CUDA, reason="FlexAttention backward needs a CUDA device")
 @pytest.mark.parametrize("T,pad_to,dtype,H,Hkv,D", CASES,
                          ids=[f"T{c[0]}{'_pad' + str(c[1]) if c[1] else ''}_{str(c[2])[6:]}_H{c[3]}kv{c[4]}_D{c[5]}"
@@ -248,10 +256,7 @@ def test_tree_attention_flex_vs_fp64_oracle(T, pad_to, dtype, H, Hkv, D):
     do = torch.randn(1, H, L, D, device="cuda", generator=g).to(dtype)
 
     def run(fn, dt):
-        qq, kk, vv = (x.detach().to(dt).requires_grad_() for x in (q, k, v))
-        o = fn(qq, kk, vv)
-        o.backward(do.to(dt))
-        return [o.detach(), qq.grad, kk.grad, vv.grad]
+        return out_and_grads(fn, q, k, v, do, dt)
 
     oracle = run(lambda a, b_, c: dense_sdpa(a, b_, c, dense, scale), torch.float64)
     with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
