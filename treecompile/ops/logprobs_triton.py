@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from treecompile.ops.logprobs import chunk_logits
+from treecompile.ops.logprobs import accumulate_weight_grad, chunk_logits
 
 try:
     import triton
@@ -188,7 +188,7 @@ def linear_logprobs_triton_backward(h: torch.Tensor, W: torch.Tensor, b: torch.T
         dl = dlogits_(chunk_logits(hc, W, b), targets[sl], lse[sl], vecs[0][sl], vecs[1][sl],
                       None if ge is None else ent[sl], None if ge is None else ge[sl])
         gh[sl] = dl @ W
-        gW += (dl.t() @ hc).float()
+        accumulate_weight_grad(gW, dl, hc)
         if b is not None:
             gb += dl.sum(0, dtype=torch.float32)
     return gh, gW.to(W.dtype), gb.to(W.dtype)
