@@ -94,6 +94,7 @@ def model_specs() -> dict[str, ModelSpec]:
     return {
         "qwen3-0.6b": ModelSpec("qwen3-0.6b", "dense", DenseConfig.qwen3_0_6b()),
         "qwen3-1.7b": ModelSpec("qwen3-1.7b", "dense", DenseConfig.qwen3_1_7b()),
+        "qwen3-4b": ModelSpec("qwen3-4b", "dense", DenseConfig.qwen3_4b()),
         # Qwen3.5-shaped hybrid, small variant (as benchmarks/gpu_checks.py): 12 layers, 9 GDN + 3 attention
         "qwen3.5-hybrid-small": ModelSpec("qwen3.5-hybrid-small", "hybrid", HybridConfig(
             hidden_size=1024, intermediate_size=3584, num_hidden_layers=12, num_attention_heads=8,

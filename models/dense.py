@@ -49,6 +49,11 @@ class DenseConfig:
                    num_attention_heads=16, num_key_value_heads=8)
 
     @classmethod
+    def qwen3_4b(cls) -> "DenseConfig":
+        return cls(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                   num_attention_heads=32, num_key_value_heads=8)
+
+    @classmethod
     def qwen3_8b(cls) -> "DenseConfig":
         return cls(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                    num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False)
