@@ -79,7 +79,7 @@ def test_planned_fla_path_equals_reference_op(name, replay_max):
     kern = lambda *a, **kw: torch_varlen_gdn(*a, **kw, calls=calls)  # noqa: E731
     got = fla_gdn.tree_gated_delta_rule_fla(*xs[:5], *nodes, xs[5], use_qk_l2norm_in_kernel=True, chunk_size=4,
                                             replay_max=replay_max, kernel=kern)
-    plan = fla_gdn.plan_calls(*nodes[:3], replay_max=replay_max)
+    plan = fla_gdn._cached_plan(*nodes[:3], replay_max)
     assert len(calls) == plan.calls <= plan.levels
     torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
     for a, r in zip(torch.autograd.grad((got * W).sum(), leaves), torch.autograd.grad((ref * W).sum(), leaves)):
@@ -124,6 +124,9 @@ def test_chains_merge_and_replay_cut_calls():
     assert p0.calls == p0.levels == 4
     assert p1.calls == 2 and p1.replayed_tokens > 0  # the one-token parents replayed: 2 calls
     assert p3.calls == 1  # every node replays its whole (short) path: one call
+    capped = fla_gdn.plan_calls(deep.node_start, deep.node_end, deep.node_parent, replay_max=3,
+                                max_replay_fraction=0.25)  # 12 replayed rows > 0.25 * 10 tokens: halved to 1, then 0
+    assert capped.replayed_tokens <= 0.25 * deep.seq_len and capped.calls > 1
     for p in (p0, p1, p3):  # each token's output row is its own token
         assert torch.equal(p.index[p.out_rows], torch.arange(deep.seq_len))
     big = fla_gdn.plan_calls(deep.node_start, deep.node_end, deep.node_parent, replay_max=0)

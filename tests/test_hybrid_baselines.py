@@ -82,3 +82,35 @@ def test_hybrid_baselines_skip_dense_and_fla_rows_on_cpu():
     hspec = harness.model_specs()["hybrid-tiny"]
     with pytest.raises(harness._Skip, match="CUDA"):
         harness.Steps(hspec.build(torch.device("cpu"), torch.float64), hspec, case, cfg, {}).compiled_per_path_fla()
+
+
+def test_hybrid_bench_layer_timing_runs_with_a_stand_in_fla(monkeypatch):
+    """The GPU bench's GDN layer section on CPU, fla replaced by the float64-capable torch stand-in: it
+    runs every variant and reports the plan's calls (the GPU run only swaps the kernel)."""
+    import sys
+    import types
+
+    from benchmarks import hybrid_bench as hb
+    from tests.test_fla_plan import torch_varlen_gdn
+
+    def chunk_gated_delta_rule(q, k, v, g, beta, *, initial_state=None, output_final_state=False, cu_seqlens=None,
+                               use_qk_l2norm_in_kernel=False, chunk_size=64, scale=None):
+        return torch_varlen_gdn(q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=True,
+                                cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                                chunk_size=chunk_size)
+
+    fake = types.ModuleType("fla.ops.gated_delta_rule")
+    fake.chunk_gated_delta_rule = chunk_gated_delta_rule
+    for name in ("fla", "fla.ops"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule", fake)
+    monkeypatch.setattr(hb, "H", 1)
+    monkeypatch.setattr(hb, "HV", 2)
+    monkeypatch.setattr(hb, "DK", 8)
+    monkeypatch.setattr(hb, "DV", 8)
+    trees = hb.bench_trees("agentic", 512, scale=0.02)
+    (row,) = hb.gdn_layer_times(trees, device="cpu")
+    assert row["calls"] <= row["calls_r0"] == row["levels"]
+    assert all(row[f"{k}_ms"] > 0 for k in ("tree_planned", "tree_per_level", "one_fla_call"))
+    counts = hb.call_counts(trees)
+    assert {r["tree"] for r in counts} >= set(trees)

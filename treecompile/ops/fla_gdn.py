@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["COMPUTE_DTYPE", "REPLAY_MAX", "FlaPlan", "Wave", "plan_calls", "fla_available", "fla_unusable_reason",
+__all__ = ["COMPUTE_DTYPE", "REPLAY_MAX", "REPLAY_FRACTION", "FlaPlan", "Wave", "plan_calls", "fla_available", "fla_unusable_reason",
            "tree_gated_delta_rule_fla"]
 
 # dtype the fla kernels compute in when the caller passes none: None = the inputs' dtype (fla keeps its
@@ -35,6 +35,8 @@ COMPUTE_DTYPE: torch.dtype | None = None
 # default ``replay_max`` of :func:`plan_calls`: a parent segment of at most this many tokens is run again in
 # front of its children instead of costing them one more call (0 = never)
 REPLAY_MAX = 64
+# and the most replayed rows per token of the tree (replay_max is halved until the plan fits)
+REPLAY_FRACTION = 0.125
 
 
 def fla_unusable_reason(device: torch.device | None = None) -> str | None:
@@ -95,7 +97,8 @@ class FlaPlan:
         return len(self.waves)
 
 
-def plan_calls(node_start: Tensor, node_end: Tensor, node_parent: Tensor, *, replay_max: int = 0) -> FlaPlan:
+def plan_calls(node_start: Tensor, node_end: Tensor, node_parent: Tensor, *, replay_max: int = 0,
+               max_replay_fraction: float | None = None) -> FlaPlan:
     """Group the radix nodes into as few varlen calls as the recurrence allows, exactly.
 
     1. Chains: a node whose parent has it as its only child and ends where it starts (DFS-adjacent)
@@ -106,7 +109,8 @@ def plan_calls(node_start: Tensor, node_end: Tensor, node_parent: Tensor, *, rep
        outputs are dropped and their input gradients add up through the gather, so the result is the
        same function.  It removes the short nodes (re-tokenization drift, one-token branches) from the
        critical path at the cost of ``replayed_tokens`` extra rows; a replay that does not lower the
-       number of calls (its segment is not on the critical path) is undone.
+       number of calls (its segment is not on the critical path) is undone.  ``max_replay_fraction``:
+       while the replayed rows exceed this fraction of the tokens, ``replay_max`` is halved.
     3. Ready sets: a segment runs in the call after the one that produces its starting state (roots in
        the first), so each call holds every segment whose state is known: ``calls`` = depth of the
        segment tree, at most ``levels``.
@@ -180,6 +184,9 @@ def plan_calls(node_start: Tensor, node_end: Tensor, node_parent: Tensor, *, rep
             cu.append(len(index) - lo)
         src = None if w == 0 else torch.tensor([row_in_wave[source[s]] for s in segs], dtype=torch.long, device=dev)
         waves.append(Wave(lo, len(index), torch.tensor(cu, dtype=torch.long, device=dev), src))
+    if max_replay_fraction is not None and replay_max > 0 and len(index) - T > max_replay_fraction * T:
+        return plan_calls(node_start, node_end, node_parent, replay_max=replay_max // 2,
+                          max_replay_fraction=max_replay_fraction)
     identity = len(waves) == 1 and len(index) == T
     return FlaPlan(index=torch.tensor(index, dtype=torch.long, device=dev),
                    out_rows=torch.tensor(out_rows, dtype=torch.long, device=dev), waves=tuple(waves),
@@ -197,7 +204,7 @@ def _cached_plan(node_start, node_end, node_parent, replay_max):
     versions = tuple(t._version for t in tensors)
     if _LAST and all(a is b for a, b in zip(_LAST[0], tensors)) and _LAST[1] == versions and _LAST[2] == replay_max:
         return _LAST[3]
-    plan = plan_calls(*tensors, replay_max=replay_max)
+    plan = plan_calls(*tensors, replay_max=replay_max, max_replay_fraction=REPLAY_FRACTION)
     _LAST = (tensors, versions, replay_max, plan)
     return plan
 
