@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["compiled_per_path_fla", "packed_fla_varlen", "fla_gdn_kernel", "gdn_layers"]
+__all__ = ["compiled_per_path_fla", "packed_fla_varlen", "fla_gdn_kernel", "gdn_layers", "layer_kernels", "hooks"]
 
 
 def gdn_layers(model) -> list[torch.nn.Module]:
@@ -38,8 +38,9 @@ def gdn_layers(model) -> list[torch.nn.Module]:
 
 
 def fla_gdn_kernel():
-    """fla's ``chunk_gated_delta_rule`` behind ``torch._dynamo.disable`` (its autograd Functions stay out
-    of the graph), or raise with why it cannot run here."""
+    """fla's ``chunk_gated_delta_rule``, or raise with why it cannot run here.  The hooks that call it are
+    behind ``torch._dynamo.disable``: fla's autograd Functions stay out of the graph (one graph break per
+    GDN layer, as the tree's fla lowering) and the pack's ``cu_seqlens`` is read at run time."""
     from treecompile.ops.fla_gdn import fla_unusable_reason
 
     reason = fla_unusable_reason() if torch.cuda.is_available() else "fla runs on CUDA only"
@@ -47,19 +48,26 @@ def fla_gdn_kernel():
         raise RuntimeError(reason)
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    return torch._dynamo.disable(chunk_gated_delta_rule)
+    return chunk_gated_delta_rule
+
+
+def layer_kernels(model, make) -> dict:
+    """``{layer: make(layer's own GDN kernel)}``, built once per baseline: the hook functions must be the
+    same objects every step (dynamo guards on them; a fresh closure per step would recompile each step)."""
+    return {m: make(m.chunk_gated_delta_rule) for m in gdn_layers(model)}
 
 
 @contextlib.contextmanager
-def hooks(model, *, gdn=None, conv=None, sdpa=None):
-    """Install kernels on every GDN layer's hooks (and SDPA) for the block; restore them after."""
+def hooks(model, *, gdn: dict | None = None, conv=None, sdpa=None):
+    """Install kernels (``gdn`` from :func:`layer_kernels`) on the GDN layers' hooks, and SDPA, for the
+    block; restore them after."""
     layers = gdn_layers(model)
     saved = [(m.chunk_gated_delta_rule, m.causal_conv1d_fn) for m in layers]
     orig_sdpa = torch.nn.functional.scaled_dot_product_attention
     try:
         for m in layers:
             if gdn is not None:
-                m.chunk_gated_delta_rule = gdn(m.chunk_gated_delta_rule)
+                m.chunk_gated_delta_rule = gdn[m]
             if conv is not None:
                 m.causal_conv1d_fn = conv
         if sdpa is not None:
@@ -98,12 +106,13 @@ def compiled_per_path_fla(steps):
     fla = fla_gdn_kernel()
     model = steps.model
 
-    def per_path_gdn(_orig):
-        def call(q, k, v, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
-                 use_qk_l2norm_in_kernel=False, **kw):
-            return fla(q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state,
-                       use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
-        return call
+    @torch._dynamo.disable
+    def per_path_gdn(q, k, v, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
+                     use_qk_l2norm_in_kernel=False, **kw):
+        return fla(q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state,
+                   use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+
+    gdn = layer_kernels(model, lambda _own: per_path_gdn)
 
     def path_ce_fla(ids):
         logits = model(ids[None])
@@ -116,7 +125,7 @@ def compiled_per_path_fla(steps):
     def step():
         steps.zero()
         total = 0.0
-        with hooks(model, gdn=per_path_gdn), _sdpa_priority():
+        with hooks(model, gdn=gdn), _sdpa_priority():
             for ids, c in zip(steps.path_ids, steps.coef):
                 loss = fn(ids) * c
                 loss.backward()
@@ -154,13 +163,13 @@ def reset_conv1d(hidden_states, weight, bias=None, activation=None, **kwargs):
 
 
 def _varlen_gdn_fla(fla):
-    def install(_orig):
-        def call(q, k, v, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
-                 use_qk_l2norm_in_kernel=False, **kw):
-            return fla(q, k, v, g, beta, initial_state=None, output_final_state=False, cu_seqlens=Pack.cu_seqlens,
-                       use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
-        return call
-    return install
+    """``make`` for :func:`layer_kernels`: fla varlen over the pack's sequences (the layer's own kernel unused)."""
+    @torch._dynamo.disable
+    def call(q, k, v, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
+             use_qk_l2norm_in_kernel=False, **kw):
+        return fla(q, k, v, g, beta, initial_state=None, output_final_state=False, cu_seqlens=Pack.cu_seqlens,
+                   use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    return lambda _own: call
 
 
 def _varlen_gdn_reference(orig):
@@ -223,10 +232,10 @@ def packed_fla_varlen(steps, capacity: int):
     _require_hybrid(steps)
     dev, model = steps.dev, steps.model
     if dev.type == "cuda":
-        gdn = _varlen_gdn_fla(fla_gdn_kernel())
+        gdn = layer_kernels(model, _varlen_gdn_fla(fla_gdn_kernel()))
         why_not_fa4 = _fa4_probe(model, dev)
     else:
-        gdn, why_not_fa4 = _varlen_gdn_reference, "CPU"
+        gdn, why_not_fa4 = layer_kernels(model, _varlen_gdn_reference), "CPU"
     steps.note = "attention: FA4 varlen" if why_not_fa4 is None else f"attention: flex/dense document mask ({why_not_fa4})"
     paths = steps.case.paths
     lens = [len(p) for p in paths]

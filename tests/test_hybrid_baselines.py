@@ -114,3 +114,25 @@ def test_hybrid_bench_layer_timing_runs_with_a_stand_in_fla(monkeypatch):
     assert all(row[f"{k}_ms"] > 0 for k in ("tree_planned", "tree_per_level", "one_fla_call"))
     counts = hb.call_counts(trees)
     assert {r["tree"] for r in counts} >= set(trees)
+
+
+def test_packed_hooks_are_the_same_objects_every_step(monkeypatch):
+    """dynamo guards on the hook functions: a baseline must install the same objects at every step."""
+    from benchmarks import hybrid_baselines as hb
+
+    seen = []
+    real = hb.hooks
+
+    def spy(model, **kw):
+        seen.append((tuple(kw["gdn"].values()), kw["conv"], kw["sdpa"]))
+        return real(model, **kw)
+
+    monkeypatch.setattr(hb, "hooks", spy)
+    spec = harness.model_specs()["hybrid-tiny"]
+    model = spec.build(torch.device("cpu"), torch.float64)
+    case = harness.TreeCase("t", "synthetic", None, ((1, 2, 3, 4), (1, 2, 5)))
+    cfg = harness.BenchConfig(device="cpu", dtype="float64", iters=1, capacity=64, compile_baselines=False)
+    step = harness.Steps(model, spec, case, cfg, {}).packed_fla_varlen()
+    step()
+    step()
+    assert len(seen) == 2 and seen[0] == seen[1]
