@@ -105,7 +105,7 @@ def model_specs() -> dict[str, ModelSpec]:
             hidden_size=1024, intermediate_size=3584, num_hidden_layers=12, num_attention_heads=8,
             num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
             linear_key_head_dim=128, linear_value_head_dim=128, vocab_size=248320)),
-        # Qwen3.5-shaped hybrid with as many layers as one H100 trains at 16k tokens (~0.9B parameters):
+        # Qwen3.5-shaped hybrid with as many layers as one H100 trains at 16k tokens (1.0B parameters, 0.5B outside the untied embeddings):
         # 24 layers, 18 GDN (16 key / 16 value heads of 128) + 6 gated attention (8 q / 2 kv heads of 256)
         "qwen3.5-hybrid-0.8b": ModelSpec("qwen3.5-hybrid-0.8b", "hybrid", HybridConfig(
             hidden_size=1024, intermediate_size=3584, num_hidden_layers=24, num_attention_heads=8,
