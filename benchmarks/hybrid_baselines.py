@@ -24,12 +24,13 @@ Imports fla and flash_attn lazily (the module imports on CPU).
 from __future__ import annotations
 
 import contextlib
+import itertools
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["compiled_per_path_fla", "packed_fla_varlen", "fla_gdn_kernel", "gdn_layers", "layer_kernels", "hooks"]
+__all__ = ["compiled_per_path_fla", "fla_gdn_kernel", "gdn_layers", "hooks", "layer_kernels", "packed_fla_varlen"]
 
 
 def gdn_layers(model) -> list[torch.nn.Module]:
@@ -139,7 +140,7 @@ class Pack:
     """The pack being run (read by the hooks): sequence bounds and each token's position in its sequence."""
 
     cu_seqlens: Tensor | None = None  # [S + 1] int64
-    cu_list: list[int] = []
+    cu_list: tuple[int, ...] = ()
     pos_in_seq: Tensor | None = None  # [n] int64
     mask = None  # BlockMask (CUDA flex) or dense [n, n] bool (CPU)
     kernel_options: dict | None = None  # flex kernel options (the tree's, treecompile.ops.flex_tree_attention)
@@ -179,7 +180,7 @@ def _varlen_gdn_reference(orig):
         cu = Pack.cu_list
         outs = [orig(q[:, s:e], k[:, s:e], v[:, s:e], g=g[:, s:e], beta=beta[:, s:e], chunk_size=chunk_size,
                      initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)[0]
-                for s, e in zip(cu[:-1], cu[1:])]
+                for s, e in itertools.pairwise(cu)]
         return torch.cat(outs, 1), None
     return call
 
@@ -213,7 +214,7 @@ def _fa4_probe(model, dev) -> str | None:
     try:
         fwd, _ = fa4_ops()
         dt = next(model.parameters()).dtype
-        mk = lambda h: torch.randn(256, h, cfg.head_dim, device=dev, dtype=dt, requires_grad=True)  # noqa: E731
+        mk = lambda h: torch.randn(256, h, cfg.head_dim, device=dev, dtype=dt, requires_grad=True)
         q, k, v = mk(cfg.num_attention_heads), mk(cfg.num_key_value_heads), mk(cfg.num_key_value_heads)
         cu = torch.tensor([0, 100, 256], device=dev, dtype=torch.int32)
         out, _ = fwd(q, k, v, cu, 156, cfg.head_dim ** -0.5)

@@ -127,62 +127,72 @@ def _timed(fn, iters=5):
 
 
 def gdn_layer_times(trees: dict[str, list[list[int]]], device: str = "cuda") -> list[dict]:
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-
-    from treecompile.ops.fla_gdn import REPLAY_MAX, _cached_plan, tree_gated_delta_rule_fla
-
     rows = []
     for name, paths in trees.items():
-        b = Tree.from_paths(paths).to_batch(device=device)
-        T = b.seq_len
-        gen = torch.Generator(device=device).manual_seed(0)
-        mk = lambda *s: torch.randn(*s, device=device, generator=gen)  # noqa: E731
-        lp = torch.bfloat16 if device == "cuda" else torch.float32
-        xs = [mk(1, T, H, DK).to(lp), mk(1, T, H, DK).to(lp), mk(1, T, HV, DV).to(lp),
-              torch.nn.functional.logsigmoid(mk(1, T, HV)) * 0.1, torch.rand(1, T, HV, device=device).to(lp)]
-        xs = [x.requires_grad_() for x in xs]
-        do = mk(1, T, HV, DV).to(lp)
-        nodes = (b.node_start, b.node_end, b.node_parent, b.node_level)
-        one = torch.tensor([0, T], device=device)
-        h0 = torch.zeros(1, HV, DK, DV, device=device)
-
-        def run(f):
-            def step():
-                o = f()
-                torch.autograd.backward(o, do)
-                for x in xs:
-                    x.grad = None
-            return step
-
-        def planned(r):
-            return run(lambda: tree_gated_delta_rule_fla(*xs, *nodes, use_qk_l2norm_in_kernel=True, replay_max=r))
-
-        variants = {
-            "tree_planned": planned(REPLAY_MAX),
-            "tree_planned_r0": planned(0),
-            "tree_planned_r256": planned(256),
-            "tree_per_level": run(lambda: per_level_fla(*xs, *nodes, use_qk_l2norm_in_kernel=True)),
-            "one_fla_call": run(lambda: chunk_gated_delta_rule(*xs, initial_state=h0, output_final_state=True,
-                                                               cu_seqlens=one, use_qk_l2norm_in_kernel=True)[0]),
-        }
-        row = {"tree": name, "tokens": T}
-        t0 = time.perf_counter()
-        variants["one_fla_call"]()
-        _sync()
-        row["fla_first_call_s"] = round(time.perf_counter() - t0, 1)  # tilelang / triton compiles (cold machine)
-        for k, f in variants.items():
-            f()  # warm-up (autotune for the varlen shapes)
-            row[f"{k}_ms"] = round(_timed(f) * 1e3, 3)
-        for r in (0, 256):
-            row[f"calls_r{r}"] = _cached_plan(b.node_start, b.node_end, b.node_parent, r).calls
-        plan = _cached_plan(b.node_start, b.node_end, b.node_parent, REPLAY_MAX)
-        row.update({"levels": plan.levels, "calls": plan.calls, "replay_max": REPLAY_MAX,
-                    "replayed_tokens": plan.replayed_tokens,
-                    "tree/one_call": round(row["tree_planned_ms"] / row["one_fla_call_ms"], 3),
-                    "per_level/one_call": round(row["tree_per_level_ms"] / row["one_fla_call_ms"], 3)})
-        print(json.dumps(row), flush=True)
-        rows.append(row)
+        rows.append(_layer_row(name, paths, device))
+        print(json.dumps(rows[-1]), flush=True)
     return rows
+
+
+def _layer_row(name: str, paths: list[list[int]], device: str) -> dict:
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    from treecompile.ops.fla_gdn import (
+        REPLAY_MAX,
+        _cached_plan,
+        tree_gated_delta_rule_fla,
+    )
+
+    b = Tree.from_paths(paths).to_batch(device=device)
+    T = b.seq_len
+    gen = torch.Generator(device=device).manual_seed(0)
+    lp = torch.bfloat16 if device == "cuda" else torch.float32
+
+    def mk(*shape):
+        return torch.randn(*shape, device=device, generator=gen)
+
+    xs = [mk(1, T, H, DK).to(lp), mk(1, T, H, DK).to(lp), mk(1, T, HV, DV).to(lp),
+          torch.nn.functional.logsigmoid(mk(1, T, HV)) * 0.1, torch.rand(1, T, HV, device=device).to(lp)]
+    xs = [x.requires_grad_() for x in xs]
+    do = mk(1, T, HV, DV).to(lp)
+    nodes = (b.node_start, b.node_end, b.node_parent, b.node_level)
+    one = torch.tensor([0, T], device=device)
+    h0 = torch.zeros(1, HV, DK, DV, device=device)
+
+    def run(f):
+        def step():
+            torch.autograd.backward(f(), do)
+            for x in xs:
+                x.grad = None
+        return step
+
+    def planned(r):
+        return run(lambda: tree_gated_delta_rule_fla(*xs, *nodes, use_qk_l2norm_in_kernel=True, replay_max=r))
+
+    variants = {
+        "tree_planned": planned(REPLAY_MAX),
+        "tree_planned_r0": planned(0),
+        "tree_planned_r256": planned(256),
+        "tree_per_level": run(lambda: per_level_fla(*xs, *nodes, use_qk_l2norm_in_kernel=True)),
+        "one_fla_call": run(lambda: chunk_gated_delta_rule(*xs, initial_state=h0, output_final_state=True,
+                                                           cu_seqlens=one, use_qk_l2norm_in_kernel=True)[0]),
+    }
+    row = {"tree": name, "tokens": T}
+    t0 = time.perf_counter()
+    variants["one_fla_call"]()
+    _sync()
+    row["fla_first_call_s"] = round(time.perf_counter() - t0, 1)  # tilelang / triton compiles (cold machine)
+    for k, f in variants.items():
+        f()  # warm-up (autotune for the varlen shapes)
+        row[f"{k}_ms"] = round(_timed(f) * 1e3, 3)
+    for r in (0, 256):
+        row[f"calls_r{r}"] = _cached_plan(b.node_start, b.node_end, b.node_parent, r).calls
+    plan = _cached_plan(b.node_start, b.node_end, b.node_parent, REPLAY_MAX)
+    row.update({"levels": plan.levels, "calls": plan.calls, "replay_max": REPLAY_MAX,
+                "replayed_tokens": plan.replayed_tokens,
+                "tree/one_call": round(row["tree_planned_ms"] / row["one_fla_call_ms"], 3),
+                "per_level/one_call": round(row["tree_per_level_ms"] / row["one_fla_call_ms"], 3)})
+    return row
 
 
 def environment() -> dict:
@@ -244,17 +254,18 @@ def main(argv=None) -> int:
         result["harness_args"] = hargs
         harness.main(hargs)
     result["wall_s"] = round(time.perf_counter() - t_start, 1)
-    md = [f"# Hybrid benchmark\n\nConditions: {json.dumps(env)}; GDN layer timing bf16; GDN heads {H}x{DK} (q/k), {HV}x{DV} (v); "
-          f"fla calls per GDN layer forward (backward as many); wall {result['wall_s']} s\n",
+    md = [(f"# Hybrid benchmark\n\nConditions: {json.dumps(env)}; GDN layer timing bf16; GDN heads {H}x{DK} "
+           f"(q/k), {HV}x{DV} (v); fla calls per GDN layer forward (backward as many); wall {result['wall_s']} s\n"),
           "## fla calls per GDN layer\n", _table(result["call_counts"]), ""]
     if "gdn_layer" in result:
-        md += ["## One GDN layer fwd+bwd (ms, median of 5): tree planned / tree per level / one fla call over the "
-               "same tokens\n", _table(result["gdn_layer"]), ""]
+        md += [("## One GDN layer fwd+bwd (ms, median of 5): tree planned / tree per level / one fla call over "
+                "the same tokens\n"), _table(result["gdn_layer"]), ""]
     if "gdn_layer_error" in result:
         md += [f"GDN layer timing failed: {result['gdn_layer_error']}\n"]
     tables = os.path.join(args.out, "harness", "tables.md")
     if os.path.exists(tables):
-        md += ["## Training step (harness)\n", open(tables).read()]
+        with open(tables) as f:
+            md += ["## Training step (harness)\n", f.read()]
     tmp = os.path.join(args.out, "hybrid_bench.md.tmp")
     with open(tmp, "w") as f:
         f.write("\n".join(md))

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from models.hybrid import torch_chunk_gated_delta_rule
+from tests.strategies import ODD_TREES
 from treecompile import Tree
 from treecompile.ops import fla_gdn, tree_gdn
-from tests.strategies import ODD_TREES
 
 F64 = torch.float64
 Hk, Hv, Dk, Dv = 1, 2, 4, 3
@@ -41,7 +41,7 @@ def torch_varlen_gdn(q, k, v, g, beta, *, scale=None, initial_state, output_fina
 def agentic_like_paths(seed):
     """Turns that drop reasoning, 1-3 token re-tokenization drift, a fan-out: long and very short nodes."""
     rnd = random.Random(seed)
-    fresh = lambda n: [rnd.randrange(2, 40) for _ in range(n)]  # noqa: E731
+    fresh = lambda n: [rnd.randrange(2, 40) for _ in range(n)]
     paths, hist = [], fresh(9)
     for turn in range(5):
         think, act = fresh(rnd.randint(2, 6)), fresh(rnd.randint(1, 4))
@@ -76,7 +76,7 @@ def test_planned_fla_path_equals_reference_op(name, replay_max):
     W = torch.randn(1, b.seq_len, Hv, Dv, dtype=F64, generator=torch.Generator().manual_seed(1))
     ref = tree_gdn.tree_gated_delta_rule(*xs[:5], *nodes, xs[5], use_qk_l2norm_in_kernel=True, chunk_size=4)
     calls = []
-    kern = lambda *a, **kw: torch_varlen_gdn(*a, **kw, calls=calls)  # noqa: E731
+    kern = lambda *a, **kw: torch_varlen_gdn(*a, **kw, calls=calls)
     got = fla_gdn.tree_gated_delta_rule_fla(*xs[:5], *nodes, xs[5], use_qk_l2norm_in_kernel=True, chunk_size=4,
                                             replay_max=replay_max, kernel=kern)
     plan = fla_gdn._cached_plan(*nodes[:3], replay_max)

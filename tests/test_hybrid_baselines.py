@@ -1,5 +1,7 @@
 """The hybrid baselines of the benchmark harness on CPU: packed == per path (loss and every gradient)."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -40,7 +42,6 @@ def test_packed_hybrid_equals_per_path(spec_name, capacity):
 def test_packing_without_resets_is_not_per_path():
     """Near miss: the same packs with the conv and GDN state carried across sequences differ."""
     from benchmarks import hybrid_baselines as hb
-
     from models.hybrid import causal_conv1d_fn
 
     paths = synthetic_paths(4, 17, 0.3, vocab=512, seed=1)
@@ -67,7 +68,8 @@ def test_reset_conv_equals_conv_per_sequence():
     doc = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(seqs))
     Pack.pos_in_seq = torch.arange(sum(seqs)) - cu[doc]
     got = reset_conv1d(x, w, b, activation="silu")
-    ref = torch.cat([causal_conv1d_fn(x[..., s:e], w, b, activation="silu") for s, e in zip(cu[:-1], cu[1:])], -1)
+    bounds = itertools.pairwise(cu.tolist())
+    ref = torch.cat([causal_conv1d_fn(x[..., s:e], w, b, activation="silu") for s, e in bounds], -1)
     torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
 
 

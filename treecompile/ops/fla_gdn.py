@@ -24,8 +24,17 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["COMPUTE_DTYPE", "REPLAY_MAX", "REPLAY_FRACTION", "FlaPlan", "Wave", "plan_calls", "fla_available", "fla_unusable_reason",
-           "tree_gated_delta_rule_fla"]
+__all__ = [
+    "COMPUTE_DTYPE",
+    "REPLAY_FRACTION",
+    "REPLAY_MAX",
+    "FlaPlan",
+    "Wave",
+    "fla_available",
+    "fla_unusable_reason",
+    "plan_calls",
+    "tree_gated_delta_rule_fla",
+]
 
 # dtype the fla kernels compute in when the caller passes none: None = the inputs' dtype (fla keeps its
 # chunk states h in the input dtype and its final states in float32); torch.float32 upcasts bf16 inputs
