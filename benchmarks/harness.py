@@ -111,6 +111,14 @@ def model_specs() -> dict[str, ModelSpec]:
             hidden_size=1024, intermediate_size=3584, num_hidden_layers=24, num_attention_heads=8,
             num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
             linear_key_head_dim=128, linear_value_head_dim=128, vocab_size=248320)),
+        # Qwen3-Next / Qwen3.5-MoE-shaped hybrid, small: 12 layers (9 GDN + 3 attention), 8 routed experts
+        # (top 2) + a shared expert per layer.  The model's MoE is the dense reference (every expert on every
+        # token): for the equivalence checks on GPU, not for MoE speed
+        "qwen3-next-moe-small": ModelSpec("qwen3-next-moe-small", "hybrid", HybridConfig(
+            model_type="qwen3_next", hidden_size=1024, intermediate_size=3584, num_hidden_layers=12,
+            num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
+            linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128, vocab_size=151936,
+            num_experts=8, num_experts_per_tok=2, moe_intermediate_size=512, shared_expert_intermediate_size=512)),
         "dense-tiny": ModelSpec("dense-tiny", "dense", DenseConfig.tiny(vocab_size=512)),
         # flex attention needs head_dim >= 16 (the recompile stream on CUDA)
         "dense-tiny16": ModelSpec("dense-tiny16", "dense", DenseConfig.tiny(vocab_size=512, hidden_size=64,

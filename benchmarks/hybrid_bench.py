@@ -15,10 +15,17 @@
    (16 paths x 2048, 16,384 tree tokens) and/or the agentic ``parallel-tools`` tree at scale 1.5
    (16,416 tree tokens, POR 0.66); the harness names the fastest baseline and the speedup over it.
 
-Writes ``DIR/hybrid_bench.md`` (tables with conditions), ``DIR/hybrid_bench.json``, ``DIR/harness/`` (the
+Writes ``DIR/hybrid_bench.md`` (tables with conditions), ``DIR/hybrid_bench.json``, ``DIR/fla_calls.csv``,
+``DIR/gdn_layer.csv``, ``DIR/harness/`` (the
 harness's results.csv / tables.md / results.jsonl, rows written as they finish).  The first fla call
 compiles tilelang kernels on Hopper (minutes on a cold machine): it is timed and reported separately
-(``fla_first_call_s``).
+(``fla_first_call_s``).  On a cold machine with a per-command limit, split it (caches stay on the machine):
+
+    python -m benchmarks.hybrid_bench --out $OUT/layer --skip-harness             # counts + GDN layer (+ tilelang)
+    python -m benchmarks.hybrid_bench --out $OUT/syn --case syn --skip-layer
+    python -m benchmarks.hybrid_bench --out $OUT/agentic --case agentic --skip-layer
+
+``--model qwen3-next-moe-small`` runs the MoE-hybrid shape (its MoE is the dense reference: checks, not speed).
 """
 
 from __future__ import annotations
@@ -195,6 +202,20 @@ def _layer_row(name: str, paths: list[list[int]], device: str) -> dict:
     return row
 
 
+def _write_csv(rows: list[dict], path: str) -> None:
+    import csv
+
+    if not rows:
+        return
+    names = list(dict.fromkeys(k for r in rows for k in r))
+    tmp = path + ".tmp"
+    with open(tmp, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=names)
+        w.writeheader()
+        w.writerows(rows)
+    os.replace(tmp, path)
+
+
 def environment() -> dict:
     env = harness.environment("cuda" if torch.cuda.is_available() else "cpu")
     for mod in ("fla", "tilelang", "flash_attn", "transformers"):
@@ -235,9 +256,11 @@ def main(argv=None) -> int:
     trees = bench_trees(args.case, vocab, path_len=path_len, scale=scale)
     result: dict = {"env": env, "call_counts": call_counts(trees)}
     print(_table(result["call_counts"]), flush=True)
+    _write_csv(result["call_counts"], os.path.join(args.out, "fla_calls.csv"))
     if not args.skip_layer and torch.cuda.is_available():
         try:
             result["gdn_layer"] = gdn_layer_times(trees)
+            _write_csv(result["gdn_layer"], os.path.join(args.out, "gdn_layer.csv"))
         except Exception as e:  # noqa: BLE001 (a failed section is reported, the rest still runs)
             result["gdn_layer_error"] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
             print(result["gdn_layer_error"], file=sys.stderr, flush=True)
