@@ -133,6 +133,12 @@ def _timed(fn, iters=5):
     return sorted(ts)[len(ts) // 2]
 
 
+def _out_and_grads(f, xs, do) -> list[torch.Tensor]:
+    o = f()
+    grads = torch.autograd.grad(o, xs, do)
+    return [o.detach().float()] + [g.float() for g in grads]
+
+
 def gdn_layer_times(trees: dict[str, list[list[int]]], device: str = "cuda") -> list[dict]:
     rows = []
     for name, paths in trees.items():
@@ -174,16 +180,17 @@ def _layer_row(name: str, paths: list[list[int]], device: str) -> dict:
         return step
 
     def planned(r):
-        return run(lambda: tree_gated_delta_rule_fla(*xs, *nodes, use_qk_l2norm_in_kernel=True, replay_max=r))
+        return lambda: tree_gated_delta_rule_fla(*xs, *nodes, use_qk_l2norm_in_kernel=True, replay_max=r)
 
-    variants = {
+    variants_fn = {
         "tree_planned": planned(REPLAY_MAX),
         "tree_planned_r0": planned(0),
         "tree_planned_r256": planned(256),
-        "tree_per_level": run(lambda: per_level_fla(*xs, *nodes, use_qk_l2norm_in_kernel=True)),
-        "one_fla_call": run(lambda: chunk_gated_delta_rule(*xs, initial_state=h0, output_final_state=True,
-                                                           cu_seqlens=one, use_qk_l2norm_in_kernel=True)[0]),
+        "tree_per_level": lambda: per_level_fla(*xs, *nodes, use_qk_l2norm_in_kernel=True),
+        "one_fla_call": lambda: chunk_gated_delta_rule(*xs, initial_state=h0, output_final_state=True,
+                                                       cu_seqlens=one, use_qk_l2norm_in_kernel=True)[0],
     }
+    variants = {k: run(f) for k, f in variants_fn.items()}
     row = {"tree": name, "tokens": T}
     t0 = time.perf_counter()
     variants["one_fla_call"]()
@@ -192,6 +199,13 @@ def _layer_row(name: str, paths: list[list[int]], device: str) -> dict:
     for k, f in variants.items():
         f()  # warm-up (autotune for the varlen shapes)
         row[f"{k}_ms"] = round(_timed(f) * 1e3, 3)
+    # same function: each planned variant's output and input gradients vs the per-level schedule's (bf16
+    # rounding of different chunk alignments only; a schedule bug shows as an O(1) difference)
+    ref = _out_and_grads(variants_fn["tree_per_level"], xs, do)
+    for k in ("tree_planned", "tree_planned_r0", "tree_planned_r256"):
+        got = _out_and_grads(variants_fn[k], xs, do)
+        row[f"{k}_vs_per_level"] = max(float((a - r).abs().max() / r.abs().max().clamp_min(1e-30))
+                                       for a, r in zip(got, ref))
     for r in (0, 256):
         row[f"calls_r{r}"] = _cached_plan(b.node_start, b.node_end, b.node_parent, r).calls
     plan = _cached_plan(b.node_start, b.node_end, b.node_parent, REPLAY_MAX)
