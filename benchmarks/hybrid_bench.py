@@ -65,7 +65,7 @@ def bench_trees(case: str, vocab: int, *, path_len: int = SYN_LEN, scale: float 
     return out
 
 
-def call_counts(trees: dict[str, list[list[int]]], replays=(0, 16, 64, 256)) -> list[dict]:
+def call_counts(trees: dict[str, list[list[int]]], replays=(0, 64, 256, 1024)) -> list[dict]:
     """fla calls per GDN layer (forward; the backward makes as many) per tree and ``replay_max`` (with the
     layer's cap on replayed rows, ``REPLAY_FRACTION`` of the tokens)."""
     rows = []
@@ -185,7 +185,7 @@ def _layer_row(name: str, paths: list[list[int]], device: str) -> dict:
     variants_fn = {
         "tree_planned": planned(REPLAY_MAX),
         "tree_planned_r0": planned(0),
-        "tree_planned_r256": planned(256),
+        "tree_planned_r64": planned(64),
         "tree_per_level": lambda: per_level_fla(*xs, *nodes, use_qk_l2norm_in_kernel=True),
         "one_fla_call": lambda: chunk_gated_delta_rule(*xs, initial_state=h0, output_final_state=True,
                                                        cu_seqlens=one, use_qk_l2norm_in_kernel=True)[0],
@@ -202,11 +202,11 @@ def _layer_row(name: str, paths: list[list[int]], device: str) -> dict:
     # same function: each planned variant's output and input gradients vs the per-level schedule's (bf16
     # rounding of different chunk alignments only; a schedule bug shows as an O(1) difference)
     ref = _out_and_grads(variants_fn["tree_per_level"], xs, do)
-    for k in ("tree_planned", "tree_planned_r0", "tree_planned_r256"):
+    for k in ("tree_planned", "tree_planned_r0", "tree_planned_r64"):
         got = _out_and_grads(variants_fn[k], xs, do)
         row[f"{k}_vs_per_level"] = max(float((a - r).abs().max() / r.abs().max().clamp_min(1e-30))
                                        for a, r in zip(got, ref))
-    for r in (0, 256):
+    for r in (0, 64):
         row[f"calls_r{r}"] = _cached_plan(b.node_start, b.node_end, b.node_parent, r).calls
     plan = _cached_plan(b.node_start, b.node_end, b.node_parent, REPLAY_MAX)
     row.update({"levels": plan.levels, "calls": plan.calls, "replay_max": REPLAY_MAX,

@@ -42,10 +42,12 @@ __all__ = [
 COMPUTE_DTYPE: torch.dtype | None = None
 
 # default ``replay_max`` of :func:`plan_calls`: a parent segment of at most this many tokens is run again in
-# front of its children instead of costing them one more call (0 = never)
-REPLAY_MAX = 64
+# front of its children instead of costing them one more call (0 = never).  On the bench trees (16 x 2048
+# synthetic, POR 0.2-0.85; agentic specs) 256 with REPLAY_FRACTION 0.05 halves the calls of the synthetic
+# trees (9-11 -> 5-6) for 1.6-4.8 % more GDN rows; benchmarks/hybrid_bench.py times 0, 64 and this default
+REPLAY_MAX = 256
 # and the most replayed rows per token of the tree (replay_max is halved until the plan fits)
-REPLAY_FRACTION = 0.125
+REPLAY_FRACTION = 0.05
 
 
 def fla_unusable_reason(device: torch.device | None = None) -> str | None:
