@@ -13,6 +13,11 @@ accumulated in ``.grad``; **optimizer step excluded**), median of ``--iters`` af
 - ``compiled_per_path_fa4`` / ``packed_fa4_varlen``: the same per-path and packed steps with attention
   through FlashAttention-4 (causal; varlen causal over ``cu_seqlens``), see :mod:`benchmarks.fa4_baselines`
   (CUDA with flash-attn-4 only; a skipped row elsewhere);
+- ``compiled_per_path_fla`` / ``packed_fla_varlen``: the hybrid (GDN) baselines, see
+  :mod:`benchmarks.hybrid_baselines`: per path compiled with fla's GDN kernel; packed with fla varlen
+  GDN (state reset per sequence), the short conv reset per sequence and FA4 varlen (or flex document
+  mask) attention (hybrid models only; fla rows need CUDA, ``packed_fla_varlen`` runs the reference GDN
+  per sequence on CPU);
 - ``packed_flex``: paths concatenated into packs of at most ``--capacity`` tokens (first-fit
   decreasing, whole paths, every pack padded to one length; all paths in one pack when they fit), the
   model compiled with its SDPA call replaced by compiled FlexAttention under a document-causal
@@ -64,7 +69,8 @@ else:  # run as a script: benchmarks/ is on sys.path
     from flops import FlopModel, path_attention_entries, tree_attention_entries
     from trees import agentic_paths, agentic_specs, max_por, synthetic_paths
 
-BASELINES = ("eager_per_path", "compiled_per_path", "packed_flex", "compiled_per_path_fa4", "packed_fa4_varlen")
+BASELINES = ("eager_per_path", "compiled_per_path", "packed_flex", "compiled_per_path_fa4", "packed_fa4_varlen",
+             "compiled_per_path_fla", "packed_fla_varlen")
 TREE_CONTENDERS = ("tree", "tree_packed", "tree_rf")
 CONTENDERS = BASELINES + TREE_CONTENDERS
 
@@ -100,11 +106,27 @@ def model_specs() -> dict[str, ModelSpec]:
             hidden_size=1024, intermediate_size=3584, num_hidden_layers=12, num_attention_heads=8,
             num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
             linear_key_head_dim=128, linear_value_head_dim=128, vocab_size=248320)),
+        # Qwen3.5-shaped hybrid with as many layers as one H100 trains at 16k tokens (1.0B parameters, 0.5B outside the untied embeddings):
+        # 24 layers, 18 GDN (16 key / 16 value heads of 128) + 6 gated attention (8 q / 2 kv heads of 256)
+        "qwen3.5-hybrid-0.8b": ModelSpec("qwen3.5-hybrid-0.8b", "hybrid", HybridConfig(
+            hidden_size=1024, intermediate_size=3584, num_hidden_layers=24, num_attention_heads=8,
+            num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
+            linear_key_head_dim=128, linear_value_head_dim=128, vocab_size=248320)),
+        # Qwen3-Next / Qwen3.5-MoE-shaped hybrid, small: 12 layers (9 GDN + 3 attention), 8 routed experts
+        # (top 2) + a shared expert per layer.  The model's MoE is the dense reference (every expert on every
+        # token): for the equivalence checks on GPU, not for MoE speed
+        "qwen3-next-moe-small": ModelSpec("qwen3-next-moe-small", "hybrid", HybridConfig(
+            model_type="qwen3_next", hidden_size=1024, intermediate_size=3584, num_hidden_layers=12,
+            num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
+            linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128, vocab_size=151936,
+            num_experts=8, num_experts_per_tok=2, moe_intermediate_size=512, shared_expert_intermediate_size=512)),
         "dense-tiny": ModelSpec("dense-tiny", "dense", DenseConfig.tiny(vocab_size=512)),
         # flex attention needs head_dim >= 16 (the recompile stream on CUDA)
         "dense-tiny16": ModelSpec("dense-tiny16", "dense", DenseConfig.tiny(vocab_size=512, hidden_size=64,
                                                                             head_dim=16)),
         "hybrid-tiny": ModelSpec("hybrid-tiny", "hybrid", HybridConfig.tiny(vocab_size=512)),
+        # Qwen3-Next / Qwen3.5-MoE shape (GDN + attention, routed experts + shared expert), tiny
+        "hybrid-moe-tiny": ModelSpec("hybrid-moe-tiny", "hybrid", HybridConfig.tiny(vocab_size=512, num_experts=4)),
     }
 
 
@@ -156,6 +178,7 @@ class Result:
     loss: float | None = None
     loss_rel_dev: float | None = None  # vs eager_per_path
     grad_cos: float | None = None  # vs eager_per_path
+    note: str | None = None  # what a contender chose at run time (e.g. its attention kernel)
 
 
 # ---------------------------------------------------------------------------------------------- trees
@@ -237,6 +260,7 @@ class Steps:
         self.tree = Tree.from_paths([list(p) for p in case.paths])
         self.coef = self.tree.path_coefficients(cfg.normalize).tolist()
         self.path_ids = [torch.tensor(p, device=self.dev) for p in case.paths]
+        self.note: str | None = None  # set by a contender that chooses a kernel at run time
 
     def zero(self):
         self.model.zero_grad(set_to_none=True)
@@ -320,6 +344,32 @@ class Steps:
                     total += loss.detach()
             return total
         return step
+
+    def compiled_per_path_fla(self):
+        return self._hybrid_baseline("compiled_per_path_fla")
+
+    def packed_fla_varlen(self):
+        return self._hybrid_baseline("packed_fla_varlen")
+
+    def _hybrid_baseline(self, name):
+        """The hybrid baselines (benchmarks/hybrid_baselines.py); a skipped row for dense models, or where
+        fla cannot run (``compiled_per_path_fla`` needs CUDA; ``packed_fla_varlen`` runs the reference
+        GDN per sequence on CPU)."""
+        if __package__:
+            from benchmarks import hybrid_baselines
+        else:
+            import hybrid_baselines
+        if self.spec.kind != "hybrid":
+            raise _Skip("hybrid models only (dense models: compiled_per_path / packed_*)")
+        if self.dev.type == "cuda" or name == "compiled_per_path_fla":
+            from treecompile.ops.fla_gdn import fla_unusable_reason
+
+            reason = fla_unusable_reason() if self.dev.type == "cuda" else "fla runs on CUDA only"
+            if reason:
+                raise _Skip(reason)
+        if name == "packed_fla_varlen":
+            return hybrid_baselines.packed_fla_varlen(self, self.cfg.capacity)
+        return hybrid_baselines.compiled_per_path_fla(self)
 
     def compiled_per_path_fa4(self):
         return self._fa4_baseline("compiled_per_path_fa4")
@@ -485,6 +535,7 @@ def run_case(model, spec: ModelSpec, case: TreeCase, cfg: BenchConfig, contender
             else:
                 step, tokens, entries = getattr(steps, name)()
                 flops = fm.train(tokens, entries)
+            r.note, steps.note = steps.note, None
             first, med, peak, loss = time_step(step, dev, cfg.iters)
             g = flat_grads(model)
             if name == "eager_per_path":
@@ -575,7 +626,7 @@ def environment(device) -> dict:
 
 TABLE_COLS = ["model", "tree", "paths", "path_tokens", "tree_tokens", "por", "contender", "status", "step_s",
               "first_s", "tokens_per_s", "tflops", "x_eager", "x_compiled", "x_packed", "x_best", "bound",
-              "frac_bound", "peak_gib", "loss_rel_dev", "grad_cos"]
+              "frac_bound", "peak_gib", "loss_rel_dev", "grad_cos", "note"]
 
 
 def _fmt(v):

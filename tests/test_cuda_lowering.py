@@ -104,27 +104,3 @@ def test_one_compile_per_length_bucket():
     res = mod.main(num_trees=40, seed=1)
     assert res["distinct_sizes"] > res["buckets"] >= 3
     assert res["compiles"] == res["buckets"]
-
-
-def test_fla_level_schedule_on_cpu():
-    """The fla path's host-side schedule: per level, the nodes' tokens, cu_seqlens and parent rows."""
-    from treecompile.ops import fla_gdn
-
-    b = treecompile.Tree.from_paths([[1, 2, 3, 4], [1, 2, 5], [1, 2, 5, 6, 7], [8]]).to_batch()
-    nodes = (b.node_start, b.node_end, b.node_parent, b.node_level)
-    sched = fla_gdn._schedule(*nodes)
-    assert len(sched) == int(b.node_level.max()) + 1
-    seen = torch.cat([idx for idx, _, _ in sched]).sort().values
-    assert torch.equal(seen, torch.arange(b.seq_len))  # every token once
-    for level, (idx, cu, prow) in enumerate(sched):
-        lv_nodes = torch.nonzero(b.node_level == level).flatten()
-        assert cu.tolist() == [0] + torch.cumsum(b.node_end[lv_nodes] - b.node_start[lv_nodes], 0).tolist()
-        if level:
-            prev = torch.nonzero(b.node_level == level - 1).flatten()
-            assert torch.equal(prev[prow], b.node_parent[lv_nodes])
-        else:
-            assert prow is None
-    cached = fla_gdn._cached_schedule(*nodes)
-    assert fla_gdn._cached_schedule(*nodes) is cached  # once per batch, not per layer
-    b.node_start.add_(0)  # an in-place write bumps the version: recomputed
-    assert fla_gdn._cached_schedule(*nodes) is not cached

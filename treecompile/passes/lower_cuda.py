@@ -49,7 +49,7 @@ TREE_GDN = torch.ops.treecompile.tree_gated_delta_rule.default
 LINEAR_LOGPROBS = torch.ops.treecompile.linear_logprobs.default
 HALF = (torch.bfloat16, torch.float16)
 
-# Gated DeltaNet kernel on CUDA: "fla" (flash-linear-attention, one varlen call per tree level),
+# Gated DeltaNet kernel on CUDA: "fla" (flash-linear-attention, varlen calls planned by ops.fla_gdn.plan_calls),
 # "reference" (the registered op's torch implementation), "auto" (fla if installed, else reference
 # with a warning).  On CPU the reference always runs.
 GDN_KERNELS = ("auto", "fla", "reference")

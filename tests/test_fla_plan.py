@@ -1,0 +1,151 @@
+"""The fla tree GDN's call plan (``ops.fla_gdn.plan_calls``) on CPU: fewer varlen calls, same function.
+
+fla itself runs on CUDA only; here ``tree_gated_delta_rule_fla`` runs its whole plan (gathers, calls,
+state hand-offs, scatter) with a float64 torch stand-in of fla's varlen ``chunk_gated_delta_rule``,
+and must equal the reference tree op (forward and every input gradient) to ~1e-12.
+"""
+
+import random
+
+import pytest
+import torch
+
+from models.hybrid import torch_chunk_gated_delta_rule
+from tests.strategies import ODD_TREES
+from treecompile import Tree
+from treecompile.ops import fla_gdn, tree_gdn
+
+F64 = torch.float64
+Hk, Hv, Dk, Dv = 1, 2, 4, 3
+
+
+def torch_varlen_gdn(q, k, v, g, beta, *, scale=None, initial_state, output_final_state, cu_seqlens,
+                     use_qk_l2norm_in_kernel, chunk_size, calls=None):
+    """fla's varlen ``chunk_gated_delta_rule`` contract in torch: one sequence per ``cu_seqlens`` segment,
+    each from its own ``initial_state`` row; returns (o, final states [k, Hv, Dk, Dv])."""
+    assert scale is None and output_final_state and q.shape[0] == 1
+    if calls is not None:
+        calls.append(cu_seqlens.numel() - 1)
+    cu = cu_seqlens.tolist()
+    outs, finals = [], []
+    for i in range(len(cu) - 1):
+        s, e = cu[i], cu[i + 1]
+        o, h = torch_chunk_gated_delta_rule(q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e],
+                                            chunk_size=chunk_size, initial_state=initial_state[i:i + 1].to(q.dtype),
+                                            output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+        outs.append(o)
+        finals.append(h[0])
+    return torch.cat(outs, 1), torch.stack(finals)
+
+
+def agentic_like_paths(seed):
+    """Turns that drop reasoning, 1-3 token re-tokenization drift, a fan-out: long and very short nodes."""
+    rnd = random.Random(seed)
+    fresh = lambda n: [rnd.randrange(2, 40) for _ in range(n)]
+    paths, hist = [], fresh(9)
+    for turn in range(5):
+        think, act = fresh(rnd.randint(2, 6)), fresh(rnd.randint(1, 4))
+        paths.append(hist + think + act)
+        for b in range(2 if turn == 2 else 1):
+            drift = act[:-1] + [41 + b] if rnd.random() < 0.5 else act
+            paths.append(hist + drift + fresh(rnd.randint(1, 3)))
+        hist = hist + act + fresh(rnd.randint(1, 5))
+    return paths
+
+
+TREES = {**ODD_TREES, "agentic_like_0": agentic_like_paths(0), "agentic_like_1": agentic_like_paths(1),
+         "chains": [[1, 2, 3], [1, 2, 3, 4, 5], [1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 8], [1, 9]]}
+
+
+def inputs(T, seed, with_init):
+    gen = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(1, T, Hk, Dk, generator=gen), torch.randn(1, T, Hk, Dk, generator=gen),
+          torch.randn(1, T, Hv, Dv, generator=gen), -torch.rand(1, T, Hv, generator=gen),
+          torch.rand(1, T, Hv, generator=gen)]
+    xs.append(torch.randn(Hv, Dk, Dv, generator=gen) if with_init else None)
+    return [x.to(F64).requires_grad_() if x is not None else None for x in xs]
+
+
+@pytest.mark.parametrize("replay_max", [0, 3, 64])
+@pytest.mark.parametrize("name", sorted(TREES))
+def test_planned_fla_path_equals_reference_op(name, replay_max):
+    b = Tree.from_paths(TREES[name]).to_batch(pad_to_multiple=8)
+    nodes = (b.node_start, b.node_end, b.node_parent, b.node_level)
+    xs = inputs(b.seq_len, 0, with_init=name != "forest")
+    leaves = [x for x in xs if x is not None]
+    W = torch.randn(1, b.seq_len, Hv, Dv, dtype=F64, generator=torch.Generator().manual_seed(1))
+    ref = tree_gdn.tree_gated_delta_rule(*xs[:5], *nodes, xs[5], use_qk_l2norm_in_kernel=True, chunk_size=4)
+    calls = []
+    kern = lambda *a, **kw: torch_varlen_gdn(*a, **kw, calls=calls)
+    got = fla_gdn.tree_gated_delta_rule_fla(*xs[:5], *nodes, xs[5], use_qk_l2norm_in_kernel=True, chunk_size=4,
+                                            replay_max=replay_max, kernel=kern)
+    plan = fla_gdn._cached_plan(*nodes[:3], replay_max)
+    assert len(calls) == plan.calls <= plan.levels
+    torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+    for a, r in zip(torch.autograd.grad((got * W).sum(), leaves), torch.autograd.grad((ref * W).sum(), leaves)):
+        torch.testing.assert_close(a, r, rtol=1e-10, atol=1e-12)
+
+
+def level_nodes(b):
+    return [torch.nonzero(b.node_level == l).flatten() for l in range(int(b.node_level.max()) + 1)]
+
+
+def test_plan_without_chains_or_replay_is_the_level_schedule():
+    """No single-child node, replay off: one call per level with that level's nodes, parents' rows in the
+    previous call (the per-level schedule fla_gdn had before)."""
+    b = Tree.from_paths([[1, 2, 3, 4], [1, 2, 5, 9], [1, 2, 5, 6, 7], [1, 2, 5, 6, 8], [9]]).to_batch()
+    kids = torch.bincount(b.node_parent[b.node_parent >= 0], minlength=b.num_nodes)
+    assert not bool((kids == 1).any())
+    plan = fla_gdn.plan_calls(b.node_start, b.node_end, b.node_parent, replay_max=0)
+    levels = level_nodes(b)
+    assert plan.calls == plan.levels == len(levels) and plan.replayed_tokens == 0
+    for l, (w, nodes) in enumerate(zip(plan.waves, levels)):
+        sizes = b.node_end[nodes] - b.node_start[nodes]
+        assert w.cu_seqlens.tolist() == [0] + sizes.cumsum(0).tolist()
+        toks = torch.cat([torch.arange(int(s), int(e)) for s, e in zip(b.node_start[nodes], b.node_end[nodes])])
+        assert torch.equal(plan.index[w.lo:w.hi], toks)
+        if l:
+            assert torch.equal(levels[l - 1][w.source], b.node_parent[nodes])
+        else:
+            assert w.source is None
+    assert torch.equal(plan.index[plan.out_rows], torch.arange(b.seq_len))
+
+
+def test_chains_merge_and_replay_cut_calls():
+    """A path that ends inside another leaves a single-child node: merged (no call of its own).  A short
+    parent is replayed: its children start from the grandparent's state, one call earlier."""
+    chain = Tree.from_paths(TREES["chains"]).to_batch()
+    p0 = fla_gdn.plan_calls(chain.node_start, chain.node_end, chain.node_parent, replay_max=0)
+    assert p0.levels == 5 and p0.calls == 2 and p0.replayed_tokens == 0  # root chain, then its two branches
+    deep = Tree.from_paths(ODD_TREES["one_token_nodes"]).to_batch()  # 1 -> 5 -> 8 -> {9, 2}, one-token nodes
+    p0 = fla_gdn.plan_calls(deep.node_start, deep.node_end, deep.node_parent, replay_max=0)
+    p1 = fla_gdn.plan_calls(deep.node_start, deep.node_end, deep.node_parent, replay_max=1)
+    p3 = fla_gdn.plan_calls(deep.node_start, deep.node_end, deep.node_parent, replay_max=3)
+    assert p0.calls == p0.levels == 4
+    assert p1.calls == 2 and p1.replayed_tokens > 0  # the one-token parents replayed: 2 calls
+    assert p3.calls == 1  # every node replays its whole (short) path: one call
+    capped = fla_gdn.plan_calls(deep.node_start, deep.node_end, deep.node_parent, replay_max=3,
+                                max_replay_fraction=0.25)  # 12 replayed rows > 0.25 * 10 tokens: halved to 1, then 0
+    assert capped.replayed_tokens <= 0.25 * deep.seq_len and capped.calls > 1
+    for p in (p0, p1, p3):  # each token's output row is its own token
+        assert torch.equal(p.index[p.out_rows], torch.arange(deep.seq_len))
+    big = fla_gdn.plan_calls(deep.node_start, deep.node_end, deep.node_parent, replay_max=0)
+    assert not big.identity and fla_gdn.plan_calls(*(x[:1] for x in (deep.node_start, deep.node_end)),
+                                                   deep.node_parent[:1]).identity
+
+
+def test_plan_refuses_bad_nodes_by_name():
+    b = Tree.from_paths([[1, 2, 3], [1, 4]]).to_batch()
+    with pytest.raises(ValueError, match="node 1"):
+        fla_gdn.plan_calls(b.node_start, b.node_end, torch.tensor([-1, 2, 0]))
+
+
+def test_plan_cached_per_batch():
+    b = Tree.from_paths([[1, 2, 3, 4], [1, 2, 5], [1, 2, 5, 6, 7], [8]]).to_batch()
+    nodes = (b.node_start, b.node_end, b.node_parent)
+    cached = fla_gdn._cached_plan(*nodes, 0)
+    assert fla_gdn._cached_plan(*nodes, 0) is cached  # once per batch, not per layer
+    assert fla_gdn._cached_plan(*nodes, 5) is not cached
+    cached = fla_gdn._cached_plan(*nodes, 0)
+    b.node_start.add_(0)  # an in-place write bumps the version: recomputed
+    assert fla_gdn._cached_plan(*nodes, 0) is not cached

@@ -1,0 +1,141 @@
+"""The hybrid baselines of the benchmark harness on CPU: packed == per path (loss and every gradient)."""
+
+import itertools
+
+import pytest
+import torch
+
+from benchmarks import harness
+from benchmarks.hybrid_baselines import Pack, gdn_layers, reset_conv1d
+from benchmarks.trees import synthetic_paths
+
+
+def run(spec_name, contender, paths, capacity):
+    spec = harness.model_specs()[spec_name]
+    torch.manual_seed(0)
+    model = spec.build(torch.device("cpu"), torch.float64)
+    case = harness.TreeCase("t", "synthetic", None, tuple(map(tuple, paths)))
+    cfg = harness.BenchConfig(device="cpu", dtype="float64", iters=1, capacity=capacity, compile_baselines=False)
+    steps = harness.Steps(model, spec, case, cfg, {})
+    before = [(m.chunk_gated_delta_rule, m.causal_conv1d_fn) for m in gdn_layers(model)]
+    loss = float(getattr(steps, contender)()())
+    # the hooks are restored after the step: the model stays unmodified for the tree contender
+    assert before == [(m.chunk_gated_delta_rule, m.causal_conv1d_fn) for m in gdn_layers(model)]
+    assert torch.nn.functional.scaled_dot_product_attention is harness._ORIG_SDPA
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss, grads, model, steps
+
+
+@pytest.mark.parametrize("spec_name", ["hybrid-tiny", "hybrid-moe-tiny"])
+@pytest.mark.parametrize("capacity", [40, 10_000], ids=["several_packs", "one_pack"])
+def test_packed_hybrid_equals_per_path(spec_name, capacity):
+    paths = synthetic_paths(6, 23, 0.5, vocab=512, seed=3) + [[5, 6, 7]]  # odd lengths, a 3-token path
+    ref_loss, ref_grads, _, _ = run(spec_name, "eager_per_path", paths, capacity)
+    loss, grads, _, steps = run(spec_name, "packed_fla_varlen", paths, capacity)
+    assert "attention" in steps.note
+    assert abs(loss - ref_loss) <= 1e-9 * abs(ref_loss)
+    assert grads.keys() == ref_grads.keys()
+    for n, g in ref_grads.items():
+        torch.testing.assert_close(grads[n], g, rtol=1e-9, atol=1e-12, msg=n)
+
+
+def test_packing_without_resets_is_not_per_path():
+    """Near miss: the same packs with the conv and GDN state carried across sequences differ."""
+    from benchmarks import hybrid_baselines as hb
+    from models.hybrid import causal_conv1d_fn
+
+    paths = synthetic_paths(4, 17, 0.3, vocab=512, seed=1)
+    ref_loss, *_ = run("hybrid-tiny", "eager_per_path", paths, 10_000)
+    saved = hb._varlen_gdn_reference, hb.reset_conv1d
+    try:
+        hb._varlen_gdn_reference = lambda orig: orig  # one sequence for the whole pack
+        hb.reset_conv1d = causal_conv1d_fn
+        loss, *_ = run("hybrid-tiny", "packed_fla_varlen", paths, 10_000)
+    finally:
+        hb._varlen_gdn_reference, hb.reset_conv1d = saved
+    assert abs(loss - ref_loss) > 1e-6 * abs(ref_loss)
+
+
+def test_reset_conv_equals_conv_per_sequence():
+    from models.hybrid import causal_conv1d_fn
+
+    gen = torch.Generator().manual_seed(0)
+    seqs = [5, 1, 9, 2]
+    x = torch.randn(1, 6, sum(seqs), generator=gen, dtype=torch.float64)
+    w = torch.randn(6, 4, generator=gen, dtype=torch.float64)
+    b = torch.randn(6, generator=gen, dtype=torch.float64)
+    cu = torch.tensor([0] + seqs).cumsum(0)
+    doc = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(seqs))
+    Pack.pos_in_seq = torch.arange(sum(seqs)) - cu[doc]
+    got = reset_conv1d(x, w, b, activation="silu")
+    bounds = itertools.pairwise(cu.tolist())
+    ref = torch.cat([causal_conv1d_fn(x[..., s:e], w, b, activation="silu") for s, e in bounds], -1)
+    torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+
+
+def test_hybrid_baselines_skip_dense_and_fla_rows_on_cpu():
+    paths = [[1, 2, 3], [1, 2, 4]]
+    spec = harness.model_specs()["dense-tiny"]
+    model = spec.build(torch.device("cpu"), torch.float64)
+    case = harness.TreeCase("t", "synthetic", None, tuple(map(tuple, paths)))
+    cfg = harness.BenchConfig(device="cpu", dtype="float64", iters=1, capacity=64, compile_baselines=False)
+    with pytest.raises(harness._Skip, match="hybrid models only"):
+        harness.Steps(model, spec, case, cfg, {}).packed_fla_varlen()
+    hspec = harness.model_specs()["hybrid-tiny"]
+    with pytest.raises(harness._Skip, match="CUDA"):
+        harness.Steps(hspec.build(torch.device("cpu"), torch.float64), hspec, case, cfg, {}).compiled_per_path_fla()
+
+
+def test_hybrid_bench_layer_timing_runs_with_a_stand_in_fla(monkeypatch):
+    """The GPU bench's GDN layer section on CPU, fla replaced by the float64-capable torch stand-in: it
+    runs every variant and reports the plan's calls (the GPU run only swaps the kernel)."""
+    import sys
+    import types
+
+    from benchmarks import hybrid_bench as hb
+    from tests.test_fla_plan import torch_varlen_gdn
+
+    def chunk_gated_delta_rule(q, k, v, g, beta, *, initial_state=None, output_final_state=False, cu_seqlens=None,
+                               use_qk_l2norm_in_kernel=False, chunk_size=64, scale=None):
+        return torch_varlen_gdn(q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=True,
+                                cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                                chunk_size=chunk_size)
+
+    fake = types.ModuleType("fla.ops.gated_delta_rule")
+    fake.chunk_gated_delta_rule = chunk_gated_delta_rule
+    for name in ("fla", "fla.ops"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule", fake)
+    monkeypatch.setattr(hb, "H", 1)
+    monkeypatch.setattr(hb, "HV", 2)
+    monkeypatch.setattr(hb, "DK", 8)
+    monkeypatch.setattr(hb, "DV", 8)
+    trees = hb.bench_trees("agentic", 512, scale=0.02)
+    (row,) = hb.gdn_layer_times(trees, device="cpu")
+    assert row["calls"] <= row["calls_r0"] == row["levels"]
+    assert all(row[f"{k}_ms"] > 0 for k in ("tree_planned", "tree_per_level", "one_fla_call"))
+    assert all(row[f"{k}_vs_per_level"] < 1e-4 for k in ("tree_planned", "tree_planned_r0", "tree_planned_r64"))
+    counts = hb.call_counts(trees)
+    assert {r["tree"] for r in counts} >= set(trees)
+
+
+def test_packed_hooks_are_the_same_objects_every_step(monkeypatch):
+    """dynamo guards on the hook functions: a baseline must install the same objects at every step."""
+    from benchmarks import hybrid_baselines as hb
+
+    seen = []
+    real = hb.hooks
+
+    def spy(model, **kw):
+        seen.append((tuple(kw["gdn"].values()), kw["conv"], kw["sdpa"]))
+        return real(model, **kw)
+
+    monkeypatch.setattr(hb, "hooks", spy)
+    spec = harness.model_specs()["hybrid-tiny"]
+    model = spec.build(torch.device("cpu"), torch.float64)
+    case = harness.TreeCase("t", "synthetic", None, ((1, 2, 3, 4), (1, 2, 5)))
+    cfg = harness.BenchConfig(device="cpu", dtype="float64", iters=1, capacity=64, compile_baselines=False)
+    step = harness.Steps(model, spec, case, cfg, {}).packed_fla_varlen()
+    step()
+    step()
+    assert len(seen) == 2 and seen[0] == seen[1]
