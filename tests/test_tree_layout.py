@@ -137,3 +137,53 @@ def test_reordered_attention_is_exact_float64(name, paths, pad):
     grads = torch.autograd.grad(out, (q, k, v), do)
     for got, want in ((out, ref), *zip(grads, ref_grads)):
         assert (got - want).abs().max() <= 1e-12 * max(1.0, want.abs().max())
+
+
+# ---------------------------------------------------------------------------- the lowering's option (CPU)
+def _dense_flex(q, k, v, block_mask, *, scale=None, enable_gqa=False, **_):
+    """Stand-in for the compiled flex kernel on CPU: softmax under the block mask's mask_mod, densely."""
+    Tq, Tk = q.shape[2], k.shape[2]
+    z = torch.tensor(0)
+    mask = block_mask.mask_mod(z, z, torch.arange(Tq)[:, None], torch.arange(Tk)[None, :])
+    r = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(r, 1), v.repeat_interleave(r, 1)
+    s = (q @ k.transpose(-1, -2)) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    return torch.softmax(s.masked_fill(~mask, float("-inf")), -1) @ v
+
+
+def test_lowered_graph_with_heavy_first_layout_is_exact(monkeypatch):
+    """The eager lowered graph (flex replaced by a dense stand-in) run with each layout: loss, log-probs and
+    every parameter gradient equal the CPU graph's in float64; the order input exists only for heavy_first."""
+    import treecompile
+    from treecompile.models import DenseConfig, DenseForCausalLM
+    from treecompile.passes import lower_cuda as lc
+
+    monkeypatch.setattr(lc, "tree_attention_flex", _dense_flex)
+    torch.manual_seed(0)
+    model = DenseForCausalLM(DenseConfig.tiny()).double()
+    tm = treecompile.compile(model)
+    rng = random.Random(0)
+    paths = [[rng.randrange(1, 60) for _ in range(n)] for n in (3, 9, 1)] + comb_paths(6, 5, 7)
+    paths = [[t % 60 + 1 for t in p] for p in paths]
+    batch = Tree.from_paths(paths).to_batch(pad_to_multiple=16)
+    params = [p for p in model.parameters()]
+    ref = tm(batch)
+    ref_grads = torch.autograd.grad(ref.loss, params)
+    prog = tm.program
+    with pytest.raises(ValueError, match="attention_layout"):
+        lc.CudaOptions(attention_layout="aligned")
+    for layout in lc.ATTENTION_LAYOUTS:
+        low = lc.lower_cuda(prog.graph_module, lc.CudaOptions(compile_cuda=False, gdn_kernel="reference",
+                                                              attention_kernel="flex", attention_layout=layout))
+        names = [n.name for n in low.graph_module.graph.nodes if n.op == "placeholder"]
+        assert ("tree_attention_order" in names) == (layout == "heavy_first") and low.layout == layout
+        extra = lc.attention_inputs(batch.subtree_end, low)
+        assert len(extra) == (2 if layout == "heavy_first" else 1)
+        if layout == "heavy_first":
+            assert not torch.equal(extra[1][0], torch.arange(batch.seq_len))  # the reorder fired
+        out = low.graph_module(*[prog.lifted_value(x) for x in prog.lifted], *prog.batch_args(batch), *extra)
+        grads = torch.autograd.grad(out[0], params)
+        assert abs(float((out[0] - ref.loss).detach())) <= 1e-12 * abs(float(ref.loss.detach()))
+        assert torch.allclose(out[1][: batch.seq_len], ref.logprobs, rtol=0, atol=1e-12)
+        for g, rg in zip(grads, ref_grads):
+            assert (g - rg).abs().max() <= 1e-10 * max(1.0, float(rg.abs().max()))
