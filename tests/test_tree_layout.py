@@ -187,3 +187,19 @@ def test_lowered_graph_with_heavy_first_layout_is_exact(monkeypatch):
         assert torch.allclose(out[1][: batch.seq_len], ref.logprobs, rtol=0, atol=1e-12)
         for g, rg in zip(grads, ref_grads):
             assert (g - rg).abs().max() <= 1e-10 * max(1.0, float(rg.abs().max()))
+
+
+def test_reordered_attention_keeps_the_model_layout():
+    """Inputs that are [B, H, T, D] views of [B, T, H, D] storage reach ``attend`` in the same memory order."""
+    se = torch.tensor([6, 6, 4, 4, 6, 6])
+    order = heavy_first_order(se)
+    x = torch.randn(1, 6, 2, 8, dtype=torch.float64).transpose(1, 2)  # [B, H, T, D] view, heads inner
+    seen = []
+
+    def attend(q, k, v):
+        seen.append(q.stride())
+        return q * 2
+    out = reordered_attention(attend, x, x, x, order)
+    assert seen[0][1] < seen[0][2] and torch.equal(out, x * 2)
+    y = torch.randn(1, 2, 6, 8, dtype=torch.float64)  # contiguous [B, H, T, D]
+    assert torch.equal(reordered_attention(lambda q, k, v: q + 1, y, y, y, order), y + 1)

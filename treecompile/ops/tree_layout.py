@@ -89,9 +89,9 @@ def heavy_first_order(subtree_end: torch.Tensor) -> torch.Tensor:
     length = torch.tensor(end) - torch.tensor(start)
     ns = torch.tensor(new_start)
     pos = torch.repeat_interleave(ns - torch.tensor(start), length) + torch.arange(T)  # new position of token t
-    perm = torch.empty_like(pos)
+    perm = torch.full_like(pos, -1)
     perm[pos] = torch.arange(T)  # the token at new position i
-    if not torch.equal(torch.sort(pos).values, torch.arange(T)):
+    if bool((perm < 0).any()):  # pos in [0, T) by construction; every position hit once <=> a permutation
         raise AssertionError("heavy_first_order: not a permutation (internal error)")
     return torch.stack([perm, pos]).to(dev)
 
@@ -110,5 +110,13 @@ def reordered_attention(attend, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     in the caller's order.  ``dim``: the sequence dimension (2 for ``[B, H, T, D]``).  ``attend`` must use
     a mask of the reordered sequence (e.g. a BlockMask of :func:`permuted_subtree_end`)."""
     perm, pos = order[0], order[1]
-    out = attend(q.index_select(dim, perm), k.index_select(dim, perm), v.index_select(dim, perm), **kwargs)
-    return out.index_select(dim, pos)
+    out = attend(_take(q, dim, perm), _take(k, dim, perm), _take(v, dim, perm), **kwargs)
+    return _take(out, dim, pos)
+
+
+def _take(x: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
+    """``x.index_select(dim, index)`` keeping ``x``'s memory order when ``x`` is a ``[B, H, T, D]`` view of
+    ``[B, T, H, D]`` storage (the model's layout: heads inside tokens), so the kernel sees the same strides."""
+    if x.dim() == 4 and dim == 2 and x.stride(1) < x.stride(2):
+        return x.transpose(1, 2).index_select(1, index).transpose(1, 2)
+    return x.index_select(dim, index)
