@@ -203,3 +203,28 @@ def test_reordered_attention_keeps_the_model_layout():
     assert seen[0][1] < seen[0][2] and torch.equal(out, x * 2)
     y = torch.randn(1, 2, 6, 8, dtype=torch.float64)  # contiguous [B, H, T, D]
     assert torch.equal(reordered_attention(lambda q, k, v: q + 1, y, y, y, order), y + 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("compile_cuda", [True, False], ids=["compiled", "eager"])
+def test_heavy_first_on_cuda_matches_dfs(compile_cuda):
+    """A small dense model on CUDA (float32, the attention kernel "auto" picks): the heavy_first layout's
+    loss, log-probs and parameter gradients match the dfs layout's (kernel rounding only)."""
+    import treecompile
+    from treecompile.models import DenseConfig, DenseForCausalLM
+
+    torch.manual_seed(0)
+    model = DenseForCausalLM(DenseConfig.tiny()).cuda()
+    batch = Tree.from_paths([[t % 60 + 1 for t in p] for p in comb_paths(30, 40, 45, seed=5)]).to_batch(device="cuda")
+    params = list(model.parameters())
+    res = {}
+    for layout in ("dfs", "heavy_first"):
+        tm = treecompile.compile(model, attention_layout=layout, compile_cuda=compile_cuda)
+        out = tm(batch)
+        res[layout] = (out.loss.detach(), out.logprobs.detach(), torch.autograd.grad(out.loss, params))
+    (l0, p0, g0), (l1, p1, g1) = res["dfs"], res["heavy_first"]
+    assert abs(float(l1 - l0)) <= 1e-5 * abs(float(l0))
+    assert (p1 - p0).abs().max() <= 1e-4
+    for a, b in zip(g1, g0):
+        assert (a - b).norm() <= 1e-4 * max(b.norm(), 1e-6)
