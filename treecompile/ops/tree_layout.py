@@ -18,8 +18,8 @@ and the computed tiles down by 27-29 % (``benchmarks/tile_cost_model.py``, bench
 :func:`heavy_first_order` computes the permutation from ``subtree_end`` alone (the same input the
 BlockMask is built from); :func:`permuted_subtree_end` gives the tree rule in the new order, and
 :func:`reordered_attention` wraps an attention function so that the model keeps its own order: it gathers
-``q, k, v`` into the new order, attends there, and gathers the output back (the backward is autograd's
-of the two index_selects).  Exact: the new order is a permutation of keys and queries with the mask
+``q, k, v`` into the new order, attends there, and gathers the output back (each gather's backward is the
+inverse permutation's gather).  Exact: the new order is a permutation of keys and queries with the mask
 permuted alike, so every output row is the same softmax over the same set of keys.
 
 Shapes: ``subtree_end [T]``; ``order [2, T]`` int64, ``order[0][i]`` = the token at new position ``i``,
@@ -110,8 +110,8 @@ def reordered_attention(attend, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     in the caller's order.  ``dim``: the sequence dimension (2 for ``[B, H, T, D]``).  ``attend`` must use
     a mask of the reordered sequence (e.g. a BlockMask of :func:`permuted_subtree_end`)."""
     perm, pos = order[0], order[1]
-    out = attend(_take(q, dim, perm), _take(k, dim, perm), _take(v, dim, perm), **kwargs)
-    return _take(out, dim, pos)
+    out = attend(*(_Permute.apply(x, dim, perm, pos) for x in (q, k, v)), **kwargs)
+    return _Permute.apply(out, dim, pos, perm)
 
 
 def _take(x: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
@@ -120,3 +120,19 @@ def _take(x: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
     if x.dim() == 4 and dim == 2 and x.stride(1) < x.stride(2):
         return x.transpose(1, 2).index_select(1, index).transpose(1, 2)
     return x.index_select(dim, index)
+
+
+class _Permute(torch.autograd.Function):
+    """``x`` reordered along ``dim`` by the permutation ``index`` (``inverse`` its inverse).  The backward
+    is the inverse gather, not index_select's scatter-add (no zero fill, no atomics, deterministic)."""
+
+    @staticmethod
+    def forward(ctx, x, dim: int, index, inverse):
+        ctx.dim = dim
+        ctx.save_for_backward(inverse)
+        return _take(x, dim, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        return _take(grad, ctx.dim, inverse), None, None, None
