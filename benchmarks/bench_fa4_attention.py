@@ -7,7 +7,13 @@ model's layout: ``[B, T, H, D]`` storage viewed as ``[B, H, T, D]``):
   repeated for GQA inside the timed call; ``flash_attn.cute.flash_attn_func(causal=True)``);
 - ``flex_triton``: compiled FlexAttention's Triton kernel under the tree BlockMask (tuned options);
 - ``fa4_flex``: the same BlockMask through FlexAttention's ``BACKEND="FLASH"`` (FA4 kernels);
-- ``fa4_direct``: ``flash_attn.cute.flash_attn_func`` with a CuTe mask_mod and the BlockMask's lists.
+- ``fa4_direct``: ``flash_attn.cute.flash_attn_func`` with a CuTe mask_mod and the BlockMask's lists;
+- ``fa4_flex_heavy``: ``fa4_flex`` in the heaviest-first order (``attention_layout="heavy_first"``,
+  ops/tree_layout.py): q/k/v gathered into that order, the BlockMask of that order, the output gathered
+  back, all inside the timed call (what the lowering runs);
+- ``fa4_flex_heavy_kernel``: the kernel alone on inputs already in that order (no gathers): the ceiling
+  of a model that kept the whole sequence in that order;
+- ``flex_triton_heavy``: the Triton flex kernel in that order, with the gathers.
 
 TF/s over UNMASKED entries (fwd 4*H*D*nnz, bwd 2.5x fwd; causal nnz = T(T+1)/2); ``% FA4 causal`` =
 tree TF/s / FA4 causal TF/s at the same T (the issue's target: >= 90 %).  ``out err``: norm-relative
@@ -17,6 +23,8 @@ Trees: synthetic (bench_attention.random_tree_paths, 16 paths) at the requested 
 deep short-node agentic trees (benchmarks/trees.py, 50+ levels, ~90-token nodes).
 
 Run on a GPU:  python benchmarks/bench_fa4_attention.py [--sizes 16384,32768,65536] [--out DIR]
+Layouts only (issue 16 item 2, ~3 min on an H100): --pors 0.5,0.9 --contenders fa4_flex,fa4_flex_heavy,
+fa4_flex_heavy_kernel --out DIR  (DIR gets fa4_attention.{md,json} and fa4_attention_{rows,trees}.csv)
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ from trees import AgenticSpec, agentic_paths  # noqa: E402
 from treecompile import Tree  # noqa: E402
 from treecompile.ops import fa4_tree_attention as fa4  # noqa: E402
 from treecompile.ops import flex_tree_attention as fta  # noqa: E402
+from treecompile.ops.tree_layout import heavy_first_order, permuted_subtree_end, reordered_attention  # noqa: E402
 
 DEEP = [  # deep agentic trees with short nodes (20-200 tokens), 50+ levels
     AgenticSpec("deep-16k", prompt=800, turns=52, think=60, action=25, observation=50, fanout=2,
@@ -126,7 +135,17 @@ def causal_fns():
     return {"cudnn_causal": cudnn, "fa4_causal": fa4_causal}
 
 
-def tree_fns(se, bm, which):
+def heavy_layout(se):
+    """(order, BlockMask of that order, host+device ms to build both)."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    order = heavy_first_order(se)
+    bm = fta.tree_block_mask(permuted_subtree_end(se, order), validate=False)
+    torch.cuda.synchronize()
+    return order, bm, 1e3 * (time.perf_counter() - t0)
+
+
+def tree_fns(se, bm, which, heavy=None):
     opts = dict(fta.HOPPER_KERNEL_OPTIONS)
     out = {}
     if "flex_triton" in which:
@@ -136,6 +155,15 @@ def tree_fns(se, bm, which):
     if "fa4_direct" in which:
         sparse = fa4.fa4_block_sparse_tensors(bm)
         out["fa4_direct"] = lambda q, k, v: fa4.tree_attention_fa4_direct(q, k, v, se, bm, block_sparse=sparse)
+    if heavy is not None:
+        order, bm_h, _ = heavy
+        if "fa4_flex_heavy" in which:
+            out["fa4_flex_heavy"] = lambda q, k, v: reordered_attention(
+                lambda a, b, c: fa4.tree_attention_fa4(a, b, c, bm_h, enable_gqa=True), q, k, v, order)
+        if "flex_triton_heavy" in which:
+            out["flex_triton_heavy"] = lambda q, k, v: reordered_attention(
+                lambda a, b, c: fta.tree_attention_flex(a, b, c, bm_h, enable_gqa=True, kernel_options=opts),
+                q, k, v, order)
     return out
 
 
@@ -171,9 +199,19 @@ def main() -> None:
         batch = tree.to_batch(pad_to_multiple=128, device="cuda")
         se = batch.subtree_end
         st = tree_stats(tree, se[:T].contiguous())
-        bm = fta.tree_block_mask(se)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        bm = fta.tree_block_mask(se, validate=False)
+        torch.cuda.synchronize()
+        mask_ms = 1e3 * (time.perf_counter() - t0)
+        heavy = heavy_layout(se) if any("heavy" in w for w in which) else None
         levels = int(batch.node_level.max()) + 1
-        stats.append(dict(case=case, T_padded=Tp, levels=levels, **st))
+        extra = dict(mask_ms=round(mask_ms, 2))
+        if heavy is not None:
+            h = tree_stats(tree, permuted_subtree_end(se, heavy[0])[:T].contiguous())
+            extra.update(heavy_tiles_full=h["tiles_full"], heavy_tiles_partial=h["tiles_partial"],
+                         heavy_tile_util=h["tile_util"], heavy_layout_ms=round(heavy[2], 2))
+        stats.append(dict(case=case, T_padded=Tp, levels=levels, **st, **extra))
         q, k, v, do = inputs(Tp, seed=T)
         if Tp not in causal:
             causal[Tp] = {}
@@ -184,8 +222,17 @@ def main() -> None:
         # padding tokens see only themselves: count their entries so TF/s match the kernel's work
         nnz = int((se.cpu() - torch.arange(Tp)).sum())
         ref = causal[Tp].get("fa4_causal", {}).get("fwdbwd_tfs")
-        for name, fn in tree_fns(se, bm, which).items():
-            r = row(case, name, fn, q, k, v, do, nnz, se)
+        fns = tree_fns(se, bm, which, heavy)
+        if heavy is not None and "fa4_flex_heavy_kernel" in which:  # the kernel on inputs already in that order
+            fns["fa4_flex_heavy_kernel"] = lambda q_, k_, v_, bm_h=heavy[1]: fa4.tree_attention_fa4(
+                q_, k_, v_, bm_h, enable_gqa=True)
+        for name, fn in fns.items():
+            if name == "fa4_flex_heavy_kernel":  # same data, permuted once outside the timed call
+                qh, kh, vh = (x.detach()[:, heavy[0][0]].requires_grad_() for x in (q, k, v))
+                r = row(case, name, fn, qh, kh, vh, do, nnz)
+                del qh, kh, vh
+            else:
+                r = row(case, name, fn, q, k, v, do, nnz, se)
             if ref and "fwdbwd_tfs" in r:
                 r["pct_fa4_causal"] = round(100 * r["fwdbwd_tfs"] / ref, 1)
             rows.append(r)
@@ -202,6 +249,20 @@ def main() -> None:
             f.write(out)
         with open(os.path.join(a.out, "fa4_attention.json"), "w") as f:
             json.dump(dict(cond=cond, stats=stats, rows=rows), f, indent=1)
+        for name, table in (("fa4_attention_rows.csv", rows), ("fa4_attention_trees.csv", stats)):
+            write_csv(os.path.join(a.out, name), table)
+
+
+def write_csv(path: str, table: list[dict]) -> None:
+    """One header over every key that any row has (rows that lack one leave it empty); temp then rename."""
+    import csv
+
+    keys = list(dict.fromkeys(k for r in table for k in r))
+    with open(path + ".tmp", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(table)
+    os.replace(path + ".tmp", path)
 
 
 if __name__ == "__main__":

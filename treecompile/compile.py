@@ -74,13 +74,13 @@ class TreeModel(nn.Module):
                  logits_chunk: int | None = None, compile_cuda: bool = True, swaps: list | None = None,
                  bucket: bool = True, boundary: bool = False, gdn_kernel: str = "auto",
                  allow_dropout: bool = False, entropy: bool = False, router_aux: str | None = None,
-                 attention_kernel: str = "auto"):
+                 attention_kernel: str = "auto", attention_layout: str = "dfs"):
         super().__init__()
         if boundary and (entropy or router_aux in ("batch", "path")):
             raise ValueError("compile(boundary=True) (redundancy-free partitions) does not return the entropy or "
                              "router logits yet")
         options = CudaOptions(compile_cuda=compile_cuda, bucket=bucket, gdn_kernel=gdn_kernel,
-                              attention_kernel=attention_kernel)
+                              attention_kernel=attention_kernel, attention_layout=attention_layout)
         captured: Captured = capture(model, swaps=swaps)
         ep = captured.program
         if ep.graph_signature.buffers_to_mutate:
@@ -235,7 +235,7 @@ def compile(model=None, *, disable: tuple[str, ...] = (), debug: bool = False,  
             logits_chunk: int | None = None, compile_cuda: bool = True, bucket: bool = True,
             boundary: bool = False, gdn_kernel: str = "auto", swaps: list | None = None,
             allow_dropout: bool = False, entropy: bool = False, router_aux: str | None = None,
-            attention_kernel: str = "auto"):
+            attention_kernel: str = "auto", attention_layout: str = "dfs"):
     """Rewrite ``model`` for tree batches and return a :class:`TreeModel`.
 
     Usable as ``treecompile.compile(model, ...)``, or as a decorator (bare or with options) on an
@@ -253,6 +253,9 @@ def compile(model=None, *, disable: tuple[str, ...] = (), debug: bool = False,  
         attention_kernel: ``"auto"``, ``"fa4"`` or ``"flex"``: the tree attention kernel on CUDA
             (FlashAttention-4 needs ``treecompile[hopper]`` and sm_90+; ``"auto"`` falls back to flex
             with a warning, ``"fa4"`` raises naming the reason).
+        attention_layout: ``"dfs"`` or ``"heavy_first"``: the token order tree attention runs in on CUDA
+            (``"heavy_first"``: the batch's tree with children visited largest subtree first, gathered in
+            and out inside each attention call; exact, fewer partial tiles on deep agentic trees).
         swaps: context managers entered during capture (default: ``frontend.kernel_swaps(model)``).
         allow_dropout: accept active dropout (one mask per shared token, so gradients equal the
             per-path ones only in expectation); by default it is refused.
@@ -271,7 +274,8 @@ def compile(model=None, *, disable: tuple[str, ...] = (), debug: bool = False,  
     """
     options = dict(disable=disable, debug=debug, logits_chunk=logits_chunk, compile_cuda=compile_cuda,
                    bucket=bucket, boundary=boundary, gdn_kernel=gdn_kernel, swaps=swaps, allow_dropout=allow_dropout,
-                   entropy=entropy, router_aux=router_aux, attention_kernel=attention_kernel)
+                   entropy=entropy, router_aux=router_aux, attention_kernel=attention_kernel,
+                   attention_layout=attention_layout)
     if model is None:
         return functools.partial(compile, **options)
     if isinstance(model, nn.Module):

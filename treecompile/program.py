@@ -28,7 +28,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
 from treecompile.passes.expose_boundary import BoundarySpec
-from treecompile.passes.lower_cuda import CudaLowering, CudaOptions, lower_cuda
+from treecompile.passes.lower_cuda import CudaLowering, CudaOptions, attention_inputs, lower_cuda
 from treecompile.passes.split_modules import Segment, split_by_modules
 from treecompile.tree import TreeBatch, ancestor_index
 
@@ -225,14 +225,12 @@ class TreeProgram:
         return self._cuda
 
     def _run_cuda(self, batch, boundary_inputs: list) -> tuple:
-        from treecompile.ops.flex_tree_attention import tree_block_mask
-
         state = self._cuda_state()
         T = batch.seq_len
         if state.lowering.bucket:
             batch = batch.padded(bucket_length(T))
         args = self.batch_args(batch) + boundary_inputs
-        args.append(tree_block_mask(batch.subtree_end, validate=False) if state.lowering.attention else None)
+        args += attention_inputs(batch.subtree_end, state.lowering)
         limit = max(torch._dynamo.config.recompile_limit, self.options.recompile_limit)
         patch = torch._dynamo.config.patch(recompile_limit=limit) if state.lowering.compiled \
             else contextlib.nullcontext()

@@ -26,6 +26,7 @@ returns a new graph module: the rewritten graph (the one ``treecompile.save`` wr
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from dataclasses import dataclass
@@ -39,10 +40,11 @@ import treecompile.ops.logprobs  # noqa: F401
 import treecompile.ops.tree_gdn  # noqa: F401
 from treecompile.ops.fa4_tree_attention import (FA4_KERNEL_OPTIONS, fa4_input_reason, fa4_unusable_reason,
                                                 tree_attention_fa4)
-from treecompile.ops.flex_tree_attention import kernel_options_for, tree_attention_flex
+from treecompile.ops.flex_tree_attention import kernel_options_for, tree_attention_flex, tree_block_mask
+from treecompile.ops.tree_layout import heavy_first_order, permuted_subtree_end, reordered_attention
 
-__all__ = ["CudaOptions", "CudaLowering", "lower_cuda", "resolve_gdn_kernel", "resolve_attention_kernel",
-           "GDN_KERNELS", "ATTENTION_KERNELS"]
+__all__ = ["CudaOptions", "CudaLowering", "lower_cuda", "attention_inputs", "resolve_gdn_kernel",
+           "resolve_attention_kernel", "GDN_KERNELS", "ATTENTION_KERNELS", "ATTENTION_LAYOUTS"]
 
 TREE_ATTENTION = torch.ops.treecompile.tree_attention.default
 TREE_GDN = torch.ops.treecompile.tree_gated_delta_rule.default
@@ -56,6 +58,10 @@ GDN_KERNELS = ("auto", "fla", "reference")
 # Tree attention kernel on CUDA: "fa4" (FlashAttention-4 through FlexAttention's FLASH backend),
 # "flex" (FlexAttention's Triton kernel), "auto" (fa4 where it can run, else flex with one warning).
 ATTENTION_KERNELS = ("auto", "fa4", "flex")
+# Token order the tree attention kernel runs in: "dfs" (the batch's own order) or "heavy_first" (the same
+# tree with children visited largest subtree first, ops/tree_layout.py: q/k/v gathered in, the output
+# gathered back; far fewer partial tiles on deep agentic trees).
+ATTENTION_LAYOUTS = ("dfs", "heavy_first")
 
 
 @dataclass(frozen=True)
@@ -66,6 +72,8 @@ class CudaOptions:
     bucket: pad sequence lengths to ``bucket_length`` buckets (bounded recompiles).
     gdn_kernel: one of ``GDN_KERNELS``.
     attention_kernel: one of ``ATTENTION_KERNELS``.
+    attention_layout: one of ``ATTENTION_LAYOUTS``: ``"heavy_first"`` runs every tree attention in the
+        heaviest-child-first DFS order of the batch (exact; one more ``[2, T]`` graph input).
     recompile_limit: dynamo's ``recompile_limit`` while a compiled graph runs (one compile per length
         bucket needs room for many), applied with ``torch._dynamo.config.patch`` around each call
         only: the global setting is left as it is.  Never lowers a higher global limit.
@@ -76,20 +84,25 @@ class CudaOptions:
     gdn_kernel: str = "auto"
     recompile_limit: int = 64
     attention_kernel: str = "auto"
+    attention_layout: str = "dfs"
 
     def __post_init__(self):
         if self.gdn_kernel not in GDN_KERNELS:
             raise ValueError(f"gdn_kernel: expected one of {GDN_KERNELS}, got {self.gdn_kernel!r}")
         if self.attention_kernel not in ATTENTION_KERNELS:
             raise ValueError(f"attention_kernel: expected one of {ATTENTION_KERNELS}, got {self.attention_kernel!r}")
+        if self.attention_layout not in ATTENTION_LAYOUTS:
+            raise ValueError(f"attention_layout: expected one of {ATTENTION_LAYOUTS}, got {self.attention_layout!r}")
 
 
 @dataclass
 class CudaLowering:
     """What :func:`lower_cuda` made: the graph to run and how to run it."""
 
-    graph_module: fx.GraphModule  # the rewritten graph's placeholders, then ``tree_block_mask``
-    attention: int  # tree_attention calls lowered to flex (0: feed None for the block mask)
+    graph_module: fx.GraphModule  # the rewritten graph's placeholders, then ``tree_block_mask`` (and
+    #   ``tree_attention_order`` when ``layout`` is not "dfs")
+    attention: int  # tree_attention calls lowered to flex (0: feed None for the block mask and the order)
+    layout: str  # CudaOptions.attention_layout: "heavy_first" feeds the order and the block mask of that order
     gdn_fla: int  # tree GDN calls lowered to fla
     triton_head: int  # fused heads lowered to linear_logprobs_triton
     compiled: bool  # run under torch.compile(dynamic=False)
@@ -152,22 +165,25 @@ def resolve_attention_kernel(requested: str, q, setup_reason=_PROBE) -> str:
     return "flex"
 
 
-def _flex(q, k, v, block_mask, scale, kernel="flex", setup_reason=None):
+def _flex(q, k, v, block_mask, scale, kernel="flex", setup_reason=None, order=None):
     """Inside a graph that runs under torch.compile: inductor compiles flex with the rest (the kernel
     is resolved at trace time from the fake inputs' device, dtype and head size, and the installation
-    and device probe made at lowering time)."""
+    and device probe made at lowering time).  ``order``: ``[2, T]`` of ``ops.tree_layout`` (the block mask
+    is then that order's), or None to attend in the batch's order."""
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     fa4 = resolve_attention_kernel(kernel, q, setup_reason) == "fa4"
-    return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
-                          kernel_options=dict(FA4_KERNEL_OPTIONS) if fa4 else kernel_options_for(q))
+    attend = functools.partial(flex_attention, block_mask=block_mask, scale=scale,
+                               enable_gqa=q.shape[1] != k.shape[1],
+                               kernel_options=dict(FA4_KERNEL_OPTIONS) if fa4 else kernel_options_for(q))
+    return attend(q, k, v) if order is None else reordered_attention(attend, q, k, v, order)
 
 
-def _flex_eager(q, k, v, block_mask, scale, kernel="flex", setup_reason=None):
+def _flex_eager(q, k, v, block_mask, scale, kernel="flex", setup_reason=None, order=None):
     """In a graph that runs eagerly: the separately compiled kernel (never the T^2 eager flex)."""
-    if resolve_attention_kernel(kernel, q, setup_reason) == "fa4":
-        return tree_attention_fa4(q, k, v, block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
-    return tree_attention_flex(q, k, v, block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    fn = tree_attention_fa4 if resolve_attention_kernel(kernel, q, setup_reason) == "fa4" else tree_attention_flex
+    attend = functools.partial(fn, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    return attend(q, k, v) if order is None else reordered_attention(attend, q, k, v, order)
 
 
 def _triton_head(n: fx.Node) -> bool:
@@ -186,6 +202,19 @@ def _replace(graph: fx.Graph, n: fx.Node, target, args, kwargs=None) -> None:
     graph.erase_node(n)
 
 
+def attention_inputs(subtree_end: torch.Tensor, lowering: CudaLowering) -> list:
+    """The graph inputs after the batch's (and boundary) inputs, for one batch of ``subtree_end [T]``:
+    ``[block_mask]``, or ``[block_mask, order]`` with a non-"dfs" layout (the mask then of that order);
+    None for each when the graph has no tree attention."""
+    reorder = lowering.layout != "dfs"
+    if not lowering.attention:
+        return [None, None] if reorder else [None]
+    if not reorder:
+        return [tree_block_mask(subtree_end, validate=False)]
+    order = heavy_first_order(subtree_end)
+    return [tree_block_mask(permuted_subtree_end(subtree_end, order), validate=False), order]
+
+
 def lower_cuda(gm: fx.GraphModule, options: CudaOptions, *, boundary: bool = False) -> CudaLowering:
     """A copy of ``gm`` for CUDA (module docstring).  ``boundary``: ``gm`` is a boundary program."""
     compiled = options.compile_cuda and not boundary
@@ -197,13 +226,17 @@ def lower_cuda(gm: fx.GraphModule, options: CudaOptions, *, boundary: bool = Fal
     last_ph = [n for n in graph.nodes if n.op == "placeholder"][-1]
     with graph.inserting_after(last_ph):
         mask = graph.placeholder("tree_block_mask")
+    order = None
+    if options.attention_layout != "dfs":
+        with graph.inserting_after(mask):
+            order = graph.placeholder("tree_attention_order")
     attention = gdn_fla = triton_head = 0
     for n in list(graph.nodes):
         if n.op == "call_function" and n.target == TREE_ATTENTION:
             q, k, v, _subtree_end = n.args[:4]
             scale = n.args[4] if len(n.args) > 4 else n.kwargs.get("scale")
             _replace(graph, n, _flex if compiled else _flex_eager, (q, k, v, mask, scale, options.attention_kernel,
-                                                                         setup_reason))
+                                                                         setup_reason, order))
             attention += 1
         elif n.op == "call_function" and n.target == TREE_GDN and gdn_kernel == "fla":
             _replace(graph, n, _gdn_fla, n.args, n.kwargs)
@@ -212,6 +245,7 @@ def lower_cuda(gm: fx.GraphModule, options: CudaOptions, *, boundary: bool = Fal
             _replace(graph, n, torch.ops.treecompile.linear_logprobs_triton.default, n.args, n.kwargs)
             triton_head += 1
     graph.eliminate_dead_code()
-    return CudaLowering(graph_module=fx.GraphModule(gm, graph), attention=attention, gdn_fla=gdn_fla,
+    return CudaLowering(graph_module=fx.GraphModule(gm, graph), attention=attention,
+                        layout=options.attention_layout, gdn_fla=gdn_fla,
                         triton_head=triton_head,
                         compiled=compiled, bucket=options.bucket and not boundary)
