@@ -180,3 +180,46 @@ def test_partition_without_step_coefficients_is_refused(moe):
     for s in ("batch", "path"):
         with pytest.raises(NotImplementedError, match="partitions that cut paths"):
             run_redundancy_free(tms[(s, True)], partition_redundancy_free(tree, 3))
+
+
+# ------------------------------------------------------------------ the router z-loss of our MoE model
+@pytest.mark.parametrize("semantics", ["batch", "path"])
+def test_z_loss_whole_tree_equals_per_path(semantics):
+    """``router_z_loss_coef > 0``: the model returns ``z_loss`` (dropped from the graph like ``aux_loss``);
+    ``out.z_loss``, ``out.loss`` and the gradients of the z-loss (routers included) equal the per-path
+    computation; the z-loss of the unweighted DFS rows (what the model computes on the tree) differs."""
+    from models.hybrid import router_z_loss
+
+    model = make_model(0.02)
+    tm = treecompile.compile(model, router_aux=semantics)
+    assert tm.pass_results["rewrite_router_loss"].info["dropped"] == ["aux_loss", "z_loss"]
+    assert tm.router_aux.z_coef == 0.02
+    paths, weights = TREES[0]
+    tree = Tree.from_paths(paths, path_weights=weights)
+    out = tm(tree.to_batch())
+    ref_loss, ref_aux, ref_z = per_path(model, [TREES[0]], semantics)
+    assert abs(float(out.z_loss - ref_z)) <= 1e-12 * abs(float(ref_z))
+    assert abs(float(out.loss - ref_loss)) <= 1e-12 * abs(float(ref_loss))
+    params = list(model.parameters())
+    gz = torch.autograd.grad(out.z_loss, params, allow_unused=True, retain_graph=True)
+    wz = torch.autograd.grad(ref_z, params, allow_unused=True)
+    for n, a, w in zip([n for n, _ in model.named_parameters()], gz, wz):
+        assert (a is None) == (w is None), n
+        if w is not None:
+            assert float((a - w).norm()) <= 1e-10 * float(w.norm()), n
+    gates = [a for (n, _), a in zip(model.named_parameters(), gz) if n.endswith("mlp.gate.weight")]
+    assert gates and all(float(a.norm()) > 0 for a in gates)
+    # near miss: the z-loss over the DFS rows, each shared token once
+    dfs = router_z_loss([r[:tree.num_tokens] for r in tm.program.run(tree.to_batch())[2:]])
+    assert abs(float(dfs - ref_z)) > 1e-6 * abs(float(ref_z))
+
+
+def test_z_loss_off_by_default_leaves_the_model_unchanged():
+    """``router_z_loss_coef = 0`` (the default): no ``z_loss`` output, the same graph as before."""
+    model = make_model(0.0)
+    assert model(torch.tensor([[1, 2, 3]])).z_loss is None
+    tm = treecompile.compile(model, router_aux="batch")
+    assert tm.pass_results["rewrite_router_loss"].info["dropped"] == ["aux_loss"]
+    assert tm.router_aux.z_coef == 0.0
+    out = tm(Tree.from_paths([[1, 2, 3], [1, 2, 4]]).to_batch())
+    assert out.z_loss is None
