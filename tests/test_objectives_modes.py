@@ -81,3 +81,39 @@ def test_redundancy_free_objective_losses_sum_over_partitions(model, boundary_mo
     for n in gr:
         assert float((gt[n] - gr[n]).norm()) <= REL * float(gr[n].norm()) + 1e-15
     assert res.metrics["partitions"] >= max(len(p) for p in case.paths) // 3
+
+
+@pytest.fixture(scope="module")
+def entropy_models(model):
+    return {"whole": treecompile.compile(model, entropy=True),
+            "redundancy_free": treecompile.compile(model, boundary=True, entropy=True)}
+
+
+@pytest.mark.parametrize("normalize", ["sum", "path_mean"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_entropy_bonus_in_every_mode_equals_per_path(model, entropy_models, mode, normalize):
+    """``(PPOClip, EntropyBonus)``: the entropy comes from each batch's fused head (redundancy-free
+    partitions included, ``compile(boundary=True, entropy=True)``); loss, gradients and the entropy
+    metric equal the per-path computation (each path's softmax entropy, run alone)."""
+    from test_entropy import per_path_entropy
+    from test_objectives import path_coefs
+    from treecompile.runtime.objectives import EntropyBonus
+
+    case = mixed_case(model)
+    bonus = EntropyBonus(0.05)
+    objs = (OBJECTIVES["ppo_clip"], bonus)
+    tm = entropy_models["redundancy_free" if mode == "redundancy_free" else "whole"]
+    res, gt = step_grads(model, tm, trajectory(case), objs, normalize, MODES[mode])
+    c = path_coefs(case.masks, case.weights, normalize)
+    H = [per_path_entropy(model, p) for p in case.paths]
+    masks = [torch.tensor(m, dtype=torch.float64) for m in case.masks]
+    ent = -bonus.coef * sum(c[p] * (masks[p] * H[p]).sum() for p in range(len(case.paths)))
+    lr = per_path_loss(objs[0], model, case, normalize) + ent
+    gr = grads(model, lr)
+    assert abs(res.loss - lr.item()) <= REL * abs(lr.item())
+    for n in gr:
+        assert float((gt[n] - gr[n]).norm()) <= REL * float(gr[n].norm()) + 1e-15, n
+    mean_h = sum(float((m * h).sum()) for m, h in zip(masks, H)) / sum(float(m.sum()) for m in masks)
+    assert abs(res.metrics["entropy"] - mean_h) <= 1e-12 * abs(mean_h)
+    if mode != "whole":
+        assert res.metrics["partitions"] > 1
