@@ -3,7 +3,8 @@ computation (float64 dense model; loss and every parameter gradient to 1e-9 rela
 
 The per-path side is ``tests/test_objectives.py``'s: each objective's own formula, path by path, on
 every path run alone.  Redundancy-free partitions cut paths: the token-level objectives (SFT, policy
-gradient, PPO-clip, KL) run there; the path-level ``SequenceClip`` is refused by name.
+gradient, PPO-clip, KL, entropy bonus) run on each partition's tokens; the path-level ``SequenceClip``
+is linearized at the log-probs of a pre-pass (``treecompile.runtime.path_level``), exact as well.
 """
 
 from __future__ import annotations
@@ -52,10 +53,6 @@ def test_every_objective_in_every_mode_equals_per_path(model, tmodel, boundary_m
     case = mixed_case(model)
     traj = trajectory(case)
     tm = boundary_model if mode == "redundancy_free" else tmodel
-    if mode == "redundancy_free" and name == "gspo":
-        with pytest.raises(ValueError, match="SequenceClip needs every token of a path in one batch"):
-            train_step(tm, traj, obj, normalize=normalize, **MODES[mode])
-        return
     res, gt = step_grads(model, tm, traj, obj, normalize, MODES[mode])
     lr = per_path_loss(obj, model, case, normalize)
     gr = grads(model, lr)
@@ -117,3 +114,19 @@ def test_entropy_bonus_in_every_mode_equals_per_path(model, entropy_models, mode
     assert abs(res.metrics["entropy"] - mean_h) <= 1e-12 * abs(mean_h)
     if mode != "whole":
         assert res.metrics["partitions"] > 1
+
+
+def test_sequence_clip_redundancy_free_checks_the_linearization_point(model, boundary_model, monkeypatch):
+    """SequenceClip on redundancy-free partitions uses the pre-pass log-probs: the step is refused when a
+    partition's log-probs differ from them (a forward that is not deterministic), naming the token."""
+    import treecompile.runtime.train as train_mod
+    from treecompile.runtime.path_level import LogprobMismatchError, linearize
+
+    def shifted(objectives, tree, logprobs, norm, **kw):
+        lp = logprobs.clone()
+        lp[5] += 1e-12  # what a nondeterministic kernel would do to one token
+        return linearize(objectives, tree, lp, norm, **kw)
+
+    monkeypatch.setattr(train_mod, "linearize", shifted)
+    with pytest.raises(LogprobMismatchError, match="whole-tree token 5 .*not deterministic"):
+        train_step(boundary_model, trajectory(mixed_case(model)), OBJECTIVES["gspo"], **MODES["redundancy_free"])

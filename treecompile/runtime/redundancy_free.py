@@ -40,7 +40,7 @@ batch and are refused by the objective itself.
 
 **Router losses** (``compile(model, boundary=True, router_aux=...)``): a partition's router loss is
 linear in its tokens given the step's routed counts (:mod:`treecompile.runtime.router_step`), which
-:func:`count_routes_redundancy_free` collects in a pre-pass over the same schedule (forwards without
+:func:`prepass_redundancy_free` collects in a pre-pass over the same schedule (forwards without
 gradient); ``run_redundancy_free(router=...)`` then adds each partition's share to its loss.
 
 Each partition runs through the model's one runner, ``tmodel.program.run(batch, boundary_inputs)``;
@@ -61,7 +61,7 @@ from treecompile.router_aux import ROUTER_WEIGHTS
 from treecompile.runtime.metrics import Reuse, reuse
 from treecompile.runtime.partition import RedundancyFreePlan
 
-__all__ = ["run_redundancy_free", "RedundancyFreeResult", "count_routes_redundancy_free"]
+__all__ = ["run_redundancy_free", "RedundancyFreeResult", "prepass_redundancy_free", "PrePass"]
 
 
 @dataclass
@@ -138,9 +138,10 @@ class _Executor:
         self.loss_fn = loss_fn
         self.data = dict(data or {})
         self.router = router  # a router_step.TreeRouterWeights
-        # the counting pre-pass: forwards only (no gradient), each token's top-k counts
+        # the pre-pass: forwards only (no gradient): log-probs, and each token's top-k counts of a router
+        self.counting = counting
         self.counts = torch.zeros(plan.tree.num_tokens, tmodel.router_aux.num_experts, dtype=torch.float64) \
-            if counting else None
+            if counting and getattr(tmodel, "router_aux", None) is not None else None
         self.spec = _spec(tmodel)
         self.width = self.spec.conv_width
         self.device = tmodel.device
@@ -267,8 +268,9 @@ class _Executor:
                 raise ValueError(f"unknown boundary input {kind!r}")
         outs = self.tm.program.run(b2, extra)
         m = 2 + spec.kept  # (loss, logprobs[, entropy], *router_logits), then the boundary exports
-        if self.counts is not None:  # the counting pre-pass
-            self.counts[tokens] = self.tm.router_counts(outs[:m], batch.num_tokens)
+        if self.counting:  # the pre-pass
+            if self.counts is not None:
+                self.counts[tokens] = self.tm.router_counts(outs[:m], batch.num_tokens)
             loss, lp, out = outs[0].detach(), outs[1], None
         else:
             extras = {**batch.extras, **self.data, "whole_tree": plan.tree,
@@ -333,7 +335,7 @@ class _Executor:
     # ------------------------------------------------------------------ backward
     def backward(self, i: int) -> None:
         st = self.alive.pop(i)
-        if self.counts is not None:  # the counting pre-pass: nothing to differentiate
+        if self.counting:  # the pre-pass: nothing to differentiate
             return
         tensors = [st.loss]
         grads = [torch.ones_like(st.loss)]
@@ -359,16 +361,23 @@ def _run(ex: _Executor) -> None:
         raise RuntimeError(f"partitions {sorted(ex.alive)} ran forward but not backward: the schedule is incomplete")
 
 
-def count_routes_redundancy_free(tmodel, plan: RedundancyFreePlan) -> torch.Tensor:
-    """The router's layer-summed top-k counts of every token of ``plan.tree`` (float64 ``[T, E]``, DFS
-    order): every partition's forward, without gradient, in the plan's schedule (a model compiled with
-    ``boundary=True, router_aux=...``)."""
-    if getattr(tmodel, "router_aux", None) is None:
-        raise ValueError("count_routes_redundancy_free: the model was not compiled with router_aux='batch' or 'path'")
+@dataclass(frozen=True)
+class PrePass:
+    """What a forward of every partition without gradient gives, whole-tree DFS order (float64):
+    ``logprobs [T]`` and, for a model compiled with ``router_aux``, the layer-summed top-k ``counts [T, E]``."""
+
+    logprobs: torch.Tensor
+    counts: torch.Tensor | None
+
+
+def prepass_redundancy_free(tmodel, plan: RedundancyFreePlan) -> PrePass:
+    """Every partition's forward without gradient, in the plan's schedule (each keeps only the boundary
+    rows its descendants read, until its last descendant ran): the quantities a step needs before any
+    backward (the router's counts, the log-probs of path-level objectives)."""
     ex = _Executor(tmodel, plan, "sum", counting=True)
     with torch.no_grad():
         _run(ex)
-    return ex.counts
+    return PrePass(ex.logprobs, ex.counts)
 
 
 def run_redundancy_free(tmodel, plan: RedundancyFreePlan, *, normalize: str = "sum", loss_fn: Callable | None = None,
@@ -378,7 +387,7 @@ def run_redundancy_free(tmodel, plan: RedundancyFreePlan, *, normalize: str = "s
     ``tmodel``: ``treecompile.compile(model, boundary=True)``.  Gradients accumulate in the model's
     parameters (call ``optimizer.zero_grad()`` before, as for any backward).  Returns the summed
     loss (== the whole-tree loss for ``normalize``), the whole-tree log-probs in DFS order and the
-    token counts (``tokens_computed == tree.num_tokens``: ERR == POR).  ``loss_fn(lp, batch)`` and
+    token counts (``tokens_computed == tree.num_tokens``: ERR == POR).  ``loss_fn(out, batch)`` and
     ``data``: a partition's loss from an objective instead of the graph's (module docstring).
     ``router``: the tree's :class:`~treecompile.runtime.router_step.TreeRouterWeights` (required by a model
     compiled with ``router_aux``; ``train_step`` computes them); the partitions' router losses are in the

@@ -75,10 +75,10 @@ def count_routes(tmodel, tree: Tree, plan=None, *, conv_kernel: int) -> torch.Te
     forwards without gradient: the whole tree (``plan`` None), each packed partition (a token counted in
     the partition that owns it) or the redundancy-free plan's partitions."""
     from treecompile.runtime.partition import PackedPlan, RedundancyFreePlan
-    from treecompile.runtime.redundancy_free import count_routes_redundancy_free
+    from treecompile.runtime.redundancy_free import prepass_redundancy_free
 
     if isinstance(plan, RedundancyFreePlan):
-        return count_routes_redundancy_free(tmodel, plan)
+        return prepass_redundancy_free(tmodel, plan).counts
     counts = torch.zeros(tree.num_tokens, tmodel.router_aux.num_experts, dtype=torch.float64)
     batches = [tree.to_batch(conv_kernel=conv_kernel)] if plan is None else \
         [plan.batch(i, conv_kernel=conv_kernel) for i in range(len(plan))]

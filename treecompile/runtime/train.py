@@ -31,7 +31,9 @@ each tree's.  Each tree is run
   (``PPOClip``, ``KLPenalty``, a tuple of objectives) is evaluated on each partition's log-probs with
   the whole tree's coefficients (``run_redundancy_free(loss_fn=...)``), each token in exactly one
   partition (``EntropyBonus`` reads the partition graph's entropy, ``compile(boundary=True,
-  entropy=True)``).  Refused: path-level objectives (``SequenceClip``: a partition cuts paths).
+  entropy=True)``).  Path-level objectives (``SequenceClip``: a partition cuts paths) are linearized
+  at the log-probs of a pre-pass (one forward without gradient per partition), which gives their exact
+  value and gradient (:mod:`treecompile.runtime.path_level`).
 
 MoE router losses (``compile(router_aux=...)``) are added to the step's loss as per-path training has
 them.  A batch that holds all the statistics it needs computes its router loss alone (one whole tree;
@@ -62,7 +64,8 @@ from treecompile.runtime.normalization import GlobalNorm, partition_batch, tree_
 from treecompile.runtime.objectives import SFT, trained_counts
 from treecompile.runtime.partition import pack, partition_redundancy_free
 from treecompile.runtime.progress import Progress
-from treecompile.runtime.redundancy_free import run_redundancy_free
+from treecompile.runtime.path_level import linearize
+from treecompile.runtime.redundancy_free import prepass_redundancy_free, run_redundancy_free
 from treecompile.runtime.router_step import count_routes, needs_counts, step_router_weights
 from treecompile.router_aux import ROUTER_WEIGHTS
 from treecompile.tree import DEFAULT_CONV_KERNEL, NORMALIZATIONS, Tree
@@ -177,11 +180,9 @@ def train_step(tmodel, tree_or_trees: Tree | TrajectoryTree | Sequence[Tree | Tr
     objectives = _objectives(objective)
     objective = objectives[0]
     linear = len(objectives) == 1 and hasattr(objective, "token_weights")
+    path_level = tuple(o for o in objectives if getattr(o, "path_level", False))
+    token_level = tuple(o for o in objectives if not getattr(o, "path_level", False))
     if mode == "redundancy_free":
-        for o in objectives:
-            if getattr(o, "path_level", False):
-                raise ValueError(f"mode='redundancy_free': {type(o).__name__} needs every token of a path in one "
-                                 f"batch; redundancy-free partitions cut paths (use mode='packed')")
         if tmodel.program.boundary is None:
             raise ValueError("mode='redundancy_free' needs a model compiled with treecompile.compile(model, boundary=True)")
     elif tmodel.program.boundary is not None:
@@ -222,11 +223,16 @@ def train_step(tmodel, tree_or_trees: Tree | TrajectoryTree | Sequence[Tree | Tr
     aux_sum = None if router is None else 0.0
     z_sum = None if router is None or not router.z_coef else 0.0
     try:
+        # pre-passes (forwards without gradient) for what no batch has before its backward
+        pre = [None] * len(items)
+        if mode == "redundancy_free" and (path_level or router is not None):
+            pre = [prepass_redundancy_free(tmodel, plan) for plan in plans]
         if needs_counts(router, mode, len(items)):
             counts = []
-            for it, plan in zip(items, plans):
+            for it, plan, pp in zip(items, plans, pre):
                 try:
-                    counts.append(count_routes(tmodel, it.tree, plan, conv_kernel=conv_kernel))
+                    counts.append(pp.counts if pp is not None else
+                                  count_routes(tmodel, it.tree, plan, conv_kernel=conv_kernel))
                 except ValueError as e:
                     raise ValueError(f"{it.label}: {e}") from None
             router_weights = step_router_weights(router, [it.tree for it in items], counts, norm)
@@ -234,12 +240,16 @@ def train_step(tmodel, tree_or_trees: Tree | TrajectoryTree | Sequence[Tree | Tr
             tree = it.tree
             rw = None if router_weights is None else router_weights[j]
             if mode == "redundancy_free":
+                lin = linearize(path_level, tree, pre[j].logprobs, norm, data=it.extras) if path_level else None
                 if linear:
                     res = run_redundancy_free(tmodel, plan, normalize=normalize, router=rw)
                 else:
                     res = run_redundancy_free(
                         tmodel, plan, normalize=normalize, data=it.extras, router=rw,
-                        loss_fn=lambda out, b: _objective_loss(objectives, out, b, norm))
+                        loss_fn=lambda out, b: (_objective_loss(token_level, out, b, norm) if token_level else 0)
+                        + (lin.loss(out.logprobs, b) if lin is not None else 0))
+                if lin is not None:
+                    loss_sum += lin.value
                 if res.aux_loss is not None:
                     aux_sum += float(res.aux_loss)
                 if res.z_loss is not None:
