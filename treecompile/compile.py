@@ -275,7 +275,12 @@ def compile(model=None, *, disable: tuple[str, ...] = (), debug: bool = False,  
             ``"batch"`` (statistics over all path tokens, each shared token counted once per path: what
             packing the paths computes), ``"path"`` (each path's own loss, averaged over paths: what
             per-path training computes) or ``"none"`` (drop it).  The loss comes back as
-            ``out.aux_loss`` and is added to ``out.loss`` times the model's ``router_aux_loss_coef``.
+            ``out.aux_loss`` and is added to ``out.loss`` times the model's ``router_aux_loss_coef`` (a
+            config's ``router_z_loss_coef > 0`` adds the z-loss likewise, ``out.z_loss``).  Batches
+            that hold part of a step's statistics (partitions, several trees) get their coefficients
+            from ``runtime.train.train_step``'s counting pre-pass (``runtime/router_step.py``).
+            ``entropy`` and ``router_aux`` combine with ``boundary=True`` (the partition graph returns
+            the entropy and router logits of its tokens).
 
     Capture bakes the model's train/eval mode into the graph: compile in the mode you train in.
     """
