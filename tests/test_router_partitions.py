@@ -223,3 +223,27 @@ def test_z_loss_off_by_default_leaves_the_model_unchanged():
     assert tm.router_aux.z_coef == 0.0
     out = tm(Tree.from_paths([[1, 2, 3], [1, 2, 4]]).to_batch())
     assert out.z_loss is None
+
+
+def test_redundancy_free_pre_pass_counts_are_checked(moe):
+    """Redundancy-free partitions: the pre-pass counts equal the whole tree's routing, and a partition
+    whose routing differs from its step's counts (one token's forged) is refused by name."""
+    import dataclasses as dc
+
+    from treecompile.runtime.normalization import GlobalNorm
+    from treecompile.runtime.partition import partition_redundancy_free
+    from treecompile.runtime.redundancy_free import prepass_redundancy_free, run_redundancy_free
+    from treecompile.runtime.router_step import step_router_weights
+
+    _, tms = moe
+    tree = Tree.from_paths(TREES[0][0], path_weights=TREES[0][1])
+    plan = partition_redundancy_free(tree, 3)
+    pre = prepass_redundancy_free(tms[("path", True)], plan)
+    whole = tms[("path", False)]
+    assert torch.equal(pre.counts, whole.router_counts(whole.program.run(tree.to_batch()), tree.num_tokens))
+    (rw,) = step_router_weights(tms[("path", True)].router_aux, [tree], [pre.counts], GlobalNorm.of_tree(tree, "sum"))
+    forged = pre.counts.clone()
+    forged[7] = forged[7].roll(1)
+    assert not torch.equal(forged[7], pre.counts[7])
+    with pytest.raises(RoutingMismatchError, match="whole-tree token 7 "):
+        run_redundancy_free(tms[("path", True)], plan, router=dc.replace(rw, counts=forged))

@@ -36,7 +36,8 @@ Any objective whose loss is a sum over tokens of a function of that token's log-
 whole-tree coefficients (PPO-clip, KL, SFT, policy gradient, entropy bonus) then sums over the
 partitions to the whole-tree loss, and the backward of each partition (run after all partitions below
 it) carries its gradient.  Path-level objectives (``SequenceClip``) need every token of a path in one
-batch and are refused by the objective itself.
+batch and are refused by the objective itself; ``train_step`` linearizes them at the log-probs of
+:func:`prepass_redundancy_free` instead (:mod:`treecompile.runtime.path_level`).
 
 **Router losses** (``compile(model, boundary=True, router_aux=...)``): a partition's router loss is
 linear in its tokens given the step's routed counts (:mod:`treecompile.runtime.router_step`), which
