@@ -66,6 +66,8 @@ class HybridConfig:
     # router load-balancing loss (HF names): forward returns MoeOutput(logits, aux_loss, router_logits)
     output_router_logits: bool = False
     router_aux_loss_coef: float = 0.001
+    # router z-loss (ST-MoE): > 0 adds MoeOutput.z_loss (:func:`router_z_loss`); 0 leaves the output as it was
+    router_z_loss_coef: float = 0.0
 
     def __post_init__(self):
         if self.model_type not in LAYOUTS:
@@ -123,7 +125,7 @@ class HybridConfig:
         if self.model_type == "qwen3_5_text":
             for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
                       "shared_expert_intermediate_size", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
-                      "output_router_logits", "router_aux_loss_coef"):
+                      "output_router_logits", "router_aux_loss_coef", "router_z_loss_coef"):
                 d.pop(k)
         return d
 
@@ -399,11 +401,14 @@ class HybridModel(nn.Module):
 @dataclass
 class MoeOutput:
     """``HybridForCausalLM`` output with ``output_router_logits``: ``logits [B, T, V]``, the router
-    load-balancing loss (:func:`load_balancing_loss`) and each MoE layer's ``[B * T, E]`` router logits."""
+    load-balancing loss (:func:`load_balancing_loss`), each MoE layer's ``[B * T, E]`` router logits, and
+    the router z-loss (:func:`router_z_loss`) when ``router_z_loss_coef > 0`` (else None: no output).
+    The training loss of a user is ``lm + router_aux_loss_coef * aux_loss + router_z_loss_coef * z_loss``."""
 
     logits: torch.Tensor
     aux_loss: torch.Tensor
     router_logits: tuple[torch.Tensor, ...]
+    z_loss: torch.Tensor | None = None
 
 
 torch.utils._pytree.register_dataclass(MoeOutput)  # torch.export flattens it field by field
@@ -418,6 +423,12 @@ def load_balancing_loss(router_logits, num_experts: int, top_k: int) -> torch.Te
     f = sum(F.one_hot(torch.topk(p, top_k, dim=-1).indices, num_experts).sum((0, 1)).to(p.dtype) for p in probs) / rows
     P = sum(p.sum(0) for p in probs) / rows
     return num_experts * (f * P).sum()
+
+
+def router_z_loss(router_logits) -> torch.Tensor:
+    """ST-MoE router z-loss: the mean over all layers' rows of ``logsumexp(router_logits)^2``."""
+    rows = sum(r.shape[0] for r in router_logits)
+    return sum((torch.logsumexp(r, dim=-1) ** 2).sum() for r in router_logits) / rows
 
 
 class HybridForCausalLM(CausalLM):
@@ -440,7 +451,8 @@ class HybridForCausalLM(CausalLM):
             x = layer(x, cos, sin, router_logits)
         logits = self.lm_head(self.model.norm(x))
         aux = load_balancing_loss(router_logits, cfg.num_experts, cfg.num_experts_per_tok)
-        return MoeOutput(logits=logits, aux_loss=aux, router_logits=tuple(router_logits))
+        z = router_z_loss(router_logits) if cfg.router_z_loss_coef > 0 else None
+        return MoeOutput(logits=logits, aux_loss=aux, router_logits=tuple(router_logits), z_loss=z)
 
     @property
     def rotary_dim(self) -> int:

@@ -3,7 +3,8 @@ computation (float64 dense model; loss and every parameter gradient to 1e-9 rela
 
 The per-path side is ``tests/test_objectives.py``'s: each objective's own formula, path by path, on
 every path run alone.  Redundancy-free partitions cut paths: the token-level objectives (SFT, policy
-gradient, PPO-clip, KL) run there; the path-level ``SequenceClip`` is refused by name.
+gradient, PPO-clip, KL, entropy bonus) run on each partition's tokens; the path-level ``SequenceClip``
+is linearized at the log-probs of a pre-pass (``treecompile.runtime.path_level``), exact as well.
 """
 
 from __future__ import annotations
@@ -52,10 +53,6 @@ def test_every_objective_in_every_mode_equals_per_path(model, tmodel, boundary_m
     case = mixed_case(model)
     traj = trajectory(case)
     tm = boundary_model if mode == "redundancy_free" else tmodel
-    if mode == "redundancy_free" and name == "gspo":
-        with pytest.raises(ValueError, match="SequenceClip needs every token of a path in one batch"):
-            train_step(tm, traj, obj, normalize=normalize, **MODES[mode])
-        return
     res, gt = step_grads(model, tm, traj, obj, normalize, MODES[mode])
     lr = per_path_loss(obj, model, case, normalize)
     gr = grads(model, lr)
@@ -81,3 +78,55 @@ def test_redundancy_free_objective_losses_sum_over_partitions(model, boundary_mo
     for n in gr:
         assert float((gt[n] - gr[n]).norm()) <= REL * float(gr[n].norm()) + 1e-15
     assert res.metrics["partitions"] >= max(len(p) for p in case.paths) // 3
+
+
+@pytest.fixture(scope="module")
+def entropy_models(model):
+    return {"whole": treecompile.compile(model, entropy=True),
+            "redundancy_free": treecompile.compile(model, boundary=True, entropy=True)}
+
+
+@pytest.mark.parametrize("normalize", ["sum", "path_mean"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_entropy_bonus_in_every_mode_equals_per_path(model, entropy_models, mode, normalize):
+    """``(PPOClip, EntropyBonus)``: the entropy comes from each batch's fused head (redundancy-free
+    partitions included, ``compile(boundary=True, entropy=True)``); loss, gradients and the entropy
+    metric equal the per-path computation (each path's softmax entropy, run alone)."""
+    from test_entropy import per_path_entropy
+    from test_objectives import path_coefs
+    from treecompile.runtime.objectives import EntropyBonus
+
+    case = mixed_case(model)
+    bonus = EntropyBonus(0.05)
+    objs = (OBJECTIVES["ppo_clip"], bonus)
+    tm = entropy_models["redundancy_free" if mode == "redundancy_free" else "whole"]
+    res, gt = step_grads(model, tm, trajectory(case), objs, normalize, MODES[mode])
+    c = path_coefs(case.masks, case.weights, normalize)
+    H = [per_path_entropy(model, p) for p in case.paths]
+    masks = [torch.tensor(m, dtype=torch.float64) for m in case.masks]
+    ent = -bonus.coef * sum(c[p] * (masks[p] * H[p]).sum() for p in range(len(case.paths)))
+    lr = per_path_loss(objs[0], model, case, normalize) + ent
+    gr = grads(model, lr)
+    assert abs(res.loss - lr.item()) <= REL * abs(lr.item())
+    for n in gr:
+        assert float((gt[n] - gr[n]).norm()) <= REL * float(gr[n].norm()) + 1e-15, n
+    mean_h = sum(float((m * h).sum()) for m, h in zip(masks, H)) / sum(float(m.sum()) for m in masks)
+    assert abs(res.metrics["entropy"] - mean_h) <= 1e-12 * abs(mean_h)
+    if mode != "whole":
+        assert res.metrics["partitions"] > 1
+
+
+def test_sequence_clip_redundancy_free_checks_the_linearization_point(model, boundary_model, monkeypatch):
+    """SequenceClip on redundancy-free partitions uses the pre-pass log-probs: the step is refused when a
+    partition's log-probs differ from them (a forward that is not deterministic), naming the token."""
+    import treecompile.runtime.train as train_mod
+    from treecompile.runtime.path_level import LogprobMismatchError, linearize
+
+    def shifted(objectives, tree, logprobs, norm, **kw):
+        lp = logprobs.clone()
+        lp[5] += 1e-12  # what a nondeterministic kernel would do to one token
+        return linearize(objectives, tree, lp, norm, **kw)
+
+    monkeypatch.setattr(train_mod, "linearize", shifted)
+    with pytest.raises(LogprobMismatchError, match="whole-tree token 5 .*not deterministic"):
+        train_step(boundary_model, trajectory(mixed_case(model)), OBJECTIVES["gspo"], **MODES["redundancy_free"])

@@ -228,8 +228,45 @@ def test_hf_moe_train_step_path_semantics_whole_and_packed(moe, budget):
     assert rel(g, g_whole) <= 10 * noise + 1e-12
     if budget:
         assert res.metrics["partitions"] > 1
-        with pytest.raises(NotImplementedError, match="router_aux='batch'"):
-            train_step(tms["batch"], tree, budget=budget)
+
+
+@pytest.mark.parametrize("semantics", ["batch", "path"])
+@pytest.mark.parametrize("mode,budget", [("packed", 8), ("redundancy_free", 3)])
+def test_hf_moe_partitioned_router_losses_equal_whole_tree(moe, semantics, mode, budget):
+    """Partitions that cannot compute the router loss alone (``"batch"`` packed, either semantics
+    redundancy-free) get the step's coefficients from the counting pre-pass (``"path"`` packed needs
+    none: each path lies whole in a partition): the step's loss, aux loss
+    and gradients equal the whole tree's (itself equal to the per-path computation, test above) within
+    10x the disagreement of the SFT-only step (same partitions, no router loss) with the whole tree."""
+    from treecompile.runtime.train import train_step
+
+    model, tms = moe
+    tree = Tree.from_paths(PATHS, path_weights=WEIGHTS)
+    params = list(model.parameters())
+    rf = mode == "redundancy_free"
+
+    def step(tm):
+        for p in params:
+            p.grad = None
+        res = train_step(tm, tree, budget=budget, mode=mode)
+        g = torch.cat([(torch.zeros_like(p) if p.grad is None else p.grad).flatten() for p in params])
+        for p in params:
+            p.grad = None
+        return res, g
+
+    tm = treecompile.compile(model, router_aux=semantics, boundary=True) if rf else tms[semantics]
+    res, g = step(tm)
+    assert res.metrics["router_prepass"] == (rf or semantics == "batch") and res.metrics["partitions"] > 1
+    out = tms[semantics](tree.to_batch())
+    plain_whole = treecompile.compile(model, router_aux="none")
+    plain = treecompile.compile(model, router_aux="none", boundary=True) if rf else plain_whole
+    res_sft, g_sft = step(plain)
+    sft_whole = plain_whole(tree.to_batch()).loss
+    noise = rel(g_sft, flat_grads(sft_whole, params))
+    v_noise = abs(res_sft.loss - float(sft_whole))
+    assert abs(res.loss - float(out.loss)) <= 10 * v_noise + 1e-12 * abs(float(out.loss))
+    assert abs(res.metrics["aux_loss"] - float(out.aux_loss)) <= 10 * v_noise + 1e-12 * abs(float(out.aux_loss))
+    assert rel(g, flat_grads(out.loss, params)) <= 10 * noise + 1e-12
 
 
 # ------------------------------------------------------------------ our MoE reference model (float64, exact)

@@ -42,13 +42,15 @@ class TreeOutput:
     # the MoE router auxiliary loss on the tree (compile(router_aux="batch"|"path")), already added
     # to loss times the model's coefficient; None otherwise
     aux_loss: torch.Tensor | None = None
+    # the router z-loss (a model config's router_z_loss_coef > 0), likewise added times its coefficient
+    z_loss: torch.Tensor | None = None
 
 
 # A pytree node, so that wrappers that look for output tensors with pytree find them: FSDP2 (torch
 # 2.11) registers its pre-backward hook -- which queues the root's reduce-scatter -- on the tensors
 # ``tree_flatten`` finds in the output; an opaque dataclass left gradients unreduced on the root.
 def _flatten_output(o: TreeOutput):
-    optional = (o.entropy, o.aux_loss)
+    optional = (o.entropy, o.aux_loss, o.z_loss)
     return [o.loss, o.logprobs, *(x for x in optional if x is not None)], tuple(x is not None for x in optional)
 
 
@@ -76,9 +78,6 @@ class TreeModel(nn.Module):
                  allow_dropout: bool = False, entropy: bool = False, router_aux: str | None = None,
                  attention_kernel: str = "auto", attention_layout: str = "dfs"):
         super().__init__()
-        if boundary and (entropy or router_aux in ("batch", "path")):
-            raise ValueError("compile(boundary=True) (redundancy-free partitions) does not return the entropy or "
-                             "router logits yet")
         options = CudaOptions(compile_cuda=compile_cuda, bucket=bucket, gdn_kernel=gdn_kernel,
                               attention_kernel=attention_kernel, attention_layout=attention_layout)
         captured: Captured = capture(model, swaps=swaps)
@@ -189,16 +188,27 @@ class TreeModel(nn.Module):
     def tree_output(self, res: tuple, batch: TreeBatch) -> TreeOutput:
         """The graph's outputs ``(loss, logprobs[, entropy][, *router_logits])`` -> TreeOutput, with the
         router aux loss computed on the tree and added to the loss."""
-        info = self.pass_results["rewrite_loss"].info if "rewrite_loss" in self.pass_results else {}
-        k = 3 if info.get("entropy") else 2
+        k = self._num_token_outputs()
         out = TreeOutput(*res[:k])
         if len(res) > k and self.router_aux is None:
             raise RuntimeError(f"the graph returns {len(res) - k} router-logits outputs but this TreeModel has no "
                                f"router_aux spec (a loaded program?): the router loss would be dropped")
         if self.router_aux is not None:
-            out.aux_loss = self.router_aux.loss(res[k:], batch)
-            out.loss = out.loss + self.router_aux.coef * out.aux_loss.to(out.loss.dtype)
+            out.aux_loss, out.z_loss = self.router_aux.loss(res[k:], batch)
+            out.loss = out.loss + self.router_aux.weighted(out.aux_loss, out.z_loss).to(out.loss.dtype)
         return out
+
+    def _num_token_outputs(self) -> int:
+        """Outputs before the router logits: ``(loss, logprobs[, entropy])``."""
+        info = self.pass_results["rewrite_loss"].info if "rewrite_loss" in self.pass_results else {}
+        return 3 if info.get("entropy") else 2
+
+    def router_counts(self, res: tuple, num_tokens: int) -> torch.Tensor:
+        """Layer-summed top-k expert counts ``[num_tokens, E]`` (float64, CPU) of the graph's outputs
+        ``res`` (``(loss, logprobs[, entropy], *router_logits)``), as the router loss counts them."""
+        if self.router_aux is None:
+            raise ValueError("router_counts: this model was not compiled with router_aux='batch' or 'path'")
+        return self.router_aux.counts(res[self._num_token_outputs():], num_tokens)
 
     def extra_repr(self) -> str:
         done = ", ".join(f"{k}={v.count}" for k, v in self.pass_results.items())
@@ -268,7 +278,12 @@ def compile(model=None, *, disable: tuple[str, ...] = (), debug: bool = False,  
             ``"batch"`` (statistics over all path tokens, each shared token counted once per path: what
             packing the paths computes), ``"path"`` (each path's own loss, averaged over paths: what
             per-path training computes) or ``"none"`` (drop it).  The loss comes back as
-            ``out.aux_loss`` and is added to ``out.loss`` times the model's ``router_aux_loss_coef``.
+            ``out.aux_loss`` and is added to ``out.loss`` times the model's ``router_aux_loss_coef`` (a
+            config's ``router_z_loss_coef > 0`` adds the z-loss likewise, ``out.z_loss``).  Batches
+            that hold part of a step's statistics (partitions, several trees) get their coefficients
+            from ``runtime.train.train_step``'s counting pre-pass (``runtime/router_step.py``).
+            ``entropy`` and ``router_aux`` combine with ``boundary=True`` (the partition graph returns
+            the entropy and router logits of its tokens).
 
     Capture bakes the model's train/eval mode into the graph: compile in the mode you train in.
     """

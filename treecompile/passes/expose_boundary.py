@@ -26,8 +26,9 @@ computed by earlier partitions.  The rewritten graph then
 
 Graph inputs: the default ones, then (in this order) ``boundary_k``/``boundary_v`` per attention
 layer, ``boundary_visible``, ``initial_state`` per GDN layer, ``state_nodes``, ``boundary_x`` per
-conv, and ``boundary_hidden``.  Outputs: ``(loss, logprobs, k/v per attention layer, states per GDN
-layer, x per conv, hidden)``.  The pass returns a :class:`BoundaryResult` whose ``spec``
+conv, and ``boundary_hidden``.  Outputs: ``(loss, logprobs, *kept, k/v per attention layer, states
+per GDN layer, x per conv, hidden)``, ``kept`` the outputs ``rewrite_loss`` returned after the log-probs
+(the entropy, router logits: per token of the partition, like the log-probs).  The pass returns a :class:`BoundaryResult` whose ``spec``
 (:class:`BoundarySpec`) is the contract the runtime reads: both lists as ``(kind, layer)`` pairs
 (``layer`` counts the layers of that kind in graph order; ``-1`` for shared entries), the inputs'
 shapes and ``conv_width`` (K-1).
@@ -64,11 +65,12 @@ class BoundarySpec:
 
     inputs: tuple[tuple[str, int], ...]  # (kind, layer) after the batch inputs
     input_shapes: tuple[tuple[tuple[int | None, ...], torch.dtype], ...]  # per input; None: a sized dim
-    outputs: tuple[tuple[str, int], ...]  # (kind, layer) after (loss, logprobs)
+    outputs: tuple[tuple[str, int], ...]  # (kind, layer) after (loss, logprobs, *kept)
     conv_width: int | None  # K-1 of the causal convs; None: no conv
     attention: int  # layers of each kind
     gdn: int
     conv: int
+    kept: int = 0  # outputs between the log-probs and the boundary exports (entropy, router logits)
 
 
 @dataclass
@@ -202,10 +204,10 @@ def expose_boundary(gm: fx.GraphModule, ctx: PassContext) -> BoundaryResult:
     shapes = tuple((tuple(d if isinstance(d, int) else None for d in n.meta["val"].shape), n.meta["val"].dtype)
                    for n in new_phs)
     out = graph.output_node()
-    loss, lp = out.args[0][:2]
-    out.args = ((loss, lp, *exports),)
+    kept = tuple(out.args[0])
+    out.args = ((*kept, *exports),)
     remove_dead_code(gm)
     spec = BoundarySpec(inputs=tuple(inputs), input_shapes=shapes, outputs=tuple(outputs), conv_width=width,
-                        attention=len(attn), gdn=len(gdn), conv=len(conv))
+                        attention=len(attn), gdn=len(gdn), conv=len(conv), kept=len(kept) - 2)
     return BoundaryResult(len(attn) + len(gdn) + len(conv) + 1,
                           {"attention": len(attn), "gdn": len(gdn), "conv": len(conv)}, spec)

@@ -27,14 +27,22 @@ gradients equal the whole tree's (checked in float64 in ``tests/test_redundancy_
 
 **Objectives.**  By default a partition's loss is the graph's own ``-(loss_weight * lp).sum()`` with
 the plan's weights fixed before the forward (the objectives linear in the log-probs).  With
-``loss_fn`` it is ``loss_fn(lp, batch)`` on the partition's log-probs instead: ``batch`` is the
+``loss_fn`` it is ``loss_fn(out, batch)`` on the partition's outputs instead (``out`` a
+:class:`~treecompile.compile.TreeOutput`: ``out.logprobs``, and ``out.entropy`` for a model compiled
+with ``entropy=True``): ``batch`` is the
 partition's TreeBatch with ``extras`` ``whole_tree``/``tokens``/``owned`` (every token owned: each
 lies in exactly one partition) plus ``data`` (per-path advantages, whole-tree DFS old/ref log-probs).
-Any objective whose loss is a sum over tokens of a function of that token's log-prob and whole-tree
-coefficients (PPO-clip, KL, SFT, policy gradient) then sums over the partitions to the whole-tree
-loss, and the backward of each partition (run after all partitions below it) carries its gradient.
-Path-level objectives (``SequenceClip``) need every token of a path in one batch and are refused by
-the objective itself.
+Any objective whose loss is a sum over tokens of a function of that token's log-prob (or entropy) and
+whole-tree coefficients (PPO-clip, KL, SFT, policy gradient, entropy bonus) then sums over the
+partitions to the whole-tree loss, and the backward of each partition (run after all partitions below
+it) carries its gradient.  Path-level objectives (``SequenceClip``) need every token of a path in one
+batch and are refused by the objective itself; ``train_step`` linearizes them at the log-probs of
+:func:`prepass_redundancy_free` instead (:mod:`treecompile.runtime.path_level`).
+
+**Router losses** (``compile(model, boundary=True, router_aux=...)``): a partition's router loss is
+linear in its tokens given the step's routed counts (:mod:`treecompile.runtime.router_step`), which
+:func:`prepass_redundancy_free` collects in a pre-pass over the same schedule (forwards without
+gradient); ``run_redundancy_free(router=...)`` then adds each partition's share to its loss.
 
 Each partition runs through the model's one runner, ``tmodel.program.run(batch, boundary_inputs)``;
 on CUDA the lowering (``passes/lower_cuda.py``) runs a boundary program eagerly and unpadded, and
@@ -50,10 +58,11 @@ from typing import Callable, Mapping
 import torch
 
 from treecompile.passes.expose_boundary import BoundarySpec
+from treecompile.router_aux import ROUTER_WEIGHTS
 from treecompile.runtime.metrics import Reuse, reuse
 from treecompile.runtime.partition import RedundancyFreePlan
 
-__all__ = ["run_redundancy_free", "RedundancyFreeResult"]
+__all__ = ["run_redundancy_free", "RedundancyFreeResult", "prepass_redundancy_free", "PrePass"]
 
 
 @dataclass
@@ -64,6 +73,9 @@ class RedundancyFreeResult:
     num_partitions: int
     peak_alive_tokens: int  # max tokens of partitions whose graphs were alive at once
     reuse: Reuse = field(repr=False, default=None)
+    entropy: torch.Tensor | None = None  # [T] whole-tree DFS (detached); None unless compiled with entropy=True
+    aux_loss: torch.Tensor | None = None  # summed router losses of the partitions (router=...), detached
+    z_loss: torch.Tensor | None = None
 
 
 @dataclass
@@ -120,12 +132,17 @@ def _local(tokens: torch.Tensor, wanted: torch.Tensor, what: str, i: int) -> tor
 
 class _Executor:
     def __init__(self, tmodel, plan: RedundancyFreePlan, normalize: str, loss_fn: Callable | None = None,
-                 data: Mapping | None = None):
+                 data: Mapping | None = None, router=None, counting: bool = False):
         self.tm = tmodel
         self.plan = plan
         self.normalize = normalize
         self.loss_fn = loss_fn
         self.data = dict(data or {})
+        self.router = router  # a router_step.TreeRouterWeights
+        # the pre-pass: forwards only (no gradient): log-probs, and each token's top-k counts of a router
+        self.counting = counting
+        self.counts = torch.zeros(plan.tree.num_tokens, tmodel.router_aux.num_experts, dtype=torch.float64) \
+            if counting and getattr(tmodel, "router_aux", None) is not None else None
         self.spec = _spec(tmodel)
         self.width = self.spec.conv_width
         self.device = tmodel.device
@@ -135,7 +152,9 @@ class _Executor:
                                         dtype=torch.long) for p in plan.partitions]
         T = plan.tree.num_tokens
         self.logprobs = torch.zeros(T, dtype=torch.float64)
+        self.entropy = None
         self.loss = torch.zeros((), dtype=torch.float64)
+        self.aux = self.z = None
         self.computed = 0
         self.peak = 0
 
@@ -249,11 +268,23 @@ class _Executor:
             else:
                 raise ValueError(f"unknown boundary input {kind!r}")
         outs = self.tm.program.run(b2, extra)
-        loss, lp = outs[0], outs[1]
-        if self.loss_fn is not None:  # the objective on this partition's log-probs (module docstring)
-            obj_batch = dataclasses.replace(batch, extras={**batch.extras, **self.data, "whole_tree": plan.tree,
-                                                           "owned": torch.ones(batch.seq_len, dtype=torch.bool)})
-            loss = self.loss_fn(lp, obj_batch)
+        m = 2 + spec.kept  # (loss, logprobs[, entropy], *router_logits), then the boundary exports
+        if self.counting:  # the pre-pass
+            if self.counts is not None:
+                self.counts[tokens] = self.tm.router_counts(outs[:m], batch.num_tokens)
+            loss, lp, out = outs[0].detach(), outs[1], None
+        else:
+            extras = {**batch.extras, **self.data, "whole_tree": plan.tree,
+                      "owned": torch.ones(batch.seq_len, dtype=torch.bool)}
+            if self.router is not None:
+                extras[ROUTER_WEIGHTS] = self.router.take(tokens, num_tokens=batch.num_tokens)
+            obj_batch = dataclasses.replace(batch, extras=extras)
+            out = self.tm.tree_output(outs[:m], obj_batch)
+            loss, lp = out.loss, out.logprobs
+            if self.loss_fn is not None:  # the objective on this partition's outputs (module docstring)
+                loss = self.loss_fn(out, obj_batch)
+                if out.aux_loss is not None:
+                    loss = loss + self.tm.router_aux.weighted(out.aux_loss, out.z_loss).to(loss.dtype)
 
         # exports: the rows descendants read
         dev = self.device
@@ -262,7 +293,7 @@ class _Executor:
         kv_pos = _local(tokens, kv_tok, "K/V kept for descendants", i).to(dev)
         conv_pos = _local(tokens, conv_tok, "conv input kept for descendants", i).to(dev)
         has_children = bool(part.children)
-        for (kind, layer), t in zip(spec.outputs, outs[2:]):
+        for (kind, layer), t in zip(spec.outputs, outs[m:]):
             if not has_children:
                 break
             if kind in ("k", "v"):
@@ -292,12 +323,21 @@ class _Executor:
         self.alive[i] = st
         self.loss += loss.detach().to(torch.float64).cpu()
         self.logprobs[tokens] = lp.detach()[:batch.num_tokens].to(torch.float64).cpu()
+        if out is not None and out.entropy is not None:
+            if self.entropy is None:
+                self.entropy = torch.zeros_like(self.logprobs)
+            self.entropy[tokens] = out.entropy.detach()[:batch.num_tokens].to(torch.float64).cpu()
+        if out is not None and out.aux_loss is not None:
+            self.aux = _add(self.aux, out.aux_loss)
+            self.z = _add(self.z, out.z_loss)
         self.computed += batch.num_tokens
         self.peak = max(self.peak, sum(a.num_tokens for a in self.alive.values()))
 
     # ------------------------------------------------------------------ backward
     def backward(self, i: int) -> None:
         st = self.alive.pop(i)
+        if self.counting:  # the pre-pass: nothing to differentiate
+            return
         tensors = [st.loss]
         grads = [torch.ones_like(st.loss)]
         for e, leaf in zip(st.exports, st.leaves):
@@ -308,24 +348,54 @@ class _Executor:
             torch.autograd.backward(tensors, grads)
 
 
-def run_redundancy_free(tmodel, plan: RedundancyFreePlan, *, normalize: str = "sum", loss_fn: Callable | None = None,
-                        data: Mapping | None = None) -> RedundancyFreeResult:
-    """Forward and backward of every partition of ``plan`` (see the module docstring).
+def _add(acc, x):
+    return acc if x is None else (x.detach().to(torch.float64).cpu() if acc is None else acc + x.detach().cpu())
 
-    ``tmodel``: ``treecompile.compile(model, boundary=True)``.  Gradients accumulate in the model's
-    parameters (call ``optimizer.zero_grad()`` before, as for any backward).  Returns the summed
-    loss (== the whole-tree loss for ``normalize``), the whole-tree log-probs in DFS order and the
-    token counts (``tokens_computed == tree.num_tokens``: ERR == POR).  ``loss_fn(lp, batch)`` and
-    ``data``: a partition's loss from an objective instead of the graph's (module docstring).
-    """
-    ex = _Executor(tmodel, plan, normalize, loss_fn, data)
-    for event, i in plan.schedule():
+
+def _run(ex: _Executor) -> None:
+    for event, i in ex.plan.schedule():
         if event == "forward":
             ex.forward(i)
         else:
             ex.backward(i)
     if ex.alive:
         raise RuntimeError(f"partitions {sorted(ex.alive)} ran forward but not backward: the schedule is incomplete")
+
+
+@dataclass(frozen=True)
+class PrePass:
+    """What a forward of every partition without gradient gives, whole-tree DFS order (float64):
+    ``logprobs [T]`` and, for a model compiled with ``router_aux``, the layer-summed top-k ``counts [T, E]``."""
+
+    logprobs: torch.Tensor
+    counts: torch.Tensor | None
+
+
+def prepass_redundancy_free(tmodel, plan: RedundancyFreePlan) -> PrePass:
+    """Every partition's forward without gradient, in the plan's schedule (each keeps only the boundary
+    rows its descendants read, until its last descendant ran): the quantities a step needs before any
+    backward (the router's counts, the log-probs of path-level objectives)."""
+    ex = _Executor(tmodel, plan, "sum", counting=True)
+    with torch.no_grad():
+        _run(ex)
+    return PrePass(ex.logprobs, ex.counts)
+
+
+def run_redundancy_free(tmodel, plan: RedundancyFreePlan, *, normalize: str = "sum", loss_fn: Callable | None = None,
+                        data: Mapping | None = None, router=None) -> RedundancyFreeResult:
+    """Forward and backward of every partition of ``plan`` (see the module docstring).
+
+    ``tmodel``: ``treecompile.compile(model, boundary=True)``.  Gradients accumulate in the model's
+    parameters (call ``optimizer.zero_grad()`` before, as for any backward).  Returns the summed
+    loss (== the whole-tree loss for ``normalize``), the whole-tree log-probs in DFS order and the
+    token counts (``tokens_computed == tree.num_tokens``: ERR == POR).  ``loss_fn(out, batch)`` and
+    ``data``: a partition's loss from an objective instead of the graph's (module docstring).
+    ``router``: the tree's :class:`~treecompile.runtime.router_step.TreeRouterWeights` (required by a model
+    compiled with ``router_aux``; ``train_step`` computes them); the partitions' router losses are in the
+    returned loss and, summed, in ``aux_loss`` / ``z_loss``.
+    """
+    ex = _Executor(tmodel, plan, normalize, loss_fn, data, router=router)
+    _run(ex)
     return RedundancyFreeResult(loss=ex.loss, logprobs=ex.logprobs, tokens_computed=ex.computed,
                                 num_partitions=len(plan), peak_alive_tokens=ex.peak,
-                                reuse=reuse(plan.tree, ex.computed))
+                                reuse=reuse(plan.tree, ex.computed), entropy=ex.entropy, aux_loss=ex.aux, z_loss=ex.z)

@@ -30,8 +30,17 @@ each tree's.  Each tree is run
   as the partition graph's own loss ``-(loss_weight * lp).sum()``; any other token-level objective
   (``PPOClip``, ``KLPenalty``, a tuple of objectives) is evaluated on each partition's log-probs with
   the whole tree's coefficients (``run_redundancy_free(loss_fn=...)``), each token in exactly one
-  partition.  Refused: path-level objectives (``SequenceClip``: a partition cuts paths) and those
-  needing the entropy (the partition graph does not return it yet).
+  partition (``EntropyBonus`` reads the partition graph's entropy, ``compile(boundary=True,
+  entropy=True)``).  Path-level objectives (``SequenceClip``: a partition cuts paths) are linearized
+  at the log-probs of a pre-pass (one forward without gradient per partition), which gives their exact
+  value and gradient (:mod:`treecompile.runtime.path_level`).
+
+MoE router losses (``compile(router_aux=...)``) are added to the step's loss as per-path training has
+them.  A batch that holds all the statistics it needs computes its router loss alone (one whole tree;
+``"path"`` on packed partitions, each summing the paths assigned to it); otherwise (``"batch"`` on
+packed partitions or several trees, either semantics in redundancy-free mode) the step first counts
+every token's routed experts in one forward without gradient per batch, then gives each batch its
+coefficients in the step's loss (:mod:`treecompile.runtime.router_step`).
 
 Partitions run one after another, forward then backward, so at most one partition's activations
 (packed) or one chain of partitions (redundancy-free) are alive.  With an ``optimizer`` the step
@@ -55,7 +64,10 @@ from treecompile.runtime.normalization import GlobalNorm, partition_batch, tree_
 from treecompile.runtime.objectives import SFT, trained_counts
 from treecompile.runtime.partition import pack, partition_redundancy_free
 from treecompile.runtime.progress import Progress
-from treecompile.runtime.redundancy_free import run_redundancy_free
+from treecompile.runtime.path_level import linearize
+from treecompile.runtime.redundancy_free import prepass_redundancy_free, run_redundancy_free
+from treecompile.runtime.router_step import count_routes, needs_counts, step_router_weights
+from treecompile.router_aux import ROUTER_WEIGHTS
 from treecompile.tree import DEFAULT_CONV_KERNEL, NORMALIZATIONS, Tree
 
 __all__ = ["train_step", "StepResult", "MODES"]
@@ -72,7 +84,9 @@ class StepResult:
     (before the optimizer step), ``mode``, ``entropy`` (mean entropy of the predicting distribution over
     all trained path tokens, as per-path training would log it; None unless the model was compiled
     with ``entropy=True``), ``aux_loss`` (the MoE router loss of ``compile(router_aux=...)``, summed
-    over the step's batches and added to the loss times the model's coefficient; else None)."""
+    over the step's batches and added to the loss times the model's coefficient; else None),
+    ``z_loss`` (the router z-loss likewise, when the model has one), ``router_prepass`` (whether the
+    step ran the counting pre-pass of :mod:`~treecompile.runtime.router_step`)."""
 
     loss: float
     metrics: dict = field(default_factory=dict)
@@ -131,14 +145,11 @@ def _objective_loss(objectives: tuple, out, batch, norm: GlobalNorm) -> torch.Te
     return total
 
 
-def _router_scale(tmodel, tree: Tree, norm: GlobalNorm, num_trees: int) -> float:
-    """Factor from ``out.aux_loss`` (the batch's tree alone) to the step's: ``"path"`` averages over
-    the step's paths (``w_p grad_scale / N_step`` instead of ``w_p / N_tree``); ``"batch"`` statistics
-    over several trees' tokens are products of sums no single batch has (refused)."""
+def _router_scale(tmodel, tree: Tree, norm: GlobalNorm) -> float:
+    """Factor from ``out.aux_loss`` of a batch without step coefficients (the batch's tree alone: the
+    step's only tree under ``"batch"``) to the step's: ``"path"`` averages over the step's paths
+    (``w_p grad_scale / N_step`` instead of ``w_p / N_tree``)."""
     if tmodel.router_aux.semantics == "batch":
-        if num_trees > 1:
-            raise NotImplementedError("router_aux='batch' on a step of several trees: the statistics are "
-                                      "products of sums over all the step's tokens; use router_aux='path'")
         return norm.grad_scale
     return tree.num_paths * norm.grad_scale / norm.num_paths
 
@@ -169,13 +180,9 @@ def train_step(tmodel, tree_or_trees: Tree | TrajectoryTree | Sequence[Tree | Tr
     objectives = _objectives(objective)
     objective = objectives[0]
     linear = len(objectives) == 1 and hasattr(objective, "token_weights")
+    path_level = tuple(o for o in objectives if getattr(o, "path_level", False))
+    token_level = tuple(o for o in objectives if not getattr(o, "path_level", False))
     if mode == "redundancy_free":
-        for o in objectives:
-            if getattr(o, "uses_entropy", False) or getattr(o, "path_level", False):
-                raise ValueError(f"mode='redundancy_free': {type(o).__name__} needs "
-                                 + ("the entropy, which partition graphs do not return yet" if
-                                    getattr(o, "uses_entropy", False) else "every token of a path in one batch; "
-                                    "redundancy-free partitions cut paths") + " (use mode='packed')")
         if tmodel.program.boundary is None:
             raise ValueError("mode='redundancy_free' needs a model compiled with treecompile.compile(model, boundary=True)")
     elif tmodel.program.boundary is not None:
@@ -200,6 +207,9 @@ def train_step(tmodel, tree_or_trees: Tree | TrajectoryTree | Sequence[Tree | Tr
         except ValueError as e:
             raise ValueError(f"{it.label}: {e}") from None
     total = sum(1 if p is None else len(p) for p in plans)
+    # batches whose router loss needs the step's routed counts: count them first (one forward each, no grad)
+    router = getattr(tmodel, "router_aux", None)
+    router_weights = None
     bar = Progress(total, "train_step", enabled=progress, unit="batches")
 
     # batches carry conv_index at the model's own width (else program.run rebuilds it every step)
@@ -210,17 +220,44 @@ def train_step(tmodel, tree_or_trees: Tree | TrajectoryTree | Sequence[Tree | Tr
     loss_sum = torch.zeros((), dtype=torch.float64)
     computed, peak, reuses = 0, 0, []
     ent_sum = ent_count = 0.0  # the entropy metric: sum over trained path tokens, and their count
-    aux_sum = None if getattr(tmodel, "router_aux", None) is None else 0.0
+    aux_sum = None if router is None else 0.0
+    z_sum = None if router is None or not router.z_coef else 0.0
     try:
-        for it, plan in zip(items, plans):
+        # pre-passes (forwards without gradient) for what no batch has before its backward
+        pre = [None] * len(items)
+        if mode == "redundancy_free" and (path_level or router is not None):
+            pre = [prepass_redundancy_free(tmodel, plan) for plan in plans]
+        if needs_counts(router, mode, len(items)):
+            counts = []
+            for it, plan, pp in zip(items, plans, pre):
+                try:
+                    counts.append(pp.counts if pp is not None else
+                                  count_routes(tmodel, it.tree, plan, conv_kernel=conv_kernel))
+                except ValueError as e:
+                    raise ValueError(f"{it.label}: {e}") from None
+            router_weights = step_router_weights(router, [it.tree for it in items], counts, norm)
+        for j, (it, plan) in enumerate(zip(items, plans)):
             tree = it.tree
+            rw = None if router_weights is None else router_weights[j]
             if mode == "redundancy_free":
+                lin = linearize(path_level, tree, pre[j].logprobs, norm, data=it.extras) if path_level else None
                 if linear:
-                    res = run_redundancy_free(tmodel, plan, normalize=normalize)
+                    res = run_redundancy_free(tmodel, plan, normalize=normalize, router=rw)
                 else:
                     res = run_redundancy_free(
-                        tmodel, plan, normalize=normalize, data=it.extras,
-                        loss_fn=lambda lp, b: sum(o.loss(lp, b, norm=norm) for o in objectives))
+                        tmodel, plan, normalize=normalize, data=it.extras, router=rw,
+                        loss_fn=lambda out, b: (_objective_loss(token_level, out, b, norm) if token_level else 0)
+                        + (lin.loss(out.logprobs, b) if lin is not None else 0))
+                if lin is not None:
+                    loss_sum += lin.value
+                if res.aux_loss is not None:
+                    aux_sum += float(res.aux_loss)
+                if res.z_loss is not None:
+                    z_sum += float(res.z_loss)
+                if res.entropy is not None:
+                    n = tree.aggregate(torch.ones(tree.num_paths, dtype=torch.float64))
+                    ent_sum += float((n * res.entropy).sum())
+                    ent_count += float(n.sum())
                 loss_sum += res.loss
                 computed += res.tokens_computed
                 peak = max(peak, res.peak_alive_tokens)
@@ -233,12 +270,19 @@ def train_step(tmodel, tree_or_trees: Tree | TrajectoryTree | Sequence[Tree | Tr
                 batch = tree_batch(tree, norm, conv_kernel=conv_kernel) if plan is None \
                     else partition_batch(plan, i, norm, conv_kernel=conv_kernel)
                 batch.extras.update(it.extras)
+                if rw is not None:  # this batch's coefficients in the step's router losses
+                    batch.extras[ROUTER_WEIGHTS] = rw.take(batch.extras.get("tokens"), batch.extras.get("owned"),
+                                                           batch.num_tokens)
                 out = tmodel(batch)
                 loss = _objective_loss(objectives, out, batch, norm)
-                if out.aux_loss is not None:  # the MoE router loss (compile(router_aux=...)), as out.loss has it
-                    aux = out.aux_loss * _router_scale(tmodel, tree, norm, len(items))
-                    loss = loss + tmodel.router_aux.coef * aux
+                if out.aux_loss is not None:  # the MoE router losses (compile(router_aux=...)), as out.loss has them
+                    scale = 1.0 if rw is not None else _router_scale(tmodel, tree, norm)
+                    aux = out.aux_loss * scale
+                    z = None if out.z_loss is None else out.z_loss * scale
+                    loss = loss + router.weighted(aux, z)
                     aux_sum += float(aux.detach())
+                    if z is not None:
+                        z_sum += float(z.detach())
                 if out.entropy is not None:
                     n = trained_counts(batch)
                     ent_sum += float((n.cpu() * out.entropy.detach().to(torch.float64).cpu()).sum())
@@ -269,5 +313,7 @@ def train_step(tmodel, tree_or_trees: Tree | TrajectoryTree | Sequence[Tree | Tr
         "grad_norm": grad_norm,
         "entropy": ent_sum / ent_count if ent_count > 0 else None,
         "aux_loss": aux_sum,
+        "z_loss": z_sum,
+        "router_prepass": router_weights is not None,
     }
     return StepResult(loss=float(loss_sum), metrics=metrics)
