@@ -17,9 +17,7 @@ CUDA = torch.cuda.is_available()
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not CUDA, reason="needs a CUDA device"))]
 
 
-@pytest.fixture(scope="module")
-def model():
-    """The tiny dense reference model in float64 (one per test module)."""
+def tiny_dense():
     from treecompile.models import DenseConfig, DenseForCausalLM
 
     torch.manual_seed(0)
@@ -27,7 +25,16 @@ def model():
 
 
 @pytest.fixture(scope="module")
-def tmodel(model):
-    import treecompile
+def model():
+    """The tiny dense reference model in float64 (one per test module: its own copy, pristine weights)."""
+    from helpers import cached_model
 
-    return treecompile.compile(model)
+    return cached_model("dense-tiny", tiny_dense)
+
+
+@pytest.fixture(scope="module")
+def tmodel(model):
+    """``treecompile.compile(model)``; captured once per process (``helpers.cached_compile``)."""
+    from helpers import cached_compile
+
+    return cached_compile(model)

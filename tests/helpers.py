@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import warnings
+
 import torch
 
 from treecompile import reference
@@ -48,3 +51,57 @@ def reference_noise(model, paths, masks, weights, batch, ref, params, g_ref):
         g_noise = max(g_noise, rel(flat_grads(loss, params), g_ref))
         loss_noise = max(loss_noise, abs(float(loss - ref.loss)))
     return g_noise, loss_noise
+
+
+# ------------------------------------------------------------------ compiled models, captured once per process
+_CACHE: dict = {}  # key -> {"model": the pristine model, "rng": RNG state after building it, "tms": {options: TreeModel}}
+_ORIGIN: dict = {}  # id(handed-out model) -> (key, the model itself: keeps the id from being reused)
+
+
+def cached_model(key: str, make) -> torch.nn.Module:
+    """A fresh deep copy of the model ``make()`` builds (``make`` is deterministic: it seeds).
+
+    ``make`` runs once per process and ``key``; every call returns its own copy (own parameters,
+    pristine weights), and leaves the global RNG as ``make()`` would have.  Compile the copy with
+    :func:`cached_compile` to share the capture too.
+    """
+    if key not in _CACHE:
+        m0 = make()
+        _CACHE[key] = {"model": m0, "rng": torch.get_rng_state(), "tms": {}}
+    entry = _CACHE[key]
+    m = copy.deepcopy(entry["model"])
+    torch.set_rng_state(entry["rng"])
+    _ORIGIN[id(m)] = (key, m)
+    return m
+
+
+def cached_compile(model: torch.nn.Module, **options):
+    """``treecompile.compile(model, **options)`` for a model from :func:`cached_model`, the capture and
+    passes run once per process (key, options, train/eval mode): the cached TreeModel is deep-copied
+    onto ``model``'s own modules, parameters and buffers (exactly what compiling ``model`` gives:
+    the graph holds no weights, the TreeModel reads ``model``'s).  Any other model is compiled."""
+    import treecompile
+
+    origin = _ORIGIN.get(id(model))
+    if origin is None or origin[1] is not model:
+        return treecompile.compile(model, **options)
+    entry = _CACHE[origin[0]]
+    m0 = entry["model"]
+    if m0.training != model.training:
+        return treecompile.compile(model, **options)
+    okey = tuple(sorted(options.items()))
+    if okey not in entry["tms"]:
+        entry["tms"][okey] = treecompile.compile(m0, **options)
+    memo = {id(m0): model}
+    for (n0, a), (n1, b) in zip(m0.named_modules(remove_duplicate=False), model.named_modules(remove_duplicate=False)):
+        assert n0 == n1, (n0, n1)
+        memo[id(a)] = b
+    for (n0, a), (n1, b) in zip(m0.named_parameters(remove_duplicate=False), model.named_parameters(remove_duplicate=False)):
+        assert n0 == n1, (n0, n1)
+        memo[id(a)] = b
+    for (n0, a), (n1, b) in zip(m0.named_buffers(remove_duplicate=False), model.named_buffers(remove_duplicate=False)):
+        assert n0 == n1, (n0, n1)
+        memo[id(a)] = b
+    with warnings.catch_warnings():  # torch's own pytree deprecation, raised while copying the graph's specs
+        warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+        return copy.deepcopy(entry["tms"][okey], memo)

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import treecompile
+from helpers import cached_compile
 from treecompile import NORMALIZATIONS, Tree
 from treecompile.models import HybridConfig, HybridForCausalLM
 from treecompile.runtime.data import TrajectoryTree
@@ -34,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def bmodel(model):
-    return treecompile.compile(model, boundary=True)
+    return cached_compile(model, boundary=True)
 
 
 # ---------------------------------------------------------------------- helpers
