@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
 
@@ -105,3 +106,41 @@ def cached_compile(model: torch.nn.Module, **options):
     with warnings.catch_warnings():  # torch's own pytree deprecation, raised while copying the graph's specs
         warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
         return copy.deepcopy(entry["tms"][okey], memo)
+
+
+_CAPTURES: dict = {}  # id(model) -> (model, its pristine frontend.Captured)
+
+
+@contextlib.contextmanager
+def capture_once(model: torch.nn.Module):
+    """Within this block, ``treecompile.compile(model, ...)`` captures ``model`` (torch.export) only
+    the first time ever; later compiles of the *same, unmodified* model object (any options) start
+    from a deep copy of that capture, bound to the model's own parameters and buffers, and run their
+    passes on it as usual.  For tests that compile one model several ways (a pass disabled)."""
+    import importlib
+
+    comp = importlib.import_module("treecompile.compile")
+    real = comp.capture
+
+    def memo_capture(m, **kw):
+        if m is not model or kw.get("swaps") is not None:
+            return real(m, **kw)
+        if id(model) not in _CAPTURES or _CAPTURES[id(model)][0] is not model:
+            _CAPTURES[id(model)] = (model, copy.deepcopy(real(m, **kw), _self_memo(model)))
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+            return copy.deepcopy(_CAPTURES[id(model)][1], _self_memo(model))
+
+    comp.capture = memo_capture
+    try:
+        yield
+    finally:
+        comp.capture = real
+
+
+def _self_memo(model):
+    """A deepcopy memo that keeps ``model`` and its modules, parameters and buffers as they are."""
+    memo = {id(model): model}
+    for x in (*model.modules(), *model.parameters(), *model.buffers()):
+        memo[id(x)] = x
+    return memo
