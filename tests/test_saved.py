@@ -176,20 +176,22 @@ def test_save_refuses_non_empty_dir_and_failure_leaves_nothing(saved_models, tmp
 
 
 def test_overwrite_replaces_atomically(saved_models, tmp_path):
-    _, _, tm = saved_models["dense"]
+    src, _, tm = saved_models["dense"]
     target = tmp_path / "out"
-    saved.save(tm, target)
+    shutil.copytree(src, target)  # a previous saved program (written by save in the fixture)
     saved.save(tm, target, overwrite=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
     assert sorted(p.name for p in target.iterdir()) == sorted([saved.PROGRAM, saved.WEIGHTS, saved.MANIFEST])
+    # really replaced: tm has taken an SGD step since the fixture saved it
+    assert (target / saved.WEIGHTS).read_bytes() != (src / saved.WEIGHTS).read_bytes()
 
 
 def test_overwrite_failure_keeps_the_old_program_and_leaves_no_temporaries(saved_models, tmp_path, monkeypatch):
     """A failed rename while overwriting (moving the old program aside, or the new one into place)
     re-raises, leaves the previous program as it was, and no hidden ``.out.*.old``/``.tmp`` directory."""
-    _, _, tm = saved_models["dense"]
+    src, _, tm = saved_models["dense"]
     target = tmp_path / "out"
-    saved.save(tm, target)
+    shutil.copytree(src, target)  # a previous saved program (written by save in the fixture)
     before = {p.name: p.read_bytes() for p in target.iterdir()}
     real = os.replace
     for failing in ("old aside", "new in"):
