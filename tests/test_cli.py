@@ -218,7 +218,8 @@ def test_stats_missing_file_and_bad_budget(tmp_path, capsys):
 
 def test_stats_into_a_closed_pipe_exits_quietly(tmp_path):
     """`treecompile stats --json | head -1`: the reader leaves early; no BrokenPipeError traceback."""
-    trees = {t: [[1, 2, 3 + t % 40], [1, 2, 50 + t % 40, 7]] for t in range(1500)}
+    # ~450 bytes of JSON a tree: 400 trees are ~180 KB, nearly 3x a 64 KiB pipe buffer
+    trees = {t: [[1, 2, 3 + t % 40], [1, 2, 50 + t % 40, 7]] for t in range(400)}
     data = tmp_path / "many.jsonl"
     write_jsonl(data, trees)
     p = subprocess.Popen([sys.executable, "-m", "treecompile", "stats", str(data), "--json"], cwd=ROOT,
