@@ -92,7 +92,8 @@ def cached_compile(model: torch.nn.Module, **options):
         return treecompile.compile(model, **options)
     okey = tuple(sorted(options.items()))
     if okey not in entry["tms"]:
-        entry["tms"][okey] = treecompile.compile(m0, **options)
+        with capture_once(m0):  # one torch.export of m0 for all its option sets
+            entry["tms"][okey] = treecompile.compile(m0, **options)
     memo = {id(m0): model}
     for (n0, a), (n1, b) in zip(m0.named_modules(remove_duplicate=False), model.named_modules(remove_duplicate=False)):
         assert n0 == n1, (n0, n1)
