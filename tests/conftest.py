@@ -17,17 +17,10 @@ CUDA = torch.cuda.is_available()
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not CUDA, reason="needs a CUDA device"))]
 
 
-def tiny_dense():
-    from treecompile.models import DenseConfig, DenseForCausalLM
-
-    torch.manual_seed(0)
-    return DenseForCausalLM(DenseConfig.tiny()).double()
-
-
 @pytest.fixture(scope="module")
 def model():
     """The tiny dense reference model in float64 (one per test module: its own copy, pristine weights)."""
-    from helpers import cached_model
+    from helpers import cached_model, tiny_dense
 
     return cached_model("dense-tiny", tiny_dense)
 

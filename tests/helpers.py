@@ -59,6 +59,14 @@ _CACHE: dict = {}  # key -> {"model": the pristine model, "rng": RNG state after
 _ORIGIN: dict = {}  # id(handed-out model) -> (key, the model itself: keeps the id from being reused)
 
 
+def tiny_dense():
+    """The tiny dense reference model in float64, seed 0 (conftest's ``model``; key ``"dense-tiny"``)."""
+    from treecompile.models import DenseConfig, DenseForCausalLM
+
+    torch.manual_seed(0)
+    return DenseForCausalLM(DenseConfig.tiny()).double()
+
+
 def cached_model(key: str, make) -> torch.nn.Module:
     """A fresh deep copy of the model ``make()`` builds (``make`` is deterministic: it seeds).
 

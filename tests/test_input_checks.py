@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from treecompile import Tree
+from helpers import cached_compile
 
 
 @pytest.mark.parametrize("paths, path, got, position", [
@@ -46,7 +47,7 @@ def test_ids_outside_the_vocabulary_are_named_in_redundancy_free_partitions(tmod
     from treecompile.runtime.redundancy_free import run_redundancy_free
 
     V = tmodel.vocab_size
-    rf = treecompile.compile(tmodel.model, boundary=True)
+    rf = cached_compile(tmodel.model, boundary=True)
     plan = partition_redundancy_free(Tree.from_paths([[1, 2, 3, 4], [1, 2, 5, V + 3]]), 3)
     with pytest.raises(ValueError, match=rf"^redundancy-free partition \d+: .*token id {V + 3} is outside"):
         run_redundancy_free(rf, plan)
