@@ -117,7 +117,7 @@ def cached_compile(model: torch.nn.Module, **options):
         return copy.deepcopy(entry["tms"][okey], memo)
 
 
-_CAPTURES: dict = {}  # id(model) -> (model, its pristine frontend.Captured)
+_CAPTURES: dict = {}  # (id(model), model.training) -> (model, its pristine frontend.Captured)
 
 
 @contextlib.contextmanager
@@ -134,11 +134,12 @@ def capture_once(model: torch.nn.Module):
     def memo_capture(m, **kw):
         if m is not model or kw.get("swaps") is not None:
             return real(m, **kw)
-        if id(model) not in _CAPTURES or _CAPTURES[id(model)][0] is not model:
-            _CAPTURES[id(model)] = (model, copy.deepcopy(real(m, **kw), _self_memo(model)))
-        with warnings.catch_warnings():
+        key = (id(model), model.training)  # capture bakes the train/eval mode in
+        with warnings.catch_warnings():  # torch's own pytree deprecation, raised while copying the graph's specs
             warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
-            return copy.deepcopy(_CAPTURES[id(model)][1], _self_memo(model))
+            if key not in _CAPTURES or _CAPTURES[key][0] is not model:
+                _CAPTURES[key] = (model, copy.deepcopy(real(m, **kw), _self_memo(model)))
+            return copy.deepcopy(_CAPTURES[key][1], _self_memo(model))
 
     comp.capture = memo_capture
     try:
