@@ -59,12 +59,13 @@ _CACHE: dict = {}  # key -> {"model": the pristine model, "rng": RNG state after
 _ORIGIN: dict = {}  # id(handed-out model) -> (key, the model itself: keeps the id from being reused)
 
 
-def tiny_dense():
-    """The tiny dense reference model in float64, seed 0 (conftest's ``model``; key ``"dense-tiny"``)."""
+def tiny_dense(vocab_size: int | None = None):
+    """The tiny dense reference model in float64, seed 0 (conftest's ``model``: key ``"dense-tiny"``;
+    with ``vocab_size=11``: key ``"dense-tiny-v11"``)."""
     from treecompile.models import DenseConfig, DenseForCausalLM
 
     torch.manual_seed(0)
-    return DenseForCausalLM(DenseConfig.tiny()).double()
+    return DenseForCausalLM(DenseConfig.tiny(**({} if vocab_size is None else {"vocab_size": vocab_size}))).double()
 
 
 def cached_model(key: str, make) -> torch.nn.Module:

@@ -14,7 +14,7 @@ from treecompile import NORMALIZATIONS, Tree, reference
 from treecompile.models import DenseConfig, DenseForCausalLM
 from treecompile.frontend import CaptureError
 from treecompile.passes import UnsupportedModelError
-from helpers import capture_once, flat_grads, reference_noise, rel
+from helpers import cached_compile, cached_model, capture_once, flat_grads, reference_noise, rel, tiny_dense
 from strategies import ODD_TREES, weighted_path_sets
 
 aten = torch.ops.aten
@@ -22,9 +22,8 @@ aten = torch.ops.aten
 
 @pytest.fixture(scope="module")
 def dense():
-    torch.manual_seed(0)
-    model = DenseForCausalLM(DenseConfig.tiny(vocab_size=11)).double()
-    return model, treecompile.compile(model)
+    model = cached_model("dense-tiny-v11", lambda: tiny_dense(11))  # captured once per process
+    return model, cached_compile(model)
 
 
 def compare(model, tmodel, paths, masks, weights, normalize):

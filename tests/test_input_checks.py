@@ -42,7 +42,6 @@ def test_ids_outside_the_vocabulary_are_named_before_the_graph_runs(tmodel):
 
 def test_ids_outside_the_vocabulary_are_named_in_redundancy_free_partitions(tmodel):
     """Partitions run through program.run directly: the executor checks their ids as forward does."""
-    import treecompile
     from treecompile.runtime.partition import partition_redundancy_free
     from treecompile.runtime.redundancy_free import run_redundancy_free
 

@@ -13,7 +13,6 @@ import math
 import pytest
 import torch
 
-import treecompile
 from helpers import cached_compile
 from treecompile.runtime.data import TrajectoryTree
 from treecompile.runtime.train import train_step

@@ -20,7 +20,8 @@ import torch
 
 import treecompile
 from treecompile import Tree, cli, saved
-from treecompile.models import DenseConfig, DenseForCausalLM, HybridConfig, HybridForCausalLM
+from helpers import cached_compile, cached_model, tiny_dense
+from treecompile.models import HybridConfig, HybridForCausalLM
 
 ROOT = Path(__file__).resolve().parents[1]
 # odd shapes on purpose: duplicates, a path that is a prefix of another, one-token nodes, a forest
@@ -75,12 +76,11 @@ def saved_models(tmp_path_factory):
     """name -> (saved dir, results of the freshly compiled model); the dirs are written once."""
     tmp = tmp_path_factory.mktemp("saved")
     out = {}
-    torch.manual_seed(0)
-    dense = DenseForCausalLM(DenseConfig.tiny(vocab_size=11)).double()
+    dense = cached_model("dense-tiny-v11", lambda: tiny_dense(11))  # test_compile's: captured once per process
     torch.manual_seed(1)
     hybrid = HybridForCausalLM(HybridConfig.tiny(vocab_size=11)).double()
     for name, model in (("dense", dense), ("hybrid", hybrid)):
-        tm = treecompile.compile(model)
+        tm = cached_compile(model)  # compiles any model not from cached_model
         saved.save(tm, tmp / name)
         out[name] = (tmp / name, run_and_step(tm), tm)
 
