@@ -19,15 +19,28 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not CUDA, reason
 
 @pytest.fixture(scope="module")
 def model():
-    """The tiny dense reference model in float64 (one per test module)."""
-    from treecompile.models import DenseConfig, DenseForCausalLM
+    """The tiny dense reference model in float64 (one per test module: its own copy, pristine weights)."""
+    from helpers import cached_model, tiny_dense
 
-    torch.manual_seed(0)
-    return DenseForCausalLM(DenseConfig.tiny()).double()
+    return cached_model("dense-tiny", tiny_dense)
 
 
 @pytest.fixture(scope="module")
 def tmodel(model):
-    import treecompile
+    """``treecompile.compile(model)``; captured once per process (``helpers.cached_compile``)."""
+    from helpers import cached_compile
 
-    return treecompile.compile(model)
+    return cached_compile(model)
+
+
+# `pytest -n 2 --dist loadfile` hands whole files to the two workers in collection order: the
+# heaviest files first (measured with --durations on 2 cores), so that the workers finish together
+# instead of one running a heavy file alone at the end.  Order inside a file is unchanged.
+HEAVIEST_FIRST = ["test_compile_hybrid.py", "test_saved.py", "test_distributed.py", "test_cli.py",
+                  "test_rewrite_mixers.py", "test_compile.py", "test_train.py", "test_router_loss.py",
+                  "test_entropy.py", "test_redundancy_free.py", "test_compile_zoo.py"]
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(HEAVIEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: file order kept otherwise

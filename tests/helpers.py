@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import warnings
+
 import torch
 
 from treecompile import reference
@@ -48,3 +52,106 @@ def reference_noise(model, paths, masks, weights, batch, ref, params, g_ref):
         g_noise = max(g_noise, rel(flat_grads(loss, params), g_ref))
         loss_noise = max(loss_noise, abs(float(loss - ref.loss)))
     return g_noise, loss_noise
+
+
+# ------------------------------------------------------------------ compiled models, captured once per process
+_CACHE: dict = {}  # key -> {"model": the pristine model, "rng": RNG state after building it, "tms": {options: TreeModel}}
+_ORIGIN: dict = {}  # id(handed-out model) -> (key, the model itself: keeps the id from being reused)
+
+
+def tiny_dense(vocab_size: int | None = None):
+    """The tiny dense reference model in float64, seed 0 (conftest's ``model``: key ``"dense-tiny"``;
+    with ``vocab_size=11``: key ``"dense-tiny-v11"``)."""
+    from treecompile.models import DenseConfig, DenseForCausalLM
+
+    torch.manual_seed(0)
+    return DenseForCausalLM(DenseConfig.tiny(**({} if vocab_size is None else {"vocab_size": vocab_size}))).double()
+
+
+def cached_model(key: str, make) -> torch.nn.Module:
+    """A fresh deep copy of the model ``make()`` builds (``make`` is deterministic: it seeds).
+
+    ``make`` runs once per process and ``key``; every call returns its own copy (own parameters,
+    pristine weights), and leaves the global RNG as ``make()`` would have.  Compile the copy with
+    :func:`cached_compile` to share the capture too.
+    """
+    if key not in _CACHE:
+        m0 = make()
+        _CACHE[key] = {"model": m0, "rng": torch.get_rng_state(), "tms": {}}
+    entry = _CACHE[key]
+    m = copy.deepcopy(entry["model"])
+    torch.set_rng_state(entry["rng"])
+    _ORIGIN[id(m)] = (key, m)
+    return m
+
+
+def cached_compile(model: torch.nn.Module, **options):
+    """``treecompile.compile(model, **options)`` for a model from :func:`cached_model`, the capture and
+    passes run once per process (key, options, train/eval mode): the cached TreeModel is deep-copied
+    onto ``model``'s own modules, parameters and buffers (exactly what compiling ``model`` gives:
+    the graph holds no weights, the TreeModel reads ``model``'s).  Any other model is compiled."""
+    import treecompile
+
+    origin = _ORIGIN.get(id(model))
+    if origin is None or origin[1] is not model:
+        return treecompile.compile(model, **options)
+    entry = _CACHE[origin[0]]
+    m0 = entry["model"]
+    if m0.training != model.training:
+        return treecompile.compile(model, **options)
+    okey = tuple(sorted(options.items()))
+    if okey not in entry["tms"]:
+        with capture_once(m0):  # one torch.export of m0 for all its option sets
+            entry["tms"][okey] = treecompile.compile(m0, **options)
+    memo = {id(m0): model}
+    for (n0, a), (n1, b) in zip(m0.named_modules(remove_duplicate=False), model.named_modules(remove_duplicate=False)):
+        assert n0 == n1, (n0, n1)
+        memo[id(a)] = b
+    for (n0, a), (n1, b) in zip(m0.named_parameters(remove_duplicate=False), model.named_parameters(remove_duplicate=False)):
+        assert n0 == n1, (n0, n1)
+        memo[id(a)] = b
+    for (n0, a), (n1, b) in zip(m0.named_buffers(remove_duplicate=False), model.named_buffers(remove_duplicate=False)):
+        assert n0 == n1, (n0, n1)
+        memo[id(a)] = b
+    with warnings.catch_warnings():  # torch's own pytree deprecation, raised while copying the graph's specs
+        warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+        return copy.deepcopy(entry["tms"][okey], memo)
+
+
+_CAPTURES: dict = {}  # (id(model), model.training) -> (model, its pristine frontend.Captured)
+
+
+@contextlib.contextmanager
+def capture_once(model: torch.nn.Module):
+    """Within this block, ``treecompile.compile(model, ...)`` captures ``model`` (torch.export) only
+    the first time ever; later compiles of the *same, unmodified* model object (any options) start
+    from a deep copy of that capture, bound to the model's own parameters and buffers, and run their
+    passes on it as usual.  For tests that compile one model several ways (a pass disabled)."""
+    import importlib
+
+    comp = importlib.import_module("treecompile.compile")
+    real = comp.capture
+
+    def memo_capture(m, **kw):
+        if m is not model or kw.get("swaps") is not None:
+            return real(m, **kw)
+        key = (id(model), model.training)  # capture bakes the train/eval mode in
+        with warnings.catch_warnings():  # torch's own pytree deprecation, raised while copying the graph's specs
+            warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+            if key not in _CAPTURES or _CAPTURES[key][0] is not model:
+                _CAPTURES[key] = (model, copy.deepcopy(real(m, **kw), _self_memo(model)))
+            return copy.deepcopy(_CAPTURES[key][1], _self_memo(model))
+
+    comp.capture = memo_capture
+    try:
+        yield
+    finally:
+        comp.capture = real
+
+
+def _self_memo(model):
+    """A deepcopy memo that keeps ``model`` and its modules, parameters and buffers as they are."""
+    memo = {id(model): model}
+    for x in (*model.modules(), *model.parameters(), *model.buffers()):
+        memo[id(x)] = x
+    return memo

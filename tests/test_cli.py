@@ -218,7 +218,8 @@ def test_stats_missing_file_and_bad_budget(tmp_path, capsys):
 
 def test_stats_into_a_closed_pipe_exits_quietly(tmp_path):
     """`treecompile stats --json | head -1`: the reader leaves early; no BrokenPipeError traceback."""
-    trees = {t: [[1, 2, 3 + t % 40], [1, 2, 50 + t % 40, 7]] for t in range(1500)}
+    # ~450 bytes of JSON a tree: 400 trees are ~180 KB, nearly 3x a 64 KiB pipe buffer
+    trees = {t: [[1, 2, 3 + t % 40], [1, 2, 50 + t % 40, 7]] for t in range(400)}
     data = tmp_path / "many.jsonl"
     write_jsonl(data, trees)
     p = subprocess.Popen([sys.executable, "-m", "treecompile", "stats", str(data), "--json"], cwd=ROOT,
@@ -513,7 +514,8 @@ def _env() -> dict:
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
 
 
-def test_entry_point_exit_codes_without_traceback(tmp_path):
+def test_entry_point_exit_codes_without_traceback(tmp_path, capsys):
+    """Through ``python -m treecompile``: exit 1 with one line (a data error), exit 2 (usage)."""
     env = _env()
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"tree_id": 1, "input_ids": [1, 2]}\n{oops\n')
@@ -521,10 +523,9 @@ def test_entry_point_exit_codes_without_traceback(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 1 and p.stdout == ""
     one_line_error(p.stderr, f"{bad}:2", "bad JSON")
-    p = subprocess.run([sys.executable, "-m", "treecompile", "stats", str(bad).replace("bad", "big")], cwd=ROOT,
-                       env=env, capture_output=True, text=True, timeout=120)
-    assert p.returncode == 1
-    one_line_error(p.stderr, "big.jsonl", "no such file")
+    rc, _, err = run_cli(["stats", str(bad).replace("bad", "big")], capsys)  # the same exit path, in-process
+    assert rc == 1
+    one_line_error(err, "big.jsonl", "no such file")
     p = subprocess.run([sys.executable, "-m", "treecompile", "inspect"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "Traceback" not in p.stderr

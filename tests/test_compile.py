@@ -14,7 +14,7 @@ from treecompile import NORMALIZATIONS, Tree, reference
 from treecompile.models import DenseConfig, DenseForCausalLM
 from treecompile.frontend import CaptureError
 from treecompile.passes import UnsupportedModelError
-from helpers import flat_grads, reference_noise, rel
+from helpers import cached_compile, cached_model, capture_once, flat_grads, reference_noise, rel, tiny_dense
 from strategies import ODD_TREES, weighted_path_sets
 
 aten = torch.ops.aten
@@ -22,9 +22,8 @@ aten = torch.ops.aten
 
 @pytest.fixture(scope="module")
 def dense():
-    torch.manual_seed(0)
-    model = DenseForCausalLM(DenseConfig.tiny(vocab_size=11)).double()
-    return model, treecompile.compile(model)
+    model = cached_model("dense-tiny-v11", lambda: tiny_dense(11))  # captured once per process
+    return model, cached_compile(model)
 
 
 def compare(model, tmodel, paths, masks, weights, normalize):
@@ -320,7 +319,8 @@ def hf_models():
 def hf(request):
     torch.manual_seed(0)
     model = hf_models()[request.param]().double()
-    return model, treecompile.compile(model)
+    with capture_once(model):  # the near-miss test compiles this model twice more
+        return model, treecompile.compile(model)
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -353,10 +353,11 @@ def test_hf_graph_and_wrong_positions_are_far_above_noise(hf):
     ref = reference.run(model, paths)
     g_ref = flat_grads(ref.loss, params)
     noise, _ = reference_noise(model, paths, None, None, batch, ref, params, g_ref)
-    with pytest.raises(treecompile.passes.PassError, match=r"(?s)verify_token_locality.*aten\.arange"):
-        treecompile.compile(model, disable=("rewrite_positions",))  # the verifier catches the DFS positions
-    with pytest.warns(treecompile.passes.UnverifiedGraphWarning):
-        broken = treecompile.compile(model, disable=("rewrite_positions", "verify_token_locality"))
+    with capture_once(model):  # the fixture's capture of this model, deep-copied: same graph, same passes
+        with pytest.raises(treecompile.passes.PassError, match=r"(?s)verify_token_locality.*aten\.arange"):
+            treecompile.compile(model, disable=("rewrite_positions",))  # the verifier catches the DFS positions
+        with pytest.warns(treecompile.passes.UnverifiedGraphWarning):
+            broken = treecompile.compile(model, disable=("rewrite_positions", "verify_token_locality"))
     g_broken = flat_grads(broken(batch).loss, params)
     assert rel(g_broken, g_ref) > 1e3 * max(noise, 1e-12)
 

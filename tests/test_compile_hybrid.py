@@ -30,7 +30,7 @@ from treecompile import NORMALIZATIONS, Tree, reference
 from treecompile.models import HybridConfig, HybridForCausalLM
 from treecompile import hf_adapters
 from treecompile.ops import moe
-from helpers import equal_per_path_computations
+from helpers import capture_once, equal_per_path_computations
 from strategies import ODD_TREES
 
 transformers = pytest.importorskip("transformers")
@@ -105,7 +105,8 @@ def hf(request):
     ids = torch.tensor([[1, 2, 3, 4, 5]])
     with torch.no_grad():
         before = ({k: v.clone() for k, v in model.state_dict().items()}, model(ids).logits, flags(model))
-    return request.param, model, treecompile.compile(model), before
+    with capture_once(model):  # test_gdn_pass_disabled_... compiles this model twice more
+        return request.param, model, treecompile.compile(model), before
 
 
 def flags(model):
@@ -295,10 +296,11 @@ def test_gdn_pass_disabled_leaks_sibling_state_far_above_noise(hf):
     kind, model, tmodel, _ = hf
     paths = FIXED["short_node_chain"]
     f = check_hf(model, tmodel, paths, None, None)
-    with pytest.raises(treecompile.passes.PassError, match=r"(?s)verify_token_locality.*sequence length as a value"):
-        treecompile.compile(model, disable=("route_gdn_states",))  # the verifier catches the chain node tensors
-    with pytest.warns(treecompile.passes.UnverifiedGraphWarning):
-        broken = treecompile.compile(model, disable=("route_gdn_states", "verify_token_locality"))
+    with capture_once(model):  # the fixture's capture of this unmodified model, deep-copied: same graph, same passes
+        with pytest.raises(treecompile.passes.PassError, match=r"(?s)verify_token_locality.*sequence length as a value"):
+            treecompile.compile(model, disable=("route_gdn_states",))  # the verifier catches the chain node tensors
+        with pytest.warns(treecompile.passes.UnverifiedGraphWarning):
+            broken = treecompile.compile(model, disable=("route_gdn_states", "verify_token_locality"))
     assert "route_gdn_states" not in broken.pass_results
     named = list(model.named_parameters())
     batch = Tree.from_paths(paths).to_batch()

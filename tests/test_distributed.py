@@ -8,6 +8,7 @@ the step in one process (float64, 1e-9 relative).
 
 from __future__ import annotations
 
+import copy
 import itertools
 import os
 import random
@@ -90,9 +91,10 @@ def _worker(rank: int, store: str, out_dir: str):
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
     try:
         results = {}
+        pristine = make_model()
+        pristine_tm = treecompile.compile(pristine)  # captured once; each wrap trains its own deep copy
         for wrap in ("ddp", "fsdp_root", "fsdp_layer"):
-            model = make_model()
-            tmodel = treecompile.compile(model)
+            model, tmodel = copy.deepcopy((pristine, pristine_tm))
             if wrap == "ddp":
                 module = DDP(tmodel)
             else:

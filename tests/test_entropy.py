@@ -17,7 +17,7 @@ import treecompile
 from treecompile import Tree
 from treecompile.models import DenseConfig, DenseForCausalLM
 from treecompile.ops.logprobs import gather_logprobs, linear_logprobs
-from helpers import flat_grads, rel
+from helpers import capture_once, flat_grads, rel
 from strategies import ODD_TREES
 from tests.conftest import CUDA
 
@@ -111,7 +111,8 @@ def per_path_entropy(model, path):
 def dense():
     torch.manual_seed(0)
     model = DenseForCausalLM(DenseConfig.tiny(vocab_size=13)).double()
-    return model, treecompile.compile(model, entropy=True)
+    with capture_once(model):  # plain compiles of this model below reuse the capture
+        return model, treecompile.compile(model, entropy=True)
 
 
 TREES = {**ODD_TREES, "mixed": [[1, 2, 3, 4, 5], [1, 2, 3, 6], [1, 2, 7, 8, 9, 10], [11, 12], [1, 2, 3, 4, 5]]}
@@ -148,7 +149,8 @@ def test_tree_entropy_and_gradient_equal_per_path(dense, name, normalize):
 
 def test_entropy_is_off_by_default_and_graph_outputs_unchanged(dense):
     model, tmodel = dense
-    plain = treecompile.compile(model)
+    with capture_once(model):
+        plain = treecompile.compile(model)
     batch = Tree.from_paths([[1, 2, 3], [1, 2, 4]]).to_batch()
     out0, out1 = plain(batch), tmodel(batch)
     assert out0.entropy is None
@@ -319,7 +321,8 @@ def test_entropy_bonus_needs_the_entropy(dense):
     from treecompile.runtime.train import train_step
 
     model, _ = dense
-    plain = treecompile.compile(model)
+    with capture_once(model):
+        plain = treecompile.compile(model)
     with pytest.raises(ValueError, match="entropy=True"):
         train_step(plain, Tree.from_paths([[1, 2, 3]]), EntropyBonus(0.1))
     res = train_step(plain, Tree.from_paths([[1, 2, 3]]))

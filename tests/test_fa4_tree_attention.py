@@ -179,12 +179,10 @@ def test_resolve_attention_kernel(monkeypatch):
 
 
 def test_saved_program_takes_the_kernel_at_load(tmp_path):
+    from helpers import cached_compile, cached_model, tiny_dense
     from treecompile import saved
-    from treecompile.models import DenseConfig, DenseForCausalLM
 
-    torch.manual_seed(0)
-    model = DenseForCausalLM(DenseConfig.tiny()).double()
-    tm = treecompile.compile(model)
+    tm = cached_compile(cached_model("dense-tiny", tiny_dense))
     saved.save(tm, tmp_path / "p")
     for kernel in ("flex", "fa4"):
         lm = saved.load(tmp_path / "p", attention_kernel=kernel)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from treecompile import Tree
+from helpers import cached_compile
 
 
 @pytest.mark.parametrize("paths, path, got, position", [
@@ -41,12 +42,11 @@ def test_ids_outside_the_vocabulary_are_named_before_the_graph_runs(tmodel):
 
 def test_ids_outside_the_vocabulary_are_named_in_redundancy_free_partitions(tmodel):
     """Partitions run through program.run directly: the executor checks their ids as forward does."""
-    import treecompile
     from treecompile.runtime.partition import partition_redundancy_free
     from treecompile.runtime.redundancy_free import run_redundancy_free
 
     V = tmodel.vocab_size
-    rf = treecompile.compile(tmodel.model, boundary=True)
+    rf = cached_compile(tmodel.model, boundary=True)
     plan = partition_redundancy_free(Tree.from_paths([[1, 2, 3, 4], [1, 2, 5, V + 3]]), 3)
     with pytest.raises(ValueError, match=rf"^redundancy-free partition \d+: .*token id {V + 3} is outside"):
         run_redundancy_free(rf, plan)

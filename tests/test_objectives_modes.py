@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-import treecompile
+from helpers import cached_compile
 from treecompile.runtime.data import TrajectoryTree
 from treecompile.runtime.train import train_step
 from test_objectives import OBJECTIVES, REL, Case, grads, mixed_case, per_path_loss
@@ -24,7 +24,7 @@ MODES = {"whole": dict(), "packed": dict(budget=10, mode="packed"), "redundancy_
 
 @pytest.fixture(scope="module")
 def boundary_model(model):
-    return treecompile.compile(model, boundary=True)
+    return cached_compile(model, boundary=True)
 
 
 def trajectory(case: Case) -> TrajectoryTree:

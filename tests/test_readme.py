@@ -4,6 +4,8 @@
 - in ```bash blocks (and unlabelled ones) every line that starts with ``treecompile `` runs through
   ``treecompile.cli.main(argv)`` (exit status 0); other lines (``pip install``, ``python -m pytest``) are not run.
 
+Indented (4-space) code blocks are not allowed: they would not be extracted (one test finds them).
+
 A block that cannot run here says so in the README, on the line just above its fence:
 ``<!-- readme-test: skip (needs torchrun) -->``, so that every skip is visible to readers of the source.
 """
@@ -42,6 +44,18 @@ def readme_blocks(text: str) -> list[dict]:
     return blocks
 
 
+def indented_blocks(text: str) -> list[int]:
+    """First lines (1-based) of Markdown indented code blocks outside fences (a blank line, then >= 4 spaces)."""
+    found, in_fence, prev = [], False, ""
+    for k, ln in enumerate(text.splitlines()):
+        if FENCE.match(ln) or (in_fence and ln.rstrip() == "```"):
+            in_fence = not in_fence
+        elif not in_fence and ln.startswith("    ") and ln.strip() and not prev.strip():
+            found.append(k + 1)
+        prev = ln
+    return found
+
+
 def _runnable(block) -> bool:
     if block["lang"] == "python":
         return True
@@ -58,6 +72,12 @@ def test_the_extractor_sees_fences_and_skip_marks():
     assert [(x["lang"], x["line"], x["skip"]) for x in b] == [("python", 3, "needs torchrun"), ("bash", 7, None)]
     assert b[0]["source"] == "x = 1\n"
     assert any(x["lang"] == "python" for x in BLOCKS)  # the README's "Use" example is one of them
+
+
+def test_every_code_block_is_fenced():
+    assert indented_blocks("a\n\n    x = 1\n\n```\n\n    y\n```\n") == [3]  # not the fenced one
+    lines = indented_blocks((ROOT / "README.md").read_text())
+    assert not lines, f"README.md:{lines}: indented code blocks are not run by this test; fence them"
 
 
 @pytest.mark.parametrize("block", BLOCKS, ids=[f"README.md:{b['line']}" for b in BLOCKS])

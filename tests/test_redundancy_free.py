@@ -16,12 +16,13 @@ from hypothesis import strategies as st
 
 import treecompile
 from treecompile import NORMALIZATIONS, Tree
-from treecompile.models import DenseConfig, DenseForCausalLM, HybridConfig, HybridForCausalLM
+from treecompile.models import HybridConfig, HybridForCausalLM
 from treecompile.ops import gdn
 from treecompile.ops.tree_attention import tree_attention_reference
 from treecompile.passes import PassError
 from treecompile.runtime.partition import partition_redundancy_free
 from treecompile.runtime.redundancy_free import run_redundancy_free
+from helpers import cached_compile, cached_model, tiny_dense
 from strategies import ODD_TREES, weighted_path_sets
 
 import treecompile.ops.tree_attention_boundary  # noqa: F401  (registers the ops)
@@ -154,18 +155,21 @@ def test_conv_boundary_gradients_and_opcheck():
 
 
 # ------------------------------------------------------------------------------------------ models
+def _hybrid():
+    torch.manual_seed(0)
+    return HybridForCausalLM(HybridConfig.tiny(vocab_size=VOCAB)).double()
+
+
 @pytest.fixture(scope="module")
 def dense():
-    torch.manual_seed(0)
-    model = DenseForCausalLM(DenseConfig.tiny(vocab_size=VOCAB)).double()
-    return model, treecompile.compile(model), treecompile.compile(model, boundary=True)
+    model = cached_model(f"dense-tiny-v{VOCAB}", lambda: tiny_dense(VOCAB))
+    return model, cached_compile(model), cached_compile(model, boundary=True)
 
 
 @pytest.fixture(scope="module")
 def hybrid():
-    torch.manual_seed(0)
-    model = HybridForCausalLM(HybridConfig.tiny(vocab_size=VOCAB)).double()
-    return model, treecompile.compile(model), treecompile.compile(model, boundary=True)
+    model = cached_model(f"hybrid-tiny-v{VOCAB}", _hybrid)
+    return model, cached_compile(model), cached_compile(model, boundary=True)
 
 
 def test_pass_fires_and_default_pipeline_unchanged(dense, hybrid):

@@ -20,7 +20,8 @@ import torch
 
 import treecompile
 from treecompile import Tree, cli, saved
-from treecompile.models import DenseConfig, DenseForCausalLM, HybridConfig, HybridForCausalLM
+from helpers import cached_compile, cached_model, tiny_dense
+from treecompile.models import HybridConfig, HybridForCausalLM
 
 ROOT = Path(__file__).resolve().parents[1]
 # odd shapes on purpose: duplicates, a path that is a prefix of another, one-token nodes, a forest
@@ -75,12 +76,11 @@ def saved_models(tmp_path_factory):
     """name -> (saved dir, results of the freshly compiled model); the dirs are written once."""
     tmp = tmp_path_factory.mktemp("saved")
     out = {}
-    torch.manual_seed(0)
-    dense = DenseForCausalLM(DenseConfig.tiny(vocab_size=11)).double()
+    dense = cached_model("dense-tiny-v11", lambda: tiny_dense(11))  # test_compile's: captured once per process
     torch.manual_seed(1)
     hybrid = HybridForCausalLM(HybridConfig.tiny(vocab_size=11)).double()
     for name, model in (("dense", dense), ("hybrid", hybrid)):
-        tm = treecompile.compile(model)
+        tm = cached_compile(model)  # compiles any model not from cached_model
         saved.save(tm, tmp / name)
         out[name] = (tmp / name, run_and_step(tm), tm)
 
@@ -176,20 +176,22 @@ def test_save_refuses_non_empty_dir_and_failure_leaves_nothing(saved_models, tmp
 
 
 def test_overwrite_replaces_atomically(saved_models, tmp_path):
-    _, _, tm = saved_models["dense"]
+    src, _, tm = saved_models["dense"]
     target = tmp_path / "out"
-    saved.save(tm, target)
+    shutil.copytree(src, target)  # a previous saved program (written by save in the fixture)
     saved.save(tm, target, overwrite=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
     assert sorted(p.name for p in target.iterdir()) == sorted([saved.PROGRAM, saved.WEIGHTS, saved.MANIFEST])
+    # really replaced: tm has taken an SGD step since the fixture saved it
+    assert (target / saved.WEIGHTS).read_bytes() != (src / saved.WEIGHTS).read_bytes()
 
 
 def test_overwrite_failure_keeps_the_old_program_and_leaves_no_temporaries(saved_models, tmp_path, monkeypatch):
     """A failed rename while overwriting (moving the old program aside, or the new one into place)
     re-raises, leaves the previous program as it was, and no hidden ``.out.*.old``/``.tmp`` directory."""
-    _, _, tm = saved_models["dense"]
+    src, _, tm = saved_models["dense"]
     target = tmp_path / "out"
-    saved.save(tm, target)
+    shutil.copytree(src, target)  # a previous saved program (written by save in the fixture)
     before = {p.name: p.read_bytes() for p in target.iterdir()}
     real = os.replace
     for failing in ("old aside", "new in"):

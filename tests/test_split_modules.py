@@ -14,6 +14,13 @@ import treecompile
 from treecompile import Tree
 from treecompile.models import DenseConfig, DenseForCausalLM, HybridConfig, HybridForCausalLM
 from treecompile.passes.split_modules import SplitError
+from helpers import cached_compile, cached_model, tiny_dense
+
+
+def _dense3():
+    torch.manual_seed(0)
+    return DenseForCausalLM(DenseConfig.tiny(num_hidden_layers=3)).double()
+
 
 PATHS = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 9, 10], [1, 2, 11, 12, 13, 14, 15], [1, 7]]
 
@@ -47,9 +54,8 @@ def _check_equal(tmodel, layers):
 
 
 def test_dense_split_per_layer_equals_whole_graph():
-    torch.manual_seed(0)
-    model = DenseForCausalLM(DenseConfig.tiny(num_hidden_layers=3)).double()
-    _check_equal(treecompile.compile(model), list(model.model.layers))
+    model = cached_model("dense-tiny-3-layers", _dense3)
+    _check_equal(cached_compile(model), list(model.model.layers))
 
 
 def test_hybrid_split_per_layer_equals_whole_graph():
@@ -69,9 +75,8 @@ def test_hf_qwen3_split_per_layer_equals_whole_graph():
 
 
 def test_module_hooks_see_the_segment_parameters_and_backward_hooks_fire():
-    torch.manual_seed(0)
-    model = DenseForCausalLM(DenseConfig.tiny()).double()
-    tmodel = treecompile.compile(model).split_at(model.model.layers)
+    model = cached_model("dense-tiny", tiny_dense)
+    tmodel = cached_compile(model).split_at(model.model.layers)
     layer = model.model.layers[1]
     orig = layer.mlp.down_proj.weight
     swapped = orig.detach().clone().requires_grad_(True)
@@ -90,9 +95,8 @@ def test_module_hooks_see_the_segment_parameters_and_backward_hooks_fire():
 
 
 def test_split_errors_name_the_module():
-    torch.manual_seed(0)
-    model = DenseForCausalLM(DenseConfig.tiny()).double()
-    tmodel = treecompile.compile(model)
+    model = cached_model("dense-tiny", tiny_dense)
+    tmodel = cached_compile(model)
     with pytest.raises(ValueError, match="not a submodule"):
         tmodel.split_at([torch.nn.Linear(2, 2)])
     with pytest.raises(SplitError, match="lies inside"):
@@ -112,9 +116,8 @@ def test_cuda_lowered_graph_splits_per_layer_with_the_block_mask_as_input():
     layer segment takes the mask and holds its own attention call (CPU: structure only)."""
     from treecompile.passes.lower_cuda import CudaOptions, lower_cuda
 
-    torch.manual_seed(0)
-    model = DenseForCausalLM(DenseConfig.tiny(num_hidden_layers=3)).double()
-    tmodel = treecompile.compile(model).split_at(model.model.layers)
+    model = cached_model("dense-tiny-3-layers", _dense3)
+    tmodel = cached_compile(model).split_at(model.model.layers)
     low = lower_cuda(tmodel.graph_module, CudaOptions(gdn_kernel="reference"))
     lowered, count = low.graph_module, low.attention
     owners = [f"model.layers.{i}" for i in range(3)]

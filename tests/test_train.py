@@ -12,14 +12,13 @@ from __future__ import annotations
 import copy
 import math
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 import treecompile
+from helpers import cached_compile, capture_once
 from treecompile import NORMALIZATIONS, Tree
 from treecompile.models import HybridConfig, HybridForCausalLM
 from treecompile.runtime.data import TrajectoryTree
@@ -34,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def bmodel(model):
-    return treecompile.compile(model, boundary=True)
+    return cached_compile(model, boundary=True)
 
 
 # ---------------------------------------------------------------------- helpers
@@ -171,11 +170,13 @@ def test_hybrid_packed_ppo_and_rf_sft():
     (tt,) = trajectories(case)
     obj = PPOClip(clip_low=0.1, clip_high=0.28)
     want_loss, want_g = reference(model, obj, case, "path_mean")
-    res, g = step(treecompile.compile(model), model, tt, obj, budget=9, normalize="path_mean")
+    with capture_once(model):  # one torch.export for the whole and the partition graph
+        tm, bm = treecompile.compile(model), treecompile.compile(model, boundary=True)
+    res, g = step(tm, model, tt, obj, budget=9, normalize="path_mean")
     assert res.metrics["partitions"] >= 3
     assert_close(res, g, want_loss, want_g, "hybrid packed PPO")
     want_loss, want_g = reference(model, SFT(), case, "sum")
-    res, g = step(treecompile.compile(model, boundary=True), model, tt, SFT(), budget=3, mode="redundancy_free")
+    res, g = step(bm, model, tt, SFT(), budget=3, mode="redundancy_free")
     assert_close(res, g, want_loss, want_g, "hybrid redundancy-free SFT")
 
 
@@ -267,13 +268,18 @@ def test_errors(model, tmodel, bmodel):
 
 
 # ---------------------------------------------------------------------- the example
-def test_example_trains(tmp_path):
+def test_example_trains(tmp_path, capsys):
+    """examples/train_sft.py's ``main(argv)``, in this process (no second torch import; the example's
+    ``__main__`` is ``sys.exit(main())``)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_sft_example", ROOT / "examples" / "train_sft.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
     data = tmp_path / "trees.jsonl"
-    out = subprocess.run([sys.executable, str(ROOT / "examples" / "train_sft.py"), "--data", str(data),
-                          "--make-data", "--steps", "6", "--budget", "40"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=120,
-                         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
-    assert out.returncode == 0, out.stderr[-2000:]
-    losses = [float(x) for x in re.findall(r"^step \d+ loss ([0-9.]+)", out.stdout, re.M)]
+    rc = example.main(["--data", str(data), "--make-data", "--steps", "6", "--budget", "40"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err[-2000:]
+    losses = [float(x) for x in re.findall(r"^step \d+ loss ([0-9.]+)", out.out, re.M)]
     assert len(losses) == 6 and all(math.isfinite(x) for x in losses)
     assert losses[-1] < 0.8 * losses[0], losses
