@@ -82,8 +82,8 @@ def test_redundancy_free_objective_losses_sum_over_partitions(model, boundary_mo
 
 @pytest.fixture(scope="module")
 def entropy_models(model):
-    return {"whole": treecompile.compile(model, entropy=True),
-            "redundancy_free": treecompile.compile(model, boundary=True, entropy=True)}
+    return {"whole": cached_compile(model, entropy=True),
+            "redundancy_free": cached_compile(model, boundary=True, entropy=True)}
 
 
 @pytest.mark.parametrize("normalize", ["sum", "path_mean"])
