@@ -36,7 +36,8 @@ def fa4_ops():
         kw = {} if cu_seqlens is None else dict(cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
                                                  max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen)
         out, lse = _flash_attn_fwd(q, k, v, softmax_scale=scale, causal=True, return_lse=True, **kw)[:2]
-        return out, lse
+        # the fakes promise contiguous outputs (inductor asserts strides); FA4 may hand back other layouts
+        return out.contiguous(), lse.contiguous()
 
     @fa4_fwd.register_fake
     def _(q, k, v, cu_seqlens, max_seqlen, scale):
@@ -52,7 +53,10 @@ def fa4_ops():
         kw = {} if cu_seqlens is None else dict(cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
                                                  max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen)
         dq, dk, dv = _flash_attn_bwd(q, k, v, out, dout.contiguous(), lse, scale, True, **kw)[:3]
-        return dq, dk, dv
+        # contiguous as the fake says: on an H100 the hybrid baseline (head_dim 256, 2 KV heads) failed
+        # inductor's stride assertion on a [8192, 2, 256] tensor with strides (256, 8192*256, 1), i.e. a
+        # KV-head-shaped output (dk/dv) in head-major storage (not re-run on a GPU since this change)
+        return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
     @fa4_bwd.register_fake
     def _(q, k, v, out, dout, lse, cu_seqlens, max_seqlen, scale):
