@@ -43,8 +43,12 @@ def make_model(z: float):
     from treecompile.models import HybridConfig, HybridForCausalLM
 
     torch.manual_seed(0)
+    # 2 layers (tiny's 4 halved: capture and every run cost half), still one GDN layer (its conv and
+    # recurrent state cross partition boundaries) and one attention layer, both MoE (the router losses
+    # average over layers)
     cfg = HybridConfig.tiny(vocab_size=31, num_experts=4, output_router_logits=True, router_aux_loss_coef=0.1,
-                            router_z_loss_coef=z)
+                            router_z_loss_coef=z, num_hidden_layers=2,
+                            layer_types=("linear_attention", "full_attention"))
     model = HybridForCausalLM(cfg).double()
     for layer in model.model.layers:  # spread the routers: no near-ties in top-k
         if hasattr(layer.mlp, "gate"):
@@ -192,7 +196,7 @@ def test_pre_pass_counts_equal_training_counts_and_a_mismatch_is_refused(moe):
     counts = count_routes(tm, tree, plan, conv_kernel=4)
     whole = tm.router_counts(tm.program.run(tree.to_batch()), tree.num_tokens)
     assert torch.equal(counts, whole)  # owned tokens counted in their partitions == the whole tree's routing
-    assert torch.equal(counts.sum(-1), torch.full((tree.num_tokens,), 4.0 * model.config.num_experts_per_tok))
+    assert torch.equal(counts.sum(-1), torch.full((tree.num_tokens,), 2.0 * model.config.num_experts_per_tok))
     norm = GlobalNorm.of_tree(tree, "sum")
     (rw,) = step_router_weights(tm.router_aux, [tree], [counts], norm)
     forged = counts.clone()
