@@ -44,3 +44,10 @@ HEAVIEST_FIRST = ["test_compile_hybrid.py", "test_saved.py", "test_distributed.p
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(HEAVIEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: file order kept otherwise
+
+
+def pytest_configure(config):
+    # pytest-xdist (3.x) reorders --dist loadfile/loadscope scopes by their number of tests unless told
+    # not to, which would override HEAVIEST_FIRST: keep the collection order.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False

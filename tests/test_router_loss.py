@@ -13,10 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import treecompile
 from treecompile import Tree
 from treecompile.ops.router_loss import ancestor_sums, load_balancing_loss, router_statistics, router_z_loss
-from helpers import capture_once, rel
+from helpers import cached_compile, cached_model, rel
 
 transformers = pytest.importorskip("transformers")
 
@@ -121,11 +120,16 @@ def hf_moe(kind, output_router_logits=True):
     return model
 
 
+def hf_moe_cached(kind, output_router_logits=True):
+    """``hf_moe(...)``, captured once per process (``helpers.cached_model``): compile it with
+    ``cached_compile`` (router_aux and boundary act in the passes, after the one torch.export)."""
+    return cached_model(f"router-{kind}-{output_router_logits}", lambda: hf_moe(kind, output_router_logits))
+
+
 @pytest.fixture(scope="module", params=["qwen3_moe", "olmoe"])
 def moe(request):
-    model = hf_moe(request.param)
-    with capture_once(model):  # one torch.export for both semantics (router_aux acts in the passes)
-        return model, {s: treecompile.compile(model, router_aux=s) for s in ("batch", "path")}
+    model = hf_moe_cached(request.param)
+    return model, {s: cached_compile(model, router_aux=s) for s in ("batch", "path")}, {}
 
 
 def path_router_logits(model, path):
@@ -134,7 +138,7 @@ def path_router_logits(model, path):
 
 @pytest.mark.parametrize("semantics", ["batch", "path"])
 def test_hf_moe_tree_aux_loss_and_gradients_equal_per_path(moe, semantics):
-    model, tms = moe
+    model, tms, _ = moe
     tm = tms[semantics]
     tree = Tree.from_paths(PATHS, path_weights=WEIGHTS)
     batch = tree.to_batch()
@@ -172,25 +176,25 @@ def test_hf_moe_tree_aux_loss_and_gradients_equal_per_path(moe, semantics):
 
 
 def test_hf_moe_router_loss_is_refused_by_default_and_dropped_only_when_asked():
-    model = hf_moe("qwen3_moe")
-    with capture_once(model):  # one torch.export of model: the refusal and the drop are the passes'
-        with pytest.raises(Exception, match=r"modeling_qwen3_moe.py.*router auxiliary loss.*router_aux="):
-            treecompile.compile(model)
-        tm = treecompile.compile(model, router_aux="none")
+    model = hf_moe_cached("qwen3_moe")  # one torch.export of model: the refusal and the drop are the passes'
+    with pytest.raises(Exception, match=r"modeling_qwen3_moe.py.*router auxiliary loss.*router_aux="):
+        cached_compile(model)
+    tm = cached_compile(model, router_aux="none")
     assert tm.pass_results["rewrite_router_loss"].info["dropped"] == ["aux_loss"]
     out = tm(Tree.from_paths(PATHS).to_batch())
     assert out.aux_loss is None and tm.router_aux is None
     # near miss: the same model without router logits computes no aux loss: compiled as is
-    quiet = treecompile.compile(hf_moe("qwen3_moe", output_router_logits=False))
+    quiet_model = hf_moe_cached("qwen3_moe", output_router_logits=False)
+    quiet = cached_compile(quiet_model)
     assert quiet.pass_results["rewrite_router_loss"].count == 0
     with pytest.raises(Exception, match="router_logits"):
-        treecompile.compile(hf_moe("qwen3_moe", output_router_logits=False), router_aux="path")
+        cached_compile(quiet_model, router_aux="path")
     with pytest.raises(Exception, match="router_aux"):
-        treecompile.compile(model, router_aux="tokens")
+        cached_compile(model, router_aux="tokens")
 
 
 def test_router_aux_refuses_partitions(moe):
-    _, tms = moe
+    _, tms, _ = moe
     tree = Tree.from_paths(PATHS)
     batch = tree.to_batch()
     batch.extras["whole_tree"] = tree
@@ -198,35 +202,67 @@ def test_router_aux_refuses_partitions(moe):
         tms["batch"](batch)
 
 
+def memo(moe, key, compute):
+    """``compute()`` once per module and HF model (the ``moe`` fixture's third item)."""
+    cache = moe[2]
+    if key not in cache:
+        cache[key] = compute()
+    return cache[key]
+
+
+def step(model, tm, **options):
+    """``train_step(tm, tree, **options)`` on the weighted tree: (result, flat gradients, 0 where none)."""
+    from treecompile.runtime.train import train_step
+
+    params = list(model.parameters())
+    for p in params:
+        p.grad = None
+    res = train_step(tm, Tree.from_paths(PATHS, path_weights=WEIGHTS), **options)
+    g = torch.cat([(torch.zeros_like(p) if p.grad is None else p.grad).flatten() for p in params])
+    for p in params:
+        p.grad = None
+    return res, g
+
+
+def whole_tree(moe, router_aux):
+    """The whole tree's loss, aux loss (None without a router loss) and flat gradients of the loss."""
+    model, tms, _ = moe
+
+    def compute():
+        tm = tms[router_aux] if router_aux in tms else cached_compile(model, router_aux=router_aux)
+        out = tm(Tree.from_paths(PATHS, path_weights=WEIGHTS).to_batch())
+        aux = None if out.aux_loss is None else float(out.aux_loss)
+        return float(out.loss), aux, flat_grads(out.loss, list(model.parameters()))
+
+    return memo(moe, ("whole", router_aux), compute)
+
+
+def sft_step(moe, **options):
+    """The SFT-only step (``router_aux="none"``) on the same partitions: (loss, flat gradients)."""
+    model = moe[0]
+
+    def compute():
+        tm = cached_compile(model, router_aux="none", boundary=options.get("mode") == "redundancy_free")
+        res, g = step(model, tm, **options)
+        return res.loss, g
+
+    return memo(moe, ("sft", tuple(sorted(options.items()))), compute)
+
+
 @pytest.mark.parametrize("budget", [None, 8])
 def test_hf_moe_train_step_path_semantics_whole_and_packed(moe, budget):
     """``train_step`` adds ``coef * aux`` to the objective's loss; with ``router_aux="path"`` packed
     partitions each sum over the paths assigned to them, so the step's loss and gradients equal the
     whole tree's: to rounding, and HF's float32 RMSNorm rounds differently per partition, so the bound
-    is 10x the disagreement of the SFT-only step (same partitions, no router loss) with the whole tree."""
-    from treecompile.runtime.train import train_step
-
-    model, tms = moe
-    tree = Tree.from_paths(PATHS, path_weights=WEIGHTS)
-    params = list(model.parameters())
-
-    def step(tm):
-        for p in params:
-            p.grad = None
-        res = train_step(tm, tree, budget=budget)
-        g = torch.cat([(torch.zeros_like(p) if p.grad is None else p.grad).flatten() for p in params])
-        for p in params:
-            p.grad = None
-        return res, g
-
-    res, g = step(tms["path"])
-    out = tms["path"](tree.to_batch())
-    assert abs(res.loss - float(out.loss)) <= 1e-12 * abs(float(out.loss))
-    assert abs(res.metrics["aux_loss"] - float(out.aux_loss)) <= 1e-12 * abs(float(out.aux_loss))
-    g_whole = flat_grads(out.loss, params)
-    plain = treecompile.compile(model, router_aux="none")
-    _, g_sft = step(plain)
-    noise = rel(g_sft, flat_grads(plain(tree.to_batch()).loss, params))
+    is 10x the disagreement of the SFT-only step (same partitions, no router loss) with the whole tree.
+    (The whole-tree runs and the SFT-only steps are computed once per model, shared with the test below.)"""
+    model, tms, _ = moe
+    res, g = step(model, tms["path"], **({} if budget is None else dict(budget=budget, mode="packed")))
+    loss, aux, g_whole = whole_tree(moe, "path")
+    assert abs(res.loss - loss) <= 1e-12 * abs(loss)
+    assert abs(res.metrics["aux_loss"] - aux) <= 1e-12 * abs(aux)
+    _, g_sft = sft_step(moe, **({} if budget is None else dict(budget=budget, mode="packed")))
+    noise = rel(g_sft, whole_tree(moe, "none")[2])
     assert rel(g, g_whole) <= 10 * noise + 1e-12
     if budget:
         assert res.metrics["partitions"] > 1
@@ -240,35 +276,19 @@ def test_hf_moe_partitioned_router_losses_equal_whole_tree(moe, semantics, mode,
     none: each path lies whole in a partition): the step's loss, aux loss
     and gradients equal the whole tree's (itself equal to the per-path computation, test above) within
     10x the disagreement of the SFT-only step (same partitions, no router loss) with the whole tree."""
-    from treecompile.runtime.train import train_step
-
-    model, tms = moe
-    tree = Tree.from_paths(PATHS, path_weights=WEIGHTS)
-    params = list(model.parameters())
+    model, tms, _ = moe
     rf = mode == "redundancy_free"
-
-    def step(tm):
-        for p in params:
-            p.grad = None
-        res = train_step(tm, tree, budget=budget, mode=mode)
-        g = torch.cat([(torch.zeros_like(p) if p.grad is None else p.grad).flatten() for p in params])
-        for p in params:
-            p.grad = None
-        return res, g
-
-    tm = treecompile.compile(model, router_aux=semantics, boundary=True) if rf else tms[semantics]
-    res, g = step(tm)
+    tm = cached_compile(model, router_aux=semantics, boundary=True) if rf else tms[semantics]
+    res, g = step(model, tm, budget=budget, mode=mode)
     assert res.metrics["router_prepass"] == (rf or semantics == "batch") and res.metrics["partitions"] > 1
-    out = tms[semantics](tree.to_batch())
-    plain_whole = treecompile.compile(model, router_aux="none")
-    plain = treecompile.compile(model, router_aux="none", boundary=True) if rf else plain_whole
-    res_sft, g_sft = step(plain)
-    sft_whole = plain_whole(tree.to_batch()).loss
-    noise = rel(g_sft, flat_grads(sft_whole, params))
-    v_noise = abs(res_sft.loss - float(sft_whole))
-    assert abs(res.loss - float(out.loss)) <= 10 * v_noise + 1e-12 * abs(float(out.loss))
-    assert abs(res.metrics["aux_loss"] - float(out.aux_loss)) <= 10 * v_noise + 1e-12 * abs(float(out.aux_loss))
-    assert rel(g, flat_grads(out.loss, params)) <= 10 * noise + 1e-12
+    loss, aux, g_whole = whole_tree(moe, semantics)
+    sft_loss, g_sft = sft_step(moe, budget=budget, mode=mode)
+    sft_whole, _, g_sft_whole = whole_tree(moe, "none")
+    noise = rel(g_sft, g_sft_whole)
+    v_noise = abs(sft_loss - sft_whole)
+    assert abs(res.loss - loss) <= 10 * v_noise + 1e-12 * abs(loss)
+    assert abs(res.metrics["aux_loss"] - aux) <= 10 * v_noise + 1e-12 * abs(aux)
+    assert rel(g, g_whole) <= 10 * noise + 1e-12
 
 
 # ------------------------------------------------------------------ our MoE reference model (float64, exact)
@@ -276,11 +296,13 @@ def test_hf_moe_partitioned_router_losses_equal_whole_tree(moe, semantics, mode,
 def ours():
     from treecompile.models import HybridConfig, HybridForCausalLM
 
-    torch.manual_seed(0)
-    cfg = HybridConfig.tiny(vocab_size=31, num_experts=4, output_router_logits=True, router_aux_loss_coef=0.1)
-    model = HybridForCausalLM(cfg).double()
-    with capture_once(model):
-        return model, {s: treecompile.compile(model, router_aux=s) for s in ("batch", "path")}
+    def make():
+        torch.manual_seed(0)
+        cfg = HybridConfig.tiny(vocab_size=31, num_experts=4, output_router_logits=True, router_aux_loss_coef=0.1)
+        return HybridForCausalLM(cfg).double()
+
+    model = cached_model("router-hybrid-moe", make)  # one torch.export for both semantics
+    return model, {s: cached_compile(model, router_aux=s) for s in ("batch", "path")}
 
 
 @pytest.mark.parametrize("semantics", ["batch", "path"])

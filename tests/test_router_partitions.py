@@ -20,11 +20,11 @@ import math
 import pytest
 import torch
 
-import treecompile
 from treecompile import Tree, reference
 from treecompile.router_aux import ROUTER_WEIGHTS, RoutingMismatchError
 from treecompile.runtime.router_step import TreeRouterWeights
 from treecompile.runtime.train import train_step
+from helpers import cached_compile, cached_model
 
 REL = 1e-9
 TREES = [
@@ -43,8 +43,12 @@ def make_model(z: float):
     from treecompile.models import HybridConfig, HybridForCausalLM
 
     torch.manual_seed(0)
+    # 2 layers (tiny's 4 halved: capture and every run cost half), still one GDN layer (its conv and
+    # recurrent state cross partition boundaries) and one attention layer, both MoE (the router losses
+    # average over layers)
     cfg = HybridConfig.tiny(vocab_size=31, num_experts=4, output_router_logits=True, router_aux_loss_coef=0.1,
-                            router_z_loss_coef=z)
+                            router_z_loss_coef=z, num_hidden_layers=2,
+                            layer_types=("linear_attention", "full_attention"))
     model = HybridForCausalLM(cfg).double()
     for layer in model.model.layers:  # spread the routers: no near-ties in top-k
         if hasattr(layer.mlp, "gate"):
@@ -52,15 +56,54 @@ def make_model(z: float):
     return model
 
 
+def moe_model(z: float):
+    """``make_model(z)``, captured once per process and z (``helpers.cached_model``)."""
+    return cached_model(f"router-moe-spread-z{z}", lambda: make_model(z))
+
+
+@pytest.fixture(scope="module")
+def moes():
+    """z -> (model, {(semantics, boundary): TreeModel}, per-path references); one model per z for the
+    whole module (every test reads its pristine weights: none steps an optimizer), built on first use."""
+    built = {}
+
+    def get(z):
+        if z not in built:
+            model = moe_model(z)
+            tms = {(s, rf): cached_compile(model, router_aux=s, boundary=rf) for s in ("batch", "path") for rf in (False, True)}
+            built[z] = (model, tms, PerPath(model))
+        return built[z]
+
+    return get
+
+
 @pytest.fixture(scope="module", params=[0.0, 0.02], ids=["aux", "aux+z"])
-def moe(request):
-    model = make_model(request.param)
-    tms = {(s, rf): treecompile.compile(model, router_aux=s, boundary=rf) for s in ("batch", "path") for rf in (False, True)}
-    return model, tms
+def moe(request, moes):
+    return moes(request.param)
 
 
-def per_path(model, trees, semantics):
-    """The step's per-path loss (LM + router losses) and its aux and z parts."""
+class PerPath:
+    """The per-path reference of a step of ``TREES[:num_trees]``, computed once per number of trees for
+    both semantics (the paths run alone and the LM loss are shared; only the router losses' grouping
+    differs) and reused by every step kind: ``self(num_trees, semantics)`` -> (loss, aux, z, gradients
+    of loss by parameter name).  The tensors keep their graphs (``z``'s gradients are taken later)."""
+
+    def __init__(self, model):
+        self.model, self.memo = model, {}
+
+    def __call__(self, num_trees, semantics):
+        if num_trees not in self.memo:
+            params = dict(self.model.named_parameters())
+            refs = per_path(self.model, TREES[:num_trees])
+            self.memo[num_trees] = {
+                s: (loss, aux, z, dict(zip(params, torch.autograd.grad(loss, list(params.values()), allow_unused=True,
+                                                                        retain_graph=True))))
+                for s, (loss, aux, z) in refs.items()}
+        return self.memo[num_trees][semantics]
+
+
+def per_path(model, trees):
+    """The step's per-path loss (LM + router losses) and its aux and z parts, by semantics."""
     from models.hybrid import load_balancing_loss, router_z_loss
 
     cfg = model.config
@@ -68,17 +111,20 @@ def per_path(model, trees, semantics):
     weights = [w for _, ws in trees for w in ws]
     runs = [model(torch.tensor([p])) for p in paths]
     L = len(runs[0].router_logits)
-    if semantics == "batch":
-        rows = [torch.cat([r.router_logits[i] for r in runs]) for i in range(L)]
-        aux = load_balancing_loss(rows, cfg.num_experts, cfg.num_experts_per_tok)
-        z = router_z_loss(rows)
-    else:
-        aux = sum(w * r.aux_loss for w, r in zip(weights, runs)) / len(paths)
-        z = sum(w * router_z_loss(r.router_logits) for w, r in zip(weights, runs)) / len(paths)
-    loss = reference.run(model, paths, path_weights=weights).loss + cfg.router_aux_loss_coef * aux
-    if cfg.router_z_loss_coef:
-        loss = loss + cfg.router_z_loss_coef * z
-    return loss, aux, z
+    lm = reference.run(model, paths, path_weights=weights).loss
+    rows = [torch.cat([r.router_logits[i] for r in runs]) for i in range(L)]
+    parts = {
+        "batch": (load_balancing_loss(rows, cfg.num_experts, cfg.num_experts_per_tok), router_z_loss(rows)),
+        "path": (sum(w * r.aux_loss for w, r in zip(weights, runs)) / len(paths),
+                 sum(w * router_z_loss(r.router_logits) for w, r in zip(weights, runs)) / len(paths)),
+    }
+    out = {}
+    for semantics, (aux, z) in parts.items():
+        loss = lm + cfg.router_aux_loss_coef * aux
+        if cfg.router_z_loss_coef:
+            loss = loss + cfg.router_z_loss_coef * z
+        out[semantics] = (loss, aux, z)
+    return out
 
 
 def grads_of(model, fn):
@@ -101,9 +147,9 @@ def check(model, res, ref_loss, ref_aux, ref_z):
         assert res.metrics["z_loss"] is None
 
 
-def compare_grads(model, got, ref_loss):
+def compare_grads(model, got, want):
+    """``got``: the step's gradients by parameter name; ``want``: the reference's (None: not reached)."""
     params = dict(model.named_parameters())
-    want = dict(zip(params, torch.autograd.grad(ref_loss, list(params.values()), allow_unused=True)))
     worst = 0.0
     for n, w in want.items():
         if w is None:
@@ -121,14 +167,14 @@ def compare_grads(model, got, ref_loss):
 @pytest.mark.parametrize("step", list(STEPS))
 @pytest.mark.parametrize("num_trees", [1, 2])
 def test_router_losses_every_step_equal_per_path(moe, semantics, step, num_trees):
-    model, tms = moe
+    model, tms, refs = moe
     trees = TREES[:num_trees]
     tm = tms[(semantics, step == "redundancy_free")]
     batch_trees = [Tree.from_paths(ps, path_weights=ws) for ps, ws in trees]
     res, g = grads_of(model, lambda: train_step(tm, batch_trees if num_trees > 1 else batch_trees[0], **STEPS[step]))
-    ref_loss, ref_aux, ref_z = per_path(model, trees, semantics)
+    ref_loss, ref_aux, ref_z, ref_grads = refs(num_trees, semantics)
     check(model, res, ref_loss, ref_aux, ref_z)
-    compare_grads(model, g, ref_loss)
+    compare_grads(model, g, ref_grads)
     # the counting pre-pass ran exactly where a batch cannot compute its router loss alone
     needed = step == "redundancy_free" or (semantics == "batch" and (step == "packed" or num_trees > 1))
     assert res.metrics["router_prepass"] == needed
@@ -143,14 +189,14 @@ def test_pre_pass_counts_equal_training_counts_and_a_mismatch_is_refused(moe):
     from treecompile.runtime.router_step import count_routes, step_router_weights
     from treecompile.runtime.normalization import GlobalNorm, partition_batch
 
-    model, tms = moe
+    model, tms, _ = moe
     tm = tms[("batch", False)]
     tree = Tree.from_paths(TREES[0][0], path_weights=TREES[0][1])
     plan = pack(tree, 9)
     counts = count_routes(tm, tree, plan, conv_kernel=4)
     whole = tm.router_counts(tm.program.run(tree.to_batch()), tree.num_tokens)
     assert torch.equal(counts, whole)  # owned tokens counted in their partitions == the whole tree's routing
-    assert torch.equal(counts.sum(-1), torch.full((tree.num_tokens,), 4.0 * model.config.num_experts_per_tok))
+    assert torch.equal(counts.sum(-1), torch.full((tree.num_tokens,), 2.0 * model.config.num_experts_per_tok))
     norm = GlobalNorm.of_tree(tree, "sum")
     (rw,) = step_router_weights(tm.router_aux, [tree], [counts], norm)
     forged = counts.clone()
@@ -170,7 +216,7 @@ def test_pre_pass_counts_equal_training_counts_and_a_mismatch_is_refused(moe):
 
 
 def test_partition_without_step_coefficients_is_refused(moe):
-    model, tms = moe
+    model, tms, _ = moe
     from treecompile.runtime.partition import pack, partition_redundancy_free
     from treecompile.runtime.redundancy_free import run_redundancy_free
 
@@ -184,25 +230,25 @@ def test_partition_without_step_coefficients_is_refused(moe):
 
 # ------------------------------------------------------------------ the router z-loss of our MoE model
 @pytest.mark.parametrize("semantics", ["batch", "path"])
-def test_z_loss_whole_tree_equals_per_path(semantics):
+def test_z_loss_whole_tree_equals_per_path(moes, semantics):
     """``router_z_loss_coef > 0``: the model returns ``z_loss`` (dropped from the graph like ``aux_loss``);
     ``out.z_loss``, ``out.loss`` and the gradients of the z-loss (routers included) equal the per-path
     computation; the z-loss of the unweighted DFS rows (what the model computes on the tree) differs."""
     from models.hybrid import router_z_loss
 
-    model = make_model(0.02)
-    tm = treecompile.compile(model, router_aux=semantics)
+    model, tms, refs = moes(0.02)
+    tm = tms[(semantics, False)]
     assert tm.pass_results["rewrite_router_loss"].info["dropped"] == ["aux_loss", "z_loss"]
     assert tm.router_aux.z_coef == 0.02
     paths, weights = TREES[0]
     tree = Tree.from_paths(paths, path_weights=weights)
     out = tm(tree.to_batch())
-    ref_loss, ref_aux, ref_z = per_path(model, [TREES[0]], semantics)
+    ref_loss, ref_aux, ref_z, _ = refs(1, semantics)
     assert abs(float(out.z_loss - ref_z)) <= 1e-12 * abs(float(ref_z))
     assert abs(float(out.loss - ref_loss)) <= 1e-12 * abs(float(ref_loss))
     params = list(model.parameters())
     gz = torch.autograd.grad(out.z_loss, params, allow_unused=True, retain_graph=True)
-    wz = torch.autograd.grad(ref_z, params, allow_unused=True)
+    wz = torch.autograd.grad(ref_z, params, allow_unused=True, retain_graph=True)
     for n, a, w in zip([n for n, _ in model.named_parameters()], gz, wz):
         assert (a is None) == (w is None), n
         if w is not None:
@@ -214,11 +260,11 @@ def test_z_loss_whole_tree_equals_per_path(semantics):
     assert abs(float(dfs - ref_z)) > 1e-6 * abs(float(ref_z))
 
 
-def test_z_loss_off_by_default_leaves_the_model_unchanged():
+def test_z_loss_off_by_default_leaves_the_model_unchanged(moes):
     """``router_z_loss_coef = 0`` (the default): no ``z_loss`` output, the same graph as before."""
-    model = make_model(0.0)
+    model, tms, _ = moes(0.0)
     assert model(torch.tensor([[1, 2, 3]])).z_loss is None
-    tm = treecompile.compile(model, router_aux="batch")
+    tm = tms[("batch", False)]
     assert tm.pass_results["rewrite_router_loss"].info["dropped"] == ["aux_loss"]
     assert tm.router_aux.z_coef == 0.0
     out = tm(Tree.from_paths([[1, 2, 3], [1, 2, 4]]).to_batch())
@@ -235,7 +281,7 @@ def test_redundancy_free_pre_pass_counts_are_checked(moe):
     from treecompile.runtime.redundancy_free import prepass_redundancy_free, run_redundancy_free
     from treecompile.runtime.router_step import step_router_weights
 
-    _, tms = moe
+    _, tms, _ = moe
     tree = Tree.from_paths(TREES[0][0], path_weights=TREES[0][1])
     plan = partition_redundancy_free(tree, 3)
     pre = prepass_redundancy_free(tms[("path", True)], plan)
