@@ -224,6 +224,9 @@ def budget(noise, i, name=None):
     return max(10 * (e if name is None else e[name]), 2 * (f if name is None else f[name]))
 
 
+F32_TINY = torch.finfo(torch.float32).tiny  # 1.2e-38
+
+
 def check_hf(model, tmodel, paths, masks, weights):
     """Tree vs reference within the reference's own rounding (1e-12 relative floor for float64)."""
     f = hf_figures(model, tmodel, paths, masks, weights)
@@ -235,7 +238,9 @@ def check_hf(model, tmodel, paths, masks, weights):
         return f
     assert f["grad"] <= budget(nz, 3) + 1e-12, (f["grad"], nz["equal"][3], nz["f32"][3])
     for n, (err, scale) in f["params"].items():
-        assert err <= budget(nz, 2, n) + 1e-12 * scale + 1e-14 * f["total"], (n, err, scale)
+        # + float32's smallest normal number: HF computes GDN in float32, so a gradient it rounds there
+        # cannot be resolved below it (seen: dt_bias gradient 0 per path vs a 1.2e-45 subnormal on the tree)
+        assert err <= budget(nz, 2, n) + 1e-12 * scale + 1e-14 * f["total"] + F32_TINY, (n, err, scale)
     return f
 
 
