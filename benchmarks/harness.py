@@ -86,6 +86,7 @@ class ModelSpec:
         from treecompile.models import DenseForCausalLM, HybridForCausalLM
 
         cls = DenseForCausalLM if self.kind == "dense" else HybridForCausalLM
+        torch.manual_seed(0)  # the same weights in every run (session-5 runs before this were unseeded)
         model = cls(self.config)
         with torch.no_grad():  # HF-style init: matrices and embeddings ~ N(0, 0.02), norms as built
             for p in model.parameters():
