@@ -15,14 +15,12 @@ where needed); a batch whose routing differs from its pre-pass is refused.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import pytest
 import torch
 
 from treecompile import Tree, reference
 from treecompile.router_aux import ROUTER_WEIGHTS, RoutingMismatchError
-from treecompile.runtime.router_step import TreeRouterWeights
 from treecompile.runtime.train import train_step
 from helpers import cached_compile, cached_model
 
