@@ -12,11 +12,11 @@ import torch
 
 from models.hybrid import torch_chunk_gated_delta_rule
 from tests.strategies import ODD_TREES
+from tests.test_tree_gdn import Dv, Hv, gdn_inputs  # the same shapes and inputs
 from treecompile import Tree
 from treecompile.ops import fla_gdn, tree_gdn
 
 F64 = torch.float64
-Hk, Hv, Dk, Dv = 1, 2, 4, 3
 
 
 def torch_varlen_gdn(q, k, v, g, beta, *, scale=None, initial_state, output_final_state, cu_seqlens,
@@ -57,21 +57,12 @@ TREES = {**ODD_TREES, "agentic_like_0": agentic_like_paths(0), "agentic_like_1":
          "chains": [[1, 2, 3], [1, 2, 3, 4, 5], [1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 8], [1, 9]]}
 
 
-def inputs(T, seed, with_init):
-    gen = torch.Generator().manual_seed(seed)
-    xs = [torch.randn(1, T, Hk, Dk, generator=gen), torch.randn(1, T, Hk, Dk, generator=gen),
-          torch.randn(1, T, Hv, Dv, generator=gen), -torch.rand(1, T, Hv, generator=gen),
-          torch.rand(1, T, Hv, generator=gen)]
-    xs.append(torch.randn(Hv, Dk, Dv, generator=gen) if with_init else None)
-    return [x.to(F64).requires_grad_() if x is not None else None for x in xs]
-
-
 @pytest.mark.parametrize("replay_max", [0, 3, 64])
 @pytest.mark.parametrize("name", sorted(TREES))
 def test_planned_fla_path_equals_reference_op(name, replay_max):
     b = Tree.from_paths(TREES[name]).to_batch(pad_to_multiple=8)
     nodes = (b.node_start, b.node_end, b.node_parent, b.node_level)
-    xs = inputs(b.seq_len, 0, with_init=name != "forest")
+    xs = gdn_inputs(b.seq_len, 0, with_init=name != "forest")
     leaves = [x for x in xs if x is not None]
     W = torch.randn(1, b.seq_len, Hv, Dv, dtype=F64, generator=torch.Generator().manual_seed(1))
     ref = tree_gdn.tree_gated_delta_rule(*xs[:5], *nodes, xs[5], use_qk_l2norm_in_kernel=True, chunk_size=4)
