@@ -126,29 +126,10 @@ def _upcast(x):
 
 def compiled_per_path_fa4(steps):
     """Per-path step: each path alone, compiled (dynamic shapes), causal attention through FA4."""
-    model = steps.model
     if steps.dev.type != "cuda":
         raise RuntimeError("FA4 runs on CUDA only")
     fa4_ops()
-
-    def path_ce(ids):
-        logits = model(ids[None])
-        return F.cross_entropy(_upcast(logits[0, :-1]), ids[1:], reduction="sum")
-
-    if "per_path_fa4_fn" not in steps.tmodels:
-        steps.tmodels["per_path_fa4_fn"] = torch.compile(path_ce, dynamic=True)
-    fn = steps.tmodels["per_path_fa4_fn"]
-
-    def step():
-        steps.zero()
-        total = 0.0
-        with patched_sdpa(fa4_causal_sdpa):
-            for ids, c in zip(steps.path_ids, steps.coef):
-                loss = fn(ids) * c
-                loss.backward()
-                total += loss.detach()
-        return total
-    return step
+    return steps.per_path_step("per_path_fa4_fn", swaps=lambda: [patched_sdpa(fa4_causal_sdpa)], cudnn_first=False)
 
 
 def packed_fa4_varlen(steps, capacity: int):

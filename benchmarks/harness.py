@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import contextlib
 import dataclasses
 import json
 import os
@@ -278,21 +279,30 @@ class Steps:
         return step
 
     def compiled_per_path(self):
+        return self.per_path_step("per_path_fn", compile=self.cfg.compile_baselines)
+
+    def per_path_step(self, key: str, *, swaps=lambda: (), cudnn_first: bool = True, compile: bool = True):
+        """The per-path baselines' step (``compiled_per_path`` and the FA4 / fla variants): each path
+        alone, its summed cross-entropy compiled once per ``key`` (dynamic shapes), times its coefficient,
+        backward.  ``swaps()``: the context managers that put a baseline's kernels in (entered around
+        each step); ``cudnn_first``: SDPA prefers cuDNN."""
         model = self.model
 
         def path_ce(ids):  # the coefficient is applied outside: a Python float would specialise the graph
             return _path_loss(model(ids[None]), ids, 1.0)
 
         fn = path_ce
-        if self.cfg.compile_baselines:
-            if "per_path_fn" not in self.tmodels:
-                self.tmodels["per_path_fn"] = torch.compile(path_ce, dynamic=True)
-            fn = self.tmodels["per_path_fn"]
+        if compile:
+            if key not in self.tmodels:
+                self.tmodels[key] = torch.compile(path_ce, dynamic=True)
+            fn = self.tmodels[key]
 
         def step():
             self.zero()
             total = 0.0
-            with _sdpa_priority():
+            with contextlib.ExitStack() as stack:
+                for cm in (*swaps(), *([_sdpa_priority()] if cudnn_first else [])):
+                    stack.enter_context(cm)
                 for ids, c in zip(self.path_ids, self.coef):
                     loss = fn(ids) * c
                     loss.backward()

@@ -80,17 +80,6 @@ def hooks(model, *, gdn: dict | None = None, conv=None, sdpa=None):
         torch.nn.functional.scaled_dot_product_attention = orig_sdpa
 
 
-def _sdpa_priority():
-    """cuDNN first among SDPA backends (as the harness's ``compiled_per_path``)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-    try:
-        return sdpa_kernel(order, set_priority=True)
-    except TypeError:
-        return sdpa_kernel(order)
-
-
 def _upcast(x):
     return x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
 
@@ -115,24 +104,7 @@ def compiled_per_path_fla(steps):
 
     gdn = layer_kernels(model, lambda _own: per_path_gdn)
 
-    def path_ce_fla(ids):
-        logits = model(ids[None])
-        return F.cross_entropy(_upcast(logits[0, :-1]), ids[1:], reduction="sum")
-
-    if "per_path_fla_fn" not in steps.tmodels:
-        steps.tmodels["per_path_fla_fn"] = torch.compile(path_ce_fla, dynamic=True)
-    fn = steps.tmodels["per_path_fla_fn"]
-
-    def step():
-        steps.zero()
-        total = 0.0
-        with hooks(model, gdn=gdn), _sdpa_priority():
-            for ids, c in zip(steps.path_ids, steps.coef):
-                loss = fn(ids) * c
-                loss.backward()
-                total += loss.detach()
-        return total
-    return step
+    return steps.per_path_step("per_path_fla_fn", swaps=lambda: [hooks(model, gdn=gdn)])
 
 
 # ---------------------------------------------------------------------------------------------- packed
