@@ -19,11 +19,22 @@ from treecompile.ops import fla_gdn, tree_gdn
 F64 = torch.float64
 
 
+def fla_chunk_indices(cu_seqlens, chunk_size):
+    """fla's ``prepare_chunk_indices`` (fla/ops/utils/index.py) written out: one row (segment, chunk of
+    that segment) per chunk_size-token chunk of every segment, segments in order."""
+    cu = cu_seqlens.tolist()
+    return torch.tensor([(s, c) for s in range(len(cu) - 1) for c in range(-(-(cu[s + 1] - cu[s]) // chunk_size))],
+                        dtype=torch.long).reshape(-1, 2)
+
+
 def torch_varlen_gdn(q, k, v, g, beta, *, scale=None, initial_state, output_final_state, cu_seqlens,
-                     use_qk_l2norm_in_kernel, chunk_size, calls=None):
+                     cu_seqlens_cpu, chunk_indices, use_qk_l2norm_in_kernel, chunk_size, calls=None):
     """fla's varlen ``chunk_gated_delta_rule`` contract in torch: one sequence per ``cu_seqlens`` segment,
-    each from its own ``initial_state`` row; returns (o, final states [k, Hv, Dk, Dv])."""
+    each from its own ``initial_state`` row; returns (o, final states [k, Hv, Dk, Dv]).  The precomputed
+    ``chunk_indices`` / ``cu_seqlens_cpu`` must be what fla would derive from ``cu_seqlens`` itself."""
     assert scale is None and output_final_state and q.shape[0] == 1
+    assert torch.equal(cu_seqlens_cpu, cu_seqlens.cpu()) and cu_seqlens_cpu.device.type == "cpu"
+    assert torch.equal(chunk_indices, fla_chunk_indices(cu_seqlens, chunk_size)) and chunk_indices.dtype == torch.long
     if calls is not None:
         calls.append(cu_seqlens.numel() - 1)
     cu = cu_seqlens.tolist()

@@ -19,7 +19,8 @@ place of the registered op when the GDN kernel is ``"fla"``.  fla is imported la
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -85,6 +86,7 @@ class Wave:
     hi: int
     cu_seqlens: Tensor  # [k + 1] int64, relative to lo
     source: Tensor | None  # [k] row of the previous call's final states each segment starts from; None: roots
+    lengths: tuple[int, ...]  # the k segment lengths, on the host (for :meth:`FlaPlan.chunk_indices`)
 
 
 @dataclass(frozen=True)
@@ -102,10 +104,30 @@ class FlaPlan:
     identity: bool
     replayed_tokens: int
     levels: int  # tree levels (the calls of a per-level schedule)
+    _chunk_indices: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def calls(self) -> int:
         return len(self.waves)
+
+    def chunk_indices(self, wave: int, chunk_size: int) -> tuple[Tensor, Tensor]:
+        """``(chunk_indices [NT, 2], cu_seqlens_cpu [k + 1])`` of call ``wave`` as fla's
+        ``prepare_chunk_indices`` builds them (row j: segment, chunk within the segment), made on the host.
+
+        Without them fla derives the chunk indices from the device ``cu_seqlens`` in every forward call,
+        a ``repeat_interleave`` that syncs the host with the GPU (fla/ops/utils/index.py), and its identity
+        cache of 4 entries misses when a layer has more calls than that.  Built once per plan and chunk
+        size (every layer of a batch reuses them), copied to the device without blocking."""
+        key = (wave, chunk_size)
+        if key not in self._chunk_indices:
+            w = self.waves[wave]
+            rows = [(s, c) for s, n in enumerate(w.lengths) for c in range(-(-n // chunk_size))]
+            host = torch.tensor(rows, dtype=torch.long).reshape(-1, 2)
+            if w.cu_seqlens.is_cuda:
+                host = host.pin_memory()
+            cu_cpu = torch.tensor([0, *itertools.accumulate(w.lengths)], dtype=torch.long)
+            self._chunk_indices[key] = (host.to(w.cu_seqlens.device, non_blocking=True), cu_cpu)
+        return self._chunk_indices[key]
 
 
 def plan_calls(node_start: Tensor, node_end: Tensor, node_parent: Tensor, *, replay_max: int = 0,
@@ -194,7 +216,8 @@ def plan_calls(node_start: Tensor, node_end: Tensor, node_parent: Tensor, *, rep
             index.extend(range(s_start[s], s_end[s]))
             cu.append(len(index) - lo)
         src = None if w == 0 else torch.tensor([row_in_wave[source[s]] for s in segs], dtype=torch.long, device=dev)
-        waves.append(Wave(lo, len(index), torch.tensor(cu, dtype=torch.long, device=dev), src))
+        waves.append(Wave(lo, len(index), torch.tensor(cu, dtype=torch.long, device=dev), src,
+                          tuple(b - a for a, b in zip(cu, cu[1:]))))
     if max_replay_fraction is not None and replay_max > 0 and len(index) - T > max_replay_fraction * T:
         return plan_calls(node_start, node_end, node_parent, replay_max=replay_max // 2,
                           max_replay_fraction=max_replay_fraction)
@@ -251,15 +274,17 @@ def tree_gated_delta_rule_fla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: 
         xs = tuple(x.index_select(1, plan.index) for x in xs)
     outs, states = [], None
     state_dtype = torch.promote_types(torch.float32, xs[0].dtype)  # fla's float32 states (float64 stays)
-    for w in plan.waves:
+    for i, w in enumerate(plan.waves):
         n = w.cu_seqlens.numel() - 1
+        chunk_indices, cu_seqlens_cpu = plan.chunk_indices(i, chunk_size)
         if w.source is None:
             init = (initial_state.to(state_dtype).expand(n, Hv, Dk, Dv).contiguous() if initial_state is not None
                     else q.new_zeros(n, Hv, Dk, Dv, dtype=state_dtype))
         else:
             init = states.index_select(0, w.source)
         oi, states = kernel(*(x[:, w.lo:w.hi] for x in xs), scale=scale, initial_state=init,
-                            output_final_state=True, cu_seqlens=w.cu_seqlens,
+                            output_final_state=True, cu_seqlens=w.cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+                            chunk_indices=chunk_indices,
                             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, chunk_size=chunk_size)
         outs.append(oi)
     o = outs[0] if len(outs) == 1 else torch.cat(outs, 1)
