@@ -72,7 +72,7 @@ else:  # run as a script: benchmarks/ is on sys.path
 
 BASELINES = ("eager_per_path", "compiled_per_path", "packed_flex", "compiled_per_path_fa4", "packed_fa4_varlen",
              "compiled_per_path_fla", "packed_fla_varlen")
-TREE_CONTENDERS = ("tree", "tree_packed", "tree_rf")
+TREE_CONTENDERS = ("tree", "tree_heavy_first", "tree_packed", "tree_rf")
 CONTENDERS = BASELINES + TREE_CONTENDERS
 
 
@@ -428,16 +428,22 @@ class Steps:
             mask = (doc[:, None] == doc[None, :]) & (q[None, :] <= q[:, None])
         return ids, targets, same, mask
 
-    def _tree_model(self, boundary=False):
+    def _tree_model(self, boundary=False, layout="dfs"):
         import treecompile
 
-        key = "rf" if boundary else "tree"
+        key = ("rf" if boundary else "tree", layout)
         if key not in self.tmodels:
-            self.tmodels[key] = treecompile.compile(self.model, boundary=boundary)
+            self.tmodels[key] = treecompile.compile(self.model, boundary=boundary, attention_layout=layout)
         return self.tmodels[key]
 
-    def tree_step(self):
-        tm = self._tree_model()
+    def tree_heavy_first(self):
+        """``tree`` with ``attention_layout="heavy_first"`` (tree attention in heavy-child-first order; CUDA)."""
+        if self.dev.type != "cuda":
+            raise _Skip("attention_layout is a CUDA lowering option")
+        return self.tree_step(layout="heavy_first")
+
+    def tree_step(self, layout="dfs"):
+        tm = self._tree_model(layout=layout)
         batch = self.tree.to_batch(normalize=self.cfg.normalize, device=self.dev)
 
         def step():

@@ -133,6 +133,23 @@ def _timed(fn, iters=5):
     return sorted(ts)[len(ts) // 2]
 
 
+def _host_syncs(fn) -> int | None:
+    """Host-device synchronisations in one call of ``fn`` (torch's sync debug mode warns on each; None off CUDA)."""
+    import warnings
+
+    if not torch.cuda.is_available():
+        return None
+    _sync()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
 def _out_and_grads(f, xs, do) -> list[torch.Tensor]:
     o = f()
     grads = torch.autograd.grad(o, xs, do)
@@ -179,11 +196,18 @@ def _layer_row(name: str, paths: list[list[int]], device: str) -> dict:
                 x.grad = None
         return step
 
-    def planned(r):
-        return lambda: tree_gated_delta_rule_fla(*xs, *nodes, use_qk_l2norm_in_kernel=True, replay_max=r)
+    def planned(r, kernel=None):
+        return lambda: tree_gated_delta_rule_fla(*xs, *nodes, use_qk_l2norm_in_kernel=True, replay_max=r,
+                                                 kernel=kernel)
+
+    def fla_own_indices(*a, chunk_indices, cu_seqlens_cpu, **kw):
+        """fla deriving the chunk indices from the device cu_seqlens itself (before the plan held them)"""
+        del chunk_indices, cu_seqlens_cpu
+        return chunk_gated_delta_rule(*a, **kw)
 
     variants_fn = {
         "tree_planned": planned(REPLAY_MAX),
+        "tree_planned_fla_indices": planned(REPLAY_MAX, fla_own_indices),
         "tree_planned_r0": planned(0),
         "tree_planned_r64": planned(64),
         "tree_per_level": lambda: per_level_fla(*xs, *nodes, use_qk_l2norm_in_kernel=True),
@@ -199,6 +223,7 @@ def _layer_row(name: str, paths: list[list[int]], device: str) -> dict:
     for k, f in variants.items():
         f()  # warm-up (autotune for the varlen shapes)
         row[f"{k}_ms"] = round(_timed(f) * 1e3, 3)
+        row[f"{k}_syncs"] = _host_syncs(f)
     # same function: each planned variant's output and input gradients vs the per-level schedule's (bf16
     # rounding of different chunk alignments only; a schedule bug shows as an O(1) difference)
     ref = _out_and_grads(variants_fn["tree_per_level"], xs, do)

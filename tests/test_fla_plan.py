@@ -28,13 +28,15 @@ def fla_chunk_indices(cu_seqlens, chunk_size):
 
 
 def torch_varlen_gdn(q, k, v, g, beta, *, scale=None, initial_state, output_final_state, cu_seqlens,
-                     cu_seqlens_cpu, chunk_indices, use_qk_l2norm_in_kernel, chunk_size, calls=None):
+                     use_qk_l2norm_in_kernel, chunk_size, cu_seqlens_cpu=None, chunk_indices=None, calls=None):
     """fla's varlen ``chunk_gated_delta_rule`` contract in torch: one sequence per ``cu_seqlens`` segment,
-    each from its own ``initial_state`` row; returns (o, final states [k, Hv, Dk, Dv]).  The precomputed
-    ``chunk_indices`` / ``cu_seqlens_cpu`` must be what fla would derive from ``cu_seqlens`` itself."""
+    each from its own ``initial_state`` row; returns (o, final states [k, Hv, Dk, Dv]).  Precomputed
+    ``chunk_indices`` / ``cu_seqlens_cpu``, when given, must be what fla would derive from ``cu_seqlens``."""
     assert scale is None and output_final_state and q.shape[0] == 1
-    assert torch.equal(cu_seqlens_cpu, cu_seqlens.cpu()) and cu_seqlens_cpu.device.type == "cpu"
-    assert torch.equal(chunk_indices, fla_chunk_indices(cu_seqlens, chunk_size)) and chunk_indices.dtype == torch.long
+    if cu_seqlens_cpu is not None:
+        assert torch.equal(cu_seqlens_cpu, cu_seqlens.cpu()) and cu_seqlens_cpu.device.type == "cpu"
+    if chunk_indices is not None:
+        assert torch.equal(chunk_indices, fla_chunk_indices(cu_seqlens, chunk_size)) and chunk_indices.dtype == torch.long
     if calls is not None:
         calls.append(cu_seqlens.numel() - 1)
     cu = cu_seqlens.tolist()
@@ -78,7 +80,10 @@ def test_planned_fla_path_equals_reference_op(name, replay_max):
     W = torch.randn(1, b.seq_len, Hv, Dv, dtype=F64, generator=torch.Generator().manual_seed(1))
     ref = tree_gdn.tree_gated_delta_rule(*xs[:5], *nodes, xs[5], use_qk_l2norm_in_kernel=True, chunk_size=4)
     calls = []
-    kern = lambda *a, **kw: torch_varlen_gdn(*a, **kw, calls=calls)
+
+    def kern(*a, **kw):  # every call gets the plan's chunk indices (fla would sync the host to derive them)
+        assert kw["chunk_indices"] is not None and kw["cu_seqlens_cpu"] is not None
+        return torch_varlen_gdn(*a, **kw, calls=calls)
     got = fla_gdn.tree_gated_delta_rule_fla(*xs[:5], *nodes, xs[5], use_qk_l2norm_in_kernel=True, chunk_size=4,
                                             replay_max=replay_max, kernel=kern)
     plan = fla_gdn._cached_plan(*nodes[:3], replay_max)

@@ -96,10 +96,11 @@ def test_hybrid_bench_layer_timing_runs_with_a_stand_in_fla(monkeypatch):
     from tests.test_fla_plan import torch_varlen_gdn
 
     def chunk_gated_delta_rule(q, k, v, g, beta, *, initial_state=None, output_final_state=False, cu_seqlens=None,
-                               use_qk_l2norm_in_kernel=False, chunk_size=64, scale=None):
+                               use_qk_l2norm_in_kernel=False, chunk_size=64, scale=None, cu_seqlens_cpu=None,
+                               chunk_indices=None):
         return torch_varlen_gdn(q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=True,
                                 cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                                chunk_size=chunk_size)
+                                chunk_size=chunk_size, cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices)
 
     fake = types.ModuleType("fla.ops.gated_delta_rule")
     fake.chunk_gated_delta_rule = chunk_gated_delta_rule
@@ -113,7 +114,7 @@ def test_hybrid_bench_layer_timing_runs_with_a_stand_in_fla(monkeypatch):
     trees = hb.bench_trees("agentic", 512, scale=0.02)
     (row,) = hb.gdn_layer_times(trees, device="cpu")
     assert row["calls"] <= row["calls_r0"] == row["levels"]
-    assert all(row[f"{k}_ms"] > 0 for k in ("tree_planned", "tree_per_level", "one_fla_call"))
+    assert all(row[f"{k}_ms"] > 0 for k in ("tree_planned", "tree_planned_fla_indices", "tree_per_level", "one_fla_call"))
     assert all(row[f"{k}_vs_per_level"] < 1e-4 for k in ("tree_planned", "tree_planned_r0", "tree_planned_r64"))
     counts = hb.call_counts(trees)
     assert {r["tree"] for r in counts} >= set(trees)
