@@ -47,7 +47,7 @@ else:
     from trees import agentic_paths, agentic_specs, synthetic_paths
 
 from treecompile import Tree
-from treecompile.ops.fla_gdn import REPLAY_FRACTION, plan_calls
+from treecompile.ops.fla_gdn import REPLAY_FRACTION, cheapest_plan, plan_calls
 
 H, HV, DK, DV = 16, 16, 128, 128  # Qwen3.5 linear attention (16 key / 16 value heads of 128)
 AGENTIC, AGENTIC_SCALE = "parallel-tools", 1.5
@@ -67,7 +67,8 @@ def bench_trees(case: str, vocab: int, *, path_len: int = SYN_LEN, scale: float 
 
 def call_counts(trees: dict[str, list[list[int]]], replays=(0, 64, 256, 1024)) -> list[dict]:
     """fla calls per GDN layer (forward; the backward makes as many) per tree and ``replay_max`` (with the
-    layer's cap on replayed rows, ``REPLAY_FRACTION`` of the tokens)."""
+    layer's cap on replayed rows, ``REPLAY_FRACTION`` of the tokens), and the default plan's
+    (:func:`~treecompile.ops.fla_gdn.cheapest_plan`: calls and rows fed to fla, vs the per-path rows)."""
     rows = []
     named = dict(trees)
     for s in agentic_specs(1.0):
@@ -81,6 +82,8 @@ def call_counts(trees: dict[str, list[list[int]]], replays=(0, 64, 256, 1024)) -
             p = plan_calls(b.node_start, b.node_end, b.node_parent, replay_max=r, max_replay_fraction=REPLAY_FRACTION)
             row[f"calls r={r}"] = p.calls
             row[f"replayed r={r}"] = p.replayed_tokens
+        p = cheapest_plan(b.node_start, b.node_end, b.node_parent)
+        row.update({"calls auto": p.calls, "rows auto": len(p.index), "per-path rows": t.num_path_tokens})
         rows.append(row)
     return rows
 
@@ -168,7 +171,6 @@ def _layer_row(name: str, paths: list[list[int]], device: str) -> dict:
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     from treecompile.ops.fla_gdn import (
-        REPLAY_MAX,
         _cached_plan,
         tree_gated_delta_rule_fla,
     )
@@ -206,10 +208,10 @@ def _layer_row(name: str, paths: list[list[int]], device: str) -> dict:
         return chunk_gated_delta_rule(*a, **kw)
 
     variants_fn = {
-        "tree_planned": planned(REPLAY_MAX),
-        "tree_planned_fla_indices": planned(REPLAY_MAX, fla_own_indices),
+        "tree_planned": planned(None),  # the default: cheapest_plan
+        "tree_planned_r256": planned(256),  # the previous default (replay <= 256 tokens, <= 5 % rows)
+        "tree_planned_r256_fla_indices": planned(256, fla_own_indices),  # ... with fla deriving chunk indices
         "tree_planned_r0": planned(0),
-        "tree_planned_r64": planned(64),
         "tree_per_level": lambda: per_level_fla(*xs, *nodes, use_qk_l2norm_in_kernel=True),
         "one_fla_call": lambda: chunk_gated_delta_rule(*xs, initial_state=h0, output_final_state=True,
                                                        cu_seqlens=one, use_qk_l2norm_in_kernel=True)[0],
@@ -227,14 +229,14 @@ def _layer_row(name: str, paths: list[list[int]], device: str) -> dict:
     # same function: each planned variant's output and input gradients vs the per-level schedule's (bf16
     # rounding of different chunk alignments only; a schedule bug shows as an O(1) difference)
     ref = _out_and_grads(variants_fn["tree_per_level"], xs, do)
-    for k in ("tree_planned", "tree_planned_r0", "tree_planned_r64"):
+    for k in ("tree_planned", "tree_planned_r0", "tree_planned_r256"):
         got = _out_and_grads(variants_fn[k], xs, do)
         row[f"{k}_vs_per_level"] = max(float((a - r).abs().max() / r.abs().max().clamp_min(1e-30))
                                        for a, r in zip(got, ref))
-    for r in (0, 64):
+    for r in (0, 256):
         row[f"calls_r{r}"] = _cached_plan(b.node_start, b.node_end, b.node_parent, r).calls
-    plan = _cached_plan(b.node_start, b.node_end, b.node_parent, REPLAY_MAX)
-    row.update({"levels": plan.levels, "calls": plan.calls, "replay_max": REPLAY_MAX,
+    plan = _cached_plan(b.node_start, b.node_end, b.node_parent, None)
+    row.update({"levels": plan.levels, "calls": plan.calls,
                 "replayed_tokens": plan.replayed_tokens,
                 "tree/one_call": round(row["tree_planned_ms"] / row["one_fla_call_ms"], 3),
                 "per_level/one_call": round(row["tree_per_level_ms"] / row["one_fla_call_ms"], 3)})

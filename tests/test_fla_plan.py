@@ -70,7 +70,7 @@ TREES = {**ODD_TREES, "agentic_like_0": agentic_like_paths(0), "agentic_like_1":
          "chains": [[1, 2, 3], [1, 2, 3, 4, 5], [1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 8], [1, 9]]}
 
 
-@pytest.mark.parametrize("replay_max", [0, 3, 64])
+@pytest.mark.parametrize("replay_max", [0, 3, 64, None])  # None: cheapest_plan (here: every ancestor replayed)
 @pytest.mark.parametrize("name", sorted(TREES))
 def test_planned_fla_path_equals_reference_op(name, replay_max):
     b = Tree.from_paths(TREES[name]).to_batch(pad_to_multiple=8)
@@ -139,6 +139,35 @@ def test_chains_merge_and_replay_cut_calls():
     big = fla_gdn.plan_calls(deep.node_start, deep.node_end, deep.node_parent, replay_max=0)
     assert not big.identity and fla_gdn.plan_calls(*(x[:1] for x in (deep.node_start, deep.node_end)),
                                                    deep.node_parent[:1]).identity
+
+
+def test_full_replay_runs_the_per_path_rows_in_one_call():
+    """Every ancestor replayed: one call, and the internal segments do not run (each child replays them; the
+    outputs are read from the first child's replayed rows), so the rows are exactly the per-path tokens."""
+    paths = [[1, 2, 3, 4], [1, 2, 5, 9], [1, 2, 5, 6, 7], [1, 2, 5, 6, 8], [9, 3], [9, 4, 4]]
+    b = Tree.from_paths(paths).to_batch()
+    full = fla_gdn.plan_calls(b.node_start, b.node_end, b.node_parent, replay_max=b.seq_len)
+    assert full.calls == 1 and len(full.index) == sum(map(len, paths))
+    assert torch.equal(full.index[full.out_rows], torch.arange(b.seq_len))
+    assert fla_gdn.cheapest_plan(b.node_start, b.node_end, b.node_parent, call_cost_rows=10 ** 6).calls == 1
+    # a call that costs nothing: no replay at all (the fewest rows), one call per segment level
+    free = fla_gdn.cheapest_plan(b.node_start, b.node_end, b.node_parent, call_cost_rows=0)
+    r0 = fla_gdn.plan_calls(b.node_start, b.node_end, b.node_parent, replay_max=0)
+    assert free.replayed_tokens == 0 and free.calls == r0.calls == r0.levels > 1
+
+
+def test_cheapest_plan_weighs_calls_against_rows():
+    """A long root and short branches: replaying the 1-token parent pays even at a small call cost; the
+    long root is replayed only when a call costs more than its rows."""
+    paths = [[1] * 40 + [2, 3, 4], [1] * 40 + [2, 5, 6], [1] * 40 + [7]]
+    b = Tree.from_paths(paths).to_batch()
+    nodes = (b.node_start, b.node_end, b.node_parent)
+    cheap = fla_gdn.cheapest_plan(*nodes, call_cost_rows=8)  # root (40) -> [2] (1) -> {3 4, 5 6}; root -> 7
+    assert (cheap.calls, cheap.replayed_tokens) == (2, 1)  # [2] replayed in front of both children, not run
+    dear = fla_gdn.cheapest_plan(*nodes, call_cost_rows=1000)
+    assert dear.calls == 1 and len(dear.index) == sum(map(len, paths))
+    for p in (cheap, dear):
+        assert torch.equal(p.index[p.out_rows], torch.arange(b.seq_len))
 
 
 def test_plan_refuses_bad_nodes_by_name():

@@ -27,12 +27,13 @@ from torch import Tensor
 
 __all__ = [
     "COMPUTE_DTYPE",
+    "CALL_COST_ROWS",
     "REPLAY_FRACTION",
-    "REPLAY_MAX",
     "FlaPlan",
     "Wave",
     "fla_available",
     "fla_unusable_reason",
+    "cheapest_plan",
     "plan_calls",
     "tree_gated_delta_rule_fla",
 ]
@@ -42,12 +43,14 @@ __all__ = [
 # (what the model's own GDN does), at fla's fp32 speed.  benchmarks/gdn_precision.py measures both.
 COMPUTE_DTYPE: torch.dtype | None = None
 
-# default ``replay_max`` of :func:`plan_calls`: a parent segment of at most this many tokens is run again in
-# front of its children instead of costing them one more call (0 = never).  On the bench trees (16 x 2048
-# synthetic, POR 0.2-0.85; agentic specs) 256 with REPLAY_FRACTION 0.05 halves the calls of the synthetic
-# trees (9-11 -> 5-6) for 1.6-4.8 % more GDN rows; benchmarks/hybrid_bench.py times 0, 64 and this default
-REPLAY_MAX = 256
-# and the most replayed rows per token of the tree (replay_max is halved until the plan fits)
+# What one more fla call costs, in GDN rows (``replay_max=None`` picks the plan of least
+# ``calls * CALL_COST_ROWS + rows``).  Measured on one H100 (torch 2.11, triton 3.6, fla 0.6, tilelang 0.1.15;
+# bf16, 16 q/k and 16 v heads of 128; benchmarks/hybrid_bench.py): a layer's fwd+bwd costs ~4.5 ms per call
+# whatever its size, with no host sync left (host-side work of fla's ~20 kernels per call), and ~0.31 us per
+# row (one call over 16,384 rows: 5.1 ms), i.e. a call costs as much as ~14,700 rows.  Replaying a short parent
+# in front of its children (rows) is therefore far cheaper than waiting one more call for its final state.
+CALL_COST_ROWS = 12288
+# cap on replayed rows for an explicit ``replay_max`` (a fraction of the tokens; :func:`plan_calls`)
 REPLAY_FRACTION = 0.05
 
 
@@ -95,7 +98,8 @@ class FlaPlan:
 
     ``index [R]``: the DFS token behind every row fed to fla, call after call (a replayed ancestor's
     tokens appear once more, in front of the segment that replays them); ``out_rows [T]``: the row whose
-    output is token t's (its own segment's, never a replay); ``identity``: index and out_rows are
+    output is token t's (its own segment's, or for a segment that does not run, the first child's replay
+    of it); ``identity``: index and out_rows are
     ``arange(T)`` (one call, no replay) and the gathers are skipped."""
 
     index: Tensor
@@ -131,7 +135,7 @@ class FlaPlan:
 
 
 def plan_calls(node_start: Tensor, node_end: Tensor, node_parent: Tensor, *, replay_max: int = 0,
-               max_replay_fraction: float | None = None) -> FlaPlan:
+               max_replay_fraction: float | None = None, device: torch.device | None = None) -> FlaPlan:
     """Group the radix nodes into as few varlen calls as the recurrence allows, exactly.
 
     1. Chains: a node whose parent has it as its only child and ends where it starts (DFS-adjacent)
@@ -142,15 +146,48 @@ def plan_calls(node_start: Tensor, node_end: Tensor, node_parent: Tensor, *, rep
        outputs are dropped and their input gradients add up through the gather, so the result is the
        same function.  It removes the short nodes (re-tokenization drift, one-token branches) from the
        critical path at the cost of ``replayed_tokens`` extra rows; a replay that does not lower the
-       number of calls (its segment is not on the critical path) is undone.  ``max_replay_fraction``:
-       while the replayed rows exceed this fraction of the tokens, ``replay_max`` is halved.
+       number of calls (its segment is not on the critical path) is undone.  A segment that no segment
+       starts from and that every child replays does not run at all: its outputs are one child's replayed
+       rows (so replaying every ancestor costs exactly the per-path rows, in one call).
+       ``max_replay_fraction``: while the replayed rows exceed this fraction of the tokens, ``replay_max``
+       is halved.
     3. Ready sets: a segment runs in the call after the one that produces its starting state (roots in
        the first), so each call holds every segment whose state is known: ``calls`` = depth of the
        segment tree, at most ``levels``.
     """
+    segs = _segments(node_start, node_end, node_parent)
+    while True:
+        sched = _schedule(segs, replay_max)
+        if max_replay_fraction is None or replay_max <= 0 or sched.rows - segs.tokens <= max_replay_fraction * segs.tokens:
+            return _materialize(segs, sched, node_start.device if device is None else device)
+        replay_max //= 2
+
+
+@dataclass(frozen=True)
+class _Segments:
+    """Radix nodes with single-child chains merged (step 1 of :func:`plan_calls`)."""
+
+    start: list[int]
+    end: list[int]
+    parent: list[int]  # parent segment, -1 for roots
+    tokens: int
+    levels: int
+
+
+@dataclass(frozen=True)
+class _Schedule:
+    """Steps 2-3 of :func:`plan_calls` for one ``replay_max`` (host lists; no tensors yet)."""
+
+    source: list[int]  # segment whose final state each segment starts from (-1: roots)
+    replays: list[list[int]]  # ancestor segments each segment runs again in front of its own tokens, top first
+    wave: list[int]  # the call each segment runs in; -1: not run (every child replays it)
+    calls: int
+    rows: int
+
+
+def _segments(node_start: Tensor, node_end: Tensor, node_parent: Tensor) -> _Segments:
     ns, ne, par = (t.tolist() for t in (node_start, node_end, node_parent))
     N = len(ns)
-    T = ne[-1] if N else 0
     for n in range(N):
         if ne[n] <= ns[n] or ns[n] != (ne[n - 1] if n else 0) or not -1 <= par[n] < n:
             raise ValueError(f"node {n}: nodes must tile [0, T) in DFS order with non-empty segments and a parent "
@@ -161,7 +198,6 @@ def plan_calls(node_start: Tensor, node_end: Tensor, node_parent: Tensor, *, rep
         if par[n] >= 0:
             kids[par[n]] += 1
             level[n] = level[par[n]] + 1
-    # 1. chains -> segments (start, end, parent segment)
     seg_of, s_start, s_end, s_par = [0] * N, [], [], []
     for n in range(N):
         p = par[n]
@@ -173,14 +209,20 @@ def plan_calls(node_start: Tensor, node_end: Tensor, node_parent: Tensor, *, rep
             s_start.append(ns[n])
             s_end.append(ne[n])
             s_par.append(seg_of[p] if p >= 0 else -1)
+    return _Segments(s_start, s_end, s_par, tokens=ne[-1] if N else 0, levels=max(level) + 1 if N else 0)
+
+
+def _schedule(segs: _Segments, replay_max: int) -> _Schedule:
+    s_start, s_end, s_par = segs.start, segs.end, segs.parent
     S = len(s_start)
-    # 2. replay: each segment's source (whose final state it starts from) and replayed ranges
+    length = [e - b for b, e in zip(s_start, s_end)]
+    # 2. replay: each segment's source (whose final state it starts from) and replayed ancestors
     source, replays, wave = [-1] * S, [[] for _ in range(S)], [0] * S
     for s in range(S):
         src, budget = s_par[s], replay_max
-        while src >= 0 and s_end[src] - s_start[src] <= budget:
-            budget -= s_end[src] - s_start[src]
-            replays[s].insert(0, (s_start[src], s_end[src]))
+        while src >= 0 and length[src] <= budget:
+            budget -= length[src]
+            replays[s].insert(0, src)
             src = s_par[src]
         source[s] = src
         wave[s] = wave[src] + 1 if src >= 0 else 0
@@ -197,34 +239,73 @@ def plan_calls(node_start: Tensor, node_end: Tensor, node_parent: Tensor, *, rep
             if alt + height[s] < total:
                 source[s], replays[s] = s_par[s], []
         wave[s] = wave[source[s]] + 1 if source[s] >= 0 else 0
-    # 3. ready sets
-    by_wave: list[list[int]] = [[] for _ in range(max(wave) + 1 if S else 0)]
+    # a segment that no segment starts from and whose every running child replays it need not run: its
+    # outputs are read from a replay of it.  Bottom-up, so a child that does not run is decided first: the
+    # running segments below it that replay it start above it (it is no source), and not from this segment
+    # (no source either), so they replay this segment too.
+    children = [[] for _ in range(S)]
     for s in range(S):
-        by_wave[wave[s]].append(s)
-    dev = node_start.device
+        if s_par[s] >= 0:
+            children[s_par[s]].append(s)
+    is_source = [False] * S
+    for s in range(S):
+        if source[s] >= 0:
+            is_source[source[s]] = True
+    for s in range(S - 1, -1, -1):
+        if children[s] and not is_source[s] and all(wave[c] < 0 or (replays[c] and replays[c][-1] == s)
+                                                    for c in children[s]):
+            wave[s] = -1
+    rows = sum(length[s] + sum(length[a] for a in replays[s]) for s in range(S) if wave[s] >= 0)
+    return _Schedule(source, replays, wave, calls=max(wave) + 1 if S else 0, rows=rows)
+
+
+def _materialize(segs: _Segments, sched: _Schedule, dev: torch.device) -> FlaPlan:
+    s_start, s_end, T = segs.start, segs.end, segs.tokens
+    S = len(s_start)
+    by_wave: list[list[int]] = [[] for _ in range(sched.calls)]
+    for s in range(S):
+        if sched.wave[s] >= 0:
+            by_wave[sched.wave[s]].append(s)
     index: list[int] = []
-    out_rows = [0] * T
+    out_rows = [-1] * T
     row_in_wave = [0] * S
     waves = []
-    for w, segs in enumerate(by_wave):
+    for w, members in enumerate(by_wave):
         lo, cu = len(index), [0]
-        for r, s in enumerate(segs):
+        for r, s in enumerate(members):
             row_in_wave[s] = r
-            for a, b in replays[s]:
-                index.extend(range(a, b))
+            for a in sched.replays[s]:
+                if sched.wave[a] < 0 and out_rows[s_start[a]] < 0:  # a skipped ancestor's outputs: these rows
+                    out_rows[s_start[a]:s_end[a]] = range(len(index), len(index) + s_end[a] - s_start[a])
+                index.extend(range(s_start[a], s_end[a]))
             out_rows[s_start[s]:s_end[s]] = range(len(index), len(index) + s_end[s] - s_start[s])
             index.extend(range(s_start[s], s_end[s]))
             cu.append(len(index) - lo)
-        src = None if w == 0 else torch.tensor([row_in_wave[source[s]] for s in segs], dtype=torch.long, device=dev)
+        src = (None if w == 0 else
+               torch.tensor([row_in_wave[sched.source[s]] for s in members], dtype=torch.long, device=dev))
         waves.append(Wave(lo, len(index), torch.tensor(cu, dtype=torch.long, device=dev), src,
                           tuple(b - a for a, b in zip(cu, cu[1:]))))
-    if max_replay_fraction is not None and replay_max > 0 and len(index) - T > max_replay_fraction * T:
-        return plan_calls(node_start, node_end, node_parent, replay_max=replay_max // 2,
-                          max_replay_fraction=max_replay_fraction)
     identity = len(waves) == 1 and len(index) == T
     return FlaPlan(index=torch.tensor(index, dtype=torch.long, device=dev),
                    out_rows=torch.tensor(out_rows, dtype=torch.long, device=dev), waves=tuple(waves),
-                   identity=identity, replayed_tokens=len(index) - T, levels=max(level) + 1 if N else 0)
+                   identity=identity, replayed_tokens=len(index) - T, levels=segs.levels)
+
+
+def cheapest_plan(node_start: Tensor, node_end: Tensor, node_parent: Tensor, *,
+                  call_cost_rows: int = CALL_COST_ROWS) -> FlaPlan:
+    """The :func:`plan_calls` plan of least ``calls * call_cost_rows + rows`` over ``replay_max`` in
+    0, 1, 2, 4, ... up to the tokens (all replayed: one call, the per-path rows), no fraction cap.  The
+    candidates are planned on the host; only the chosen one is copied to the nodes' device."""
+    segs = _segments(node_start, node_end, node_parent)
+    best, best_cost, r = None, None, 0
+    while True:
+        sched = _schedule(segs, r)
+        cost = sched.calls * call_cost_rows + sched.rows
+        if best is None or cost < best_cost:
+            best, best_cost = sched, cost
+        if r >= segs.tokens or sched.calls <= 1:
+            return _materialize(segs, best, node_start.device)
+        r = min(segs.tokens, max(1, 2 * r))
 
 
 _LAST: tuple = ()  # (node tensors, their versions, replay_max, plan) of the last batch
@@ -238,7 +319,8 @@ def _cached_plan(node_start, node_end, node_parent, replay_max):
     versions = tuple(t._version for t in tensors)
     if _LAST and all(a is b for a, b in zip(_LAST[0], tensors)) and _LAST[1] == versions and _LAST[2] == replay_max:
         return _LAST[3]
-    plan = plan_calls(*tensors, replay_max=replay_max, max_replay_fraction=REPLAY_FRACTION)
+    plan = (cheapest_plan(*tensors) if replay_max is None
+            else plan_calls(*tensors, replay_max=replay_max, max_replay_fraction=REPLAY_FRACTION))
     _LAST = (tensors, versions, replay_max, plan)
     return plan
 
@@ -253,7 +335,8 @@ def tree_gated_delta_rule_fla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: 
     ``[N]`` as in a TreeBatch (``node_level`` is not needed by the plan and not read); ``initial_state
     [Hv, Dk, Dv]`` for root nodes.  Returns ``[1, T, Hv, Dv]`` in v's dtype.  ``compute_dtype``: the
     dtype q, k, v, g, beta enter fla in (default :data:`COMPUTE_DTYPE`, None = as given); states between
-    calls are float32 (float64 for float64 inputs) either way.  ``replay_max``: see :func:`plan_calls` (default :data:`REPLAY_MAX`).
+    calls are float32 (float64 for float64 inputs) either way.  ``replay_max``: see :func:`plan_calls`, with
+    at most :data:`REPLAY_FRACTION` of the tokens replayed; None (default): :func:`cheapest_plan`.
     ``kernel``: a function with the signature of fla's ``chunk_gated_delta_rule`` (default: fla's; the
     CPU tests pass a torch one)."""
     if kernel is None:
@@ -268,7 +351,7 @@ def tree_gated_delta_rule_fla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: 
         q, k, v_in, g, beta = (x.to(compute_dtype) for x in (q, k, v, g, beta))
     else:
         v_in = v
-    plan = _cached_plan(node_start, node_end, node_parent, REPLAY_MAX if replay_max is None else replay_max)
+    plan = _cached_plan(node_start, node_end, node_parent, replay_max)
     xs = (q, k, v_in, g, beta)
     if not plan.identity:  # one gather per input for all calls; each call reads a contiguous slice
         xs = tuple(x.index_select(1, plan.index) for x in xs)
