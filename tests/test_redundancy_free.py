@@ -292,3 +292,28 @@ def test_partitions_run_through_the_programs_one_runner(dense, monkeypatch):
     assert len(plan) > 1 and calls == [len(bmodel.program.boundary.inputs)] * len(plan)
     with pytest.raises(TypeError, match="takes 0 boundary inputs, got 1.*boundary=True"):
         tmodel.program.run(tree.to_batch(), [torch.zeros(1)])
+
+
+@pytest.mark.parametrize("which", ["dense", "hybrid"])
+def test_padded_partitions_equal_whole_tree(which, dense, hybrid, monkeypatch):
+    """Partitions padded as the CUDA buckets pad them (``TreeProgram.padded_call``: padding tokens, fed-row
+    indices moved past them, ``boundary_visible`` and zero K/V rows padded) still give the whole tree's
+    loss, log-probs and gradients; the padding moved indices and K/V rows (it fired)."""
+    model, tmodel, bmodel = dense if which == "dense" else hybrid
+    program = bmodel.program
+    run = program.run
+    moved = []
+
+    def padded(batch, boundary_inputs=(), **kw):
+        T = batch.seq_len
+        b, ins = program.padded_call(batch, boundary_inputs, T + 7)
+        moved.append(int((b.pred_index >= T + 7).sum()) + int((b.conv_index >= T + 7).sum()))
+        kv = [x for (kind, _), x in zip(program.boundary.inputs, ins) if kind == "boundary_k"]
+        assert all(x.shape[2] in (0, 256) for x in kv)  # bucket_length of B <= 256
+        return program.unpadded_outputs(run(b, ins, lower=False), T)
+
+    monkeypatch.setattr(program, "run", padded)
+    tree = Tree.from_paths([[1, 2, 3, 4, 5, 6], [1, 2, 3, 7, 8], [1, 2, 9, 10, 2, 3, 4], [3, 4], [3, 5, 6]])
+    for C in (1, 3):
+        check_partitioned(model, tmodel, bmodel, tree, C, "token_mean")
+    assert sum(moved) > 0

@@ -16,7 +16,8 @@ Tile classes of the boundary blocks come from two numbers per q block, the min a
 tensor work, no host synchronisation unless ``validate``, never a ``[T, B + T]`` mask.
 
 Memory: FlexAttention takes one key and one value tensor, so each call concatenates
-``[boundary ; zeros ; local]`` once per layer (one copy of ``Bp + T`` rows of K and of V; the local
+``[boundary ; zeros ; local]`` once per layer (one copy of ``Bp + T`` rows of K and of V, none when
+B = 0; the local
 ``k, v`` are not kept beside it, flex saves the concatenation for its backward).  Next to the local
 rows that costs ``2 * Hkv * Bp * D * itemsize`` bytes per layer, which is what the reference path
 keeps anyway (its saved ``boundary_k/v``); what it no longer has is the ``[T, B + T]`` mask and the
@@ -121,10 +122,13 @@ def boundary_block_mask(subtree_end: torch.Tensor, boundary_visible: torch.Tenso
 
 
 def boundary_keys(boundary: torch.Tensor, local: torch.Tensor, padded_len: int) -> torch.Tensor:
-    """``[boundary ; zeros ; local]`` along dim 2 in one ``cat``: ``[1, Hkv, padded_len + T, D]``."""
+    """``[boundary ; zeros ; local]`` along dim 2 in one ``cat``: ``[1, Hkv, padded_len + T, D]``
+    (``local`` itself, no copy, when there is no boundary)."""
     pad = padded_len - boundary.shape[2]
     if pad < 0:
         raise ValueError(f"boundary_keys: {boundary.shape[2]} boundary rows do not fit {padded_len}")
+    if padded_len == 0:
+        return local
     parts = [boundary, local] if pad == 0 else [boundary, local.new_zeros(local.shape[:2] + (pad, local.shape[3])),
                                                 local]
     return torch.cat(parts, 2)
