@@ -127,8 +127,8 @@ def out_and_grads(fn, xs, seed):
     xs = [x.detach().clone().requires_grad_() for x in xs]
     out = fn(*xs)
     do = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=f64)
-    grads = torch.autograd.grad(out, xs, do)
-    return [out.detach(), *grads]
+    grads = torch.autograd.grad(out, xs, do, allow_unused=True)  # B == 0: no boundary rows to differentiate
+    return [out.detach()] + [torch.zeros_like(x) if g is None else g for g, x in zip(grads, xs)]
 
 
 MATH_CASES = ["one_token_nodes_C1_padNone", "forest_C1_padNone", "random_300_C70_pad64", "random_700_C200_padNone",
@@ -173,3 +173,74 @@ def test_flex_rejects_mismatch(cpu_flex):
         tree_attention_boundary_flex(q, k, v, bk, bv, bm, flex=cpu_flex)
     with pytest.raises(ValueError, match="seq_lengths"):
         tree_attention_boundary_flex(q, k, v, bk[:, :, :0], bv[:, :, :0], bm, enable_gqa=True, flex=cpu_flex)
+
+
+# ---------------------------------------------------------------------------- kernel (CUDA)
+def largest_boundary_partition(T, C, seed, pad_to=None):
+    """(subtree_end, boundary_visible, B) of the partition with the longest boundary of a random tree."""
+    return max(partition_cases(random_paths(T, seed=seed), C, pad_to), key=lambda c: (c[2], c[0].numel()))
+
+
+GPU_CASES = [  # (tree tokens, budget, padded multiple, heads, kv heads, head dim, kernel)
+    (3000, 700, None, 16, 8, 128, "flex"),
+    (2000, 300, 128, 4, 2, 64, "flex"),
+    (1500, 2000, None, 4, 2, 128, "flex"),  # one partition: B = 0
+    (1100, 0, None, 16, 8, 128, "flex"),  # C = 0: a random tree with a random boundary_visible, B = 900
+    (3000, 700, None, 16, 8, 128, "fa4"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("T,C,pad_to,H,Hkv,D,kernel", GPU_CASES,
+                         ids=[f"T{c[0]}_C{c[1]}_pad{c[2]}_H{c[3]}kv{c[4]}_D{c[5]}_{c[6]}" for c in GPU_CASES])
+def test_boundary_flex_vs_fp64_oracle(T, C, pad_to, H, Hkv, D, kernel):
+    """bf16 outputs and all five gradients within twice the bf16 dense kernel's own error against fp64."""
+    if kernel == "fa4":
+        from treecompile.ops.fa4_tree_attention import FA4_KERNEL_OPTIONS, fa4_unusable_reason
+
+        reason = fa4_unusable_reason(torch.empty(1, 1, 1, D, device="cuda", dtype=torch.bfloat16))
+        if reason:
+            pytest.skip(reason)
+        options = dict(FA4_KERNEL_OPTIONS)
+    else:
+        options = None
+    if C:
+        se, vis, B = largest_boundary_partition(T, C, T, pad_to)
+        assert B > 0 or C >= T
+    else:
+        se, B = Tree.from_paths(random_paths(T, seed=T)).to_batch().subtree_end, 900
+        vis = random_visible(T, B, seed=T)
+    se, vis = se.cuda(), vis.cuda()
+    L = se.numel()
+    mask = boundary_tree_mask(se, vis, B)
+    bm = boundary_block_mask(se, vis, B)
+    g = torch.Generator(device="cuda").manual_seed(T)
+    xs = [torch.randn(1, h, n, D, device="cuda", generator=g) for h, n in ((H, L), (Hkv, L), (Hkv, L), (Hkv, B), (Hkv, B))]
+    do = torch.randn(1, H, L, D, device="cuda", generator=g)
+    scale = D ** -0.5
+
+    def run(fn, dt):
+        ys = [x.to(dt).requires_grad_() for x in xs]
+        out = fn(*ys)
+        grads = torch.autograd.grad(out, ys, do.to(dt), allow_unused=True)
+        return [out.detach()] + [torch.zeros_like(y) if gr is None else gr for gr, y in zip(grads, ys)]
+
+    def dense(q, k, v, bk, bv):
+        rep = H // Hkv
+        keys, vals = torch.cat([bk, k], 2).repeat_interleave(rep, 1), torch.cat([bv, v], 2).repeat_interleave(rep, 1)
+        return torch.nn.functional.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, scale=scale)
+
+    oracle = run(dense, torch.float64)
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        ref = run(dense, torch.bfloat16)
+    got = run(lambda q, k, v, bk, bv: tree_attention_boundary_flex(q, k, v, bk, bv, bm, scale=scale,
+                                                                   enable_gqa=H != Hkv, kernel_options=options),
+              torch.bfloat16)
+    u = torch.finfo(torch.bfloat16).eps / 2
+    for name, f, r, o in zip(("out", "dq", "dk", "dv", "dboundary_k", "dboundary_v"), got, ref, oracle):
+        assert torch.isfinite(f).all(), name
+        if not o.numel():  # B == 0
+            continue
+        ef, er = (float((x.double() - o).norm() / o.norm()) for x in (f, r))
+        assert ef <= 2 * er + u, f"{name}: flex error {ef:.3g} > 2 * dense bf16 error {er:.3g} + {u:.1g}"
