@@ -37,7 +37,6 @@ import torch
 from benchmarks.harness import environment, flat_grads, model_specs, time_step
 from benchmarks.trees import synthetic_paths
 
-
 # rough seconds a row may take, compiles included (rows that would overrun --budget-s are skipped)
 ROW_ESTIMATE_S = {"eager": 40.0, "compiled": 150.0}
 
@@ -103,7 +102,8 @@ def main(argv=None) -> int:
            "attention_kernel": "flex"}
     print(json.dumps(env), flush=True)
     rows: list[dict] = []
-    jsonl = open(os.path.join(args.out, "rf_cuda.jsonl"), "w")
+    jsonl = os.path.join(args.out, "rf_cuda.jsonl")
+    open(jsonl, "w").close()  # noqa: SIM115  (rows are appended as they finish)
 
     def zero():
         for p in model.parameters():
@@ -153,15 +153,14 @@ def main(argv=None) -> int:
             if time.perf_counter() - t_start + ROW_ESTIMATE_S[graph] > args.budget_s:
                 row = {"mode": name, "graph": graph, "C": C, "error": f"skipped: over --budget-s {args.budget_s}"}
             else:
-                make = (lambda: whole(tm)) if name == "whole" else (lambda: packed(tm, C)) if name == "packed" \
-                    else (lambda: rf(bm, C))
+                make = {"whole": lambda tm=tm: whole(tm), "packed": lambda tm=tm, C=C: packed(tm, C),
+                        "rf": lambda bm=bm, C=C: rf(bm, C)}[name]
                 row = run_row(name, graph, C, make, model, reference, args.iters, dev)
             row["wall_s"] = round(time.perf_counter() - t_start, 1)
             print(json.dumps(row), flush=True)
-            jsonl.write(json.dumps(row) + "\n")
-            jsonl.flush()
+            with open(jsonl, "a") as f:
+                f.write(json.dumps(row) + "\n")
             rows.append(row)
-    jsonl.close()
     cols = ["graph", "mode", "C", "partitions", "tokens_computed", "peak_alive_tokens", "step_s", "first_s",
             "peak_gib", "loss_rel_diff", "grad_cos", "error"]
     lines = [f"Conditions: {json.dumps(env)}", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]

@@ -23,9 +23,16 @@ from tests.conftest import CUDA
 from tests.strategies import ODD_TREES
 from tests.test_flex_tree_attention import expand, random_paths
 from treecompile import Tree
-from treecompile.ops.flex_tree_attention_boundary import (boundary_block_classes, boundary_block_mask,
-                                                          padded_boundary_length, tree_attention_boundary_flex)
-from treecompile.ops.tree_attention_boundary import boundary_tree_mask, tree_attention_boundary_reference
+from treecompile.ops.flex_tree_attention_boundary import (
+    boundary_block_classes,
+    boundary_block_mask,
+    padded_boundary_length,
+    tree_attention_boundary_flex,
+)
+from treecompile.ops.tree_attention_boundary import (
+    boundary_tree_mask,
+    tree_attention_boundary_reference,
+)
 from treecompile.runtime.partition import partition_redundancy_free
 
 f64 = torch.float64
@@ -148,10 +155,10 @@ def test_flex_math_equals_reference(cpu_flex, block, H, Hkv):
         bm = boundary_block_mask(se, vis, B, block_size=block)
         xs = inputs(T, B, H, Hkv, 16, 8, seed=T + B)
 
-        def flex(q, k, v, bk, bv):
+        def flex(q, k, v, bk, bv, bm=bm):
             return tree_attention_boundary_flex(q, k, v, bk, bv, bm, enable_gqa=H != Hkv, flex=cpu_flex)
 
-        def ref(q, k, v, bk, bv):
+        def ref(q, k, v, bk, bv, se=se, vis=vis):
             return tree_attention_boundary_reference(q, k, v, se, bk, bv, vis)
 
         got, want = out_and_grads(flex, xs, T), out_and_grads(ref, xs, T)
@@ -197,7 +204,10 @@ GPU_CASES = [  # (tree tokens, budget, padded multiple, heads, kv heads, head di
 def test_boundary_flex_vs_fp64_oracle(T, C, pad_to, H, Hkv, D, kernel):
     """bf16 outputs and all five gradients within twice the bf16 dense kernel's own error against fp64."""
     if kernel == "fa4":
-        from treecompile.ops.fa4_tree_attention import FA4_KERNEL_OPTIONS, fa4_unusable_reason
+        from treecompile.ops.fa4_tree_attention import (
+            FA4_KERNEL_OPTIONS,
+            fa4_unusable_reason,
+        )
 
         reason = fa4_unusable_reason(torch.empty(1, 1, 1, D, device="cuda", dtype=torch.bfloat16))
         if reason:

@@ -16,12 +16,13 @@ Tile classes of the boundary blocks come from two numbers per q block, the min a
 tensor work, no host synchronisation unless ``validate``, never a ``[T, B + T]`` mask.
 
 Memory: FlexAttention takes one key and one value tensor, so each call concatenates
-``[boundary ; zeros ; local]`` once per layer (one copy of ``Bp + T`` rows of K and of V, none when
-B = 0; the local
-``k, v`` are not kept beside it, flex saves the concatenation for its backward).  Next to the local
-rows that costs ``2 * Hkv * Bp * D * itemsize`` bytes per layer, which is what the reference path
-keeps anyway (its saved ``boundary_k/v``); what it no longer has is the ``[T, B + T]`` mask and the
-dense attention of the reference backward.
+``[boundary ; zeros ; local]`` once per layer (one copy of ``Bp + T`` rows of K and of V; none when
+B = 0, the local tensors are then used as they are).  Flex saves the concatenation for its backward in
+place of the local ``k, v``, so next to the local rows it costs ``2 * Hkv * Bp * D * itemsize`` bytes
+per layer: what the reference path keeps anyway (its saved ``boundary_k/v``).  What it no longer has is
+the ``[T, B + T]`` mask and the dense attention of the reference backward.  Reading the ancestors' rows
+in place would need a kernel that takes several key tensors (or one K/V store shared by the
+partitions of a chain); see ``runtime/redundancy_free.py``.
 
 Shapes: ``q [1, H, T, D]``, ``k [1, Hkv, T, D]``, ``v [1, Hkv, T, Dv]``, ``boundary_k [1, Hkv, B, D]``,
 ``boundary_v [1, Hkv, B, Dv]`` (B may be 0), ``subtree_end, boundary_visible [T]`` int64;
@@ -38,11 +39,24 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask
 
-from .flex_tree_attention import (DEFAULT_BLOCK_SIZE, block_mask_from_classes, block_pair, check_subtree_end,
-                                  compiled_flex, kernel_options_for, tree_block_classes)
+from .flex_tree_attention import (
+    DEFAULT_BLOCK_SIZE,
+    block_mask_from_classes,
+    block_pair,
+    check_subtree_end,
+    compiled_flex,
+    kernel_options_for,
+    tree_block_classes,
+)
 
-__all__ = ["boundary_tree_mask_mod", "boundary_block_classes", "boundary_block_mask", "boundary_keys",
-           "padded_boundary_length", "tree_attention_boundary_flex"]
+__all__ = [
+    "boundary_block_classes",
+    "boundary_block_mask",
+    "boundary_keys",
+    "boundary_tree_mask_mod",
+    "padded_boundary_length",
+    "tree_attention_boundary_flex",
+]
 
 
 def padded_boundary_length(num_boundary: int, kv_block: int) -> int:
