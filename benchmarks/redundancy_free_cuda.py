@@ -17,7 +17,9 @@ compiles, so C = T/2 and T/4 fit in the time budget) and ``compiled`` (the whole
 target).  Gradients are allocated before the first step, so peaks are above weights + gradients.
 Columns: first step seconds (compiles included), median step seconds over ``--iters``, peak GiB above
 weights + gradients over the timed steps, loss relative difference and gradient cosine against the
-whole-tree row of the same graph mode (bf16 rounding only: every mode computes the same math).
+whole-tree row of the same graph mode (bf16 rounding only: every mode computes the same math);
+``boundary_kv_gib``: the boundary K/V rows (bucketed) that the partitions alive at once keep for their
+backward, the part of an RF peak that reading the ancestors' rows in place would remove.
 
 Usage: ``python -m benchmarks.redundancy_free_cuda --out DIR`` (default ``$OUT`` or ``./out``); writes
 ``rf_cuda.jsonl`` (rows as they finish) and ``rf_cuda.md``.  Rows that do not fit ``--budget-s`` are
@@ -87,6 +89,7 @@ def main(argv=None) -> int:
     import treecompile
     from treecompile import Tree
     from treecompile.runtime.partition import pack, partition_redundancy_free
+    from treecompile.program import bucket_length
     from treecompile.runtime.redundancy_free import run_redundancy_free
 
     t_start = time.perf_counter()
@@ -134,13 +137,26 @@ def main(argv=None) -> int:
         return step, {"partitions": len(plan), "tokens_computed": plan.cost,
                       "peak_alive_tokens": max(p.num_tokens for p in plan.partitions)}
 
+    cfg = spec.config
+    kv_row_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * (2 if dtype == torch.bfloat16
+                                                                                          else 8)
+
+    def boundary_copy_gib(plan, padded: bool) -> float:
+        """The boundary K/V rows held by the partitions alive at once (each keeps its [Bp ; T] keys for the
+        backward; Bp = B, bucketed when the graph is padded): max over chains, all layers, K and V."""
+        rows = [bucket_length(len(plan.boundary(i))) if padded and len(plan.boundary(i)) else len(plan.boundary(i))
+                for i in range(len(plan))]
+        chain = [rows[p.index] + sum(rows[a] for a in p.ancestors) for p in plan.partitions]
+        return round(max(chain) * kv_row_bytes / 2**30, 3)
+
     def rf(bm, C):
         plan = partition_redundancy_free(tree, C)
 
         def step():
             zero()
             return run_redundancy_free(bm, plan).loss
-        return step, {"partitions": len(plan), "tokens_computed": T, "peak_alive_tokens": plan.peak_chain_tokens()}
+        return step, {"partitions": len(plan), "tokens_computed": T, "peak_alive_tokens": plan.peak_chain_tokens(),
+                      "boundary_kv_gib": boundary_copy_gib(plan, padded=True)}
 
     plans = {"eager": [("packed", T // 2), ("rf", T // 2), ("packed", T // 4), ("rf", T // 4)],
              "compiled": [("rf", T)]}
@@ -162,7 +178,7 @@ def main(argv=None) -> int:
                 f.write(json.dumps(row) + "\n")
             rows.append(row)
     cols = ["graph", "mode", "C", "partitions", "tokens_computed", "peak_alive_tokens", "step_s", "first_s",
-            "peak_gib", "loss_rel_diff", "grad_cos", "error"]
+            "peak_gib", "boundary_kv_gib", "loss_rel_diff", "grad_cos", "error"]
     lines = [f"Conditions: {json.dumps(env)}", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join("" if r.get(c) is None else (f"{r[c]:.3g}" if isinstance(r[c], float) else str(r[c]))
                                 for c in cols) + " |" for r in rows]
