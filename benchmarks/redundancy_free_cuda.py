@@ -12,9 +12,9 @@ the same kernel for every row):
   boundary attention through ``ops.flex_tree_attention_boundary``).
 
 Two graph modes: ``eager`` (the rewritten graph run eagerly, flex compiled alone per shape: few
-compiles, so C = T/2 and T/4 fit in the time budget) and ``compiled`` (the whole graph under
-``torch.compile`` per length bucket; run for C = T, where the whole tree fits, to hold the step-time
-target).  Gradients are allocated before the first step, so peaks are above weights + gradients.
+compiles, so C = T, T/2 and T/4 fit in the time budget) and ``compiled`` (the whole graph under
+``torch.compile`` per length bucket; run for C = T only, where the whole tree fits: the step-time
+target of issue 16 is RF within 10 % of the whole tree there).  Gradients are allocated before the first step, so peaks are above weights + gradients.
 Columns: first step seconds (compiles included), median step seconds over ``--iters``, peak GiB above
 weights + gradients over the timed steps, loss relative difference and gradient cosine against the
 whole-tree row of the same graph mode (bf16 rounding only: every mode computes the same math);
@@ -158,7 +158,7 @@ def main(argv=None) -> int:
         return step, {"partitions": len(plan), "tokens_computed": T, "peak_alive_tokens": plan.peak_chain_tokens(),
                       "boundary_kv_gib": boundary_copy_gib(plan, padded=True)}
 
-    plans = {"eager": [("packed", T // 2), ("rf", T // 2), ("packed", T // 4), ("rf", T // 4)],
+    plans = {"eager": [("rf", T), ("packed", T // 2), ("rf", T // 2), ("packed", T // 4), ("rf", T // 4)],
              "compiled": [("rf", T)]}
     for graph in args.graphs.split(","):
         opts = dict(compile_cuda=graph == "compiled", attention_kernel="flex")
