@@ -83,7 +83,8 @@ class CudaOptions:
     gdn_kernel: one of ``GDN_KERNELS``.
     attention_kernel: one of ``ATTENTION_KERNELS``.
     attention_layout: one of ``ATTENTION_LAYOUTS``: ``"heavy_first"`` runs every tree attention in the
-        heaviest-child-first DFS order of the batch (exact; one more ``[2, T]`` graph input).
+        heaviest-child-first DFS order of the batch (exact; one more ``[2, T]`` graph input); boundary
+        programs (redundancy-free partitions) attend in DFS order whatever it says.
     recompile_limit: dynamo's ``recompile_limit`` while a compiled graph runs (one compile per length
         bucket needs room for many), applied with ``torch._dynamo.config.patch`` around each call
         only: the global setting is left as it is.  Never lowers a higher global limit.
