@@ -27,9 +27,10 @@ accumulated in ``.grad``; **optimizer step excluded**), median of ``--iters`` af
   length buckets);
 - ``tree_packed``: the tree split by ``runtime.partition.pack`` under ``--capacity`` (partitions
   repeat their shared prefixes), one step = every partition's fwd+bwd;
-- ``tree_rf``: redundancy-free partitions (``runtime.redundancy_free``).  Its graph runs eagerly
-  with reference ops (dense [T, B+T] masks) even on CUDA, so on CUDA it is reported as not timed
-  unless ``--rf-on-cuda`` is given.
+- ``tree_rf``: redundancy-free partitions (``runtime.redundancy_free``).  On CUDA its graph is
+  compiled per length bucket with the flex boundary attention (``ops/flex_tree_attention_boundary.py``);
+  one compile per (T bucket, B bucket) makes its first step long, so on CUDA it is reported as not
+  timed unless ``--rf-on-cuda`` is given (``benchmarks/redundancy_free_cuda.py`` measures it alone).
 
 Per run: step time, path tokens/s, speedup over each baseline and over the fastest baseline, the work
 bound (baseline FLOPs / contender FLOPs, :mod:`benchmarks.flops`) and the fraction of it achieved,
@@ -476,7 +477,7 @@ class Steps:
 
     def tree_rf(self):
         if self.dev.type == "cuda" and not self.cfg.rf_on_cuda:
-            raise _Skip("not timed: runs eagerly with reference ops (dense [T, B+T] masks) on CUDA")
+            raise _Skip("not timed on CUDA without --rf-on-cuda (one compile per partition shape bucket)")
         from treecompile.runtime.partition import partition_redundancy_free
         from treecompile.runtime.redundancy_free import run_redundancy_free
 
@@ -729,7 +730,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, help="default bfloat16 on CUDA, float32 on CPU")
     ap.add_argument("--tiny", action="store_true", help="tiny models and trees (a CPU smoke run)")
-    ap.add_argument("--rf-on-cuda", action="store_true", help="time redundancy-free on CUDA (eager reference ops)")
+    ap.add_argument("--rf-on-cuda", action="store_true", help="time redundancy-free on CUDA (compiled per partition shape bucket)")
     ap.add_argument("--budget-s", type=float, default=float("inf"), help="skip contenders started after this")
     ap.add_argument("--recompile-stream", type=int, default=0, metavar="N")
     ap.add_argument("--recompile-model", default=None)

@@ -1,9 +1,10 @@
 """Peak GPU memory of one training step (fwd+bwd): whole tree vs packed vs redundancy-free partitions.
 
 Qwen3-0.6B-shaped random model, bf16, a synthetic branching tree.  All three modes run the rewritten
-graph *eagerly* (no inductor), so their peaks compare like with like: whole tree and packed use the
-compiled FlexAttention kernel; redundancy-free partitions use the reference boundary ops
-(dense-mask SDPA over [boundary ; local] keys).  Usage: python benchmarks/partition_memory.py
+graph *eagerly* (no inductor), so their peaks compare like with like, all with the separately compiled
+FlexAttention kernel (redundancy-free partitions: over [boundary ; local] keys,
+ops/flex_tree_attention_boundary.py; before issue 16 they ran the dense-mask reference).
+Usage: python benchmarks/partition_memory.py
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def main():
     for p in model.parameters():  # gradients allocated up front so that peaks exclude them
         p.grad = torch.zeros_like(p)
     tm = treecompile.compile(model, compile_cuda=False, bucket=False)
-    bm = treecompile.compile(model, boundary=True)
+    bm = treecompile.compile(model, boundary=True, compile_cuda=False, bucket=False)
 
     def whole():
         tm(tree.to_batch()).loss.backward()

@@ -42,11 +42,33 @@ def test_gdn_lowered_to_fla_only_when_asked():
     assert targets(low.graph_module).count(tc_cuda.TREE_GDN) == 3 and low.gdn_fla == 0
 
 
-def test_boundary_program_runs_eagerly_and_unpadded():
-    """A partition graph: nothing to lower (its ops have no flex/fla form), not compiled, not bucketed."""
-    tm = treecompile.compile(HybridForCausalLM(HybridConfig.tiny()), boundary=True)
-    low = tc_cuda.lower_cuda(tm.graph_module, CudaOptions(gdn_kernel="reference"), boundary=True)
-    assert (low.attention, low.gdn_fla, low.compiled, low.bucket) == (0, 0, False, False)
+def test_boundary_attention_lowered_to_flex_boundary():
+    """A partition graph: tree_attention_boundary -> the flex boundary kernel under one shared block mask,
+    compiled and bucketed like a whole-tree graph (TreeProgram.padded_call pads its boundary inputs)."""
+    tm = treecompile.compile(DenseForCausalLM(DenseConfig.tiny()), boundary=True)
+    for compiled, fn in ((True, tc_cuda._flex_boundary), (False, tc_cuda._flex_boundary_eager)):
+        low = tc_cuda.lower_cuda(tm.graph_module, CudaOptions(compile_cuda=compiled, gdn_kernel="reference",
+                                                              attention_layout="heavy_first"), boundary=True)
+        t = targets(low.graph_module)
+        assert low.attention == 2 and t.count(fn) == 2 and tc_cuda.TREE_ATTENTION_BOUNDARY not in t
+        assert tc_cuda._flex not in t and tc_cuda._flex_eager not in t
+        assert (low.compiled, low.bucket, low.boundary, low.layout) == (compiled, True, True, "dfs")
+        phs = [p for p in low.graph_module.graph.nodes if p.op == "placeholder"]
+        assert phs[-1].name == "tree_block_mask" and len(phs[-1].users) == 2  # no order input: DFS order
+    assert tc_cuda.TREE_ATTENTION_BOUNDARY in targets(tm.graph_module)  # the saved/CPU graph is untouched
+    # its block mask input: the partition's queries over [boundary (padded to kv blocks) ; local] keys
+    se, vis = torch.tensor([3, 2, 3, 5, 5]), torch.tensor([4, 4, 1, 0, 4])
+    (bm,) = tc_cuda.attention_inputs(se, low, boundary_visible=vis, num_boundary=4)
+    assert tuple(bm.seq_lengths) == (5, 128 + 5)
+    # near miss: a whole-tree program's attention is the tree kernel, not the boundary one
+    low = tc_cuda.lower_cuda(treecompile.compile(DenseForCausalLM(DenseConfig.tiny())).graph_module,
+                             CudaOptions(gdn_kernel="reference"))
+    t = targets(low.graph_module)
+    assert not low.boundary and t.count(tc_cuda._flex) == 2 and tc_cuda._flex_boundary not in t
+    # a hybrid partition graph: its attention layer lowered; its boundary GDN ops keep their reference
+    hm = treecompile.compile(HybridForCausalLM(HybridConfig.tiny()), boundary=True)
+    low = tc_cuda.lower_cuda(hm.graph_module, CudaOptions(gdn_kernel="reference"), boundary=True)
+    assert (low.attention, low.gdn_fla, low.compiled, low.bucket) == (1, 0, True, True)
 
 
 def test_cuda_options_are_typed_and_checked():

@@ -41,8 +41,9 @@ def ancestor_mask(pred: torch.Tensor) -> torch.Tensor:
     return m
 
 
-def expand(block_mask, T: int) -> torch.Tensor:
-    """Element-wise [T, T] mask a kernel computes: full tiles all True, partial tiles the mask_mod."""
+def expand(block_mask, T: int, kv_len: int | None = None) -> torch.Tensor:
+    """Element-wise [T, kv_len] mask a kernel computes (kv_len default T): full tiles all True, partial
+    tiles the mask_mod."""
     qb, kb = block_mask.BLOCK_SIZE
     nq = block_mask.kv_num_blocks.shape[-1]
     out = torch.zeros(nq * qb, block_mask.kv_indices.shape[-1] * kb, dtype=torch.bool)
@@ -60,7 +61,7 @@ def expand(block_mask, T: int) -> torch.Tensor:
                 if out[qs, ks].any():
                     raise AssertionError(f"tile ({i}, {j}) listed twice")
                 out[qs, ks] = True if is_full else mm[qs, ks]
-    return out[:T, :T]
+    return out[:T, :T if kv_len is None else kv_len]
 
 
 def tree_batch(paths, pad_to_multiple=None):

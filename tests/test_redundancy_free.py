@@ -292,3 +292,58 @@ def test_partitions_run_through_the_programs_one_runner(dense, monkeypatch):
     assert len(plan) > 1 and calls == [len(bmodel.program.boundary.inputs)] * len(plan)
     with pytest.raises(TypeError, match="takes 0 boundary inputs, got 1.*boundary=True"):
         tmodel.program.run(tree.to_batch(), [torch.zeros(1)])
+
+
+@pytest.mark.parametrize("which", ["dense", "hybrid"])
+def test_padded_partitions_equal_whole_tree(which, dense, hybrid, monkeypatch):
+    """Partitions padded as the CUDA buckets pad them (``TreeProgram.padded_call``: padding tokens, fed-row
+    indices moved past them, ``boundary_visible`` and zero K/V rows padded) still give the whole tree's
+    loss, log-probs and gradients; the padding moved indices and K/V rows (it fired)."""
+    model, tmodel, bmodel = dense if which == "dense" else hybrid
+    program = bmodel.program
+    run = program.run
+    moved = []
+
+    def padded(batch, boundary_inputs=(), **kw):
+        T = batch.seq_len
+        b, ins = program.padded_call(batch, boundary_inputs, T + 7)
+        moved.append(int((b.pred_index >= T + 7).sum()) + int((b.conv_index >= T + 7).sum()))
+        kv = [x for (kind, _), x in zip(program.boundary.inputs, ins) if kind == "boundary_k"]
+        assert all(x.shape[2] in (0, 256) for x in kv)  # bucket_length of B <= 256
+        return program.unpadded_outputs(run(b, ins, lower=False), T)
+
+    monkeypatch.setattr(program, "run", padded)
+    tree = Tree.from_paths([[1, 2, 3, 4, 5, 6], [1, 2, 3, 7, 8], [1, 2, 9, 10, 2, 3, 4], [3, 4], [3, 5, 6]])
+    for C in (1, 3):
+        check_partitioned(model, tmodel, bmodel, tree, C, "token_mean")
+    assert sum(moved) > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("compile_cuda", [False, True], ids=["eager_graph", "compiled_graph"])
+def test_cuda_partitions_equal_whole_tree(compile_cuda):
+    """On CUDA (float32): partitions through the flex boundary kernel, padded to buckets, == the whole tree."""
+    from treecompile.models import DenseConfig, DenseForCausalLM
+
+    torch.manual_seed(0)
+    model = DenseForCausalLM(DenseConfig.tiny(vocab_size=97, hidden_size=64, head_dim=16)).cuda()
+    opts = dict(compile_cuda=compile_cuda, attention_kernel="flex")
+    tmodel, bmodel = treecompile.compile(model, **opts), treecompile.compile(model, boundary=True, **opts)
+    g = torch.Generator().manual_seed(1)
+    paths = [torch.randint(1, 97, (n,), generator=g).tolist() for n in (300, 250, 40)]
+    paths[1][:120] = paths[0][:120]
+    paths[2][:30] = paths[0][:30]
+    tree = Tree.from_paths(paths)
+    params = list(model.parameters())
+    out = tmodel(tree.to_batch(normalize="token_mean"))
+    g_ref = torch.cat([x.flatten() for x in torch.autograd.grad(out.loss, params)])
+    plan = partition_redundancy_free(tree, 100)
+    assert len(plan) > 3 and max(p.parent for p in plan.partitions) >= 0
+    res = run_redundancy_free(bmodel, plan, normalize="token_mean")
+    g = torch.cat([p.grad.flatten() for p in params])
+    low = bmodel.program._cuda.lowering  # the lowering that ran: flex boundary attention, bucketed
+    assert (low.attention, low.boundary, low.bucket, low.compiled) == (2, True, True, compile_cuda)
+    assert abs(float(res.loss) - float(out.loss)) <= 1e-5 * abs(float(out.loss))
+    assert float((res.logprobs - out.logprobs.double().cpu()).abs().max()) < 1e-4
+    assert rel(g.double(), g_ref.double()) < 1e-4

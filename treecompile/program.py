@@ -17,12 +17,13 @@ redundancy-free executor (``runtime.redundancy_free``, with boundary inputs), sp
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import fx, nn
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
@@ -228,17 +229,59 @@ class TreeProgram:
         state = self._cuda_state()
         T = batch.seq_len
         if state.lowering.bucket:
-            batch = batch.padded(bucket_length(T))
+            batch, boundary_inputs = self.padded_call(batch, boundary_inputs, bucket_length(T))
         args = self.batch_args(batch) + boundary_inputs
-        args += attention_inputs(batch.subtree_end, state.lowering)
+        args += attention_inputs(batch.subtree_end, state.lowering, **self._boundary_mask_args(boundary_inputs))
+        # compiled flex kernels (the graph's, or the separately compiled one of an eager graph) compile once
+        # per shape: room for one per bucket
         limit = max(torch._dynamo.config.recompile_limit, self.options.recompile_limit)
-        patch = torch._dynamo.config.patch(recompile_limit=limit) if state.lowering.compiled \
-            else contextlib.nullcontext()
-        with patch:
+        with torch._dynamo.config.patch(recompile_limit=limit):
             if isinstance(state.run, SplitGraph):
                 out = self._run_segments(state.run, args)
             else:
                 out = tuple(state.run(*[self.lifted_value(x) for x in self.lifted], *args))
-        if state.lowering.bucket:  # every output after the loss is per token (log-probs, entropy, router logits)
-            out = (out[0], *(x[:T] for x in out[1:]))
-        return out
+        return self.unpadded_outputs(out, T) if state.lowering.bucket else out
+
+    # ------------------------------------------------------------------ padding (CUDA buckets)
+    def padded_call(self, batch: TreeBatch, boundary_inputs: Sequence, length: int) -> tuple[TreeBatch, list]:
+        """``(batch, boundary_inputs)`` padded to ``length`` tokens; the outputs on the real tokens stay the same.
+
+        The batch gets :meth:`TreeBatch.padded`'s padding tokens.  For a boundary program also: the
+        ``pred_index``/``conv_index`` entries that read fed rows (``T + r``) move to ``length + r``,
+        ``boundary_visible`` is padded with 0 (padding tokens see no boundary), and the boundary
+        K/V ``[1, Hkv, B, D]`` get zero rows up to ``bucket_length(B)`` (B > 0), never visible since
+        ``boundary_visible <= B``; their gradients are the first B rows'.
+        """
+        T = batch.seq_len
+        padded = batch.padded(length)
+        if self.boundary is None:
+            return padded, list(boundary_inputs)
+        shift = length - T
+
+        def moved(idx):
+            return torch.where(idx >= T, idx + shift, idx)
+
+        padded = dataclasses.replace(padded, pred_index=moved(padded.pred_index), conv_index=moved(padded.conv_index))
+        out = []
+        for (kind, _), x in zip(self.boundary.inputs, boundary_inputs):
+            if kind == "boundary_visible":
+                x = F.pad(x, (0, shift))
+            elif kind in ("boundary_k", "boundary_v") and x.shape[2]:
+                x = F.pad(x, (0, 0, 0, bucket_length(x.shape[2]) - x.shape[2]))
+            out.append(x)
+        return padded, out
+
+    def unpadded_outputs(self, out: Sequence, num_tokens: int) -> tuple:
+        """The outputs of a :meth:`padded_call` cut back to ``num_tokens``: every output after the loss that is
+        per token (log-probs, entropy, router logits); a boundary program's exports keep their padded
+        length (the runtime reads their rows by local position)."""
+        per_token = len(out) if self.boundary is None else 2 + self.boundary.kept
+        return (out[0], *(x[:num_tokens] for x in out[1:per_token]), *out[per_token:])
+
+    def _boundary_mask_args(self, boundary_inputs: Sequence) -> dict:
+        """What a boundary program's block mask is built from: ``boundary_visible`` and the K/V rows fed."""
+        if self.boundary is None or ("boundary_visible", -1) not in self.boundary.inputs:
+            return {}
+        kinds = self.boundary.inputs
+        return {"boundary_visible": boundary_inputs[kinds.index(("boundary_visible", -1))],
+                "num_boundary": int(boundary_inputs[kinds.index(("boundary_k", 0))].shape[2])}

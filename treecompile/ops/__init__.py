@@ -5,7 +5,7 @@ Importing this package registers every op (``treecompile::tree_attention``, ``::
 sequence mixers ``::tree_shift``, ``::tree_scan``, ``::tree_ancestors``, ``::tree_attention_biased`` and
 the partition-boundary variants ``::tree_attention_boundary``, ``::tree_gated_delta_rule_boundary``,
 ``::tree_causal_conv1d_boundary``), so that saved programs that name them load.  The CUDA attention
-path (``flex_tree_attention``) is imported only where it is used.
+paths (``flex_tree_attention``, ``flex_tree_attention_boundary``) are imported only where they are used.
 """
 
 from treecompile.ops import (  # noqa: F401

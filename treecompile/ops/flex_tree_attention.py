@@ -38,7 +38,11 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
     "HOPPER_KERNEL_OPTIONS",
+    "block_mask_from_classes",
+    "block_pair",
+    "check_subtree_end",
     "check_tree_attention_inputs",
+    "compiled_flex",
     "kernel_options_for",
     "tree_block_mask",
     "tree_block_classes",
@@ -59,7 +63,8 @@ HOPPER_KERNEL_OPTIONS: dict = {
 }
 
 
-def _block_pair(block_size) -> tuple[int, int]:
+def block_pair(block_size) -> tuple[int, int]:
+    """``(q_block, kv_block)`` from an int or a pair; ValueError unless powers of two >= 16."""
     if isinstance(block_size, int):
         block_size = (block_size, block_size)
     try:
@@ -72,7 +77,7 @@ def _block_pair(block_size) -> tuple[int, int]:
     return qb, kb
 
 
-def _check_subtree_end(subtree_end: torch.Tensor) -> None:
+def check_subtree_end(subtree_end: torch.Tensor) -> None:
     """Raise ValueError naming the first token whose interval [k, subtree_end[k]) is not in [k+1, T]."""
     T = subtree_end.numel()
     k = torch.arange(T, device=subtree_end.device)
@@ -102,7 +107,7 @@ def tree_block_classes(subtree_end: torch.Tensor, *, block_size=DEFAULT_BLOCK_SI
     Exact: a tile is ``full`` iff all its in-range entries are visible, ``partial`` iff some but
     not all are (or it holds out-of-range keys of the last kv block and some visible entry).
     """
-    qb, kb = _block_pair(block_size)
+    qb, kb = block_pair(block_size)
     if subtree_end.dim() != 1:
         raise ValueError(f"subtree_end: expected a 1-D tensor [T], got shape {tuple(subtree_end.shape)}")
     T = subtree_end.numel()
@@ -153,25 +158,32 @@ def tree_block_mask(subtree_end: torch.Tensor, *, block_size=DEFAULT_BLOCK_SIZE,
     Returns a BlockMask with batch/head dims of size 1, kv- and q-side indices for partial and full
     tiles, and ``tree_mask_mod`` for the partial tiles.
     """
-    qb, kb = _block_pair(block_size)
+    qb, kb = block_pair(block_size)
     if subtree_end.dim() != 1:
         raise ValueError(f"subtree_end: expected a 1-D tensor [T], got shape {tuple(subtree_end.shape)}")
     if subtree_end.dtype.is_floating_point or subtree_end.dtype == torch.bool:
         raise ValueError(f"subtree_end: expected an integer tensor, got dtype {subtree_end.dtype}")
     T = subtree_end.numel()
     if validate and T:
-        _check_subtree_end(subtree_end)
+        check_subtree_end(subtree_end)
     partial, full = tree_block_classes(subtree_end, block_size=(qb, kb))
-    nk = partial.shape[1]
+    mask_se = F.pad(subtree_end.to(torch.int64), (0, partial.shape[1] * kb - T))
+    return block_mask_from_classes(partial, full, seq_lengths=(T, T), block_size=(qb, kb),
+                                   mask_mod=tree_mask_mod(mask_se))
+
+
+def block_mask_from_classes(partial: torch.Tensor, full: torch.Tensor, *, seq_lengths: tuple[int, int],
+                            block_size: tuple[int, int], mask_mod) -> BlockMask:
+    """A BlockMask (batch/head dims of size 1) from bool tile classes ``partial, full [nq, nk]``:
+    kv- and q-side index lists of both, ``mask_mod`` evaluated on the partial tiles only."""
     kv = torch.stack([partial, full])[:, None]  # [2, 1, nq, nk]: (class, head) batch dims
     kv_num, kv_idx = _ordered(kv)
     q_num, q_idx = _ordered(kv.transpose(-2, -1))
-    mask_se = F.pad(subtree_end.to(torch.int64), (0, nk * kb - T))
     # each index tensor its own contiguous [1, 1, ...] storage (no views into the stacked results)
     kv_num, kv_idx, q_num, q_idx = (t.split(1) for t in (kv_num, kv_idx, q_num, q_idx))
     own = lambda t: t.clone(memory_format=torch.contiguous_format)  # noqa: E731
     return BlockMask(
-        seq_lengths=(T, T),
+        seq_lengths=tuple(seq_lengths),
         kv_num_blocks=own(kv_num[0]),
         kv_indices=own(kv_idx[0]),
         full_kv_num_blocks=own(kv_num[1]),
@@ -180,8 +192,8 @@ def tree_block_mask(subtree_end: torch.Tensor, *, block_size=DEFAULT_BLOCK_SIZE,
         q_indices=own(q_idx[0]),
         full_q_num_blocks=own(q_num[1]),
         full_q_indices=own(q_idx[1]),
-        BLOCK_SIZE=(qb, kb),
-        mask_mod=tree_mask_mod(mask_se),
+        BLOCK_SIZE=tuple(block_size),
+        mask_mod=mask_mod,
     )
 
 
@@ -211,7 +223,8 @@ def check_tree_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 _COMPILED = None
 
 
-def _compiled_flex():
+def compiled_flex():
+    """``torch.compile(flex_attention, dynamic=False, fullgraph=True)``, made once on first use."""
     global _COMPILED
     if _COMPILED is None:  # made on first use, never at import
         _COMPILED = torch.compile(flex_attention, dynamic=False, fullgraph=True)
@@ -236,5 +249,5 @@ def tree_attention_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block
         kernel_options = kernel_options_for(q)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    return _compiled_flex()(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa,
+    return compiled_flex()(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa,
                             kernel_options=kernel_options)

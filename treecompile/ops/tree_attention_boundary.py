@@ -10,7 +10,9 @@ Shapes: ``q [1, H, T, D]``, ``k [1, Hkv, T, D]``, ``v [1, Hkv, T, Dv]``, ``subtr
 ``boundary_k [1, Hkv, B, D]``, ``boundary_v [1, Hkv, B, Dv]`` (B may be 0), ``boundary_visible [T]``
 int64 in ``[0, B]``; ``H % Hkv == 0`` (GQA as SDPA's ``enable_gqa``).  Returns ``[1, H, T, Dv]``.
 
-CPU reference (runs on any device torch runs on): SDPA with a dense ``[T, B + T]`` boolean mask.
+CPU reference (runs on any device torch runs on): SDPA with a dense ``[T, B + T]`` boolean mask.  On
+CUDA the lowering (``passes/lower_cuda.py``) replaces the op by FlexAttention over ``[boundary ;
+local]`` keys under a BlockMask built from the intervals (``ops/flex_tree_attention_boundary.py``).
 The backward recomputes the reference under autograd and returns gradients for ``q, k, v`` and for
 ``boundary_k, boundary_v`` (they flow back into the partition that computed the boundary).
 """

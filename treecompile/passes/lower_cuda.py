@@ -14,11 +14,18 @@ The fused head ``treecompile::linear_logprobs`` of a half-precision model become
 ``treecompile::linear_logprobs_triton`` (same arguments; Triton row kernels) when triton imports: the
 reference op never chooses it.
 
+``treecompile::tree_attention_boundary`` (a partition of a redundancy-free plan,
+``expose_boundary``) is lowered the same way, to FlexAttention over ``[boundary ; local]`` keys under one
+BlockMask of the partition (``ops.flex_tree_attention_boundary``), with the same kernel choice.
+
 The lowering also decides how the copy runs (:class:`CudaLowering`): under ``torch.compile`` with
 static shapes and sequence lengths padded to buckets (``program.bucket_length``: at most one compile
-per bucket), or eagerly.  A *boundary* program (``expose_boundary``) runs eagerly and unpadded: its
-boundary inputs are indexed by the partition's own tokens (padding would have to pad them too) and
-every partition has its own length; its ops have no flex/fla lowering yet, so nothing is replaced.
+per bucket), or eagerly.  A *boundary* program is compiled and bucketed like any other:
+``TreeProgram`` pads its batch to the bucket, moves the ``pred_index``/``conv_index`` entries that read
+boundary rows (``T + r``) past the padding, pads ``boundary_visible`` with 0 (padding tokens see no
+boundary) and the boundary K/V to a bucket of their own with zero rows nobody sees; one compile per
+(T bucket, B bucket, fed hidden rows).  ``attention_layout`` applies to whole-tree programs; a boundary
+program attends in DFS order.
 
 Unlike the passes of ``pipeline.py`` it runs at the first CUDA call, not at compile time, and
 returns a new graph module: the rewritten graph (the one ``treecompile.save`` writes) is untouched.
@@ -36,17 +43,20 @@ from torch import fx
 from torch.nn.attention.flex_attention import flex_attention
 
 import treecompile.ops.tree_attention  # noqa: F401  (registers the ops lowered here)
+import treecompile.ops.tree_attention_boundary  # noqa: F401
 import treecompile.ops.logprobs  # noqa: F401
 import treecompile.ops.tree_gdn  # noqa: F401
 from treecompile.ops.fa4_tree_attention import (FA4_KERNEL_OPTIONS, fa4_input_reason, fa4_unusable_reason,
                                                 tree_attention_fa4)
 from treecompile.ops.flex_tree_attention import kernel_options_for, tree_attention_flex, tree_block_mask
+from treecompile.ops.flex_tree_attention_boundary import boundary_block_mask, tree_attention_boundary_flex
 from treecompile.ops.tree_layout import heavy_first_order, permuted_subtree_end, reordered_attention
 
 __all__ = ["CudaOptions", "CudaLowering", "lower_cuda", "attention_inputs", "resolve_gdn_kernel",
            "resolve_attention_kernel", "GDN_KERNELS", "ATTENTION_KERNELS", "ATTENTION_LAYOUTS"]
 
 TREE_ATTENTION = torch.ops.treecompile.tree_attention.default
+TREE_ATTENTION_BOUNDARY = torch.ops.treecompile.tree_attention_boundary.default
 TREE_GDN = torch.ops.treecompile.tree_gated_delta_rule.default
 LINEAR_LOGPROBS = torch.ops.treecompile.linear_logprobs.default
 HALF = (torch.bfloat16, torch.float16)
@@ -73,7 +83,8 @@ class CudaOptions:
     gdn_kernel: one of ``GDN_KERNELS``.
     attention_kernel: one of ``ATTENTION_KERNELS``.
     attention_layout: one of ``ATTENTION_LAYOUTS``: ``"heavy_first"`` runs every tree attention in the
-        heaviest-child-first DFS order of the batch (exact; one more ``[2, T]`` graph input).
+        heaviest-child-first DFS order of the batch (exact; one more ``[2, T]`` graph input); boundary
+        programs (redundancy-free partitions) attend in DFS order whatever it says.
     recompile_limit: dynamo's ``recompile_limit`` while a compiled graph runs (one compile per length
         bucket needs room for many), applied with ``torch._dynamo.config.patch`` around each call
         only: the global setting is left as it is.  Never lowers a higher global limit.
@@ -101,8 +112,9 @@ class CudaLowering:
 
     graph_module: fx.GraphModule  # the rewritten graph's placeholders, then ``tree_block_mask`` (and
     #   ``tree_attention_order`` when ``layout`` is not "dfs")
-    attention: int  # tree_attention calls lowered to flex (0: feed None for the block mask and the order)
-    layout: str  # CudaOptions.attention_layout: "heavy_first" feeds the order and the block mask of that order
+    attention: int  # tree_attention(_boundary) calls lowered to flex (0: feed None for the block mask and the order)
+    layout: str  # "heavy_first" feeds the order and the block mask of that order ("dfs" for a boundary program)
+    boundary: bool  # a boundary program: the block mask is ops.flex_tree_attention_boundary's
     gdn_fla: int  # tree GDN calls lowered to fla
     triton_head: int  # fused heads lowered to linear_logprobs_triton
     compiled: bool  # run under torch.compile(dynamic=False)
@@ -186,6 +198,23 @@ def _flex_eager(q, k, v, block_mask, scale, kernel="flex", setup_reason=None, or
     return attend(q, k, v) if order is None else reordered_attention(attend, q, k, v, order)
 
 
+def _flex_boundary(q, k, v, boundary_k, boundary_v, block_mask, scale, kernel="flex", setup_reason=None):
+    """``tree_attention_boundary`` inside a compiled graph (as :func:`_flex`): the ``[boundary ; local]``
+    concatenation and the kernel are compiled with the rest."""
+    fa4 = resolve_attention_kernel(kernel, q, setup_reason) == "fa4"
+    return tree_attention_boundary_flex(q, k, v, boundary_k, boundary_v, block_mask, scale=scale,
+                                        enable_gqa=q.shape[1] != k.shape[1], flex=flex_attention,
+                                        kernel_options=dict(FA4_KERNEL_OPTIONS) if fa4 else kernel_options_for(q))
+
+
+def _flex_boundary_eager(q, k, v, boundary_k, boundary_v, block_mask, scale, kernel="flex", setup_reason=None):
+    """``tree_attention_boundary`` in a graph that runs eagerly: the separately compiled kernel."""
+    fa4 = resolve_attention_kernel(kernel, q, setup_reason) == "fa4"
+    return tree_attention_boundary_flex(q, k, v, boundary_k, boundary_v, block_mask, scale=scale,
+                                        enable_gqa=q.shape[1] != k.shape[1],
+                                        kernel_options=dict(FA4_KERNEL_OPTIONS) if fa4 else None)
+
+
 def _triton_head(n: fx.Node) -> bool:
     """Whether the fused head ``n`` runs the Triton row kernels: half-precision hidden states and
     triton importable (else the reference op's torch ops)."""
@@ -202,13 +231,18 @@ def _replace(graph: fx.Graph, n: fx.Node, target, args, kwargs=None) -> None:
     graph.erase_node(n)
 
 
-def attention_inputs(subtree_end: torch.Tensor, lowering: CudaLowering) -> list:
+def attention_inputs(subtree_end: torch.Tensor, lowering: CudaLowering, *, boundary_visible: torch.Tensor | None = None,
+                     num_boundary: int = 0) -> list:
     """The graph inputs after the batch's (and boundary) inputs, for one batch of ``subtree_end [T]``:
     ``[block_mask]``, or ``[block_mask, order]`` with a non-"dfs" layout (the mask then of that order);
-    None for each when the graph has no tree attention."""
+    None for each when the graph has no tree attention.  A boundary program's block mask is
+    ``boundary_block_mask(subtree_end, boundary_visible, num_boundary)`` (``num_boundary``: the rows of
+    the boundary K/V fed)."""
     reorder = lowering.layout != "dfs"
     if not lowering.attention:
         return [None, None] if reorder else [None]
+    if lowering.boundary:
+        return [boundary_block_mask(subtree_end, boundary_visible, num_boundary, validate=False)]
     if not reorder:
         return [tree_block_mask(subtree_end, validate=False)]
     order = heavy_first_order(subtree_end)
@@ -217,7 +251,8 @@ def attention_inputs(subtree_end: torch.Tensor, lowering: CudaLowering) -> list:
 
 def lower_cuda(gm: fx.GraphModule, options: CudaOptions, *, boundary: bool = False) -> CudaLowering:
     """A copy of ``gm`` for CUDA (module docstring).  ``boundary``: ``gm`` is a boundary program."""
-    compiled = options.compile_cuda and not boundary
+    compiled = options.compile_cuda
+    layout = "dfs" if boundary else options.attention_layout
     gdn_kernel = resolve_gdn_kernel(options.gdn_kernel)
     # installation and device, probed here (eagerly): the traced graph only checks its inputs
     setup_reason = None if options.attention_kernel == "flex" else fa4_unusable_reason()
@@ -227,7 +262,7 @@ def lower_cuda(gm: fx.GraphModule, options: CudaOptions, *, boundary: bool = Fal
     with graph.inserting_after(last_ph):
         mask = graph.placeholder("tree_block_mask")
     order = None
-    if options.attention_layout != "dfs":
+    if layout != "dfs":
         with graph.inserting_after(mask):
             order = graph.placeholder("tree_attention_order")
     attention = gdn_fla = triton_head = 0
@@ -238,6 +273,12 @@ def lower_cuda(gm: fx.GraphModule, options: CudaOptions, *, boundary: bool = Fal
             _replace(graph, n, _flex if compiled else _flex_eager, (q, k, v, mask, scale, options.attention_kernel,
                                                                          setup_reason, order))
             attention += 1
+        elif n.op == "call_function" and n.target == TREE_ATTENTION_BOUNDARY:
+            q, k, v, _subtree_end, boundary_k, boundary_v, _visible = n.args[:7]
+            scale = n.args[7] if len(n.args) > 7 else n.kwargs.get("scale")
+            _replace(graph, n, _flex_boundary if compiled else _flex_boundary_eager,
+                     (q, k, v, boundary_k, boundary_v, mask, scale, options.attention_kernel, setup_reason))
+            attention += 1
         elif n.op == "call_function" and n.target == TREE_GDN and gdn_kernel == "fla":
             _replace(graph, n, _gdn_fla, n.args, n.kwargs)
             gdn_fla += 1
@@ -246,6 +287,5 @@ def lower_cuda(gm: fx.GraphModule, options: CudaOptions, *, boundary: bool = Fal
             triton_head += 1
     graph.eliminate_dead_code()
     return CudaLowering(graph_module=fx.GraphModule(gm, graph), attention=attention,
-                        layout=options.attention_layout, gdn_fla=gdn_fla,
-                        triton_head=triton_head,
-                        compiled=compiled, bucket=options.bucket and not boundary)
+                        layout=layout, boundary=boundary, gdn_fla=gdn_fla, triton_head=triton_head,
+                        compiled=compiled, bucket=options.bucket)

@@ -45,8 +45,13 @@ linear in its tokens given the step's routed counts (:mod:`treecompile.runtime.r
 gradient); ``run_redundancy_free(router=...)`` then adds each partition's share to its loss.
 
 Each partition runs through the model's one runner, ``tmodel.program.run(batch, boundary_inputs)``;
-on CUDA the lowering (``passes/lower_cuda.py``) runs a boundary program eagerly and unpadded, and
-its boundary ops run their dense-mask reference (no flex/fla lowering of them yet).
+on CUDA the lowering (``passes/lower_cuda.py``) compiles a boundary program per length bucket
+(``TreeProgram.padded_call`` pads the boundary inputs too) and runs its boundary attention through
+FlexAttention over ``[boundary ; local]`` keys (``ops/flex_tree_attention_boundary.py``); the GDN and
+conv boundary ops run their reference implementations (no fla lowering of them yet).  The boundary
+K/V a partition is fed are gathered (one copy of its B rows per layer, from the ancestors' kept rows)
+and concatenated with its own K/V inside the attention (``[Bp + T]`` rows per layer, saved for the
+backward in place of the gathered copy).
 """
 
 from __future__ import annotations
