@@ -47,7 +47,7 @@ else:
     from trees import agentic_paths, agentic_specs, synthetic_paths
 
 from treecompile import Tree
-from treecompile.ops.fla_gdn import REPLAY_FRACTION, cheapest_plan, plan_calls
+from treecompile.ops.fla_gdn import REPLAY_FRACTION, call_cost_rows, cheapest_plan, plan_calls
 
 H, HV, DK, DV = 16, 16, 128, 128  # Qwen3.5 linear attention (16 key / 16 value heads of 128)
 AGENTIC, AGENTIC_SCALE = "parallel-tools", 1.5
@@ -82,7 +82,7 @@ def call_counts(trees: dict[str, list[list[int]]], replays=(0, 64, 256, 1024)) -
             p = plan_calls(b.node_start, b.node_end, b.node_parent, replay_max=r, max_replay_fraction=REPLAY_FRACTION)
             row[f"calls r={r}"] = p.calls
             row[f"replayed r={r}"] = p.replayed_tokens
-        p = cheapest_plan(b.node_start, b.node_end, b.node_parent)
+        p = cheapest_plan(b.node_start, b.node_end, b.node_parent, call_cost_rows=call_cost_rows(HV, DK, DV))
         row.update({"calls auto": p.calls, "rows auto": len(p.index), "per-path rows": t.num_path_tokens})
         rows.append(row)
     return rows
@@ -235,7 +235,7 @@ def _layer_row(name: str, paths: list[list[int]], device: str) -> dict:
                                        for a, r in zip(got, ref))
     for r in (0, 256):
         row[f"calls_r{r}"] = _cached_plan(b.node_start, b.node_end, b.node_parent, r).calls
-    plan = _cached_plan(b.node_start, b.node_end, b.node_parent, None)
+    plan = _cached_plan(b.node_start, b.node_end, b.node_parent, None, call_cost_rows(HV, DK, DV))
     row.update({"levels": plan.levels, "calls": plan.calls,
                 "replayed_tokens": plan.replayed_tokens,
                 "tree/one_call": round(row["tree_planned_ms"] / row["one_fla_call_ms"], 3),

@@ -185,3 +185,10 @@ def test_plan_cached_per_batch():
     cached = fla_gdn._cached_plan(*nodes, 0)
     b.node_start.add_(0)  # an in-place write bumps the version: recomputed
     assert fla_gdn._cached_plan(*nodes, 0) is not cached
+
+
+def test_call_cost_scales_with_the_layer_width():
+    """A call's cost in rows: the measured figure at its layer's width, fewer rows for a wider layer."""
+    assert fla_gdn.call_cost_rows(16, 128, 128) == fla_gdn.CALL_COST_ROWS
+    assert fla_gdn.call_cost_rows(32, 128, 128) == fla_gdn.CALL_COST_ROWS // 2
+    assert fla_gdn.call_cost_rows(2, 8, 8) > 1000 * fla_gdn.CALL_COST_ROWS

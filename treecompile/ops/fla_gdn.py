@@ -28,11 +28,13 @@ from torch import Tensor
 __all__ = [
     "COMPUTE_DTYPE",
     "CALL_COST_ROWS",
+    "CALL_COST_WIDTH",
     "REPLAY_FRACTION",
     "FlaPlan",
     "Wave",
     "fla_available",
     "fla_unusable_reason",
+    "call_cost_rows",
     "cheapest_plan",
     "plan_calls",
     "tree_gated_delta_rule_fla",
@@ -49,7 +51,16 @@ COMPUTE_DTYPE: torch.dtype | None = None
 # whatever its size, with no host sync left (host-side work of fla's ~20 kernels per call), and ~0.31 us per
 # row (one call over 16,384 rows: 5.1 ms), i.e. a call costs as much as ~14,700 rows.  Replaying a short parent
 # in front of its children (rows) is therefore far cheaper than waiting one more call for its final state.
+# A row's GPU cost grows with the layer's state size (v heads x Dk x Dv), a call's host cost does not:
+# :func:`call_cost_rows` scales the measured figure from that layer's width to the caller's.
 CALL_COST_ROWS = 12288
+CALL_COST_WIDTH = 16 * 128 * 128  # Hv * Dk * Dv of the layer CALL_COST_ROWS was measured on
+
+
+def call_cost_rows(Hv: int, Dk: int, Dv: int) -> int:
+    """:data:`CALL_COST_ROWS` for a GDN layer of ``Hv`` value heads and head dims ``Dk``, ``Dv``."""
+    return max(1, round(CALL_COST_ROWS * CALL_COST_WIDTH / max(1, Hv * Dk * Dv)))
+
 # cap on replayed rows for an explicit ``replay_max`` (a fraction of the tokens; :func:`plan_calls`)
 REPLAY_FRACTION = 0.05
 
@@ -311,17 +322,18 @@ def cheapest_plan(node_start: Tensor, node_end: Tensor, node_parent: Tensor, *,
 _LAST: tuple = ()  # (node tensors, their versions, replay_max, plan) of the last batch
 
 
-def _cached_plan(node_start, node_end, node_parent, replay_max):
+def _cached_plan(node_start, node_end, node_parent, replay_max, cost_rows=CALL_COST_ROWS):
     """The plan (one host sync) once per batch, not once per GDN layer: every layer of a forward gets
     the same node tensors, so the last plan is reused while they are unchanged."""
     global _LAST
     tensors = (node_start, node_end, node_parent)
     versions = tuple(t._version for t in tensors)
-    if _LAST and all(a is b for a, b in zip(_LAST[0], tensors)) and _LAST[1] == versions and _LAST[2] == replay_max:
+    key = (replay_max, cost_rows if replay_max is None else None)
+    if _LAST and all(a is b for a, b in zip(_LAST[0], tensors)) and _LAST[1] == versions and _LAST[2] == key:
         return _LAST[3]
-    plan = (cheapest_plan(*tensors) if replay_max is None
+    plan = (cheapest_plan(*tensors, call_cost_rows=cost_rows) if replay_max is None
             else plan_calls(*tensors, replay_max=replay_max, max_replay_fraction=REPLAY_FRACTION))
-    _LAST = (tensors, versions, replay_max, plan)
+    _LAST = (tensors, versions, key, plan)
     return plan
 
 
@@ -336,7 +348,8 @@ def tree_gated_delta_rule_fla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: 
     [Hv, Dk, Dv]`` for root nodes.  Returns ``[1, T, Hv, Dv]`` in v's dtype.  ``compute_dtype``: the
     dtype q, k, v, g, beta enter fla in (default :data:`COMPUTE_DTYPE`, None = as given); states between
     calls are float32 (float64 for float64 inputs) either way.  ``replay_max``: see :func:`plan_calls`, with
-    at most :data:`REPLAY_FRACTION` of the tokens replayed; None (default): :func:`cheapest_plan`.
+    at most :data:`REPLAY_FRACTION` of the tokens replayed; None (default): :func:`cheapest_plan` at this
+    layer's :func:`call_cost_rows`.
     ``kernel``: a function with the signature of fla's ``chunk_gated_delta_rule`` (default: fla's; the
     CPU tests pass a torch one)."""
     if kernel is None:
@@ -351,7 +364,7 @@ def tree_gated_delta_rule_fla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: 
         q, k, v_in, g, beta = (x.to(compute_dtype) for x in (q, k, v, g, beta))
     else:
         v_in = v
-    plan = _cached_plan(node_start, node_end, node_parent, replay_max)
+    plan = _cached_plan(node_start, node_end, node_parent, replay_max, call_cost_rows(Hv, Dk, Dv))
     xs = (q, k, v_in, g, beta)
     if not plan.identity:  # one gather per input for all calls; each call reads a contiguous slice
         xs = tuple(x.index_select(1, plan.index) for x in xs)
