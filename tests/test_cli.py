@@ -379,7 +379,13 @@ def test_rewrite_refuses_when_the_weights_cannot_fit(tmp_path, capsys, monkeypat
     import shutil as shutil_mod
 
     usage = collections.namedtuple("usage", "total used free")
+    import treecompile
+
+    def no_capture(*a, **k):
+        raise AssertionError("the space check comes after the capture")
+
     monkeypatch.setattr(shutil_mod, "disk_usage", lambda p: usage(1 << 30, (1 << 30) - (1 << 20), 1 << 20))
+    monkeypatch.setattr(treecompile, "compile", no_capture)  # refused before spending the capture
     rc, _, err = run_cli(["rewrite", "dense-tiny", "--out", str(tmp_path / "out")], capsys)
     assert rc == 1
     one_line_error(err, "--out", "not enough space (1 MiB free")
