@@ -19,19 +19,21 @@ def rel(a, b):
     return float((a - b).norm() / b.norm().clamp(min=1e-300))
 
 
-def equal_per_path_computations(model, paths, masks, weights, batch):
+def equal_per_path_computations(model, paths, masks, weights, batch, ref=None):
     """Two per-path computations mathematically equal to ``reference.run(..., normalize="sum")``.
 
     (a) each unique token's log-prob read from one path's run (its last occurrence in DFS order)
         instead of summing over the paths through it;
     (b) every path split into two copies weighted 1/3 and 2/3 (exact: the same loss), which regroups
         the backward signals as the tree's summing of shared prefixes does.
+    ``ref``: a ``reference.run(model, paths, ...)`` whose graph is still alive (``retain_graph``): (a)
+    reads its log-probs (the per-path runs are deterministic: a second run is bitwise the same forward).
     Returns ``[loss_a, loss_b]``.
     """
     tree = batch.tree
     last = torch.empty(tree.num_tokens, dtype=torch.long)
     last[tree.path_index] = torch.arange(tree.path_index.numel())
-    lps = torch.cat(reference.run(model, paths).logprobs)
+    lps = torch.cat((reference.run(model, paths) if ref is None else ref).logprobs)
     loss_a = -(batch.loss_weight * lps[last]).sum()
     w = [1.0] * len(paths) if weights is None else list(weights)
     ref_b = reference.run(model, list(paths) * 2, loss_masks=None if masks is None else list(masks) * 2,
