@@ -157,3 +157,49 @@ def _self_memo(model):
     for x in (*model.modules(), *model.parameters(), *model.buffers()):
         memo[id(x)] = x
     return memo
+
+
+_SHARED: dict = {}  # (class, config, dtypes, training) -> (the first model captured, its pristine Captured)
+
+
+@contextlib.contextmanager
+def shared_capture():
+    """Within this block, every ``treecompile.compile(m)`` of a model with a ``config`` starts from one
+    torch.export per process and architecture (class, ``repr(config)``, parameter dtypes, train/eval
+    mode): a deep copy of the first capture, bound by name to ``m``'s own parameters and buffers (the
+    captured graph holds no weight values: lifted placeholders); the passes run as usual.  For tests
+    of what happens around the capture (README blocks, the CLI writing and overwriting) that build
+    the same reference model many times."""
+    import importlib
+
+    comp = importlib.import_module("treecompile.compile")
+    real = comp.capture
+
+    def shared(m, **kw):
+        cfg = getattr(m, "config", None)
+        if cfg is None or kw.get("swaps") is not None:
+            return real(m, **kw)
+        key = (type(m).__qualname__, type(m).__module__, repr(cfg),
+               tuple(str(p.dtype) for p in m.parameters()), m.training)
+        with warnings.catch_warnings():  # torch's own pytree deprecation, raised while copying the graph's specs
+            warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+            if key not in _SHARED:
+                _SHARED[key] = (m, copy.deepcopy(real(m, **kw), _self_memo(m)))
+            m0, cap = _SHARED[key]
+            return copy.deepcopy(cap, _rebind_memo(m0, m))
+
+    comp.capture = shared
+    try:
+        yield
+    finally:
+        comp.capture = real
+
+
+def _rebind_memo(m0, m):
+    """A deepcopy memo that maps ``m0``'s modules, parameters and buffers to ``m``'s of the same name."""
+    memo = {id(m0): m}
+    for get in ("named_modules", "named_parameters", "named_buffers"):
+        for (n0, a), (n1, b) in zip(getattr(m0, get)(remove_duplicate=False), getattr(m, get)(remove_duplicate=False)):
+            assert n0 == n1, (n0, n1)
+            memo[id(a)] = b
+    return memo
