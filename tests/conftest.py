@@ -36,9 +36,10 @@ def tmodel(model):
 # `pytest -n 2 --dist loadfile` hands whole files to the two workers in collection order: the
 # heaviest files first (measured with --durations on 2 cores), so that the workers finish together
 # instead of one running a heavy file alone at the end.  Order inside a file is unchanged.
-HEAVIEST_FIRST = ["test_compile_hybrid.py", "test_saved.py", "test_distributed.py", "test_cli.py",
-                  "test_rewrite_mixers.py", "test_compile.py", "test_train.py", "test_router_loss.py",
-                  "test_entropy.py", "test_redundancy_free.py", "test_compile_zoo.py"]
+HEAVIEST_FIRST = ["test_compile_hybrid.py", "test_saved.py", "test_distributed.py", "test_train.py",
+                  "test_rewrite_mixers.py", "test_redundancy_free.py", "test_router_partitions.py", "test_cli.py",
+                  "test_compile_zoo.py", "test_router_loss.py", "test_compile.py", "test_cuda_lowering.py",
+                  "test_verify_token_locality.py", "test_entropy.py", "test_objectives.py", "test_readme.py"]
 
 
 def pytest_collection_modifyitems(config, items):

@@ -19,19 +19,21 @@ def rel(a, b):
     return float((a - b).norm() / b.norm().clamp(min=1e-300))
 
 
-def equal_per_path_computations(model, paths, masks, weights, batch):
+def equal_per_path_computations(model, paths, masks, weights, batch, ref=None):
     """Two per-path computations mathematically equal to ``reference.run(..., normalize="sum")``.
 
     (a) each unique token's log-prob read from one path's run (its last occurrence in DFS order)
         instead of summing over the paths through it;
     (b) every path split into two copies weighted 1/3 and 2/3 (exact: the same loss), which regroups
         the backward signals as the tree's summing of shared prefixes does.
+    ``ref``: a ``reference.run(model, paths, ...)`` whose graph is still alive (``retain_graph``): (a)
+    reads its log-probs (the per-path runs are deterministic: a second run is bitwise the same forward).
     Returns ``[loss_a, loss_b]``.
     """
     tree = batch.tree
     last = torch.empty(tree.num_tokens, dtype=torch.long)
     last[tree.path_index] = torch.arange(tree.path_index.numel())
-    lps = torch.cat(reference.run(model, paths).logprobs)
+    lps = torch.cat((reference.run(model, paths) if ref is None else ref).logprobs)
     loss_a = -(batch.loss_weight * lps[last]).sum()
     w = [1.0] * len(paths) if weights is None else list(weights)
     ref_b = reference.run(model, list(paths) * 2, loss_masks=None if masks is None else list(masks) * 2,
@@ -154,4 +156,50 @@ def _self_memo(model):
     memo = {id(model): model}
     for x in (*model.modules(), *model.parameters(), *model.buffers()):
         memo[id(x)] = x
+    return memo
+
+
+_SHARED: dict = {}  # (class, config, dtypes, training) -> (the first model captured, its pristine Captured)
+
+
+@contextlib.contextmanager
+def shared_capture():
+    """Within this block, every ``treecompile.compile(m)`` of a model with a ``config`` starts from one
+    torch.export per process and architecture (class, ``repr(config)``, parameter dtypes, train/eval
+    mode): a deep copy of the first capture, bound by name to ``m``'s own parameters and buffers (the
+    captured graph holds no weight values: lifted placeholders); the passes run as usual.  For tests
+    of what happens around the capture (README blocks, the CLI writing and overwriting) that build
+    the same reference model many times."""
+    import importlib
+
+    comp = importlib.import_module("treecompile.compile")
+    real = comp.capture
+
+    def shared(m, **kw):
+        cfg = getattr(m, "config", None)
+        if cfg is None or kw.get("swaps") is not None:
+            return real(m, **kw)
+        key = (type(m).__qualname__, type(m).__module__, repr(cfg),
+               tuple(str(p.dtype) for p in m.parameters()), m.training)
+        with warnings.catch_warnings():  # torch's own pytree deprecation, raised while copying the graph's specs
+            warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+            if key not in _SHARED:
+                _SHARED[key] = (m, copy.deepcopy(real(m, **kw), _self_memo(m)))
+            m0, cap = _SHARED[key]
+            return copy.deepcopy(cap, _rebind_memo(m0, m))
+
+    comp.capture = shared
+    try:
+        yield
+    finally:
+        comp.capture = real
+
+
+def _rebind_memo(m0, m):
+    """A deepcopy memo that maps ``m0``'s modules, parameters and buffers to ``m``'s of the same name."""
+    memo = {id(m0): m}
+    for get in ("named_modules", "named_parameters", "named_buffers"):
+        for (n0, a), (n1, b) in zip(getattr(m0, get)(remove_duplicate=False), getattr(m, get)(remove_duplicate=False)):
+            assert n0 == n1, (n0, n1)
+            memo[id(a)] = b
     return memo

@@ -42,6 +42,16 @@ def one_line_error(err: str, *needles: str) -> None:
         assert n in lines[0], (n, lines[0])
 
 
+@pytest.fixture
+def shared():
+    """The rewrite tests build the same reference model many times: one torch.export per process and
+    architecture (``helpers.shared_capture``); load, passes, checks and writes run as usual."""
+    from helpers import shared_capture
+
+    with shared_capture():
+        yield
+
+
 def listing(d: Path) -> list[str]:
     return sorted(str(p.relative_to(d)) for p in d.rglob("*"))
 
@@ -270,7 +280,7 @@ def hf_dir(tmp_path_factory):
     return d
 
 
-def test_rewrite_and_inspect_reference_model(tmp_path, capsys):
+def test_rewrite_and_inspect_reference_model(tmp_path, capsys, shared):
     out_dir = tmp_path / "out"
     rc, out, err = run_cli(["rewrite", "dense-tiny", "--out", str(out_dir), "--seed", "3"], capsys)
     assert rc == 0, err
@@ -355,7 +365,7 @@ def test_rewrite_weights_missing_a_tensor_is_refused(tmp_path, capsys, hf_dir):
 
 
 @pytest.mark.parametrize("error", ["oserror", "safetensors"])
-def test_rewrite_unwritable_out_fails_late_and_leaves_nothing(tmp_path, capsys, monkeypatch, error):
+def test_rewrite_unwritable_out_fails_late_and_leaves_nothing(tmp_path, capsys, monkeypatch, error, shared):
     """The write itself fails (disk full): one line, exit 1, no temp directory left."""
     import safetensors.torch
     from safetensors import SafetensorError
@@ -379,14 +389,20 @@ def test_rewrite_refuses_when_the_weights_cannot_fit(tmp_path, capsys, monkeypat
     import shutil as shutil_mod
 
     usage = collections.namedtuple("usage", "total used free")
+    import treecompile
+
+    def no_capture(*a, **k):
+        raise AssertionError("the space check comes after the capture")
+
     monkeypatch.setattr(shutil_mod, "disk_usage", lambda p: usage(1 << 30, (1 << 30) - (1 << 20), 1 << 20))
+    monkeypatch.setattr(treecompile, "compile", no_capture)  # refused before spending the capture
     rc, _, err = run_cli(["rewrite", "dense-tiny", "--out", str(tmp_path / "out")], capsys)
     assert rc == 1
     one_line_error(err, "--out", "not enough space (1 MiB free")
     assert listing(tmp_path) == []
 
 
-def test_rewrite_overwrite_only_replaces_a_saved_program(tmp_path, capsys, monkeypatch):
+def test_rewrite_overwrite_only_replaces_a_saved_program(tmp_path, capsys, monkeypatch, shared):
     out_dir = tmp_path / "out"
     assert run_cli(["rewrite", "dense-tiny", "--out", str(out_dir), "--seed", "1"], capsys)[0] == 0
     rc, _, err = run_cli(["rewrite", "dense-tiny", "--out", str(out_dir), "--seed", "2", "--overwrite"], capsys)
@@ -531,7 +547,7 @@ def test_entry_point_exit_codes_without_traceback(tmp_path, capsys):
     assert p.returncode == 2 and "Traceback" not in p.stderr
 
 
-def test_demo_runs_and_matches_the_per_path_reference(capsys):
+def test_demo_runs_and_matches_the_per_path_reference(capsys, shared):
     from treecompile.cli import main
 
     assert main(["demo", "--steps", "2"]) == 0

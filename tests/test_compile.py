@@ -198,9 +198,17 @@ def test_decorator_forms():
     assert isinstance(build(), treecompile.TreeModel)
 
 
-def test_disable_unknown_pass_is_an_error():
+def test_disable_unknown_pass_is_an_error(monkeypatch):
+    import importlib
+
+    def no_capture(*a, **k):
+        raise AssertionError("captured the model before refusing the pass name")
+
+    monkeypatch.setattr(importlib.import_module("treecompile.compile"), "capture", no_capture)  # refused up front
     with pytest.raises(ValueError, match="unknown pass"):
         treecompile.compile(DenseForCausalLM(DenseConfig.tiny()), disable=("rewrite_everything",))
+    with pytest.raises(ValueError, match=r"unknown pass name\(s\) \['expose_boundary'\]"):  # a partition-graph pass only
+        treecompile.compile(DenseForCausalLM(DenseConfig.tiny()), disable=("expose_boundary",))
 
 
 # ---------------------------------------------------------------- near misses: refused

@@ -131,8 +131,9 @@ def hf_recurrent_gdn(model):
 
 
 # ---------------------------------------------------------------- comparison
-def grads(loss, named):
-    return dict(zip([n for n, _ in named], torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)))
+def grads(loss, named, retain=False):
+    return dict(zip([n for n, _ in named], torch.autograd.grad(loss, [p for _, p in named], allow_unused=True,
+                                                                retain_graph=retain)))
 
 
 def norm(d):
@@ -149,7 +150,8 @@ def run_both(model, tmodel, paths, masks, weights, normalize):
     ref = reference.run(model, paths, loss_masks=masks, path_weights=weights, normalize=normalize)
     named = list(model.named_parameters())
     lp_err = max(float((a - r).detach().abs().max()) for a, r in zip(batch.path_logprobs(out.logprobs), ref.logprobs))
-    return batch, out, ref, named, lp_err, grads(out.loss, named), grads(ref.loss, named)
+    # ref's graph is kept: hf_noise's computation (a) reads ref's log-probs instead of running every path again
+    return batch, out, ref, named, lp_err, grads(out.loss, named), grads(ref.loss, named, retain=True)
 
 
 def check_ours(model, tmodel, paths, masks, weights, normalize):
@@ -185,7 +187,7 @@ def hf_noise(model, paths, masks, weights, batch, ref, named, g_ref):
     which rounds at a superset of the places where HF64 rounds (the GDN kernel's float32 *input*
     rounding, which (c) shares with the reference, included).
     Returns {"equal"|"f32": (loss noise, logprob noise, {param: gradient noise}, relative gradient noise)}."""
-    losses = equal_per_path_computations(model, paths, masks, weights, batch)
+    losses = equal_per_path_computations(model, paths, masks, weights, batch, ref=ref)
     with hf_recurrent_gdn(model):
         ref_c = reference.run(model, paths, loss_masks=masks, path_weights=weights, normalize="sum")
     losses.append(ref_c.loss)

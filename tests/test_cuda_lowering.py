@@ -29,8 +29,15 @@ def test_attention_lowered_to_flex_with_one_shared_block_mask():
     assert tc_cuda.TREE_ATTENTION in targets(tm.graph_module)  # the saved/CPU graph is untouched
 
 
+def _hybrid():
+    torch.manual_seed(0)
+    return HybridForCausalLM(HybridConfig.tiny())
+
+
 def test_gdn_lowered_to_fla_only_when_asked():
-    tm = treecompile.compile(HybridForCausalLM(HybridConfig.tiny()))
+    from helpers import cached_compile, cached_model
+
+    tm = cached_compile(cached_model("hybrid-tiny-float32", _hybrid))  # one torch.export with the boundary test
     import treecompile.ops.fla_gdn as fla_gdn
 
     with pytest.MonkeyPatch.context() as mp:  # "fla" resolves only where fla imports: pretend it does
@@ -66,7 +73,9 @@ def test_boundary_attention_lowered_to_flex_boundary():
     t = targets(low.graph_module)
     assert not low.boundary and t.count(tc_cuda._flex) == 2 and tc_cuda._flex_boundary not in t
     # a hybrid partition graph: its attention layer lowered; its boundary GDN ops keep their reference
-    hm = treecompile.compile(HybridForCausalLM(HybridConfig.tiny()), boundary=True)
+    from helpers import cached_compile, cached_model
+
+    hm = cached_compile(cached_model("hybrid-tiny-float32", _hybrid), boundary=True)
     low = tc_cuda.lower_cuda(hm.graph_module, CudaOptions(gdn_kernel="reference"), boundary=True)
     assert (low.attention, low.gdn_fla, low.compiled, low.bucket) == (1, 0, True, True)
 
@@ -104,10 +113,8 @@ def test_buckets_bound_padding_and_count():
     assert bucket_length(256) == 256 and bucket_length(257) > 256
 
 
-def test_padding_keeps_results():
-    torch.manual_seed(0)
-    model = DenseForCausalLM(DenseConfig.tiny()).double()
-    tm = treecompile.compile(model)
+def test_padding_keeps_results(tmodel):
+    tm = tmodel  # conftest's: the tiny dense model, float64, seed 0, captured once per process
     tree = treecompile.Tree.from_paths([[1, 2, 3], [1, 2, 4, 5], [6, 7]])
     a = tm(tree.to_batch())
     b = tm(tree.to_batch().padded(bucket_length(tree.num_tokens)))

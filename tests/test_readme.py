@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import shared_capture
+
 ROOT = Path(__file__).resolve().parents[1]
 FENCE = re.compile(r"^```(\w*)\s*$")
 SKIP = re.compile(r"^<!--\s*readme-test:\s*skip\s*\((.+)\)\s*-->\s*$")
@@ -85,15 +87,18 @@ def test_readme_block_runs_as_pasted(block, tmp_path, monkeypatch, capsys):
     if block["skip"]:
         pytest.skip(f"README.md:{block['line']}: {block['skip']}")
     monkeypatch.chdir(tmp_path)
-    if block["lang"] == "python":
-        code = compile(block["source"], f"README.md:{block['line']}", "exec")
-        exec(code, {"__name__": "__readme__"})  # noqa: S102 - the README's own example
-        return
-    from treecompile import cli
+    # the blocks build the same tiny reference model again and again: one torch.export per process and
+    # architecture (helpers.shared_capture), every block's passes, runs and files as usual
+    with shared_capture():
+        if block["lang"] == "python":
+            code = compile(block["source"], f"README.md:{block['line']}", "exec")
+            exec(code, {"__name__": "__readme__"})  # noqa: S102 - the README's own example
+            return
+        from treecompile import cli
 
-    for k, ln in enumerate(block["source"].splitlines()):
-        if not ln.strip().startswith("treecompile "):
-            continue
-        argv = shlex.split(ln.split(" #", 1)[0])
-        # in this process (the console script is `treecompile.cli:main`; test_cli runs the entry point itself)
-        assert cli.main(argv[1:]) == 0, f"README.md:{block['line'] + 1 + k}: {ln.strip()}\n{capsys.readouterr().err}"
+        for k, ln in enumerate(block["source"].splitlines()):
+            if not ln.strip().startswith("treecompile "):
+                continue
+            argv = shlex.split(ln.split(" #", 1)[0])
+            # in this process (the console script is `treecompile.cli:main`; test_cli runs the entry point itself)
+            assert cli.main(argv[1:]) == 0, f"README.md:{block['line'] + 1 + k}: {ln.strip()}\n{capsys.readouterr().err}"

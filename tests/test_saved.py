@@ -7,12 +7,14 @@ gradient, and the parameters after one SGD step are compared with ``torch.equal`
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
@@ -20,7 +22,7 @@ import torch
 
 import treecompile
 from treecompile import Tree, cli, saved
-from helpers import cached_compile, cached_model, tiny_dense
+from helpers import cached_compile, cached_model, shared_capture, tiny_dense
 from treecompile.models import HybridConfig, HybridForCausalLM
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,7 +80,10 @@ def saved_models(tmp_path_factory):
     out = {}
     dense = cached_model("dense-tiny-v11", lambda: tiny_dense(11))  # test_compile's: captured once per process
     torch.manual_seed(1)
-    hybrid = HybridForCausalLM(HybridConfig.tiny(vocab_size=11)).double()
+    # 2 layers (tiny's 4 halved: capture, save, load and runs cost half), still one GDN and one
+    # attention layer: every op and state kind a saved hybrid program holds
+    hybrid = HybridForCausalLM(HybridConfig.tiny(vocab_size=11, num_hidden_layers=2,
+                                                 layer_types=("linear_attention", "full_attention"))).double()
     for name, model in (("dense", dense), ("hybrid", hybrid)):
         tm = cached_compile(model)  # compiles any model not from cached_model
         saved.save(tm, tmp / name)
@@ -91,8 +96,9 @@ def saved_models(tmp_path_factory):
     torch.manual_seed(2)
     transformers.Qwen3ForCausalLM(cfg).save_pretrained(tmp / "hf_qwen3")
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp / "hf_qwen3", dtype=torch.float64)
-    tm = treecompile.compile(model)
-    assert cli.main(["rewrite", str(tmp / "hf_qwen3"), "--out", str(tmp / "hf"), "--dtype", "float64"]) == 0
+    with shared_capture():  # the CLI loads the same architecture again: one torch.export, passes run twice
+        tm = treecompile.compile(model)
+        assert cli.main(["rewrite", str(tmp / "hf_qwen3"), "--out", str(tmp / "hf"), "--dtype", "float64"]) == 0
     out["hf_qwen3"] = (tmp / "hf", run_and_step(tm), tm)
     return out
 
@@ -184,6 +190,40 @@ def test_overwrite_replaces_atomically(saved_models, tmp_path):
     assert sorted(p.name for p in target.iterdir()) == sorted([saved.PROGRAM, saved.WEIGHTS, saved.MANIFEST])
     # really replaced: tm has taken an SGD step since the fixture saved it
     assert (target / saved.WEIGHTS).read_bytes() != (src / saved.WEIGHTS).read_bytes()
+
+
+def test_saving_again_reuses_the_export_and_writes_the_new_weights(saved_models, tmp_path, monkeypatch):
+    """A second save of the same TreeModel (a checkpoint every N steps) does not trace the graph again:
+    the program is byte-identical, the weights are the current ones (tm has taken an SGD step)."""
+    import gc
+    import weakref
+
+    from safetensors.torch import load_file
+
+    src, _, tm = saved_models["dense"]
+
+    def no_export(*a, **k):
+        raise AssertionError("re-exported a graph that was already exported")
+
+    monkeypatch.setattr(torch.export, "export", no_export)
+    saved.save(tm, tmp_path / "again")
+    monkeypatch.undo()
+    assert (tmp_path / "again" / saved.PROGRAM).read_bytes() == (src / saved.PROGRAM).read_bytes()
+    got = load_file(str(tmp_path / "again" / saved.WEIGHTS))
+    assert got.keys() == load_file(str(src / saved.WEIGHTS)).keys()
+    for k, v in got.items():
+        assert torch.equal(v, tm.model.get_parameter(k) if k in dict(tm.model.named_parameters())
+                           else tm.model.get_buffer(k)), k
+    assert not torch.equal(got["model.norm.weight"], load_file(str(src / saved.WEIGHTS))["model.norm.weight"])
+    # the remembered export does not keep its TreeModel alive
+    with warnings.catch_warnings():  # torch's own pytree deprecation, raised while copying the graph's specs
+        warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+        copy_tm = copy.deepcopy(tm)
+    saved.save(copy_tm, tmp_path / "copy")  # another object: exported anew
+    ref = weakref.ref(copy_tm)
+    del copy_tm
+    gc.collect()
+    assert ref() is None
 
 
 def test_overwrite_failure_keeps_the_old_program_and_leaves_no_temporaries(saved_models, tmp_path, monkeypatch):

@@ -60,7 +60,10 @@ def test_dense_split_per_layer_equals_whole_graph():
 
 def test_hybrid_split_per_layer_equals_whole_graph():
     torch.manual_seed(0)
-    model = HybridForCausalLM(HybridConfig.tiny()).double()
+    # 2 layers (tiny's 4 halved: the capture costs half), one of each kind: a GDN layer's segment
+    # (its conv and recurrent state inside the module) and an attention layer's
+    model = HybridForCausalLM(HybridConfig.tiny(num_hidden_layers=2,
+                                                layer_types=("linear_attention", "full_attention"))).double()
     _check_equal(treecompile.compile(model), list(model.model.layers))
 
 

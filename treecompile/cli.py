@@ -211,8 +211,8 @@ def cmd_rewrite(args) -> int:
     out = Path(args.out)
     _check_out(out, args.overwrite)
     model, info = load_model(args.model, dtype=args.dtype, seed=args.seed)
+    _check_space(out, model)  # the weights' size is known before the capture: refuse before spending it
     tmodel = treecompile.compile(model)  # a CaptureError names the model's source line (one line, below)
-    _check_space(out, model)
     try:  # saved.save writes a temporary sibling and renames it: a failed write leaves nothing
         saved.save(tmodel, out, manifest_extra=info, overwrite=args.overwrite)
     except (OSError, SafetensorError) as e:

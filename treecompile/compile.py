@@ -25,7 +25,7 @@ from treecompile.frontend import Captured, capture
 from treecompile.passes import PassContext, run_passes
 from treecompile.passes.base import TREE_INPUTS, CompileOptions
 from treecompile.passes.lower_cuda import CudaOptions
-from treecompile.passes.pipeline import BOUNDARY_PASSES
+from treecompile.passes.pipeline import BOUNDARY_PASSES, check_disable
 from treecompile.program import TreeProgram, bucket_length
 from treecompile.tree import TreeBatch
 
@@ -80,6 +80,7 @@ class TreeModel(nn.Module):
         super().__init__()
         options = CudaOptions(compile_cuda=compile_cuda, bucket=bucket, gdn_kernel=gdn_kernel,
                               attention_kernel=attention_kernel, attention_layout=attention_layout)
+        check_disable(disable, BOUNDARY_PASSES if boundary else None)  # a misspelt pass name: before the capture
         captured: Captured = capture(model, swaps=swaps)
         ep = captured.program
         if ep.graph_signature.buffers_to_mutate:

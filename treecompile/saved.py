@@ -36,6 +36,7 @@ import os
 import shutil
 import tempfile
 import warnings
+import weakref
 from pathlib import Path
 
 import torch
@@ -177,6 +178,37 @@ def _input_table(tm) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------------- save
+# TreeModel -> (key, ExportedProgram).  The re-export depends on the rewritten graph and on the
+# tensors' names, kinds, shapes, dtypes and devices, never on their values (the holder exports
+# stand-ins), so saving the same TreeModel again (a checkpoint every N steps) reuses it and writes
+# only the new weights, instead of tracing the whole graph again (seconds even for a tiny model).
+_REEXPORTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _reexport(tmodel, tensors: dict, kinds: dict, tied: dict, non_persistent: set):
+    """The rewritten graph exported over stand-ins of ``tensors`` (no second weight copy)."""
+    prog = tmodel.program
+    key = (id(prog), id(prog.graph_module), prog.graph_module.code, tuple(prog.tree_inputs), prog.conv_width,
+           tuple((k, kinds[k], tuple(v.shape), v.dtype, v.device) for k, v in tensors.items()),
+           tuple(sorted(tied.items())), tuple(sorted(non_persistent)))
+    hit = _REEXPORTED.get(tmodel)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    stand = {k: _stand_in(v.detach()) for k, v in tensors.items() if k not in tied}
+    stand = {k: stand[tied.get(k, k)] for k in tensors}  # aliases share their stand-in
+    holder = _Holder(tmodel, stand, kinds, non_persistent)
+    for p in holder.parameters():
+        p.requires_grad_(True)
+    ids, tree_inputs, dyn = _example(tmodel)
+    try:
+        ep = torch.export.export(holder, (ids, tree_inputs), dynamic_shapes=dyn, strict=False)
+    except Exception as e:
+        raise RuntimeError(f"re-exporting the rewritten graph failed: {type(e).__name__}: "
+                           f"{str(e).splitlines()[0] if str(e) else ''}") from e
+    _REEXPORTED[tmodel] = (key, ep)
+    return ep
+
+
 def save(tmodel, directory: str | os.PathLike, *, manifest_extra: dict | None = None,
          overwrite: bool = False) -> Path:
     """Write ``tmodel`` (a :class:`TreeModel`) to ``directory``: program.pt2, model.safetensors, manifest.json.
@@ -217,18 +249,7 @@ def save(tmodel, directory: str | os.PathLike, *, manifest_extra: dict | None = 
             first[id(v)] = k
     weights = {k: v.detach().cpu().contiguous() for k, v in tensors.items() if k not in tied}
 
-    # re-export the rewritten graph with the weights swapped for stand-ins (no second weight copy)
-    stand = {k: _stand_in(v.detach()) for k, v in tensors.items() if k not in tied}
-    stand = {k: stand[tied.get(k, k)] for k in tensors}  # aliases share their stand-in
-    holder = _Holder(tmodel, stand, kinds, non_persistent)
-    for p in holder.parameters():
-        p.requires_grad_(True)
-    ids, tree_inputs, dyn = _example(tmodel)
-    try:
-        ep = torch.export.export(holder, (ids, tree_inputs), dynamic_shapes=dyn, strict=False)
-    except Exception as e:
-        raise RuntimeError(f"re-exporting the rewritten graph failed: {type(e).__name__}: "
-                           f"{str(e).splitlines()[0] if str(e) else ''}") from e
+    ep = _reexport(tmodel, tensors, kinds, tied, non_persistent)
     phs = [s.arg.name for s in ep.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
     expected = ["input_ids"] + [f"tree_{n}" for n in tmodel.program.tree_inputs]
     if phs != expected:  # the loader relies on this order

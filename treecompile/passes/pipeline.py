@@ -86,13 +86,19 @@ class UnverifiedGraphWarning(UserWarning):
     """The token-locality verifier was disabled: nothing shows that the graph reads only its path."""
 
 
-def run_passes(gm: fx.GraphModule, ctx: PassContext, *, disable: tuple[str, ...] = (),
-               debug: bool = False, passes: list[tuple[str, PassFn]] | None = None) -> dict[str, PassResult]:
+def check_disable(disable: tuple[str, ...], passes: list[tuple[str, PassFn]] | None = None) -> None:
+    """ValueError naming the entries of ``disable`` that are not passes of ``passes`` (default: PASSES)."""
     passes = PASSES if passes is None else passes
     unknown = set(disable) - {name for name, _ in passes}
     if unknown:
         raise ValueError(f"disable: unknown pass name(s) {sorted(unknown)}; passes are "
                          f"{[name for name, _ in passes]}")
+
+
+def run_passes(gm: fx.GraphModule, ctx: PassContext, *, disable: tuple[str, ...] = (),
+               debug: bool = False, passes: list[tuple[str, PassFn]] | None = None) -> dict[str, PassResult]:
+    passes = PASSES if passes is None else passes
+    check_disable(disable, passes)
     if VERIFIER in disable:
         warnings.warn(f"disable={tuple(disable)!r} turns off {VERIFIER}: the rewritten graph is UNVERIFIED; an op "
                       f"that mixes tokens along the sequence would read other branches of the tree and train "

@@ -24,6 +24,7 @@ table (:func:`~treecompile.passes.token_axis_compute.rule_for`).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import sympy
@@ -167,9 +168,14 @@ def elementwise(c: Op) -> set[int]:
     return out
 
 
+# sympy.simplify is a pure function of an immutable expression and costs milliseconds a call; the
+# same few shape expressions recur in every layer (and every compile), so it is memoized.
+_simplify = functools.lru_cache(maxsize=4096)(sympy.simplify)
+
+
 def _whole(e, T) -> bool:
     """``e`` is a positive integer that does not depend on the sequence length."""
-    e = sympy.simplify(e)
+    e = _simplify(e)
     return T.free_symbols.isdisjoint(e.free_symbols) and bool(e.is_integer) and bool(e.is_positive)
 
 
@@ -184,10 +190,10 @@ def reshape(c: Op) -> set[int]:
         outer, inner = c.layout(x)
         pre, post = prod(ins[:d]) * outer, inner * prod(ins[d + 1:])
         for j in range(len(outs)):
-            o = sympy.simplify(pre / prod(outs[:j]))
+            o = _simplify(pre / prod(outs[:j]))
             if not _whole(o, c.T):
                 continue
-            i = sympy.simplify(expr(outs[j]) / (o * c.T))
+            i = _simplify(expr(outs[j]) / (o * c.T))
             if _whole(i, c.T) and sympy.expand(i * prod(outs[j + 1:]) - post) == 0:
                 res.add(j)
                 c.new_layout = (o, i)
