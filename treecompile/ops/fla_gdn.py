@@ -6,7 +6,10 @@ varlen calls of fla's ``chunk_gated_delta_rule`` (``cu_seqlens``, one ``initial_
 ``output_final_state=True``) planned by :func:`plan_calls`: single-child chains merged into one segment,
 short parents replayed in front of their children, and every segment whose starting state is known in
 the same call (ready sets), so a layer costs ``plan.calls`` fla calls forward and as many backward
-(``<=`` the tree levels; ``benchmarks/hybrid_bench.py`` counts both).  The inputs are gathered once per
+(``<=`` the tree levels; ``benchmarks/hybrid_bench.py`` counts both).  By default :func:`cheapest_plan`
+picks how much to replay: a call costs ~4.5 ms of host time on H100 whatever its size, a replayed row a
+fraction of a microsecond, so the plan of least ``calls * call_cost_rows + rows`` wins.  Each call gets
+its chunk indices from the plan (made on the host once per batch: fla would sync the host to derive them).  The inputs are gathered once per
 layer into call order (each call reads a contiguous slice), the outputs scattered back once; the
 starting states are gathered with ``index_select`` from the previous call's final states, so autograd
 (fla's own backward, which returns gradients for initial states and takes them for final states)
@@ -49,7 +52,7 @@ COMPUTE_DTYPE: torch.dtype | None = None
 # ``calls * CALL_COST_ROWS + rows``).  Measured on one H100 (torch 2.11, triton 3.6, fla 0.6, tilelang 0.1.15;
 # bf16, 16 q/k and 16 v heads of 128; benchmarks/hybrid_bench.py): a layer's fwd+bwd costs ~4.5 ms per call
 # whatever its size, with no host sync left (host-side work of fla's ~20 kernels per call), and ~0.31 us per
-# row (one call over 16,384 rows: 5.1 ms), i.e. a call costs as much as ~14,700 rows.  Replaying a short parent
+# row (one call over 16,384 rows: 4.0-5.1 ms on two machines), i.e. a call costs as much as ~13-15k rows.  Replaying a short parent
 # in front of its children (rows) is therefore far cheaper than waiting one more call for its final state.
 # A row's GPU cost grows with the layer's state size (v heads x Dk x Dv), a call's host cost does not:
 # :func:`call_cost_rows` scales the measured figure from that layer's width to the caller's.
@@ -60,6 +63,7 @@ CALL_COST_WIDTH = 16 * 128 * 128  # Hv * Dk * Dv of the layer CALL_COST_ROWS was
 def call_cost_rows(Hv: int, Dk: int, Dv: int) -> int:
     """:data:`CALL_COST_ROWS` for a GDN layer of ``Hv`` value heads and head dims ``Dk``, ``Dv``."""
     return max(1, round(CALL_COST_ROWS * CALL_COST_WIDTH / max(1, Hv * Dk * Dv)))
+
 
 # cap on replayed rows for an explicit ``replay_max`` (a fraction of the tokens; :func:`plan_calls`)
 REPLAY_FRACTION = 0.05
