@@ -212,13 +212,21 @@ class _Packed:
     kernel_options = None
 
 
-def _document_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    if q.device.type == "cuda":
-        from torch.nn.attention.flex_attention import flex_attention
+def document_sdpa(holder):
+    """An SDPA replacement that ignores the model's causal mask and applies ``holder.mask`` (the current
+    pack's document mask: a BlockMask for flex on CUDA with ``holder.kernel_options``, a dense bool mask on
+    CPU).  Used by the packed baselines here and in ``hybrid_baselines``."""
+    def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if q.device.type == "cuda":
+            from torch.nn.attention.flex_attention import flex_attention
 
-        return flex_attention(q, k, v, block_mask=_Packed.mask, scale=scale, enable_gqa=enable_gqa,
-                              kernel_options=_Packed.kernel_options)
-    return _ORIG_SDPA(q, k, v, attn_mask=_Packed.mask, scale=scale, enable_gqa=enable_gqa)
+            return flex_attention(q, k, v, block_mask=holder.mask, scale=scale, enable_gqa=enable_gqa,
+                                  kernel_options=holder.kernel_options)
+        return _ORIG_SDPA(q, k, v, attn_mask=holder.mask, scale=scale, enable_gqa=enable_gqa)
+    return sdpa
+
+
+_document_sdpa = document_sdpa(_Packed)
 
 
 _ORIG_SDPA = F.scaled_dot_product_attention

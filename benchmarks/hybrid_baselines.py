@@ -157,18 +157,6 @@ def _varlen_gdn_reference(orig):
     return call
 
 
-def _document_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    if q.device.type == "cuda":
-        from torch.nn.attention.flex_attention import flex_attention
-
-        return flex_attention(q, k, v, block_mask=Pack.mask, scale=scale, enable_gqa=enable_gqa,
-                              kernel_options=Pack.kernel_options)
-    return _ORIG_SDPA(q, k, v, attn_mask=Pack.mask, scale=scale, enable_gqa=enable_gqa)
-
-
-_ORIG_SDPA = F.scaled_dot_product_attention
-
-
 def _fa4_probe(model, dev) -> str | None:
     """None if FA4 varlen causal runs fwd+bwd with the model's attention head shape here, else why not."""
     from treecompile.ops.fa4_tree_attention import fa4_unusable_reason
@@ -258,7 +246,11 @@ def packed_fla_varlen(steps, capacity: int):
             from fa4_baselines import Varlen, fa4_varlen_sdpa
         sdpa = fa4_varlen_sdpa
     else:
-        Varlen, sdpa = None, _document_sdpa
+        try:
+            from benchmarks.harness import document_sdpa
+        except ImportError:
+            from harness import document_sdpa
+        Varlen, sdpa = None, document_sdpa(Pack)
 
     def loss_fn_packed(ids, targets, same):
         logits = _upcast(model(ids[None])[0])

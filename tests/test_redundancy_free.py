@@ -22,7 +22,7 @@ from treecompile.ops.tree_attention import tree_attention_reference
 from treecompile.passes import PassError
 from treecompile.runtime.partition import partition_redundancy_free
 from treecompile.runtime.redundancy_free import run_redundancy_free
-from helpers import cached_compile, cached_model, tiny_dense
+from helpers import cached_compile, cached_model, tiny_dense, xfail_fp32_capture_on_cuda
 from strategies import ODD_TREES, weighted_path_sets
 
 import treecompile.ops.tree_attention_boundary  # noqa: F401  (registers the ops)
@@ -321,10 +321,7 @@ def test_padded_partitions_equal_whole_tree(which, dense, hybrid, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.xfail(strict=True, raises=Exception, reason=(
-    "H100, torch 2.11 (session 6): torch.export refuses DenseForCausalLM in float32 on CUDA at every head_dim tried "
-    "(16, 128): a length guard from its causal SDPA (Ne(Min(128*s, 256*s), 1024*s)); not under sdpa_kernel(MATH) "
-    "either. bf16 models capture (harness, benchmarks/redundancy_free_cuda.py)"))
+@xfail_fp32_capture_on_cuda()
 @pytest.mark.parametrize("compile_cuda", [False, True], ids=["eager_graph", "compiled_graph"])
 def test_cuda_partitions_equal_whole_tree(compile_cuda):
     """On CUDA (float32): partitions through the flex boundary kernel, padded to buckets, == the whole tree."""

@@ -150,7 +150,7 @@ class FlaPlan:
 
 
 def plan_calls(node_start: Tensor, node_end: Tensor, node_parent: Tensor, *, replay_max: int = 0,
-               max_replay_fraction: float | None = None, device: torch.device | None = None) -> FlaPlan:
+               max_replay_fraction: float | None = None) -> FlaPlan:
     """Group the radix nodes into as few varlen calls as the recurrence allows, exactly.
 
     1. Chains: a node whose parent has it as its only child and ends where it starts (DFS-adjacent)
@@ -174,7 +174,7 @@ def plan_calls(node_start: Tensor, node_end: Tensor, node_parent: Tensor, *, rep
     while True:
         sched = _schedule(segs, replay_max)
         if max_replay_fraction is None or replay_max <= 0 or sched.rows - segs.tokens <= max_replay_fraction * segs.tokens:
-            return _materialize(segs, sched, node_start.device if device is None else device)
+            return _materialize(segs, sched, node_start.device)
         replay_max //= 2
 
 
