@@ -46,8 +46,9 @@ def _all(outs, params, cot):
 
 @pytest.mark.parametrize("chunk", [1, 7, 16, 100])
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_logprobs_entropy_equals_softmax_entropy_float64(chunk, bias):
-    h, W, b, t, cot = _inputs(16, 8, 50, torch.float64, bias)
+@pytest.mark.parametrize("N,V", [(16, 50), (60, 20)])  # backward over vocabulary slices / over row chunks
+def test_linear_logprobs_entropy_equals_softmax_entropy_float64(chunk, bias, N, V):
+    h, W, b, t, cot = _inputs(N, 8, V, torch.float64, bias)
     params = [x for x in (h, W, b) if x is not None]
     got = _all(linear_logprobs(h, W, b, t, chunk, True), params, cot)
 
@@ -197,7 +198,7 @@ _INTERPRETED = textwrap.dedent("""
     torch.manual_seed(0)
     worst = {}
     for N, V, chunk, bias, dtype in [(7, 5000, 3, True, torch.bfloat16), (5, 4097, 5, False, torch.float16),
-                                     (4, 300, 4, False, torch.bfloat16)]:
+                                     (4, 300, 4, False, torch.bfloat16), (40, 30, 7, True, torch.bfloat16)]:
         D = 16
         h = (torch.randn(N, D, dtype=torch.float64) * 1.5).to(dtype).requires_grad_()
         W = (torch.randn(V, D, dtype=torch.float64) * 1.5).to(dtype).requires_grad_()
@@ -233,7 +234,8 @@ def test_triton_head_in_interpreter_matches_reference_op():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device (and triton)")
-@pytest.mark.parametrize("N,V,chunk,bias", [(1000, 151936, 441, False), (257, 5000, 100, True), (3, 4097, 2, False)])
+@pytest.mark.parametrize("N,V,chunk,bias", [(1000, 151936, 441, False), (257, 5000, 100, True), (3, 4097, 2, False),
+                                           (3000, 1000, 128, True)])
 def test_triton_head_entropy_vs_torch_path_and_fp64(N, V, chunk, bias):
     """On GPU: the Triton head's log-probs, entropies and gradients against the fp64 oracle, within
     twice the reference op's own error plus half an ulp of bf16."""

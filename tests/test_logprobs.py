@@ -43,10 +43,32 @@ def _grads(fn, h, W, b, glp, glse):
 
 @pytest.mark.parametrize("chunk", [1, 7, 16, 100])
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_logprobs_equals_log_softmax_float64(chunk, bias):
-    h, W, b, t, glp, glse = _inputs(16, 8, 50, torch.float64, "cpu", bias)
+@pytest.mark.parametrize("N,V", [(16, 50), (60, 20)])  # backward over vocabulary slices / over row chunks
+def test_linear_logprobs_equals_log_softmax_float64(chunk, bias, N, V):
+    h, W, b, t, glp, glse = _inputs(N, 8, V, torch.float64, "cpu", bias)
     got = _grads(lambda: linear_logprobs(h, W, b, t, chunk), h, W, b, glp, glse)
     want = _grads(lambda: _dense(h, W, b, t), h, W, b, glp, glse)
+    for name, a, w in zip(("lp", "lse", "dh", "dW", "db"), got, want):
+        assert torch.allclose(a, w, rtol=1e-12, atol=1e-12), name
+
+
+def test_backward_axis_keeps_the_smaller_accumulator(monkeypatch):
+    """``vocab_slice``: slices when N < V and more than one row chunk, at the same logits budget; the
+    sliced backward really runs (it is the only caller of ``chunk_dlogits`` with ``col0``) and every
+    target is scattered once whether or not it falls in the first slice."""
+    assert lpmod.vocab_slice(16, 50, 7) == 7 * 50 // 16
+    assert lpmod.vocab_slice(16, 50, 16) is None  # one row chunk: nothing accumulates
+    assert lpmod.vocab_slice(60, 20, 7) is None  # dW [V, D] is the smaller accumulator
+    assert lpmod.vocab_slice(16384, 248320, 270) == 270 * 248320 // 16384
+    assert lpmod.vocab_slice(3, 10**6, 1) == 10**6 // 3
+    cols = []
+    real = lpmod.chunk_dlogits
+    monkeypatch.setattr(lpmod, "chunk_dlogits", lambda *a, **k: (cols.append(k.get("col0")), real(*a, **k))[1])
+    h, W, b, t, glp, glse = _inputs(16, 8, 50, torch.float64, "cpu", True)
+    t[0], t[1] = 0, 49  # the first and the last column
+    got = _grads(lambda: linear_logprobs(h, W, b, t, 3), h, W, b, glp, glse)
+    want = _grads(lambda: _dense(h, W, b, t), h, W, b, glp, glse)
+    assert cols == list(range(0, 50, 3 * 50 // 16))
     for name, a, w in zip(("lp", "lse", "dh", "dW", "db"), got, want):
         assert torch.allclose(a, w, rtol=1e-12, atol=1e-12), name
 
@@ -62,7 +84,8 @@ def test_reference_op_is_pure_torch():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device (and triton)")
-@pytest.mark.parametrize("N,V,chunk,bias", [(1000, 151936, 441, False), (257, 5000, 100, True), (3, 4097, 2, False)])
+@pytest.mark.parametrize("N,V,chunk,bias", [(1000, 151936, 441, False), (257, 5000, 100, True), (3, 4097, 2, False),
+                                           (3000, 1000, 128, True)])
 def test_triton_row_kernels_vs_torch_path_and_fp64(N, V, chunk, bias):
     from treecompile.ops import logprobs_triton
 
