@@ -46,7 +46,7 @@ def _all(outs, params, cot):
 
 @pytest.mark.parametrize("chunk", [1, 7, 16, 100])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("N,V", [(16, 50), (60, 20)])  # backward over vocabulary slices / over row chunks
+@pytest.mark.parametrize("N,V", [(16, 50), (60, 20)])  # fewer / more rows than the vocabulary
 def test_linear_logprobs_entropy_equals_softmax_entropy_float64(chunk, bias, N, V):
     h, W, b, t, cot = _inputs(N, 8, V, torch.float64, bias)
     params = [x for x in (h, W, b) if x is not None]
@@ -198,7 +198,8 @@ _INTERPRETED = textwrap.dedent("""
     torch.manual_seed(0)
     worst = {}
     for N, V, chunk, bias, dtype in [(7, 5000, 3, True, torch.bfloat16), (5, 4097, 5, False, torch.float16),
-                                     (4, 300, 4, False, torch.bfloat16), (40, 30, 7, True, torch.bfloat16)]:
+                                     (4, 300, 4, False, torch.bfloat16), (40, 30, 7, True, torch.bfloat16),
+                                     (9, 300, 0, True, torch.bfloat16)]:  # 0: the op picks
         D = 16
         h = (torch.randn(N, D, dtype=torch.float64) * 1.5).to(dtype).requires_grad_()
         W = (torch.randn(V, D, dtype=torch.float64) * 1.5).to(dtype).requires_grad_()

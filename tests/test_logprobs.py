@@ -43,7 +43,7 @@ def _grads(fn, h, W, b, glp, glse):
 
 @pytest.mark.parametrize("chunk", [1, 7, 16, 100])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("N,V", [(16, 50), (60, 20)])  # backward over vocabulary slices / over row chunks
+@pytest.mark.parametrize("N,V", [(16, 50), (60, 20)])  # fewer / more rows than the vocabulary
 def test_linear_logprobs_equals_log_softmax_float64(chunk, bias, N, V):
     h, W, b, t, glp, glse = _inputs(N, 8, V, torch.float64, "cpu", bias)
     got = _grads(lambda: linear_logprobs(h, W, b, t, chunk), h, W, b, glp, glse)
@@ -52,25 +52,25 @@ def test_linear_logprobs_equals_log_softmax_float64(chunk, bias, N, V):
         assert torch.allclose(a, w, rtol=1e-12, atol=1e-12), name
 
 
-def test_backward_axis_keeps_the_smaller_accumulator(monkeypatch):
-    """``vocab_slice``: slices when N < V and more than one row chunk, at the same logits budget; the
-    sliced backward really runs (it is the only caller of ``chunk_dlogits`` with ``col0``) and every
-    target is scattered once whether or not it falls in the first slice."""
-    assert lpmod.vocab_slice(16, 50, 7) == 7 * 50 // 16
-    assert lpmod.vocab_slice(16, 50, 16) is None  # one row chunk: nothing accumulates
-    assert lpmod.vocab_slice(60, 20, 7) is None  # dW [V, D] is the smaller accumulator
-    assert lpmod.vocab_slice(16384, 248320, 270) == 270 * 248320 // 16384
-    assert lpmod.vocab_slice(3, 10**6, 1) == 10**6 // 3
-    cols = []
-    real = lpmod.chunk_dlogits
-    monkeypatch.setattr(lpmod, "chunk_dlogits", lambda *a, **k: (cols.append(k.get("col0")), real(*a, **k))[1])
+def test_chunk_zero_is_the_ops_default_and_bad_chunks_are_refused():
+    """``rewrite_loss`` writes chunk 0 when the user sets no ``logits_chunk``: each head op then runs its own
+    default (same values and gradients as that chunk given explicitly); a negative chunk raises rather than
+    looping over nothing, and ``compile`` refuses a bad ``logits_chunk`` before capturing anything."""
+    import treecompile
+    from treecompile.models import DenseConfig, DenseForCausalLM
+
+    assert lpmod.resolve_chunk(0, 50) == lpmod.default_chunk(50) and lpmod.resolve_chunk(7, 50) == 7
+    assert lpmod.resolve_chunk(0, 151936, 1 << 30) == (1 << 30) // (4 * 151936)
     h, W, b, t, glp, glse = _inputs(16, 8, 50, torch.float64, "cpu", True)
-    t[0], t[1] = 0, 49  # the first and the last column
-    got = _grads(lambda: linear_logprobs(h, W, b, t, 3), h, W, b, glp, glse)
-    want = _grads(lambda: _dense(h, W, b, t), h, W, b, glp, glse)
-    assert cols == list(range(0, 50, 3 * 50 // 16))
-    for name, a, w in zip(("lp", "lse", "dh", "dW", "db"), got, want):
-        assert torch.allclose(a, w, rtol=1e-12, atol=1e-12), name
+    got = _grads(lambda: linear_logprobs(h, W, b, t, 0), h, W, b, glp, glse)
+    want = _grads(lambda: linear_logprobs(h, W, b, t, lpmod.default_chunk(50)), h, W, b, glp, glse)
+    assert all(torch.equal(a, w) for a, w in zip(got, want))
+    with pytest.raises(ValueError, match="chunk must be >= 0"):
+        linear_logprobs(h, W, b, t, -3)
+    model = DenseForCausalLM(DenseConfig.tiny())
+    for bad in (-1, 0, True, 2.5):
+        with pytest.raises(ValueError, match="logits_chunk must be a positive number of rows"):
+            treecompile.compile(model, logits_chunk=bad)
 
 
 def test_reference_op_is_pure_torch():

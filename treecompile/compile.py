@@ -81,6 +81,10 @@ class TreeModel(nn.Module):
         options = CudaOptions(compile_cuda=compile_cuda, bucket=bucket, gdn_kernel=gdn_kernel,
                               attention_kernel=attention_kernel, attention_layout=attention_layout)
         check_disable(disable, BOUNDARY_PASSES if boundary else None)  # a misspelt pass name: before the capture
+        if logits_chunk is not None and (isinstance(logits_chunk, bool) or not isinstance(logits_chunk, int)
+                                         or logits_chunk < 1):
+            raise ValueError(f"logits_chunk must be a positive number of rows or None (the head picks), "
+                             f"got {logits_chunk!r}")
         captured: Captured = capture(model, swaps=swaps)
         ep = captured.program
         if ep.graph_signature.buffers_to_mutate:
@@ -255,7 +259,9 @@ def compile(model=None, *, disable: tuple[str, ...] = (), debug: bool = False,  
     Args:
         disable: pass names to skip (see ``treecompile.passes.pipeline``).
         debug: log each pass's time and what it changed.
-        logits_chunk: rows of logits per chunk in the fused loss (default: ~256 MiB of float32).
+        logits_chunk: rows of logits per chunk in the fused loss (default: the head op picks at run time,
+            ``ops.logprobs.default_chunk``: ~256 MiB of float32 logits in the torch head, ~1 GiB of
+            float32-equivalent (512 MiB of bf16 logits) in the CUDA Triton head).
         compile_cuda: on CUDA, run the graph under ``torch.compile`` (else eagerly, flex compiled).
         bucket: on CUDA, pad sequence lengths to buckets (bounded recompiles).
         boundary: build the partition graph that takes and returns a partition's boundary tensors,

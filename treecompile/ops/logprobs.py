@@ -1,18 +1,10 @@
 """``treecompile::linear_logprobs``: fused lm_head + log-softmax + gather (+ entropy), chunked over tokens.
 
-``logprobs[i] = log_softmax(h[i] @ W.T (+ b))[targets[i]]`` computed ``chunk`` rows at a time, so
-at most ``[chunk, V]`` logits exist at once (in float32, or float64 for a float64 model), in forward
+``logprobs[i] = log_softmax(h[i] @ W.T (+ b))[targets[i]]`` computed ``chunk`` rows at a time (``chunk``
+0: the op's own default, :func:`resolve_chunk`), so at most ``[chunk, V]`` logits exist at once (in float32, or float64 for a float64 model), in forward
 and backward alike (the backward recomputes each chunk's logits from the saved log-sum-exp).
 With ``entropy=True`` the same chunks also give ``entropy[i] = -sum_v p[i, v] log p[i, v]`` of the
 row's softmax ``p``, and its gradient (``d entropy / d logits = -p * (logits - sum_v p logits)``).
-
-The backward runs over row chunks or over vocabulary slices, whichever keeps the smaller float32
-accumulator (:func:`vocab_slice`): over ``chunk`` rows at a time, ``dW [V, D]`` is read and written
-once per chunk; over ``[N, vocab_slice]`` logits at a time (the same number of elements), each slice
-of ``dW`` is written once by one GEMM over all ``N`` rows and ``dh [N, D]`` is what accumulates.  With a
-150k-250k vocabulary and 16k tokens the second moves ~10x fewer bytes (the first was ~20 % of a
-hybrid tree step on an H100).  Both give the same sums (each entry of ``dW`` and ``dh`` is summed in
-the accumulation dtype and rounded once).
 Shapes: ``h [N, D]``, ``W [V, D]``, optional ``b [V]``, ``targets [N]`` int64; returns
 ``(logprobs [N], lse [N], entropy [N] or [0])``.
 
@@ -26,25 +18,25 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["linear_logprobs", "gather_logprobs", "default_chunk", "vocab_slice", "chunk_logits", "chunk_stats",
-           "chunk_dlogits", "accumulate_product", "accumulate_weight_grad"]
+__all__ = ["linear_logprobs", "gather_logprobs", "default_chunk", "resolve_chunk", "chunk_logits", "chunk_stats", "chunk_dlogits",
+           "accumulate_weight_grad"]
 
 
-def default_chunk(vocab: int, budget_bytes: int = 1 << 28) -> int:
+DEFAULT_BUDGET = 1 << 28  # bytes of float32 logits per chunk in this (torch) head
+
+
+def default_chunk(vocab: int, budget_bytes: int = DEFAULT_BUDGET) -> int:
     """Rows per chunk so that one chunk of float32 logits stays under ``budget_bytes``."""
     return max(1, budget_bytes // (4 * max(vocab, 1)))
 
 
-def vocab_slice(n_rows: int, vocab: int, chunk: int) -> int | None:
-    """Columns per backward slice when the backward should run over vocabulary slices, else None.
-
-    Row chunks accumulate ``dW [V, D]`` (read + written once per chunk), vocabulary slices accumulate
-    ``dh [N, D]``; at the same logits budget (``chunk * V`` elements) both take the same number of
-    steps, so the smaller accumulator wins: slices when ``N < V``.  One chunk of rows (``N <= chunk``)
-    needs no accumulation at all and keeps the row loop."""
-    if n_rows <= chunk or n_rows >= vocab:
-        return None
-    return max(1, chunk * vocab // n_rows)
+def resolve_chunk(chunk: int, vocab: int, budget_bytes: int = DEFAULT_BUDGET) -> int:
+    """The rows per chunk an op runs with: ``chunk`` as given, or with ``chunk == 0`` (what
+    ``rewrite_loss`` writes when the user set no ``logits_chunk``) the op's own default for
+    ``budget_bytes``, so a saved program gets the chunk of the head that runs it."""
+    if chunk < 0:
+        raise ValueError(f"linear_logprobs: chunk must be >= 0 (0: the op's default), got {chunk}")
+    return chunk if chunk > 0 else default_chunk(vocab, budget_bytes)
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -57,24 +49,18 @@ def chunk_logits(h, W, b):
     return logits if b is None else logits + b
 
 
-def accumulate_product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``out += a @ b`` with ``out`` in the accumulation dtype and ``a``, ``b`` in the model's.
-
-    On CUDA with bf16/fp16 operands the GEMM accumulates straight into the float32 ``out`` (cuBLAS
-    epilogue with beta=1, ``addmm(out_dtype=float32)``): no product in the model's dtype, no upcast
-    copy and no separate add per chunk (those three passes over ``V x H`` cost ~16 % of a Qwen3-1.7B
-    tree step at 16k tokens on an H100).  Elsewhere: product, upcast, add.
-    """
-    if out.is_cuda and out.dtype == torch.float32 and a.dtype in (torch.bfloat16, torch.float16):
-        torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
-    else:
-        out += (a @ b).to(out.dtype)
-
-
 def accumulate_weight_grad(gW: torch.Tensor, dl: torch.Tensor, hc: torch.Tensor) -> None:
-    """``gW += dl.T @ hc`` (:func:`accumulate_product`): one row chunk's share of the head's weight
-    gradient."""
-    accumulate_product(gW, dl.t(), hc)
+    """``gW += dl.T @ hc`` with ``gW`` in the accumulation dtype and ``dl``, ``hc`` in the model's.
+
+    On CUDA with bf16/fp16 operands the GEMM accumulates straight into the float32 ``gW`` (cuBLAS
+    epilogue with beta=1, ``addmm(out_dtype=float32)``): no ``[V, H]`` product in the model's dtype,
+    no upcast copy and no separate add per chunk (those three passes over ``V x H`` cost ~16 % of a
+    Qwen3-1.7B tree step at 16k tokens on an H100).  Elsewhere: product, upcast, add.
+    """
+    if gW.is_cuda and gW.dtype == torch.float32 and dl.dtype in (torch.bfloat16, torch.float16):
+        torch.addmm(gW, dl.t(), hc, out_dtype=torch.float32, out=gW)
+    else:
+        gW += (dl.t() @ hc).to(gW.dtype)
 
 
 def chunk_stats(logits: torch.Tensor, targets: torch.Tensor, entropy: bool):
@@ -96,24 +82,17 @@ def chunk_stats(logits: torch.Tensor, targets: torch.Tensor, entropy: bool):
     return lp, lse, log_a - (e * z).sum(-1) / a
 
 
-def chunk_dlogits(logits, targets, lse, g, gl, ent=None, ge=None, col0: int | None = None):
+def chunk_dlogits(logits, targets, lse, g, gl, ent=None, ge=None):
     """d(loss)/d(logits) of one upcast chunk given the gradients of its log-probs ``g``, log-sum-exps
     ``gl`` and entropies ``ge`` (``[n]`` each; ``ge`` None: the entropy is not differentiated).
 
-    ``logits`` are whole rows, or with ``col0`` the vocabulary columns ``col0 .. col0 + width`` of
-    each row (a row's target may lie outside them).
     ``d lp / d x = onehot - p``, ``d lse / d x = p``, ``d H / d x = -p (x - lse + H)``."""
     p = torch.exp(logits - lse[:, None])
     coef = (gl - g)[:, None]
     if ge is not None:
         coef = coef - ge[:, None] * (logits - lse[:, None] + ent[:, None])
     d = p * coef
-    if col0 is None:
-        d.scatter_add_(-1, targets[:, None], g[:, None])
-    else:
-        local = targets - col0
-        inside = (local >= 0) & (local < logits.shape[1])
-        d.scatter_add_(-1, local.clamp(0, logits.shape[1] - 1)[:, None], torch.where(inside, g, 0)[:, None])
+    d.scatter_add_(-1, targets[:, None], g[:, None])
     return d
 
 
@@ -127,6 +106,7 @@ def linear_logprobs(h: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None, ta
     """Returns ``(logprobs [N], lse [N], entropy [N] if entropy else [0])``; ``lse`` is kept for the
     backward."""
     N = h.shape[0]
+    chunk = resolve_chunk(chunk, W.shape[0])
     acc = _acc_dtype(h.dtype)
     lp = torch.empty(N, dtype=acc, device=h.device)
     lse = torch.empty(N, dtype=acc, device=h.device)
@@ -149,7 +129,7 @@ def _(h, W, b, targets, chunk, entropy=False):
 def _setup(ctx, inputs, output):
     h, W, b, targets, chunk, *rest = inputs
     ctx.save_for_backward(h, W, b, targets, output[1], output[2])
-    ctx.chunk = chunk
+    ctx.chunk = resolve_chunk(chunk, W.shape[0])
     ctx.has_bias = b is not None
     ctx.entropy = bool(rest[0]) if rest else False
 
@@ -174,9 +154,6 @@ def _backward(ctx, grad_lp, grad_lse, grad_ent):
     # the grad of a sum is an expanded view: make the per-row vectors real
     g_all, gl_all = grad_lp.to(acc).contiguous(), grad_lse.to(acc).contiguous()
     ge_all = None if grad_ent is None else grad_ent.to(acc).contiguous()
-    width = vocab_slice(h.shape[0], W.shape[0], ctx.chunk)
-    if width is not None:
-        return _backward_vocab_slices(h, W, b, targets, lse, ent, g_all, gl_all, ge_all, width)
     for s, (hc, t, l, g, gl, e, ge) in _slices(h.shape[0], ctx.chunk, h, targets, lse, g_all, gl_all, ent, ge_all):
         dlogits = chunk_dlogits(chunk_logits(hc, W, b).to(acc), t, l, g, gl, e, ge)
         dl = dlogits.to(h.dtype)
@@ -185,25 +162,6 @@ def _backward(ctx, grad_lp, grad_lse, grad_ent):
         if gb is not None:
             gb += dlogits.sum(0)
     return gh, gW.to(W.dtype), (gb.to(b.dtype) if gb is not None else None), None, None, None
-
-
-def _backward_vocab_slices(h, W, b, targets, lse, ent, g, gl, ge, width):
-    """The backward over ``[N, width]`` vocabulary slices: each slice of ``dW`` (and ``db``) is one
-    product over all rows, ``dh`` accumulates (see the module docstring)."""
-    acc = _acc_dtype(h.dtype)
-    gh = torch.zeros(h.shape, dtype=acc, device=h.device)
-    gW = torch.empty_like(W)
-    gb = torch.empty_like(b) if b is not None else None
-    for v0 in range(0, W.shape[0], width):
-        Wc = W[v0:v0 + width]
-        bc = None if b is None else b[v0:v0 + width]
-        dlogits = chunk_dlogits(chunk_logits(h, Wc, bc).to(acc), targets, lse, g, gl, ent, ge, col0=v0)
-        dl = dlogits.to(h.dtype)
-        gW[v0:v0 + width] = dl.t() @ h
-        accumulate_product(gh, dl, Wc)
-        if gb is not None:
-            gb[v0:v0 + width] = dlogits.sum(0)
-    return gh.to(h.dtype), gW, gb, None, None, None
 
 
 linear_logprobs.register_autograd(_backward, setup_context=_setup)
@@ -215,6 +173,7 @@ def gather_logprobs(logits: torch.Tensor, targets: torch.Tensor, chunk: int,
     """``log_softmax(logits)[i, targets[i]]`` for already materialised ``logits [N, V]``, upcast one
     chunk of rows at a time.  Returns ``(logprobs [N], lse [N], entropy [N] if entropy else [0])``."""
     N = logits.shape[0]
+    chunk = resolve_chunk(chunk, logits.shape[-1])
     acc = _acc_dtype(logits.dtype)
     lp = torch.empty(N, dtype=acc, device=logits.device)
     lse = torch.empty(N, dtype=acc, device=logits.device)
@@ -237,7 +196,7 @@ def _(logits, targets, chunk, entropy=False):
 def _setup_g(ctx, inputs, output):
     logits, targets, chunk, *rest = inputs
     ctx.save_for_backward(logits, targets, output[1], output[2])
-    ctx.chunk = chunk
+    ctx.chunk = resolve_chunk(chunk, logits.shape[-1])
     ctx.entropy = bool(rest[0]) if rest else False
 
 

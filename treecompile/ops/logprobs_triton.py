@@ -9,9 +9,7 @@ runs as Triton row kernels on the chunk's bf16/fp16 logits, in float32:
   ``lse = m + log(a)``, ``lp = x[target] - lse`` and ``entropy = log(a) - s / a``;
 - backward ``_dlogits_kernel`` (op ``treecompile::linear_logprobs_triton_backward``): one read and
   one write of each row, ``d = p (grad_lse - grad_lp - grad_ent (x - lse + entropy)) + [col == target]
-  grad_lp`` written over the recomputed logits; over whole rows of a row chunk, or over the columns
-  ``col0 ..`` of every row when the backward runs over vocabulary slices (``vocab_slice``: the same
-  rule, and the same accumulators, as the reference op).
+  grad_lp`` written over the recomputed logits.
 
 Both are opaque ops (fake implementations for tracing), so under ``torch.compile`` forward and backward
 run the same kernels as eagerly.  The CUDA lowering (not this module) decides where this op replaces
@@ -22,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from treecompile.ops.logprobs import accumulate_product, accumulate_weight_grad, chunk_logits, vocab_slice
+from treecompile.ops.logprobs import accumulate_weight_grad, chunk_logits, resolve_chunk
 
 try:
     import triton
@@ -33,6 +31,12 @@ except ImportError:  # CPU-only installs: the lowering keeps the reference op
 __all__ = ["available", "stats_", "dlogits_", "linear_logprobs_triton"]
 
 BLOCK = 4096
+# Bytes of float32-equivalent logits per chunk when the program leaves the chunk to the op (chunk 0): 4x
+# the torch head's, i.e. 512 MiB of bf16 logits.  The backward reads and writes the float32 dW [V, D] once
+# per chunk, so fewer, larger chunks pay: H100, 16,384 rows, fwd+bwd of this op: V 248,320 x D 1,024
+# 119 -> 66 ms (peak +2.5 GiB), V 151,936 x D 2,048 96 -> 69 ms (+1.0 GiB); Qwen3-1.7B tree step
+# 0.469 -> 0.448 s (benchmarks/RESULTS.md, session 7).
+DEFAULT_BUDGET = 1 << 30
 
 
 def available() -> bool:
@@ -70,7 +74,7 @@ if triton is not None:
             tl.store(ENT + row, log_a - s / a)
 
     @triton.jit
-    def _dlogits_kernel(X, T, LSE, G, GL, ENT, GE, V, COL0, stride, BLOCK: tl.constexpr, ENTROPY: tl.constexpr):
+    def _dlogits_kernel(X, T, LSE, G, GL, ENT, GE, V, stride, BLOCK: tl.constexpr, ENTROPY: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         x_row = X + row * stride
         lse = tl.load(LSE + row)
@@ -87,7 +91,7 @@ if triton is not None:
             c = coef
             if ENTROPY:
                 c = coef - ge * (x - mu)
-            d = tl.exp(x - lse) * c + tl.where(cols + COL0 == t, g, 0.0)
+            d = tl.exp(x - lse) * c + tl.where(cols == t, g, 0.0)
             tl.store(x_row + cols, d.to(X.dtype.element_ty), mask=ok)
 
 
@@ -114,17 +118,16 @@ def stats_(logits: torch.Tensor, targets: torch.Tensor, lp_out: torch.Tensor, ls
 
 
 def dlogits_(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, grad_lp: torch.Tensor,
-             grad_lse: torch.Tensor, ent: torch.Tensor | None = None, grad_ent: torch.Tensor | None = None,
-             col0: int = 0) -> torch.Tensor:
+             grad_lse: torch.Tensor, ent: torch.Tensor | None = None, grad_ent: torch.Tensor | None = None
+             ) -> torch.Tensor:
     """Overwrite ``logits`` with d(loss)/d(logits) and return it (``grad_ent`` None: the entropy is
-    not differentiated).  ``logits`` hold the vocabulary columns ``col0 ..`` of each row (whole rows
-    by default); a target outside them contributes nothing here."""
+    not differentiated)."""
     entropy = grad_ent is not None
     _check(logits, targets, lse, grad_lp, grad_lse, *([ent, grad_ent] if entropy else []))
     n, V = logits.shape
     if n:
         _dlogits_kernel[(n,)](logits, targets, lse, grad_lp, grad_lse, ent if entropy else lse,
-                              grad_ent if entropy else lse, V, col0, logits.stride(0), BLOCK=BLOCK, ENTROPY=entropy,
+                              grad_ent if entropy else lse, V, logits.stride(0), BLOCK=BLOCK, ENTROPY=entropy,
                               num_warps=8)
     return logits
 
@@ -154,6 +157,7 @@ def linear_logprobs_triton(h: torch.Tensor, W: torch.Tensor, b: torch.Tensor | N
     """``(logprobs [N], lse [N], entropy [N] if entropy else [0])``, float32; as the reference op."""
     _check_inputs(h, W, b, targets)
     N = h.shape[0]
+    chunk = resolve_chunk(chunk, W.shape[0], DEFAULT_BUDGET)
     lp = torch.empty(N, dtype=torch.float32, device=h.device)
     lse = torch.empty(N, dtype=torch.float32, device=h.device)
     ent = torch.empty(N if entropy else 0, dtype=torch.float32, device=h.device)
@@ -179,15 +183,13 @@ def linear_logprobs_triton_backward(h: torch.Tensor, W: torch.Tensor, b: torch.T
     """``(d h, d W, d b or [0])`` of :func:`linear_logprobs_triton`; ``grad_ent`` None: entropy not
     differentiated.  Each chunk's logits are recomputed and overwritten by their gradient."""
     _check_inputs(h, W, b, targets)
-    targets = targets.contiguous()
-    vecs = [v.float().contiguous() for v in (grad_lp, grad_lse)]
-    ge = None if grad_ent is None else grad_ent.float().contiguous()
-    width = vocab_slice(h.shape[0], W.shape[0], chunk)
-    if width is not None:
-        return _backward_vocab_slices(h, W, b, targets, lse, ent, vecs, ge, width)
+    chunk = resolve_chunk(chunk, W.shape[0], DEFAULT_BUDGET)
     gh = torch.empty_like(h)
     gW = torch.zeros(W.shape, dtype=torch.float32, device=W.device)
     gb = torch.zeros(W.shape[0] if b is not None else 0, dtype=torch.float32, device=W.device)
+    targets = targets.contiguous()
+    vecs = [v.float().contiguous() for v in (grad_lp, grad_lse)]
+    ge = None if grad_ent is None else grad_ent.float().contiguous()
     for s in range(0, h.shape[0], chunk):
         hc = h[s:s + chunk]
         sl = slice(s, s + chunk)
@@ -198,23 +200,6 @@ def linear_logprobs_triton_backward(h: torch.Tensor, W: torch.Tensor, b: torch.T
         if b is not None:
             gb += dl.sum(0, dtype=torch.float32)
     return gh, gW.to(W.dtype), gb.to(W.dtype)
-
-
-def _backward_vocab_slices(h, W, b, targets, lse, ent, vecs, ge, width):
-    """Over ``[N, width]`` vocabulary slices: each slice of ``dW`` is one GEMM over all rows written in
-    the model's dtype (float32 accumulation inside cuBLAS), ``dh`` accumulates in float32."""
-    gh = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
-    gW = torch.empty_like(W)
-    gb = torch.empty(W.shape[0] if b is not None else 0, dtype=W.dtype, device=W.device)
-    for v0 in range(0, W.shape[0], width):
-        Wc = W[v0:v0 + width]
-        dl = dlogits_(chunk_logits(h, Wc, None if b is None else b[v0:v0 + width]), targets, lse, vecs[0], vecs[1],
-                      None if ge is None else ent, ge, col0=v0)
-        torch.mm(dl.t(), h, out=gW[v0:v0 + width])
-        accumulate_product(gh, dl, Wc)
-        if b is not None:
-            gb[v0:v0 + width] = dl.sum(0, dtype=torch.float32)
-    return gh.to(h.dtype), gW, gb
 
 
 @linear_logprobs_triton_backward.register_fake

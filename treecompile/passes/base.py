@@ -86,7 +86,8 @@ class PassResult:
 class CompileOptions:
     """Options the passes read (``treecompile.compile`` documents them).
 
-    logits_chunk: rows of logits per chunk in the fused loss (None: ~256 MiB of float32).
+    logits_chunk: rows of logits per chunk in the fused loss (None: the head op picks, see
+        ``ops.logprobs.default_chunk``).
     allow_dropout: accept active dropout (``check_dropout``).
     entropy: ``rewrite_loss`` also outputs each token's predicting-distribution entropy.
     router_aux: ``rewrite_router_loss``'s choice for a model's router aux loss (None: refuse it).

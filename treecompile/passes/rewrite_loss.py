@@ -21,7 +21,6 @@ import torch
 from torch import fx
 
 import treecompile.ops.logprobs  # noqa: F401  (registers the ops)
-from treecompile.ops.logprobs import default_chunk
 from treecompile.passes.base import PassContext, PassResult, UnsupportedModelError, remove_dead_code
 
 aten = torch.ops.aten
@@ -65,7 +64,7 @@ def rewrite_loss(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     flat = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
     logits = _find_logits(flat, ctx.seq_len)
     V = int(logits.meta["val"].shape[-1])
-    chunk = int(ctx.options.logits_chunk or default_chunk(V))
+    chunk = int(ctx.options.logits_chunk or 0)  # 0: the head op picks its chunk at run time
     entropy = bool(ctx.options.entropy)
     head = _lm_head(logits)
     pred = ctx.tree_input("pred_index")
