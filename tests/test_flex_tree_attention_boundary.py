@@ -26,6 +26,7 @@ from treecompile import Tree
 from treecompile.ops.flex_tree_attention_boundary import (
     boundary_block_classes,
     boundary_block_mask,
+    boundary_tree_mask_mod,
     padded_boundary_length,
     tree_attention_boundary_flex,
 )
@@ -254,3 +255,41 @@ def test_boundary_flex_vs_fp64_oracle(T, C, pad_to, H, Hkv, D, kernel):
             continue
         ef, er = (float((x.double() - o).norm() / o.norm()) for x in (f, r))
         assert ef <= 2 * er + u, f"{name}: flex error {ef:.3g} > 2 * dense bf16 error {er:.3g} + {u:.1g}"
+
+
+def test_mask_mods_render_for_fa4():
+    """FA4's mask_mod (inductor's CuteDSL template, ``BACKEND="FLASH"``) renders no clamp/maximum/minimum
+    (H100, torch 2.11: ``UNSUPPORTED CUTEDSL OPERATION: 'maximum'`` from a ``clamp(min=0)`` index): the
+    tree and boundary mask_mods, traced as flex traces them, use only comparisons, logic, adds and
+    gathers.  Their values are checked by the BlockMask/flex tests above."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from treecompile.ops.flex_tree_attention import tree_mask_mod
+
+    se = torch.tensor([3, 3, 3, 0])
+    mods = [tree_mask_mod(se), boundary_tree_mask_mod(torch.tensor([0, 0, 3, 3, 3, 0]), torch.tensor([1, 2, 0, 0]), 2)]
+    idx = [torch.tensor([0]), torch.tensor([0]), torch.tensor([1]), torch.tensor([3])]
+    allowed = {"le", "lt", "ge", "gt", "add", "sub", "bitwise_and", "bitwise_or", "logical_and", "logical_or",
+               "index", "select", "_to_copy", "lift_fresh_copy", "detach"}
+    for mod in mods:
+        gm = make_fx(mod)(*idx)
+        ops = {n.target.__name__.split(".")[0] for n in gm.graph.nodes if n.op == "call_function"}
+        assert ops and ops <= allowed, ops - allowed
+    # the boundary rule itself, entry by entry, on this small case: Bp = 2, queries 0..3
+    want = [[q_vis > kv or (kv >= 2 and kv - 2 <= q < [3, 3, 3, 0][kv - 2]) for kv in range(6)]
+            for q, q_vis in enumerate([1, 2, 0, 0])]
+    got = [[bool(mods[1](0, 0, torch.tensor(q), torch.tensor(kv))) for kv in range(6)] for q in range(4)]
+    assert got == want
+
+
+def test_eager_flex_room_for_many_lengths(monkeypatch):
+    """The separately compiled flex (eager entry points) runs with dynamo's recompile limit raised for the call
+    only: a ninth distinct length no longer fails with the default limit of 8; the global setting is kept."""
+    from treecompile.ops import flex_tree_attention as fta
+
+    seen = []
+    monkeypatch.setattr(fta, "_COMPILED", lambda *a, **k: seen.append(torch._dynamo.config.recompile_limit))
+    before = torch._dynamo.config.recompile_limit
+    fta.compiled_flex()(1, x=2)
+    assert seen == [max(before, fta.RECOMPILE_LIMIT)] and seen[0] >= 64
+    assert torch._dynamo.config.recompile_limit == before

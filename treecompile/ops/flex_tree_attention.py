@@ -221,14 +221,24 @@ def check_tree_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 
 
 _COMPILED = None
+RECOMPILE_LIMIT = 64  # distinct (shape, kernel options) the eager entry points compile before dynamo refuses
 
 
 def compiled_flex():
-    """``torch.compile(flex_attention, dynamic=False, fullgraph=True)``, made once on first use."""
+    """``torch.compile(flex_attention, dynamic=False, fullgraph=True)``, made once on first use, called
+    with dynamo's ``recompile_limit`` raised to at least :data:`RECOMPILE_LIMIT` for the call only (each
+    distinct length compiles once; with the default 8, a ninth length failed with
+    ``FailOnRecompileLimitHit``)."""
     global _COMPILED
     if _COMPILED is None:  # made on first use, never at import
         _COMPILED = torch.compile(flex_attention, dynamic=False, fullgraph=True)
-    return _COMPILED
+    return _call_compiled
+
+
+def _call_compiled(*args, **kwargs):
+    limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    with torch._dynamo.config.patch(recompile_limit=limit):
+        return _COMPILED(*args, **kwargs)
 
 
 def tree_attention_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask, *,

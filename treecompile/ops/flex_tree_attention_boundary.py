@@ -64,17 +64,19 @@ def padded_boundary_length(num_boundary: int, kv_block: int) -> int:
     return -(-num_boundary // kv_block) * kv_block
 
 
-def boundary_tree_mask_mod(subtree_end: torch.Tensor, boundary_visible: torch.Tensor, boundary_len: int):
+def boundary_tree_mask_mod(key_end: torch.Tensor, boundary_visible: torch.Tensor, boundary_len: int):
     """mask_mod over ``[boundary ; zeros ; local]`` keys: ``kv < boundary_visible[q]`` (a boundary key) or
-    ``kv - Bp <= q < subtree_end[kv - Bp]`` (a local key under the tree rule).
+    ``kv - Bp <= q < key_end[kv]`` (a local key under the tree rule).
 
-    ``subtree_end`` padded to whole kv blocks, ``boundary_visible`` to whole q blocks (the kernel may
-    evaluate the mask past the ends of the last blocks); ``boundary_len`` = ``Bp``.
+    ``key_end`` is indexed by key: 0 over the ``Bp`` boundary rows (no local query passes ``q < 0``), then
+    the local ``subtree_end``, padded to whole kv blocks; ``boundary_visible`` padded to whole q blocks (the
+    kernel may evaluate the mask past the ends of the last blocks); ``boundary_len`` = ``Bp``.  Only
+    comparisons, ``&``, ``|``, ``+`` and one gather per tensor: FA4's mask_mod (inductor's CuteDSL template
+    for ``BACKEND="FLASH"``) renders no ``clamp``/``maximum``.
     """
 
     def boundary_tree_mask(b, h, q_idx, kv_idx):
-        local = kv_idx - boundary_len
-        seen_local = (local >= 0) & (local <= q_idx) & (q_idx < subtree_end[local.clamp(min=0)])
+        seen_local = (kv_idx <= q_idx + boundary_len) & (q_idx < key_end[kv_idx])
         return (kv_idx < boundary_visible[q_idx]) | seen_local
 
     return boundary_tree_mask
@@ -130,7 +132,7 @@ def boundary_block_mask(subtree_end: torch.Tensor, boundary_visible: torch.Tenso
     partial, full = boundary_block_classes(subtree_end, boundary_visible, num_boundary, block_size=(qb, kb))
     Bp = padded_boundary_length(num_boundary, kb)
     nq, nk_local = partial.shape[0], partial.shape[1] - Bp // kb
-    mask_mod = boundary_tree_mask_mod(F.pad(subtree_end.to(torch.int64), (0, nk_local * kb - T)),
+    mask_mod = boundary_tree_mask_mod(F.pad(subtree_end.to(torch.int64), (Bp, nk_local * kb - T)),
                                       F.pad(boundary_visible.to(torch.int64), (0, nq * qb - T)), Bp)
     return block_mask_from_classes(partial, full, seq_lengths=(T, Bp + T), block_size=(qb, kb), mask_mod=mask_mod)
 
