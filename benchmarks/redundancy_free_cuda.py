@@ -3,8 +3,8 @@ the packed plan at the same budget and the whole tree.
 
 One training step (fwd+bwd, optimizer excluded) of a Qwen3-0.6B-shaped dense model (bf16, the harness's
 seeded random init) on a synthetic tree (``trees.synthetic_paths``, default 16 x 2,048 tokens, POR 0.5,
-16,384 tree tokens), every attention through FlexAttention's Triton kernel (``attention_kernel="flex"``,
-the same kernel for every row):
+16,384 tree tokens), every attention through one kernel for every row (``--attention-kernel``, default
+``"flex"``: FlexAttention's Triton kernel; ``"fa4"``: FlashAttention-4 through flex's FLASH backend):
 
 - ``whole``: ``treecompile.compile(model)`` on the whole tree;
 - ``packed C``: ``runtime.partition.pack`` at budget C, every partition's fwd+bwd (shared prefixes repeated);
@@ -81,6 +81,7 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=450.0, help="skip rows that would end past this wall time")
     ap.add_argument("--graphs", default="eager,compiled", help="graph modes to run, in order")
     ap.add_argument("--model", default="qwen3-0.6b", help="a benchmarks.harness.model_specs() name")
+    ap.add_argument("--attention-kernel", default="flex", choices=["flex", "fa4"], help="tree and boundary attention")
     ap.add_argument("--device", default="cuda", help="cuda; cpu only checks the plumbing (graphs run eagerly)")
     args = ap.parse_args(argv)
     dev = torch.device(args.device)
@@ -102,7 +103,7 @@ def main(argv=None) -> int:
     T = tree.num_tokens
     env = {**environment(dev.type), "model": spec.name, "dtype": str(dtype)[6:], "tree_tokens": T,
            "path_tokens": tree.num_path_tokens, "por": round(tree.por, 4), "longest_path": int(tree.path_lengths.max()),
-           "attention_kernel": "flex"}
+           "attention_kernel": args.attention_kernel}
     print(json.dumps(env), flush=True)
     rows: list[dict] = []
     jsonl = os.path.join(args.out, "rf_cuda.jsonl")
@@ -161,7 +162,7 @@ def main(argv=None) -> int:
     plans = {"eager": [("rf", T), ("packed", T // 2), ("rf", T // 2), ("packed", T // 4), ("rf", T // 4)],
              "compiled": [("rf", T)]}
     for graph in args.graphs.split(","):
-        opts = dict(compile_cuda=graph == "compiled", attention_kernel="flex")
+        opts = dict(compile_cuda=graph == "compiled", attention_kernel=args.attention_kernel)
         tm = treecompile.compile(model, **opts)
         bm = treecompile.compile(model, boundary=True, **opts)
         reference: dict = {}

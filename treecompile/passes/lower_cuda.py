@@ -201,8 +201,10 @@ def _flex_eager(q, k, v, block_mask, scale, kernel="flex", setup_reason=None, or
 
 def _boundary_kernel(kernel: str) -> str:
     """The kernel of boundary attention: "auto" takes flex's Triton kernel.  FA4 (flex's FLASH backend) over
-    ``[boundary ; local]`` keys, longer than the queries, has not passed on a GPU yet (its GPU test's one run,
-    H100 session 6, was not identified as passing), so only an explicit ``attention_kernel="fa4"`` asks for it."""
+    ``[boundary ; zeros ; local]`` keys is exact (its GPU test passes; redundancy-free steps with it match the
+    whole tree, H100 session 7) but slower there: eager RF steps of Qwen3-0.6B at C = T/2 took 1.63 s with
+    FA4 vs 0.97 s with flex's Triton kernel (benchmarks/RESULTS.md, session 7), so only an explicit
+    ``attention_kernel="fa4"`` asks for it."""
     return "flex" if kernel == "auto" else kernel
 
 
