@@ -33,13 +33,20 @@ def tmodel(model):
     return cached_compile(model)
 
 
-# `pytest -n 2 --dist loadfile` hands whole files to the two workers in collection order: the
-# heaviest files first (measured with --durations on 2 cores), so that the workers finish together
-# instead of one running a heavy file alone at the end.  Order inside a file is unchanged.
-HEAVIEST_FIRST = ["test_compile_hybrid.py", "test_saved.py", "test_distributed.py", "test_train.py",
-                  "test_rewrite_mixers.py", "test_redundancy_free.py", "test_router_partitions.py", "test_cli.py",
-                  "test_compile_zoo.py", "test_router_loss.py", "test_compile.py", "test_cuda_lowering.py",
-                  "test_verify_token_locality.py", "test_entropy.py", "test_objectives.py", "test_readme.py"]
+# `pytest -n 2 --dist loadfile` hands whole files to the two workers in collection order, the next file
+# to whichever worker is nearly done: every file, longest first (worker seconds measured with --durations
+# on 2 cores), so that the workers finish together instead of one running a heavy file alone at the
+# end.  A file not listed runs after these; order inside a file is unchanged.
+HEAVIEST_FIRST = ["test_compile_hybrid.py", "test_saved.py", "test_flex_tree_attention_boundary.py",
+                  "test_compile_zoo.py", "test_distributed.py", "test_train.py", "test_redundancy_free.py",
+                  "test_router_loss.py", "test_cli.py", "test_compile.py", "test_rewrite_mixers.py",
+                  "test_router_partitions.py", "test_verify_token_locality.py", "test_cuda_lowering.py",
+                  "test_partition.py", "test_objectives.py", "test_tree.py", "test_tree_gdn.py", "test_entropy.py",
+                  "test_split_modules.py", "test_fa4_tree_attention.py", "test_objectives_modes.py",
+                  "test_hybrid_model.py", "test_readme.py", "test_hybrid_baselines.py", "test_tree_layout.py",
+                  "test_fla_plan.py", "test_bench_trees.py", "test_flex_tree_attention.py",
+                  "test_dense_tree_attention.py", "test_gdn.py", "test_data.py", "test_input_checks.py",
+                  "test_logprobs.py", "test_fla_gdn.py"]
 
 
 def pytest_collection_modifyitems(config, items):

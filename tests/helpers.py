@@ -173,6 +173,12 @@ def _self_memo(model):
 
 
 _SHARED: dict = {}  # (class, config, dtypes, training) -> (the first model captured, its pristine Captured)
+_SHARED_REEXPORTS: dict = {}  # (architecture, rewritten graph, tensor table) -> the re-exported program
+
+
+def _architecture(m) -> tuple:
+    return (type(m).__qualname__, type(m).__module__, repr(m.config), tuple(str(p.dtype) for p in m.parameters()),
+            m.training)
 
 
 @contextlib.contextmanager
@@ -180,20 +186,24 @@ def shared_capture():
     """Within this block, every ``treecompile.compile(m)`` of a model with a ``config`` starts from one
     torch.export per process and architecture (class, ``repr(config)``, parameter dtypes, train/eval
     mode): a deep copy of the first capture, bound by name to ``m``'s own parameters and buffers (the
-    captured graph holds no weight values: lifted placeholders); the passes run as usual.  For tests
-    of what happens around the capture (README blocks, the CLI writing and overwriting) that build
-    the same reference model many times."""
+    captured graph holds no weight values: lifted placeholders); the passes run as usual.  Saving such
+    a model (``treecompile.saved.save``, the CLI's ``rewrite``) re-exports its rewritten graph once per
+    process, architecture, graph and tensor table: that re-export traces stand-ins, never the weights'
+    values (``saved._reexport``), so a model of the same architecture and graph gets the same program;
+    the weights, manifest and checks are written as usual.  For tests of what happens around the
+    capture (README blocks, the CLI writing and overwriting) that build the same reference model many
+    times."""
     import importlib
 
     comp = importlib.import_module("treecompile.compile")
-    real = comp.capture
+    saved = importlib.import_module("treecompile.saved")
+    real, real_reexport = comp.capture, saved._reexport
 
     def shared(m, **kw):
         cfg = getattr(m, "config", None)
         if cfg is None or kw.get("swaps") is not None:
             return real(m, **kw)
-        key = (type(m).__qualname__, type(m).__module__, repr(cfg),
-               tuple(str(p.dtype) for p in m.parameters()), m.training)
+        key = _architecture(m)
         with warnings.catch_warnings():  # torch's own pytree deprecation, raised while copying the graph's specs
             warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
             if key not in _SHARED:
@@ -201,11 +211,22 @@ def shared_capture():
             m0, cap = _SHARED[key]
             return copy.deepcopy(cap, _rebind_memo(m0, m))
 
-    comp.capture = shared
+    def shared_reexport(tmodel, tensors, kinds, tied, non_persistent):
+        m, prog = tmodel.model, tmodel.program
+        if getattr(m, "config", None) is None or _architecture(m) not in _SHARED:  # not from a shared capture
+            return real_reexport(tmodel, tensors, kinds, tied, non_persistent)
+        key = (_architecture(m), prog.graph_module.code, tuple(prog.tree_inputs), prog.conv_width,
+               tuple((k, kinds[k], tuple(v.shape), v.dtype, v.device) for k, v in tensors.items()),
+               tuple(sorted(tied.items())), tuple(sorted(non_persistent)))
+        if key not in _SHARED_REEXPORTS:
+            _SHARED_REEXPORTS[key] = real_reexport(tmodel, tensors, kinds, tied, non_persistent)
+        return _SHARED_REEXPORTS[key]
+
+    comp.capture, saved._reexport = shared, shared_reexport
     try:
         yield
     finally:
-        comp.capture = real
+        comp.capture, saved._reexport = real, real_reexport
 
 
 def _rebind_memo(m0, m):

@@ -14,6 +14,7 @@ GPU (``-m gpu``): bf16 against an fp64 oracle within twice the bf16 dense kernel
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import pytest
@@ -58,6 +59,17 @@ CASES = [(name, paths, C) for name, paths in ODD_TREES.items() for C in (1, 3)] 
 
 
 def all_cases():
+    """Every case (name, subtree_end, boundary_visible, B), built once per process: the block-mask and the
+    math tests read them for each block size and head layout (the plans' batches took ~1 s a pass)."""
+    return iter(_all_cases())
+
+
+@functools.cache
+def _all_cases() -> tuple:
+    return tuple(_cases())
+
+
+def _cases():
     for name, paths, C in CASES:
         for pad in (None, 64):
             for j, (se, vis, B) in enumerate(partition_cases(paths, C, pad)):
