@@ -1,8 +1,9 @@
 """``treecompile::linear_logprobs``: fused lm_head + log-softmax + gather (+ entropy), chunked over tokens.
 
 ``logprobs[i] = log_softmax(h[i] @ W.T (+ b))[targets[i]]`` computed ``chunk`` rows at a time (``chunk``
-0: the op's own default, :func:`resolve_chunk`), so at most ``[chunk, V]`` logits exist at once (in float32, or float64 for a float64 model), in forward
-and backward alike (the backward recomputes each chunk's logits from the saved log-sum-exp).
+0: the op's own default, :func:`resolve_chunk`), so at most ``[chunk, V]`` logits exist at once (in
+float32, or float64 for a float64 model), in forward and backward alike (the backward recomputes each
+chunk's logits from the saved log-sum-exp).
 With ``entropy=True`` the same chunks also give ``entropy[i] = -sum_v p[i, v] log p[i, v]`` of the
 row's softmax ``p``, and its gradient (``d entropy / d logits = -p * (logits - sum_v p logits)``).
 Shapes: ``h [N, D]``, ``W [V, D]``, optional ``b [V]``, ``targets [N]`` int64; returns
@@ -18,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["linear_logprobs", "gather_logprobs", "default_chunk", "resolve_chunk", "chunk_logits", "chunk_stats", "chunk_dlogits",
-           "accumulate_weight_grad"]
+__all__ = ["linear_logprobs", "gather_logprobs", "default_chunk", "resolve_chunk", "chunk_logits", "chunk_stats",
+           "chunk_dlogits", "accumulate_weight_grad"]
 
 
 DEFAULT_BUDGET = 1 << 28  # bytes of float32 logits per chunk in this (torch) head
