@@ -260,6 +260,21 @@ def _path_loss(logits, ids, coef):
     return F.cross_entropy(_upcast(logits[0, :-1]), ids[1:], reduction="sum") * coef
 
 
+def batches_step(tm, batches, zero) -> Callable:
+    """One step of a tree model over ``batches`` (a whole tree: one batch; packed partitions: several):
+    ``zero()``, then fwd+bwd of each batch; returns the summed loss (detached)."""
+
+    def step():
+        zero()
+        total = 0.0
+        for b in batches:
+            out = tm(b)
+            out.loss.backward()
+            total += out.loss.detach()
+        return total
+    return step
+
+
 class Steps:
     """Builds the step closure of each contender for one (model, tree)."""
 
@@ -454,12 +469,7 @@ class Steps:
     def tree_step(self, layout="dfs"):
         tm = self._tree_model(layout=layout)
         batch = self.tree.to_batch(normalize=self.cfg.normalize, device=self.dev)
-
-        def step():
-            self.zero()
-            out = tm(batch)
-            out.loss.backward()
-            return out.loss.detach()
+        step = batches_step(tm, [batch], self.zero)
         return step, self.tree.num_tokens, tree_attention_entries(batch.position_ids[:self.tree.num_tokens])
 
     def tree_packed(self):
@@ -472,16 +482,7 @@ class Steps:
         entries = 0
         for p, b in zip(plan.partitions, batches):
             entries += tree_attention_entries(b.position_ids[:p.num_tokens])
-
-        def step():
-            self.zero()
-            total = 0.0
-            for b in batches:
-                out = tm(b)
-                out.loss.backward()
-                total += out.loss.detach()
-            return total
-        return step, tokens, entries
+        return batches_step(tm, batches, self.zero), tokens, entries
 
     def tree_rf(self):
         if self.dev.type == "cuda" and not self.cfg.rf_on_cuda:

@@ -36,7 +36,7 @@ import traceback
 
 import torch
 
-from benchmarks.harness import environment, flat_grads, model_specs, time_step
+from benchmarks.harness import batches_step, environment, flat_grads, model_specs, time_step
 from benchmarks.trees import synthetic_paths
 
 # rough seconds a row may take, compiles included (rows that would overrun --budget-s are skipped)
@@ -114,27 +114,12 @@ def main(argv=None) -> int:
             p.grad.zero_()
 
     def whole(tm):
-        batch = tree.to_batch(device=dev)
-
-        def step():
-            zero()
-            out = tm(batch)
-            out.loss.backward()
-            return out.loss.detach()
+        step = batches_step(tm, [tree.to_batch(device=dev)], zero)
         return step, {"partitions": 1, "tokens_computed": T, "peak_alive_tokens": T}
 
     def packed(tm, C):
         plan = pack(tree, C)
-        batches = plan.batches(device=dev)
-
-        def step():
-            zero()
-            total = 0.0
-            for b in batches:
-                out = tm(b)
-                out.loss.backward()
-                total += out.loss.detach()
-            return total
+        step = batches_step(tm, plan.batches(device=dev), zero)
         return step, {"partitions": len(plan), "tokens_computed": plan.cost,
                       "peak_alive_tokens": max(p.num_tokens for p in plan.partitions)}
 

@@ -215,9 +215,7 @@ def shared_capture():
         m, prog = tmodel.model, tmodel.program
         if getattr(m, "config", None) is None or _architecture(m) not in _SHARED:  # not from a shared capture
             return real_reexport(tmodel, tensors, kinds, tied, non_persistent)
-        key = (_architecture(m), prog.graph_module.code, tuple(prog.tree_inputs), prog.conv_width,
-               tuple((k, kinds[k], tuple(v.shape), v.dtype, v.device) for k, v in tensors.items()),
-               tuple(sorted(tied.items())), tuple(sorted(non_persistent)))
+        key = (_architecture(m), *saved._reexport_signature(prog, tensors, kinds, tied, non_persistent))
         if key not in _SHARED_REEXPORTS:
             _SHARED_REEXPORTS[key] = real_reexport(tmodel, tensors, kinds, tied, non_persistent)
         return _SHARED_REEXPORTS[key]

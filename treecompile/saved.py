@@ -185,12 +185,18 @@ def _input_table(tm) -> list[dict]:
 _REEXPORTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def _reexport_signature(prog, tensors: dict, kinds: dict, tied: dict, non_persistent: set) -> tuple:
+    """What a re-export depends on: the rewritten graph's code and tree inputs, and the tensors' names,
+    kinds, shapes, dtypes and devices (never their values)."""
+    return (prog.graph_module.code, tuple(prog.tree_inputs), prog.conv_width,
+            tuple((k, kinds[k], tuple(v.shape), v.dtype, v.device) for k, v in tensors.items()),
+            tuple(sorted(tied.items())), tuple(sorted(non_persistent)))
+
+
 def _reexport(tmodel, tensors: dict, kinds: dict, tied: dict, non_persistent: set):
     """The rewritten graph exported over stand-ins of ``tensors`` (no second weight copy)."""
     prog = tmodel.program
-    key = (id(prog), id(prog.graph_module), prog.graph_module.code, tuple(prog.tree_inputs), prog.conv_width,
-           tuple((k, kinds[k], tuple(v.shape), v.dtype, v.device) for k, v in tensors.items()),
-           tuple(sorted(tied.items())), tuple(sorted(non_persistent)))
+    key = (id(prog), id(prog.graph_module), *_reexport_signature(prog, tensors, kinds, tied, non_persistent))
     hit = _REEXPORTED.get(tmodel)
     if hit is not None and hit[0] == key:
         return hit[1]

@@ -17,7 +17,7 @@ reference op never chooses it.
 ``treecompile::tree_attention_boundary`` (a partition of a redundancy-free plan,
 ``expose_boundary``) is lowered the same way, to FlexAttention over ``[boundary ; local]`` keys under one
 BlockMask of the partition (``ops.flex_tree_attention_boundary``); "auto" takes flex's Triton kernel there
-(FA4 over the longer ``[boundary ; local]`` keys is unverified on a GPU: only ``attention_kernel="fa4"`` asks).
+(FA4 is exact there but measured slower: :func:`_boundary_kernel`; only ``attention_kernel="fa4"`` asks).
 
 The lowering also decides how the copy runs (:class:`CudaLowering`): under ``torch.compile`` with
 static shapes and sequence lengths padded to buckets (``program.bucket_length``: at most one compile
