@@ -11,7 +11,10 @@ for: per-path bf16 with the model's own GDN (the baseline of issue 17), per-path
 path a one-path tree), the tree through fla (eager graph and compiled), the tree with the reference GDN
 op, and the tree through fla with the GDN inputs upcast to fp32 (``fla_gdn`` precision option).
 
-Usage: python benchmarks/gdn_precision.py [--skip-model] [--out FILE.json]
+Part B runs on ``--model``: the Qwen3.5-shaped hybrid above (default) or ``qwen3-next-moe-small`` (the
+Qwen3-Next / Qwen3.5-MoE shape of the harness: routed experts + a shared expert per layer; issue 17 item 4).
+
+Usage: python benchmarks/gdn_precision.py [--skip-model] [--model NAME] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -98,7 +101,8 @@ def part_a(out: dict) -> None:
             print(json.dumps(out), flush=True)
 
 
-GROUPS = (("gdn", "linear_attn"), ("attn", "self_attn"), ("mlp", "mlp"), ("embed", "embed"), ("norm", "norm"))
+GROUPS = (("gdn", "linear_attn"), ("attn", "self_attn"), ("mlp", "mlp"), ("router", "mlp.gate."), ("embed", "embed"),
+          ("norm", "norm"))
 
 
 def grads_by_group(model):
@@ -115,10 +119,14 @@ def cosines(g, ref):
     return {k: round(float(F.cosine_similarity(g[k], ref[k], dim=0)), 5) for k in ref if k in g}
 
 
-def part_b(out: dict, fp32_inputs_only: bool = False) -> None:
+def part_b(out: dict, fp32_inputs_only: bool = False, model_name: str = "qwen3.5-hybrid-small") -> None:
+    from harness import model_specs
+
+    cfg = SMALL_HYBRID if model_name == "qwen3.5-hybrid-small" else model_specs()[model_name].config
+    out["B model"] = model_name
     torch.manual_seed(0)
-    paths = branching_paths(6, prompt=1500, seg=1200, vocab=SMALL_HYBRID.vocab_size, seed=1)
-    model = init_(HybridForCausalLM(SMALL_HYBRID)).to("cuda", torch.bfloat16)
+    paths = branching_paths(6, prompt=1500, seg=1200, vocab=cfg.vocab_size, seed=1)
+    model = init_(HybridForCausalLM(cfg)).to("cuda", torch.bfloat16)
     batch = Tree.from_paths(paths).to_batch(device="cuda")
     n = len(paths)
 
@@ -193,6 +201,8 @@ def main():
     ap.add_argument("--skip-op", action="store_true")
     ap.add_argument("--fp32-inputs-only", action="store_true",
                     help="model level: only the oracle, the baseline and fla with fp32 GDN inputs")
+    ap.add_argument("--model", default="qwen3.5-hybrid-small", choices=("qwen3.5-hybrid-small", "qwen3-next-moe-small"),
+                    help="the hybrid of part B")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     import triton
@@ -205,7 +215,7 @@ def main():
         if not a.skip_op:
             part_a(out)
         if not a.skip_model:
-            part_b(out, a.fp32_inputs_only)
+            part_b(out, a.fp32_inputs_only, a.model)
     finally:
         if a.out:
             with open(a.out, "w") as f:

@@ -301,6 +301,90 @@ def test_loop_not_over_the_length_is_captured():
     torch.testing.assert_close(out.loss, ref.loss, rtol=1e-12, atol=0)
 
 
+class ProvableLengthBranch(Bidirectional):
+    """Causal, with a branch on the length that holds at every length but that torch.export's solver does
+    not prove (the shape of the guard SDPA's stride ordering adds for float32 CUDA q/k/v, ``Ne(Min(16*s,
+    32*s), 64*s)``): without help, "Constraints violated (seq)"."""
+
+    def forward(self, ids):
+        x = self.emb(ids)[:, None]
+        n = ids.shape[1]
+        if min(16 * n, 3 * n + 4) != 64 * n:  # true for every n >= 1
+            x = x * 0.5
+        x = torch.nn.functional.scaled_dot_product_attention(x, x, x, is_causal=True)
+        return self.head(x[:, 0])
+
+
+class UnprovenLengthBranch(ProvableLengthBranch):  # the near miss: true at every length, not proven
+    def forward(self, ids):
+        n = ids.shape[1]
+        if 128 * ((n + 127) // 128) >= n:
+            ids = ids * 1
+        return super().forward(ids)
+
+
+class BoundedLengthBranch(ProvableLengthBranch):  # false beyond 2,048 tokens: must stay refused
+    def forward(self, ids):
+        if ids.shape[1] <= 2048:
+            ids = ids * 1
+        return super().forward(ids)
+
+
+class FixedLengthBranch(ProvableLengthBranch):  # true at the example's 16 tokens only: must stay refused
+    def forward(self, ids):
+        if ids.shape[1] == 16:
+            ids = ids * 1
+        return super().forward(ids)
+
+
+def test_length_guard_proven_for_every_length_is_captured():
+    """A guard export leaves unproven but that holds at every length: captured (export again with the
+    guard as a runtime assert, the assert proven and removed), and the tree equals the per-path model."""
+    torch.manual_seed(0)
+    model = ProvableLengthBranch().double()
+    with pytest.raises(Exception, match="Constraints violated"):  # the premise: torch alone refuses it
+        torch.export.export(model, (torch.zeros(1, 16, dtype=torch.long),),
+                            dynamic_shapes=({1: torch.export.Dim("seq", min=2, max=1 << 20)},), strict=False)
+    tm = treecompile.compile(model)
+    assert not [n for n in tm.graph_module.graph.nodes if "assert" in str(n.target)]
+    paths = [[1, 2, 3], [1, 2, 4, 5], [6]]
+    out, ref = tm(Tree.from_paths(paths).to_batch()), reference.run(model, paths)
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("cls, guard", [(UnprovenLengthBranch, "//"), (BoundedLengthBranch, "2048"),
+                                        (FixedLengthBranch, "16")])
+def test_length_guard_not_proven_stays_refused(cls, guard):
+    with pytest.raises(CaptureError) as info:
+        treecompile.compile(cls())
+    msg = str(info.value)
+    assert len(msg.splitlines()) == 1 and cls.__name__ in msg and "Constraints violated" in str(info.value.__cause__)
+    assert guard in str(info.value.__cause__)
+
+
+@pytest.mark.parametrize("expr, lo, holds", [
+    ("Ne(Min(16*s, 32*s), 64*s)", 2, True),  # the float32 CUDA SDPA guard (session 7)
+    ("Ne(Min(16*s, 3*s + 4), 64*s)", 2, True),
+    ("s >= 2", 2, True),
+    ("s >= 3", 2, False),
+    ("s <= 2048", 2, False),
+    ("Ne(s, 5)", 2, False),
+    ("Eq(Mod(s, 2), 0)", 2, False),
+    ("Ne(s*t, 0)", 2, False),  # two symbols: not taken
+])
+def test_holds_for_every_length(expr, lo, holds):
+    import sympy
+
+    from treecompile.frontend import holds_for_every_length
+
+    s, t = sympy.Symbol("s"), sympy.Symbol("t")  # no assumptions, as the guard may arrive
+    from torch.utils._sympy import functions as torch_sympy
+
+    e = sympy.sympify(expr, locals={"s": s, "t": t, "Min": torch_sympy.Min})  # torch's Min, as in its guards
+    assert holds_for_every_length(e, lo) is holds
+    assert holds_for_every_length(True, lo) and not holds_for_every_length(False, lo)
+
+
 def test_explicit_causal_mask_is_accepted():
     torch.manual_seed(0)
     model = ExplicitCausal().double()

@@ -127,12 +127,17 @@ def capture(model: torch.nn.Module, *, example_len: int = 16, max_len: int = 1 <
             stack.enter_context(s)
         guards = stack.enter_context(record_guards())  # the model's source line, should torch.export refuse it
         try:
-            if is_hf:
-                ep = torch.export.export(model, (), {"input_ids": ids, "use_cache": False},
-                                         dynamic_shapes={"input_ids": {1: seq}, "use_cache": None},
-                                         strict=False)
-            else:
-                ep = torch.export.export(model, (ids,), dynamic_shapes=({1: seq},), strict=False)
+            try:
+                ep = _export(model, ids, seq, is_hf, deferred=False)
+            except Exception as e:
+                # A length guard torch's solver could not prove over the range (e.g. ``Ne(Min(16*s, 32*s),
+                # 64*s)`` from SDPA's stride ordering of float32 CUDA q/k/v): export again with the guards
+                # as runtime asserts, and keep that program only when every assert holds at every length.
+                first = len(guards)
+                ep = _export_with_proven_asserts(model, ids, seq, is_hf) if _constraint_violation(e) else None
+                if ep is None:
+                    del guards[first:]  # the refusal is explained by the first export's guards
+                    raise
         except Exception as e:
             raw = CaptureError(f"torch.export could not capture {type(model).__name__} with a dynamic "
                                f"sequence length: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
@@ -144,6 +149,82 @@ def capture(model: torch.nn.Module, *, example_len: int = 16, max_len: int = 1 <
     user = [s.arg.name for s in sig.input_specs if s.kind == torch.export.graph_signature.InputKind.USER_INPUT
             and s.arg.name == "input_ids"] or sig.user_inputs[:1]
     return Captured(program=ep, input_name=user[0])
+
+
+def _export(model, ids, seq, is_hf: bool, *, deferred: bool) -> ExportedProgram:
+    if is_hf:
+        return torch.export.export(model, (), {"input_ids": ids, "use_cache": False},
+                                   dynamic_shapes={"input_ids": {1: seq}, "use_cache": None}, strict=False,
+                                   prefer_deferred_runtime_asserts_over_guards=deferred)
+    return torch.export.export(model, (ids,), dynamic_shapes=({1: seq},), strict=False,
+                               prefer_deferred_runtime_asserts_over_guards=deferred)
+
+
+def _constraint_violation(e: BaseException) -> bool:
+    return "Constraints violated" in str(e)
+
+
+def _export_with_proven_asserts(model, ids, seq, is_hf: bool) -> ExportedProgram | None:
+    """The program exported with length guards as runtime asserts, those asserts removed, when each one
+    is proven for every length ``>= seq.min``; None (the caller raises the first refusal) otherwise."""
+    try:
+        ep = _export(model, ids, seq, is_hf, deferred=True)
+    except Exception:
+        return None
+    asserts = [n for n in ep.graph.nodes if n.op == "call_function" and n.target is torch.ops.aten._assert_scalar.default]
+    for n in asserts:
+        cond = n.args[0]
+        val = cond.meta.get("val") if isinstance(cond, torch.fx.Node) else cond
+        expr = val.node.expr if isinstance(val, torch.SymBool) else val
+        if not holds_for_every_length(expr, seq.min):
+            return None
+    for n in asserts:
+        _erase_with_unused_inputs(ep.graph, n)
+    ep.graph_module.recompile()
+    return ep
+
+
+def holds_for_every_length(cond, lo: int) -> bool:
+    """Whether ``cond`` (a sympy boolean, or a bool) over at most one size symbol ``s`` is true for every
+    integer ``s >= lo``.  Proof only: sympy with ``s = lo + t``, ``t`` a non-negative integer, then torch's
+    value-range analysis; anything neither proves is not taken."""
+    import sympy
+    from torch.utils._sympy import functions as torch_sympy
+    from torch.utils._sympy.value_ranges import ValueRanges, bound_sympy
+
+    if isinstance(cond, bool):
+        return cond
+    if not isinstance(cond, sympy.Basic):
+        return False
+    if cond.free_symbols == set():
+        return cond == sympy.true
+    if len(cond.free_symbols) != 1:
+        return False
+    (s,) = cond.free_symbols
+    t = sympy.Symbol("t_len", integer=True, nonnegative=True)
+    try:  # torch's Min/Max do not simplify on sign facts as sympy's do
+        plain = cond.replace(torch_sympy.Min, sympy.Min).replace(torch_sympy.Max, sympy.Max)
+        if plain.xreplace({s: t + lo}) == sympy.true:
+            return True
+    except Exception:  # a torch sympy function sympy cannot evaluate on t: try the value ranges
+        pass
+    try:
+        vr = bound_sympy(cond, {s: ValueRanges(lo, sympy.oo)})
+        return vr.lower == sympy.true and vr.upper == sympy.true
+    except Exception:
+        return False
+
+
+def _erase_with_unused_inputs(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
+    """Erase ``node`` and then, transitively, the symbolic-size nodes that only fed it."""
+    todo = [node]
+    while todo:
+        n = todo.pop()
+        if n.users or n.op != "call_function":
+            continue
+        inputs = [a for a in n.all_input_nodes]
+        graph.erase_node(n)
+        todo += [a for a in inputs if a.op == "call_function" and not isinstance(a.meta.get("val"), torch.Tensor)]
 
 
 def _vocab_size(model) -> int:
