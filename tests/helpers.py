@@ -70,19 +70,6 @@ def tiny_dense(vocab_size: int | None = None):
     return DenseForCausalLM(DenseConfig.tiny(**({} if vocab_size is None else {"vocab_size": vocab_size}))).double()
 
 
-def xfail_fp32_capture_on_cuda():
-    """Strict xfail of a GPU test that captures our float32 DenseForCausalLM on CUDA: torch.export refuses it
-    there (H100, torch 2.11, session 6: a length guard from its causal SDPA, ``Ne(Min(128*s, 256*s),
-    1024*s)``, at head_dim 16 and 128, also under ``sdpa_kernel(MATH)``; bf16 models capture).  Only that
-    refusal counts as the expected failure; any other error or a wrong result fails the test."""
-    import pytest
-
-    from treecompile.frontend import CaptureError
-
-    return pytest.mark.xfail(strict=True, raises=CaptureError,
-                             reason="torch.export refuses a float32 DenseForCausalLM on CUDA (SDPA length guard)")
-
-
 def cached_model(key: str, make) -> torch.nn.Module:
     """A fresh deep copy of the model ``make()`` builds (``make`` is deterministic: it seeds).
 

@@ -22,7 +22,7 @@ from treecompile.ops.tree_attention import tree_attention_reference
 from treecompile.passes import PassError
 from treecompile.runtime.partition import partition_redundancy_free
 from treecompile.runtime.redundancy_free import run_redundancy_free
-from helpers import cached_compile, cached_model, tiny_dense, xfail_fp32_capture_on_cuda
+from helpers import cached_compile, cached_model, tiny_dense
 from strategies import ODD_TREES, weighted_path_sets
 
 import treecompile.ops.tree_attention_boundary  # noqa: F401  (registers the ops)
@@ -321,7 +321,6 @@ def test_padded_partitions_equal_whole_tree(which, dense, hybrid, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@xfail_fp32_capture_on_cuda()
 @pytest.mark.parametrize("compile_cuda", [False, True], ids=["eager_graph", "compiled_graph"])
 def test_cuda_partitions_equal_whole_tree(compile_cuda):
     """On CUDA (float32): partitions through the flex boundary kernel, padded to buckets, == the whole tree."""

@@ -14,7 +14,6 @@ import random
 import pytest
 import torch
 
-from tests.helpers import xfail_fp32_capture_on_cuda
 from tests.strategies import ODD_TREES
 from tests.test_flex_tree_attention import ancestor_mask, check_block_mask, random_paths
 from treecompile import Tree
@@ -208,7 +207,6 @@ def test_reordered_attention_keeps_the_model_layout():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@xfail_fp32_capture_on_cuda()
 @pytest.mark.parametrize("compile_cuda", [True, False], ids=["compiled", "eager"])
 def test_heavy_first_on_cuda_matches_dfs(compile_cuda):
     """A small dense model on CUDA (float32, the attention kernel "auto" picks): the heavy_first layout's
