@@ -16,8 +16,20 @@ def targets(gm):
     return [n.target for n in gm.graph.nodes if n.op == "call_function"]
 
 
+def _dense():
+    torch.manual_seed(0)
+    return DenseForCausalLM(DenseConfig.tiny())
+
+
+def _dense_compiled(**options):
+    """``treecompile.compile`` of the tiny float32 dense model: one torch.export per process for every option set."""
+    from helpers import cached_compile, cached_model
+
+    return cached_compile(cached_model("dense-tiny-float32", _dense), **options)
+
+
 def test_attention_lowered_to_flex_with_one_shared_block_mask():
-    tm = treecompile.compile(DenseForCausalLM(DenseConfig.tiny()))
+    tm = _dense_compiled()
     for compiled, fn in ((True, tc_cuda._flex), (False, tc_cuda._flex_eager)):
         low = tc_cuda.lower_cuda(tm.graph_module, CudaOptions(compile_cuda=compiled, gdn_kernel="reference"))
         gm, n = low.graph_module, low.attention
@@ -52,7 +64,7 @@ def test_gdn_lowered_to_fla_only_when_asked():
 def test_boundary_attention_lowered_to_flex_boundary():
     """A partition graph: tree_attention_boundary -> the flex boundary kernel under one shared block mask,
     compiled and bucketed like a whole-tree graph (TreeProgram.padded_call pads its boundary inputs)."""
-    tm = treecompile.compile(DenseForCausalLM(DenseConfig.tiny()), boundary=True)
+    tm = _dense_compiled(boundary=True)
     for compiled, fn in ((True, tc_cuda._flex_boundary), (False, tc_cuda._flex_boundary_eager)):
         low = tc_cuda.lower_cuda(tm.graph_module, CudaOptions(compile_cuda=compiled, gdn_kernel="reference",
                                                               attention_layout="heavy_first"), boundary=True)
@@ -68,7 +80,7 @@ def test_boundary_attention_lowered_to_flex_boundary():
     (bm,) = tc_cuda.attention_inputs(se, low, boundary_visible=vis, num_boundary=4)
     assert tuple(bm.seq_lengths) == (5, 128 + 5)
     # near miss: a whole-tree program's attention is the tree kernel, not the boundary one
-    low = tc_cuda.lower_cuda(treecompile.compile(DenseForCausalLM(DenseConfig.tiny())).graph_module,
+    low = tc_cuda.lower_cuda(_dense_compiled().graph_module,
                              CudaOptions(gdn_kernel="reference"))
     t = targets(low.graph_module)
     assert not low.boundary and t.count(tc_cuda._flex) == 2 and tc_cuda._flex_boundary not in t

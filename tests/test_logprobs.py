@@ -75,14 +75,14 @@ def test_chunk_zero_is_the_ops_default_and_bad_chunks_are_refused():
 
 def test_rewrite_loss_leaves_the_chunk_to_the_op_unless_set(tmodel, model):
     """The graph holds chunk 0 by default (the op picks at run time) and the user's ``logits_chunk`` when set."""
-    import treecompile
+    from helpers import cached_compile
 
     def head_chunks(tm):
         return [n.args[4] for n in tm.graph_module.graph.nodes
                 if n.target is torch.ops.treecompile.linear_logprobs.default]
 
     assert tmodel.pass_results["rewrite_loss"].info["chunk"] == 0 and head_chunks(tmodel) == [0]
-    tm5 = treecompile.compile(model, logits_chunk=5)
+    tm5 = cached_compile(model, logits_chunk=5)  # the fixture's capture, its passes run with logits_chunk=5
     assert tm5.pass_results["rewrite_loss"].info["chunk"] == 5 and head_chunks(tm5) == [5]
 
 

@@ -154,14 +154,12 @@ def _dense_flex(q, k, v, block_mask, *, scale=None, enable_gqa=False, **_):
 def test_lowered_graph_with_heavy_first_layout_is_exact(monkeypatch):
     """The eager lowered graph (flex replaced by a dense stand-in) run with each layout: loss, log-probs and
     every parameter gradient equal the CPU graph's in float64; the order input exists only for heavy_first."""
-    import treecompile
-    from treecompile.models import DenseConfig, DenseForCausalLM
+    from helpers import cached_compile, cached_model, tiny_dense
     from treecompile.passes import lower_cuda as lc
 
     monkeypatch.setattr(lc, "tree_attention_flex", _dense_flex)
-    torch.manual_seed(0)
-    model = DenseForCausalLM(DenseConfig.tiny()).double()
-    tm = treecompile.compile(model)
+    model = cached_model("dense-tiny", tiny_dense)  # conftest's model: captured once per process
+    tm = cached_compile(model)
     rng = random.Random(0)
     paths = [[rng.randrange(1, 60) for _ in range(n)] for n in (3, 9, 1)] + comb_paths(6, 5, 7)
     paths = [[t % 60 + 1 for t in p] for p in paths]

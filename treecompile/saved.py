@@ -44,6 +44,8 @@ from torch import nn
 from torch.export import Dim
 from torch.export.graph_signature import InputKind
 
+from treecompile.tracing import export_settings
+
 __all__ = ["save", "load", "verify", "read_manifest", "SavedProgramError", "FORMAT", "PROGRAM", "WEIGHTS", "MANIFEST"]
 
 FORMAT = "treecompile-saved/1"
@@ -207,7 +209,8 @@ def _reexport(tmodel, tensors: dict, kinds: dict, tied: dict, non_persistent: se
         p.requires_grad_(True)
     ids, tree_inputs, dyn = _example(tmodel)
     try:
-        ep = torch.export.export(holder, (ids, tree_inputs), dynamic_shapes=dyn, strict=False)
+        with export_settings():
+            ep = torch.export.export(holder, (ids, tree_inputs), dynamic_shapes=dyn, strict=False)
     except Exception as e:
         raise RuntimeError(f"re-exporting the rewritten graph failed: {type(e).__name__}: "
                            f"{str(e).splitlines()[0] if str(e) else ''}") from e
