@@ -4,7 +4,6 @@ and the graph (and what it computes) is the one the cache gives."""
 from __future__ import annotations
 
 import contextlib
-import importlib
 
 import pytest
 import torch
@@ -12,11 +11,10 @@ import torch._dynamo.config
 from torch._guards import detect_fake_mode
 
 import treecompile
-from treecompile import Tree, saved
+from treecompile import Tree, frontend, saved
 from treecompile.models import DenseConfig, DenseForCausalLM
 
 PATHS = [[1, 2, 3, 4], [1, 2, 5], [6, 7]]
-tc_compile = importlib.import_module("treecompile.compile")  # the module (treecompile.compile is the function)
 
 
 def fake_mode(gm):
@@ -41,7 +39,7 @@ def compiled():
     tm = treecompile.compile(model)
     assert torch._dynamo.config.fake_tensor_cache_enabled  # restored afterwards
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(tc_compile, "export_settings", contextlib.nullcontext)  # near miss: torch's default
+        mp.setattr(frontend, "export_settings", contextlib.nullcontext)  # near miss: torch's default
         cached = treecompile.compile(model)
     return tm, cached
 

@@ -27,7 +27,6 @@ from treecompile.passes.base import TREE_INPUTS, CompileOptions
 from treecompile.passes.lower_cuda import CudaOptions
 from treecompile.passes.pipeline import BOUNDARY_PASSES, check_disable
 from treecompile.program import TreeProgram, bucket_length
-from treecompile.tracing import export_settings
 from treecompile.tree import TreeBatch
 
 __all__ = ["compile", "TreeModel", "TreeOutput", "bucket_length"]  # bucket_length: from treecompile.program
@@ -86,8 +85,7 @@ class TreeModel(nn.Module):
                                          or logits_chunk < 1):
             raise ValueError(f"logits_chunk must be a positive number of rows or None (the head picks), "
                              f"got {logits_chunk!r}")
-        with export_settings():  # the graph is the same, the capture faster (treecompile/tracing.py)
-            captured: Captured = capture(model, swaps=swaps)
+        captured: Captured = capture(model, swaps=swaps)
         ep = captured.program
         if ep.graph_signature.buffers_to_mutate:
             raise ValueError(f"{type(model).__name__} mutates buffers in forward "

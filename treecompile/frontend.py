@@ -18,6 +18,7 @@ import torch
 from torch.export import Dim, ExportedProgram
 
 from treecompile.capture_errors import explain_capture_error, record_guards
+from treecompile.tracing import export_settings
 
 __all__ = ["Captured", "capture", "CaptureError", "kernel_swaps"]
 
@@ -152,12 +153,13 @@ def capture(model: torch.nn.Module, *, example_len: int = 16, max_len: int = 1 <
 
 
 def _export(model, ids, seq, is_hf: bool, *, deferred: bool) -> ExportedProgram:
-    if is_hf:
-        return torch.export.export(model, (), {"input_ids": ids, "use_cache": False},
-                                   dynamic_shapes={"input_ids": {1: seq}, "use_cache": None}, strict=False,
+    with export_settings():  # the graph is the same, the capture faster (treecompile/tracing.py)
+        if is_hf:
+            return torch.export.export(model, (), {"input_ids": ids, "use_cache": False},
+                                       dynamic_shapes={"input_ids": {1: seq}, "use_cache": None}, strict=False,
+                                       prefer_deferred_runtime_asserts_over_guards=deferred)
+        return torch.export.export(model, (ids,), dynamic_shapes=({1: seq},), strict=False,
                                    prefer_deferred_runtime_asserts_over_guards=deferred)
-    return torch.export.export(model, (ids,), dynamic_shapes=({1: seq},), strict=False,
-                               prefer_deferred_runtime_asserts_over_guards=deferred)
 
 
 def _constraint_violation(e: BaseException) -> bool:
