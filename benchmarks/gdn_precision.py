@@ -119,32 +119,55 @@ def cosines(g, ref):
     return {k: round(float(F.cosine_similarity(g[k], ref[k], dim=0)), 5) for k in ref if k in g}
 
 
-def part_b(out: dict, fp32_inputs_only: bool = False, model_name: str = "qwen3.5-hybrid-small") -> None:
+def part_b(out: dict, fp32_inputs_only: bool = False, model_name: str = "qwen3.5-hybrid-small",
+           router_std: float | None = None, skip_fp32_inputs: bool = False) -> None:
     from harness import model_specs
 
     cfg = SMALL_HYBRID if model_name == "qwen3.5-hybrid-small" else model_specs()[model_name].config
     out["B model"] = model_name
     torch.manual_seed(0)
     paths = branching_paths(6, prompt=1500, seg=1200, vocab=cfg.vocab_size, seed=1)
-    model = init_(HybridForCausalLM(cfg)).to("cuda", torch.bfloat16)
+    model = init_(HybridForCausalLM(cfg))
+    if router_std is not None:  # a confident router (as trained ones are): fewer top-k flips under rounding
+        out["B router_std"] = router_std
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("mlp.gate.weight"):
+                    p.normal_(0.0, router_std)
+    model = model.to("cuda", torch.bfloat16)
     batch = Tree.from_paths(paths).to_batch(device="cuda")
     n = len(paths)
 
-    def per_path(m):
-        m.zero_grad(set_to_none=True)
-        for p in paths:
-            (reference.run(m, [p], device="cuda").loss / n).backward()
+    k = getattr(cfg, "num_experts_per_tok", 0) or 0
+
+    def per_path(m, routes=None):
+        """Gradients of the per-path runs; ``routes`` (a list) collects each MoE layer's top-k experts."""
+        hooks = [mod.register_forward_hook(lambda _m, _i, logits: routes.append(
+            logits.float().flatten(0, -2).topk(k, dim=-1).indices.sort(dim=-1).values.cpu()))
+            for name, mod in m.named_modules() if routes is not None and k and name.endswith("mlp.gate")]
+        try:
+            m.zero_grad(set_to_none=True)
+            for p in paths:
+                (reference.run(m, [p], device="cuda").loss / n).backward()
+        finally:
+            for h in hooks:
+                h.remove()
         return grads_by_group(m)
 
     t0 = time.perf_counter()
     m32 = copy.deepcopy(model).float()
-    oracle = per_path(m32)
+    routes32, routes16 = [], []
+    oracle = per_path(m32, routes32)
     del m32
     torch.cuda.empty_cache()
     out["B oracle_s"] = round(time.perf_counter() - t0, 1)
     res = {}
-    res["per-path bf16, model GDN (baseline)"] = cosines(per_path(model), oracle)
-    print(json.dumps(res), flush=True)
+    res["per-path bf16, model GDN (baseline)"] = cosines(per_path(model, routes16), oracle)
+    if routes32:  # how often rounding alone changes a token's experts (what a cosine to the oracle then measures)
+        flips = sum(int((a != b).any(-1).sum()) for a, b in zip(routes32, routes16))
+        out["B top-k sets changed by bf16 (per-path baseline vs oracle)"] = \
+            f"{flips} of {sum(a.shape[0] for a in routes32)} token-layers"
+    print(json.dumps(res), json.dumps({k_: v for k_, v in out.items() if k_.startswith("B top-k")}), flush=True)
 
     def tree_run(tm, b):
         model.zero_grad(set_to_none=True)
@@ -179,6 +202,8 @@ def part_b(out: dict, fp32_inputs_only: bool = False, model_name: str = "qwen3.5
                 ("tree bf16, fla GDN fp32 inputs (eager graph)", dict(gdn_kernel="fla", compile_cuda=False),
                  torch.float32),
                 ("tree bf16, fla GDN (compiled, as issue 17)", dict(gdn_kernel="fla"), None)]
+    if skip_fp32_inputs:
+        variants = [v for v in variants if v[2] is None]
     for name, opts, cdt in variants:
         fla_gdn.COMPUTE_DTYPE = cdt
         try:
@@ -203,6 +228,9 @@ def main():
                     help="model level: only the oracle, the baseline and fla with fp32 GDN inputs")
     ap.add_argument("--model", default="qwen3.5-hybrid-small", choices=("qwen3.5-hybrid-small", "qwen3-next-moe-small"),
                     help="the hybrid of part B")
+    ap.add_argument("--router-std", type=float, default=None,
+                    help="MoE models: re-draw the router weights with this std (default: the 0.02 of every matrix)")
+    ap.add_argument("--skip-fp32-inputs", action="store_true", help="model level: leave out the fp32-input variant")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     import triton
@@ -215,7 +243,7 @@ def main():
         if not a.skip_op:
             part_a(out)
         if not a.skip_model:
-            part_b(out, a.fp32_inputs_only, a.model)
+            part_b(out, a.fp32_inputs_only, a.model, a.router_std, a.skip_fp32_inputs)
     finally:
         if a.out:
             with open(a.out, "w") as f:
