@@ -192,3 +192,34 @@ def test_call_cost_scales_with_the_layer_width():
     assert fla_gdn.call_cost_rows(16, 128, 128) == fla_gdn.CALL_COST_ROWS
     assert fla_gdn.call_cost_rows(32, 128, 128) == fla_gdn.CALL_COST_ROWS // 2
     assert fla_gdn.call_cost_rows(2, 8, 8) > 1000 * fla_gdn.CALL_COST_ROWS
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_gather_rows_backward_sums_each_tokens_rows(seed):
+    """The input gather's backward (replayed tokens: several rows each) equals index_select's (index_add),
+    per occurrence group; tokens no row reads get zero; every row is in exactly one group."""
+    g = torch.Generator().manual_seed(seed)
+    T = 37
+    index = torch.cat([torch.randint(0, T - 5, (60,), generator=g), torch.arange(3, 9).repeat(16)])  # 5 unread
+    groups = fla_gdn.occurrence_groups(index, T)
+    counts = torch.bincount(index, minlength=T)
+    assert [rows.shape[1] for _, rows in groups] == sorted(set(counts.tolist()))
+    seen = torch.cat([rows.flatten() for _, rows in groups])
+    assert torch.equal(seen.sort().values, torch.arange(len(index)))
+    for values, rows in groups:
+        assert torch.equal(index[rows], values[:, None].expand_as(rows)) and (counts[values] == rows.shape[1]).all()
+    x = torch.randn(2, T, 3, 4, dtype=F64, generator=g, requires_grad=True)
+    w = torch.randn(2, len(index), 3, 4, dtype=F64, generator=g)
+    got = fla_gdn.gather_rows(x, index, groups)
+    assert type(got.grad_fn).__name__ == "_GatherRowsBackward"  # it fired
+    ref = x.index_select(1, index)
+    assert torch.equal(got, ref)
+    (dg,), (dr,) = torch.autograd.grad((got * w).sum(), x), torch.autograd.grad((ref * w).sum(), x)
+    torch.testing.assert_close(dg, dr, rtol=1e-14, atol=1e-14)
+    assert (dg[:, T - 5:] == 0).all()
+
+
+def test_identity_plan_has_no_gather():
+    b = Tree.from_paths([[1, 2, 3, 4, 5]]).to_batch()
+    plan = fla_gdn.plan_calls(b.node_start, b.node_end, b.node_parent)
+    assert plan.identity and plan.occurrences == ()

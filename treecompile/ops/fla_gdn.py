@@ -39,6 +39,8 @@ __all__ = [
     "fla_unusable_reason",
     "call_cost_rows",
     "cheapest_plan",
+    "gather_rows",
+    "occurrence_groups",
     "plan_calls",
     "tree_gated_delta_rule_fla",
 ]
@@ -123,6 +125,9 @@ class FlaPlan:
     identity: bool
     replayed_tokens: int
     levels: int  # tree levels (the calls of a per-level schedule)
+    # The backward of the input gather, by how many rows read a token: ``(tokens [n], rows [n, c])`` per
+    # count c (c = 0: tokens no row reads).  See :func:`gather_rows`.
+    occurrences: tuple[tuple[Tensor, Tensor], ...] = ()
     _chunk_indices: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -301,9 +306,57 @@ def _materialize(segs: _Segments, sched: _Schedule, dev: torch.device) -> FlaPla
         waves.append(Wave(lo, len(index), torch.tensor(cu, dtype=torch.long, device=dev), src,
                           tuple(b - a for a, b in zip(cu, cu[1:]))))
     identity = len(waves) == 1 and len(index) == T
-    return FlaPlan(index=torch.tensor(index, dtype=torch.long, device=dev),
-                   out_rows=torch.tensor(out_rows, dtype=torch.long, device=dev), waves=tuple(waves),
-                   identity=identity, replayed_tokens=len(index) - T, levels=segs.levels)
+    host_index = torch.tensor(index, dtype=torch.long)
+    return FlaPlan(index=host_index.to(dev), out_rows=torch.tensor(out_rows, dtype=torch.long, device=dev),
+                   waves=tuple(waves), identity=identity, replayed_tokens=len(index) - T, levels=segs.levels,
+                   occurrences=() if identity else occurrence_groups(host_index, T, dev))
+
+
+def occurrence_groups(index: Tensor, tokens: int, device: torch.device | None = None
+                      ) -> tuple[tuple[Tensor, Tensor], ...]:
+    """``index [R]`` (values in ``[0, tokens)``) grouped by how often each value occurs: per count c, in
+    increasing c, ``(values [n], rows [n, c])`` where ``index[rows[i, j]] == values[i]`` (rows in increasing
+    order).  Made on the host; the tensors are moved to ``device``."""
+    index = index.cpu()
+    counts = torch.bincount(index, minlength=tokens)
+    order = torch.argsort(index, stable=True)  # the rows of value 0, then of value 1, ...
+    starts = torch.cumsum(counts, 0) - counts
+    groups = []
+    for c in torch.unique(counts).tolist():
+        values = torch.nonzero(counts == c).flatten()
+        rows = order[starts[values, None] + torch.arange(c)] if c else values.new_empty(len(values), 0)
+        groups.append((values.to(device), rows.to(device)))
+    return tuple(groups)
+
+
+class _GatherRows(torch.autograd.Function):
+    """``x.index_select(1, index)`` whose backward sums each token's rows per occurrence group: one gather,
+    one sum over the group's rows and one collision-free ``index_copy_`` per distinct count, instead of
+    ``index_add`` (atomics that collide wherever a token is replayed, and round at every add in bf16)."""
+
+    @staticmethod
+    def forward(ctx, x, index, groups):
+        ctx.groups, ctx.tokens = groups, x.shape[1]
+        return x.index_select(1, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = grad.new_empty(grad.shape[0], ctx.tokens, *grad.shape[2:])
+        for values, rows in ctx.groups:
+            n, c = rows.shape
+            if c == 0:
+                out.index_fill_(1, values, 0)
+                continue
+            part = grad.index_select(1, rows.flatten())
+            part = part if c == 1 else part.unflatten(1, (n, c)).sum(2)  # in grad's dtype, rounded once
+            out.index_copy_(1, values, part)
+        return out, None, None
+
+
+def gather_rows(x: Tensor, index: Tensor, groups: tuple[tuple[Tensor, Tensor], ...]) -> Tensor:
+    """``x.index_select(1, index)`` (x ``[B, T, ...]``); ``groups`` = :func:`occurrence_groups` of index.
+    Same values and gradient (up to the order of the sum per token)."""
+    return _GatherRows.apply(x, index, groups)
 
 
 def cheapest_plan(node_start: Tensor, node_end: Tensor, node_parent: Tensor, *,
@@ -371,7 +424,7 @@ def tree_gated_delta_rule_fla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: 
     plan = _cached_plan(node_start, node_end, node_parent, replay_max, call_cost_rows(Hv, Dk, Dv))
     xs = (q, k, v_in, g, beta)
     if not plan.identity:  # one gather per input for all calls; each call reads a contiguous slice
-        xs = tuple(x.index_select(1, plan.index) for x in xs)
+        xs = tuple(gather_rows(x, plan.index, plan.occurrences) for x in xs)
     outs, states = [], None
     state_dtype = torch.promote_types(torch.float32, xs[0].dtype)  # fla's float32 states (float64 stays)
     for i, w in enumerate(plan.waves):
