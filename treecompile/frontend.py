@@ -173,7 +173,8 @@ def _export_with_proven_asserts(model, ids, seq, is_hf: bool) -> ExportedProgram
         ep = _export(model, ids, seq, is_hf, deferred=True)
     except Exception:
         return None
-    asserts = [n for n in ep.graph.nodes if n.op == "call_function" and n.target is torch.ops.aten._assert_scalar.default]
+    asserts = [n for n in ep.graph.nodes
+               if n.op == "call_function" and n.target is torch.ops.aten._assert_scalar.default]
     for n in asserts:
         cond = n.args[0]
         val = cond.meta.get("val") if isinstance(cond, torch.fx.Node) else cond
