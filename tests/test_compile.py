@@ -389,7 +389,12 @@ def test_holds_for_every_length(expr, lo, holds):
 
     e = sympy.sympify(expr, locals={"s": s, "t": t, "Min": torch_sympy.Min})  # torch's Min, as in its guards
     assert holds_for_every_length(e, lo) is holds
-    assert holds_for_every_length(True, lo) and not holds_for_every_length(False, lo)
+
+
+def test_holds_for_every_length_takes_plain_bools():
+    from treecompile.frontend import holds_for_every_length
+
+    assert holds_for_every_length(True, 2) and not holds_for_every_length(False, 2)
 
 
 def test_explicit_causal_mask_is_accepted():

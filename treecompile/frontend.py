@@ -225,7 +225,7 @@ def _erase_with_unused_inputs(graph: torch.fx.Graph, node: torch.fx.Node) -> Non
         n = todo.pop()
         if n.users or n.op != "call_function":
             continue
-        inputs = [a for a in n.all_input_nodes]
+        inputs = list(n.all_input_nodes)
         graph.erase_node(n)
         todo += [a for a in inputs if a.op == "call_function" and not isinstance(a.meta.get("val"), torch.Tensor)]
 
