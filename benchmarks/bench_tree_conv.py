@@ -1,12 +1,12 @@
-"""Tree causal conv1d fwd+bwd: ``treecompile::tree_causal_conv1d`` as it is vs the same math in row layout.
+"""Tree causal conv1d fwd+bwd: ``treecompile::tree_causal_conv1d`` vs the same math in column layout.
 
-The op gathers the K-1 path predecessors along T of ``x [B, C, T]`` and its backward scatter-adds them back
-(``index_add`` over dim 2: strided, colliding); the hybrid profile of session 8 (results/h100_s8) shows that
-``index_add`` at 13.8 ms + its ``aten::index`` at 7.8 ms for 6 GDN layers of a 16k-token tree.  The row variant
-works on ``x.transpose(1, 2) [B, T, C]`` (HF hands the op a transpose of that): ``index_select`` of whole C-rows
-forward, ``index_add`` of contiguous C-rows backward.  Both eager and ``torch.compile``; outputs and gradients
-are compared with the op's.  Not run on the GPU yet (session 8 ran out of device time); on CPU, float64, tiny
-shapes (``--tiny``): op 2.6 ms, rows 1.1-1.3 ms, gradients equal to 2e-16.
+Session 8's op gathered the K-1 path predecessors along T of ``x [B, C, T]`` and its backward scatter-added them
+back (``index_add`` over dim 2: strided, colliding); the hybrid profile of session 8 (results/h100_s8) showed that
+``index_add`` at 13.8 ms + its ``aten::index`` at 7.8 ms for 6 GDN layers of a 16k-token tree.  The op now works
+in row layout on ``x.transpose(1, 2) [B, T, C]`` (HF hands the op a transpose of that): ``index_select`` of whole
+C-rows forward, ``index_add`` of contiguous C-rows backward.  ``cols`` below is session 8's column-layout math
+(autograd through it).  Both eager and ``torch.compile``; outputs and gradients are compared with the op's.
+CPU, float64, tiny shapes (``--tiny``): see RESULTS.md.
 
 Usage: python benchmarks/bench_tree_conv.py [--tiny]   (default: CUDA, bf16, C = 6144, 16 x 2,048 POR 0.5)
 """
@@ -29,15 +29,14 @@ from treecompile import Tree  # noqa: E402
 from treecompile.ops.tree_conv import tree_causal_conv1d  # noqa: E402
 
 
-def rows(x, w, bias, ci):
-    """The op's forward (silu) in row layout; autograd gives the row-layout backward."""
+def cols(x, w, bias, ci):
+    """Session 8's op forward (silu) in column layout [B, C, T]; autograd gives its column-layout backward."""
     B, C, T = x.shape
     K = w.shape[1]
-    xt = x.transpose(1, 2).to(w.dtype)
-    ctx = xt.index_select(1, ci.clamp(min=0).reshape(-1)).view(B, T, K - 1, C)
-    ctx = ctx * (ci >= 0).to(w.dtype)[None, :, :, None]
-    y = xt * w[:, K - 1] + (ctx * w[:, :K - 1].flip(1).T[None, None]).sum(2) + bias
-    return F.silu(y).to(x.dtype).transpose(1, 2)
+    xw = x.to(w.dtype)
+    ctx = xw[:, :, ci.clamp(min=0).reshape(-1)].reshape(B, C, T, -1) * (ci >= 0).to(w.dtype)
+    y = xw * w[None, :, K - 1, None] + (ctx * w[:, :K - 1].flip(1)[None, :, None, :]).sum(-1) + bias[None, :, None]
+    return F.silu(y).to(x.dtype)
 
 
 def op(x, w, bias, ci):
@@ -60,7 +59,7 @@ def main():
     bias = torch.randn(C, device=dev, dtype=dt, requires_grad=True)
     g = torch.randn(1, T, C, device=dev, dtype=dt)
     res, outs = {"T": T, "C": C, "device": dev, "dtype": str(dt), "torch": torch.__version__}, {}
-    for name, fn in (("op", op), ("rows", rows)):
+    for name, fn in (("op", op), ("cols", cols)):
         for mode in modes:
             f = torch.compile(fn, dynamic=False) if mode == "compiled" else fn
             x = x0.clone().requires_grad_()

@@ -10,6 +10,8 @@ Layout mirrors HF's ``causal_conv1d_fn``: ``x [B, C, T]``, ``weight [C, K]``, ``
 ``activation`` None or ``"silu"``/``"swish"``; returns ``[B, C, T]`` in x's dtype.  With B > 1 the
 batch rows share ``conv_index`` (each row is the same tree).  ``out[t] = bias + w[:, K-1] x[t] +
 sum_j w[:, K-2-j] x[conv_index[t, j]]``.  The backward is plain gathers and scatter-adds (traceable).
+Both work in row layout ``[B, T, C]`` (gathers and scatter-adds of contiguous C-rows: on a GPU, coalesced;
+the column layout's scatter along T of ``[B, C, T]`` cost 3.6 ms per layer at C = 6,144, T = 16k on an H100).
 Registered at import.  HF's ``causal_conv1d_fn`` is swapped for it during capture by
 ``treecompile.hf_adapters``.
 """
@@ -51,21 +53,26 @@ def _check(x, weight, bias, conv_index, activation):
         raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
 
 
-def _gather_context(x: Tensor, conv_index: Tensor) -> Tensor:
-    """x [B, C, T] -> [B, C, T, K-1]: x at conv_index, zero where -1."""
-    B, C, T = x.shape
-    idx = conv_index.clamp(min=0).reshape(-1)
-    ctx = x[:, :, idx].reshape(B, C, T, -1)
-    return ctx * (conv_index >= 0).to(x.dtype)
+def _rows(x: Tensor, dtype) -> Tensor:
+    """x [B, C, T] -> [B, T, C] contiguous in ``dtype`` (free when x is the transpose HF hands the op)."""
+    return x.transpose(1, 2).to(dtype).contiguous()
 
 
-def _preact(x, weight, bias, conv_index):
+def _gather_context(xt: Tensor, conv_index: Tensor) -> Tensor:
+    """xt [B, T, C] -> [B, T, K-1, C]: the rows at conv_index, zero where -1 (whole C-rows are gathered)."""
+    B, T, C = xt.shape
+    ctx = xt.index_select(1, conv_index.clamp(min=0).reshape(-1)).view(B, T, -1, C)
+    return ctx * (conv_index >= 0).to(xt.dtype)[None, :, :, None]
+
+
+def _preact(xt, weight, bias, conv_index):
+    """Pre-activation in row layout: xt [B, T, C] -> y [B, T, C], and the gathered context."""
     K = weight.shape[1]
-    ctx = _gather_context(x, conv_index)  # column j multiplies weight[:, K-2-j]
-    w_ctx = weight[:, :K - 1].flip(1)  # [C, K-1], column j = weight[:, K-2-j]
-    y = x * weight[None, :, K - 1, None] + (ctx * w_ctx[None, :, None, :]).sum(-1)
+    ctx = _gather_context(xt, conv_index)  # column j multiplies weight[:, K-2-j]
+    w_ctx = weight[:, :K - 1].flip(1).T  # [K-1, C], row j = weight[:, K-2-j]
+    y = xt * weight[:, K - 1] + (ctx * w_ctx).sum(2)
     if bias is not None:
-        y = y + bias[None, :, None]
+        y = y + bias
     return y, ctx
 
 
@@ -74,10 +81,10 @@ def tree_causal_conv1d(x: Tensor, weight: Tensor, bias: Optional[Tensor], conv_i
                        activation: Optional[str] = None) -> Tensor:
     """Depthwise causal conv1d along tree paths (see module docstring)."""
     _check(x, weight, bias, conv_index, activation)
-    y, _ = _preact(x.to(weight.dtype), weight, bias, conv_index)
+    y, _ = _preact(_rows(x, weight.dtype), weight, bias, conv_index)
     if activation is not None:
         y = F.silu(y)
-    return y.to(x.dtype).contiguous()  # the fake impl promises a contiguous result (x may be a transpose)
+    return y.to(x.dtype).transpose(1, 2).contiguous()  # the fake impl promises a contiguous [B, C, T]
 
 
 @tree_causal_conv1d.register_fake
@@ -96,19 +103,19 @@ def _backward(ctx, grad):
     x, weight, bias, conv_index = ctx.saved_tensors
     B, C, T = x.shape
     K = weight.shape[1]
-    xw = x.to(weight.dtype)
-    dpre = grad.to(weight.dtype)
-    pre, cx = _preact(xw, weight, bias, conv_index)
+    xt = _rows(x, weight.dtype)
+    dpre = _rows(grad, weight.dtype)  # [B, T, C]
+    pre, cx = _preact(xt, weight, bias, conv_index)
     if ctx.activation is not None:  # silu'(y) = s(y) (1 + y (1 - s(y)))
         s = torch.sigmoid(pre)
         dpre = dpre * s * (1 + pre * (1 - s))
-    dw = torch.cat([(dpre[..., None] * cx).sum((0, 2)).flip(1), (dpre * xw).sum((0, 2))[:, None]], 1)
-    dbias = dpre.sum((0, 2)).to(bias.dtype) if bias is not None else None
-    w_ctx = weight[:, :K - 1].flip(1)  # column j multiplies the (j+1)-th preceding token
-    contrib = dpre[..., None] * w_ctx[None, :, None, :] * (conv_index >= 0).to(dpre.dtype)
-    dx = (dpre * weight[None, :, K - 1, None]).index_add(2, conv_index.clamp(min=0).reshape(-1),
-                                                          contrib.reshape(B, C, -1))
-    return dx.to(x.dtype), dw, dbias, None, None
+    dw = torch.cat([(dpre[:, :, None, :] * cx).sum((0, 1)).T.flip(1), (dpre * xt).sum((0, 1))[:, None]], 1)
+    dbias = dpre.sum((0, 1)).to(bias.dtype) if bias is not None else None
+    w_ctx = weight[:, :K - 1].flip(1).T  # [K-1, C], row j multiplies the (j+1)-th preceding token
+    contrib = dpre[:, :, None, :] * w_ctx * (conv_index >= 0).to(dpre.dtype)[None, :, :, None]
+    # contiguous C-rows scattered back to their tokens (rows collide only at branch points)
+    dx = (dpre * weight[:, K - 1]).index_add(1, conv_index.clamp(min=0).reshape(-1), contrib.reshape(B, -1, C))
+    return dx.to(x.dtype).transpose(1, 2), dw, dbias, None, None
 
 
 tree_causal_conv1d.register_autograd(_backward, setup_context=_setup_context)
