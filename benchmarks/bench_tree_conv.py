@@ -6,7 +6,7 @@ back (``index_add`` over dim 2: strided, colliding); the hybrid profile of sessi
 in row layout on ``x.transpose(1, 2) [B, T, C]`` (HF hands the op a transpose of that): ``index_select`` of whole
 C-rows forward, ``index_add`` of contiguous C-rows backward.  ``cols`` below is session 8's column-layout math
 (autograd through it).  Both eager and ``torch.compile``; outputs and gradients are compared with the op's.
-CPU, float64, tiny shapes (``--tiny``): see RESULTS.md.
+H100 bf16 (session 9): op 9.2 ms compiled / 15.2 eager, cols 13.6 / 62.7 (RESULTS.md, Session 9).
 
 Usage: python benchmarks/bench_tree_conv.py [--tiny]   (default: CUDA, bf16, C = 6144, 16 x 2,048 POR 0.5)
 """

@@ -10,8 +10,9 @@ Layout mirrors HF's ``causal_conv1d_fn``: ``x [B, C, T]``, ``weight [C, K]``, ``
 ``activation`` None or ``"silu"``/``"swish"``; returns ``[B, C, T]`` in x's dtype.  With B > 1 the
 batch rows share ``conv_index`` (each row is the same tree).  ``out[t] = bias + w[:, K-1] x[t] +
 sum_j w[:, K-2-j] x[conv_index[t, j]]``.  The backward is plain gathers and scatter-adds (traceable).
-Both work in row layout ``[B, T, C]`` (gathers and scatter-adds of contiguous C-rows: on a GPU, coalesced;
-the column layout's scatter along T of ``[B, C, T]`` cost 3.6 ms per layer at C = 6,144, T = 16k on an H100).
+Both work in row layout ``[B, T, C]``: gathers and scatter-adds of contiguous C-rows, coalesced on a GPU
+(H100, bf16, C = 6,144, T = 16,384, fwd+bwd under torch.compile: 9.2 ms vs 13.6 ms for the same math along T
+of ``[B, C, T]``; eager 15.2 vs 62.7 ms; ``benchmarks/bench_tree_conv.py``).
 Registered at import.  HF's ``causal_conv1d_fn`` is swapped for it during capture by
 ``treecompile.hf_adapters``.
 """
