@@ -20,9 +20,10 @@ from treecompile.program import bucket_length
 from treecompile.models import DenseConfig, DenseForCausalLM
 
 
-def main(num_trees: int = 200, seed: int = 0) -> dict:
+def main(num_trees: int = 200, seed: int = 0, *, tmodel=None) -> dict:
+    """``tmodel``: a ``treecompile.compile`` of the tiny float32 dense model to use (default: compile one)."""
     rnd = random.Random(seed)
-    tm = treecompile.compile(DenseForCausalLM(DenseConfig.tiny()))
+    tm = treecompile.compile(DenseForCausalLM(DenseConfig.tiny())) if tmodel is None else tmodel
     torch._dynamo.reset()
     torch._dynamo.config.recompile_limit = 256
     compiles = 0

@@ -260,10 +260,13 @@ def test_one_progress_bar_for_stats_and_training(capsys):
 
 
 def test_one_list_of_modes():
-    from treecompile.runtime import stats, train
+    from treecompile.runtime import partition, stats, train
 
     assert stats.stats_modes() == ("whole", *train.MODES)
     assert "MODES" not in vars(cli) and stats.MODES is train.MODES  # imported, not a second list
+    # defined beside the partitioners: `treecompile stats` lists the modes without importing the training
+    # step and the compiler passes behind it (~1 s of CPU a run)
+    assert stats.MODES is partition.MODES
 
 
 # ---------------------------------------------------------------------------------------------- rewrite

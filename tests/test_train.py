@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import treecompile
-from helpers import cached_compile, capture_once
+from helpers import cached_compile, capture_once, shared_capture
 from treecompile import NORMALIZATIONS, Tree
 from treecompile.models import HybridConfig, HybridForCausalLM
 from treecompile.runtime.data import TrajectoryTree
@@ -277,7 +277,11 @@ def test_example_trains(tmp_path, capsys):
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
     data = tmp_path / "trees.jsonl"
-    rc = example.main(["--data", str(data), "--make-data", "--steps", "6", "--budget", "40"])
+    # the example's model (the tiny float32 dense one) is the architecture test_cli's rewrites and
+    # test_readme's blocks capture: one torch.export per process for all of them (helpers.shared_capture);
+    # the passes, training and checks run as usual
+    with shared_capture():
+        rc = example.main(["--data", str(data), "--make-data", "--steps", "6", "--budget", "40"])
     out = capsys.readouterr()
     assert rc == 0, out.err[-2000:]
     losses = [float(x) for x in re.findall(r"^step \d+ loss ([0-9.]+)", out.out, re.M)]

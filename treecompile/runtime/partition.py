@@ -51,8 +51,13 @@ import torch
 from treecompile.runtime.metrics import Reuse, reuse
 from treecompile.tree import DEFAULT_CONV_KERNEL, NORMALIZATIONS, Tree, TreeBatch, ancestor_index
 
-__all__ = ["PackedPartition", "PackedPlan", "pack", "RedundancyFreePartition", "RedundancyFreePlan",
+__all__ = ["MODES", "PackedPartition", "PackedPlan", "pack", "RedundancyFreePartition", "RedundancyFreePlan",
            "partition_redundancy_free", "TreeShape", "check_capacity", "leaf_order", "first_fit_decreasing"]
+
+# The partitioned training modes, each with its partitioner here (``pack``, ``partition_redundancy_free``);
+# None: each tree whole (``treecompile stats`` calls it "whole").  Defined here, not in runtime/train.py,
+# so that ``treecompile stats`` lists them without importing the training step (and the passes it loads).
+MODES = ("packed", "redundancy_free")
 
 
 # ---------------------------------------------------------------------------------------------- shape

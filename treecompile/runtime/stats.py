@@ -10,8 +10,7 @@ from __future__ import annotations
 from tabulate import tabulate
 
 from treecompile.runtime.metrics import reuse
-from treecompile.runtime.partition import pack, partition_redundancy_free
-from treecompile.runtime.train import MODES
+from treecompile.runtime.partition import MODES, pack, partition_redundancy_free
 from treecompile.tree import Tree
 
 __all__ = ["stats_modes", "tree_stats", "total_stats", "stats_table"]

@@ -62,7 +62,7 @@ from treecompile.runtime.data import TrajectoryTree
 from treecompile.runtime.metrics import Reuse, dataset_reuse
 from treecompile.runtime.normalization import GlobalNorm, partition_batch, tree_batch
 from treecompile.runtime.objectives import SFT, trained_counts
-from treecompile.runtime.partition import pack, partition_redundancy_free
+from treecompile.runtime.partition import MODES, pack, partition_redundancy_free
 from treecompile.runtime.progress import Progress
 from treecompile.runtime.path_level import linearize
 from treecompile.runtime.redundancy_free import prepass_redundancy_free, run_redundancy_free
@@ -71,8 +71,6 @@ from treecompile.router_aux import ROUTER_WEIGHTS
 from treecompile.tree import DEFAULT_CONV_KERNEL, NORMALIZATIONS, Tree
 
 __all__ = ["train_step", "StepResult", "MODES"]
-
-MODES = ("packed", "redundancy_free")  # partitioned modes; None: each tree whole (stats calls it "whole")
 
 
 @dataclass
