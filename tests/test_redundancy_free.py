@@ -194,8 +194,8 @@ def test_pass_fires_and_default_pipeline_unchanged(dense, hybrid):
 
 def test_pass_refuses_graph_without_the_loss_rewrite(dense):
     model = dense[0]
-    with pytest.raises(PassError, match="expose_boundary.*row gather"):
-        treecompile.compile(model, boundary=True, disable=("rewrite_loss",))
+    with pytest.raises(PassError, match="expose_boundary.*row gather"):  # the fixture's capture, passes run anew
+        cached_compile(model, boundary=True, disable=("rewrite_loss",))
 
 
 def _whole(model, tmodel, tree, normalize):
@@ -206,8 +206,10 @@ def _whole(model, tmodel, tree, normalize):
         (g if g is not None else torch.zeros_like(p)).flatten() for g, p in zip(grads, params)])
 
 
-def check_partitioned(model, tmodel, bmodel, tree, C, normalize):
-    loss, lp, g_ref = _whole(model, tmodel, tree, normalize)
+def check_partitioned(model, tmodel, bmodel, tree, C, normalize, whole=None):
+    """``whole``: ``_whole(model, tmodel, tree, normalize)`` when the caller checks several budgets of one
+    tree (the whole-tree run does not depend on C: computed once, not once per budget)."""
+    loss, lp, g_ref = _whole(model, tmodel, tree, normalize) if whole is None else whole
     plan = partition_redundancy_free(tree, C)
     params = list(model.parameters())
     for p in params:
@@ -245,10 +247,11 @@ def test_dense_partitioned_equals_whole_tree(dense, pmw, C, normalize, use_masks
 def test_dense_odd_trees(dense, name):
     tree = Tree.from_paths([[t % VOCAB for t in p] for p in ODD_TREES[name]])
     longest = max(tree.path_lengths.tolist())
+    whole = _whole(dense[0], dense[1], tree, "path_mean")
     for C in sorted({1, 2, max(longest - 1, 1), tree.num_tokens}):
         if name == "wide_fanout_64" and C < 3:
             continue  # 131 one-token partitions: slow, and C = longest - 1 already splits every path
-        check_partitioned(*dense, tree, C, "path_mean")
+        check_partitioned(*dense, tree, C, "path_mean", whole=whole)
 
 
 def test_dense_path_longer_than_budget_spans_partitions(dense):
@@ -269,8 +272,9 @@ def test_hybrid_partitioned_equals_whole_tree(hybrid, pmw, C, normalize):
 def test_hybrid_odd_trees(hybrid, name):
     """Conv context spanning several partitions (C = 1, 2 < K - 1), a root partition, deep chains."""
     tree = Tree.from_paths([[t % VOCAB for t in p] for p in ODD_TREES[name]])
+    whole = _whole(hybrid[0], hybrid[1], tree, "token_mean")
     for C in (1, 2, 4):
-        check_partitioned(*hybrid, tree, C, "token_mean")
+        check_partitioned(*hybrid, tree, C, "token_mean", whole=whole)
 
 
 def test_partitions_run_through_the_programs_one_runner(dense, monkeypatch):
@@ -314,8 +318,9 @@ def test_padded_partitions_equal_whole_tree(which, dense, hybrid, monkeypatch):
 
     monkeypatch.setattr(program, "run", padded)
     tree = Tree.from_paths([[1, 2, 3, 4, 5, 6], [1, 2, 3, 7, 8], [1, 2, 9, 10, 2, 3, 4], [3, 4], [3, 5, 6]])
+    whole = _whole(model, tmodel, tree, "token_mean")
     for C in (1, 3):
-        check_partitioned(model, tmodel, bmodel, tree, C, "token_mean")
+        check_partitioned(model, tmodel, bmodel, tree, C, "token_mean", whole=whole)
     assert sum(moved) > 0
 
 
