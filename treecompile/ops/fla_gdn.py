@@ -425,9 +425,13 @@ def tree_gated_delta_rule_fla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: 
     xs = (q, k, v_in, g, beta)
     if not plan.identity:  # one gather per input for all calls; each call reads a contiguous slice
         xs = tuple(gather_rows(x, plan.index, plan.occurrences) for x in xs)
+    # each call's rows as one split of the gathered inputs: the backward is one cat per input (slices
+    # x[:, lo:hi] would each fill a zero tensor of all rows and add it in: O(calls x rows) of memory traffic)
+    sizes = [w.hi - w.lo for w in plan.waves]
+    per_call = list(zip(*(x.split(sizes, 1) for x in xs)))
     outs, states = [], None
     state_dtype = torch.promote_types(torch.float32, xs[0].dtype)  # fla's float32 states (float64 stays)
-    for i, w in enumerate(plan.waves):
+    for i, (w, xi) in enumerate(zip(plan.waves, per_call)):
         n = w.cu_seqlens.numel() - 1
         chunk_indices, cu_seqlens_cpu = plan.chunk_indices(i, chunk_size)
         if w.source is None:
@@ -435,7 +439,7 @@ def tree_gated_delta_rule_fla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: 
                     else q.new_zeros(n, Hv, Dk, Dv, dtype=state_dtype))
         else:
             init = states.index_select(0, w.source)
-        oi, states = kernel(*(x[:, w.lo:w.hi] for x in xs), scale=scale, initial_state=init,
+        oi, states = kernel(*xi, scale=scale, initial_state=init,
                             output_final_state=True, cu_seqlens=w.cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
                             chunk_indices=chunk_indices,
                             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, chunk_size=chunk_size)
