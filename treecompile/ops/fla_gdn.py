@@ -52,13 +52,14 @@ COMPUTE_DTYPE: torch.dtype | None = None
 
 # What one more fla call costs, in GDN rows (``replay_max=None`` picks the plan of least
 # ``calls * CALL_COST_ROWS + rows``).  Measured on one H100 (torch 2.11, triton 3.6, fla 0.6, tilelang 0.1.15;
-# bf16, 16 q/k and 16 v heads of 128; benchmarks/hybrid_bench.py): a layer's fwd+bwd costs ~4.5 ms per call
-# whatever its size, with no host sync left (host-side work of fla's ~20 kernels per call), and ~0.31 us per
-# row (one call over 16,384 rows: 4.0-5.1 ms on two machines), i.e. a call costs as much as ~13-15k rows.  Replaying a short parent
-# in front of its children (rows) is therefore far cheaper than waiting one more call for its final state.
+# bf16, 16 q/k and 16 v heads of 128): one layer alone costs ~3.3-4.5 ms of host per call (fla's Python around
+# its ~20 kernels; no host sync left) and ~0.31 us of GPU per row, so alone a call is worth ~13k rows; in a
+# whole training step the host runs ahead of the GPU's other layers, so less of that shows.  The 24-layer
+# Qwen3.5-shaped step (16 x 2,048 POR 0.5, results/h100_s9/hyb_cost*) ran 0.522 / 0.507 / 0.582 / 0.794 s
+# at 12,288 / 4,096 / 1,024 / 0 rows per call (1 / 2 / 6 / 11 calls): 4,096 is the fastest measured.
 # A row's GPU cost grows with the layer's state size (v heads x Dk x Dv), a call's host cost does not:
 # :func:`call_cost_rows` scales the measured figure from that layer's width to the caller's.
-CALL_COST_ROWS = 12288
+CALL_COST_ROWS = 4096
 CALL_COST_WIDTH = 16 * 128 * 128  # Hv * Dk * Dv of the layer CALL_COST_ROWS was measured on
 
 

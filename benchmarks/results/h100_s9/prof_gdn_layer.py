@@ -23,13 +23,19 @@ do = mk(1, T, HV, DV).to(lp)
 nodes = (b.node_start, b.node_end, b.node_parent, b.node_level)
 one = torch.tensor([0, T], device=dev)
 h0 = torch.zeros(1, HV, DK, DV, device=dev)
+import importlib.util
+_spec = importlib.util.spec_from_file_location("fla_gdn_old", ".gpuwork/fla_gdn_old.py")
+old = importlib.util.module_from_spec(_spec); sys.modules["fla_gdn_old"] = old; _spec.loader.exec_module(old)
 fns = {
     "one_fla_call": lambda: chunk_gated_delta_rule(*xs, initial_state=h0, output_final_state=True, cu_seqlens=one,
                                                    use_qk_l2norm_in_kernel=True)[0],
     "tree_planned": lambda: tree_gated_delta_rule_fla(*xs, *nodes, use_qk_l2norm_in_kernel=True),
     "tree_r0": lambda: tree_gated_delta_rule_fla(*xs, *nodes, use_qk_l2norm_in_kernel=True, replay_max=0),
+    "tree_r0_slices_s8": lambda: old.tree_gated_delta_rule_fla(*xs, *nodes, use_qk_l2norm_in_kernel=True, replay_max=0),
+    "tree_r256": lambda: tree_gated_delta_rule_fla(*xs, *nodes, use_qk_l2norm_in_kernel=True, replay_max=256),
+    "tree_r256_slices_s8": lambda: old.tree_gated_delta_rule_fla(*xs, *nodes, use_qk_l2norm_in_kernel=True, replay_max=256),
 }
-for r in (None, 0):
+for r in (None, 0, 256):
     p = _cached_plan(b.node_start, b.node_end, b.node_parent, r)
     print("plan", r, "calls", p.calls, "levels", p.levels, "replayed", p.replayed_tokens, flush=True)
 def step(f):
@@ -51,8 +57,8 @@ for name, f in fns.items():
     else:
         span = 0
     ka = prof.key_averages()
-    top = sorted([e for e in ka if e.self_device_time_total > 0], key=lambda e: -e.self_device_time_total)[:14]
-    cpu_top = sorted([e for e in ka], key=lambda e: -e.self_cpu_time_total)[:10]
+    top = sorted([e for e in ka if e.self_device_time_total > 0], key=lambda e: -e.self_device_time_total)[:8]
+    cpu_top = sorted([e for e in ka], key=lambda e: -e.self_cpu_time_total)[:5]
     print(json.dumps({"variant": name, "step_ms": round(ts[2][0] * 1e3, 2), "host_ms": round(ts[2][1] * 1e3, 2),
                       "kernels": len(evs), "kernel_sum_ms": round(kern_ms, 2), "gpu_span_ms": round(span, 2)}), flush=True)
     for e in top:
@@ -60,3 +66,10 @@ for name, f in fns.items():
     print("   host self-CPU top:")
     for e in cpu_top:
         print(f"   {e.self_cpu_time_total/1e3:8.2f} ms  n={e.count:4d}  {e.key[:110]}")
+
+# same outputs / input gradients: new (split) vs session 8 (slices)
+def og(f):
+    o = f(); gr = torch.autograd.grad(o, xs, do); return [o.float()] + [x.float() for x in gr]
+for a, b_ in (("tree_r0", "tree_r0_slices_s8"), ("tree_r256", "tree_r256_slices_s8")):
+    A, B = og(fns[a]), og(fns[b_])
+    print(a, "vs", b_, "max abs diff", max(float((x - y).abs().max()) for x, y in zip(A, B)))
