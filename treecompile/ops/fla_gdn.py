@@ -55,7 +55,7 @@ COMPUTE_DTYPE: torch.dtype | None = None
 # bf16, 16 q/k and 16 v heads of 128): one layer alone costs ~3.3-4.5 ms of host per call (fla's Python around
 # its ~20 kernels; no host sync left) and ~0.31 us of GPU per row, so alone a call is worth ~13k rows; in a
 # whole training step the host runs ahead of the GPU's other layers, so less of that shows.  The 24-layer
-# Qwen3.5-shaped step (16 x 2,048 POR 0.5, results/h100_s9/hyb_cost*) ran 0.522 / 0.507 / 0.582 / 0.794 s
+# Qwen3.5-shaped step (16 x 2,048 POR 0.5, results/h100_s9/hyb_cost_split*) ran 0.522 / 0.507 / 0.582 / 0.794 s
 # at 12,288 / 4,096 / 1,024 / 0 rows per call (1 / 2 / 6 / 11 calls): 4,096 is the fastest measured.
 # A row's GPU cost grows with the layer's state size (v heads x Dk x Dv), a call's host cost does not:
 # :func:`call_cost_rows` scales the measured figure from that layer's width to the caller's.
