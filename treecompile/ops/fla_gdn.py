@@ -424,7 +424,7 @@ def tree_gated_delta_rule_fla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: 
         v_in = v
     plan = _cached_plan(node_start, node_end, node_parent, replay_max, call_cost_rows(Hv, Dk, Dv))
     xs = (q, k, v_in, g, beta)
-    if not plan.identity:  # one gather per input for all calls; each call reads a contiguous slice
+    if not plan.identity:  # one gather per input for all calls; each call reads a contiguous block of rows
         xs = tuple(gather_rows(x, plan.index, plan.occurrences) for x in xs)
     # each call's rows as one split of the gathered inputs: the backward is one cat per input (slices
     # x[:, lo:hi] would each fill a zero tensor of all rows and add it in: O(calls x rows) of memory traffic)

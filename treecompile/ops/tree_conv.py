@@ -114,7 +114,7 @@ def _backward(ctx, grad):
     dbias = dpre.sum((0, 1)).to(bias.dtype) if bias is not None else None
     w_ctx = weight[:, :K - 1].flip(1).T  # [K-1, C], row j multiplies the (j+1)-th preceding token
     contrib = dpre[:, :, None, :] * w_ctx * (conv_index >= 0).to(dpre.dtype)[None, :, :, None]
-    # contiguous C-rows scattered back to their tokens (rows collide only at branch points)
+    # contiguous C-rows scatter-added back to their tokens (a token gets one row per later token and offset)
     dx = (dpre * weight[:, K - 1]).index_add(1, conv_index.clamp(min=0).reshape(-1), contrib.reshape(B, -1, C))
     return dx.to(x.dtype).transpose(1, 2), dw, dbias, None, None
 
