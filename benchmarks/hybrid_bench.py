@@ -167,14 +167,10 @@ def gdn_layer_times(trees: dict[str, list[list[int]]], device: str = "cuda") -> 
     return rows
 
 
-def _layer_row(name: str, paths: list[list[int]], device: str) -> dict:
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-
-    from treecompile.ops.fla_gdn import (
-        _cached_plan,
-        tree_gated_delta_rule_fla,
-    )
-
+def layer_inputs(paths: list[list[int]], device: str):
+    """One GDN layer's inputs on the tree of ``paths`` (seed 0): ``(batch, [q, k, v, g, beta] (leaves that
+    require grad), d_out)``; q, k ``[1, T, H, DK]``, v ``[1, T, HV, DV]``, g (log decay, float32) and beta
+    ``[1, T, HV]``; bf16 on CUDA, float32 elsewhere."""
     b = Tree.from_paths(paths).to_batch(device=device)
     T = b.seq_len
     gen = torch.Generator(device=device).manual_seed(0)
@@ -185,8 +181,19 @@ def _layer_row(name: str, paths: list[list[int]], device: str) -> dict:
 
     xs = [mk(1, T, H, DK).to(lp), mk(1, T, H, DK).to(lp), mk(1, T, HV, DV).to(lp),
           torch.nn.functional.logsigmoid(mk(1, T, HV)) * 0.1, torch.rand(1, T, HV, device=device).to(lp)]
-    xs = [x.requires_grad_() for x in xs]
-    do = mk(1, T, HV, DV).to(lp)
+    return b, [x.requires_grad_() for x in xs], mk(1, T, HV, DV).to(lp)
+
+
+def _layer_row(name: str, paths: list[list[int]], device: str) -> dict:
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    from treecompile.ops.fla_gdn import (
+        _cached_plan,
+        tree_gated_delta_rule_fla,
+    )
+
+    b, xs, do = layer_inputs(paths, device)
+    T = b.seq_len
     nodes = (b.node_start, b.node_end, b.node_parent, b.node_level)
     one = torch.tensor([0, T], device=device)
     h0 = torch.zeros(1, HV, DK, DV, device=device)

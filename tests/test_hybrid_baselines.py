@@ -86,9 +86,9 @@ def test_hybrid_baselines_skip_dense_and_fla_rows_on_cpu():
         harness.Steps(hspec.build(torch.device("cpu"), torch.float64), hspec, case, cfg, {}).compiled_per_path_fla()
 
 
-def test_hybrid_bench_layer_timing_runs_with_a_stand_in_fla(monkeypatch):
-    """The GPU bench's GDN layer section on CPU, fla replaced by the float64-capable torch stand-in: it
-    runs every variant and reports the plan's calls (the GPU run only swaps the kernel)."""
+@pytest.fixture
+def stand_in_fla(monkeypatch):
+    """fla replaced by the float64-capable torch stand-in, and hybrid_bench's layer shapes made tiny."""
     import sys
     import types
 
@@ -107,10 +107,15 @@ def test_hybrid_bench_layer_timing_runs_with_a_stand_in_fla(monkeypatch):
     for name in ("fla", "fla.ops"):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
     monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule", fake)
-    monkeypatch.setattr(hb, "H", 1)
-    monkeypatch.setattr(hb, "HV", 2)
-    monkeypatch.setattr(hb, "DK", 8)
-    monkeypatch.setattr(hb, "DV", 8)
+    for name, value in (("H", 1), ("HV", 2), ("DK", 8), ("DV", 8)):
+        monkeypatch.setattr(hb, name, value)
+    return hb
+
+
+def test_hybrid_bench_layer_timing_runs_with_a_stand_in_fla(stand_in_fla):
+    """The GPU bench's GDN layer section on CPU, fla replaced by the float64-capable torch stand-in: it
+    runs every variant and reports the plan's calls (the GPU run only swaps the kernel)."""
+    hb = stand_in_fla
     trees = hb.bench_trees("agentic", 512, scale=0.02)
     (row,) = hb.gdn_layer_times(trees, device="cpu")
     assert row["calls"] <= row["calls_r0"] == row["levels"]
@@ -140,3 +145,21 @@ def test_packed_hooks_are_the_same_objects_every_step(monkeypatch):
     step()
     step()
     assert len(seen) == 2 and seen[0] == seen[1]
+
+
+def test_prof_gdn_layer_runs_and_compares_with_a_stand_in_fla(stand_in_fla, tmp_path):
+    """benchmarks/prof_gdn_layer.py on CPU: every variant timed and profiled; ``--compare`` with a copy of
+    this fla_gdn.py runs the tree variants again and finds them bitwise equal (same code, CPU)."""
+    import shutil
+
+    from benchmarks import prof_gdn_layer
+    from treecompile.ops import fla_gdn
+
+    copy = shutil.copy(fla_gdn.__file__, tmp_path / "fla_gdn_copy.py")
+    rows = prof_gdn_layer.main(["--case", "agentic", "--scale", "0.02", "--vocab", "512", "--compare", str(copy)])
+    timed = {r["variant"]: r for r in rows if "step_ms" in r}
+    assert set(timed) == {"one_fla_call", *prof_gdn_layer.TREE_VARIANTS,
+                          *(n + "_compare" for n in prof_gdn_layer.TREE_VARIANTS)}
+    assert all(r["step_ms"] > 0 and r["top_host"] for r in timed.values())
+    diffs = [r["max_abs_diff"] for r in rows if "max_abs_diff" in r]
+    assert diffs == [0.0] * len(prof_gdn_layer.TREE_VARIANTS)

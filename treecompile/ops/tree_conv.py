@@ -102,7 +102,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad):
     x, weight, bias, conv_index = ctx.saved_tensors
-    B, C, T = x.shape
+    B, C = x.shape[:2]
     K = weight.shape[1]
     xt = _rows(x, weight.dtype)
     dpre = _rows(grad, weight.dtype)  # [B, T, C]

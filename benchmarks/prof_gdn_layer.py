@@ -1,0 +1,143 @@
+"""Where one tree GDN layer's fwd+bwd time goes (issue 17 item 3: the tree layer within 1.2x of one fla call).
+
+    python -m benchmarks.prof_gdn_layer [--case syn|agentic] [--compare FILE]
+
+On :func:`benchmarks.hybrid_bench.layer_inputs` (Qwen3.5 linear-attention heads, bf16 on CUDA) of a bench tree,
+each variant (one fla varlen call over the tree's tokens; the tree through ``tree_gated_delta_rule_fla`` with the
+default plan, ``replay_max=0`` and ``replay_max=256``) is timed (median of 5: step and host-until-return) and
+profiled once (torch.profiler): on CUDA the kernel count, kernel time and the top kernels; everywhere the top
+host ops.  ``--compare FILE``: another ``fla_gdn.py`` (e.g. ``git show REV:treecompile/ops/fla_gdn.py``) whose
+``tree_gated_delta_rule_fla`` runs the same tree variants as ``<name>_compare`` rows, and whose outputs and input
+gradients are compared with this tree's (max abs diff).  One JSON row per variant, then its top ops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+if __package__:
+    from benchmarks import hybrid_bench as hb
+else:
+    import hybrid_bench as hb
+
+from treecompile import Tree
+from treecompile.ops import fla_gdn
+
+TREE_VARIANTS = {"tree_planned": {}, "tree_r0": {"replay_max": 0}, "tree_r256": {"replay_max": 256}}
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _load(path: str):
+    spec = importlib.util.spec_from_file_location("fla_gdn_compare", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up while the file executes
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def variants(paths, device: str, compare=None) -> tuple[dict, list, torch.Tensor]:
+    """``({name: fn() -> output}, inputs, d_out)`` on the layer inputs of ``paths``."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    b, xs, do = hb.layer_inputs(paths, device)
+    nodes = (b.node_start, b.node_end, b.node_parent, b.node_level)
+    one = torch.tensor([0, b.seq_len], device=device)
+    h0 = torch.zeros(1, hb.HV, hb.DK, hb.DV, device=device)
+    fns = {"one_fla_call": lambda: chunk_gated_delta_rule(*xs, initial_state=h0, output_final_state=True,
+                                                          cu_seqlens=one, use_qk_l2norm_in_kernel=True)[0]}
+    for mod, suffix in ((fla_gdn, ""), (compare, "_compare")):
+        if mod is None:
+            continue
+        for name, kw in TREE_VARIANTS.items():
+            fns[name + suffix] = (lambda f=mod.tree_gated_delta_rule_fla, kw=kw:
+                                  f(*xs, *nodes, use_qk_l2norm_in_kernel=True, **kw))
+    return fns, xs, do
+
+
+def profile_variant(fn, xs, do, top: int = 8) -> dict:
+    def step():
+        torch.autograd.backward(fn(), do)
+        for x in xs:
+            x.grad = None
+
+    for _ in range(3):
+        step()
+    _sync()
+    ts = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        step()
+        th = time.perf_counter()
+        _sync()
+        ts.append((time.perf_counter() - t0, th - t0))
+    ts.sort()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        step()
+        _sync()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    ka = prof.key_averages()
+    row = {"step_ms": round(ts[2][0] * 1e3, 2), "host_ms": round(ts[2][1] * 1e3, 2), "kernels": len(kernels),
+           "kernel_sum_ms": round(sum(e.device_time for e in kernels) / 1e3, 2)}
+    row["top_kernels"] = [(round(e.self_device_time_total / 1e3, 2), e.count, e.key[:110]) for e in
+                          sorted((e for e in ka if e.self_device_time_total > 0),
+                                 key=lambda e: -e.self_device_time_total)[:top]]
+    row["top_host"] = [(round(e.self_cpu_time_total / 1e3, 2), e.count, e.key[:110]) for e in
+                       sorted(ka, key=lambda e: -e.self_cpu_time_total)[:top]]
+    return row
+
+
+def max_diff(fa, fb, xs, do) -> float:
+    """Max abs difference of outputs and input gradients of two variants."""
+    def og(f):
+        o = f()
+        return [o.detach().float()] + [g.float() for g in torch.autograd.grad(o, xs, do)]
+    return max(float((a - b).abs().max()) for a, b in zip(og(fa), og(fb)))
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--case", choices=("syn", "agentic"), default="syn")
+    ap.add_argument("--compare", metavar="FILE", help="another fla_gdn.py to run the same tree variants with")
+    ap.add_argument("--vocab", type=int, default=1000)
+    ap.add_argument("--scale", type=float, default=hb.AGENTIC_SCALE, help="agentic tree scale")
+    a = ap.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    paths = next(iter(hb.bench_trees(a.case, a.vocab, scale=a.scale).values()))
+    nodes = Tree.from_paths(paths).to_batch()
+    nodes = (nodes.node_start, nodes.node_end, nodes.node_parent)
+    for r in (None, 0, 256):  # the plans tree_gated_delta_rule_fla takes at these replay_max
+        p = (fla_gdn.cheapest_plan(*nodes, call_cost_rows=fla_gdn.call_cost_rows(hb.HV, hb.DK, hb.DV)) if r is None
+             else fla_gdn.plan_calls(*nodes, replay_max=r, max_replay_fraction=fla_gdn.REPLAY_FRACTION))
+        print(json.dumps({"plan replay_max": r, "calls": p.calls, "levels": p.levels,
+                          "replayed": p.replayed_tokens}), flush=True)
+    fns, xs, do = variants(paths, device, _load(a.compare) if a.compare else None)
+    rows = []
+    for name, fn in fns.items():
+        row = {"variant": name, **profile_variant(fn, xs, do)}
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if not k.startswith("top_")}), flush=True)
+        for key in ("top_kernels", "top_host"):
+            for ms, n, op in row[key]:
+                print(f"   {key[4:]:8s} {ms:8.2f} ms  n={n:4d}  {op}")
+    for name in TREE_VARIANTS:
+        if name + "_compare" in fns:
+            d = max_diff(fns[name], fns[name + "_compare"], xs, do)
+            rows.append({"variant": f"{name} vs {name}_compare", "max_abs_diff": d})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
