@@ -7,6 +7,9 @@ in row layout on ``x.transpose(1, 2) [B, T, C]`` (HF hands the op a transpose of
 C-rows forward, ``index_add`` of contiguous C-rows backward.  ``cols`` below is session 8's column-layout math
 (autograd through it).  Both eager and ``torch.compile``; outputs and gradients are compared with the op's.
 H100 bf16 (session 9): op 9.2 ms compiled / 15.2 eager, cols 13.6 / 62.7 (RESULTS.md, Session 9).
+With flash-linear-attention installed (CUDA) two more rows: ``fla`` is ``treecompile::tree_causal_conv1d_fla``
+(what ``lower_cuda`` runs with the fla GDN kernel: fla's varlen conv over the tree's chains, ops/fla_conv.py),
+``fla_no_tree`` one fla conv over the same T tokens as one sequence (no tree: the floor).
 
 Usage: python benchmarks/bench_tree_conv.py [--tiny]   (default: CUDA, bf16, C = 6144, 16 x 2,048 POR 0.5)
 """
@@ -43,6 +46,18 @@ def op(x, w, bias, ci):
     return tree_causal_conv1d(x, w, bias, ci, "silu")
 
 
+def fla_op(x, w, bias, ci):
+    from treecompile.ops.fla_conv import tree_causal_conv1d_fla
+
+    return tree_causal_conv1d_fla(x, w, bias, ci, "silu")
+
+
+def fla_no_tree(x, w, bias, ci):
+    from fla.modules.causal_conv1d import causal_conv1d
+
+    return causal_conv1d(x.transpose(1, 2), w, bias, activation="silu")[0].transpose(1, 2)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tiny", action="store_true", help="CPU, float64, 8 channels, 4 x 64 tokens, eager only")
@@ -59,8 +74,17 @@ def main():
     bias = torch.randn(C, device=dev, dtype=dt, requires_grad=True)
     g = torch.randn(1, T, C, device=dev, dtype=dt)
     res, outs = {"T": T, "C": C, "device": dev, "dtype": str(dt), "torch": torch.__version__}, {}
-    for name, fn in (("op", op), ("cols", cols)):
+    contenders = [("op", op), ("cols", cols)]
+    if dev == "cuda":
+        try:
+            import fla.modules.causal_conv1d  # noqa: F401
+            contenders += [("fla", fla_op), ("fla_no_tree", fla_no_tree)]
+        except ImportError as e:
+            print(f"fla rows skipped: {e}", flush=True)
+    for name, fn in contenders:
         for mode in modes:
+            if name.startswith("fla") and mode == "compiled":
+                continue  # opaque kernels: compiling around them changes nothing
             f = torch.compile(fn, dynamic=False) if mode == "compiled" else fn
             x = x0.clone().requires_grad_()
 
@@ -82,6 +106,8 @@ def main():
             print(name, mode, res[f"{name} {mode} ms"], "ms fwd+bwd", flush=True)
     ref = outs["op eager"]
     for k, v in outs.items():
+        if k.startswith("fla_no_tree"):
+            continue  # another function (no tree)
         res[f"{k} rel diff (dx, dw, dbias) vs op eager"] = [float((p - q).norm() / q.norm()) for p, q in zip(v, ref)]
     print(json.dumps(res, indent=1))
 

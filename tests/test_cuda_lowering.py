@@ -55,10 +55,20 @@ def test_gdn_lowered_to_fla_only_when_asked():
     with pytest.MonkeyPatch.context() as mp:  # "fla" resolves only where fla imports: pretend it does
         mp.setattr(fla_gdn, "fla_unusable_reason", lambda device=None: None)
         low = tc_cuda.lower_cuda(tm.graph_module, CudaOptions(gdn_kernel="fla"))
-    assert targets(low.graph_module).count(tc_cuda._gdn_fla) == 3 and tc_cuda.TREE_GDN not in targets(low.graph_module)
-    assert low.gdn_fla == 3
+        t = targets(low.graph_module)
+        assert t.count(tc_cuda._gdn_fla) == 3 and tc_cuda.TREE_GDN not in t
+        # the layers' short convs with them (float32 here), fla's varlen conv over the tree's chains
+        assert t.count(tc_cuda.TREE_CONV_FLA) == 3 and tc_cuda.TREE_CONV not in t
+        assert (low.gdn_fla, low.conv_fla) == (3, 3)
+        # near miss: inputs of a dtype fla's conv does not take (float64 in real use) keep the torch op
+        mp.setattr(tc_cuda, "FLA_CONV_DTYPES", (torch.bfloat16,))
+        low = tc_cuda.lower_cuda(tm.graph_module, CudaOptions(gdn_kernel="fla"))
+        t = targets(low.graph_module)
+        assert (t.count(tc_cuda.TREE_CONV), low.conv_fla, low.gdn_fla) == (3, 0, 3)
     low = tc_cuda.lower_cuda(tm.graph_module, CudaOptions(gdn_kernel="reference"))
-    assert targets(low.graph_module).count(tc_cuda.TREE_GDN) == 3 and low.gdn_fla == 0
+    t = targets(low.graph_module)
+    assert t.count(tc_cuda.TREE_GDN) == 3 and low.gdn_fla == 0
+    assert t.count(tc_cuda.TREE_CONV) == 3 and low.conv_fla == 0
 
 
 def test_boundary_attention_lowered_to_flex_boundary():

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["tree_causal_conv1d", "chain_conv_index", "ACTIVATIONS"]
+__all__ = ["tree_causal_conv1d", "chain_conv_index", "ACTIVATIONS", "check_conv_args"]
 
 ACTIVATIONS = (None, "silu", "swish")
 
@@ -38,7 +38,7 @@ def chain_conv_index(seq_len, kernel_size: int, device=None) -> Tensor:
     return torch.where(idx >= 0, idx, torch.full_like(idx, -1))
 
 
-def _check(x, weight, bias, conv_index, activation):
+def check_conv_args(x, weight, bias, conv_index, activation):
     if x.dim() != 3:
         raise ValueError(f"x: expected [B, C, T], got {tuple(x.shape)}")
     B, C, T = x.shape
@@ -81,7 +81,7 @@ def _preact(xt, weight, bias, conv_index):
 def tree_causal_conv1d(x: Tensor, weight: Tensor, bias: Optional[Tensor], conv_index: Tensor,
                        activation: Optional[str] = None) -> Tensor:
     """Depthwise causal conv1d along tree paths (see module docstring)."""
-    _check(x, weight, bias, conv_index, activation)
+    check_conv_args(x, weight, bias, conv_index, activation)
     y, _ = _preact(_rows(x, weight.dtype), weight, bias, conv_index)
     if activation is not None:
         y = F.silu(y)
@@ -90,7 +90,7 @@ def tree_causal_conv1d(x: Tensor, weight: Tensor, bias: Optional[Tensor], conv_i
 
 @tree_causal_conv1d.register_fake
 def _(x, weight, bias, conv_index, activation=None):
-    _check(x, weight, bias, conv_index, activation)
+    check_conv_args(x, weight, bias, conv_index, activation)
     return x.new_empty(x.shape)
 
 

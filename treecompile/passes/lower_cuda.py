@@ -9,7 +9,10 @@ kernel: ``"fa4"`` (FlashAttention-4 through FlexAttention's FLASH backend, same 
 (FlexAttention's Triton kernel), ``"auto"`` (fa4 where it can run, else flex with one warning); it is
 resolved when the graph is traced, on the attention inputs (device, dtype, head size).
 ``treecompile::tree_gated_delta_rule``
-is lowered to flash-linear-attention's varlen kernel when the resolved ``gdn_kernel`` is ``"fla"``.
+is lowered to flash-linear-attention's varlen kernel when the resolved ``gdn_kernel`` is ``"fla"``, and with
+it the layer's short convolution ``treecompile::tree_causal_conv1d`` becomes
+``treecompile::tree_causal_conv1d_fla`` (fla's varlen ``causal_conv1d`` over the tree's chains,
+``ops.fla_conv``; float32 and half precision inputs: fla's kernels do not take float64).
 The fused head ``treecompile::linear_logprobs`` of a half-precision model becomes
 ``treecompile::linear_logprobs_triton`` (same arguments; Triton row kernels) when triton imports: the
 reference op never chooses it.
@@ -47,6 +50,8 @@ import treecompile.ops.tree_attention  # noqa: F401  (registers the ops lowered 
 import treecompile.ops.tree_attention_boundary  # noqa: F401
 import treecompile.ops.logprobs  # noqa: F401
 import treecompile.ops.tree_gdn  # noqa: F401
+import treecompile.ops.tree_conv  # noqa: F401
+import treecompile.ops.fla_conv  # noqa: F401
 from treecompile.ops.fa4_tree_attention import (FA4_KERNEL_OPTIONS, fa4_input_reason, fa4_unusable_reason,
                                                 tree_attention_fa4)
 from treecompile.ops.flex_tree_attention import kernel_options_for, tree_attention_flex, tree_block_mask
@@ -59,6 +64,9 @@ __all__ = ["CudaOptions", "CudaLowering", "lower_cuda", "attention_inputs", "res
 TREE_ATTENTION = torch.ops.treecompile.tree_attention.default
 TREE_ATTENTION_BOUNDARY = torch.ops.treecompile.tree_attention_boundary.default
 TREE_GDN = torch.ops.treecompile.tree_gated_delta_rule.default
+TREE_CONV = torch.ops.treecompile.tree_causal_conv1d.default
+TREE_CONV_FLA = torch.ops.treecompile.tree_causal_conv1d_fla.default
+FLA_CONV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 LINEAR_LOGPROBS = torch.ops.treecompile.linear_logprobs.default
 HALF = (torch.bfloat16, torch.float16)
 
@@ -120,6 +128,7 @@ class CudaLowering:
     triton_head: int  # fused heads lowered to linear_logprobs_triton
     compiled: bool  # run under torch.compile(dynamic=False)
     bucket: bool  # pad the batch to bucket_length(T) and cut the outputs back to T
+    conv_fla: int = 0  # tree causal convs lowered to fla's varlen conv
 
 
 @torch._dynamo.disable  # a host-side level schedule and fla's autograd Functions: kept out of dynamo
@@ -275,7 +284,7 @@ def lower_cuda(gm: fx.GraphModule, options: CudaOptions, *, boundary: bool = Fal
     if layout != "dfs":
         with graph.inserting_after(mask):
             order = graph.placeholder("tree_attention_order")
-    attention = gdn_fla = triton_head = 0
+    attention = gdn_fla = triton_head = conv_fla = 0
     for n in list(graph.nodes):
         if n.op == "call_function" and n.target == TREE_ATTENTION:
             q, k, v, _subtree_end = n.args[:4]
@@ -293,10 +302,14 @@ def lower_cuda(gm: fx.GraphModule, options: CudaOptions, *, boundary: bool = Fal
         elif n.op == "call_function" and n.target == TREE_GDN and gdn_kernel == "fla":
             _replace(graph, n, _gdn_fla, n.args, n.kwargs)
             gdn_fla += 1
+        elif (n.op == "call_function" and n.target == TREE_CONV and gdn_kernel == "fla"
+              and n.args[0].meta["val"].dtype in FLA_CONV_DTYPES):
+            _replace(graph, n, TREE_CONV_FLA, n.args, n.kwargs)
+            conv_fla += 1
         elif n.op == "call_function" and n.target == LINEAR_LOGPROBS and _triton_head(n):
             _replace(graph, n, torch.ops.treecompile.linear_logprobs_triton.default, n.args, n.kwargs)
             triton_head += 1
     graph.eliminate_dead_code()
     return CudaLowering(graph_module=fx.GraphModule(gm, graph), attention=attention,
                         layout=layout, boundary=boundary, gdn_fla=gdn_fla, triton_head=triton_head,
-                        compiled=compiled, bucket=options.bucket)
+                        compiled=compiled, bucket=options.bucket, conv_fla=conv_fla)
