@@ -65,17 +65,17 @@ def variants(paths, device: str, compare=None) -> tuple[dict, list, torch.Tensor
     return fns, xs, do
 
 
-def profile_variant(fn, xs, do, top: int = 8) -> dict:
+def profile_variant(fn, xs, do, top: int = 8, warmup: int = 3, iters: int = 5) -> dict:
     def step():
         torch.autograd.backward(fn(), do)
         for x in xs:
             x.grad = None
 
-    for _ in range(3):
+    for _ in range(warmup):
         step()
     _sync()
     ts = []
-    for _ in range(5):
+    for _ in range(iters):
         t0 = time.perf_counter()
         step()
         th = time.perf_counter()
@@ -88,7 +88,8 @@ def profile_variant(fn, xs, do, top: int = 8) -> dict:
         _sync()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     ka = prof.key_averages()
-    row = {"step_ms": round(ts[2][0] * 1e3, 2), "host_ms": round(ts[2][1] * 1e3, 2), "kernels": len(kernels),
+    med = ts[len(ts) // 2]
+    row = {"step_ms": round(med[0] * 1e3, 2), "host_ms": round(med[1] * 1e3, 2), "kernels": len(kernels),
            "kernel_sum_ms": round(sum(e.device_time for e in kernels) / 1e3, 2)}
     row["top_kernels"] = [(round(e.self_device_time_total / 1e3, 2), e.count, e.key[:110]) for e in
                           sorted((e for e in ka if e.self_device_time_total > 0),
@@ -112,6 +113,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--compare", metavar="FILE", help="another fla_gdn.py to run the same tree variants with")
     ap.add_argument("--vocab", type=int, default=1000)
     ap.add_argument("--scale", type=float, default=hb.AGENTIC_SCALE, help="agentic tree scale")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps per variant")
+    ap.add_argument("--iters", type=int, default=5, help="timed steps per variant (the median is reported)")
     a = ap.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     paths = next(iter(hb.bench_trees(a.case, a.vocab, scale=a.scale).values()))
@@ -125,7 +128,7 @@ def main(argv=None) -> list[dict]:
     fns, xs, do = variants(paths, device, _load(a.compare) if a.compare else None)
     rows = []
     for name, fn in fns.items():
-        row = {"variant": name, **profile_variant(fn, xs, do)}
+        row = {"variant": name, **profile_variant(fn, xs, do, warmup=a.warmup, iters=a.iters)}
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if not k.startswith("top_")}), flush=True)
         for key in ("top_kernels", "top_host"):

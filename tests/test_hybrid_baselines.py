@@ -156,7 +156,8 @@ def test_prof_gdn_layer_runs_and_compares_with_a_stand_in_fla(stand_in_fla, tmp_
     from treecompile.ops import fla_gdn
 
     copy = shutil.copy(fla_gdn.__file__, tmp_path / "fla_gdn_copy.py")
-    rows = prof_gdn_layer.main(["--case", "agentic", "--scale", "0.02", "--vocab", "512", "--compare", str(copy)])
+    rows = prof_gdn_layer.main(["--case", "agentic", "--scale", "0.01", "--vocab", "512", "--compare", str(copy),
+                                "--warmup", "0", "--iters", "1"])
     timed = {r["variant"]: r for r in rows if "step_ms" in r}
     assert set(timed) == {"one_fla_call", *prof_gdn_layer.TREE_VARIANTS,
                           *(n + "_compare" for n in prof_gdn_layer.TREE_VARIANTS)}
