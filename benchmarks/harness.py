@@ -17,7 +17,8 @@ accumulated in ``.grad``; **optimizer step excluded**), median of ``--iters`` af
   :mod:`benchmarks.hybrid_baselines`: per path compiled with fla's GDN kernel; packed with fla varlen
   GDN (state reset per sequence), the short conv reset per sequence and FA4 varlen (or flex document
   mask) attention (hybrid models only; fla rows need CUDA, ``packed_fla_varlen`` runs the reference GDN
-  per sequence on CPU);
+  per sequence on CPU); ``packed_fla_varlen_conv``: the same with the short conv through fla's varlen
+  ``causal_conv1d`` (CUDA only; the harness takes the faster of the two as the packed baseline);
 - ``packed_flex``: paths concatenated into packs of at most ``--capacity`` tokens (first-fit
   decreasing, whole paths, every pack padded to one length; all paths in one pack when they fit), the
   model compiled with its SDPA call replaced by compiled FlexAttention under a document-causal
@@ -72,7 +73,7 @@ else:  # run as a script: benchmarks/ is on sys.path
     from trees import agentic_paths, agentic_specs, max_por, synthetic_paths
 
 BASELINES = ("eager_per_path", "compiled_per_path", "packed_flex", "compiled_per_path_fa4", "packed_fa4_varlen",
-             "compiled_per_path_fla", "packed_fla_varlen")
+             "compiled_per_path_fla", "packed_fla_varlen", "packed_fla_varlen_conv")
 TREE_CONTENDERS = ("tree", "tree_heavy_first", "tree_packed", "tree_rf")
 CONTENDERS = BASELINES + TREE_CONTENDERS
 
@@ -386,6 +387,9 @@ class Steps:
     def packed_fla_varlen(self):
         return self._hybrid_baseline("packed_fla_varlen")
 
+    def packed_fla_varlen_conv(self):
+        return self._hybrid_baseline("packed_fla_varlen_conv")
+
     def _hybrid_baseline(self, name):
         """The hybrid baselines (benchmarks/hybrid_baselines.py); a skipped row for dense models, or where
         fla cannot run (``compiled_per_path_fla`` needs CUDA; ``packed_fla_varlen`` runs the reference
@@ -404,6 +408,10 @@ class Steps:
                 raise _Skip(reason)
         if name == "packed_fla_varlen":
             return hybrid_baselines.packed_fla_varlen(self, self.cfg.capacity)
+        if name == "packed_fla_varlen_conv":
+            if self.dev.type != "cuda":
+                raise _Skip("fla's conv runs on CUDA only")
+            return hybrid_baselines.packed_fla_varlen(self, self.cfg.capacity, conv="fla")
         return hybrid_baselines.compiled_per_path_fla(self)
 
     def compiled_per_path_fa4(self):

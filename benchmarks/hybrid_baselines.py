@@ -8,7 +8,7 @@
   sequence padded to one length, a multiple of 128; the padding is a sequence of its own); GDN through
   fla varlen (``cu_seqlens``: the state resets at every sequence start); the short conv reset at
   sequence starts (sum of shifted copies masked by the position within the sequence, fused by
-  inductor); attention by FA4 varlen causal where flash-attn-4 runs the model's head dim (a probe
+  inductor; ``packed_fla_varlen_conv``: through fla's varlen ``causal_conv1d`` instead); attention by FA4 varlen causal where flash-attn-4 runs the model's head dim (a probe
   call decides), else compiled FlexAttention under a document-causal BlockMask.  RoPE is relative, so
   the pack's global positions give every path's scores.
 
@@ -30,7 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["compiled_per_path_fla", "fla_gdn_kernel", "gdn_layers", "hooks", "layer_kernels", "packed_fla_varlen"]
+__all__ = ["compiled_per_path_fla", "fla_gdn_kernel", "gdn_layers", "hooks", "layer_kernels", "packed_fla_varlen",
+           "varlen_conv_fla"]
 
 
 def gdn_layers(model) -> list[torch.nn.Module]:
@@ -113,6 +114,7 @@ class Pack:
 
     cu_seqlens: Tensor | None = None  # [S + 1] int64
     cu_list: tuple[int, ...] = ()
+    cu_cpu: Tensor | None = None  # cu_seqlens on the host
     pos_in_seq: Tensor | None = None  # [n] int64
     mask = None  # BlockMask (CUDA flex) or dense [n, n] bool (CPU)
     kernel_options: dict | None = None  # flex kernel options (the tree's, treecompile.ops.flex_tree_attention)
@@ -133,6 +135,18 @@ def reset_conv1d(hidden_states, weight, bias=None, activation=None, **kwargs):
     if activation is not None:
         out = F.silu(out)
     return out.to(hidden_states.dtype)
+
+
+def varlen_conv_fla(causal_conv1d):
+    """The short conv hook (HF's ``causal_conv1d_fn`` signature, ``[B, C, n]``) through fla's varlen
+    ``causal_conv1d`` over the pack's sequences (zero context at each start, as :func:`reset_conv1d`)."""
+    @torch._dynamo.disable
+    def conv(hidden_states, weight, bias=None, activation=None, **kwargs):
+        x = hidden_states.transpose(1, 2).to(weight.dtype)
+        y, _ = causal_conv1d(x, weight, bias, activation=activation, cu_seqlens=Pack.cu_seqlens,
+                             cu_seqlens_cpu=Pack.cu_cpu)
+        return y.to(hidden_states.dtype).transpose(1, 2)
+    return conv
 
 
 def _varlen_gdn_fla(fla):
@@ -185,9 +199,11 @@ def _fa4_probe(model, dev) -> str | None:
     return None
 
 
-def packed_fla_varlen(steps, capacity: int):
+def packed_fla_varlen(steps, capacity: int, conv: str = "reset", causal_conv1d=None):
     """Packed step: GDN through fla varlen, conv reset per sequence, FA4 varlen (or flex document mask).
-    On CPU the model's reference GDN per sequence and a dense document mask (exact, eager)."""
+    On CPU the model's reference GDN per sequence and a dense document mask (exact, eager).
+    ``conv``: ``"reset"`` (:func:`reset_conv1d`, compiled with the rest) or ``"fla"`` (fla's varlen
+    ``causal_conv1d``, :func:`varlen_conv_fla`; ``causal_conv1d`` replaces fla's function, for tests)."""
     from treecompile.runtime.partition import first_fit_decreasing
 
     _require_hybrid(steps)
@@ -198,6 +214,15 @@ def packed_fla_varlen(steps, capacity: int):
     else:
         gdn, why_not_fa4 = layer_kernels(model, _varlen_gdn_reference), "CPU"
     steps.note = "attention: FA4 varlen" if why_not_fa4 is None else f"attention: flex/dense document mask ({why_not_fa4})"
+    if conv == "fla":
+        if causal_conv1d is None:
+            from fla.modules.causal_conv1d import causal_conv1d
+        conv_fn = varlen_conv_fla(causal_conv1d)
+        steps.note += "; conv: fla varlen"
+    elif conv == "reset":
+        conv_fn = reset_conv1d
+    else:
+        raise ValueError(f"conv: expected 'reset' or 'fla', got {conv!r}")
     paths = steps.case.paths
     lens = [len(p) for p in paths]
     groups = first_fit_decreasing(lens, max(capacity, max(lens)))
@@ -230,7 +255,7 @@ def packed_fla_varlen(steps, capacity: int):
         else:
             ar = torch.arange(n, device=dev)
             mask = (doc[:, None] == doc[None, :]) & (ar[None, :] <= ar[:, None])
-        packs.append((ids, targets, same, cu, cu.tolist(), cu.to(torch.int32), pos, mask))
+        packs.append((ids, targets, same, cu, cu.tolist(), cu.to(torch.int32), pos, mask, cu.cpu()))
     if dev.type == "cuda" and why_not_fa4 is not None:
         from treecompile.ops.flex_tree_attention import kernel_options_for
 
@@ -263,9 +288,9 @@ def packed_fla_varlen(steps, capacity: int):
     def step():
         steps.zero()
         total = 0.0
-        with hooks(model, gdn=gdn, conv=reset_conv1d, sdpa=sdpa):
-            for ids, targets, same, cu, cu_list, cu32, pos, mask in packs:
-                Pack.cu_seqlens, Pack.cu_list, Pack.pos_in_seq, Pack.mask = cu, cu_list, pos, mask
+        with hooks(model, gdn=gdn, conv=conv_fn, sdpa=sdpa):
+            for ids, targets, same, cu, cu_list, cu32, pos, mask, cu_cpu in packs:
+                Pack.cu_seqlens, Pack.cu_list, Pack.pos_in_seq, Pack.mask, Pack.cu_cpu = cu, cu_list, pos, mask, cu_cpu
                 if Varlen is not None:
                     Varlen.cu_seqlens, Varlen.max_seqlen = cu32, mx
                 loss = fn(ids, targets, same)

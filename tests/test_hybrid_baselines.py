@@ -39,6 +39,44 @@ def test_packed_hybrid_equals_per_path(spec_name, capacity):
         torch.testing.assert_close(grads[n], g, rtol=1e-9, atol=1e-12, msg=n)
 
 
+def test_packed_with_a_varlen_conv_equals_per_path():
+    """``conv="fla"`` (``packed_fla_varlen_conv`` on CUDA): the conv hook hands fla's varlen ``causal_conv1d``
+    the pack's sequence bounds; with a float64 torch stand-in for that function the step is per-path exact."""
+    import torch.nn.functional as F
+
+    from benchmarks import hybrid_baselines as hb
+
+    calls = []
+
+    def causal_conv1d(x, weight, bias=None, activation=None, cu_seqlens=None, cu_seqlens_cpu=None):
+        assert x.shape[0] == 1 and torch.equal(cu_seqlens.cpu(), cu_seqlens_cpu) and int(cu_seqlens_cpu[-1]) == x.shape[1]
+        calls.append(len(cu_seqlens_cpu) - 1)
+        K = weight.shape[1]
+        outs = [F.conv1d(x[:, s:e].transpose(1, 2), weight[:, None], bias, padding=K - 1, groups=weight.shape[0])
+                [..., :e - s].transpose(1, 2) for s, e in itertools.pairwise(cu_seqlens_cpu.tolist())]
+        y = torch.cat(outs, 1)
+        return (F.silu(y) if activation in ("silu", "swish") else y), None
+
+    paths = synthetic_paths(6, 23, 0.5, vocab=512, seed=3) + [[5, 6, 7]]
+    ref_loss, ref_grads, _, _ = run("hybrid-tiny", "eager_per_path", paths, 40)
+    spec = harness.model_specs()["hybrid-tiny"]
+    torch.manual_seed(0)
+    model = spec.build(torch.device("cpu"), torch.float64)
+    case = harness.TreeCase("t", "synthetic", None, tuple(map(tuple, paths)))
+    cfg = harness.BenchConfig(device="cpu", dtype="float64", iters=1, capacity=40, compile_baselines=False)
+    steps = harness.Steps(model, spec, case, cfg, {})
+    loss = float(hb.packed_fla_varlen(steps, 40, conv="fla", causal_conv1d=causal_conv1d)())
+    # 6 packs of <= 40 tokens (each 23-token path alone, the 3-token path with one of them), each padded to one
+    # length: 2-3 sequences per call, one call per GDN layer and pack
+    assert "conv: fla varlen" in steps.note and len(calls) == len(gdn_layers(model)) * 6
+    assert set(calls) == {2, 3}
+    assert abs(loss - ref_loss) <= 1e-9 * abs(ref_loss)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref_grads[n], rtol=1e-9, atol=1e-12, msg=n)
+    with pytest.raises(ValueError, match="conv"):
+        hb.packed_fla_varlen(steps, 40, conv="shifted")
+
+
 def test_packing_without_resets_is_not_per_path():
     """Near miss: the same packs with the conv and GDN state carried across sequences differ."""
     from benchmarks import hybrid_baselines as hb
