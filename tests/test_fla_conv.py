@@ -162,6 +162,18 @@ def test_segments_follow_chains_and_any_index_is_exact(stand_in):
     check_equal_to_torch_op(ci)
 
 
+def test_empty_batches(stand_in):
+    ci = torch.zeros(0, 3, dtype=torch.long)
+    seg = fla_conv.conv_segments(ci, 2)
+    assert seg.cu_seqlens_cpu.tolist() == [0] and seg.chunk_indices.shape == (0, 2) and seg.context.shape == (0, 3)
+    x = torch.zeros(1, 5, 0, dtype=F64, requires_grad=True)
+    w = torch.randn(5, 4, dtype=F64, requires_grad=True)
+    y = fla_conv.tree_causal_conv1d_fla(x, w, None, ci, None)
+    assert y.shape == (1, 5, 0)
+    dx, dw = torch.autograd.grad(y.sum(), (x, w), allow_unused=True, materialize_grads=True)
+    assert dx.shape == x.shape and not dw.any() and stand_in.calls == 0
+
+
 def test_opcheck(stand_in):
     b = Tree.from_paths(TREES["short_node_chain"]).to_batch(conv_kernel=4)
     x, w, bs, _ = _inputs(b.seq_len, 5, 4, 1, 0)

@@ -60,18 +60,22 @@ def conv_segments(conv_index: Tensor, batch: int, chunk_size: int = CHUNK_SIZE) 
     """Segments of ``conv_index [T, K-1]`` for ``batch`` rows sharing it (one host sync)."""
     ci = conv_index.cpu()
     T, k1 = ci.shape
+    dev = conv_index.device
+    if T == 0 or batch == 0:  # no rows: no segments
+        z = torch.zeros(1, dtype=torch.long)
+        return ConvSegments(cu_seqlens=z.to(dev), cu_seqlens_cpu=z, chunk_indices=z.new_zeros(0, 2).to(dev),
+                            context=z.new_zeros(0, k1).to(dev), valid=torch.zeros(0, k1, dtype=torch.bool, device=dev))
     first = _segment_starts(ci).nonzero().flatten()
     ends = torch.cat([first[1:], torch.tensor([T])])
     lengths = (ends - first).tolist()
     offs = torch.arange(batch).repeat_interleave(len(first)) * T  # segment n of batch row b: rows + b * T
     starts = first.repeat(batch) + offs
-    cu = torch.cat([starts, torch.tensor([batch * T])]) if T else torch.zeros(1, dtype=torch.long)
+    cu = torch.cat([starts, torch.tensor([batch * T])])
     ctx = ci[first].repeat(batch, 1)
     valid = ctx >= 0
     ctx = torch.where(valid, ctx + offs[:, None], torch.zeros_like(ctx))
     rows = [(s, c) for s, n in enumerate(lengths * batch) for c in range(-(-n // chunk_size))]
     chunks = torch.tensor(rows, dtype=torch.long).reshape(-1, 2)
-    dev = conv_index.device
 
     def to_dev(t):
         return (t.pin_memory() if dev.type == "cuda" else t).to(dev, non_blocking=True)
