@@ -162,6 +162,12 @@ def test_segments_follow_chains_and_any_index_is_exact(stand_in):
     check_equal_to_torch_op(ci)
 
 
+def test_kernel_size_one_is_one_segment(stand_in):
+    ci = tree_conv.chain_conv_index(9, 1)  # [9, 0]
+    assert fla_conv.conv_segments(ci, 2).cu_seqlens_cpu.tolist() == [0, 9, 18]
+    check_equal_to_torch_op(ci, K=1, B=2)
+
+
 def test_empty_batches(stand_in):
     ci = torch.zeros(0, 3, dtype=torch.long)
     seg = fla_conv.conv_segments(ci, 2)

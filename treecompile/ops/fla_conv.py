@@ -48,7 +48,9 @@ def _segment_starts(ci: Tensor) -> Tensor:
     """Host: bool [T], True where a token does not continue the token before it (see module docstring)."""
     T = ci.shape[0]
     starts = torch.ones(T, dtype=torch.bool)
-    if T > 1:
+    if ci.shape[1] == 0:  # kernel size 1: no context, every token continues the one before it
+        starts[1:] = False
+    elif T > 1:
         cont = ci[1:, 0] == torch.arange(T - 1)
         if ci.shape[1] > 1:
             cont &= (ci[1:, 1:] == ci[:-1, :-1]).all(1)
