@@ -303,7 +303,7 @@ def lower_cuda(gm: fx.GraphModule, options: CudaOptions, *, boundary: bool = Fal
             _replace(graph, n, _gdn_fla, n.args, n.kwargs)
             gdn_fla += 1
         elif (n.op == "call_function" and n.target == TREE_CONV and gdn_kernel == "fla"
-              and n.args[0].meta["val"].dtype in FLA_CONV_DTYPES):
+              and all(a.meta["val"].dtype in FLA_CONV_DTYPES for a in n.args[:2])):  # x and weight
             _replace(graph, n, TREE_CONV_FLA, n.args, n.kwargs)
             conv_fla += 1
         elif n.op == "call_function" and n.target == LINEAR_LOGPROBS and _triton_head(n):
