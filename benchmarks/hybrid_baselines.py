@@ -8,9 +8,10 @@
   sequence padded to one length, a multiple of 128; the padding is a sequence of its own); GDN through
   fla varlen (``cu_seqlens``: the state resets at every sequence start); the short conv reset at
   sequence starts (sum of shifted copies masked by the position within the sequence, fused by
-  inductor; ``packed_fla_varlen_conv``: through fla's varlen ``causal_conv1d`` instead); attention by FA4 varlen causal where flash-attn-4 runs the model's head dim (a probe
-  call decides), else compiled FlexAttention under a document-causal BlockMask.  RoPE is relative, so
-  the pack's global positions give every path's scores.
+  inductor; ``packed_fla_varlen_conv``: through fla's varlen ``causal_conv1d`` instead); attention by
+  FA4 varlen causal where flash-attn-4 runs the model's head dim (a probe call decides), else compiled
+  FlexAttention under a document-causal BlockMask.  RoPE is relative, so the pack's global positions give
+  every path's scores.
 
 Both install their kernels on the model's hook attributes (``GatedDeltaNet.chunk_gated_delta_rule``,
 ``causal_conv1d_fn``) and ``F.scaled_dot_product_attention`` for the duration of a step only, so the

@@ -202,7 +202,8 @@ def test_fla_equals_torch_op_on_cuda(dtype):
     bf16 no further from a float64 oracle than the torch op in bf16 (x 2)."""
     pytest.importorskip("fla.modules.causal_conv1d")
     # 12 branches of 300-700 tokens under a shared 3-token root, and 1-3-token nodes chained several levels deep
-    paths = [p + [7] * (300 + 37 * i) for i, p in enumerate(ODD_TREES["wide_fanout_64"][:12])] + TREES["short_node_chain"]
+    paths = ([p + [7] * (300 + 37 * i) for i, p in enumerate(ODD_TREES["wide_fanout_64"][:12])]
+             + TREES["short_node_chain"])
     b = Tree.from_paths(paths).to_batch(conv_kernel=4, pad_to_multiple=64).to("cuda")
     C, K = 96, 4
     x, w, bs, dy = _inputs(b.seq_len, C, K, 1, 0, dtype=F64)

@@ -49,7 +49,8 @@ def test_packed_with_a_varlen_conv_equals_per_path():
     calls = []
 
     def causal_conv1d(x, weight, bias=None, activation=None, cu_seqlens=None, cu_seqlens_cpu=None):
-        assert x.shape[0] == 1 and torch.equal(cu_seqlens.cpu(), cu_seqlens_cpu) and int(cu_seqlens_cpu[-1]) == x.shape[1]
+        assert x.shape[0] == 1 and torch.equal(cu_seqlens.cpu(), cu_seqlens_cpu)
+        assert int(cu_seqlens_cpu[-1]) == x.shape[1]
         calls.append(len(cu_seqlens_cpu) - 1)
         K = weight.shape[1]
         outs = [F.conv1d(x[:, s:e].transpose(1, 2), weight[:, None], bias, padding=K - 1, groups=weight.shape[0])
