@@ -187,10 +187,7 @@ def layer_inputs(paths: list[list[int]], device: str):
 def _layer_row(name: str, paths: list[list[int]], device: str) -> dict:
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    from treecompile.ops.fla_gdn import (
-        _cached_plan,
-        tree_gated_delta_rule_fla,
-    )
+    from treecompile.ops.fla_gdn import REPLAY_FRACTION, cheapest_plan, plan_calls, tree_gated_delta_rule_fla
 
     b, xs, do = layer_inputs(paths, device)
     T = b.seq_len
@@ -240,9 +237,9 @@ def _layer_row(name: str, paths: list[list[int]], device: str) -> dict:
         got = _out_and_grads(variants_fn[k], xs, do)
         row[f"{k}_vs_per_level"] = max(float((a - r).abs().max() / r.abs().max().clamp_min(1e-30))
                                        for a, r in zip(got, ref))
-    for r in (0, 256):
-        row[f"calls_r{r}"] = _cached_plan(b.node_start, b.node_end, b.node_parent, r).calls
-    plan = _cached_plan(b.node_start, b.node_end, b.node_parent, None, call_cost_rows(HV, DK, DV))
+    for r in (0, 256):  # the plans tree_gated_delta_rule_fla takes at these replay_max, and at None
+        row[f"calls_r{r}"] = plan_calls(*nodes[:3], replay_max=r, max_replay_fraction=REPLAY_FRACTION).calls
+    plan = cheapest_plan(*nodes[:3], call_cost_rows=call_cost_rows(HV, DK, DV))
     row.update({"levels": plan.levels, "calls": plan.calls,
                 "replayed_tokens": plan.replayed_tokens,
                 "tree/one_call": round(row["tree_planned_ms"] / row["one_fla_call_ms"], 3),

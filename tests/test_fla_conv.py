@@ -94,7 +94,7 @@ def stand_in(monkeypatch):
     for name in ("fla", "fla.modules"):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
     monkeypatch.setitem(sys.modules, "fla.modules.causal_conv1d", mod)
-    monkeypatch.setattr(fla_conv, "_LAST", ())
+    fla_conv._SEGMENTS.clear()
     StandIn.calls = 0
     return StandIn
 
@@ -133,7 +133,7 @@ def test_equals_torch_op_on_odd_trees(stand_in, name, B, activation, bias):
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(paths=path_sets(max_paths=8, max_len=12, vocab=3), seed=st.integers(0, 100), k=st.sampled_from([2, 3, 4]))
 def test_equals_torch_op_hypothesis(stand_in, paths, seed, k):
-    fla_conv._LAST = ()
+    fla_conv._SEGMENTS.clear()
     b = Tree.from_paths(paths).to_batch(conv_kernel=k)
     check_equal_to_torch_op(b.conv_index, K=k, seed=seed)
 
@@ -157,7 +157,7 @@ def test_segments_follow_chains_and_any_index_is_exact(stand_in):
     ci = torch.randint(-1, T, (T, 3), generator=gen)
     ci[5:20] = tree_conv.chain_conv_index(15, 4) + 5
     ci[5:20][ci[5:20] < 5] = -1
-    fla_conv._LAST = ()
+    fla_conv._SEGMENTS.clear()
     assert fla_conv.conv_segments(ci, 1).cu_seqlens_cpu.numel() - 1 == T - 14
     check_equal_to_torch_op(ci)
 
@@ -207,7 +207,7 @@ def test_fla_equals_torch_op_on_cuda(dtype):
     b = Tree.from_paths(paths).to_batch(conv_kernel=4, pad_to_multiple=64).to("cuda")
     C, K = 96, 4
     x, w, bs, dy = _inputs(b.seq_len, C, K, 1, 0, dtype=F64)
-    fla_conv._LAST = ()
+    fla_conv._SEGMENTS.clear()
 
     def run(fn, dt):
         xs = [t.detach().to("cuda", dt).requires_grad_() for t in (x, w, bs)]
@@ -220,5 +220,7 @@ def test_fla_equals_torch_op_on_cuda(dtype):
     for name, o, r, g in zip(("y", "dx", "dw", "dbias"), oracle, ref, got):
         err_ref = float((r - o).abs().max() / o.abs().max())
         err_got = float((g - o).abs().max() / o.abs().max())
+        # bf16: twice the torch op's own bf16 error, that error floored at 1e-3 (a quarter of bf16's unit
+        # roundoff 3.9e-3) so that an error the op happens to hit near 0 does not demand fla round better
         bound = 1e-5 if dtype == torch.float32 else 2 * max(err_ref, 1e-3)
         assert err_got <= bound, (name, err_got, err_ref)

@@ -26,7 +26,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from treecompile.ops.tree_conv import check_conv_args
+from treecompile.ops.fla_gdn import LastBatch, host_chunk_indices, to_device_async
+from treecompile.ops.tree_conv import check_conv_args, conv_setup_context
 
 __all__ = ["tree_causal_conv1d_fla", "ConvSegments", "conv_segments", "CHUNK_SIZE"]
 
@@ -76,26 +77,16 @@ def conv_segments(conv_index: Tensor, batch: int, chunk_size: int = CHUNK_SIZE) 
     ctx = ci[first].repeat(batch, 1)
     valid = ctx >= 0
     ctx = torch.where(valid, ctx + offs[:, None], torch.zeros_like(ctx))
-    rows = [(s, c) for s, n in enumerate(lengths * batch) for c in range(-(-n // chunk_size))]
-    chunks = torch.tensor(rows, dtype=torch.long).reshape(-1, 2)
-
-    def to_dev(t):
-        return (t.pin_memory() if dev.type == "cuda" else t).to(dev, non_blocking=True)
-
-    return ConvSegments(cu_seqlens=to_dev(cu), cu_seqlens_cpu=cu, chunk_indices=to_dev(chunks),
-                        context=to_dev(ctx), valid=to_dev(valid))
+    return ConvSegments(cu_seqlens=to_device_async(cu, dev), cu_seqlens_cpu=cu,
+                        chunk_indices=to_device_async(host_chunk_indices(lengths * batch, chunk_size), dev),
+                        context=to_device_async(ctx, dev), valid=to_device_async(valid, dev))
 
 
-_LAST: tuple = ()  # (conv_index, its version, batch, segments) of the last batch
+_SEGMENTS = LastBatch()  # the segments of the last batch: every GDN layer's conv of a step reads the same index
 
 
 def _cached_segments(conv_index: Tensor, batch: int) -> ConvSegments:
-    global _LAST
-    if _LAST and _LAST[0] is conv_index and _LAST[1] == conv_index._version and _LAST[2] == batch:
-        return _LAST[3]
-    seg = conv_segments(conv_index, batch)
-    _LAST = (conv_index, conv_index._version, batch, seg)
-    return seg
+    return _SEGMENTS.get((conv_index,), batch, lambda: conv_segments(conv_index, batch))
 
 
 def _fla():
@@ -180,16 +171,10 @@ def _(grad, x, weight, bias, conv_index, activation=None):
     return x.new_empty(B, T, C).transpose(1, 2), torch.empty_like(weight), weight.new_empty(C)
 
 
-def _setup_context(ctx, inputs, output):
-    x, weight, bias, conv_index, activation = inputs
-    ctx.save_for_backward(x, weight, bias, conv_index)
-    ctx.activation = activation
-
-
 def _backward(ctx, grad):
     x, weight, bias, conv_index = ctx.saved_tensors
     dx, dw, db = tree_causal_conv1d_fla_backward(grad, x, weight, bias, conv_index, ctx.activation)
     return dx, dw, None if bias is None else db.to(bias.dtype), None, None
 
 
-tree_causal_conv1d_fla.register_autograd(_backward, setup_context=_setup_context)
+tree_causal_conv1d_fla.register_autograd(_backward, setup_context=conv_setup_context)

@@ -34,14 +34,17 @@ __all__ = [
     "CALL_COST_WIDTH",
     "REPLAY_FRACTION",
     "FlaPlan",
+    "LastBatch",
     "Wave",
     "fla_available",
     "fla_unusable_reason",
     "call_cost_rows",
     "cheapest_plan",
     "gather_rows",
+    "host_chunk_indices",
     "occurrence_groups",
     "plan_calls",
+    "to_device_async",
     "tree_gated_delta_rule_fla",
 ]
 
@@ -146,13 +149,23 @@ class FlaPlan:
         key = (wave, chunk_size)
         if key not in self._chunk_indices:
             w = self.waves[wave]
-            rows = [(s, c) for s, n in enumerate(w.lengths) for c in range(-(-n // chunk_size))]
-            host = torch.tensor(rows, dtype=torch.long).reshape(-1, 2)
-            if w.cu_seqlens.is_cuda:
-                host = host.pin_memory()
             cu_cpu = torch.tensor([0, *itertools.accumulate(w.lengths)], dtype=torch.long)
-            self._chunk_indices[key] = (host.to(w.cu_seqlens.device, non_blocking=True), cu_cpu)
+            self._chunk_indices[key] = (to_device_async(host_chunk_indices(w.lengths, chunk_size),
+                                                        w.cu_seqlens.device), cu_cpu)
         return self._chunk_indices[key]
+
+
+def host_chunk_indices(lengths, chunk_size: int) -> Tensor:
+    """fla's ``chunk_indices [NT, 2]`` of segments of these ``lengths`` (row: segment, chunk within it), on the
+    host: what fla's ``prepare_chunk_indices`` derives from the device ``cu_seqlens`` with a host sync."""
+    rows = [(s, c) for s, n in enumerate(lengths) for c in range(-(-n // chunk_size))]
+    return torch.tensor(rows, dtype=torch.long).reshape(-1, 2)
+
+
+def to_device_async(t: Tensor, device: torch.device) -> Tensor:
+    """A host tensor on ``device`` without blocking the host (through pinned memory when it is CUDA)."""
+    device = torch.device(device)
+    return (t.pin_memory() if device.type == "cuda" else t).to(device, non_blocking=True)
 
 
 def plan_calls(node_start: Tensor, node_end: Tensor, node_parent: Tensor, *, replay_max: int = 0,
@@ -377,22 +390,42 @@ def cheapest_plan(node_start: Tensor, node_end: Tensor, node_parent: Tensor, *,
         r = min(segs.tokens, max(1, 2 * r))
 
 
-_LAST: tuple = ()  # (node tensors, their versions, replay_max, plan) of the last batch
+class LastBatch:
+    """A value built from one batch's tensors, kept while the same tensor objects come back unchanged.
+
+    Every GDN layer of a step gets the same tree tensors, so a host-side plan (one host sync) is built once per
+    batch, not once per layer.  Keyed on the tensors' identity (the entry holds them, so their ids cannot pass
+    to other tensors), their version counters (an in-place change rebuilds) and a ``key``."""
+
+    def __init__(self):
+        self._entry: tuple = ()
+
+    def get(self, tensors: tuple[Tensor, ...], key, build):
+        versions = tuple(t._version for t in tensors)
+        e = self._entry
+        if (e and len(e[0]) == len(tensors) and all(a is b for a, b in zip(e[0], tensors))
+                and e[1] == versions and e[2] == key):
+            return e[3]
+        value = build()
+        self._entry = (tuple(tensors), versions, key, value)
+        return value
+
+    def clear(self) -> None:
+        self._entry = ()
+
+
+_PLANS = LastBatch()  # the plan of the last batch
 
 
 def _cached_plan(node_start, node_end, node_parent, replay_max, cost_rows=CALL_COST_ROWS):
-    """The plan (one host sync) once per batch, not once per GDN layer: every layer of a forward gets
-    the same node tensors, so the last plan is reused while they are unchanged."""
-    global _LAST
+    """The plan of :func:`tree_gated_delta_rule_fla`, once per batch (:class:`LastBatch`)."""
     tensors = (node_start, node_end, node_parent)
-    versions = tuple(t._version for t in tensors)
-    key = (replay_max, cost_rows if replay_max is None else None)
-    if _LAST and all(a is b for a, b in zip(_LAST[0], tensors)) and _LAST[1] == versions and _LAST[2] == key:
-        return _LAST[3]
-    plan = (cheapest_plan(*tensors, call_cost_rows=cost_rows) if replay_max is None
-            else plan_calls(*tensors, replay_max=replay_max, max_replay_fraction=REPLAY_FRACTION))
-    _LAST = (tensors, versions, key, plan)
-    return plan
+
+    def build():
+        return (cheapest_plan(*tensors, call_cost_rows=cost_rows) if replay_max is None
+                else plan_calls(*tensors, replay_max=replay_max, max_replay_fraction=REPLAY_FRACTION))
+
+    return _PLANS.get(tensors, (replay_max, cost_rows if replay_max is None else None), build)
 
 
 def tree_gated_delta_rule_fla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, node_start: Tensor,

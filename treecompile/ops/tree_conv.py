@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["tree_causal_conv1d", "chain_conv_index", "ACTIVATIONS", "check_conv_args"]
+__all__ = ["tree_causal_conv1d", "chain_conv_index", "ACTIVATIONS", "check_conv_args", "conv_setup_context"]
 
 ACTIVATIONS = (None, "silu", "swish")
 
@@ -94,7 +94,8 @@ def _(x, weight, bias, conv_index, activation=None):
     return x.new_empty(x.shape)
 
 
-def _setup_context(ctx, inputs, output):
+def conv_setup_context(ctx, inputs, output):
+    """The autograd context of a tree conv op (this one and ``ops.fla_conv``'s): its tensors and activation."""
     x, weight, bias, conv_index, activation = inputs
     ctx.save_for_backward(x, weight, bias, conv_index)
     ctx.activation = activation
@@ -119,4 +120,4 @@ def _backward(ctx, grad):
     return dx.to(x.dtype).transpose(1, 2), dw, dbias, None, None
 
 
-tree_causal_conv1d.register_autograd(_backward, setup_context=_setup_context)
+tree_causal_conv1d.register_autograd(_backward, setup_context=conv_setup_context)
