@@ -39,6 +39,16 @@ peak memory, loss deviation and gradient cosine against the eager per-path basel
 failures are rows.  ``--recompile-stream N`` runs N differently sized trees through the tree contender
 and counts dynamo compiles against the number of length buckets.
 
+Processes: with ``--isolate`` (the default on CUDA) the harness times every (model, tree, contender) in a
+fresh child process (``python -m benchmarks.harness`` restricted to that one case and contender, see
+:mod:`benchmarks.child_process`), so that no contender pays for the allocator state, compile caches or
+fragmentation another left behind (one such run measured a packed baseline at 0.752 s after the tree step
+and 0.516 s alone).  The ``eager_per_path`` child saves its loss and fp32 flat gradient; later children of
+the same tree compare against them.  A child that fails, is killed or runs past ``--child-timeout-s`` is an
+error row naming its exit; the parent applies ``--budget-s``, computes the speedups and writes the reports;
+the recompile stream runs in a child of its own.  ``--no-isolate`` (the default on CPU) runs all
+contenders and trees of one model in one process, one after another.
+
 Outputs (``--out DIR``): ``results.jsonl`` (one line per row, written as rows finish), ``results.csv``,
 ``tables.md`` (tabulate github tables with their conditions), ``speedup_vs_por.png`` (needs matplotlib:
 the ``bench`` extra; without it the run says so and skips the plot; ``--plot-from results.csv`` redraws
@@ -57,6 +67,7 @@ import platform
 import random
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -66,9 +77,11 @@ import torch
 import torch.nn.functional as F
 
 if __package__:
+    from benchmarks.child_process import run_child
     from benchmarks.flops import FlopModel, path_attention_entries, tree_attention_entries
     from benchmarks.trees import agentic_paths, agentic_specs, max_por, synthetic_paths
 else:  # run as a script: benchmarks/ is on sys.path
+    from child_process import run_child
     from flops import FlopModel, path_attention_entries, tree_attention_entries
     from trees import agentic_paths, agentic_specs, max_por, synthetic_paths
 
@@ -183,6 +196,7 @@ class Result:
     loss_rel_dev: float | None = None  # vs eager_per_path
     grad_cos: float | None = None  # vs eager_per_path
     note: str | None = None  # what a contender chose at run time (e.g. its attention kernel)
+    pid: int | None = None  # the process that ran it (with --isolate: one per contender)
 
 
 # ---------------------------------------------------------------------------------------------- trees
@@ -543,7 +557,30 @@ def flat_grads(model):
                       for p in model.parameters()])
 
 
-def run_case(model, spec: ModelSpec, case: TreeCase, cfg: BenchConfig, contenders, tmodels, emit, t_start) -> list[Result]:
+def grad_cosine(a: torch.Tensor, b: torch.Tensor, *, chunk: int = 1 << 24) -> float:
+    """Cosine of two flat gradients (``[N]``, any float dtype), accumulated in float64 chunk by chunk: a
+    float32 cosine of two equal vectors is off 1 by ~1e-6, this one by ~1e-16."""
+    dot = na = nb = 0.0
+    for i in range(0, a.numel(), chunk):
+        x, y = a[i:i + chunk].double(), b[i:i + chunk].double()
+        dot, na, nb = dot + float(x @ y), na + float(x @ x), nb + float(y @ y)
+    den = (na * nb) ** 0.5
+    return dot / den if den else 0.0
+
+
+def case_row(spec: ModelSpec, case: TreeCase, tree, cfg: BenchConfig, name: str) -> Result:
+    """The row of ``name`` on ``case`` before it runs: the tree's statistics, status "ok"."""
+    shown = name if cfg.compile_baselines or name != "compiled_per_path" else "compiled_per_path(eager: CPU)"
+    return Result(spec.name, case.name, case.source, tree.num_paths, tree.num_path_tokens, tree.num_tokens,
+                  round(tree.por, 4), shown, "ok")
+
+
+def run_contenders(model, spec: ModelSpec, case: TreeCase, cfg: BenchConfig, contenders, tmodels, t_start, *,
+                   ref: dict | None = None) -> tuple[list[Result], dict | None]:
+    """Time ``contenders`` on ``case`` one after another in this process; returns their rows (speedups not
+    yet set: :func:`finish_case`) and the reference ``{"loss": float, "grad": fp32 CPU flat gradient}``:
+    ``eager_per_path``'s when it ran here, else the given ``ref``.  Rows after the reference carry
+    ``loss_rel_dev`` and ``grad_cos`` against it."""
     steps = Steps(model, spec, case, cfg, tmodels)
     tree = steps.tree
     fm = FlopModel.of(model)
@@ -551,15 +588,13 @@ def run_case(model, spec: ModelSpec, case: TreeCase, cfg: BenchConfig, contender
     base_flops = fm.train(sum(lens), path_attention_entries(lens))
     dev = steps.dev
     rows: list[Result] = []
-    ref = {}
     for name in contenders:
-        r = Result(spec.name, case.name, case.source, tree.num_paths, tree.num_path_tokens, tree.num_tokens,
-                   round(tree.por, 4), name if cfg.compile_baselines or name != "compiled_per_path"
-                   else "compiled_per_path(eager: CPU)", "ok")
+        r = case_row(spec, case, tree, cfg, name)
         if time.perf_counter() - t_start > cfg.budget_s:
             r.status = "skipped: time budget"
             rows.append(r)
             continue
+        r.pid = os.getpid()
         try:
             if name in BASELINES:
                 step = getattr(steps, name)()
@@ -572,7 +607,7 @@ def run_case(model, spec: ModelSpec, case: TreeCase, cfg: BenchConfig, contender
                 flops = fm.train(tokens, entries)
             r.note, steps.note = steps.note, None
             first, med, peak, loss = time_step(step, dev, cfg.iters)
-            g = flat_grads(model)
+            g = flat_grads(model).cpu()  # the reference waits on the host, not in the next contender's memory
             if name == "eager_per_path":
                 ref = {"loss": loss, "grad": g}
             r.step_s, r.first_s, r.peak_gib, r.loss = med, first, peak, loss
@@ -582,7 +617,7 @@ def run_case(model, spec: ModelSpec, case: TreeCase, cfg: BenchConfig, contender
             r.bound = base_flops / flops
             if ref:
                 r.loss_rel_dev = abs(loss - ref["loss"]) / abs(ref["loss"])
-                r.grad_cos = float(F.cosine_similarity(g, ref["grad"], dim=0))
+                r.grad_cos = grad_cosine(g, ref["grad"])
             del g
         except _Skip as e:
             r.status = f"skipped: {e}"
@@ -597,7 +632,18 @@ def run_case(model, spec: ModelSpec, case: TreeCase, cfg: BenchConfig, contender
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
         rows.append(r)
-        print(json.dumps({k: v for k, v in dataclasses.asdict(r).items() if v is not None}), flush=True)
+        print_row(r)
+    return rows, ref
+
+
+def print_row(r: Result) -> None:
+    print(json.dumps({k: v for k, v in dataclasses.asdict(r).items() if v is not None}), flush=True)
+
+
+def finish_case(rows: list[Result], emit) -> list[Result]:
+    """Speedups of one (model, tree)'s rows, however they were timed: ``x_*`` over each baseline, over the
+    fastest baseline that ran (``best_baseline``, ``x_best``) and ``frac_bound`` = x_best / bound; then
+    ``emit`` each row."""
     base = {r.contender.split("(")[0]: r.step_s for r in rows if r.contender.split("(")[0] in BASELINES and r.step_s}
     best = min(base, key=base.get) if base else None
     for r in rows:
@@ -610,6 +656,157 @@ def run_case(model, spec: ModelSpec, case: TreeCase, cfg: BenchConfig, contender
                 r.frac_bound = r.x_best / r.bound
         emit(r)
     return rows
+
+
+def run_case(model, spec: ModelSpec, case: TreeCase, cfg: BenchConfig, contenders, tmodels, emit,
+             t_start) -> list[Result]:
+    """All ``contenders`` on ``case`` in this process (``--no-isolate``), speedups set, rows emitted."""
+    rows, _ = run_contenders(model, spec, case, cfg, contenders, tmodels, t_start)
+    return finish_case(rows, emit)
+
+
+# ---------------------------------------------------------------------------------------------- isolation
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def save_ref(path: str, ref: dict) -> None:
+    """The eager reference (loss, fp32 flat gradient) as safetensors, written to a temporary name then renamed."""
+    from safetensors.torch import save_file
+
+    tmp = path + ".tmp"
+    save_file({"loss": torch.tensor([ref["loss"]], dtype=torch.float64), "grad": ref["grad"].contiguous()}, tmp)
+    os.replace(tmp, path)
+
+
+def load_ref(path: str) -> dict:
+    from safetensors.torch import load_file
+
+    t = load_file(path)
+    return {"loss": float(t["loss"]), "grad": t["grad"]}
+
+
+def child_command(args, *, model: str, case_index: int, contender: str, out: str, ref_args=()) -> list[str]:
+    """The command that times one contender on one case in a fresh process, with the parent's (resolved)
+    options; its row goes to ``out``/results.jsonl."""
+    cmd = [sys.executable, "-m", "benchmarks.harness", "--no-isolate", "--device", args.device, "--dtype", args.dtype,
+           "--model", model, "--contenders", contender, "--case-index", str(case_index), "--out", out,
+           "--iters", str(args.iters), "--capacity", str(args.capacity), "--paths", str(args.paths),
+           "--path-len", str(args.path_len), "--agentic-scale", repr(args.agentic_scale), "--por", *map(repr, args.por)]
+    for suite in args.suite or ["sweep", "agentic"]:
+        cmd += ["--suite", suite]
+    if args.agentic:
+        cmd += ["--agentic", *args.agentic]
+    if args.rf_on_cuda:
+        cmd.append("--rf-on-cuda")
+    return cmd + list(ref_args)
+
+
+def _child_env() -> dict:
+    """The parent's environment with this checkout first on the path (``-m benchmarks.harness`` from anywhere)."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_REPO, os.environ.get("PYTHONPATH")])))
+
+
+def _read_jsonl(path: str) -> list[dict]:
+    """Complete lines of a child's results.jsonl (a line cut short by a crash is dropped)."""
+    out = []
+    with contextlib.suppress(FileNotFoundError), open(path) as f:
+        for line in f:
+            with contextlib.suppress(json.JSONDecodeError):
+                out.append(json.loads(line))
+    return out
+
+
+def run_isolated(args, specs: dict, cfg: BenchConfig, contenders, env: dict, emit, t_start, tmp: str) -> list[Result]:
+    """``--isolate``: every (model, case, contender) timed by :func:`child_command` in a fresh process under
+    ``--child-timeout-s``; ``--budget-s`` applies here.  The eager_per_path child saves the reference to
+    ``tmp`` (the caller's temporary folder), later children of the case compare against it.  A child that
+    wrote no row becomes an error row naming how it ended; one that wrote its row and then failed keeps
+    the row, its note saying so.  ``env`` takes the first child's GPU fields (this process never touches
+    CUDA)."""
+    from treecompile import Tree
+
+    child_env = _child_env()
+    rows: list[Result] = []
+    for m in args.model:
+        spec = specs[m]
+        for ci, case in enumerate(bench_cases(args, spec.config.vocab_size)):
+            tree = Tree.from_paths([list(p) for p in case.paths])
+            ref_path = os.path.join(tmp, f"ref-{m}-{ci}.safetensors")
+            case_rows: list[Result] = []
+            for name in contenders:
+                if time.perf_counter() - t_start > cfg.budget_s:
+                    r = case_row(spec, case, tree, cfg, name)
+                    r.status = "skipped: time budget"
+                    case_rows.append(r)
+                    continue
+                out = tempfile.mkdtemp(prefix="child-", dir=tmp)
+                ref_args = (["--ref-save", ref_path] if name == "eager_per_path"
+                            else ["--ref-load", ref_path] if os.path.exists(ref_path) else [])
+                cmd = child_command(args, model=m, case_index=ci, contender=name, out=out, ref_args=ref_args)
+                how = run_child(cmd, timeout_s=args.child_timeout_s, prefix=f"[{m} | {case.name} | {name}] ",
+                                env=child_env)
+                got = [Result(**d) for d in _read_jsonl(os.path.join(out, "results.jsonl"))]
+                for r in got:
+                    if not how.ok:
+                        r.note = "; ".join(filter(None, [r.note, f"{how.describe()} after writing its row"]))
+                if not got:
+                    r = case_row(spec, case, tree, cfg, name)
+                    r.status = f"error: {how.describe() if not how.ok else 'child exited 0 without writing its row'}"
+                    r.pid = how.pid
+                    got = [r]
+                with contextlib.suppress(OSError, ValueError), open(os.path.join(out, "env.json")) as f:
+                    for k, v in json.load(f).items():
+                        env.setdefault(k, v)
+                for r in got:
+                    print_row(r)
+                case_rows += got
+            if os.path.exists(ref_path):
+                os.remove(ref_path)
+            rows += finish_case(case_rows, emit)
+    return rows
+
+
+def recompiles_in_child(args, tmp: str) -> dict:
+    """``--recompile-stream`` in a process of its own (``--isolate``): its dynamo counters start from zero."""
+    out = tempfile.mkdtemp(prefix="recompiles-", dir=tmp)
+    cmd = [sys.executable, "-m", "benchmarks.harness", "--no-isolate", "--recompiles-only", "--device", args.device,
+           "--dtype", args.dtype, "--recompile-stream", str(args.recompile_stream), "--recompile-range",
+           *map(str, args.recompile_range), "--out", out]
+    if args.recompile_model:
+        cmd += ["--recompile-model", args.recompile_model]
+    how = run_child(cmd, timeout_s=args.child_timeout_s, prefix="[recompile stream] ", env=_child_env())
+    try:
+        with open(os.path.join(out, "extra.json")) as f:
+            return json.load(f)["recompiles"]
+    except (OSError, ValueError, KeyError):
+        return {"error": how.describe() if not how.ok else "the child wrote no extra.json"}
+
+
+def child_main(args, spec: ModelSpec, cfg: BenchConfig, contenders, emit) -> int:
+    """``--case-index N`` (what :func:`child_command` runs): ``contenders`` on case N of one model in this
+    process; rows to ``--out``/results.jsonl without speedups (the parent sets them over all its children's
+    rows); ``--ref-save`` writes the eager reference there, ``--ref-load`` reads it."""
+    cases = bench_cases(args, spec.config.vocab_size)
+    if not 0 <= args.case_index < len(cases):
+        raise SystemExit(f"--case-index {args.case_index}: {len(cases)} cases")
+    case = cases[args.case_index]
+    t_start = time.perf_counter()
+    try:
+        model = spec.build(torch.device(cfg.device), getattr(torch, cfg.dtype))
+    except torch.OutOfMemoryError:
+        from treecompile import Tree
+
+        tree = Tree.from_paths([list(p) for p in case.paths])
+        rows = [dataclasses.replace(case_row(spec, case, tree, cfg, n), status="OOM (model)", pid=os.getpid())
+                for n in contenders]
+    else:
+        ref = load_ref(args.ref_load) if args.ref_load else None
+        rows, ref = run_contenders(model, spec, case, cfg, contenders, {}, t_start, ref=ref)
+        if args.ref_save and ref is not None:
+            save_ref(args.ref_save, ref)
+    for r in rows:
+        emit(r)
+    return 0
 
 
 # ---------------------------------------------------------------------------------------------- recompiles
@@ -646,9 +843,11 @@ def recompile_stream(spec: ModelSpec, cfg: BenchConfig, n: int, lo: int, hi: int
 
 
 # ---------------------------------------------------------------------------------------------- reports
-def environment(device) -> dict:
+def environment(device, *, query_gpu: bool = True) -> dict:
+    """Versions and device; ``query_gpu=False`` leaves out the GPU fields (asking for them starts a CUDA
+    context, which an ``--isolate`` parent must not hold while its children run)."""
     env = {"python": platform.python_version(), "torch": torch.__version__, "device": device}
-    if device == "cuda":
+    if device == "cuda" and query_gpu:
         env["gpu"] = torch.cuda.get_device_name()
         env["cuda"] = torch.version.cuda
         try:
@@ -753,9 +952,28 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--recompile-model", default=None)
     ap.add_argument("--recompiles-only", action="store_true", help="run only the recompile stream")
     ap.add_argument("--recompile-range", type=int, nargs=2, default=[1000, 2000], metavar=("LO", "HI"))
+    ap.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
+                    help="time every (model, tree, contender) in a fresh process (default: on CUDA yes, on CPU no)")
+    ap.add_argument("--child-timeout-s", type=float, default=900.0, help="with --isolate: a child running longer "
+                    "is killed and becomes an error row")
+    # internal, what --isolate runs in each child: one case of one model, the eager reference saved or read
+    ap.add_argument("--case-index", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--ref-save", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--ref-load", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help="output folder")
     ap.add_argument("--plot-from", default=None, metavar="CSV", help="only redraw the plot from a results.csv")
     return ap
+
+
+def bench_cases(args, vocab: int) -> list[TreeCase]:
+    """The trees of one model, in order (parent and children build the same list: ``--case-index``)."""
+    suites = args.suite or ["sweep", "agentic"]
+    cases = []
+    if "sweep" in suites:
+        cases += synthetic_cases(args.por, args.paths, args.path_len, vocab)
+    if "agentic" in suites:
+        cases += agentic_cases(args.agentic_scale, vocab, args.agentic)
+    return cases
 
 
 def main(argv=None) -> int:
@@ -775,14 +993,20 @@ def main(argv=None) -> int:
         args.capacity = min(args.capacity, 256)
         args.iters = min(args.iters, 1)
         args.recompile_range = [min(args.recompile_range[0], 60), min(args.recompile_range[1], 300)]
-    models = args.model or ["qwen3-0.6b"]
-    for m in models:
+    args.model = args.model or ["qwen3-0.6b"]
+    for m in args.model:
         if m not in specs:
             raise SystemExit(f"--model: unknown {m!r}; choose from {sorted(specs)}")
-    dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
-    cfg = BenchConfig(device=args.device, dtype=dtype, iters=args.iters, capacity=args.capacity,
+    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    child = args.case_index is not None
+    if child and len(args.model) != 1:
+        raise SystemExit("--case-index runs one model")
+    isolate = not child and (args.isolate if args.isolate is not None else args.device == "cuda")
+    # eager_per_path first: the others' loss and gradient are compared with it
+    contenders = sorted(dict.fromkeys(args.contenders), key=lambda c: c != "eager_per_path")
+    cfg = BenchConfig(device=args.device, dtype=args.dtype, iters=args.iters, capacity=args.capacity,
                       compile_baselines=args.device == "cuda", rf_on_cuda=args.rf_on_cuda, budget_s=args.budget_s)
-    env = environment(args.device)
+    env = environment(args.device, query_gpu=not isolate)
     print(json.dumps(env), flush=True)
     if args.device == "cuda":
         for knob in ("recompile_limit", "cache_size_limit"):
@@ -800,46 +1024,41 @@ def main(argv=None) -> int:
             jsonl.write(json.dumps(dataclasses.asdict(r)) + "\n")
             jsonl.flush()
 
+    if child:
+        try:
+            return child_main(args, specs[args.model[0]], cfg, contenders, emit)
+        finally:
+            if jsonl:
+                jsonl.close()
     t_start = time.perf_counter()
     rows: list[Result] = []
     extra = {}
-    if args.recompile_stream:
-        rspec = specs[args.recompile_model or "dense-tiny16"]
-        lo, hi = args.recompile_range
-        try:
-            extra["recompiles"] = recompile_stream(rspec, cfg, args.recompile_stream, lo, hi)
-        except Exception as e:
-            extra["recompiles"] = {"error": f"{type(e).__name__}: {e}".splitlines()[0][:200]}
-        print(json.dumps(extra["recompiles"]), flush=True)
-        torch._dynamo.reset()
-    suites = args.suite or ["sweep", "agentic"]
-    for m in ([] if args.recompiles_only else models):
-        spec = specs[m]
-        vocab = spec.config.vocab_size
-        cases = []
-        if "sweep" in suites:
-            cases += synthetic_cases(args.por, args.paths, args.path_len, vocab)
-        if "agentic" in suites:
-            cases += agentic_cases(args.agentic_scale, vocab, args.agentic)
-        try:
-            model = spec.build(torch.device(args.device), getattr(torch, dtype))
-        except torch.OutOfMemoryError:
-            rows.append(Result(m, "-", "-", 0, 0, 0, 0.0, "-", "OOM (model)"))
-            continue
-        tmodels: dict = {}
-        contenders = list(args.contenders)
-        for case in cases:
-            rows += run_case(model, spec, case, cfg, contenders, tmodels, emit, t_start)
-        del model, tmodels
-        torch._dynamo.reset()
-        if args.device == "cuda":
-            torch.cuda.empty_cache()
-    conditions = (f"dtype={dtype}; step = fwd+bwd over all paths of one tree, optimizer excluded; median of "
+    with contextlib.ExitStack() as stack:
+        tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="harness-isolate-")) if isolate else None
+        if args.recompile_stream:
+            if isolate:
+                extra["recompiles"] = recompiles_in_child(args, tmp)
+            else:
+                rspec = specs[args.recompile_model or "dense-tiny16"]
+                lo, hi = args.recompile_range
+                try:
+                    extra["recompiles"] = recompile_stream(rspec, cfg, args.recompile_stream, lo, hi)
+                except Exception as e:
+                    extra["recompiles"] = {"error": f"{type(e).__name__}: {e}".splitlines()[0][:200]}
+                torch._dynamo.reset()
+            print(json.dumps(extra["recompiles"]), flush=True)
+        if not args.recompiles_only:
+            rows = (run_isolated(args, specs, cfg, contenders, env, emit, t_start, tmp) if isolate
+                    else run_in_process(args, specs, cfg, contenders, emit, t_start))
+    where = ("each contender in its own process (--isolate: a fresh process per model, tree and contender; "
+             "loss_rel_dev and grad_cos against the eager_per_path child's saved loss and fp32 gradient)" if isolate
+             else "all contenders and trees of one model in one process, one after another (--no-isolate)")
+    conditions = (f"dtype={args.dtype}; step = fwd+bwd over all paths of one tree, optimizer excluded; median of "
                   f"{args.iters} after 1 warm-up (first_s, compile included); normalize={cfg.normalize}; "
                   f"capacity={cfg.capacity}; synthetic: {args.paths} paths x {args.path_len} tokens; "
                   f"x_* = baseline step / contender step; bound = baseline FLOPs / contender FLOPs "
                   f"(benchmarks/flops.py); frac_bound = x_best / bound; loss_rel_dev and grad_cos vs eager_per_path "
-                  f"in the same dtype; random HF-style init (std 0.02)")
+                  f"in the same dtype; random HF-style init (std 0.02); {where}")
     text = tables(rows, env, conditions)
     if "recompiles" in extra:
         from tabulate import tabulate
@@ -849,6 +1068,8 @@ def main(argv=None) -> int:
     print(text)
     if out:
         jsonl.close()
+        with open(os.path.join(out, "env.json"), "w") as f:  # with --isolate the GPU fields came from a child
+            json.dump(env, f)
         write_csv(rows, os.path.join(out, "results.csv"))
         with open(os.path.join(out, "tables.md"), "w") as f:
             f.write(text)
@@ -858,6 +1079,27 @@ def main(argv=None) -> int:
         if why is not None:
             print(f"speedup_vs_por.png skipped: {why}", file=sys.stderr)
     return 0
+
+
+def run_in_process(args, specs: dict, cfg: BenchConfig, contenders, emit, t_start) -> list[Result]:
+    """``--no-isolate``: each model built once, its cases and contenders timed one after another here."""
+    rows: list[Result] = []
+    for m in args.model:
+        spec = specs[m]
+        try:
+            model = spec.build(torch.device(cfg.device), getattr(torch, cfg.dtype))
+        except torch.OutOfMemoryError:
+            rows.append(Result(m, "-", "-", 0, 0, 0, 0.0, "-", "OOM (model)", pid=os.getpid()))
+            emit(rows[-1])
+            continue
+        tmodels: dict = {}
+        for case in bench_cases(args, spec.config.vocab_size):
+            rows += run_case(model, spec, case, cfg, contenders, tmodels, emit, t_start)
+        del model, tmodels
+        torch._dynamo.reset()
+        if cfg.device == "cuda":
+            torch.cuda.empty_cache()
+    return rows
 
 
 if __name__ == "__main__":

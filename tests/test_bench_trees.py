@@ -106,3 +106,113 @@ def test_harness_packed_flex_in_several_packs_matches_per_path(tmp_path):
     assert rows["packed_flex"]["status"] == "ok", rows
     assert float(rows["packed_flex"]["loss_rel_dev"]) < 1e-9
     assert float(rows["packed_flex"]["grad_cos"]) > 1 - 1e-9
+
+
+def _jsonl(path):
+    import json
+
+    return [json.loads(line) for line in open(path)]
+
+
+def test_harness_isolate_times_each_contender_in_its_own_process(tmp_path, monkeypatch):
+    """--isolate on CPU (float64, tiny dense model): one child per contender, eager_per_path first whatever
+    the order asked; the tree's loss and gradient compared across processes with the eager child's saved
+    reference (exact); speedups set by the parent; the parent's temporary folder removed."""
+    import os
+    import tempfile
+
+    from benchmarks import harness
+
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    out = tmp_path / "out"
+    rc = harness.main(["--device", "cpu", "--tiny", "--model", "dense-tiny", "--dtype", "float64", "--suite", "sweep",
+                       "--por", "0.5", "--paths", "4", "--path-len", "32", "--contenders", "tree", "eager_per_path",
+                       "--isolate", "--out", str(out)])
+    assert rc == 0
+    rows = _jsonl(out / "results.jsonl")
+    assert [r["contender"] for r in rows] == ["eager_per_path", "tree"]
+    eager, tree = rows
+    assert all(r["status"] == "ok" for r in rows), rows
+    pids = {r["pid"] for r in rows}
+    assert len(pids) == 2 and os.getpid() not in pids and None not in pids
+    assert tree["loss_rel_dev"] < 1e-9 and abs(tree["grad_cos"] - 1) < 1e-9
+    assert eager["loss_rel_dev"] == 0 and abs(eager["grad_cos"] - 1) < 1e-12
+    assert tree["best_baseline"] == "eager_per_path" and tree["x_best"] == tree["x_eager"]
+    assert abs(tree["x_eager"] - eager["step_s"] / tree["step_s"]) < 1e-12
+    assert abs(tree["frac_bound"] - tree["x_best"] / tree["bound"]) < 1e-12 and eager["x_eager"] == 1.0
+    assert len(open(out / "results.csv").readlines()) == 1 + 2
+    assert "each contender in its own process" in (out / "tables.md").read_text()
+    assert list(scratch.iterdir()) == []  # the reference and the children's folders are gone
+
+
+def test_harness_isolate_failed_child_is_an_error_row(tmp_path, monkeypatch, capsys):
+    """A child that exits non-zero is an error row naming its exit code and last stderr line, its output
+    forwarded to the parent's stderr; the parent returns 0 and the other rows are whole.  The tree's child
+    was handed the eager child's reference."""
+    import sys
+
+    from benchmarks import harness
+
+    real, seen = harness.child_command, {}
+
+    def child_command(args, *, contender, **kw):
+        cmd = real(args, contender=contender, **kw)
+        seen[contender] = cmd
+        if contender != "tree":
+            return cmd
+        seen["ref"] = harness.load_ref(cmd[cmd.index("--ref-load") + 1])
+        return [sys.executable, "-c", "import sys; print('compiling'); "
+                "sys.stderr.write('Traceback (most recent call last):\\nRuntimeError: boom\\n\\n'); sys.exit(3)"]
+
+    monkeypatch.setattr(harness, "child_command", child_command)
+    out = tmp_path / "out"
+    rc = harness.main(["--device", "cpu", "--tiny", "--model", "dense-tiny", "--dtype", "float64", "--suite", "sweep",
+                       "--por", "0.5", "--paths", "4", "--path-len", "32", "--contenders", "eager_per_path", "tree",
+                       "--isolate", "--out", str(out)])
+    assert rc == 0
+    eager, tree = _jsonl(out / "results.jsonl")
+    assert "--ref-save" in seen["eager_per_path"]
+    assert eager["status"] == "ok" and eager["x_best"] == 1.0 and seen["ref"]["loss"] == eager["loss"]
+    assert tree["status"] == "error: child exited 3: RuntimeError: boom", tree
+    assert tree["pid"] not in (None, eager["pid"]) and tree["step_s"] is None and tree["x_best"] is None
+    err = capsys.readouterr().err
+    assert "[dense-tiny | syn POR=0.50 | tree] RuntimeError: boom" in err
+    assert "[dense-tiny | syn POR=0.50 | tree] compiling" in err
+
+
+def test_harness_isolate_budget_starts_no_child(tmp_path, monkeypatch):
+    """--budget-s is the parent's: past it, contenders are skipped rows and no child starts."""
+    from benchmarks import harness
+
+    def no_child(*a, **k):
+        raise AssertionError("a child started past the budget")
+
+    monkeypatch.setattr(harness, "run_child", no_child)
+    rc = harness.main(["--device", "cpu", "--tiny", "--model", "dense-tiny", "--suite", "sweep", "--por", "0.5", "0.7",
+                       "--contenders", "eager_per_path", "tree", "--isolate", "--budget-s", "0",
+                       "--out", str(tmp_path)])
+    assert rc == 0
+    rows = _jsonl(tmp_path / "results.jsonl")
+    assert len(rows) == 4 and all(r["status"] == "skipped: time budget" and r["pid"] is None for r in rows)
+
+
+def test_child_process_names_timeouts_and_signals():
+    """run_child: a timeout kills the child's whole process group (a grandchild holding the pipes does
+    not hang the parent); a signal is named; the last non-empty stderr line is kept."""
+    import sys
+    import time
+
+    from benchmarks.child_process import run_child
+
+    grandchild = ("import subprocess, sys, time; "
+                  "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)")
+    t0 = time.perf_counter()
+    how = run_child([sys.executable, "-c", grandchild], timeout_s=1.0)
+    assert time.perf_counter() - t0 < 8
+    assert how.returncode is None and how.describe() == "child timed out after 1 s"
+    how = run_child([sys.executable, "-c", "import os, signal, sys; print('last words', file=sys.stderr, flush=True); "
+                     "os.kill(os.getpid(), signal.SIGKILL)"], timeout_s=30)
+    assert how.describe() == "child exited -9 (SIGKILL): last words"
+    assert run_child([sys.executable, "-c", "pass"], timeout_s=30).ok
