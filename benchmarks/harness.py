@@ -49,7 +49,9 @@ error row naming its exit; the parent applies ``--budget-s``, computes the speed
 the recompile stream runs in a child of its own.  ``--no-isolate`` (the default on CPU) runs all
 contenders and trees of one model in one process, one after another.
 
-Outputs (``--out DIR``): ``results.jsonl`` (one line per row, written as rows finish), ``results.csv``,
+Outputs (``--out DIR``): ``results.jsonl`` (one line per row, written when all contenders of its tree are
+done: the speedups need them all; each row is also printed to stdout as a JSON line when it finishes, so a run
+cut short keeps its finished rows in its log), ``results.csv``,
 ``tables.md`` (tabulate github tables with their conditions), ``speedup_vs_por.png`` (needs matplotlib:
 the ``bench`` extra; without it the run says so and skips the plot; ``--plot-from results.csv`` redraws
 it elsewhere).
