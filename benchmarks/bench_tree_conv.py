@@ -11,7 +11,8 @@ With flash-linear-attention installed (CUDA) two more rows: ``fla`` is ``treecom
 (what ``lower_cuda`` runs with the fla GDN kernel: fla's varlen conv over the tree's chains, ops/fla_conv.py),
 ``fla_no_tree`` one fla conv over the same T tokens as one sequence (no tree: the floor).
 
-Usage: python benchmarks/bench_tree_conv.py [--tiny]   (default: CUDA, bf16, C = 6144, 16 x 2,048 POR 0.5)
+Usage: python benchmarks/bench_tree_conv.py [--tiny] [--agentic NAME [--scale S]]
+(default: CUDA, bf16, C = 6144, 16 x 2,048 POR 0.5; ``--agentic parallel-tools``: that agentic tree at scale S)
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from trees import synthetic_paths  # noqa: E402
+from trees import agentic_paths, agentic_specs, synthetic_paths  # noqa: E402
 
 from treecompile import Tree  # noqa: E402
 from treecompile.ops.tree_conv import tree_causal_conv1d  # noqa: E402
@@ -61,11 +62,18 @@ def fla_no_tree(x, w, bias, ci):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tiny", action="store_true", help="CPU, float64, 8 channels, 4 x 64 tokens, eager only")
+    ap.add_argument("--agentic", metavar="NAME", help="an agentic tree (benchmarks/trees.py) instead of the synthetic one")
+    ap.add_argument("--scale", type=float, default=1.5, help="the agentic tree's scale")
     a = ap.parse_args()
     dev, dt, C, (n, L), modes = (("cpu", torch.float64, 8, (4, 64), ("eager",)) if a.tiny else
                                  ("cuda", torch.bfloat16, 6144, (16, 2048), ("eager", "compiled")))
     K = 4
-    ci = Tree.from_paths(synthetic_paths(n, L, 0.5)).to_batch(conv_kernel=K).conv_index.to(dev)
+    if a.agentic:
+        spec = {s.name: s for s in agentic_specs(0.03 if a.tiny else a.scale)}[a.agentic]
+        paths = agentic_paths(spec)
+    else:
+        paths = synthetic_paths(n, L, 0.5)
+    ci = Tree.from_paths(paths).to_batch(conv_kernel=K).conv_index.to(dev)
     T = ci.shape[0]
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
     torch.manual_seed(0)
