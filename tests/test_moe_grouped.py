@@ -25,16 +25,15 @@ EPS32 = torch.finfo(torch.float32).eps
 def moe_case(T, D, I, E, k, sentinels=0.0, unused=0, seed=0, dtype=torch.float64, device="cpu"):
     """Inputs ``(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj)``: top-k of random router
     logits with the last ``unused`` experts never routed to, and a fraction ``sentinels`` of the pairs set to
-    the sentinel ``E``."""
-    gen = torch.Generator().manual_seed(seed)
-    logits = torch.randn(T, E, generator=gen, dtype=torch.float64)
+    the sentinel ``E``; drawn in float64 on ``device``, then cast to ``dtype``."""
+    f64 = dict(generator=torch.Generator(device=device).manual_seed(seed), dtype=torch.float64, device=device)
+    logits = torch.randn(T, E, **f64)
     logits[:, E - unused:] = -torch.inf
     w, idx = logits.softmax(-1).topk(k, dim=-1)
-    idx[torch.rand(T, k, generator=gen) < sentinels] = E
-    ins = (torch.randn(T, D, generator=gen, dtype=torch.float64), idx, w,
-           torch.randn(E, 2 * I, D, generator=gen, dtype=torch.float64) / D ** 0.5,
-           torch.randn(E, D, I, generator=gen, dtype=torch.float64) / I ** 0.5)
-    return [x.to(device=device, dtype=dtype) if x.is_floating_point() else x.to(device) for x in ins]
+    idx[torch.rand(T, k, **f64) < sentinels] = E
+    ins = (torch.randn(T, D, **f64), idx, w, torch.randn(E, 2 * I, D, **f64) / D ** 0.5,
+           torch.randn(E, D, I, **f64) / I ** 0.5)
+    return [x.to(dtype) if x.is_floating_point() else x for x in ins]
 
 
 def run(op, ins, grad_out):

@@ -15,10 +15,13 @@ expert-parallel sentinel and contributes nothing, as in HF's eager loop), ``top_
 
     out[t] += top_k_weights[t, j] * down_proj[e] @ (silu(gate_e x_t) * (up_e x_t))
 
-The implementation is a plain torch reference (any device, float64-capable, computes in the
-inputs' dtype).  Its backward is written out as ``treecompile::moe_experts_backward`` (activations
+This op is the reference: plain torch (any device, float64-capable, computes in the inputs' dtype), a
+host loop over the experts that were hit (their offsets read on the host, one matmul pair per expert,
+``index_add``).  Its backward is written out as ``treecompile::moe_experts_backward`` (activations
 recomputed per expert) and returns gradients for ``hidden``, ``top_k_weights`` (hence the router)
-and both expert weights.  Ops are registered at import.
+and both expert weights.  The fast path is ``treecompile::moe_experts_grouped`` (``ops.moe_grouped``: the
+same function through ``torch._grouped_mm``, no host sync), which ``passes.lower_cuda`` puts in its place on
+Hopper for bfloat16 experts.  Ops are registered at import.
 """
 
 from __future__ import annotations

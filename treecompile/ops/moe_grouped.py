@@ -86,8 +86,8 @@ def _routing(top_k_index: Tensor, top_k_weights: Tensor, E: int):
     keys, perm = torch.sort(flat.clamp(max=E - 1), stable=True)
     offs = torch.searchsorted(keys, torch.arange(E, device=keys.device), right=True, out_int32=True)
     inv = torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
-    valid = valid[perm]
-    w = torch.where(valid, top_k_weights.reshape(-1)[perm], 0)
+    valid = valid.index_select(0, perm)
+    w = torch.where(valid, top_k_weights.reshape(-1).index_select(0, perm), 0)
     return perm, inv, offs, w, valid
 
 
@@ -98,13 +98,10 @@ def _sum_over_k(rows: Tensor, inv: Tensor, T: int, k: int) -> Tensor:
 
 
 def _activation(x, gate_up_proj, offs):
-    """``(gate, up, silu(gate))`` of the grouped ``x @ gate_up_proj[e]^T``."""
-    gate, up = torch._grouped_mm(x, gate_up_proj.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
-    return gate, up, torch.nn.functional.silu(gate)
-
-
-def _weighted(a: Tensor, w: Tensor) -> Tensor:
-    return (a * w[:, None]).to(a.dtype)
+    """``(h, gate, up, silu(gate))`` of the grouped ``h = [gate, up] = x @ gate_up_proj[e]^T``."""
+    h = torch._grouped_mm(x, gate_up_proj.transpose(-2, -1), offs=offs)
+    gate, up = h.chunk(2, dim=-1)
+    return h, gate, up, torch.nn.functional.silu(gate)
 
 
 @torch.library.custom_op("treecompile::moe_experts_grouped", mutates_args=())
@@ -118,9 +115,9 @@ def moe_experts_grouped(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tens
         return torch.zeros_like(hidden)
     perm, inv, offs, w, _ = _routing(top_k_index, top_k_weights, E)
     x = hidden.index_select(0, perm // k)
-    _, up, s = _activation(x, gate_up_proj, offs)
-    y = torch._grouped_mm(_weighted(s * up, w), down_proj.transpose(-2, -1), offs=offs)
-    return _sum_over_k(y, inv, T, k)
+    _, _, up, a = _activation(x, gate_up_proj, offs)
+    a.mul_(up).mul_(w[:, None])  # w * silu(gate) * up, in place
+    return _sum_over_k(torch._grouped_mm(a, down_proj.transpose(-2, -1), offs=offs), inv, T, k)
 
 
 @moe_experts_grouped.register_fake
@@ -138,15 +135,19 @@ def moe_experts_grouped_backward(grad_out: Tensor, hidden: Tensor, top_k_index: 
                 torch.zeros_like(down_proj))
     perm, inv, offs, w, valid = _routing(top_k_index, top_k_weights, E)
     x = hidden.index_select(0, perm // k)
-    gate, up, s = _activation(x, gate_up_proj, offs)
+    h, gate, up, s = _activation(x, gate_up_proj, offs)
     a = s * up
     dout = grad_out.index_select(0, perm // k)
     g = torch._grouped_mm(dout, down_proj, offs=offs)  # [P, I]: dL/d(w a)
     d_w = torch.where(valid, (g * a).sum(-1), 0)
-    d_down = torch._grouped_mm(dout.t(), _weighted(a, w), offs=offs)  # [E, D, I]
-    da = _weighted(g, w)
+    d_down = torch._grouped_mm(dout.t(), a.mul_(w[:, None]), offs=offs)  # [E, D, I]
+    da = g.mul_(w[:, None])
+    dh = torch.empty_like(h)  # [dgate, dup]: da * up * silu'(gate), da * silu(gate)
+    dgate, dup = dh.chunk(2, dim=-1)
+    torch.mul(da, s, out=dup)
     sig = torch.sigmoid(gate)
-    dh = torch.cat([da * up * sig * (1 + gate * (1 - sig)), da * s], dim=-1)
+    dsilu = gate * (1 - sig)
+    torch.mul(dsilu.add_(1).mul_(sig).mul_(up), da, out=dgate)
     d_gu = torch._grouped_mm(dh.t(), x, offs=offs)  # [E, 2I, D]
     if not _kernel_zeroes_empty_groups(hidden.device):
         nonempty = torch.diff(offs, prepend=offs.new_zeros(1)) > 0
