@@ -181,3 +181,40 @@ def test_grouped_op_bf16_qwen3_30b_a3b_shape():
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     assert torch.equal(out, got[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="needs a CUDA device of compute capability 9.x (Hopper)")
+def test_compiled_hf_moe_model_with_grouped_experts(monkeypatch):
+    """A tiny HF Qwen3-Next MoE model compiled and run on CUDA (torch.compile, length buckets) in float32,
+    once with its experts lowered to moe_experts_grouped (float32 admitted: ``_grouped_mm``'s per-group loop)
+    and once with the reference op: loss and every parameter's gradient within 4x the reference lowering's
+    error against the float64 per-path oracle on CPU (+ 2 float32 ulp of the norm)."""
+    pytest.importorskip("transformers")
+    import copy
+
+    import treecompile
+    import treecompile.passes.lower_cuda as tc_cuda
+    from test_compile_hybrid import hf_model
+    from treecompile import Tree, reference
+
+    model64 = hf_model("qwen3_next_moe")
+    paths = [[1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 8, 9], [1, 2, 10], [11, 12, 13]]
+    oracle = reference.run(model64, paths)
+    names = [n for n, _ in model64.named_parameters()]
+    want = [oracle.loss.detach()] + list(torch.autograd.grad(oracle.loss, list(model64.parameters())))
+    got = {}
+    for grouped in (True, False):
+        with monkeypatch.context() as mp:
+            if grouped:
+                mp.setattr(tc_cuda, "MOE_GROUPED_DTYPES", (torch.float32,))
+            else:
+                mp.setattr(tc_cuda, "moe_grouped_unusable_reason", lambda: "the reference run")
+            model = copy.deepcopy(model64).float().cuda()
+            tm = treecompile.compile(model, gdn_kernel="reference", attention_kernel="flex")
+            out = tm(Tree.from_paths(paths).to_batch())
+            assert tm.program._cuda_state().lowering.moe_grouped == (model.config.num_hidden_layers if grouped else 0)
+            got[grouped] = [out.loss.detach()] + list(torch.autograd.grad(out.loss, list(model.parameters())))
+    for name, g, r, o in zip(["loss"] + names, got[True], got[False], want):
+        floor = 2 * EPS32 * float(o.norm())
+        assert error(g.cpu(), o) <= 4 * error(r.cpu(), o) + floor, (name, error(g.cpu(), o), error(r.cpu(), o))
