@@ -378,6 +378,25 @@ def test_moe_op_opcheck():
                           (hidden.requires_grad_(), idx, w.requires_grad_(), gu.requires_grad_(), down.requires_grad_()))
 
 
+@pytest.mark.parametrize("hf", ["qwen3_next_moe"], indirect=True)
+def test_hf_moe_lowering_on_the_captured_graph(hf, monkeypatch):
+    """The CUDA lowering of a captured HF MoE graph: one moe_experts_grouped per MoE layer where the dtype is
+    admitted (its arguments as captured: the op computes the same function, tests/test_moe_grouped.py), none
+    for this float64 graph as it is (the grouped GEMM takes no float64)."""
+    import treecompile.passes.lower_cuda as tc_cuda
+
+    _, model, tmodel, _ = hf
+    options = tc_cuda.CudaOptions(gdn_kernel="reference", attention_kernel="flex")
+    monkeypatch.setattr(tc_cuda, "moe_grouped_unusable_reason", lambda: None)
+    low = tc_cuda.lower_cuda(tmodel.graph_module, options)
+    assert low.moe_grouped == 0 and low.attention > 0
+    monkeypatch.setattr(tc_cuda, "MOE_GROUPED_DTYPES", (torch.float64,))
+    low = tc_cuda.lower_cuda(tmodel.graph_module, options)
+    targets = [n.target for n in low.graph_module.graph.nodes if n.op == "call_function"]
+    assert low.moe_grouped == model.config.num_hidden_layers == targets.count(OPS.moe_experts_grouped.default)
+    assert OPS.moe_experts.default not in targets
+
+
 def test_unsupported_experts_are_left_alone():
     """An experts module the op would not compute exactly (here: a non-SiLU activation) is not swapped."""
     model = hf_model("qwen3_next_moe")

@@ -157,3 +157,46 @@ def test_one_compile_per_length_bucket():
     res = mod.main(num_trees=20, seed=1, tmodel=_dense_compiled())
     assert res["distinct_sizes"] > res["buckets"] >= 3  # several lengths share a bucket
     assert res["compiles"] == res["buckets"]
+
+
+def _moe_graph(dtype, D=16, I=8, E=4, T=6, k=2):
+    """A traced graph around one ``treecompile::moe_experts`` node (with ``meta["val"]``) and its inputs."""
+    from test_moe_grouped import moe_case
+
+    ins = [x.to(dtype) if x.is_floating_point() else x for x in moe_case(T, D, I, E, k, sentinels=0.2, unused=1)]
+    gm = torch.fx.experimental.proxy_tensor.make_fx(
+        lambda h, i, w, gu, d: torch.ops.treecompile.moe_experts(h, i, w, gu, d) * 2)(*ins)
+    return gm, ins
+
+
+def test_moe_experts_lowered_to_grouped_gemms(monkeypatch):
+    """moe_experts -> moe_experts_grouped (same arguments) on Hopper for bfloat16 experts with 16-byte strides;
+    checked on CPU with the device probe patched and float32 admitted (the grouped op runs there in float32):
+    it fires (count), the lowered graph computes the grouped op's forward and gradients, and it keeps the
+    reference op on near misses (dtype, strides, device)."""
+    from test_moe_grouped import run
+
+    def lowered(gm):
+        low = tc_cuda.lower_cuda(gm, CudaOptions(gdn_kernel="reference", attention_kernel="flex"))
+        t = targets(low.graph_module)
+        assert t.count(tc_cuda.MOE_EXPERTS) + t.count(tc_cuda.MOE_EXPERTS_GROUPED) == 1
+        return low
+
+    gm, ins = _moe_graph(torch.float32)
+    assert lowered(gm).moe_grouped == 0  # no Hopper here: the real probe says so
+    monkeypatch.setattr(tc_cuda, "moe_grouped_unusable_reason", lambda: None)
+    assert lowered(gm).moe_grouped == 0  # near miss: float32 (only bfloat16 takes the CUTLASS kernel)
+    for dtype, D in ((torch.bfloat16, 12), (torch.float64, 16)):  # near misses: 24-byte rows; float64
+        low = lowered(_moe_graph(dtype, D=D)[0])
+        assert low.moe_grouped == 0 and tc_cuda.MOE_EXPERTS in targets(low.graph_module)
+    assert lowered(_moe_graph(torch.bfloat16)[0]).moe_grouped == 1
+    monkeypatch.setattr(tc_cuda, "MOE_GROUPED_DTYPES", (torch.float32,))
+    low = lowered(gm)
+    assert low.moe_grouped == 1 and tc_cuda.MOE_EXPERTS not in targets(low.graph_module)
+    node = next(n for n in low.graph_module.graph.nodes if n.target == tc_cuda.MOE_EXPERTS_GROUPED)
+    assert [a.name for a in node.args] == [p.name for p in gm.graph.nodes if p.op == "placeholder"]
+    go = torch.randn(ins[0].shape)
+    want = run(lambda *x: torch.ops.treecompile.moe_experts_grouped(*x) * 2, ins, go)
+    for a, b in zip(run(lambda *x: low.graph_module(*x, None), ins, go), want):  # + the tree_block_mask input
+        assert torch.equal(a, b)
+    assert tc_cuda.MOE_EXPERTS in targets(gm)  # the rewritten graph itself is untouched

@@ -15,10 +15,13 @@ expert-parallel sentinel and contributes nothing, as in HF's eager loop), ``top_
 
     out[t] += top_k_weights[t, j] * down_proj[e] @ (silu(gate_e x_t) * (up_e x_t))
 
-The implementation is a plain torch reference (any device, float64-capable, computes in the
-inputs' dtype).  Its backward is written out as ``treecompile::moe_experts_backward`` (activations
+This op is the reference: plain torch (any device, float64-capable, computes in the inputs' dtype), a
+host loop over the experts that were hit (their offsets read on the host, one matmul pair per expert,
+``index_add``).  Its backward is written out as ``treecompile::moe_experts_backward`` (activations
 recomputed per expert) and returns gradients for ``hidden``, ``top_k_weights`` (hence the router)
-and both expert weights.  Ops are registered at import.
+and both expert weights.  The fast path is ``treecompile::moe_experts_grouped`` (``ops.moe_grouped``: the
+same function through ``torch._grouped_mm``, no host sync), which ``passes.lower_cuda`` puts in its place on
+Hopper for bfloat16 experts.  Ops are registered at import.
 """
 
 from __future__ import annotations
@@ -26,10 +29,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["moe_experts", "moe_experts_reference"]
+__all__ = ["moe_experts", "moe_experts_reference", "check_moe_args", "check_moe_index"]
 
 
-def _check(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj):
+def check_moe_args(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj):
+    """Raise ValueError unless the arguments have the shapes of the module docstring."""
     if hidden.dim() != 2:
         raise ValueError(f"hidden: expected [T, D], got {tuple(hidden.shape)}")
     T, D = hidden.shape
@@ -45,14 +49,21 @@ def _check(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj):
         raise ValueError(f"down_proj: expected [E, D, I] = {(E, D, two_i // 2)}, got {tuple(down_proj.shape)}")
 
 
-def _dispatch(top_k_index: Tensor, E: int):
-    """Routed pairs grouped by expert: (pair order sorted by expert, [E + 1] group offsets)."""
+def check_moe_index(top_k_index: Tensor, E: int) -> None:
+    """Raise ValueError naming the first entry of ``top_k_index`` outside ``[0, E]`` (reads the values:
+    a host sync on CUDA)."""
     flat = top_k_index.reshape(-1).long()
     if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) > E):
         bad = int(((flat < 0) | (flat > E)).nonzero()[0, 0])
         k = top_k_index.shape[1]
         raise ValueError(f"top_k_index[{bad // k}, {bad % k}] = {int(flat[bad])} is outside [0, {E}] "
                          f"({E} experts; {E} is the skipped expert-parallel sentinel)")
+
+
+def _dispatch(top_k_index: Tensor, E: int):
+    """Routed pairs grouped by expert: (pair order sorted by expert, [E + 1] group offsets)."""
+    flat = top_k_index.reshape(-1).long()
+    check_moe_index(top_k_index, E)
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=E + 1)
     offsets = torch.zeros(E + 2, dtype=torch.long, device=flat.device)
@@ -74,7 +85,7 @@ def _expert_pairs(hidden, top_k_index, E):
 def moe_experts(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up_proj: Tensor,
                 down_proj: Tensor) -> Tensor:
     """Routed SwiGLU experts, sparse dispatch (see module docstring). Returns ``[T, D]``."""
-    _check(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj)
+    check_moe_args(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj)
     E = gate_up_proj.shape[0]
     out = torch.zeros_like(hidden)
     w = top_k_weights.reshape(-1)

@@ -16,6 +16,10 @@ it the layer's short convolution ``treecompile::tree_causal_conv1d`` becomes
 The fused head ``treecompile::linear_logprobs`` of a half-precision model becomes
 ``treecompile::linear_logprobs_triton`` (same arguments; Triton row kernels) when triton imports: the
 reference op never chooses it.
+The routed experts ``treecompile::moe_experts`` become ``treecompile::moe_experts_grouped`` (same arguments;
+``torch._grouped_mm``, no host sync, ``ops.moe_grouped``) on Hopper for bfloat16 experts whose dims give
+16-byte strides (:func:`_moe_grouped`); other dtypes run ``_grouped_mm``'s per-group loop on CUDA, which reads
+the offsets on the host, so they keep the reference op.
 
 ``treecompile::tree_attention_boundary`` (a partition of a redundancy-free plan,
 ``expose_boundary``) is lowered the same way, to FlexAttention over ``[boundary ; local]`` keys under one
@@ -52,6 +56,8 @@ import treecompile.ops.logprobs  # noqa: F401
 import treecompile.ops.tree_gdn  # noqa: F401
 import treecompile.ops.tree_conv  # noqa: F401
 import treecompile.ops.fla_conv  # noqa: F401
+import treecompile.ops.moe  # noqa: F401
+import treecompile.ops.moe_grouped  # noqa: F401
 from treecompile.ops.fa4_tree_attention import (FA4_KERNEL_OPTIONS, fa4_input_reason, fa4_unusable_reason,
                                                 tree_attention_fa4)
 from treecompile.ops.flex_tree_attention import kernel_options_for, tree_attention_flex, tree_block_mask
@@ -59,7 +65,8 @@ from treecompile.ops.flex_tree_attention_boundary import boundary_block_mask, tr
 from treecompile.ops.tree_layout import heavy_first_order, permuted_subtree_end, reordered_attention
 
 __all__ = ["CudaOptions", "CudaLowering", "lower_cuda", "attention_inputs", "resolve_gdn_kernel",
-           "resolve_attention_kernel", "GDN_KERNELS", "ATTENTION_KERNELS", "ATTENTION_LAYOUTS"]
+           "resolve_attention_kernel", "moe_grouped_unusable_reason", "GDN_KERNELS", "ATTENTION_KERNELS",
+           "ATTENTION_LAYOUTS"]
 
 TREE_ATTENTION = torch.ops.treecompile.tree_attention.default
 TREE_ATTENTION_BOUNDARY = torch.ops.treecompile.tree_attention_boundary.default
@@ -69,6 +76,11 @@ TREE_CONV_FLA = torch.ops.treecompile.tree_causal_conv1d_fla.default
 FLA_CONV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 LINEAR_LOGPROBS = torch.ops.treecompile.linear_logprobs.default
 HALF = (torch.bfloat16, torch.float16)
+MOE_EXPERTS = torch.ops.treecompile.moe_experts.default
+MOE_EXPERTS_GROUPED = torch.ops.treecompile.moe_experts_grouped.default
+# torch._grouped_mm's CUTLASS kernel (sm90/sm100) takes bfloat16 only; float32/float16 go through a per-group
+# loop that copies the offsets to the host (aten GroupedBlas.cpp, _grouped_mm_cuda)
+MOE_GROUPED_DTYPES = (torch.bfloat16,)
 
 # Gated DeltaNet kernel on CUDA: "fla" (flash-linear-attention, varlen calls planned by ops.fla_gdn.plan_calls),
 # "reference" (the registered op's torch implementation), "auto" (fla if installed, else reference
@@ -129,6 +141,7 @@ class CudaLowering:
     compiled: bool  # run under torch.compile(dynamic=False)
     bucket: bool  # pad the batch to bucket_length(T) and cut the outputs back to T
     conv_fla: int = 0  # tree causal convs lowered to fla's varlen conv
+    moe_grouped: int = 0  # routed experts lowered to moe_experts_grouped (grouped GEMMs)
 
 
 @torch._dynamo.disable  # a host-side level schedule and fla's autograd Functions: kept out of dynamo
@@ -242,6 +255,32 @@ def _triton_head(n: fx.Node) -> bool:
     return n.args[0].meta["val"].dtype in HALF and logprobs_triton.available()
 
 
+def moe_grouped_unusable_reason() -> str | None:
+    """Why ``moe_experts_grouped`` is not used on this device (None: it is): torch without
+    ``_grouped_mm`` or a GPU other than compute capability 9.x.  Blackwell's kernel was reported to leave
+    the weight gradient of an expert without tokens unwritten (pytorch#172439; the op zeroes it there,
+    at the cost of a pass over the weight gradients) and has not been measured here."""
+    if not hasattr(torch, "_grouped_mm"):
+        return f"torch {torch.__version__} has no torch._grouped_mm"
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    cap = torch.cuda.get_device_capability()
+    if cap[0] != 9:
+        return f"compute capability {cap[0]}.{cap[1]} (the grouped experts run on 9.x)"
+    return None
+
+
+def _moe_grouped(n: fx.Node) -> bool:
+    """Whether the routed experts ``n`` (``moe_experts(hidden, top_k_index, top_k_weights, gate_up_proj,
+    down_proj)``) run ``moe_experts_grouped``: hidden and both expert weights of a ``MOE_GROUPED_DTYPES``
+    dtype, ``D`` and ``I`` multiples of 8 (16-byte strides in bfloat16), fewer than 1024 experts (the CUDA
+    kernel's group limit)."""
+    hidden, _, _, gate_up, down = (a.meta["val"] for a in n.args[:5])
+    E, D, I = down.shape
+    return (all(t.dtype in MOE_GROUPED_DTYPES and t.dtype == hidden.dtype for t in (hidden, gate_up, down))
+            and all((d * hidden.element_size()) % 16 == 0 for d in (D, I)) and E < 1024)
+
+
 def _replace(graph: fx.Graph, n: fx.Node, target, args, kwargs=None) -> None:
     with graph.inserting_before(n):
         new = graph.call_function(target, tuple(args), dict(kwargs or {}))
@@ -275,6 +314,7 @@ def lower_cuda(gm: fx.GraphModule, options: CudaOptions, *, boundary: bool = Fal
     gdn_kernel = resolve_gdn_kernel(options.gdn_kernel)
     # installation and device, probed here (eagerly): the traced graph only checks its inputs
     setup_reason = None if options.attention_kernel == "flex" else fa4_unusable_reason()
+    moe_grouped_ok = moe_grouped_unusable_reason() is None
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
     last_ph = [n for n in graph.nodes if n.op == "placeholder"][-1]
@@ -284,7 +324,7 @@ def lower_cuda(gm: fx.GraphModule, options: CudaOptions, *, boundary: bool = Fal
     if layout != "dfs":
         with graph.inserting_after(mask):
             order = graph.placeholder("tree_attention_order")
-    attention = gdn_fla = triton_head = conv_fla = 0
+    attention = gdn_fla = triton_head = conv_fla = moe_grouped = 0
     for n in list(graph.nodes):
         if n.op == "call_function" and n.target == TREE_ATTENTION:
             q, k, v, _subtree_end = n.args[:4]
@@ -309,7 +349,10 @@ def lower_cuda(gm: fx.GraphModule, options: CudaOptions, *, boundary: bool = Fal
         elif n.op == "call_function" and n.target == LINEAR_LOGPROBS and _triton_head(n):
             _replace(graph, n, torch.ops.treecompile.linear_logprobs_triton.default, n.args, n.kwargs)
             triton_head += 1
+        elif n.op == "call_function" and n.target == MOE_EXPERTS and moe_grouped_ok and _moe_grouped(n):
+            _replace(graph, n, MOE_EXPERTS_GROUPED, n.args, n.kwargs)
+            moe_grouped += 1
     graph.eliminate_dead_code()
     return CudaLowering(graph_module=fx.GraphModule(gm, graph), attention=attention,
                         layout=layout, boundary=boundary, gdn_fla=gdn_fla, triton_head=triton_head,
-                        compiled=compiled, bucket=options.bucket, conv_fla=conv_fla)
+                        compiled=compiled, bucket=options.bucket, conv_fla=conv_fla, moe_grouped=moe_grouped)
