@@ -128,6 +128,15 @@ def _custom_op(m, x, ids):
     return whole_sequence(x)
 
 
+def _repeat_tokens(m, x, ids):  # every token twice along the sequence, then pairs summed: reads no neighbour,
+    T = x.shape[1]               # but the repeated axis is the token axis: refused (its length is 2T)
+    return x.repeat_interleave(2, dim=1).view(1, T, 2, D).sum(2)
+
+
+def _repeat_flat(m, x, ids):  # no dim: the whole [1, T, D] is flattened first
+    return x.repeat_interleave(2).view(1, x.shape[1], D, 2).mean(-1)
+
+
 REFUSED = {  # name: (fn, the aten op the refusal names, a word of the reason)
     "mean_over_sequence": (_mean_seq, "aten.mean.dim", "reduces over the sequence"),
     "max_over_sequence": (_max_seq, "aten.max.dim", "reduces over the sequence"),
@@ -147,6 +156,8 @@ REFUSED = {  # name: (fn, the aten op the refusal names, a word of the reason)
     "einsum_over_sequence": (_einsum_seq, "aten.einsum.default", "contracts the sequence"),
     "mean_under_no_grad": (_mean_under_no_grad, "aten.mean.dim", "reduces over the sequence"),
     "custom_op": (_custom_op, "tokenmix_test.whole_sequence.default", "custom op outside treecompile"),
+    "repeat_interleave_tokens": (_repeat_tokens, "aten.repeat_interleave.self_int", "repeats tokens"),
+    "repeat_interleave_flat": (_repeat_flat, "aten.repeat_interleave.self_int", "flattens the sequence"),
 }
 
 
@@ -265,6 +276,11 @@ def _index_put_features(m, x, ids):  # y[:, :, idx] = values: per-token writes i
     return y + x
 
 
+def _repeat_heads(m, x, ids):  # [1, T, 2, 4] -> [1, T, 4, 4]: k heads repeated to v heads (HF Qwen3-Next GDN)
+    T = x.shape[1]
+    return x.view(1, T, 2, D // 2).repeat_interleave(2, dim=2)[:, :, 1:3].reshape(1, T, D)
+
+
 def _noise(m, x, ids):
     return x + 0 * torch.rand_like(x)
 
@@ -282,6 +298,7 @@ ACCEPTED = {
     "full_range_slice": _full_slice,
     "pad_and_cat_over_features": _pad_features,
     "in_place_updates_of_features": _inplace,
+    "repeat_interleave_over_heads": _repeat_heads,
 }
 
 

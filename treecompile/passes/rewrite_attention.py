@@ -75,7 +75,9 @@ def _check_mask(mask: fx.Node, sdpa: fx.Node, ctx: PassContext, cache: dict) -> 
             for p in phs:
                 v = p.meta["val"]
                 shape = [T if isinstance(s, torch.SymInt) else int(s) for s in v.shape]
-                args.append(torch.zeros(shape, dtype=v.dtype, device="cpu"))
+                # on the device the model was captured on: the subgraph may hold constants made there
+                # (e.g. ``arange(..., device=cuda)``), and mixing devices would fail the evaluation
+                args.append(torch.zeros(shape, dtype=v.dtype, device=v.device))
             try:
                 with torch.no_grad():
                     m = sub(*args)
@@ -83,7 +85,7 @@ def _check_mask(mask: fx.Node, sdpa: fx.Node, ctx: PassContext, cache: dict) -> 
                 err = UnsupportedModelError(f"{where(sdpa)}: cannot evaluate the attention mask subgraph "
                                             f"to check that it is causal ({type(e).__name__}: {e})")
                 break
-            allowed = m if m.dtype == torch.bool else (m == 0)
+            allowed = (m if m.dtype == torch.bool else (m == 0)).cpu()
             causal = torch.ones(T, T, dtype=torch.bool).tril()
             if allowed.shape[-2:] != (T, T) or not bool((allowed == causal).all()):
                 err = UnsupportedModelError(

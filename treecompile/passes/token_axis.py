@@ -281,6 +281,25 @@ def expand(c: Op) -> set[int]:
     return res
 
 
+def repeat_interleave(c: Op) -> set[int]:
+    """``x.repeat_interleave(n, dim)``: repeats entries along ``dim`` (e.g. GDN's k heads to v heads); a
+    token's values stay its own unless ``dim`` is the token axis (then tokens are duplicated and the
+    sequence grows) or ``dim`` is None (the input is flattened first)."""
+    x = c.args["self"]
+    t = c.tok(x)
+    dim = c.args.get("dim")
+    if dim is None:
+        if t:
+            raise Mixes("flattens the sequence axis into its repeats (repeat_interleave without dim)")
+        return set()
+    if norm_dim(dim, c.nd(x)) in t:
+        raise Mixes("repeats tokens along the sequence axis")
+    reps = c.args.get("repeats")
+    if isinstance(reps, fx.Node) and c.tok(reps):
+        raise Mixes("repeats counts read from the sequence")
+    return t
+
+
 def index_select(c: Op) -> set[int]:
     x, idx = c.args["self"], c.args["index"]
     d = norm_dim(c.args["dim"], c.nd(x))
