@@ -195,10 +195,16 @@ def test_compiled_hf_moe_model_with_grouped_experts(monkeypatch):
 
     import treecompile
     import treecompile.passes.lower_cuda as tc_cuda
-    from test_compile_hybrid import hf_model
+    import transformers
     from treecompile import Tree, reference
+    from treecompile.models import HybridConfig
 
-    model64 = hf_model("qwen3_next_moe")
+    # test_compile_hybrid's tiny Qwen3-Next MoE, with head_dim 16: flex attention on CUDA needs >= 16
+    d = HybridConfig.tiny(vocab_size=37, model_type="qwen3_next", num_experts=4, head_dim=16).to_hf_dict()
+    cfg = transformers.Qwen3NextConfig(**{k: v for k, v in d.items() if k not in ("architectures", "model_type")})
+    cfg._experts_implementation = "eager"  # the float64 oracle runs HF's own loop
+    torch.manual_seed(0)
+    model64 = transformers.Qwen3NextForCausalLM(cfg).double()
     paths = [[1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 8, 9], [1, 2, 10], [11, 12, 13]]
     oracle = reference.run(model64, paths)
     names = [n for n, _ in model64.named_parameters()]
