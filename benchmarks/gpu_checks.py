@@ -5,7 +5,8 @@ synthetic branching tree of 8k-16k unique tokens: the tree loss against the per-
 (same model, bf16, eager, each path alone), the cosine similarity of the full parameter gradients,
 and fwd+bwd step times (optimizer excluded) of the tree (compiled) vs the per-path eager baseline.
 For the hybrid model also the GDN op's fwd+bwd time on the tree vs on each path separately.
-Usage: python benchmarks/gpu_checks.py [--out results.json]
+Usage: python benchmarks/gpu_checks.py [--out results.json]; ``--moe``: an HF Qwen3-MoE model of the
+Qwen3-30B-A3B layer shape instead (``--moe-layers N``; its experts through grouped GEMMs on the tree).
 """
 
 from __future__ import annotations
@@ -145,12 +146,39 @@ def gdn_layer_time(cfg: HybridConfig, tree: Tree, paths):
     return {"gdn_tree_s": timed(tree_call, 3), "gdn_per_path_s": timed(path_calls, 3)}
 
 
+def moe_main(args):
+    """An HF Qwen3-MoE model with the Qwen3-30B-A3B layer shape (``--moe-layers`` layers, random weights, bf16):
+    the per-path eager baseline (HF's own experts implementation) vs the compiled tree, whose experts
+    ``lower_cuda`` runs as ``treecompile::moe_experts_grouped`` (grouped GEMMs)."""
+    import transformers
+
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+        num_hidden_layers=args.moe_layers, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=40960)
+    torch.manual_seed(0)
+    model = init_(transformers.Qwen3MoeForCausalLM(cfg)).to("cuda", torch.bfloat16)
+    paths = branching_paths(8, prompt=3000, seg=1500, vocab=cfg.vocab_size, seed=2)
+    res, _ = check(f"Qwen3-30B-A3B layer shape, {args.moe_layers} layers (HF Qwen3MoeForCausalLM)", model, paths,
+                   iters=3)
+    res["hf_experts_implementation"] = getattr(model.config, "_experts_implementation", None)
+    res["transformers"] = transformers.__version__
+    print(json.dumps(res), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
+    ap.add_argument("--moe", action="store_true", help="only the MoE check (HF Qwen3-MoE, Qwen3-30B-A3B layer shape)")
+    ap.add_argument("--moe-layers", type=int, default=4)
     ap.add_argument("--skip-hybrid", action="store_true")
     ap.add_argument("--skip-dense", action="store_true")
     args = ap.parse_args()
+    if args.moe:
+        return moe_main(args)
     torch.manual_seed(0)
     env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
     try:
