@@ -11,8 +11,8 @@ import torch
 from treecompile import reference
 
 
-def flat_grads(loss, params):
-    return torch.cat([g.flatten() for g in torch.autograd.grad(loss, params)])
+def flat_grads(loss, params, *, retain_graph=False):
+    return torch.cat([g.flatten() for g in torch.autograd.grad(loss, params, retain_graph=retain_graph)])
 
 
 def rel(a, b):
@@ -47,10 +47,12 @@ def reference_noise(model, paths, masks, weights, batch, ref, params, g_ref):
 
     HF computes RMSNorm and rotary in float32 even in a float64 model, in forward and backward, so
     where gradient contributions are summed (before or after a float32 cast) changes the rounding;
-    see :func:`equal_per_path_computations`.  Returns (relative gradient noise, absolute loss noise).
+    see :func:`equal_per_path_computations`.  ``ref``: the reference run with its graph still alive
+    (``g_ref`` taken with ``retain_graph=True``): computation (a) reads its log-probs instead of running
+    every path again (bitwise the same forward).  Returns (relative gradient noise, absolute loss noise).
     """
     g_noise = loss_noise = 0.0
-    for loss in equal_per_path_computations(model, paths, masks, weights, batch):
+    for loss in equal_per_path_computations(model, paths, masks, weights, batch, ref=ref):
         g_noise = max(g_noise, rel(flat_grads(loss, params), g_ref))
         loss_noise = max(loss_noise, abs(float(loss - ref.loss)))
     return g_noise, loss_noise
