@@ -433,15 +433,19 @@ def hf(request):
 def test_hf_tree_equals_per_path_within_reference_rounding(hf, pmw):
     model, tmodel = hf
     paths, masks, weights = pmw
-    loss_err, lp_err, g_tree, g_ref, out, ref, batch = compare(model, tmodel, paths, masks, weights, "sum",
-                                                               retain_ref=True)
+    _, _, g_tree, g_ref, out, ref, batch = compare(model, tmodel, paths, masks, weights, "sum", retain_ref=True)
     if float(g_ref.norm()) == 0:
         return
     params = list(model.parameters())
-    g_noise, loss_noise = reference_noise(model, paths, masks, weights, batch, ref, params, g_ref)
-    # 10x the disagreement of two exact per-path computations; 1e-12 floor for pure float64 rounding
-    assert rel(g_tree, g_ref) <= 10 * g_noise + 1e-12
-    assert abs(float(out.loss - ref.loss)) <= 10 * loss_noise + 1e-12 * abs(float(ref.loss))
+    g_err, loss_err = rel(g_tree, g_ref), abs(float(out.loss - ref.loss))
+
+    def within(g_noise, loss_noise):
+        # 10x the disagreement of two exact per-path computations; 1e-12 floor for pure float64 rounding
+        return g_err <= 10 * g_noise + 1e-12 and loss_err <= 10 * loss_noise + 1e-12 * abs(float(ref.loss))
+
+    g_noise, loss_noise = reference_noise(model, paths, masks, weights, batch, ref, params, g_ref, enough=within)
+    assert g_err <= 10 * g_noise + 1e-12
+    assert loss_err <= 10 * loss_noise + 1e-12 * abs(float(ref.loss))
 
 
 def test_hf_graph_and_wrong_positions_are_far_above_noise(hf):
