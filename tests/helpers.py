@@ -11,8 +11,8 @@ import torch
 from treecompile import reference
 
 
-def flat_grads(loss, params):
-    return torch.cat([g.flatten() for g in torch.autograd.grad(loss, params)])
+def flat_grads(loss, params, *, retain_graph=False):
+    return torch.cat([g.flatten() for g in torch.autograd.grad(loss, params, retain_graph=retain_graph)])
 
 
 def rel(a, b):
@@ -28,31 +28,40 @@ def equal_per_path_computations(model, paths, masks, weights, batch, ref=None):
         the backward signals as the tree's summing of shared prefixes does.
     ``ref``: a ``reference.run(model, paths, ...)`` whose graph is still alive (``retain_graph``): (a)
     reads its log-probs (the per-path runs are deterministic: a second run is bitwise the same forward).
-    Returns ``[loss_a, loss_b]``.
+    Yields ``loss_a`` then ``loss_b``, each computed when it is asked for ((b) runs every path twice).
     """
     tree = batch.tree
     last = torch.empty(tree.num_tokens, dtype=torch.long)
     last[tree.path_index] = torch.arange(tree.path_index.numel())
     lps = torch.cat((reference.run(model, paths) if ref is None else ref).logprobs)
-    loss_a = -(batch.loss_weight * lps[last]).sum()
+    yield -(batch.loss_weight * lps[last]).sum()
     w = [1.0] * len(paths) if weights is None else list(weights)
     ref_b = reference.run(model, list(paths) * 2, loss_masks=None if masks is None else list(masks) * 2,
                           path_weights=[c / 3 for c in w] + [2 * c / 3 for c in w], normalize="sum")
-    loss_b = 2 * ref_b.loss  # 2N paths under the 1/N of "sum"
-    return [loss_a, loss_b]
+    yield 2 * ref_b.loss  # 2N paths under the 1/N of "sum"
 
 
-def reference_noise(model, paths, masks, weights, batch, ref, params, g_ref):
+def reference_noise(model, paths, masks, weights, batch, ref, params, g_ref, *, enough=None):
     """How far two mathematically equal per-path computations disagree ("sum" normalization).
 
     HF computes RMSNorm and rotary in float32 even in a float64 model, in forward and backward, so
     where gradient contributions are summed (before or after a float32 cast) changes the rounding;
-    see :func:`equal_per_path_computations`.  Returns (relative gradient noise, absolute loss noise).
+    see :func:`equal_per_path_computations`.  ``ref``: the reference run with its graph still alive
+    (``g_ref`` taken with ``retain_graph=True``): computation (a) reads its log-probs instead of running
+    every path again (bitwise the same forward).  Returns (relative gradient noise, absolute loss noise).
+
+    ``enough(g_noise, loss_noise) -> bool``: the caller's check, which must only get easier as the
+    noise grows (an error bounded by a multiple of it).  The noise is a max over the computations,
+    so it only grows as they are added: once ``enough`` holds on (a), (b) (every path run twice) is
+    skipped, and the check's verdict is the one it has on both.  Leave it None where the noise is a
+    floor that something must exceed (a near miss): then both computations are made.
     """
     g_noise = loss_noise = 0.0
-    for loss in equal_per_path_computations(model, paths, masks, weights, batch):
+    for loss in equal_per_path_computations(model, paths, masks, weights, batch, ref=ref):
         g_noise = max(g_noise, rel(flat_grads(loss, params), g_ref))
         loss_noise = max(loss_noise, abs(float(loss - ref.loss)))
+        if enough is not None and enough(g_noise, loss_noise):
+            break
     return g_noise, loss_noise
 
 

@@ -26,7 +26,8 @@ def dense():
     return model, cached_compile(model)
 
 
-def compare(model, tmodel, paths, masks, weights, normalize):
+def compare(model, tmodel, paths, masks, weights, normalize, *, retain_ref=False):
+    """``retain_ref``: keep the reference's graph (``helpers.reference_noise`` reads it)."""
     tree = Tree.from_paths(paths, loss_masks=masks, path_weights=weights)
     batch = tree.to_batch(normalize=normalize)
     params = list(model.parameters())
@@ -34,7 +35,7 @@ def compare(model, tmodel, paths, masks, weights, normalize):
     ref = reference.run(model, paths, loss_masks=masks, path_weights=weights, normalize=normalize)
     lp_err = max(float((a - r).detach().abs().max()) for a, r in zip(batch.path_logprobs(out.logprobs), ref.logprobs))
     loss_err = abs(float(out.loss - ref.loss)) / max(abs(float(ref.loss)), 1e-300)
-    g_tree, g_ref = flat_grads(out.loss, params), flat_grads(ref.loss, params)
+    g_tree, g_ref = flat_grads(out.loss, params), flat_grads(ref.loss, params, retain_graph=retain_ref)
     return loss_err, lp_err, g_tree, g_ref, out, ref, batch
 
 
@@ -432,14 +433,19 @@ def hf(request):
 def test_hf_tree_equals_per_path_within_reference_rounding(hf, pmw):
     model, tmodel = hf
     paths, masks, weights = pmw
-    loss_err, lp_err, g_tree, g_ref, out, ref, batch = compare(model, tmodel, paths, masks, weights, "sum")
+    _, _, g_tree, g_ref, out, ref, batch = compare(model, tmodel, paths, masks, weights, "sum", retain_ref=True)
     if float(g_ref.norm()) == 0:
         return
     params = list(model.parameters())
-    g_noise, loss_noise = reference_noise(model, paths, masks, weights, batch, ref, params, g_ref)
-    # 10x the disagreement of two exact per-path computations; 1e-12 floor for pure float64 rounding
-    assert rel(g_tree, g_ref) <= 10 * g_noise + 1e-12
-    assert abs(float(out.loss - ref.loss)) <= 10 * loss_noise + 1e-12 * abs(float(ref.loss))
+    g_err, loss_err = rel(g_tree, g_ref), abs(float(out.loss - ref.loss))
+
+    def within(g_noise, loss_noise):
+        # 10x the disagreement of two exact per-path computations; 1e-12 floor for pure float64 rounding
+        return g_err <= 10 * g_noise + 1e-12 and loss_err <= 10 * loss_noise + 1e-12 * abs(float(ref.loss))
+
+    g_noise, loss_noise = reference_noise(model, paths, masks, weights, batch, ref, params, g_ref, enough=within)
+    assert g_err <= 10 * g_noise + 1e-12
+    assert loss_err <= 10 * loss_noise + 1e-12 * abs(float(ref.loss))
 
 
 def test_hf_graph_and_wrong_positions_are_far_above_noise(hf):
@@ -455,7 +461,7 @@ def test_hf_graph_and_wrong_positions_are_far_above_noise(hf):
     batch = Tree.from_paths(paths).to_batch()
     params = list(model.parameters())
     ref = reference.run(model, paths)
-    g_ref = flat_grads(ref.loss, params)
+    g_ref = flat_grads(ref.loss, params, retain_graph=True)  # reference_noise reads ref's graph
     noise, _ = reference_noise(model, paths, None, None, batch, ref, params, g_ref)
     with capture_once(model):  # the fixture's capture of this model, deep-copied: same graph, same passes
         with pytest.raises(treecompile.passes.PassError, match=r"(?s)verify_token_locality.*aten\.arange"):

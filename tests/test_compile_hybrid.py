@@ -180,44 +180,58 @@ def float32_copy(model):
     return _F32[id(model)]
 
 
-def hf_noise(model, paths, masks, weights, batch, ref, named, g_ref):
+def hf_noise(model, paths, masks, weights, batch, ref, named, g_ref, enough=None):
     """The reference's own rounding, two ways: ``equal`` = max disagreement of three per-path
     computations mathematically equal to it ((a), (b) of ``equal_per_path_computations``; (c) HF's
     GDN kernel in its recurrent form), ``f32`` = its distance to the same model run all in float32,
     which rounds at a superset of the places where HF64 rounds (the GDN kernel's float32 *input*
     rounding, which (c) shares with the reference, included).
-    Returns {"equal"|"f32": (loss noise, logprob noise, {param: gradient noise}, relative gradient noise)}."""
-    losses = equal_per_path_computations(model, paths, masks, weights, batch, ref=ref)
-    with hf_recurrent_gdn(model):
-        ref_c = reference.run(model, paths, loss_masks=masks, path_weights=weights, normalize="sum")
-    losses.append(ref_c.loss)
+    Returns {"equal"|"f32": (loss noise, logprob noise, {param: gradient noise}, relative gradient noise)}.
+
+    The four are made one at a time: f32, (c), (a), then (b) (every path run twice).  ``enough(noise)
+    -> bool``: a check that only gets easier as the noise grows; the rest are skipped once it holds.
+    Every figure is a max over the computations made, so it only grows as they are added, and the
+    check's verdict is the one it has on all four.  (On this file's HF checks with the CI examples, f32
+    and (c) settle all 22: the tree's decay gradients, dt_bias and A_log, sit at (c)'s distance.)
+    Leave ``enough`` None where the noise is a floor that something must exceed (the near miss)."""
+    total = max(norm(g_ref), 1e-300)
+    noise = {key: (0.0, 0.0, {n: 0.0 for n in g_ref}, 0.0) for key in ("equal", "f32")}
+
+    def add(key, loss, params, lps=None):  # one more computation into noise[key]; True once enough holds
+        g = {n: x.double() for n, x in grads(loss, params).items()}
+        lp = 0.0 if lps is None else max(float((a.double() - r).detach().abs().max())
+                                         for a, r in zip(lps, ref.logprobs))
+        loss_noise, lp_noise, g_noise, rel_noise = noise[key]
+        noise[key] = (max(loss_noise, abs(float(loss.detach().double() - ref.loss.detach()))), max(lp_noise, lp),
+                      {n: max(g_noise[n], float((g[n] - g_ref[n]).norm())) for n in g_ref},
+                      max(rel_noise, norm(diff(g, g_ref)) / total))
+        return enough is not None and enough(noise)
+
     m32 = float32_copy(model)
     ref_d = reference.run(m32, paths, loss_masks=masks, path_weights=weights, normalize="sum")
-    total = max(norm(g_ref), 1e-300)
-    noise = {}
-    for key, runs, lps in (("equal", [(loss, named) for loss in losses], ref_c.logprobs),
-                           ("f32", [(ref_d.loss, list(m32.named_parameters()))], ref_d.logprobs)):
-        lp_noise = max(float((a.double() - r).detach().abs().max()) for a, r in zip(lps, ref.logprobs))
-        loss_noise, g_noise, rel_noise = 0.0, {n: 0.0 for n in g_ref}, 0.0
-        for loss, params in runs:
-            g = {n: x.double() for n, x in grads(loss, params).items()}
-            loss_noise = max(loss_noise, abs(float(loss.detach().double() - ref.loss.detach())))
-            rel_noise = max(rel_noise, norm(diff(g, g_ref)) / total)
-            for n in g_ref:
-                g_noise[n] = max(g_noise[n], float((g[n] - g_ref[n]).norm()))
-        noise[key] = (loss_noise, lp_noise, g_noise, rel_noise)
+    if add("f32", ref_d.loss, list(m32.named_parameters()), ref_d.logprobs):
+        return noise
+    with hf_recurrent_gdn(model):
+        ref_c = reference.run(model, paths, loss_masks=masks, path_weights=weights, normalize="sum")
+    if add("equal", ref_c.loss, named, ref_c.logprobs):  # (a)'s log-probs are ref's own, (b)'s are not compared
+        return noise
+    for loss in equal_per_path_computations(model, paths, masks, weights, batch, ref=ref):
+        if add("equal", loss, named):
+            break
     return noise
 
 
-def hf_figures(model, tmodel, paths, masks, weights):
-    """Tree-vs-reference errors next to the reference's own noise (see :func:`hf_noise`)."""
+def hf_figures(model, tmodel, paths, masks, weights, enough=None):
+    """Tree-vs-reference errors next to the reference's own noise (see :func:`hf_noise`; ``enough(figures,
+    noise) -> bool`` as there), and the reference's gradients (``g_ref``: {name: gradient})."""
     batch, out, ref, named, lp_err, g_tree, g_ref = run_both(model, tmodel, paths, masks, weights, "sum")
-    noise = hf_noise(model, paths, masks, weights, batch, ref, named, g_ref)
     total = norm(g_ref)
-    return dict(lp=lp_err, loss=abs(float(out.loss - ref.loss)), ref_loss=abs(float(ref.loss)),
-                grad=norm(diff(g_tree, g_ref)) / max(total, 1e-300), total=total, tree_norm=norm(g_tree),
-                params={n: (float((g_tree[n] - g_ref[n]).norm()), float(g_ref[n].norm())) for n in g_ref},
-                noise=noise)
+    f = dict(lp=lp_err, loss=abs(float(out.loss - ref.loss)), ref_loss=abs(float(ref.loss)),
+             grad=norm(diff(g_tree, g_ref)) / max(total, 1e-300), total=total, tree_norm=norm(g_tree),
+             params={n: (float((g_tree[n] - g_ref[n]).norm()), float(g_ref[n].norm())) for n in g_ref}, g_ref=g_ref)
+    f["noise"] = hf_noise(model, paths, masks, weights, batch, ref, named, g_ref,
+                          enough=None if enough is None else (lambda noise: enough(f, noise)))
+    return f
 
 
 def budget(noise, i, name=None):
@@ -229,20 +243,35 @@ def budget(noise, i, name=None):
 F32_TINY = torch.finfo(torch.float32).tiny  # 1.2e-38
 
 
-def check_hf(model, tmodel, paths, masks, weights):
-    """Tree vs reference within the reference's own rounding (1e-12 relative floor for float64)."""
-    f = hf_figures(model, tmodel, paths, masks, weights)
-    nz = f["noise"]
-    assert f["lp"] <= budget(nz, 1) + 1e-12, (f["lp"], nz["equal"][1], nz["f32"][1])
-    assert f["loss"] <= budget(nz, 0) + 1e-12 * f["ref_loss"], (f["loss"], nz["equal"][0], nz["f32"][0])
-    if f["total"] == 0:  # every trained token masked out
-        assert f["tree_norm"] == 0
-        return f
-    assert f["grad"] <= budget(nz, 3) + 1e-12, (f["grad"], nz["equal"][3], nz["f32"][3])
+def hf_violations(f, nz) -> list:
+    """The bounds of :func:`check_hf` that ``f``'s errors exceed under the noise ``nz``, each with its
+    figures (empty: all hold; the bounds grow with the noise)."""
+    bad = []
+    if not f["lp"] <= budget(nz, 1) + 1e-12:
+        bad.append(("logprobs", f["lp"], nz["equal"][1], nz["f32"][1]))
+    if not f["loss"] <= budget(nz, 0) + 1e-12 * f["ref_loss"]:
+        bad.append(("loss", f["loss"], nz["equal"][0], nz["f32"][0]))
+    if f["total"] == 0:  # every trained token masked out: no gradient to compare (check_hf checks the tree's is 0)
+        return bad
+    if not f["grad"] <= budget(nz, 3) + 1e-12:
+        bad.append(("gradient", f["grad"], nz["equal"][3], nz["f32"][3]))
     for n, (err, scale) in f["params"].items():
         # + float32's smallest normal number: HF computes GDN in float32, so a gradient it rounds there
         # cannot be resolved below it (seen: dt_bias gradient 0 per path vs a 1.2e-45 subnormal on the tree)
-        assert err <= budget(nz, 2, n) + 1e-12 * scale + 1e-14 * f["total"] + F32_TINY, (n, err, scale)
+        if not err <= budget(nz, 2, n) + 1e-12 * scale + 1e-14 * f["total"] + F32_TINY:
+            bad.append((n, err, scale, nz["equal"][2][n], nz["f32"][2][n]))
+    return bad
+
+
+def check_hf(model, tmodel, paths, masks, weights, *, all_noise=False):
+    """Tree vs reference within the reference's own rounding (1e-12 relative floor for float64).
+    ``all_noise``: make all four noise computations (a near miss compares against the noise)."""
+    f = hf_figures(model, tmodel, paths, masks, weights,
+                   enough=None if all_noise else (lambda f, noise: not hf_violations(f, noise)))
+    bad = hf_violations(f, f["noise"])
+    assert not bad, bad
+    if f["total"] == 0:
+        assert f["tree_norm"] == 0
     return f
 
 
@@ -302,7 +331,7 @@ def test_gdn_pass_disabled_leaks_sibling_state_far_above_noise(hf):
     branch starts from its sibling's state: the gradient error is >1e3x the reference's noise."""
     kind, model, tmodel, _ = hf
     paths = FIXED["short_node_chain"]
-    f = check_hf(model, tmodel, paths, None, None)
+    f = check_hf(model, tmodel, paths, None, None, all_noise=True)  # the full noise: a floor to exceed below
     with capture_once(model):  # the fixture's capture of this unmodified model, deep-copied: same graph, same passes
         with pytest.raises(treecompile.passes.PassError, match=r"(?s)verify_token_locality.*sequence length as a value"):
             treecompile.compile(model, disable=("route_gdn_states",))  # the verifier catches the chain node tensors
@@ -311,7 +340,7 @@ def test_gdn_pass_disabled_leaks_sibling_state_far_above_noise(hf):
     assert "route_gdn_states" not in broken.pass_results
     named = list(model.named_parameters())
     batch = Tree.from_paths(paths).to_batch()
-    g_ref = grads(reference.run(model, paths).loss, named)
+    g_ref = f["g_ref"]  # check_hf's reference.run(model, paths) ("sum", no masks or weights)
     g_broken = grads(broken(batch).loss, named)
     assert norm(diff(g_broken, g_ref)) / norm(g_ref) > 1e3 * budget(f["noise"], 3)
 
