@@ -96,7 +96,10 @@ def fa4_causal_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
 
 
 def fa4_varlen_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    """SDPA replacement for one packed sequence ([1, H, n, D]): FA4 varlen causal over ``Varlen.cu_seqlens``."""
+    """SDPA replacement for one packed sequence ([1, H, n, D]) of a causal call (no mask or dropout: anything
+    else is refused, never ignored): FA4 varlen causal over ``Varlen.cu_seqlens``."""
+    if attn_mask is not None or dropout_p or not is_causal:
+        raise NotImplementedError("the FA4 varlen baseline replaces causal SDPA without mask or dropout only")
     if q.shape[0] != 1:
         raise NotImplementedError("a pack is one sequence (batch 1)")
     fwd, _ = fa4_ops()
@@ -137,8 +140,9 @@ def packed_fa4_varlen(steps, capacity: int):
     padded to a multiple of 128 with FA4 varlen causal attention over its documents."""
     from treecompile.runtime.partition import first_fit_decreasing
 
-    if steps.spec.kind != "dense":
-        raise RuntimeError("dense models only (a GDN layer would carry its state across documents)")
+    refusal = steps.spec.packing_refusal(steps.model)
+    if refusal:
+        raise RuntimeError(refusal)
     if steps.dev.type != "cuda":
         raise RuntimeError("FA4 runs on CUDA only")
     fa4_ops()
@@ -166,10 +170,10 @@ def packed_fa4_varlen(steps, capacity: int):
     # one max_seqlen for every pack (an upper bound only sizes the grid): a per-pack value is a Python
     # int that dynamo specialises on, one compile per distinct value (292 s first step on the H100)
     mx = max(lens + [n - sum(lens[i] for i in g) for g in groups])
-    model = steps.model
+    model_logits = steps.logits  # [1, n, V] for ours and HF models alike
 
     def loss_fn(ids, targets, same):
-        logits = _upcast(model(ids[None])[0])
+        logits = _upcast(model_logits(ids)[0])
         return (F.cross_entropy(logits, targets, reduction="none") * same).sum()
 
     fn = torch.compile(loss_fn, dynamic=False)
@@ -177,7 +181,7 @@ def packed_fa4_varlen(steps, capacity: int):
     def step():
         steps.zero()
         total = 0.0
-        with patched_sdpa(fa4_varlen_sdpa):
+        with steps.spec.baseline_context(steps.model), patched_sdpa(fa4_varlen_sdpa):
             for ids, targets, same, cu in packs:
                 Varlen.cu_seqlens, Varlen.max_seqlen = cu, mx
                 loss = fn(ids, targets, same)

@@ -2,7 +2,13 @@
 
 Training step = forward + backward (no optimizer).  Per token, every ``nn.Linear`` costs
 ``2 * in * out`` FLOPs forward (lm_head included, embeddings are lookups and cost nothing) and twice
-that backward: ``linear = 3 * 2 * sum(in * out) * tokens``.  Attention costs ``4 * H * D`` FLOPs per
+that backward: ``linear = 3 * 2 * sum(in * out) * tokens``.  Routed experts (a module with an
+``experts`` child and a top-k) count the k experts a token is routed to, not all of them: HF's fused
+experts (3-D ``gate_up_proj [E, 2I, D]`` and ``down_proj [E, D, I]``, transformers 5) cost
+``2 * k * (2I*D + D*I)`` per token, a ``ModuleList`` of expert MLPs (ours) ``k / E`` of their linears'
+sum (our MoE reference computes every expert densely: the model counts the work a sparse dispatch
+does, as every contender's would); the router counts as a linear (``nn.Linear``, or HF's router
+module's 2-D ``weight [E, D]``).  Attention costs ``4 * H * D`` FLOPs per
 *unmasked* (query, key) entry forward per full-attention layer (QK^T and PV) and 2.5x that backward
 (recomputing P, dP, dS, dQ, dK, dV as flash kernels do): ``attention = 3.5 * 4 * H * D * entries``.
 Gated DeltaNet layers (hybrid) are linear in tokens; their recurrence is charged ``3 * 4 * Hv * Dk *
@@ -38,6 +44,55 @@ def tree_attention_entries(position_ids: torch.Tensor) -> int:
     return int((position_ids.to(torch.int64) + 1).sum())
 
 
+def _expert_modules(model: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
+    """(MoE block, its ``experts``) for every block with an ``experts`` child."""
+    return [(m, m.experts) for m in model.modules() if isinstance(getattr(m, "experts", None), nn.Module)]
+
+
+def _top_k(block: nn.Module, model: nn.Module) -> int:
+    for owner in (block, getattr(block, "gate", None), getattr(block, "router", None)):
+        k = getattr(owner, "top_k", None)
+        if isinstance(k, int):
+            return k
+    k = getattr(model.config, "num_experts_per_tok", None)
+    if not isinstance(k, int):
+        raise ValueError(f"FlopModel: no top-k found for the MoE block {type(block).__name__}")
+    return k
+
+
+def linear_macs(model: nn.Module) -> int:
+    """Multiply-adds per token of every ``nn.Linear`` outside routed experts, plus routers that are not
+    ``nn.Linear`` (a 2-D ``weight`` on the block's ``gate`` / ``router``)."""
+    inside = {id(m) for _, experts in _expert_modules(model) for m in experts.modules()}
+    macs = sum(m.in_features * m.out_features for m in model.modules()
+               if isinstance(m, nn.Linear) and id(m) not in inside)
+    for block, _ in _expert_modules(model):
+        for name in ("gate", "router"):
+            r = getattr(block, name, None)
+            w = getattr(r, "weight", None)
+            if isinstance(r, nn.Module) and not isinstance(r, nn.Linear) and isinstance(w, torch.Tensor) and w.dim() == 2:
+                macs += w.numel()
+    return macs
+
+
+def active_expert_macs(model: nn.Module) -> int:
+    """Multiply-adds per token of the experts a token is routed to (top-k of each MoE block)."""
+    macs = 0
+    for block, experts in _expert_modules(model):
+        k = _top_k(block, model)
+        gu, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+        if isinstance(gu, torch.Tensor) and isinstance(down, torch.Tensor) and gu.dim() == down.dim() == 3:
+            macs += k * (gu[0].numel() + down[0].numel())  # HF fused experts: one expert's matrices
+        elif isinstance(experts, nn.ModuleList) and len(experts):
+            per = sum(m.in_features * m.out_features for m in experts.modules() if isinstance(m, nn.Linear))
+            if per % len(experts):
+                raise ValueError("FlopModel: experts of unequal sizes")
+            macs += k * per // len(experts)
+        else:
+            raise ValueError(f"FlopModel: unknown experts layout {type(experts).__name__}")
+    return macs
+
+
 @dataclass(frozen=True)
 class FlopModel:
     linear_per_token: float  # forward FLOPs of all nn.Linear per token
@@ -47,7 +102,7 @@ class FlopModel:
     @classmethod
     def of(cls, model: nn.Module) -> "FlopModel":
         cfg = model.config
-        lin = 2.0 * sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, nn.Linear))
+        lin = 2.0 * (linear_macs(model) + active_expert_macs(model))
         types = getattr(cfg, "layer_types", None) or ("full_attention",) * cfg.num_hidden_layers
         n_attn = sum(t == "full_attention" for t in types)
         n_gdn = sum(t == "linear_attention" for t in types)

@@ -152,10 +152,12 @@ def moe_main(args):
     ``lower_cuda`` runs as ``treecompile::moe_experts_grouped`` (grouped GEMMs)."""
     import transformers
 
-    cfg = transformers.Qwen3MoeConfig(
-        vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
-        num_hidden_layers=args.moe_layers, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-        num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=40960)
+    if __package__:
+        from benchmarks.hf_models import qwen3_30b_a3b_config
+    else:  # run as a script: benchmarks/ is on sys.path
+        from hf_models import qwen3_30b_a3b_config
+
+    cfg = qwen3_30b_a3b_config(args.moe_layers).build()  # the harness's qwen3-30b-a3b-<N>l shape
     torch.manual_seed(0)
     model = init_(transformers.Qwen3MoeForCausalLM(cfg)).to("cuda", torch.bfloat16)
     paths = branching_paths(8, prompt=3000, seg=1500, vocab=cfg.vocab_size, seed=2)

@@ -79,10 +79,12 @@ import torch
 import torch.nn.functional as F
 
 if __package__:
+    from benchmarks import hf_models
     from benchmarks.child_process import run_child
     from benchmarks.flops import FlopModel, path_attention_entries, tree_attention_entries
     from benchmarks.trees import agentic_paths, agentic_specs, max_por, synthetic_paths
 else:  # run as a script: benchmarks/ is on sys.path
+    import hf_models
     from child_process import run_child
     from flops import FlopModel, path_attention_entries, tree_attention_entries
     from trees import agentic_paths, agentic_specs, max_por, synthetic_paths
@@ -97,10 +99,12 @@ CONTENDERS = BASELINES + TREE_CONTENDERS
 @dataclass(frozen=True)
 class ModelSpec:
     name: str
-    kind: str  # "dense" | "hybrid"
-    config: object  # DenseConfig | HybridConfig
+    kind: str  # "dense" | "hybrid" | "hf"
+    config: object  # DenseConfig | HybridConfig | hf_models.HFConfig
 
     def build(self, device, dtype):
+        if self.kind == "hf":  # built on the device, seeded, N(0, 0.02) (benchmarks/hf_models.py)
+            return hf_models.build_hf(self.config, device, dtype)
         from treecompile.models import DenseForCausalLM, HybridForCausalLM
 
         cls = DenseForCausalLM if self.kind == "dense" else HybridForCausalLM
@@ -111,6 +115,28 @@ class ModelSpec:
                 if p.dim() == 2:
                     p.normal_(0.0, 0.02)
         return model.to(device=device, dtype=dtype)
+
+    def logits(self, model, ids):
+        """``ids [1, T]`` -> logits ``[1, T, V]`` (HF models return an output object; no KV cache built)."""
+        if self.kind == "hf":
+            return model(ids, use_cache=False).logits
+        return model(ids)
+
+    def baseline_context(self, model):
+        """What the baselines run ``model`` under: for HF models, causal SDPA without a mask
+        (:func:`hf_models.causal_attention`); nothing for ours (they call causal SDPA themselves)."""
+        return hf_models.causal_attention(model) if self.kind == "hf" else contextlib.nullcontext()
+
+    def packing_refusal(self, model) -> str | None:
+        """Why the packed baselines (document mask over global positions) cannot run this model, or None:
+        GDN layers carry state across documents; HF layers other than full causal attention are refused."""
+        if self.kind == "hybrid":
+            return "dense models only (a GDN layer would carry its state across documents)"
+        if self.kind == "hf":
+            types = set(getattr(model.config, "layer_types", None) or ["full_attention"])
+            if types != {"full_attention"} or getattr(model.config, "use_sliding_window", False):
+                return f"HF layer types {sorted(types)}: only full causal attention packs by a document mask"
+        return None
 
 
 def model_specs() -> dict[str, ModelSpec]:
@@ -139,6 +165,11 @@ def model_specs() -> dict[str, ModelSpec]:
             num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
             linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128, vocab_size=151936,
             num_experts=8, num_experts_per_tok=2, moe_intermediate_size=512, shared_expert_intermediate_size=512)),
+        # HF transformers models (kind "hf", benchmarks/hf_models.py): the Qwen3-30B-A3B layer shape with 4
+        # layers (HF Qwen3MoeForCausalLM, 128 experts top 8; 3.0B parameters, 0.6B of them embeddings), and
+        # HF Qwen3 at the 0.6B shape (to compare HF's dense model with ours)
+        "qwen3-30b-a3b-4l": ModelSpec("qwen3-30b-a3b-4l", "hf", hf_models.qwen3_30b_a3b_config(4)),
+        "hf-qwen3-0.6b": ModelSpec("hf-qwen3-0.6b", "hf", hf_models.HFConfig.of("Qwen3Config", **hf_models.QWEN3_0_6B)),
         "dense-tiny": ModelSpec("dense-tiny", "dense", DenseConfig.tiny(vocab_size=512)),
         # flex attention needs head_dim >= 16 (the recompile stream on CUDA)
         "dense-tiny16": ModelSpec("dense-tiny16", "dense", DenseConfig.tiny(vocab_size=512, hidden_size=64,
@@ -146,6 +177,11 @@ def model_specs() -> dict[str, ModelSpec]:
         "hybrid-tiny": ModelSpec("hybrid-tiny", "hybrid", HybridConfig.tiny(vocab_size=512)),
         # Qwen3-Next / Qwen3.5-MoE shape (GDN + attention, routed experts + shared expert), tiny
         "hybrid-moe-tiny": ModelSpec("hybrid-moe-tiny", "hybrid", HybridConfig.tiny(vocab_size=512, num_experts=4)),
+        # HF Qwen3-MoE, tiny (CPU tests): 1 layer, 4 experts top 2
+        "hf-qwen3-moe-tiny": ModelSpec("hf-qwen3-moe-tiny", "hf", hf_models.HFConfig.of(
+            "Qwen3MoeConfig", vocab_size=512, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+            num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
+            num_experts_per_tok=2, norm_topk_prob=True, rope_theta=10000.0)),
     }
 
 
@@ -230,10 +266,15 @@ class _Packed:
 
 
 def document_sdpa(holder):
-    """An SDPA replacement that ignores the model's causal mask and applies ``holder.mask`` (the current
-    pack's document mask: a BlockMask for flex on CUDA with ``holder.kernel_options``, a dense bool mask on
-    CPU).  Used by the packed baselines here and in ``hybrid_baselines``."""
+    """An SDPA replacement for a causal call (``is_causal=True``, no ``attn_mask``, no dropout; anything else
+    is refused, never ignored) that applies ``holder.mask`` instead (the current pack's document-causal
+    mask: a BlockMask for flex on CUDA with ``holder.kernel_options``, a dense bool mask on CPU).  Used by
+    the packed baselines here and in ``hybrid_baselines``."""
     def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if attn_mask is not None or dropout_p or not is_causal:
+            raise NotImplementedError(f"the packed baseline replaces causal SDPA without mask or dropout only (got "
+                                      f"attn_mask={'None' if attn_mask is None else tuple(attn_mask.shape)}, "
+                                      f"is_causal={is_causal}, dropout_p={dropout_p})")
         if q.device.type == "cuda":
             from torch.nn.attention.flex_attention import flex_attention
 
@@ -308,14 +349,19 @@ class Steps:
     def zero(self):
         self.model.zero_grad(set_to_none=True)
 
+    def logits(self, ids):
+        """``ids [T]`` -> logits ``[1, T, V]`` of the model on that one sequence (``ModelSpec.logits``)."""
+        return self.spec.logits(self.model, ids[None])
+
     def eager_per_path(self):
         def step():
             self.zero()
             total = 0.0
-            for ids, c in zip(self.path_ids, self.coef):
-                loss = _path_loss(self.model(ids[None]), ids, c)
-                loss.backward()
-                total += loss.detach()
+            with self.spec.baseline_context(self.model):
+                for ids, c in zip(self.path_ids, self.coef):
+                    loss = _path_loss(self.logits(ids), ids, c)
+                    loss.backward()
+                    total += loss.detach()
             return total
         return step
 
@@ -326,11 +372,11 @@ class Steps:
         """The per-path baselines' step (``compiled_per_path`` and the FA4 / fla variants): each path
         alone, its summed cross-entropy compiled once per ``key`` (dynamic shapes), times its coefficient,
         backward.  ``swaps()``: the context managers that put a baseline's kernels in (entered around
-        each step); ``cudnn_first``: SDPA prefers cuDNN."""
-        model = self.model
+        each step, inside the model's ``ModelSpec.baseline_context``); ``cudnn_first``: SDPA prefers cuDNN."""
+        logits = self.logits
 
         def path_ce(ids):  # the coefficient is applied outside: a Python float would specialise the graph
-            return _path_loss(model(ids[None]), ids, 1.0)
+            return _path_loss(logits(ids), ids, 1.0)
 
         fn = path_ce
         if compile:
@@ -342,6 +388,7 @@ class Steps:
             self.zero()
             total = 0.0
             with contextlib.ExitStack() as stack:
+                stack.enter_context(self.spec.baseline_context(self.model))
                 for cm in (*swaps(), *([_sdpa_priority()] if cudnn_first else [])):
                     stack.enter_context(cm)
                 for ids, c in zip(self.path_ids, self.coef):
@@ -357,8 +404,9 @@ class Steps:
         every pack's fwd+bwd (all paths in one pack when they fit)."""
         from treecompile.runtime.partition import first_fit_decreasing
 
-        if self.spec.kind != "dense":
-            raise _Skip("dense models only (a GDN layer would carry its state across documents)")
+        refusal = self.spec.packing_refusal(self.model)
+        if refusal:
+            raise _Skip(refusal)
         lens = [len(p) for p in self.case.paths]
         cap = max(self.cfg.capacity, max(lens))
         groups = first_fit_decreasing(lens, cap)
@@ -375,10 +423,10 @@ class Steps:
                 _Packed.kernel_options = kernel_options_for(probe)
             except ImportError:
                 _Packed.kernel_options = None
-        model = self.model
+        model_logits = self.logits
 
         def loss_fn(ids, targets, same):
-            logits = _upcast(model(ids[None])[0])
+            logits = _upcast(model_logits(ids)[0])
             return (F.cross_entropy(logits, targets, reduction="none") * same).sum()
 
         fn = loss_fn
@@ -388,7 +436,7 @@ class Steps:
         def step():
             self.zero()
             total = 0.0
-            with _patched_sdpa():
+            with self.spec.baseline_context(self.model), _patched_sdpa():
                 for ids, targets, same, mask in packs:
                     _Packed.mask = mask
                     loss = fn(ids, targets, same)
@@ -444,6 +492,9 @@ class Steps:
             import fa4_baselines
         from treecompile.ops.fa4_tree_attention import fa4_unusable_reason
 
+        refusal = self.spec.packing_refusal(self.model) if name == "packed_fa4_varlen" else None
+        if refusal:
+            raise _Skip(refusal)
         reason = fa4_unusable_reason() if self.dev.type == "cuda" else "FA4 runs on CUDA only"
         if reason:
             raise _Skip(reason)
