@@ -70,7 +70,8 @@ def linear_macs(model: nn.Module) -> int:
         for name in ("gate", "router"):
             r = getattr(block, name, None)
             w = getattr(r, "weight", None)
-            if isinstance(r, nn.Module) and not isinstance(r, nn.Linear) and isinstance(w, torch.Tensor) and w.dim() == 2:
+            is_router = isinstance(r, nn.Module) and not isinstance(r, nn.Linear)
+            if is_router and isinstance(w, torch.Tensor) and w.dim() == 2:
                 macs += w.numel()
     return macs
 

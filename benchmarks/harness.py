@@ -33,6 +33,19 @@ accumulated in ``.grad``; **optimizer step excluded**), median of ``--iters`` af
   one compile per (T bucket, B bucket) makes its first step long, so on CUDA it is reported as not
   timed unless ``--rf-on-cuda`` is given (``benchmarks/redundancy_free_cuda.py`` measures it alone).
 
+Models (``--model``, :func:`model_specs`): ours (kind ``"dense"`` / ``"hybrid"``, ``treecompile.models``) and
+Hugging Face transformers models (kind ``"hf"``, :mod:`benchmarks.hf_models`: built by
+``AutoModelForCausalLM.from_config`` on the device, seeded, N(0, 0.02); transformers imported only then):
+``qwen3-30b-a3b-4l`` (HF ``Qwen3MoeForCausalLM`` at the Qwen3-30B-A3B layer shape, 4 layers, the shape of
+``gpu_checks --moe``), ``hf-qwen3-0.6b`` (HF ``Qwen3ForCausalLM`` at ``qwen3-0.6b``'s shape) and
+``hf-qwen3-moe-tiny`` (CPU).  HF models run every contender above that applies to them: the baselines
+call the model under :func:`hf_models.causal_attention` (HF's SDPA path with ``is_causal=True`` and no mask
+built, GQA through ``enable_gqa``: stock HF under ``torch.compile`` with torch < 2.14 builds an explicit
+causal mask instead), experts through HF's ``grouped_mm`` on CUDA and its own loop on CPU; the packed
+baselines' SDPA replacements refuse any call other than plain causal (a mask is never dropped); the tree
+contenders compile the stock model (``treecompile.compile`` swaps the experts for its own op); the
+hybrid (fla) baselines are skipped rows.
+
 Per run: step time, path tokens/s, speedup over each baseline and over the fastest baseline, the work
 bound (baseline FLOPs / contender FLOPs, :mod:`benchmarks.flops`) and the fraction of it achieved,
 peak memory, loss deviation and gradient cosine against the eager per-path baseline.  Out-of-memory and
@@ -986,7 +999,8 @@ def plot(csv_path: str, png_path: str) -> str | None:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.harness", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", action="append", help="repeatable; default qwen3-0.6b (tiny: dense-tiny, hybrid-tiny)")
+    ap.add_argument("--model", action="append", help="repeatable; default qwen3-0.6b (tiny: dense-tiny, hybrid-tiny; "
+                    "HF transformers models: qwen3-30b-a3b-4l, hf-qwen3-0.6b, hf-qwen3-moe-tiny)")
     ap.add_argument("--suite", action="append", choices=["sweep", "agentic"], help="repeatable; default both")
     ap.add_argument("--por", type=float, nargs="+", default=[0.2, 0.5, 0.7, 0.85, 0.92])
     ap.add_argument("--paths", type=int, default=16, help="paths per synthetic tree")
