@@ -120,3 +120,24 @@ def test_hf_causal_attention_passes_no_mask_and_refuses_more():
     q = torch.zeros(1, 2, 4, 8)
     with pytest.raises(NotImplementedError, match="causal SDPA without mask"):
         harness.document_sdpa(harness._Packed)(q, q, q, attn_mask=torch.ones(4, 4, dtype=torch.bool))
+
+
+def test_hf_dense_spec_has_our_qwen3_shape():
+    """``hf-qwen3-0.6b`` is HF's Qwen3 at ``qwen3-0.6b``'s shape: the same parameter names and shapes (tied
+    head), the same FLOP model (built on the meta device: no memory, no init)."""
+    from benchmarks import harness
+
+    specs = harness.model_specs()
+    hf, ours = specs["hf-qwen3-0.6b"], specs["qwen3-0.6b"]
+    assert hf.kind == "hf" and hf.config.vocab_size == ours.config.vocab_size
+    from treecompile.models import DenseForCausalLM
+
+    with torch.device("meta"):
+        a = transformers.AutoModelForCausalLM.from_config(hf.config.build())
+        b = DenseForCausalLM(ours.config)
+    assert {k: v.shape for k, v in a.named_parameters()} == {k: v.shape for k, v in b.named_parameters()}
+    assert FlopModel.of(a) == FlopModel.of(b)
+    moe = specs["qwen3-30b-a3b-4l"].config.build()
+    assert (moe.num_hidden_layers, moe.num_experts, moe.num_experts_per_tok, moe.moe_intermediate_size,
+            moe.hidden_size, moe.num_attention_heads, moe.num_key_value_heads, moe.head_dim) == (4, 128, 8, 768, 2048,
+                                                                                                   32, 4, 128)
