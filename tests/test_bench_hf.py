@@ -51,7 +51,7 @@ def test_flops_of_our_models():
 
 
 def test_harness_hf_moe_tree_equals_per_path(tmp_path):
-    """A tiny HF Qwen3-MoE through the harness in one process (CPU, float64): the eager per-path baseline,
+    """A tiny HF Qwen3-MoE through the harness in one process (CPU, float64): the per-path baselines,
     packed_flex (document mask over one pack; HF runs its SDPA call without a mask there) and the tree are
     rows "ok", equal in loss and gradient; FA4 contenders are skipped rows with their reason; the tree's
     bound is the FLOP model's (routed experts counted top-k)."""
@@ -59,16 +59,18 @@ def test_harness_hf_moe_tree_equals_per_path(tmp_path):
 
     rc = harness.main(["--device", "cpu", "--tiny", "--model", "hf-qwen3-moe-tiny", "--dtype", "float64",
                        "--suite", "sweep", "--por", "0.7", "--paths", "4", "--path-len", "24", "--contenders",
-                       "eager_per_path", "packed_flex", "tree", "compiled_per_path_fa4", "packed_fa4_varlen",
-                       "compiled_per_path_fla", "--out", str(tmp_path)])
+                       "eager_per_path", "compiled_per_path", "packed_flex", "tree", "compiled_per_path_fa4",
+                       "packed_fa4_varlen", "compiled_per_path_fla", "--out", str(tmp_path)])
     assert rc == 0
     rows = {r["contender"]: r for r in csv.DictReader(open(tmp_path / "results.csv"))}
-    for name in ("eager_per_path", "packed_flex", "tree"):
+    for name in ("eager_per_path", "compiled_per_path(eager: CPU)", "packed_flex", "tree"):
         assert rows[name]["status"] == "ok", rows[name]
+    assert float(rows["compiled_per_path(eager: CPU)"]["loss_rel_dev"]) == 0  # the same per-path step, uncompiled
     for name in ("compiled_per_path_fa4", "packed_fa4_varlen"):
         assert rows[name]["status"] == "skipped: FA4 runs on CUDA only"
     assert rows["compiled_per_path_fla"]["status"].startswith("skipped: hybrid models only")
-    # exact up to float64 rounding (HF's float64 model computes its norms in float32; the tree reproduces
+    # packed_flex equal to per path shows its document mask was applied (HF's own causal mask over the
+    # pack would let paths see each other); exact up to float64 rounding (HF's float64 model computes its norms in float32; the tree reproduces
     # them op for op: measured 2e-16 for the tree, 2e-11 for the pack, whose attention shapes differ)
     for name in ("packed_flex", "tree"):
         assert float(rows[name]["loss_rel_dev"]) < 1e-9 and float(rows[name]["grad_cos"]) > 1 - 1e-9, rows[name]
