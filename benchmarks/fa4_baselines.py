@@ -170,10 +170,10 @@ def packed_fa4_varlen(steps, capacity: int):
     # one max_seqlen for every pack (an upper bound only sizes the grid): a per-pack value is a Python
     # int that dynamo specialises on, one compile per distinct value (292 s first step on the H100)
     mx = max(lens + [n - sum(lens[i] for i in g) for g in groups])
-    model_logits = steps.logits  # [1, n, V] for ours and HF models alike
+    spec, model = steps.spec, steps.model
 
     def loss_fn(ids, targets, same):
-        logits = _upcast(model_logits(ids)[0])
+        logits = _upcast(spec.logits(model, ids[None])[0])  # [1, n, V] for ours and HF models alike
         return (F.cross_entropy(logits, targets, reduction="none") * same).sum()
 
     fn = torch.compile(loss_fn, dynamic=False)

@@ -386,10 +386,10 @@ class Steps:
         alone, its summed cross-entropy compiled once per ``key`` (dynamic shapes), times its coefficient,
         backward.  ``swaps()``: the context managers that put a baseline's kernels in (entered around
         each step, inside the model's ``ModelSpec.baseline_context``); ``cudnn_first``: SDPA prefers cuDNN."""
-        logits = self.logits
+        spec, model = self.spec, self.model  # (not self: a cached compiled graph outlives this case)
 
         def path_ce(ids):  # the coefficient is applied outside: a Python float would specialise the graph
-            return _path_loss(logits(ids), ids, 1.0)
+            return _path_loss(spec.logits(model, ids[None]), ids, 1.0)
 
         fn = path_ce
         if compile:
@@ -436,10 +436,10 @@ class Steps:
                 _Packed.kernel_options = kernel_options_for(probe)
             except ImportError:
                 _Packed.kernel_options = None
-        model_logits = self.logits
+        spec, model = self.spec, self.model
 
         def loss_fn(ids, targets, same):
-            logits = _upcast(model_logits(ids)[0])
+            logits = _upcast(spec.logits(model, ids[None])[0])
             return (F.cross_entropy(logits, targets, reduction="none") * same).sum()
 
         fn = loss_fn
