@@ -98,15 +98,24 @@ def ours(request):
     return model, treecompile.compile(model)
 
 
+_HF: dict = {}  # kind -> hf's value, built once per module
+
+
 @pytest.fixture(scope="module", params=HF_KINDS)
 def hf(request):
-    """(kind, model, tree model, the model's state before compile: state_dict, logits, flags)."""
-    model = hf_model(request.param)
-    ids = torch.tensor([[1, 2, 3, 4, 5]])
-    with torch.no_grad():
-        before = ({k: v.clone() for k, v in model.state_dict().items()}, model(ids).logits, flags(model))
-    with capture_once(model):  # test_gdn_pass_disabled_... compiles this model twice more
-        return request.param, model, treecompile.compile(model), before
+    """(kind, model, tree model, the model's state before compile: state_dict, logits, flags).
+
+    Built once per kind for the whole module: pytest builds a module-scoped fixture again for a test that
+    parametrizes it indirectly (test_gdn_pass_disabled_..., test_hf_moe_lowering_...), which would capture
+    the same model again (Qwen3-Next MoE: ~7 s).  No test changes the model or the tree model."""
+    if request.param not in _HF:
+        model = hf_model(request.param)
+        ids = torch.tensor([[1, 2, 3, 4, 5]])
+        with torch.no_grad():
+            before = ({k: v.clone() for k, v in model.state_dict().items()}, model(ids).logits, flags(model))
+        with capture_once(model):  # test_gdn_pass_disabled_... compiles this model twice more
+            _HF[request.param] = request.param, model, treecompile.compile(model), before
+    return _HF[request.param]
 
 
 def flags(model):
