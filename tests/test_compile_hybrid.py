@@ -37,6 +37,9 @@ transformers = pytest.importorskip("transformers")
 V = 37
 OPS = torch.ops.treecompile
 MOE = dict(num_experts=4)
+# tiny's 4 layers (3 GDN + 1 attention) less one GDN layer: capture and every run cost 3/4, and the models
+# still chain two GDN layers (the second fed by the first's tree output) into an attention layer
+LAYERS = dict(num_hidden_layers=3, layer_types=("linear_attention", "linear_attention", "full_attention"))
 
 
 # ---------------------------------------------------------------- trees
@@ -69,12 +72,12 @@ def hf_model(kind: str) -> torch.nn.Module:
     """A tiny random HF model (float64, eager experts for the per-path reference), norms perturbed
     away from identity so that their math is exercised."""
     if kind == "qwen3_5_moe":
-        d = HybridConfig.tiny(vocab_size=V, model_type="qwen3_next", **MOE).to_hf_dict()
+        d = HybridConfig.tiny(vocab_size=V, model_type="qwen3_next", **LAYERS, **MOE).to_hf_dict()
         cls, cfg_cls = transformers.Qwen3_5MoeForCausalLM, transformers.Qwen3_5MoeTextConfig
     else:
         moe_kw = MOE if kind == "qwen3_next_moe" else {}
         model_type = "qwen3_5_text" if kind == "qwen3_5" else "qwen3_next"
-        d = HybridConfig.tiny(vocab_size=V, model_type=model_type, **moe_kw).to_hf_dict()
+        d = HybridConfig.tiny(vocab_size=V, model_type=model_type, **LAYERS, **moe_kw).to_hf_dict()
         cls, cfg_cls = ((transformers.Qwen3_5ForCausalLM, transformers.Qwen3_5TextConfig) if kind == "qwen3_5"
                         else (transformers.Qwen3NextForCausalLM, transformers.Qwen3NextConfig))
     cfg = cfg_cls(**{k: v for k, v in d.items() if k not in ("architectures", "model_type")})
@@ -94,7 +97,7 @@ HF_KINDS = ["qwen3_5", "qwen3_next", "qwen3_next_moe", "qwen3_5_moe"]
 @pytest.fixture(scope="module", params=["dense", "moe"])
 def ours(request):
     torch.manual_seed(0)
-    model = HybridForCausalLM(HybridConfig.tiny(vocab_size=V, **(MOE if request.param == "moe" else {}))).double()
+    model = HybridForCausalLM(HybridConfig.tiny(vocab_size=V, **LAYERS, **(MOE if request.param == "moe" else {}))).double()
     return model, treecompile.compile(model)
 
 
