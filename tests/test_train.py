@@ -165,7 +165,10 @@ def test_redundancy_free_several_trees(model, bmodel):
 # ---------------------------------------------------------------------- hybrid model
 def test_hybrid_packed_ppo_and_rf_sft():
     torch.manual_seed(1)
-    model = HybridForCausalLM(HybridConfig.tiny()).double()
+    # tiny's 4 layers less one GDN layer (capture and runs cost 3/4): two GDN layers, each with its own
+    # states across the partitions, and an attention layer
+    model = HybridForCausalLM(HybridConfig.tiny(num_hidden_layers=3, layer_types=(
+        "linear_attention", "linear_attention", "full_attention"))).double()
     case = mixed_case(model)
     (tt,) = trajectories(case)
     obj = PPOClip(clip_low=0.1, clip_high=0.28)
