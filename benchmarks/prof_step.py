@@ -1,0 +1,123 @@
+"""Where one harness contender's step goes on CUDA (issue 16 item 4: profile what remains).
+
+    python -m benchmarks.prof_step --model qwen3-30b-a3b-4l --contenders tree packed_fa4_varlen [--por 0.5]
+                                   [--paths 16] [--path-len 2048] [--iters 3] [--top 20]
+
+The model, tree and step closures are the harness's own (:class:`benchmarks.harness.Steps`, one synthetic
+tree of ``--paths`` x ``--path-len`` tokens at ``--por``).  Per contender: the first step (compile
+included), the median of ``--iters`` steps, the host time until the step returns (before the final
+synchronize), then one profiled step (torch.profiler, CPU + CUDA): kernel count, summed kernel time, its
+share of the step, and kernel time by kind (attention, grouped/MoE GEMMs, dense GEMMs, Triton fusions,
+copies/memsets, other) with the top kernels.  One JSON line per contender, then a readable summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from benchmarks import harness
+
+# kernel name -> kind; the first pattern that matches wins (names of cuDNN/FA4/flex/cuBLAS/CUTLASS/Triton)
+KINDS = [
+    ("attention", re.compile(r"flash|fmha|attn|attention|flex|sdpa|cudnn", re.I)),
+    ("grouped_gemm", re.compile(r"grouped|group_gemm|moe|ragged", re.I)),
+    ("gemm", re.compile(r"gemm|nvjet|sm90_xmma|cutlass|cublas|matmul|wgmma", re.I)),
+    ("copy/memset", re.compile(r"memcpy|memset|copy|cat_|fill|Memcpy|Memset", re.I)),
+    ("triton", re.compile(r"^triton_|triton", re.I)),
+]
+
+
+def kind_of(name: str) -> str:
+    for kind, pat in KINDS:
+        if pat.search(name):
+            return kind
+    return "other"
+
+
+def _sync():
+    torch.cuda.synchronize()
+
+
+def profile_step(step) -> dict:
+    """One profiled step: kernel totals (ms) by kind and the top kernels by time."""
+    _sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        _sync()
+    by_name: dict[str, list] = defaultdict(lambda: [0.0, 0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            rec = by_name[e.name]
+            rec[0] += e.device_time_total / 1e3 if hasattr(e, "device_time_total") else e.cuda_time_total / 1e3
+            rec[1] += 1
+    kinds: dict[str, float] = defaultdict(float)
+    for name, (ms, _) in by_name.items():
+        kinds[kind_of(name)] += ms
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][0])
+    return {"kernels": sum(n for _, n in by_name.values()), "kernel_ms": sum(ms for ms, _ in by_name.values()),
+            "by_kind_ms": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
+            "top": [(name[:110], round(ms, 3), n) for name, (ms, n) in top]}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="qwen3-0.6b")
+    ap.add_argument("--contenders", nargs="+", default=["tree"], choices=harness.CONTENDERS)
+    ap.add_argument("--por", type=float, default=0.5)
+    ap.add_argument("--paths", type=int, default=16)
+    ap.add_argument("--path-len", type=int, default=2048)
+    ap.add_argument("--capacity", type=int, default=16384)
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--top", type=int, default=20)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("prof_step: needs a CUDA device")
+    spec = harness.model_specs()[args.model]
+    dev = torch.device("cuda")
+    model = spec.build(dev, torch.bfloat16)
+    cfg = harness.BenchConfig(device="cuda", dtype="bfloat16", iters=args.iters, capacity=args.capacity)
+    case = harness.synthetic_cases([args.por], args.paths, args.path_len, spec.config.vocab_size)[0]
+    steps = harness.Steps(model, spec, case, cfg, {})
+    for name in args.contenders:
+        made = steps.tree_step() if name == "tree" else getattr(steps, name)()
+        step = made[0] if isinstance(made, tuple) else made
+        t0 = time.perf_counter()
+        step()
+        _sync()
+        first = time.perf_counter() - t0
+        times, hosts = [], []
+        for _ in range(args.iters):
+            _sync()
+            t0 = time.perf_counter()
+            step()
+            hosts.append(time.perf_counter() - t0)
+            _sync()
+            times.append(time.perf_counter() - t0)
+        row = {"contender": name, "model": args.model, "tree": case.name, "tree_tokens": steps.tree.num_tokens,
+               "path_tokens": steps.tree.num_path_tokens, "first_s": round(first, 3),
+               "step_s": round(statistics.median(times), 4), "host_s": round(statistics.median(hosts), 4),
+               **profile_step(step)}
+        row["kernel_share"] = round(row["kernel_ms"] / 1e3 / row["step_s"], 3)
+        top = row.pop("top")
+        print(json.dumps(row))
+        print(f"# {name}: step {row['step_s'] * 1e3:.1f} ms, host {row['host_s'] * 1e3:.1f} ms, "
+              f"{row['kernels']} kernels {row['kernel_ms']:.1f} ms ({row['kernel_share']:.0%} of the step)")
+        for kind, ms in row["by_kind_ms"].items():
+            print(f"#   {kind:13s} {ms:8.2f} ms")
+        for kname, ms, n in top[:args.top]:
+            print(f"#     {ms:8.2f} ms  x{n:<5d} {kname}")
+        model.zero_grad(set_to_none=True)
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
