@@ -200,3 +200,61 @@ def test_moe_experts_lowered_to_grouped_gemms(monkeypatch):
     for a, b in zip(run(lambda *x: low.graph_module(*x, None), ins, go), want):  # + the tree_block_mask input
         assert torch.equal(a, b)
     assert tc_cuda.MOE_EXPERTS in targets(gm)  # the rewritten graph itself is untouched
+
+
+def _upstream_targets(node):
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        for i in n.all_input_nodes:
+            if i not in seen:
+                seen.add(i)
+                stack.append(i)
+    return {n.target for n in seen}
+
+
+@pytest.mark.parametrize("kind", ["dense", "hybrid"])
+def test_position_values_materialized_once_and_exact(kind):
+    """Compiled lowering: RoPE's cos/sin (from positions and constants only) pass through
+    ``treecompile::materialize`` where they meet the layers, so inductor computes them once; the graph
+    with them is bitwise the graph without (float64, loss, log-probs and every parameter gradient)."""
+    from helpers import cached_compile, cached_model, tiny_dense
+
+    if kind == "dense":  # conftest's model: captured once per process
+        tm = cached_compile(cached_model("dense-tiny", tiny_dense))
+    else:
+        tm = cached_compile(cached_model("hybrid-tiny-float64", lambda: _hybrid().double()))
+    low = tc_cuda.lower_cuda(tm.graph_module, CudaOptions(gdn_kernel="reference", attention_kernel="flex"))
+    mats = [n for n in low.graph_module.graph.nodes if n.target == tc_cuda.MATERIALIZE]
+    assert low.materialized == len(mats) == 2
+    trig = [_upstream_targets(m) & {torch.ops.aten.cos.default, torch.ops.aten.sin.default} for m in mats]
+    assert sorted(len(t) for t in trig) == [1, 1] and trig[0] != trig[1]  # one cos table, one sin table
+    assert all(len(m.users) >= 2 for m in mats)  # read by every attention layer
+    uncompiled = tc_cuda.lower_cuda(tm.graph_module, CudaOptions(compile_cuda=False, gdn_kernel="reference"))
+    assert uncompiled.materialized == 0
+
+    prog = tm.program
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(prog.graph_module.graph, {}))
+    assert tc_cuda.materialize_position_values(graph) == 2
+    gm = torch.fx.GraphModule(prog.graph_module, graph)
+    tree = treecompile.Tree.from_paths([[1, 2, 3, 4], [1, 2, 5], [1, 6, 7, 8, 9], [10]])
+    runs = []
+    for module in (prog.graph_module, gm):
+        params = [prog.lifted_value(x) for x in prog.lifted]
+        out = module(*params, *prog.batch_args(tree.to_batch()))
+        leaves = [p for p in params if p.requires_grad]
+        grads = torch.autograd.grad(out[0], leaves)
+        runs.append((out[0].detach(), out[1].detach(), grads))
+    (l0, lp0, g0), (l1, lp1, g1) = runs
+    assert torch.equal(l0, l1) and torch.equal(lp0, lp1) and len(g0) > 10
+    assert all(torch.equal(a, b) for a, b in zip(g0, g1))
+
+
+def test_materialize_op():
+    from treecompile.ops.materialize import materialize
+
+    x = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+    y = materialize(x)
+    assert torch.equal(y, x) and y.data_ptr() != x.data_ptr()
+    torch.library.opcheck(materialize, (x,))

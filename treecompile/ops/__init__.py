@@ -10,7 +10,7 @@ paths (``flex_tree_attention``, ``flex_tree_attention_boundary``) are imported o
 """
 
 from treecompile.ops import (  # noqa: F401
-    moe, moe_grouped, tree_attention_boundary, tree_conv, tree_conv_boundary, tree_gdn, tree_gdn_boundary, tree_mixers)
+    materialize, moe, moe_grouped, tree_attention_boundary, tree_conv, tree_conv_boundary, tree_gdn, tree_gdn_boundary, tree_mixers)
 from treecompile.ops.logprobs import gather_logprobs, linear_logprobs
 from treecompile.ops.tree_attention import tree_attention, tree_attention_reference, tree_mask
 

@@ -58,6 +58,7 @@ import treecompile.ops.tree_conv  # noqa: F401
 import treecompile.ops.fla_conv  # noqa: F401
 import treecompile.ops.moe  # noqa: F401
 import treecompile.ops.moe_grouped  # noqa: F401
+import treecompile.ops.materialize  # noqa: F401
 from treecompile.ops.fa4_tree_attention import (FA4_KERNEL_OPTIONS, fa4_input_reason, fa4_unusable_reason,
                                                 tree_attention_fa4)
 from treecompile.ops.flex_tree_attention import kernel_options_for, tree_attention_flex, tree_block_mask
@@ -142,6 +143,7 @@ class CudaLowering:
     bucket: bool  # pad the batch to bucket_length(T) and cut the outputs back to T
     conv_fla: int = 0  # tree causal convs lowered to fla's varlen conv
     moe_grouped: int = 0  # routed experts lowered to moe_experts_grouped (grouped GEMMs)
+    materialized: int = 0  # position-only values computed once (``treecompile::materialize``; compiled only)
 
 
 @torch._dynamo.disable  # a host-side level schedule and fla's autograd Functions: kept out of dynamo
@@ -353,6 +355,79 @@ def lower_cuda(gm: fx.GraphModule, options: CudaOptions, *, boundary: bool = Fal
             _replace(graph, n, MOE_EXPERTS_GROUPED, n.args, n.kwargs)
             moe_grouped += 1
     graph.eliminate_dead_code()
-    return CudaLowering(graph_module=fx.GraphModule(gm, graph), attention=attention,
+    materialized = materialize_position_values(graph) if compiled else 0
+    return CudaLowering(graph_module=fx.GraphModule(gm, graph), attention=attention, materialized=materialized,
                         layout=layout, boundary=boundary, gdn_fla=gdn_fla, triton_head=triton_head,
                         compiled=compiled, bucket=options.bucket, conv_fla=conv_fla, moe_grouped=moe_grouped)
+
+
+MATERIALIZE = torch.ops.treecompile.materialize.default
+# views: materializing one would copy what its input holds in less memory; the input is materialized instead
+_VIEWS = {torch.ops.aten.expand.default, torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
+          torch.ops.aten.unsqueeze.default, torch.ops.aten.squeeze.dim, torch.ops.aten.squeeze.dims,
+          torch.ops.aten.squeeze.default, torch.ops.aten.slice.Tensor, torch.ops.aten.select.int,
+          torch.ops.aten.permute.default, torch.ops.aten.transpose.int, torch.ops.aten.t.default,
+          torch.ops.aten.reshape.default, torch.ops.aten.alias.default}
+MATERIALIZE_MAX_WIDTH = 4096  # a materialized value holds at most this many elements per token
+
+
+def _same_size(a, b) -> bool:
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    if isinstance(a, torch.SymInt) and isinstance(b, torch.SymInt):
+        return a.node.expr == b.node.expr
+    return False
+
+
+def _per_token_width(val, T) -> int | None:
+    """Elements per token of ``val`` (a tensor with one dimension of size ``T``), or None."""
+    width, seen = 1, False
+    for d in val.shape:
+        if not seen and _same_size(d, T):
+            seen = True
+        elif isinstance(d, int):
+            width *= d
+        else:
+            return None
+    return width if seen else None
+
+
+def materialize_position_values(graph: fx.Graph) -> int:
+    """Wrap each value computed from ``tree_position_ids`` and constants alone, where it meets the rest of
+    the graph, in ``treecompile::materialize`` (:mod:`treecompile.ops.materialize`: inductor then computes it
+    once instead of inlining it into every consumer).  Walks back through views (their input is
+    materialized); skips values with more than ``MATERIALIZE_MAX_WIDTH`` elements per token or without a
+    token dimension.  Exact: the same ops on the same inputs, evaluated once.  Returns how many."""
+    pos = next((n for n in graph.nodes if n.op == "placeholder" and n.name == "tree_position_ids"), None)
+    if pos is None or not isinstance(pos.meta.get("val"), torch.Tensor):
+        return 0
+    T = pos.meta["val"].shape[0]
+    only: set[fx.Node] = {pos}  # values of positions and constants alone
+    from_pos: set[fx.Node] = {pos}  # ... that depend on the positions
+    for n in graph.nodes:
+        if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
+            continue
+        if torch.Tag.nondeterministic_seeded in n.target.tags or n.target._schema.is_mutable:
+            continue
+        inputs = n.all_input_nodes
+        if all(i in only for i in inputs):
+            only.add(n)
+            if any(i in from_pos for i in inputs):
+                from_pos.add(n)
+    chosen: list[fx.Node] = []
+    for n in [n for n in graph.nodes if n in from_pos]:  # graph order: a deterministic graph
+        if n is pos or not isinstance(n.meta.get("val"), torch.Tensor) or all(u in only for u in n.users):
+            continue
+        while n.target in _VIEWS and n.args and isinstance(n.args[0], fx.Node) and n.args[0] in from_pos \
+                and n.args[0] is not pos:
+            n = n.args[0]
+        width = _per_token_width(n.meta["val"], T)
+        if width is None or width > MATERIALIZE_MAX_WIDTH or n in chosen:
+            continue
+        chosen.append(n)
+    for n in chosen:
+        with graph.inserting_after(n):
+            m = graph.call_function(MATERIALIZE, (n,))
+        m.meta = dict(n.meta)
+        n.replace_all_uses_with(m, delete_user_cb=lambda u: u is not m)
+    return len(chosen)
