@@ -85,6 +85,7 @@ import sys
 import tempfile
 import time
 import traceback
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -137,8 +138,9 @@ class ModelSpec:
 
     def baseline_context(self, model):
         """What the baselines run ``model`` under: for HF models, causal SDPA without a mask
-        (:func:`hf_models.causal_attention`); nothing for ours (they call causal SDPA themselves)."""
-        return hf_models.causal_attention(model) if self.kind == "hf" else contextlib.nullcontext()
+        (:func:`hf_models.causal_attention`); for ours (they call causal SDPA themselves) RoPE's tables
+        computed once per step (:func:`materialized_rope`), as the tree's CUDA lowering does."""
+        return hf_models.causal_attention(model) if self.kind == "hf" else materialized_rope(model)
 
     def packing_refusal(self, model) -> str | None:
         """Why the packed baselines (document mask over global positions) cannot run this model, or None:
@@ -150,6 +152,36 @@ class ModelSpec:
             if types != {"full_attention"} or getattr(model.config, "use_sliding_window", False):
                 return f"HF layer types {sorted(types)}: only full causal attention packs by a document mask"
         return None
+
+
+_ROPE_TABLES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+@contextlib.contextmanager
+def materialized_rope(model):
+    """Within: ``model.rope`` (our models' cos/sin tables, angles in float64) returns its tables through
+    ``treecompile::materialize``, so that inductor computes them once per step.  Otherwise it inlines
+    ``pow``/``sin``/``cos`` into every layer's rotary in forward and backward: ~260 ms of an 866 ms packed
+    FA4 step of Qwen3-0.6B at 65k path tokens on an H100 (``benchmarks/prof_step.py``, session 13).  The
+    tree's lowering does the same (``lower_cuda.materialize_position_values``); the values are unchanged.
+    One wrapper per model, so that a compiled baseline sees the same function every step (no recompile)."""
+    from treecompile.ops.materialize import materialize
+
+    cls_rope = getattr(type(model), "rope", None)
+    if cls_rope is None:
+        yield
+        return
+    wrapped = _ROPE_TABLES.get(model)
+    if wrapped is None:
+        def wrapped(T, device, dtype, _model=weakref.ref(model)):
+            cos, sin = cls_rope(_model(), T, device, dtype)
+            return materialize(cos), materialize(sin)
+        _ROPE_TABLES[model] = wrapped
+    model.rope = wrapped
+    try:
+        yield
+    finally:
+        del model.rope
 
 
 def model_specs() -> dict[str, ModelSpec]:

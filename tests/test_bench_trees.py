@@ -220,3 +220,34 @@ def test_child_process_names_timeouts_and_signals():
                      "os.kill(os.getpid(), signal.SIGKILL)"], timeout_s=30)
     assert how.describe() == "child exited -9 (SIGKILL): last words"
     assert run_child([sys.executable, "-c", "pass"], timeout_s=30).ok
+
+
+@pytest.mark.parametrize("kind", ["dense", "hybrid"])
+def test_baselines_materialize_rope_tables_without_changing_them(kind):
+    """The harness's baselines of our models read RoPE's tables through treecompile::materialize
+    (computed once per step under inductor): bitwise the same logits and gradients, one wrapper per
+    model across steps (a compiled baseline would otherwise recompile), the model as it was after."""
+    import torch
+
+    from benchmarks.harness import materialized_rope
+    from treecompile.models import DenseConfig, DenseForCausalLM, HybridConfig, HybridForCausalLM
+
+    torch.manual_seed(0)
+    model = (DenseForCausalLM(DenseConfig.tiny()) if kind == "dense" else HybridForCausalLM(HybridConfig.tiny())).double()
+    ids = torch.randint(0, model.config.vocab_size, (1, 9))
+    runs, wrappers = [], []
+    for ctx in (None, materialized_rope, materialized_rope):
+        model.zero_grad(set_to_none=True)
+        if ctx is None:
+            out = model(ids)
+        else:
+            with ctx(model):
+                wrappers.append(model.rope)
+                assert "rope" in vars(model)
+                out = model(ids)
+            assert "rope" not in vars(model)
+        out.square().sum().backward()
+        runs.append((out.detach(), [p.grad.clone() for p in model.parameters()]))
+    assert wrappers[0] is wrappers[1]
+    for out, grads in runs[1:]:
+        assert torch.equal(out, runs[0][0]) and all(torch.equal(a, b) for a, b in zip(grads, runs[0][1]))
