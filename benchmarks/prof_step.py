@@ -28,10 +28,10 @@ from benchmarks import harness
 # kernel name -> kind; the first pattern that matches wins (names of cuDNN/FA4/flex/cuBLAS/CUTLASS/Triton)
 KINDS = [
     ("attention", re.compile(r"flash|fmha|attn|attention|flex|sdpa|cudnn", re.I)),
+    ("triton", re.compile(r"^triton_", re.I)),  # inductor's fusions (their names list the ops: _to_copy, cat, ...)
     ("grouped_gemm", re.compile(r"grouped|group_gemm|moe|ragged", re.I)),
     ("gemm", re.compile(r"gemm|nvjet|sm90_xmma|cutlass|cublas|matmul|wgmma", re.I)),
-    ("copy/memset", re.compile(r"memcpy|memset|copy|cat_|fill|Memcpy|Memset", re.I)),
-    ("triton", re.compile(r"^triton_|triton", re.I)),
+    ("copy/memset", re.compile(r"memcpy|memset|copy|cat_|fill", re.I)),
 ]
 
 
