@@ -8,7 +8,7 @@ import torch
 import treecompile
 from treecompile import Tree, reference
 from treecompile.passes import PassError
-from helpers import flat_grads, reference_noise, rel
+from helpers import flat_grads, materialized_run_is_exact, reference_noise, rel
 
 transformers = pytest.importorskip("transformers")
 
@@ -61,6 +61,9 @@ def test_hf_model_tree_equals_per_path(name):
     assert loss_err <= 10 * loss_noise + 1e-12 * abs(float(ref.loss))
     for a, r in zip(batch.path_logprobs(out.logprobs.detach()), ref.logprobs):
         assert float((a - r.detach()).abs().max()) <= 1e-6  # float32 internals: per-token log-probs agree
+    # the compiled CUDA lowering's position-only values (RoPE's cos/sin from inv_freq and the positions),
+    # computed once: the same graph values bit for bit; GPT-2's learned positions read a parameter (none)
+    assert materialized_run_is_exact(tmodel, batch) == (0 if name == "gpt2" else 2)
 
 
 class WithDropout(torch.nn.Module):

@@ -218,7 +218,7 @@ def test_position_values_materialized_once_and_exact(kind):
     """Compiled lowering: RoPE's cos/sin (from positions and constants only) pass through
     ``treecompile::materialize`` where they meet the layers, so inductor computes them once; the graph
     with them is bitwise the graph without (float64, loss, log-probs and every parameter gradient)."""
-    from helpers import cached_compile, cached_model, tiny_dense
+    from helpers import cached_compile, cached_model, materialized_run_is_exact, tiny_dense
 
     if kind == "dense":  # conftest's model: captured once per process
         tm = cached_compile(cached_model("dense-tiny", tiny_dense))
@@ -233,22 +233,8 @@ def test_position_values_materialized_once_and_exact(kind):
     uncompiled = tc_cuda.lower_cuda(tm.graph_module, CudaOptions(compile_cuda=False, gdn_kernel="reference"))
     assert uncompiled.materialized == 0
 
-    prog = tm.program
-    graph = torch.fx.Graph()
-    graph.output(graph.graph_copy(prog.graph_module.graph, {}))
-    assert tc_cuda.materialize_position_values(graph) == 2
-    gm = torch.fx.GraphModule(prog.graph_module, graph)
     tree = treecompile.Tree.from_paths([[1, 2, 3, 4], [1, 2, 5], [1, 6, 7, 8, 9], [10]])
-    runs = []
-    for module in (prog.graph_module, gm):
-        params = [prog.lifted_value(x) for x in prog.lifted]
-        out = module(*params, *prog.batch_args(tree.to_batch()))
-        leaves = [p for p in params if p.requires_grad]
-        grads = torch.autograd.grad(out[0], leaves)
-        runs.append((out[0].detach(), out[1].detach(), grads))
-    (l0, lp0, g0), (l1, lp1, g1) = runs
-    assert torch.equal(l0, l1) and torch.equal(lp0, lp1) and len(g0) > 10
-    assert all(torch.equal(a, b) for a, b in zip(g0, g1))
+    assert materialized_run_is_exact(tm, tree.to_batch()) == 2
 
 
 def test_materialize_op():

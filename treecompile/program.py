@@ -110,6 +110,10 @@ class TreeProgram:
             return src.get_buffer(x.target)
         return self.exported_program.constants[x.target]
 
+    def constant_inputs(self) -> list[str]:
+        """Names of the lifted placeholders that hold no trained value (buffers, lifted tensor constants)."""
+        return [x.name for x in self.lifted if x.kind in (InputKind.BUFFER, InputKind.CONSTANT_TENSOR)]
+
     def batch_args(self, batch: TreeBatch | Mapping[str, torch.Tensor]) -> list:
         """The graph inputs that come from ``batch`` (after the lifted ones, before the boundary's).
 
@@ -215,7 +219,8 @@ class TreeProgram:
 
     def _cuda_state(self) -> _CudaState:
         if self._cuda is None:
-            lowering = lower_cuda(self.graph_module, self.options, boundary=self.boundary is not None)
+            lowering = lower_cuda(self.graph_module, self.options, boundary=self.boundary is not None,
+                                  constants=self.constant_inputs())
 
             def wrap(fn):
                 return torch.compile(fn, dynamic=False) if lowering.compiled else fn

@@ -43,7 +43,9 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 import warnings
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -309,8 +311,11 @@ def attention_inputs(subtree_end: torch.Tensor, lowering: CudaLowering, *, bound
     return [tree_block_mask(permuted_subtree_end(subtree_end, order), validate=False), order]
 
 
-def lower_cuda(gm: fx.GraphModule, options: CudaOptions, *, boundary: bool = False) -> CudaLowering:
-    """A copy of ``gm`` for CUDA (module docstring).  ``boundary``: ``gm`` is a boundary program."""
+def lower_cuda(gm: fx.GraphModule, options: CudaOptions, *, boundary: bool = False,
+               constants: Collection[str] = ()) -> CudaLowering:
+    """A copy of ``gm`` for CUDA (module docstring).  ``boundary``: ``gm`` is a boundary program.
+    ``constants``: names of placeholders holding no trained value (buffers, lifted constants: a RoPE
+    ``inv_freq``), which :func:`materialize_position_values` treats as constants."""
     compiled = options.compile_cuda
     layout = "dfs" if boundary else options.attention_layout
     gdn_kernel = resolve_gdn_kernel(options.gdn_kernel)
@@ -355,7 +360,7 @@ def lower_cuda(gm: fx.GraphModule, options: CudaOptions, *, boundary: bool = Fal
             _replace(graph, n, MOE_EXPERTS_GROUPED, n.args, n.kwargs)
             moe_grouped += 1
     graph.eliminate_dead_code()
-    materialized = materialize_position_values(graph) if compiled else 0
+    materialized = materialize_position_values(graph, constants, gm) if compiled else 0
     return CudaLowering(graph_module=fx.GraphModule(gm, graph), attention=attention, materialized=materialized,
                         layout=layout, boundary=boundary, gdn_fla=gdn_fla, triton_head=triton_head,
                         compiled=compiled, bucket=options.bucket, conv_fla=conv_fla, moe_grouped=moe_grouped)
@@ -392,22 +397,56 @@ def _per_token_width(val, T) -> int | None:
     return width if seen else None
 
 
-def materialize_position_values(graph: fx.Graph) -> int:
-    """Wrap each value computed from ``tree_position_ids`` and constants alone, where it meets the rest of
-    the graph, in ``treecompile::materialize`` (:mod:`treecompile.ops.materialize`: inductor then computes it
-    once instead of inlining it into every consumer).  Walks back through views (their input is
-    materialized); skips values with more than ``MATERIALIZE_MAX_WIDTH`` elements per token or without a
-    token dimension.  Exact: the same ops on the same inputs, evaluated once.  Returns how many."""
+def _pure_op(target) -> bool:
+    return (isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded not in target.tags
+            and not target._schema.is_mutable)
+
+
+# higher-order ops that only run a subgraph under a grad/autocast mode (HF's ``@torch.no_grad`` rotary)
+_MODE_HOPS = {"wrap_with_set_grad_enabled", "wrap_with_autocast"}
+
+
+def _pure_graph(gm) -> bool:
+    """Every node of ``gm``'s graph computes a value from its inputs only (no randomness, no mutation)."""
+    for n in gm.graph.nodes:
+        if n.op in ("placeholder", "output", "get_attr"):
+            continue
+        if n.op != "call_function" or not (_pure_op(n.target) or n.target is operator.getitem
+                                           or _pure_hop(n, gm)):
+            return False
+    return True
+
+
+def _pure_hop(n: fx.Node, root) -> bool:
+    if getattr(n.target, "__name__", None) not in _MODE_HOPS or root is None:
+        return False
+    subs = [getattr(root, a.target, None) for a in n.args if isinstance(a, fx.Node) and a.op == "get_attr"]
+    return len(subs) == 1 and isinstance(subs[0], fx.GraphModule) and _pure_graph(subs[0])
+
+
+def materialize_position_values(graph: fx.Graph, constants: Collection[str] = (), root=None) -> int:
+    """Wrap each value computed from ``tree_position_ids`` and constants alone (ops without tensor inputs,
+    the placeholders named in ``constants``, attributes of ``root``, the module whose attributes the graph's
+    ``get_attr`` nodes name), where it meets the rest of the graph, in ``treecompile::materialize``
+    (:mod:`treecompile.ops.materialize`: inductor then computes it once instead of inlining it into every
+    consumer).  Pure ops, ``getitem`` and grad/autocast-mode regions whose subgraph is pure are followed.
+    Walks back through views (their input is materialized); skips integer and bool values (position
+    arithmetic: cheap to recompute), values with more than ``MATERIALIZE_MAX_WIDTH`` elements per token or
+    without a token dimension.  Exact: the same ops on the
+    same inputs, evaluated once.  Returns how many."""
     pos = next((n for n in graph.nodes if n.op == "placeholder" and n.name == "tree_position_ids"), None)
     if pos is None or not isinstance(pos.meta.get("val"), torch.Tensor):
         return 0
     T = pos.meta["val"].shape[0]
-    only: set[fx.Node] = {pos}  # values of positions and constants alone
-    from_pos: set[fx.Node] = {pos}  # ... that depend on the positions
+    # values of positions and constants alone, and those of them that depend on the positions
+    only: set[fx.Node] = {pos} | {n for n in graph.nodes if n.op == "placeholder" and n.name in constants}
+    from_pos: set[fx.Node] = {pos}
     for n in graph.nodes:
-        if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
+        if n.op == "get_attr" and root is not None:
+            only.add(n)
             continue
-        if torch.Tag.nondeterministic_seeded in n.target.tags or n.target._schema.is_mutable:
+        if n.op != "call_function" or not (_pure_op(n.target) or n.target is operator.getitem
+                                           or _pure_hop(n, root)):
             continue
         inputs = n.all_input_nodes
         if all(i in only for i in inputs):
@@ -422,7 +461,7 @@ def materialize_position_values(graph: fx.Graph) -> int:
                 and n.args[0] is not pos:
             n = n.args[0]
         width = _per_token_width(n.meta["val"], T)
-        if width is None or width > MATERIALIZE_MAX_WIDTH or n in chosen:
+        if width is None or width > MATERIALIZE_MAX_WIDTH or not n.meta["val"].is_floating_point() or n in chosen:
             continue
         chosen.append(n)
     for n in chosen:
