@@ -233,7 +233,8 @@ def test_baselines_materialize_rope_tables_without_changing_them(kind):
     from treecompile.models import DenseConfig, DenseForCausalLM, HybridConfig, HybridForCausalLM
 
     torch.manual_seed(0)
-    model = (DenseForCausalLM(DenseConfig.tiny()) if kind == "dense" else HybridForCausalLM(HybridConfig.tiny())).double()
+    model = DenseForCausalLM(DenseConfig.tiny()) if kind == "dense" else HybridForCausalLM(HybridConfig.tiny())
+    model = model.double()
     ids = torch.randint(0, model.config.vocab_size, (1, 9))
     runs, wrappers = [], []
     for ctx in (None, materialized_rope, materialized_rope):

@@ -432,8 +432,7 @@ def materialize_position_values(graph: fx.Graph, constants: Collection[str] = ()
     consumer).  Pure ops, ``getitem`` and grad/autocast-mode regions whose subgraph is pure are followed.
     Walks back through views (their input is materialized); skips integer and bool values (position
     arithmetic: cheap to recompute), values with more than ``MATERIALIZE_MAX_WIDTH`` elements per token or
-    without a token dimension.  Exact: the same ops on the
-    same inputs, evaluated once.  Returns how many."""
+    without a token dimension.  Exact: the same ops on the same inputs, evaluated once.  Returns how many."""
     pos = next((n for n in graph.nodes if n.op == "placeholder" and n.name == "tree_position_ids"), None)
     if pos is None or not isinstance(pos.meta.get("val"), torch.Tensor):
         return 0
