@@ -13,7 +13,14 @@ model's layout: ``[B, T, H, D]`` storage viewed as ``[B, H, T, D]``):
   back, all inside the timed call (what the lowering runs);
 - ``fa4_flex_heavy_kernel``: the kernel alone on inputs already in that order (no gathers): the ceiling
   of a model that kept the whole sequence in that order;
-- ``flex_triton_heavy``: the Triton flex kernel in that order, with the gathers.
+- ``flex_triton_heavy``: the Triton flex kernel in that order, with the gathers;
+- ``paths_fa4_varlen``: what the per-path baselines pay for the same tree: FA4's varlen causal kernel over
+  the tree's paths packed into one sequence (``cu_seqlens``; path tokens, not tree tokens).  Its rows say
+  how much of the FLOP bound the tree's attention keeps (``x_paths`` = its time / the tree contender's).
+
+Every row has ``bwd_ms`` = fwd+bwd - fwd.  Tree statistics add the backward's balance: FA4's sm90 backward
+runs one CTA per (kv block, head) over the q blocks that see it, so ``kv_qtiles_max`` / ``kv_qtiles_mean``
+(q tiles per kv block) is how much longer the longest CTA runs than the average one.
 
 TF/s over UNMASKED entries (fwd 4*H*D*nnz, bwd 2.5x fwd; causal nnz = T(T+1)/2); ``% FA4 causal`` =
 tree TF/s / FA4 causal TF/s at the same T (the issue's target: >= 90 %).  ``out err``: norm-relative
@@ -41,7 +48,7 @@ from tabulate import tabulate
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_attention import H, HKV, D, DTYPE, TreeSpec, random_tree_paths, sampled_rows_error, tree_stats  # noqa: E402
-from trees import AgenticSpec, agentic_paths  # noqa: E402
+from trees import AgenticSpec, agentic_paths, synthetic_paths  # noqa: E402
 
 from treecompile import Tree  # noqa: E402
 from treecompile.ops import fa4_tree_attention as fa4  # noqa: E402
@@ -100,7 +107,8 @@ def row(case, name, fn, q, k, v, do, nnz, se=None) -> dict:
     try:
         f, fb, first = timed(fn, q, k, v, do)
         flops = 4.0 * H * D * nnz
-        r.update(fwd_ms=round(f, 3), fwdbwd_ms=round(fb, 3), fwd_tfs=round(flops / f / 1e9, 1),
+        r.update(fwd_ms=round(f, 3), fwdbwd_ms=round(fb, 3), bwd_ms=round(fb - f, 3),
+                 fwd_tfs=round(flops / f / 1e9, 1), bwd_tfs=round(2.5 * flops / max(fb - f, 1e-6) / 1e9, 1),
                  fwdbwd_tfs=round(3.5 * flops / fb / 1e9, 1), first_s=round(first, 1))
         if se is not None:
             with torch.no_grad():
@@ -133,6 +141,30 @@ def causal_fns():
         return (o[0] if isinstance(o, tuple) else o).transpose(1, 2)
 
     return {"cudnn_causal": cudnn, "fa4_causal": fa4_causal}
+
+
+def kv_balance(se) -> dict:
+    """q tiles per kv block of the tree mask (128x128): the work of each backward CTA (max and mean)."""
+    partial, full = fta.tree_block_classes(se, block_size=(128, 128))
+    per_kv = (partial | full).sum(0).float()
+    return dict(kv_qtiles_max=int(per_kv.max()), kv_qtiles_mean=round(float(per_kv.mean()), 1))
+
+
+def paths_varlen(tree, seed):
+    """(fn, q, k, v, do, nnz): FA4 varlen causal over the tree's paths packed into one sequence."""
+    from flash_attn.cute import flash_attn_varlen_func
+
+    lengths = (tree.path_offsets[1:] - tree.path_offsets[:-1]).tolist()
+    cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
+    mx = max(lengths)
+    q, k, v, do = inputs(int(cu[-1]), seed)
+
+    def fn(q_, k_, v_):  # [1, H, T, D] views of [1, T, H, D] storage, as every contender gets
+        o = flash_attn_varlen_func(q_.transpose(1, 2)[0], k_.transpose(1, 2)[0], v_.transpose(1, 2)[0],
+                                   cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=mx, max_seqlen_k=mx, causal=True)
+        return (o[0] if isinstance(o, tuple) else o)[None].transpose(1, 2)
+
+    return fn, q, k, v, do, sum(n * (n + 1) // 2 for n in lengths)
 
 
 def heavy_layout(se):
@@ -172,6 +204,8 @@ def main() -> None:
     ap.add_argument("--sizes", default="16384,32768,65536")
     ap.add_argument("--pors", default="0.5,0.75,0.9")
     ap.add_argument("--deep", default="deep-16k,deep-32k", help="agentic deep trees ('none' for none)")
+    ap.add_argument("--harness", default="", help="the harness's synthetic trees, comma-separated "
+                    "PATHSxLEN@POR (e.g. 32x2048@0.5: trees.synthetic_paths, the end-to-end tree at 32k)")
     ap.add_argument("--contenders", default="flex_triton,fa4_flex,fa4_direct")
     ap.add_argument("--out", default=None, help="folder for fa4_attention.{json,md}")
     a = ap.parse_args()
@@ -187,6 +221,11 @@ def main() -> None:
         for por in [float(p) for p in a.pors.split(",") if p]:
             tree = Tree.from_paths(random_tree_paths(TreeSpec(T, por)))
             cases.append((f"syn T={T} POR={tree.por:.2f}", tree))
+    for item in [x for x in a.harness.split(",") if x]:
+        shape, _, por = item.partition("@")
+        n, _, length = shape.partition("x")
+        tree = Tree.from_paths(synthetic_paths(int(n), int(length), float(por)))
+        cases.append((f"harness {item} T={tree.num_tokens} POR={tree.por:.2f}", tree))
     for spec in DEEP:
         if a.deep != "none" and spec.name in a.deep.split(","):
             tree = Tree.from_paths(agentic_paths(spec))
@@ -211,7 +250,7 @@ def main() -> None:
             h = tree_stats(tree, permuted_subtree_end(se, heavy[0])[:T].contiguous())
             extra.update(heavy_tiles_full=h["tiles_full"], heavy_tiles_partial=h["tiles_partial"],
                          heavy_tile_util=h["tile_util"], heavy_layout_ms=round(heavy[2], 2))
-        stats.append(dict(case=case, T_padded=Tp, levels=levels, **st, **extra))
+        stats.append(dict(case=case, T_padded=Tp, levels=levels, **st, **kv_balance(se), **extra))
         q, k, v, do = inputs(Tp, seed=T)
         if Tp not in causal:
             causal[Tp] = {}
@@ -237,6 +276,19 @@ def main() -> None:
                 r["pct_fa4_causal"] = round(100 * r["fwdbwd_tfs"] / ref, 1)
             rows.append(r)
         del q, k, v, do
+        if "paths_fa4_varlen" in which:  # the baselines' attention over the same tree's paths
+            try:
+                fn, *xs, nnz_p = paths_varlen(tree, seed=T)
+                r = row(case, "paths_fa4_varlen", fn, *xs, nnz_p)
+                del xs
+            except Exception as e:  # a kernel that refuses is a row
+                r = dict(case=case, contender="paths_fa4_varlen", error=f"{type(e).__name__}: {str(e)[:160]}")
+            for t in rows:  # x_paths: the tree contender's speed-up over the baselines' attention
+                if t["case"] == case and t is not r and "fwdbwd_ms" in t and "fwdbwd_ms" in r:
+                    t["x_paths_fwd"] = round(r["fwd_ms"] / t["fwd_ms"], 3)
+                    t["x_paths_bwd"] = round(r["bwd_ms"] / t["bwd_ms"], 3)
+                    t["x_paths"] = round(r["fwdbwd_ms"] / t["fwdbwd_ms"], 3)
+            rows.append(r)
     text = ["Conditions: " + json.dumps(cond) + "; TF/s over unmasked entries (fwd 4*H*D*nnz, bwd 2.5x fwd); "
             "do_bench medians; inputs in the model layout ([B,T,H,D] storage); trees padded to whole 128-blocks.",
             "", tabulate(stats, headers="keys", tablefmt="github"), "",
