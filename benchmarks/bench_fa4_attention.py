@@ -8,6 +8,8 @@ model's layout: ``[B, T, H, D]`` storage viewed as ``[B, H, T, D]``):
 - ``flex_triton``: compiled FlexAttention's Triton kernel under the tree BlockMask (tuned options);
 - ``fa4_flex``: the same BlockMask through FlexAttention's ``BACKEND="FLASH"`` (FA4 kernels);
 - ``fa4_direct``: ``flash_attn.cute.flash_attn_func`` with a CuTe mask_mod and the BlockMask's lists;
+- ``fa4_varlen``: no mask: FA4's varlen causal kernel over the tree's segments, each attending to its gathered
+  path prefix (``ops/varlen_tree_attention.py``, ``attention_kernel="fa4_varlen"``; gather and scatter timed);
 - ``fa4_flex_heavy``: ``fa4_flex`` in the heaviest-first order (``attention_layout="heavy_first"``,
   ops/tree_layout.py): q/k/v gathered into that order, the BlockMask of that order, the output gathered
   back, all inside the timed call (what the lowering runs);
@@ -54,6 +56,7 @@ from treecompile import Tree  # noqa: E402
 from treecompile.ops import fa4_tree_attention as fa4  # noqa: E402
 from treecompile.ops import flex_tree_attention as fta  # noqa: E402
 from treecompile.ops.tree_layout import heavy_first_order, permuted_subtree_end, reordered_attention  # noqa: E402
+from treecompile.ops.varlen_tree_attention import tree_attention_varlen  # noqa: E402
 
 DEEP = [  # deep agentic trees with short nodes (20-200 tokens), 50+ levels
     AgenticSpec("deep-16k", prompt=800, turns=52, think=60, action=25, observation=50, fanout=2,
@@ -184,6 +187,8 @@ def tree_fns(se, bm, which, heavy=None):
         out["flex_triton"] = lambda q, k, v: fta.tree_attention_flex(q, k, v, bm, enable_gqa=True, kernel_options=opts)
     if "fa4_flex" in which:
         out["fa4_flex"] = lambda q, k, v: fa4.tree_attention_fa4(q, k, v, bm, enable_gqa=True)
+    if "fa4_varlen" in which:  # no BlockMask: the segment plan, built on the first call and kept for se
+        out["fa4_varlen"] = lambda q, k, v: tree_attention_varlen(q, k, v, se)
     if "fa4_direct" in which:
         sparse = fa4.fa4_block_sparse_tensors(bm)
         out["fa4_direct"] = lambda q, k, v: fa4.tree_attention_fa4_direct(q, k, v, se, bm, block_sparse=sparse)

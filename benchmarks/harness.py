@@ -105,7 +105,7 @@ else:  # run as a script: benchmarks/ is on sys.path
 
 BASELINES = ("eager_per_path", "compiled_per_path", "packed_flex", "compiled_per_path_fa4", "packed_fa4_varlen",
              "compiled_per_path_fla", "packed_fla_varlen", "packed_fla_varlen_conv")
-TREE_CONTENDERS = ("tree", "tree_heavy_first", "tree_packed", "tree_rf")
+TREE_CONTENDERS = ("tree", "tree_heavy_first", "tree_fa4_varlen", "tree_packed", "tree_rf")
 CONTENDERS = BASELINES + TREE_CONTENDERS
 
 
@@ -572,12 +572,13 @@ class Steps:
             mask = (doc[:, None] == doc[None, :]) & (q[None, :] <= q[:, None])
         return ids, targets, same, mask
 
-    def _tree_model(self, boundary=False, layout="dfs"):
+    def _tree_model(self, boundary=False, layout="dfs", kernel="auto"):
         import treecompile
 
-        key = ("rf" if boundary else "tree", layout)
+        key = ("rf" if boundary else "tree", layout, kernel)
         if key not in self.tmodels:
-            self.tmodels[key] = treecompile.compile(self.model, boundary=boundary, attention_layout=layout)
+            self.tmodels[key] = treecompile.compile(self.model, boundary=boundary, attention_layout=layout,
+                                                    attention_kernel=kernel)
         return self.tmodels[key]
 
     def tree_heavy_first(self):
@@ -586,8 +587,14 @@ class Steps:
             raise _Skip("attention_layout is a CUDA lowering option")
         return self.tree_step(layout="heavy_first")
 
-    def tree_step(self, layout="dfs"):
-        tm = self._tree_model(layout=layout)
+    def tree_fa4_varlen(self):
+        """``tree`` with ``attention_kernel="fa4_varlen"`` (FA4 varlen over the tree's segments; CUDA)."""
+        if self.dev.type != "cuda":
+            raise _Skip("attention_kernel='fa4_varlen' is a CUDA lowering option")
+        return self.tree_step(kernel="fa4_varlen")
+
+    def tree_step(self, layout="dfs", kernel="auto"):
+        tm = self._tree_model(layout=layout, kernel=kernel)
         batch = self.tree.to_batch(normalize=self.cfg.normalize, device=self.dev)
         step = batches_step(tm, [batch], self.zero)
         return step, self.tree.num_tokens, tree_attention_entries(batch.position_ids[:self.tree.num_tokens])

@@ -145,7 +145,7 @@ def test_lowering_carries_the_attention_kernel():
     from treecompile.passes import lower_cuda as lc
 
     tm = treecompile.compile(DenseForCausalLM(DenseConfig.tiny()))
-    for kernel in lc.ATTENTION_KERNELS:
+    for kernel in (k for k in lc.ATTENTION_KERNELS if k != "fa4_varlen"):  # that one: test_varlen_tree_attention
         low = lc.lower_cuda(tm.graph_module, lc.CudaOptions(gdn_kernel="reference", attention_kernel=kernel))
         calls = [n for n in low.graph_module.graph.nodes if n.target is lc._flex]
         assert len(calls) == 2 and all(n.args[5] == kernel for n in calls)

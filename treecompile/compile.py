@@ -267,9 +267,10 @@ def compile(model=None, *, disable: tuple[str, ...] = (), debug: bool = False,  
         boundary: build the partition graph that takes and returns a partition's boundary tensors,
             for ``treecompile.runtime.redundancy_free``.
         gdn_kernel: ``"auto"``, ``"fla"`` or ``"reference"``: the Gated DeltaNet kernel on CUDA.
-        attention_kernel: ``"auto"``, ``"fa4"`` or ``"flex"``: the tree attention kernel on CUDA
-            (FlashAttention-4 needs ``treecompile[hopper]`` and sm_90+; ``"auto"`` falls back to flex
-            with a warning, ``"fa4"`` raises naming the reason).
+        attention_kernel: ``"auto"``, ``"fa4"``, ``"flex"`` or ``"fa4_varlen"``: the tree attention kernel on
+            CUDA (FlashAttention-4 needs ``treecompile[hopper]`` and sm_90+; ``"auto"`` falls back to flex
+            with a warning, ``"fa4"`` raises naming the reason; ``"fa4_varlen"``: FA4's varlen kernel over the
+            tree's segments, ``ops.varlen_tree_attention``, explicit only).
         attention_layout: ``"dfs"`` or ``"heavy_first"``: the token order tree attention runs in on CUDA
             (``"heavy_first"``: the batch's tree with children visited largest subtree first, gathered in
             and out inside each attention call; exact, fewer partial tiles on deep agentic trees).

@@ -6,13 +6,15 @@ sequence mixers ``::tree_shift``, ``::tree_scan``, ``::tree_ancestors``, ``::tre
 the partition-boundary variants ``::tree_attention_boundary``, ``::tree_gated_delta_rule_boundary``,
 ``::tree_causal_conv1d_boundary``), so that saved programs that name them load; also
 ``::moe_experts_grouped``, the routed experts as ``lower_cuda`` runs them on Hopper, and ``::materialize``,
-where ``lower_cuda`` has inductor compute a position-only value (RoPE's tables) once.  The CUDA attention
+where ``lower_cuda`` has inductor compute a position-only value (RoPE's tables) once, and
+``::tree_attention_varlen_fwd`` / ``_bwd``, tree attention as FA4 varlen over the tree's segments
+(``attention_kernel="fa4_varlen"``).  The CUDA attention
 paths (``flex_tree_attention``, ``flex_tree_attention_boundary``) are imported only where they are used.
 """
 
 from treecompile.ops import (  # noqa: F401
     materialize, moe, moe_grouped, tree_attention_boundary, tree_conv, tree_conv_boundary, tree_gdn,
-    tree_gdn_boundary, tree_mixers)
+    tree_gdn_boundary, tree_mixers, varlen_tree_attention)
 from treecompile.ops.logprobs import gather_logprobs, linear_logprobs
 from treecompile.ops.tree_attention import tree_attention, tree_attention_reference, tree_mask
 

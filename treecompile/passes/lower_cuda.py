@@ -8,6 +8,10 @@ kernel and its backward together with the rest of the graph.  ``attention_kernel
 kernel: ``"fa4"`` (FlashAttention-4 through FlexAttention's FLASH backend, same BlockMask), ``"flex"``
 (FlexAttention's Triton kernel), ``"auto"`` (fa4 where it can run, else flex with one warning); it is
 resolved when the graph is traced, on the attention inputs (device, dtype, head size).
+``"fa4_varlen"`` (explicit only) lowers it instead to ``treecompile::tree_attention_varlen_fwd``
+(``ops.varlen_tree_attention``): FA4's varlen causal kernel over the tree's segments (each first-child chain
+attends to its gathered path prefix), no BlockMask, no mask function; its key gather is the tree's path
+tokens, so it suits wide trees of long nodes, not deep trees of short ones.
 ``treecompile::tree_gated_delta_rule``
 is lowered to flash-linear-attention's varlen kernel when the resolved ``gdn_kernel`` is ``"fla"``, and with
 it the layer's short convolution ``treecompile::tree_causal_conv1d`` becomes
@@ -61,6 +65,7 @@ import treecompile.ops.fla_conv  # noqa: F401
 import treecompile.ops.moe  # noqa: F401
 import treecompile.ops.moe_grouped  # noqa: F401
 import treecompile.ops.materialize  # noqa: F401
+import treecompile.ops.varlen_tree_attention  # noqa: F401
 from treecompile.ops.fa4_tree_attention import (FA4_KERNEL_OPTIONS, fa4_input_reason, fa4_unusable_reason,
                                                 tree_attention_fa4)
 from treecompile.ops.flex_tree_attention import kernel_options_for, tree_attention_flex, tree_block_mask
@@ -90,8 +95,9 @@ MOE_GROUPED_DTYPES = (torch.bfloat16,)
 # with a warning).  On CPU the reference always runs.
 GDN_KERNELS = ("auto", "fla", "reference")
 # Tree attention kernel on CUDA: "fa4" (FlashAttention-4 through FlexAttention's FLASH backend),
-# "flex" (FlexAttention's Triton kernel), "auto" (fa4 where it can run, else flex with one warning).
-ATTENTION_KERNELS = ("auto", "fa4", "flex")
+# "flex" (FlexAttention's Triton kernel), "auto" (fa4 where it can run, else flex with one warning),
+# "fa4_varlen" (FA4's varlen kernel over the tree's segments, ops/varlen_tree_attention.py; explicit only).
+ATTENTION_KERNELS = ("auto", "fa4", "flex", "fa4_varlen")
 # Token order the tree attention kernel runs in: "dfs" (the batch's own order) or "heavy_first" (the same
 # tree with children visited largest subtree first, ops/tree_layout.py: q/k/v gathered in, the output
 # gathered back; far fewer partial tiles on deep agentic trees).
@@ -128,6 +134,9 @@ class CudaOptions:
             raise ValueError(f"attention_kernel: expected one of {ATTENTION_KERNELS}, got {self.attention_kernel!r}")
         if self.attention_layout not in ATTENTION_LAYOUTS:
             raise ValueError(f"attention_layout: expected one of {ATTENTION_LAYOUTS}, got {self.attention_layout!r}")
+        if self.attention_kernel == "fa4_varlen" and self.attention_layout != "dfs":
+            raise ValueError(f"attention_layout={self.attention_layout!r} with attention_kernel='fa4_varlen': the varlen "
+                             "kernel has no tiles across node boundaries to reorder (use attention_layout='dfs')")
 
 
 @dataclass
@@ -146,6 +155,7 @@ class CudaLowering:
     conv_fla: int = 0  # tree causal convs lowered to fla's varlen conv
     moe_grouped: int = 0  # routed experts lowered to moe_experts_grouped (grouped GEMMs)
     materialized: int = 0  # position-only values computed once (``treecompile::materialize``; compiled only)
+    attention_varlen: int = 0  # tree_attention calls lowered to tree_attention_varlen_fwd (no block mask)
 
 
 @torch._dynamo.disable  # a host-side level schedule and fla's autograd Functions: kept out of dynamo
@@ -187,7 +197,7 @@ def resolve_attention_kernel(requested: str, q, setup_reason=_PROBE) -> str:
     and warns once per reason."""
     if requested == "flex":
         return "flex"
-    if requested not in ATTENTION_KERNELS:
+    if requested not in ATTENTION_KERNELS or requested == "fa4_varlen":  # fa4_varlen never reaches flex
         raise ValueError(f"attention_kernel: expected one of {ATTENTION_KERNELS}, got {requested!r}")
     if setup_reason is _PROBE:
         reason = fa4_unusable_reason(q)
@@ -225,13 +235,28 @@ def _flex_eager(q, k, v, block_mask, scale, kernel="flex", setup_reason=None, or
     return attend(q, k, v) if order is None else reordered_attention(attend, q, k, v, order)
 
 
+def _varlen(q, k, v, subtree_end, scale, setup_reason=None):
+    """``attention_kernel="fa4_varlen"``: ``treecompile::tree_attention_varlen_fwd`` (an opaque op in the compiled
+    graph, with its own backward op).  Checked when the graph is traced: FA4 installed on sm_90+ (the lowering's
+    probe) and half-precision CUDA inputs, else RuntimeError naming the reason."""
+    reason = setup_reason
+    if reason is None and (q.device.type != "cuda" or q.dtype not in (torch.bfloat16, torch.float16)):
+        reason = f"FA4's varlen kernel takes bfloat16/float16 CUDA inputs, got {q.dtype} on {q.device.type}"
+    if reason is not None:
+        raise RuntimeError(f"attention_kernel='fa4_varlen': {reason}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    return torch.ops.treecompile.tree_attention_varlen_fwd(q, k, v, subtree_end, float(scale))[0]
+
+
 def _boundary_kernel(kernel: str) -> str:
-    """The kernel of boundary attention: "auto" takes flex's Triton kernel.  FA4 (flex's FLASH backend) over
+    """The kernel of boundary attention: "auto" (and "fa4_varlen", which has no boundary form) takes flex's
+    Triton kernel.  FA4 (flex's FLASH backend) over
     ``[boundary ; zeros ; local]`` keys is exact (its GPU test passes; redundancy-free steps with it match the
     whole tree, H100 session 7) but slower there: eager RF steps of Qwen3-0.6B at C = T/2 took 1.63 s with
     FA4 vs 0.97 s with flex's Triton kernel (benchmarks/RESULTS.md, session 7), so only an explicit
     ``attention_kernel="fa4"`` asks for it."""
-    return "flex" if kernel == "auto" else kernel
+    return "flex" if kernel in ("auto", "fa4_varlen") else kernel
 
 
 def _flex_boundary(q, k, v, boundary_k, boundary_v, block_mask, scale, kernel="flex", setup_reason=None):
@@ -331,9 +356,14 @@ def lower_cuda(gm: fx.GraphModule, options: CudaOptions, *, boundary: bool = Fal
     if layout != "dfs":
         with graph.inserting_after(mask):
             order = graph.placeholder("tree_attention_order")
-    attention = gdn_fla = triton_head = conv_fla = moe_grouped = 0
+    attention = gdn_fla = triton_head = conv_fla = moe_grouped = attention_varlen = 0
     for n in list(graph.nodes):
-        if n.op == "call_function" and n.target == TREE_ATTENTION:
+        if n.op == "call_function" and n.target == TREE_ATTENTION and options.attention_kernel == "fa4_varlen":
+            q, k, v, subtree_end = n.args[:4]
+            scale = n.args[4] if len(n.args) > 4 else n.kwargs.get("scale")
+            _replace(graph, n, _varlen, (q, k, v, subtree_end, scale, setup_reason))
+            attention_varlen += 1
+        elif n.op == "call_function" and n.target == TREE_ATTENTION:
             q, k, v, _subtree_end = n.args[:4]
             scale = n.args[4] if len(n.args) > 4 else n.kwargs.get("scale")
             _replace(graph, n, _flex if compiled else _flex_eager, (q, k, v, mask, scale, options.attention_kernel,
@@ -363,7 +393,8 @@ def lower_cuda(gm: fx.GraphModule, options: CudaOptions, *, boundary: bool = Fal
     materialized = materialize_position_values(graph, constants, gm) if compiled else 0
     return CudaLowering(graph_module=fx.GraphModule(gm, graph), attention=attention, materialized=materialized,
                         layout=layout, boundary=boundary, gdn_fla=gdn_fla, triton_head=triton_head,
-                        compiled=compiled, bucket=options.bucket, conv_fla=conv_fla, moe_grouped=moe_grouped)
+                        compiled=compiled, bucket=options.bucket, conv_fla=conv_fla, moe_grouped=moe_grouped,
+                        attention_varlen=attention_varlen)
 
 
 MATERIALIZE = torch.ops.treecompile.materialize.default

@@ -1,0 +1,203 @@
+"""Tree attention as varlen attention over node segments (treecompile/ops/varlen_tree_attention.py).
+
+CPU: the segment plan expands to exactly the dense tree mask (odd trees, forests, padding, hypothesis trees);
+the op (plan, key gather, float32 scatter-add of key gradients, autograd) equals the dense-mask reference in
+float64 to rounding, opcheck; bad ``subtree_end`` is refused naming the token; the lowering's
+``attention_kernel="fa4_varlen"`` option.  GPU (``-m gpu``, flash-attn-4 on sm_90+): FA4's varlen kernel through
+the op, output and q/k/v gradients within 2x the bf16 dense kernel's error against a float64 oracle, and a
+compiled model's step with it against the flex lowering.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+
+from tests.strategies import ODD_TREES, path_sets
+from tests.test_fa4_tree_attention import forest_paths
+from tests.test_flex_tree_attention import ancestor_mask, dense_sdpa, out_and_grads, rel_err
+from treecompile import Tree
+from treecompile.ops.tree_attention import tree_attention_reference, tree_mask
+from treecompile.ops.varlen_tree_attention import segment_plan, tree_attention_varlen
+
+
+def plan_mask(plan, T: int) -> torch.Tensor:
+    """The [T, T] visibility the plan computes: segment j's query i sees its first prefix + i + 1 keys."""
+    m = torch.zeros(T, T, dtype=torch.bool)
+    cq, ck = plan.cu_seqlens_q_host, plan.cu_seqlens_k_host
+    idx = plan.key_index.cpu()
+    for j in range(plan.segments):
+        n, keys = cq[j + 1] - cq[j], idx[ck[j]:ck[j + 1]]
+        assert keys.unique().numel() == keys.numel(), "a segment reads a key twice"
+        for i in range(n):
+            m[cq[j] + i, keys[:keys.numel() - n + i + 1]] = True
+    return m
+
+
+def _batch(paths, pad_to=None):
+    return Tree.from_paths(paths).to_batch(pad_to_multiple=pad_to)
+
+
+@pytest.mark.parametrize("name", sorted(ODD_TREES))
+@pytest.mark.parametrize("pad_to", [None, 8, 13])
+def test_plan_is_the_tree_mask_on_odd_trees(name, pad_to):
+    b = _batch(ODD_TREES[name], pad_to)
+    plan = segment_plan(b.subtree_end)
+    assert torch.equal(plan_mask(plan, b.seq_len), tree_mask(b.subtree_end))
+    assert torch.equal(tree_mask(b.subtree_end), ancestor_mask(b.pred_index))  # the mask is the tree's
+
+
+@pytest.mark.parametrize("T,roots,pad_to", [(1, 1, None), (64, 1, None), (129, 3, None), (300, 2, 384), (517, 5, 520)])
+def test_plan_is_the_tree_mask_on_forests(T, roots, pad_to):
+    b = _batch(forest_paths(T, roots, seed=T), pad_to)
+    plan = segment_plan(b.subtree_end)
+    assert torch.equal(plan_mask(plan, b.seq_len), tree_mask(b.subtree_end))
+    # queries are never gathered: the segments tile [0, T) in order
+    assert plan.cu_seqlens_q_host[0] == 0 and plan.cu_seqlens_q_host[-1] == b.seq_len
+
+
+@settings(max_examples=60, deadline=None)
+@given(path_sets(max_paths=8, max_len=10))
+def test_plan_is_the_tree_mask_hypothesis(paths):
+    b = _batch(paths)
+    plan = segment_plan(b.subtree_end)
+    assert torch.equal(plan_mask(plan, b.seq_len), tree_mask(b.subtree_end))
+    # one segment per first-child chain: the gathered keys are the paths of the distinct leaves
+    t = Tree.from_paths(paths)
+    assert plan.gathered <= t.num_path_tokens
+
+
+def _qkv(T, H, Hkv, D, seed, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    # the model's layout: [1, T, H, D] storage viewed as [1, H, T, D]
+    return [torch.randn(1, T, h, D, generator=g, dtype=dtype).transpose(1, 2).requires_grad_() for h in (H, Hkv, Hkv)]
+
+
+@pytest.mark.parametrize("paths_name,H,Hkv", [("one_token_nodes", 4, 2), ("prefix_of_other", 2, 2),
+                                               ("forest", 6, 2), ("single_token", 2, 1)])
+def test_op_equals_the_dense_reference_float64(paths_name, H, Hkv):
+    paths = forest_paths(200, 3, seed=1) if paths_name == "forest" else ODD_TREES[paths_name]
+    b = _batch(paths, 16)
+    D = 8
+    q, k, v = _qkv(b.seq_len, H, Hkv, D, seed=H)
+    do = torch.randn(1, H, b.seq_len, D, dtype=torch.float64)
+    got = out_and_grads(lambda a, b_, c: tree_attention_varlen(a, b_, c, b.subtree_end, scale=0.3), q, k, v, do,
+                        torch.float64)
+    ref = out_and_grads(lambda a, b_, c: tree_attention_reference(a, b_, c, b.subtree_end, scale=0.3), q, k, v, do,
+                        torch.float64)
+    for name, x, r in zip(("out", "dq", "dk", "dv"), got, ref):  # O(1) values; a 1-token segment's dq is 0
+        torch.testing.assert_close(x, r, rtol=1e-12, atol=1e-12, msg=name)
+
+
+def test_opcheck():
+    b = _batch(forest_paths(40, 2, seed=3), 8)
+    q, k, v = (x.detach() for x in _qkv(b.seq_len, 4, 2, 8, seed=0))
+    torch.library.opcheck(torch.ops.treecompile.tree_attention_varlen_fwd.default,
+                          (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), b.subtree_end, 0.35))
+
+
+def test_bad_subtree_end_is_named():
+    with pytest.raises(ValueError, match=r"subtree_end\[2\] = 2"):
+        segment_plan(torch.tensor([3, 3, 2]))  # token 2 would not see itself
+    with pytest.raises(ValueError, match=r"subtree_end\[0\] = 9"):
+        segment_plan(torch.tensor([9, 2]))
+    with pytest.raises(ValueError, match="not the DFS layout of a forest"):
+        segment_plan(torch.tensor([2, 4, 4, 4]))  # token 1's subtree [1, 4) sticks out of token 0's [0, 2)
+    with pytest.raises(ValueError, match="integer"):
+        segment_plan(torch.tensor([1.0]))
+    with pytest.raises(ValueError, match="1-D"):
+        segment_plan(torch.tensor([[1]]))
+
+
+def test_plan_is_kept_per_batch():
+    from treecompile.ops import varlen_tree_attention as vta
+
+    se = _batch([[1, 2, 3], [1, 4]]).subtree_end
+    p1 = vta._plan(se)
+    assert vta._plan(se) is p1
+    se2 = se.clone()
+    assert vta._plan(se2) is not p1 and vta._plan(se2).cu_seqlens_q_host == p1.cu_seqlens_q_host
+
+
+# ---------------------------------------------------------------------------- the lowering's option (CPU)
+def test_lowering_fa4_varlen():
+    from helpers import cached_compile, cached_model, tiny_dense
+    from treecompile.passes import lower_cuda as lc
+
+    with pytest.raises(ValueError, match="attention_layout='heavy_first' with attention_kernel='fa4_varlen'"):
+        lc.CudaOptions(attention_kernel="fa4_varlen", attention_layout="heavy_first")
+    tm = cached_compile(cached_model("dense-tiny", tiny_dense))
+    low = lc.lower_cuda(tm.graph_module, lc.CudaOptions(gdn_kernel="reference", attention_kernel="fa4_varlen"))
+    calls = [n for n in low.graph_module.graph.nodes if n.target is lc._varlen]
+    assert low.attention_varlen == len(calls) == 2 and low.attention == 0  # no block mask fed
+    assert not any(n.target is lc._flex for n in low.graph_module.graph.nodes)
+    # on CPU float64 inputs the kernel cannot run: refused at trace time, naming the reason
+    q = torch.empty(1, 2, 8, 8, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="attention_kernel='fa4_varlen': "):
+        lc._varlen(q, q, q, torch.arange(1, 9), None, None)
+    with pytest.raises(RuntimeError, match="attention_kernel='fa4_varlen': no GPU"):
+        lc._varlen(q, q, q, torch.arange(1, 9), None, "no GPU")
+    # boundary programs (redundancy-free partitions) attend through flex's Triton kernel
+    assert lc._boundary_kernel("fa4_varlen") == "flex"
+
+
+# ---------------------------------------------------------------------------- GPU
+def _gpu_reason():
+    if not torch.cuda.is_available():
+        return "needs a CUDA device"
+    from treecompile.ops import fa4_tree_attention as fa4
+
+    return fa4.fa4_unusable_reason()
+
+
+CASES = [(63, 1, 128, 4, 2, 128), (1000, 3, 1024, 4, 2, 128), (2900, 1, 3072, 16, 8, 128), (1500, 2, 1536, 4, 4, 64),
+         (700, 1, None, 4, 2, 128), (900, 2, None, 8, 2, 256)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpu_reason() is not None, reason=str(_gpu_reason()))
+@pytest.mark.parametrize("T,roots,pad_to,H,Hkv,D", CASES,
+                         ids=[f"T{c[0]}_r{c[1]}_pad{c[2]}_H{c[3]}kv{c[4]}_D{c[5]}" for c in CASES])
+def test_fa4_varlen_vs_fp64_oracle(T, roots, pad_to, H, Hkv, D):
+    b = Tree.from_paths(forest_paths(T, roots, seed=T + D)).to_batch(pad_to_multiple=pad_to, device="cuda")
+    L = b.seq_len
+    dense = ancestor_mask(b.pred_index.cpu()).cuda()
+    scale = D ** -0.5
+    g = torch.Generator(device="cuda").manual_seed(T)
+    q, k, v = (torch.randn(1, L, h, D, device="cuda", generator=g).transpose(1, 2) for h in (H, Hkv, Hkv))
+    do = torch.randn(1, H, L, D, device="cuda", generator=g)
+    oracle = out_and_grads(lambda a, b_, c: dense_sdpa(a, b_, c, dense, scale), q, k, v, do, torch.float64)
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        ref = out_and_grads(lambda a, b_, c: dense_sdpa(a, b_, c, dense, scale), q, k, v, do, torch.bfloat16)
+    got = out_and_grads(lambda a, b_, c: tree_attention_varlen(a, b_, c, b.subtree_end, scale=scale), q, k, v, do,
+                        torch.bfloat16)
+    u = torch.finfo(torch.bfloat16).eps / 2
+    for name, f, r, o in zip(("out", "dq", "dk", "dv"), got, ref, oracle):
+        assert torch.isfinite(f).all(), name
+        ef, er = rel_err(f, o), rel_err(r, o)
+        assert ef <= 2 * er + u, f"{name}: FA4 varlen error {ef:.3g} > 2 * dense bf16 error {er:.3g} + {u:.1g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpu_reason() is not None, reason=str(_gpu_reason()))
+def test_compiled_model_with_fa4_varlen_matches_flex():
+    import treecompile
+    from treecompile.models import DenseConfig, DenseForCausalLM
+
+    torch.manual_seed(0)
+    cfg = DenseConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=128)
+    model = DenseForCausalLM(cfg).cuda().to(torch.bfloat16)
+    b = Tree.from_paths(forest_paths(900, 2, seed=5)).to_batch(device="cuda")
+    b.input_ids = b.input_ids % cfg.vocab_size
+    runs = {}
+    for kernel in ("flex", "fa4_varlen"):
+        tm = treecompile.compile(model, attention_kernel=kernel)
+        model.zero_grad()
+        out = tm(b)
+        out.loss.backward()
+        runs[kernel] = (out.loss.detach().float(), torch.cat([p.grad.flatten().float() for p in model.parameters()]))
+    (l1, g1), (l2, g2) = runs["flex"], runs["fa4_varlen"]
+    assert abs(float(l1 - l2)) <= 1e-2 * abs(float(l1))
+    assert float(torch.nn.functional.cosine_similarity(g1, g2, 0)) > 0.999

@@ -1,0 +1,298 @@
+"""Tree attention as varlen causal attention over node segments (``treecompile::tree_attention_varlen``).
+
+The tree mask ``k <= q < subtree_end[k]`` (ops/tree_attention.py) splits the DFS order into **segments**:
+maximal runs of tokens each in the previous token's subtree (a radix node, or a chain of nodes).  Every
+query of a segment ``[a, b)`` sees the same ancestors, ``prefix(a) = {k < a : subtree_end[k] > a}`` (a union
+of earlier intervals, root first), and the segment's own tokens up to itself.  So with the segment's keys
+laid out as ``prefix(a) ++ [a, b)``, query ``a + i`` sees exactly the first ``len(prefix) + i + 1`` keys:
+**bottom-right causal** attention of ``b - a`` queries over ``len(prefix) + b - a`` keys, which is what a
+varlen kernel computes per sequence (``cu_seqlens_q`` = the segments, ``cu_seqlens_k`` = their gathered
+keys).  No mask function, no partial tiles from node boundaries; the price is the key gather: ``G`` = the
+sum of the segments' key counts (the tree's path prefixes, once per segment rather than once per path).
+
+On CUDA with bf16/fp16 the kernel is FlashAttention-4's varlen forward and backward (``flash-attn-4``,
+``treecompile[hopper]``); elsewhere a float64-exact reference (one SDPA per segment) runs the same plan, so
+the CPU tests check the plan, the gather, the scatter-add of the key gradients and the autograd wiring.
+Queries are not gathered (segments tile ``[0, T)`` in order); key/value gradients of the gathered rows are
+summed back in float32 (the root's rows appear in every segment).  The plan (host work, one sync) is built
+once per batch and kept while the same ``subtree_end`` tensor comes back (:class:`fla_gdn.LastBatch`).
+
+Where the gather is large (deep trees of short nodes: every leaf re-reads the whole spine) the block-sparse
+kernels (flex / FA4 ``mask_mod``) do less work; :func:`segment_plan` reports ``G`` so a caller can choose.
+
+Shapes as ``treecompile::tree_attention``: ``q [1, H, T, D]``, ``k``/``v`` ``[1, Hkv, T, D]`` (GQA when
+``H > Hkv``), ``subtree_end [T]`` int64; returns ``[1, H, T, Dv]``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .fla_gdn import LastBatch
+
+__all__ = ["SegmentPlan", "segment_plan", "tree_attention_varlen", "varlen_attention_reference",
+           "varlen_attention_reference_bwd"]
+
+
+@dataclass(frozen=True)
+class SegmentPlan:
+    """Segments of one batch's tree mask (module docstring)."""
+
+    key_index: Tensor  # [G] int64, on the tokens' device: the token each gathered key row reads
+    cu_seqlens_q: Tensor  # [S + 1] int32, device: segment starts (queries in the batch's order)
+    cu_seqlens_k: Tensor  # [S + 1] int32, device: offsets of each segment's keys in the gathered rows
+    cu_seqlens_q_host: tuple  # the same, on the host (the reference kernel loops over segments)
+    cu_seqlens_k_host: tuple
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+    @property
+    def segments(self) -> int:
+        return len(self.cu_seqlens_q_host) - 1
+
+    @property
+    def gathered(self) -> int:
+        """G: key rows the kernel reads (T when the tree is one chain)."""
+        return self.cu_seqlens_k_host[-1]
+
+
+def segment_plan(subtree_end: Tensor) -> SegmentPlan:
+    """The segments of ``subtree_end`` (module docstring); raises ValueError naming the first token where
+    ``subtree_end`` is not the DFS layout of a forest (``t < subtree_end[t] <= T``, subtrees nested)."""
+    if subtree_end.dim() != 1 or subtree_end.numel() == 0:
+        raise ValueError(f"subtree_end: expected a non-empty 1-D tensor [T], got shape {tuple(subtree_end.shape)}")
+    if subtree_end.dtype.is_floating_point or subtree_end.dtype == torch.bool:
+        raise ValueError(f"subtree_end: expected an integer tensor, got {subtree_end.dtype}")
+    se = subtree_end.detach().to("cpu", torch.int64)
+    T = se.numel()
+    pos = torch.arange(T)
+    bad = torch.nonzero((se <= pos) | (se > T)).flatten()
+    if bad.numel():
+        t = int(bad[0])
+        raise ValueError(f"subtree_end[{t}] = {int(se[t])}: expected {t} < subtree_end[t] <= {T} (token {t} must "
+                         f"see itself and the sequence has {T} tokens)")
+    starts = torch.nonzero(torch.cat([torch.ones(1, dtype=torch.bool), se[:-1] <= pos[1:]])).flatten()
+    ends = torch.cat([starts[1:], torch.tensor([T])])
+    neg = (-se).contiguous()  # non-decreasing inside a segment (nested subtrees): searchsorted applies
+    se_l, starts_l, ends_l = se.tolist(), starts.tolist(), ends.tolist()
+    # each segment's prefix as (lo, hi) intervals, root first; a stack of the open ancestor segments
+    prefixes: list[list[tuple[int, int]]] = []
+    stack: list[int] = []  # segment indices
+    for a in starts_l:
+        while stack and se_l[starts_l[stack[-1]]] <= a:
+            stack.pop()
+        if stack:
+            i = stack[-1]
+            a2, b2 = starts_l[i], ends_l[i]
+            p = a2 + int(torch.searchsorted(neg[a2:b2], -a))  # the tokens of segment i that see a
+            prefixes.append(prefixes[i] + [(a2, p)])
+        else:
+            prefixes.append([])
+        stack.append(len(prefixes) - 1)
+    intervals = [iv for pre, a, b in zip(prefixes, starts_l, ends_l) for iv in pre + [(a, b)]]
+    lo, hi = torch.tensor(intervals, dtype=torch.int64).unbind(1)
+    lengths = hi - lo
+    G = int(lengths.sum())
+    # concatenated ranges: row r of interval m reads lo[m] + (r - first row of m)
+    first = torch.cumsum(lengths, 0) - lengths
+    key_index = torch.repeat_interleave(lo - first, lengths) + torch.arange(G)
+    ends_of_seg = torch.cumsum(torch.tensor([len(pre) + 1 for pre in prefixes]), 0) - 1  # last interval of each
+    cu_k = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lengths, 0)[ends_of_seg]])
+    cu_q = torch.cat([torch.zeros(1, dtype=torch.int64), ends])
+    _check_plan(se, key_index, cu_q, cu_k)
+    dev = subtree_end.device
+    return SegmentPlan(
+        key_index=key_index.to(dev), cu_seqlens_q=cu_q.to(dev, torch.int32), cu_seqlens_k=cu_k.to(dev, torch.int32),
+        cu_seqlens_q_host=tuple(cu_q.tolist()), cu_seqlens_k_host=tuple(cu_k.tolist()),
+        max_seqlen_q=int(cu_q.diff().max()), max_seqlen_k=int(cu_k.diff().max()))
+
+
+def _check_plan(se: Tensor, key_index: Tensor, cu_q: Tensor, cu_k: Tensor) -> None:
+    """Every key must be seen by exactly ``subtree_end[k] - k`` queries under the plan, and only by queries the
+    mask allows: true for every nested ``subtree_end``; a non-nested one fails here, named."""
+    T = se.numel()
+    nq, nk = cu_q.diff(), cu_k.diff()
+    r = torch.arange(key_index.numel()) - torch.repeat_interleave(cu_k[:-1], nk)  # row within the segment's keys
+    prefix = torch.repeat_interleave(nk - nq, nk)
+    late = (r - prefix).clamp(min=0)  # the first query of the segment that sees row r, minus the segment start
+    seen_by = torch.repeat_interleave(nq, nk) - late
+    counts = torch.bincount(key_index, weights=seen_by.double(), minlength=T)
+    earliest_query = torch.repeat_interleave(cu_q[:-1], nk) + late
+    # each row's queries are [earliest_query, segment end): all in the mask iff the key is at most the first
+    # and its subtree reaches past the last; with that (plan within the mask) and equal counts per key (the
+    # keys of one segment are distinct), the plan is the mask
+    outside = torch.nonzero((key_index > earliest_query) | (se[key_index] < torch.repeat_interleave(cu_q[1:], nk)))
+    wrong = torch.nonzero(counts != (se - torch.arange(T)).double())
+    if wrong.numel() or outside.numel():
+        t = int(wrong[0, 0]) if wrong.numel() else int(key_index[outside[0, 0]])
+        raise ValueError(f"subtree_end is not the DFS layout of a forest at token {t} (subtree_end[{t}] = {int(se[t])}:"
+                         f" its subtree is not nested in its ancestors' subtrees)")
+
+
+_PLANS = LastBatch()
+
+
+def _plan(subtree_end: Tensor) -> SegmentPlan:
+    return _PLANS.get((subtree_end,), None, lambda: segment_plan(subtree_end))
+
+
+def varlen_attention_reference(q: Tensor, k: Tensor, v: Tensor, plan: SegmentPlan, scale: float) -> tuple[Tensor, Tensor]:
+    """Bottom-right causal attention per segment: ``q [T, H, D]``, gathered ``k``/``v`` ``[G, Hkv, D]`` ->
+    ``(out [T, H, Dv], lse [H, T] float32)``; any dtype and device (one SDPA per segment, exact in float64)."""
+    H, Hkv = q.shape[1], k.shape[1]
+    outs, lses = [], []
+    cq, ck = plan.cu_seqlens_q_host, plan.cu_seqlens_k_host
+    for j in range(plan.segments):
+        qs = q[cq[j]:cq[j + 1]].transpose(0, 1)  # [H, n, D]
+        ks = k[ck[j]:ck[j + 1]].transpose(0, 1).repeat_interleave(H // Hkv, 0)
+        vs = v[ck[j]:ck[j + 1]].transpose(0, 1).repeat_interleave(H // Hkv, 0)
+        n, m = qs.shape[1], ks.shape[1]
+        s = (qs @ ks.transpose(1, 2)) * scale
+        visible = torch.arange(m, device=q.device)[None, :] <= torch.arange(n, device=q.device)[:, None] + (m - n)
+        s = s.masked_fill(~visible, float("-inf"))
+        lse = torch.logsumexp(s, -1)
+        outs.append((torch.exp(s - lse[..., None]) @ vs).transpose(0, 1))
+        lses.append(lse)
+    return torch.cat(outs, 0), torch.cat(lses, 1).float()
+
+
+def varlen_attention_reference_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, plan: SegmentPlan,
+                                   scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """The gradients of :func:`varlen_attention_reference` (``dq [T, H, D]``, ``dk``/``dv`` ``[G, Hkv, D]``), written
+    out (softmax backward per segment, GQA groups summed), so that it runs inside a custom op where autograd
+    does not record."""
+    H, Hkv = q.shape[1], k.shape[1]
+    r = H // Hkv
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    cq, ck = plan.cu_seqlens_q_host, plan.cu_seqlens_k_host
+    for j in range(plan.segments):
+        qs = q[cq[j]:cq[j + 1]].transpose(0, 1)  # [H, n, D]
+        dos = dout[cq[j]:cq[j + 1]].transpose(0, 1)
+        ks = k[ck[j]:ck[j + 1]].transpose(0, 1).repeat_interleave(r, 0)
+        vs = v[ck[j]:ck[j + 1]].transpose(0, 1).repeat_interleave(r, 0)
+        n, m = qs.shape[1], ks.shape[1]
+        s = (qs @ ks.transpose(1, 2)) * scale
+        visible = torch.arange(m, device=q.device)[None, :] <= torch.arange(n, device=q.device)[:, None] + (m - n)
+        p = torch.softmax(s.masked_fill(~visible, float("-inf")), -1)
+        dp = dos @ vs.transpose(1, 2)
+        ds = p * (dp - (dp * p).sum(-1, keepdim=True)) * scale
+        dq[cq[j]:cq[j + 1]] = (ds @ ks).transpose(0, 1)
+        dk[ck[j]:ck[j + 1]] = (ds.transpose(1, 2) @ qs).unflatten(0, (Hkv, r)).sum(1).transpose(0, 1)
+        dv[ck[j]:ck[j + 1]] = (p.transpose(1, 2) @ dos).unflatten(0, (Hkv, r)).sum(1).transpose(0, 1)
+    return dq, dk, dv
+
+
+def _fa4(q: Tensor) -> bool:
+    return q.device.type == "cuda" and q.dtype in (torch.bfloat16, torch.float16)
+
+
+def _fwd(q_t, kg, vg, plan, scale):
+    if not _fa4(q_t):
+        with torch.no_grad():
+            return varlen_attention_reference(q_t, kg, vg, plan, scale)
+    from flash_attn.cute.interface import _flash_attn_fwd
+
+    out, lse = _flash_attn_fwd(q_t, kg, vg, softmax_scale=scale, causal=True, return_lse=True,
+                               cu_seqlens_q=plan.cu_seqlens_q, cu_seqlens_k=plan.cu_seqlens_k,
+                               max_seqlen_q=plan.max_seqlen_q, max_seqlen_k=plan.max_seqlen_k)[:2]
+    return out, lse
+
+
+def _bwd(q_t, kg, vg, out_t, dout_t, lse, plan, scale):
+    if not _fa4(q_t):
+        return varlen_attention_reference_bwd(q_t, kg, vg, dout_t, plan, scale)
+    from flash_attn.cute.interface import _flash_attn_bwd
+
+    return _flash_attn_bwd(q_t, kg, vg, out_t, dout_t, lse, scale, True,
+                           cu_seqlens_q=plan.cu_seqlens_q, cu_seqlens_k=plan.cu_seqlens_k,
+                           max_seqlen_q=plan.max_seqlen_q, max_seqlen_k=plan.max_seqlen_k)[:3]
+
+
+def _check(q, k, v, subtree_end):
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or q.shape[0] != 1 or k.shape[0] != 1 or v.shape[0] != 1:
+        raise ValueError(f"tree_attention_varlen: expected q [1,H,T,D], k/v [1,Hkv,T,D]; got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if q.shape[1] % k.shape[1] or k.shape[1] != v.shape[1]:
+        raise ValueError(f"tree_attention_varlen: {q.shape[1]} query heads over {k.shape[1]} key / {v.shape[1]} "
+                         "value heads (query heads must be a multiple of the kv heads)")
+    if not (q.shape[2] == k.shape[2] == v.shape[2] == subtree_end.shape[-1]):
+        raise ValueError(f"tree_attention_varlen: sequence lengths differ: q {q.shape[2]}, k {k.shape[2]}, "
+                         f"v {v.shape[2]}, subtree_end {subtree_end.shape[-1]}")
+
+
+def _tokens_major(x: Tensor) -> Tensor:
+    """``[1, H, T, D]`` -> ``[T, H, D]``, contiguous (a free view of the model's ``[1, T, H, D]`` storage)."""
+    return x[0].transpose(0, 1).contiguous()
+
+
+def _heads_major(x: Tensor) -> Tensor:
+    """``[T, H, D]`` -> ``[1, H, T, D]`` view."""
+    return x.transpose(0, 1).unsqueeze(0)
+
+
+@torch.library.custom_op("treecompile::tree_attention_varlen_fwd", mutates_args=())
+def tree_attention_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, subtree_end: Tensor,
+                              scale: float) -> tuple[Tensor, Tensor]:
+    """(out ``[1, H, T, Dv]`` as a view of ``[T, H, Dv]`` storage, lse ``[H, T]`` float32)."""
+    _check(q, k, v, subtree_end)
+    plan = _plan(subtree_end)
+    idx = plan.key_index
+    out, lse = _fwd(_tokens_major(q), _tokens_major(k).index_select(0, idx), _tokens_major(v).index_select(0, idx),
+                    plan, scale)
+    return _heads_major(out.contiguous()), lse.contiguous()
+
+
+@tree_attention_varlen_fwd.register_fake
+def _(q, k, v, subtree_end, scale):
+    T, H = q.shape[2], q.shape[1]
+    return (_heads_major(q.new_empty((T, H, v.shape[-1]))),
+            q.new_empty((H, T), dtype=torch.float32))
+
+
+@torch.library.custom_op("treecompile::tree_attention_varlen_bwd", mutates_args=())
+def tree_attention_varlen_bwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor,
+                              subtree_end: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) in the layouts of :func:`_heads_major`; key/value gradients summed over their gathered
+    copies in float32."""
+    plan = _plan(subtree_end)
+    idx = plan.key_index
+    k_t, v_t = _tokens_major(k), _tokens_major(v)
+    dq, dkg, dvg = _bwd(_tokens_major(q), k_t.index_select(0, idx), v_t.index_select(0, idx), _tokens_major(out),
+                        _tokens_major(dout), lse, plan, scale)
+    acc = torch.promote_types(torch.float32, k.dtype)
+    dk = torch.zeros(k_t.shape, dtype=acc, device=k.device).index_add_(0, idx, dkg.to(acc)).to(k.dtype)
+    dv = torch.zeros(v_t.shape, dtype=acc, device=v.device).index_add_(0, idx, dvg.to(acc)).to(v.dtype)
+    return _heads_major(dq.contiguous()), _heads_major(dk), _heads_major(dv)
+
+
+@tree_attention_varlen_bwd.register_fake
+def _(q, k, v, out, lse, dout, subtree_end, scale):
+    return tuple(_heads_major(x.new_empty((x.shape[2], x.shape[1], x.shape[3]))) for x in (q, k, v))
+
+
+def _setup(ctx, inputs, output):
+    q, k, v, subtree_end, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, subtree_end)
+    ctx.scale = scale
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, dout, _dlse):
+    q, k, v, out, lse, subtree_end = ctx.saved_tensors
+    dq, dk, dv = torch.ops.treecompile.tree_attention_varlen_bwd(q, k, v, out, lse, dout, subtree_end, ctx.scale)
+    return dq, dk, dv, None, None
+
+
+tree_attention_varlen_fwd.register_autograd(_backward, setup_context=_setup)
+
+
+def tree_attention_varlen(q: Tensor, k: Tensor, v: Tensor, subtree_end: Tensor, scale: float | None = None) -> Tensor:
+    """Tree attention through varlen causal attention over node segments (module docstring)."""
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    return torch.ops.treecompile.tree_attention_varlen_fwd(q, k, v, subtree_end, float(scale))[0]
