@@ -23,8 +23,10 @@ from treecompile.ops.varlen_tree_attention import segment_plan, tree_attention_v
 
 
 def plan_mask(plan, T: int) -> torch.Tensor:
-    """The [T, T] visibility the plan computes: segment j's query i sees its first prefix + i + 1 keys."""
+    """The [T, T] visibility the plan computes: segment j's query i sees its first prefix + i + 1 keys; the
+    tail's tokens see themselves."""
     m = torch.zeros(T, T, dtype=torch.bool)
+    m[torch.arange(plan.tail, T), torch.arange(plan.tail, T)] = True
     cq, ck = plan.cu_seqlens_q_host, plan.cu_seqlens_k_host
     idx = plan.key_index.cpu()
     for j in range(plan.segments):
@@ -53,8 +55,9 @@ def test_plan_is_the_tree_mask_on_forests(T, roots, pad_to):
     b = _batch(forest_paths(T, roots, seed=T), pad_to)
     plan = segment_plan(b.subtree_end)
     assert torch.equal(plan_mask(plan, b.seq_len), tree_mask(b.subtree_end))
-    # queries are never gathered: the segments tile [0, T) in order
-    assert plan.cu_seqlens_q_host[0] == 0 and plan.cu_seqlens_q_host[-1] == b.seq_len
+    # queries are never gathered: the segments tile [0, tail) in order; the padding is the tail
+    assert plan.cu_seqlens_q_host[0] == 0 and plan.cu_seqlens_q_host[-1] == plan.tail
+    assert plan.tail <= T  # the padding is never handed to the kernel (a 1-token root may end the tree too)
 
 
 @settings(max_examples=60, deadline=None)
@@ -87,6 +90,21 @@ def test_op_equals_the_dense_reference_float64(paths_name, H, Hkv):
     ref = out_and_grads(lambda a, b_, c: tree_attention_reference(a, b_, c, b.subtree_end, scale=0.3), q, k, v, do,
                         torch.float64)
     for name, x, r in zip(("out", "dq", "dk", "dv"), got, ref):  # O(1) values; a 1-token segment's dq is 0
+        torch.testing.assert_close(x, r, rtol=1e-12, atol=1e-12, msg=name)
+
+
+def test_padding_is_the_tail_not_segments():
+    b = _batch([[1, 2, 3], [1, 4]], 64)
+    plan = segment_plan(b.subtree_end)
+    assert plan.tail == 4 and plan.segments == 2 and plan.gathered == 3 + 2  # the two paths' keys
+    only_pads = segment_plan(torch.arange(1, 6))  # five tokens that each see only themselves
+    assert only_pads.tail == 0 and only_pads.segments == 0 and only_pads.gathered == 0
+    q, k, v = _qkv(5, 2, 1, 4, seed=1)
+    do = torch.randn(1, 2, 5, 4, dtype=torch.float64)
+    se = torch.arange(1, 6)
+    got = out_and_grads(lambda a, b_, c: tree_attention_varlen(a, b_, c, se), q, k, v, do, torch.float64)
+    ref = out_and_grads(lambda a, b_, c: tree_attention_reference(a, b_, c, se), q, k, v, do, torch.float64)
+    for name, x, r in zip(("out", "dq", "dk", "dv"), got, ref):
         torch.testing.assert_close(x, r, rtol=1e-12, atol=1e-12, msg=name)
 
 

@@ -14,7 +14,9 @@ On CUDA with bf16/fp16 the kernel is FlashAttention-4's varlen forward and backw
 ``treecompile[hopper]``); elsewhere a float64-exact reference (one SDPA per segment) runs the same plan, so
 the CPU tests check the plan, the gather, the scatter-add of the key gradients and the autograd wiring.
 Queries are not gathered (segments tile ``[0, T)`` in order); key/value gradients of the gathered rows are
-summed back in float32 (the root's rows appear in every segment).  The plan (host work, one sync) is built
+summed back in float32 (the root's rows appear in every segment).  A trailing run of tokens that see only
+themselves (the padding of a length bucket: up to T/8 of them) is not handed to the kernel as that many
+one-token sequences: each one's output is its own value row (softmax over one key), computed directly.  The plan (host work, one sync) is built
 once per batch and kept while the same ``subtree_end`` tensor comes back (:class:`fla_gdn.LastBatch`).
 
 Where the gather is large (deep trees of short nodes: every leaf re-reads the whole spine) the block-sparse
@@ -49,6 +51,7 @@ class SegmentPlan:
     cu_seqlens_k_host: tuple
     max_seqlen_q: int
     max_seqlen_k: int
+    tail: int  # the segments cover queries [0, tail); [tail, T) are tokens that see only themselves (padding)
 
     @property
     def segments(self) -> int:
@@ -93,27 +96,37 @@ def segment_plan(subtree_end: Tensor) -> SegmentPlan:
         else:
             prefixes.append([])
         stack.append(len(prefixes) - 1)
+    # the trailing tokens that see only themselves (no prefix, one token): not for the kernel
+    n_main = len(starts_l)
+    while n_main and not prefixes[n_main - 1] and ends_l[n_main - 1] - starts_l[n_main - 1] == 1:
+        n_main -= 1
+    tail = ends_l[n_main - 1] if n_main else 0
+    prefixes, starts_l, ends_l = prefixes[:n_main], starts_l[:n_main], ends_l[:n_main]
     intervals = [iv for pre, a, b in zip(prefixes, starts_l, ends_l) for iv in pre + [(a, b)]]
+    if not intervals:
+        intervals = [(0, 0)]  # no segment for the kernel: an empty plan
     lo, hi = torch.tensor(intervals, dtype=torch.int64).unbind(1)
     lengths = hi - lo
     G = int(lengths.sum())
     # concatenated ranges: row r of interval m reads lo[m] + (r - first row of m)
     first = torch.cumsum(lengths, 0) - lengths
     key_index = torch.repeat_interleave(lo - first, lengths) + torch.arange(G)
-    ends_of_seg = torch.cumsum(torch.tensor([len(pre) + 1 for pre in prefixes]), 0) - 1  # last interval of each
+    ends_of_seg = torch.cumsum(torch.tensor([len(pre) + 1 for pre in prefixes], dtype=torch.int64), 0) - 1
     cu_k = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lengths, 0)[ends_of_seg]])
-    cu_q = torch.cat([torch.zeros(1, dtype=torch.int64), ends])
-    _check_plan(se, key_index, cu_q, cu_k)
+    cu_q = torch.tensor([0] + ends_l, dtype=torch.int64)
+    _check_plan(se, key_index, cu_q, cu_k, tail)
     dev = subtree_end.device
     return SegmentPlan(
         key_index=key_index.to(dev), cu_seqlens_q=cu_q.to(dev, torch.int32), cu_seqlens_k=cu_k.to(dev, torch.int32),
         cu_seqlens_q_host=tuple(cu_q.tolist()), cu_seqlens_k_host=tuple(cu_k.tolist()),
-        max_seqlen_q=int(cu_q.diff().max()), max_seqlen_k=int(cu_k.diff().max()))
+        max_seqlen_q=int(cu_q.diff().max()) if n_main else 0, max_seqlen_k=int(cu_k.diff().max()) if n_main else 0,
+        tail=tail)
 
 
-def _check_plan(se: Tensor, key_index: Tensor, cu_q: Tensor, cu_k: Tensor) -> None:
+def _check_plan(se: Tensor, key_index: Tensor, cu_q: Tensor, cu_k: Tensor, tail: int) -> None:
     """Every key must be seen by exactly ``subtree_end[k] - k`` queries under the plan, and only by queries the
-    mask allows: true for every nested ``subtree_end``; a non-nested one fails here, named."""
+    mask allows (the tail's tokens by themselves alone): true for every nested ``subtree_end``; a non-nested one
+    fails here, named."""
     T = se.numel()
     nq, nk = cu_q.diff(), cu_k.diff()
     r = torch.arange(key_index.numel()) - torch.repeat_interleave(cu_k[:-1], nk)  # row within the segment's keys
@@ -121,6 +134,7 @@ def _check_plan(se: Tensor, key_index: Tensor, cu_q: Tensor, cu_k: Tensor) -> No
     late = (r - prefix).clamp(min=0)  # the first query of the segment that sees row r, minus the segment start
     seen_by = torch.repeat_interleave(nq, nk) - late
     counts = torch.bincount(key_index, weights=seen_by.double(), minlength=T)
+    counts[tail:] += 1
     earliest_query = torch.repeat_interleave(cu_q[:-1], nk) + late
     # each row's queries are [earliest_query, segment end): all in the mask iff the key is at most the first
     # and its subtree reaches past the last; with that (plan within the mask) and equal counts per key (the
@@ -240,10 +254,18 @@ def tree_attention_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, subtree_end: Tens
     """(out ``[1, H, T, Dv]`` as a view of ``[T, H, Dv]`` storage, lse ``[H, T]`` float32)."""
     _check(q, k, v, subtree_end)
     plan = _plan(subtree_end)
-    idx = plan.key_index
-    out, lse = _fwd(_tokens_major(q), _tokens_major(k).index_select(0, idx), _tokens_major(v).index_select(0, idx),
-                    plan, scale)
-    return _heads_major(out.contiguous()), lse.contiguous()
+    idx, n = plan.key_index, plan.tail
+    q_t, k_t, v_t = _tokens_major(q), _tokens_major(k), _tokens_major(v)
+    r = q.shape[1] // k.shape[1]
+    outs, lses = [], []
+    if n:
+        out, lse = _fwd(q_t[:n], k_t.index_select(0, idx), v_t.index_select(0, idx), plan, scale)
+        outs.append(out)
+        lses.append(lse.float())
+    if n < q_t.shape[0]:  # tokens that see only themselves: softmax over one key
+        outs.append(v_t[n:].repeat_interleave(r, 1))
+        lses.append(((q_t[n:] * k_t[n:].repeat_interleave(r, 1)).sum(-1) * scale).T.float())
+    return _heads_major(torch.cat(outs, 0).contiguous()), torch.cat(lses, 1).contiguous()
 
 
 @tree_attention_varlen_fwd.register_fake
@@ -259,14 +281,22 @@ def tree_attention_varlen_bwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse:
     """(dq, dk, dv) in the layouts of :func:`_heads_major`; key/value gradients summed over their gathered
     copies in float32."""
     plan = _plan(subtree_end)
-    idx = plan.key_index
-    k_t, v_t = _tokens_major(k), _tokens_major(v)
-    dq, dkg, dvg = _bwd(_tokens_major(q), k_t.index_select(0, idx), v_t.index_select(0, idx), _tokens_major(out),
-                        _tokens_major(dout), lse, plan, scale)
+    idx, n = plan.key_index, plan.tail
+    q_t, k_t, v_t, dout_t = _tokens_major(q), _tokens_major(k), _tokens_major(v), _tokens_major(dout)
+    T, H, Hkv = q_t.shape[0], q_t.shape[1], k_t.shape[1]
     acc = torch.promote_types(torch.float32, k.dtype)
-    dk = torch.zeros(k_t.shape, dtype=acc, device=k.device).index_add_(0, idx, dkg.to(acc)).to(k.dtype)
-    dv = torch.zeros(v_t.shape, dtype=acc, device=v.device).index_add_(0, idx, dvg.to(acc)).to(v.dtype)
-    return _heads_major(dq.contiguous()), _heads_major(dk), _heads_major(dv)
+    dk = torch.zeros(k_t.shape, dtype=acc, device=k.device)
+    dv = torch.zeros(v_t.shape, dtype=acc, device=v.device)
+    dq = torch.zeros_like(q_t)  # the tail's queries: the softmax over one key has no gradient
+    if n:
+        dq_main, dkg, dvg = _bwd(q_t[:n], k_t.index_select(0, idx), v_t.index_select(0, idx), _tokens_major(out)[:n],
+                                 dout_t[:n], lse[:, :n].contiguous(), plan, scale)
+        dq[:n] = dq_main
+        dk.index_add_(0, idx, dkg.to(acc))
+        dv.index_add_(0, idx, dvg.to(acc))
+    if n < T:  # the tail's value rows receive their own output gradient, summed over the query heads of a group
+        dv[n:] += dout_t[n:].to(acc).unflatten(1, (Hkv, H // Hkv)).sum(2)
+    return _heads_major(dq), _heads_major(dk.to(k.dtype)), _heads_major(dv.to(v.dtype))
 
 
 @tree_attention_varlen_bwd.register_fake
