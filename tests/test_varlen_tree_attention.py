@@ -128,6 +128,20 @@ def test_bad_subtree_end_is_named():
         segment_plan(torch.tensor([[1]]))
 
 
+def test_a_comb_is_refused_with_its_gather_size(monkeypatch):
+    from treecompile.ops import varlen_tree_attention as vta
+
+    spine = list(range(100, 140))
+    comb = [spine[:i] + [1000 + i] for i in range(1, 41)] + [spine]  # a leaf off every spine token
+    se = _batch(comb).subtree_end
+    monkeypatch.setattr(vta, "MAX_GATHER_ROWS", 0)
+    monkeypatch.setattr(vta, "MAX_GATHER_FACTOR", 4)
+    with pytest.raises(ValueError, match=r"40 segments would gather .* key rows for 80 tokens .*attention_kernel='fa4'"):
+        segment_plan(se)
+    monkeypatch.setattr(vta, "MAX_GATHER_FACTOR", 64)
+    assert segment_plan(se).gathered == sum(i + 1 for i in range(1, 41))  # each leaf reads its whole path
+
+
 def test_plan_is_kept_per_batch():
     from treecompile.ops import varlen_tree_attention as vta
 

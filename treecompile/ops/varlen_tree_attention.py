@@ -63,9 +63,16 @@ class SegmentPlan:
         return self.cu_seqlens_k_host[-1]
 
 
+# most key rows a plan may gather, in units of T (plus MAX_GATHER_ROWS): the deep agentic trees of the
+# benchmark gather 20-22x T; a comb (a long spine with a leaf at every token) would gather O(T^2) rows
+MAX_GATHER_FACTOR = 64
+MAX_GATHER_ROWS = 1 << 16
+
+
 def segment_plan(subtree_end: Tensor) -> SegmentPlan:
     """The segments of ``subtree_end`` (module docstring); raises ValueError naming the first token where
-    ``subtree_end`` is not the DFS layout of a forest (``t < subtree_end[t] <= T``, subtrees nested)."""
+    ``subtree_end`` is not the DFS layout of a forest (``t < subtree_end[t] <= T``, subtrees nested), and when
+    the segments would gather more than ``MAX_GATHER_FACTOR * T + MAX_GATHER_ROWS`` key rows."""
     if subtree_end.dim() != 1 or subtree_end.numel() == 0:
         raise ValueError(f"subtree_end: expected a non-empty 1-D tensor [T], got shape {tuple(subtree_end.shape)}")
     if subtree_end.dtype.is_floating_point or subtree_end.dtype == torch.bool:
@@ -98,6 +105,11 @@ def segment_plan(subtree_end: Tensor) -> SegmentPlan:
         stack.append(len(prefixes) - 1)
     # the trailing tokens that see only themselves (no prefix, one token): not for the kernel
     n_main = len(starts_l)
+    path_rows = sum(p_hi - p_lo for pre in prefixes for p_lo, p_hi in pre) + T
+    if path_rows > MAX_GATHER_FACTOR * T + MAX_GATHER_ROWS:
+        raise ValueError(f"tree_attention_varlen: this tree's {len(starts_l)} segments would gather {path_rows:,} key "
+                         f"rows for {T:,} tokens ({path_rows / T:.0f}x; at most {MAX_GATHER_FACTOR}x): its paths share "
+                         "long prefixes among many short branches; use attention_kernel='fa4' or 'auto' (block-sparse)")
     while n_main and not prefixes[n_main - 1] and ends_l[n_main - 1] - starts_l[n_main - 1] == 1:
         n_main -= 1
     tail = ends_l[n_main - 1] if n_main else 0
