@@ -136,7 +136,7 @@ def test_a_comb_is_refused_with_its_gather_size(monkeypatch):
     se = _batch(comb).subtree_end
     monkeypatch.setattr(vta, "MAX_GATHER_ROWS", 0)
     monkeypatch.setattr(vta, "MAX_GATHER_FACTOR", 4)
-    with pytest.raises(ValueError, match=r"40 segments would gather .* key rows for 80 tokens .*attention_kernel='fa4'"):
+    with pytest.raises(ValueError, match=r"40 segments would gather .* rows for 80 tokens .*attention_kernel='fa4'"):
         segment_plan(se)
     monkeypatch.setattr(vta, "MAX_GATHER_FACTOR", 64)
     assert segment_plan(se).gathered == sum(i + 1 for i in range(1, 41))  # each leaf reads its whole path

@@ -16,8 +16,9 @@ the CPU tests check the plan, the gather, the scatter-add of the key gradients a
 Queries are not gathered (segments tile ``[0, T)`` in order); key/value gradients of the gathered rows are
 summed back in float32 (the root's rows appear in every segment).  A trailing run of tokens that see only
 themselves (the padding of a length bucket: up to T/8 of them) is not handed to the kernel as that many
-one-token sequences: each one's output is its own value row (softmax over one key), computed directly.  The plan (host work, one sync) is built
-once per batch and kept while the same ``subtree_end`` tensor comes back (:class:`fla_gdn.LastBatch`).
+one-token sequences: each one's output is its own value row (softmax over one key), computed directly.
+The plan (host work, one sync) is built once per batch and kept while the same ``subtree_end`` tensor comes
+back (:class:`fla_gdn.LastBatch`).
 
 Where the gather is large (deep trees of short nodes: every leaf re-reads the whole spine) the block-sparse
 kernels (flex / FA4 ``mask_mod``) do less work; :func:`segment_plan` reports ``G`` so a caller can choose.
@@ -166,7 +167,8 @@ def _plan(subtree_end: Tensor) -> SegmentPlan:
     return _PLANS.get((subtree_end,), None, lambda: segment_plan(subtree_end))
 
 
-def varlen_attention_reference(q: Tensor, k: Tensor, v: Tensor, plan: SegmentPlan, scale: float) -> tuple[Tensor, Tensor]:
+def varlen_attention_reference(q: Tensor, k: Tensor, v: Tensor, plan: SegmentPlan,
+                               scale: float) -> tuple[Tensor, Tensor]:
     """Bottom-right causal attention per segment: ``q [T, H, D]``, gathered ``k``/``v`` ``[G, Hkv, D]`` ->
     ``(out [T, H, Dv], lse [H, T] float32)``; any dtype and device (one SDPA per segment, exact in float64)."""
     H, Hkv = q.shape[1], k.shape[1]

@@ -135,8 +135,9 @@ class CudaOptions:
         if self.attention_layout not in ATTENTION_LAYOUTS:
             raise ValueError(f"attention_layout: expected one of {ATTENTION_LAYOUTS}, got {self.attention_layout!r}")
         if self.attention_kernel == "fa4_varlen" and self.attention_layout != "dfs":
-            raise ValueError(f"attention_layout={self.attention_layout!r} with attention_kernel='fa4_varlen': the varlen "
-                             "kernel has no tiles across node boundaries to reorder (use attention_layout='dfs')")
+            raise ValueError(f"attention_layout={self.attention_layout!r} with attention_kernel='fa4_varlen': the "
+                             "varlen kernel has no tiles across node boundaries to reorder (use "
+                             "attention_layout='dfs')")
 
 
 @dataclass

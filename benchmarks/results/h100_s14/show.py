@@ -6,6 +6,7 @@ for log in sorted(glob.glob(os.environ["OUT"] + "/*_log.txt")):
     for line in open(log):
         if line.startswith('{"model"'):
             r = json.loads(line)
-            print(os.path.basename(log), {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items() if k in KEYS})
+            row = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items() if k in KEYS}
+            print(os.path.basename(log), row)
 for f in sorted(glob.glob(os.environ["OUT"] + "/*/tables.md")):
     print(f); print(open(f).read()[:3000])
