@@ -101,10 +101,21 @@ CASES = [  # (tree tokens, roots, padded length, heads, kv heads, head dim)
 @pytest.mark.parametrize("T,roots,pad_to,H,Hkv,D", CASES,
                          ids=[f"T{c[0]}_r{c[1]}_pad{c[2]}_H{c[3]}kv{c[4]}_D{c[5]}" for c in CASES])
 def test_fa4_tree_attention_vs_fp64_oracle(kind, T, roots, pad_to, H, Hkv, D):
+    def attend(b, scale):
+        bm = tree_block_mask(b.subtree_end)
+        if kind == "flex_flash":
+            return lambda q, k, v: fa4.tree_attention_fa4(q, k, v, bm, scale=scale, enable_gqa=H != Hkv)
+        return lambda q, k, v: fa4.tree_attention_fa4_direct(q, k, v, b.subtree_end, bm, scale=scale)
+
+    assert_bf16_tree_kernel_near_oracle(attend, T, roots, pad_to, H, Hkv, D)
+
+
+def assert_bf16_tree_kernel_near_oracle(attend, T, roots, pad_to, H, Hkv, D):
+    """``attend(batch, scale)`` -> ``fn(q, k, v)`` on a CUDA forest of T tokens: its bf16 output and q/k/v
+    gradients within 2x the bf16 dense kernel's error against a float64 dense-mask oracle."""
     b = Tree.from_paths(forest_paths(T, roots, seed=T + D)).to_batch(pad_to_multiple=pad_to, device="cuda")
     L = b.seq_len
     dense = ancestor_mask(b.pred_index.cpu()).cuda()
-    bm = tree_block_mask(b.subtree_end)
     scale = D ** -0.5
     g = torch.Generator(device="cuda").manual_seed(T)
     q, k, v = (torch.randn(1, L, h, D, device="cuda", generator=g).transpose(1, 2) for h in (H, Hkv, Hkv))
@@ -116,17 +127,12 @@ def test_fa4_tree_attention_vs_fp64_oracle(kind, T, roots, pad_to, H, Hkv, D):
     oracle = run(lambda a, b_, c: dense_sdpa(a, b_, c, dense, scale), torch.float64)
     with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
         ref = run(lambda a, b_, c: dense_sdpa(a, b_, c, dense, scale), torch.bfloat16)
-    if kind == "flex_flash":
-        got = run(lambda a, b_, c: fa4.tree_attention_fa4(a, b_, c, bm, scale=scale, enable_gqa=H != Hkv),
-                  torch.bfloat16)
-    else:
-        got = run(lambda a, b_, c: fa4.tree_attention_fa4_direct(a, b_, c, b.subtree_end, bm, scale=scale),
-                  torch.bfloat16)
+    got = run(attend(b, scale), torch.bfloat16)
     u = torch.finfo(torch.bfloat16).eps / 2
     for name, f, r, o in zip(("out", "dq", "dk", "dv"), got, ref, oracle):
         assert torch.isfinite(f).all(), name
         ef, er = rel_err(f, o), rel_err(r, o)
-        assert ef <= 2 * er + u, f"{name}: FA4 error {ef:.3g} > 2 * dense bf16 error {er:.3g} + {u:.1g}"
+        assert ef <= 2 * er + u, f"{name}: tree kernel error {ef:.3g} > 2 * dense bf16 error {er:.3g} + {u:.1g}"
 
 
 # ---------------------------------------------------------------------------- the lowering's option (CPU)

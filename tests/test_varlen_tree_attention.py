@@ -15,8 +15,8 @@ import torch
 from hypothesis import given, settings
 
 from tests.strategies import ODD_TREES, path_sets
-from tests.test_fa4_tree_attention import forest_paths
-from tests.test_flex_tree_attention import ancestor_mask, dense_sdpa, out_and_grads, rel_err
+from tests.test_fa4_tree_attention import assert_bf16_tree_kernel_near_oracle, forest_paths
+from tests.test_flex_tree_attention import ancestor_mask, out_and_grads
 from treecompile import Tree
 from treecompile.ops.tree_attention import tree_attention_reference, tree_mask
 from treecompile.ops.varlen_tree_attention import segment_plan, tree_attention_varlen
@@ -192,23 +192,9 @@ CASES = [(63, 1, 128, 4, 2, 128), (1000, 3, 1024, 4, 2, 128), (2900, 1, 3072, 16
 @pytest.mark.parametrize("T,roots,pad_to,H,Hkv,D", CASES,
                          ids=[f"T{c[0]}_r{c[1]}_pad{c[2]}_H{c[3]}kv{c[4]}_D{c[5]}" for c in CASES])
 def test_fa4_varlen_vs_fp64_oracle(T, roots, pad_to, H, Hkv, D):
-    b = Tree.from_paths(forest_paths(T, roots, seed=T + D)).to_batch(pad_to_multiple=pad_to, device="cuda")
-    L = b.seq_len
-    dense = ancestor_mask(b.pred_index.cpu()).cuda()
-    scale = D ** -0.5
-    g = torch.Generator(device="cuda").manual_seed(T)
-    q, k, v = (torch.randn(1, L, h, D, device="cuda", generator=g).transpose(1, 2) for h in (H, Hkv, Hkv))
-    do = torch.randn(1, H, L, D, device="cuda", generator=g)
-    oracle = out_and_grads(lambda a, b_, c: dense_sdpa(a, b_, c, dense, scale), q, k, v, do, torch.float64)
-    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
-        ref = out_and_grads(lambda a, b_, c: dense_sdpa(a, b_, c, dense, scale), q, k, v, do, torch.bfloat16)
-    got = out_and_grads(lambda a, b_, c: tree_attention_varlen(a, b_, c, b.subtree_end, scale=scale), q, k, v, do,
-                        torch.bfloat16)
-    u = torch.finfo(torch.bfloat16).eps / 2
-    for name, f, r, o in zip(("out", "dq", "dk", "dv"), got, ref, oracle):
-        assert torch.isfinite(f).all(), name
-        ef, er = rel_err(f, o), rel_err(r, o)
-        assert ef <= 2 * er + u, f"{name}: FA4 varlen error {ef:.3g} > 2 * dense bf16 error {er:.3g} + {u:.1g}"
+    assert_bf16_tree_kernel_near_oracle(
+        lambda b, scale: lambda q, k, v: tree_attention_varlen(q, k, v, b.subtree_end, scale=scale),
+        T, roots, pad_to, H, Hkv, D)
 
 
 @pytest.mark.gpu

@@ -170,7 +170,10 @@ def _plan(subtree_end: Tensor) -> SegmentPlan:
 def varlen_attention_reference(q: Tensor, k: Tensor, v: Tensor, plan: SegmentPlan,
                                scale: float) -> tuple[Tensor, Tensor]:
     """Bottom-right causal attention per segment: ``q [T, H, D]``, gathered ``k``/``v`` ``[G, Hkv, D]`` ->
-    ``(out [T, H, Dv], lse [H, T] float32)``; any dtype and device (one SDPA per segment, exact in float64)."""
+    ``(out [T, H, Dv], lse [H, T] float32)``; any dtype and device (one SDPA per segment, exact in float64;
+    half precision computed in float32, as the kernels accumulate)."""
+    dtype = q.dtype
+    q, k, v = (x.to(torch.promote_types(torch.float32, dtype)) for x in (q, k, v))
     H, Hkv = q.shape[1], k.shape[1]
     outs, lses = [], []
     cq, ck = plan.cu_seqlens_q_host, plan.cu_seqlens_k_host
@@ -185,14 +188,16 @@ def varlen_attention_reference(q: Tensor, k: Tensor, v: Tensor, plan: SegmentPla
         lse = torch.logsumexp(s, -1)
         outs.append((torch.exp(s - lse[..., None]) @ vs).transpose(0, 1))
         lses.append(lse)
-    return torch.cat(outs, 0), torch.cat(lses, 1).float()
+    return torch.cat(outs, 0).to(dtype), torch.cat(lses, 1).float()
 
 
 def varlen_attention_reference_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, plan: SegmentPlan,
                                    scale: float) -> tuple[Tensor, Tensor, Tensor]:
     """The gradients of :func:`varlen_attention_reference` (``dq [T, H, D]``, ``dk``/``dv`` ``[G, Hkv, D]``), written
     out (softmax backward per segment, GQA groups summed), so that it runs inside a custom op where autograd
-    does not record."""
+    does not record.  Half precision computed in float32."""
+    dtype = q.dtype
+    q, k, v, dout = (x.to(torch.promote_types(torch.float32, dtype)) for x in (q, k, v, dout))
     H, Hkv = q.shape[1], k.shape[1]
     r = H // Hkv
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -211,7 +216,7 @@ def varlen_attention_reference_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor
         dq[cq[j]:cq[j + 1]] = (ds @ ks).transpose(0, 1)
         dk[ck[j]:ck[j + 1]] = (ds.transpose(1, 2) @ qs).unflatten(0, (Hkv, r)).sum(1).transpose(0, 1)
         dv[ck[j]:ck[j + 1]] = (p.transpose(1, 2) @ dos).unflatten(0, (Hkv, r)).sum(1).transpose(0, 1)
-    return dq, dk, dv
+    return dq.to(dtype), dk.to(dtype), dv.to(dtype)
 
 
 def _fa4(q: Tensor) -> bool:
