@@ -10,6 +10,8 @@ Layouts:
 - ``dfs``: the batch's own order (what the lowering runs by default);
 - ``heavy_first``: the same tree, children visited largest subtree first (``ops/tree_layout.py``;
   ``attention_layout="heavy_first"``);
+- ``varlen``: no token order: FA4's varlen causal kernel over the tree's segments (``attention_kernel="fa4_varlen"``,
+  ops/varlen_tree_attention.py); tiles per segment, ``gathered_x_T`` = key rows it gathers / T;
 - ``heavy_first+qpad{B}%``: on top of heavy_first, the QUERY side padded (pad rows inserted before chosen
   node starts so they land on 128-row boundaries, greedily, at most B % more query rows; keys unpadded,
   because a padded key must be masked for every real query and so makes its kv block partial).  Modelled
@@ -35,11 +37,12 @@ from tabulate import tabulate
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_attention import TreeSpec, random_tree_paths  # noqa: E402
 from bench_fa4_attention import DEEP  # noqa: E402
-from trees import agentic_paths  # noqa: E402
+from trees import agentic_paths, synthetic_paths  # noqa: E402
 
 from treecompile import Tree  # noqa: E402
 from treecompile.ops.flex_tree_attention import tree_block_classes  # noqa: E402
 from treecompile.ops.tree_layout import heavy_first_order, permuted_subtree_end  # noqa: E402
+from treecompile.ops.varlen_tree_attention import segment_plan  # noqa: E402
 
 BLOCK = 128
 
@@ -82,6 +85,27 @@ def q_padded(se: torch.Tensor, budget: float, thr: int, block: int = BLOCK):
     return qpos[:T], qpos[se], q_len, off
 
 
+def varlen_tiles(plan, block: int = BLOCK) -> tuple[int, int]:
+    """(computed, partial) tiles of a varlen causal kernel over ``plan``'s segments (ops/varlen_tree_attention.py):
+    segment j is bottom-right causal, ``n`` queries over ``m`` keys (query i sees keys ``< m - n + i + 1``); a
+    tile is computed if any entry is visible, partial unless all ``block x block`` entries are (the diagonal and
+    the ragged last row/column of tiles: FA masks both by position, no mask_mod).  The tail (tokens that see
+    only themselves) is not the kernel's."""
+    computed = partial = 0
+    cq, ck = plan.cu_seqlens_q_host, plan.cu_seqlens_k_host
+    for j in range(plan.segments):
+        n, m = cq[j + 1] - cq[j], ck[j + 1] - ck[j]
+        qb = torch.arange(-(-n // block))
+        q_lo, q_hi = qb * block, torch.clamp((qb + 1) * block, max=n)  # rows [q_lo, q_hi)
+        reach = m - n + q_hi  # keys [0, reach) are visible to some row of the q tile
+        nk = -(-reach // block)
+        full_k = torch.clamp((m - n + q_lo + 1) // block, min=0)  # kv tiles every row sees whole
+        full_k = torch.where(q_hi - q_lo == block, torch.minimum(full_k, torch.full_like(full_k, m // block)), 0)
+        computed += int(nk.sum())
+        partial += int((nk - full_k).sum())
+    return computed, partial
+
+
 def layout_row(case, layout, partial, full, nnz, pads=0) -> dict:
     P, F = int(partial.sum()), int(full.sum())
     return dict(tree=case, layout=layout, tiles=P + F, partial=P, partial_pct=round(100 * P / (P + F), 1),
@@ -108,6 +132,11 @@ def model_tree(case: str, tree: Tree, budgets=(0.05, 0.10)) -> list[dict]:
             if best is None or cost < best[0]:
                 best = (cost, r | dict(thr=thr))
         rows.append(best[1])
+    plan = segment_plan(se)
+    tiles, part = varlen_tiles(plan)
+    rows.append(dict(tree=case, layout="varlen", tiles=tiles, partial=part, partial_pct=round(100 * part / tiles, 1),
+                     useful=round((nnz - (T - plan.tail)) / (tiles * BLOCK * BLOCK), 3), pad_rows=0,
+                     gathered_x_T=round(plan.gathered / T, 2)))
     causal_tiles = (T // BLOCK) * (T // BLOCK + 1) // 2
     for r in rows:
         r.update(T=T, causal_useful=round(T * (T + 1) / 2 / (causal_tiles * BLOCK * BLOCK), 3))
@@ -119,6 +148,7 @@ def main() -> None:
     ap.add_argument("--sizes", default="16384,32768,65536")
     ap.add_argument("--pors", default="0.5,0.9")
     ap.add_argument("--deep", default="deep-16k,deep-32k")
+    ap.add_argument("--harness", default="", help="the harness's synthetic trees, comma-separated PATHSxLEN@POR")
     ap.add_argument("--out", default=None, help="folder for tile_cost_model.{json,md}")
     a = ap.parse_args()
     cases = []
@@ -126,6 +156,11 @@ def main() -> None:
         for por in [float(p) for p in a.pors.split(",") if p]:
             tree = Tree.from_paths(random_tree_paths(TreeSpec(T, por)))
             cases.append((f"syn T={T} POR={tree.por:.2f}", tree))
+    for item in [x for x in a.harness.split(",") if x]:
+        shape, _, por = item.partition("@")
+        n, _, length = shape.partition("x")
+        tree = Tree.from_paths(synthetic_paths(int(n), int(length), float(por)))
+        cases.append((f"harness {item} T={tree.num_tokens} POR={tree.por:.2f}", tree))
     for spec in DEEP:
         if spec.name in a.deep.split(","):
             tree = Tree.from_paths(agentic_paths(spec))

@@ -219,3 +219,28 @@ def test_compiled_model_with_fa4_varlen_matches_flex():
     (l1, g1), (l2, g2) = runs["flex"], runs["fa4_varlen"]
     assert abs(float(l1 - l2)) <= 1e-2 * abs(float(l1))
     assert float(torch.nn.functional.cosine_similarity(g1, g2, 0)) > 0.999
+
+
+# ---------------------------------------------------------------------------- the tile cost model's varlen rows
+@pytest.mark.parametrize("name", ["forest", "one_token_nodes", "prefix_of_other", "single_path"])
+def test_varlen_tile_counts_equal_brute_force(name, monkeypatch):
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))  # its own imports
+    from benchmarks.tile_cost_model import varlen_tiles
+
+    paths = forest_paths(90, 3, seed=2) if name == "forest" else ODD_TREES[name]
+    plan = segment_plan(_batch(paths).subtree_end)
+    blk = 4
+    computed = partial = 0
+    cq, ck = plan.cu_seqlens_q_host, plan.cu_seqlens_k_host
+    for j in range(plan.segments):
+        n, m = cq[j + 1] - cq[j], ck[j + 1] - ck[j]
+        nq, nk = -(-n // blk), -(-m // blk)
+        vis = torch.zeros(nq * blk, nk * blk, dtype=torch.bool)  # padded to whole tiles: padding never visible
+        vis[:n, :m] = torch.arange(m)[None, :] <= torch.arange(n)[:, None] + (m - n)
+        tiles = vis.view(nq, blk, nk, blk)
+        any_, all_ = tiles.any(3).any(1), tiles.all(3).all(1)
+        computed += int(any_.sum())
+        partial += int((any_ & ~all_).sum())
+    assert varlen_tiles(plan, block=blk) == (computed, partial)
