@@ -174,6 +174,35 @@ def test_lowering_fa4_varlen():
     assert lc._boundary_kernel("fa4_varlen") == "flex"
 
 
+def test_lowered_model_with_varlen_attention_equals_the_rewritten_graph(monkeypatch):
+    """The lowering's wiring (arguments, scale, the unused block-mask input) on CPU in float64: the input check
+    let through, the op runs its reference kernel; loss, log-probs and every gradient as the rewritten graph's."""
+    from helpers import cached_compile, cached_model, tiny_dense
+    from treecompile.passes import lower_cuda as lc
+
+    tm = cached_compile(cached_model("dense-tiny", tiny_dense))
+    prog = tm.program
+    monkeypatch.setattr(lc, "fa4_unusable_reason", lambda q=None: None)  # the setup probe: as where FA4 runs
+    monkeypatch.setattr(lc, "varlen_input_reason", lambda q: None)
+    low = lc.lower_cuda(prog.graph_module, lc.CudaOptions(compile_cuda=False, gdn_kernel="reference",
+                                                          attention_kernel="fa4_varlen"))
+    assert low.attention_varlen == 2
+    batch = Tree.from_paths(forest_paths(60, 2, seed=4)).to_batch(pad_to_multiple=16)
+    batch.input_ids = batch.input_ids % 97
+    runs = []
+    for module, extra in ((prog.graph_module, []), (low.graph_module, [None])):  # no block mask for varlen
+        values = [prog.lifted_value(x) for x in prog.lifted]
+        out = module(*values, *prog.batch_args(batch), *extra)
+        leaves = [x for x in values if x.requires_grad]
+        runs.append((out[0].detach(), out[1].detach(), torch.autograd.grad(out[0], leaves)))
+    (l0, lp0, g0), (l1, lp1, g1) = runs
+    torch.testing.assert_close(l1, l0, rtol=1e-12, atol=0)
+    torch.testing.assert_close(lp1, lp0, rtol=1e-12, atol=1e-12)
+    assert len(g0) == len(g1) > 0
+    for a, b in zip(g1, g0):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
 # ---------------------------------------------------------------------------- GPU
 def _gpu_reason():
     if not torch.cuda.is_available():

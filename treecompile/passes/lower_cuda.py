@@ -236,13 +236,18 @@ def _flex_eager(q, k, v, block_mask, scale, kernel="flex", setup_reason=None, or
     return attend(q, k, v) if order is None else reordered_attention(attend, q, k, v, order)
 
 
+def varlen_input_reason(q) -> str | None:
+    """Why FA4's varlen kernel cannot take attention inputs ``q`` (None when it can)."""
+    if q.device.type != "cuda" or q.dtype not in (torch.bfloat16, torch.float16):
+        return f"FA4's varlen kernel takes bfloat16/float16 CUDA inputs, got {q.dtype} on {q.device.type}"
+    return None
+
+
 def _varlen(q, k, v, subtree_end, scale, setup_reason=None):
     """``attention_kernel="fa4_varlen"``: ``treecompile::tree_attention_varlen_fwd`` (an opaque op in the compiled
     graph, with its own backward op).  Checked when the graph is traced: FA4 installed on sm_90+ (the lowering's
     probe) and half-precision CUDA inputs, else RuntimeError naming the reason."""
-    reason = setup_reason
-    if reason is None and (q.device.type != "cuda" or q.dtype not in (torch.bfloat16, torch.float16)):
-        reason = f"FA4's varlen kernel takes bfloat16/float16 CUDA inputs, got {q.dtype} on {q.device.type}"
+    reason = setup_reason or varlen_input_reason(q)
     if reason is not None:
         raise RuntimeError(f"attention_kernel='fa4_varlen': {reason}")
     if scale is None:
