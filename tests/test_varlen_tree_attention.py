@@ -187,8 +187,7 @@ def test_lowered_model_with_varlen_attention_equals_the_rewritten_graph(monkeypa
     low = lc.lower_cuda(prog.graph_module, lc.CudaOptions(compile_cuda=False, gdn_kernel="reference",
                                                           attention_kernel="fa4_varlen"))
     assert low.attention_varlen == 2
-    batch = Tree.from_paths(forest_paths(60, 2, seed=4)).to_batch(pad_to_multiple=16)
-    batch.input_ids = batch.input_ids % 97
+    batch = Tree.from_paths([[t % 97 for t in p] for p in forest_paths(60, 2, seed=4)]).to_batch(pad_to_multiple=16)
     runs = []
     for module, extra in ((prog.graph_module, []), (low.graph_module, [None])):  # no block mask for varlen
         values = [prog.lifted_value(x) for x in prog.lifted]
@@ -236,8 +235,7 @@ def test_compiled_model_with_fa4_varlen_matches_flex():
     cfg = DenseConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=128)
     model = DenseForCausalLM(cfg).cuda().to(torch.bfloat16)
-    b = Tree.from_paths(forest_paths(900, 2, seed=5)).to_batch(device="cuda")
-    b.input_ids = b.input_ids % cfg.vocab_size
+    b = Tree.from_paths([[t % cfg.vocab_size for t in p] for p in forest_paths(900, 2, seed=5)]).to_batch(device="cuda")
     runs = {}
     for kernel in ("flex", "fa4_varlen"):
         tm = treecompile.compile(model, attention_kernel=kernel)
