@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from treecompile.ops.last_batch import LastBatch
+
 __all__ = [
     "COMPUTE_DTYPE",
     "CALL_COST_ROWS",
@@ -388,30 +390,6 @@ def cheapest_plan(node_start: Tensor, node_end: Tensor, node_parent: Tensor, *,
         if r >= segs.tokens or sched.calls <= 1:
             return _materialize(segs, best, node_start.device)
         r = min(segs.tokens, max(1, 2 * r))
-
-
-class LastBatch:
-    """A value built from one batch's tensors, kept while the same tensor objects come back unchanged.
-
-    Every GDN layer of a step gets the same tree tensors, so a host-side plan (one host sync) is built once per
-    batch, not once per layer.  Keyed on the tensors' identity (the entry holds them, so their ids cannot pass
-    to other tensors), their version counters (an in-place change rebuilds) and a ``key``."""
-
-    def __init__(self):
-        self._entry: tuple = ()
-
-    def get(self, tensors: tuple[Tensor, ...], key, build):
-        versions = tuple(t._version for t in tensors)
-        e = self._entry
-        if (e and len(e[0]) == len(tensors) and all(a is b for a, b in zip(e[0], tensors))
-                and e[1] == versions and e[2] == key):
-            return e[3]
-        value = build()
-        self._entry = (tuple(tensors), versions, key, value)
-        return value
-
-    def clear(self) -> None:
-        self._entry = ()
 
 
 _PLANS = LastBatch()  # the plan of the last batch

@@ -18,7 +18,7 @@ summed back in float32 (the root's rows appear in every segment).  A trailing ru
 themselves (the padding of a length bucket: up to T/8 of them) is not handed to the kernel as that many
 one-token sequences: each one's output is its own value row (softmax over one key), computed directly.
 The plan (host work, one sync) is built once per batch and kept while the same ``subtree_end`` tensor comes
-back (:class:`fla_gdn.LastBatch`).
+back (:class:`last_batch.LastBatch`).
 
 Where the gather is large (deep trees of short nodes: every leaf re-reads the whole spine) the block-sparse
 kernels (flex / FA4 ``mask_mod``) do less work; :func:`segment_plan` reports ``G`` so a caller can choose.
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .fla_gdn import LastBatch
+from .last_batch import LastBatch
 
 __all__ = ["SegmentPlan", "segment_plan", "tree_attention_varlen", "varlen_attention_reference",
            "varlen_attention_reference_bwd"]

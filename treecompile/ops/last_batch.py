@@ -1,0 +1,35 @@
+"""A value built from one batch's tensors, kept while the same tensors come back (host-side plans).
+
+Every layer of a step gets the same tree tensors, so a plan built on the host from them (one host sync) is
+built once per batch, not once per layer: the fla GDN call plan (``fla_gdn``), the conv segments
+(``fla_conv``) and the varlen attention segments (``varlen_tree_attention``) each keep one.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+__all__ = ["LastBatch"]
+
+
+class LastBatch:
+    """A value built from one batch's tensors, kept while the same tensor objects come back unchanged.
+
+    Keyed on the tensors' identity (the entry holds them, so their ids cannot pass
+    to other tensors), their version counters (an in-place change rebuilds) and a ``key``."""
+
+    def __init__(self):
+        self._entry: tuple = ()
+
+    def get(self, tensors: tuple[Tensor, ...], key, build):
+        versions = tuple(t._version for t in tensors)
+        e = self._entry
+        if (e and len(e[0]) == len(tensors) and all(a is b for a, b in zip(e[0], tensors))
+                and e[1] == versions and e[2] == key):
+            return e[3]
+        value = build()
+        self._entry = (tuple(tensors), versions, key, value)
+        return value
+
+    def clear(self) -> None:
+        self._entry = ()
