@@ -115,6 +115,18 @@ def test_opcheck():
                           (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), b.subtree_end, 0.35))
 
 
+def test_traced_fullgraph_under_aot_autograd():
+    """dynamo (fullgraph) and AOT autograd through the op and its backward op, as inductor's front end sees them."""
+    b = _batch(forest_paths(80, 2, seed=1), 32)
+    q, k, v = _qkv(b.seq_len, 4, 2, 16, seed=2)
+    f = torch.compile(lambda q, k, v, se: (tree_attention_varlen(q, k, v, se) * 1.5).sum(), backend="aot_eager",
+                      fullgraph=True)
+    got = torch.autograd.grad(f(q, k, v, b.subtree_end), (q, k, v))
+    ref = torch.autograd.grad((tree_attention_reference(q, k, v, b.subtree_end) * 1.5).sum(), (q, k, v))
+    for x, r in zip(got, ref):
+        torch.testing.assert_close(x, r, rtol=1e-12, atol=1e-12)
+
+
 def test_bad_subtree_end_is_named():
     with pytest.raises(ValueError, match=r"subtree_end\[2\] = 2"):
         segment_plan(torch.tensor([3, 3, 2]))  # token 2 would not see itself
