@@ -50,7 +50,7 @@ from tabulate import tabulate
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_attention import H, HKV, D, DTYPE, TreeSpec, random_tree_paths, sampled_rows_error, tree_stats  # noqa: E402
-from trees import AgenticSpec, agentic_paths, synthetic_paths  # noqa: E402
+from trees import AgenticSpec, agentic_paths, harness_tree_paths  # noqa: E402
 
 from treecompile import Tree  # noqa: E402
 from treecompile.ops import fa4_tree_attention as fa4  # noqa: E402
@@ -227,9 +227,7 @@ def main() -> None:
             tree = Tree.from_paths(random_tree_paths(TreeSpec(T, por)))
             cases.append((f"syn T={T} POR={tree.por:.2f}", tree))
     for item in [x for x in a.harness.split(",") if x]:
-        shape, _, por = item.partition("@")
-        n, _, length = shape.partition("x")
-        tree = Tree.from_paths(synthetic_paths(int(n), int(length), float(por)))
+        tree = Tree.from_paths(harness_tree_paths(item))
         cases.append((f"harness {item} T={tree.num_tokens} POR={tree.por:.2f}", tree))
     for spec in DEEP:
         if a.deep != "none" and spec.name in a.deep.split(","):

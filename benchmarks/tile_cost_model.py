@@ -37,7 +37,7 @@ from tabulate import tabulate
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_attention import TreeSpec, random_tree_paths  # noqa: E402
 from bench_fa4_attention import DEEP  # noqa: E402
-from trees import agentic_paths, synthetic_paths  # noqa: E402
+from trees import agentic_paths, harness_tree_paths  # noqa: E402
 
 from treecompile import Tree  # noqa: E402
 from treecompile.ops.flex_tree_attention import tree_block_classes  # noqa: E402
@@ -157,9 +157,7 @@ def main() -> None:
             tree = Tree.from_paths(random_tree_paths(TreeSpec(T, por)))
             cases.append((f"syn T={T} POR={tree.por:.2f}", tree))
     for item in [x for x in a.harness.split(",") if x]:
-        shape, _, por = item.partition("@")
-        n, _, length = shape.partition("x")
-        tree = Tree.from_paths(synthetic_paths(int(n), int(length), float(por)))
+        tree = Tree.from_paths(harness_tree_paths(item))
         cases.append((f"harness {item} T={tree.num_tokens} POR={tree.por:.2f}", tree))
     for spec in DEEP:
         if spec.name in a.deep.split(","):

@@ -158,3 +158,14 @@ def agentic_specs(scale: float = 1.0) -> list[AgenticSpec]:
                     fanout_turns=(3, 6), seed=4),
     ]
     return [s.scaled(scale) for s in suite]
+
+
+def harness_tree_paths(item: str) -> list[list[int]]:
+    """Paths of a harness synthetic tree named ``PATHSxLEN@POR`` (e.g. ``32x2048@0.5``: :func:`synthetic_paths`),
+    as ``--harness`` of the attention benchmark and the tile cost model take them."""
+    shape, _, por = item.partition("@")
+    n, _, length = shape.partition("x")
+    try:
+        return synthetic_paths(int(n), int(length), float(por))
+    except ValueError as e:
+        raise ValueError(f"{item!r}: expected PATHSxLEN@POR, e.g. 32x2048@0.5 ({e})") from None

@@ -233,6 +233,16 @@ def _rebind_memo(m0, m):
     return memo
 
 
+def run_program_graph(prog, module, batch, *extra):
+    """``module`` (the program's rewritten graph, or a copy of it lowered or rewritten further) run eagerly on
+    ``batch`` with the program's lifted values and batch inputs, then ``extra`` (the lowering's added inputs):
+    ``(loss, log-probs, gradients of every trainable lifted value)``."""
+    values = [prog.lifted_value(x) for x in prog.lifted]
+    out = module(*values, *prog.batch_args(batch), *extra)
+    leaves = [v for v in values if v.requires_grad]
+    return out[0].detach(), out[1].detach(), torch.autograd.grad(out[0], leaves)
+
+
 def materialized_run_is_exact(tmodel, batch) -> int:
     """The rewritten graph of ``tmodel`` with its position-only values materialized (what the compiled CUDA
     lowering does: ``lower_cuda.materialize_position_values``) run on ``batch``: asserts its loss, log-probs
@@ -243,13 +253,8 @@ def materialized_run_is_exact(tmodel, batch) -> int:
     graph = torch.fx.Graph()
     graph.output(graph.graph_copy(prog.graph_module.graph, {}))
     count = materialize_position_values(graph, prog.constant_inputs(), prog.graph_module)
-    runs = []
-    for module in (prog.graph_module, torch.fx.GraphModule(prog.graph_module, graph)):
-        values = [prog.lifted_value(x) for x in prog.lifted]
-        out = module(*values, *prog.batch_args(batch))
-        leaves = [v for v in values if v.requires_grad]
-        runs.append((out[0].detach(), out[1].detach(), torch.autograd.grad(out[0], leaves)))
-    (l0, lp0, g0), (l1, lp1, g1) = runs
+    (l0, lp0, g0), (l1, lp1, g1) = (run_program_graph(prog, m, batch)
+                                    for m in (prog.graph_module, torch.fx.GraphModule(prog.graph_module, graph)))
     assert torch.equal(l0, l1) and torch.equal(lp0, lp1) and len(g0) == len(g1) > 0
     assert all(torch.equal(a, b) for a, b in zip(g0, g1))
     return count

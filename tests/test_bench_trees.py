@@ -252,3 +252,13 @@ def test_baselines_materialize_rope_tables_without_changing_them(kind):
     assert wrappers[0] is wrappers[1]
     for out, grads in runs[1:]:
         assert torch.equal(out, runs[0][0]) and all(torch.equal(a, b) for a, b in zip(grads, runs[0][1]))
+
+
+def test_harness_tree_paths_names_the_bad_item():
+    from benchmarks.trees import harness_tree_paths
+
+    paths = harness_tree_paths("4x64@0.5")
+    assert paths == synthetic_paths(4, 64, 0.5)
+    for bad in ("4x64", "4-64@0.5", "0x64@0.5"):
+        with pytest.raises(ValueError, match=f"'{bad}': expected PATHSxLEN@POR"):
+            harness_tree_paths(bad)

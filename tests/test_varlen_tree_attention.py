@@ -184,12 +184,14 @@ def test_lowering_fa4_varlen():
         lc._varlen(q, q, q, torch.arange(1, 9), None, "no GPU")
     # boundary programs (redundancy-free partitions) attend through flex's Triton kernel
     assert lc._boundary_kernel("fa4_varlen") == "flex"
+    with pytest.raises(ValueError, match="not a FlexAttention kernel"):
+        lc.resolve_attention_kernel("fa4_varlen", q)
 
 
 def test_lowered_model_with_varlen_attention_equals_the_rewritten_graph(monkeypatch):
     """The lowering's wiring (arguments, scale, the unused block-mask input) on CPU in float64: the input check
     let through, the op runs its reference kernel; loss, log-probs and every gradient as the rewritten graph's."""
-    from helpers import cached_compile, cached_model, tiny_dense
+    from helpers import cached_compile, cached_model, run_program_graph, tiny_dense
     from treecompile.passes import lower_cuda as lc
 
     tm = cached_compile(cached_model("dense-tiny", tiny_dense))
@@ -200,13 +202,8 @@ def test_lowered_model_with_varlen_attention_equals_the_rewritten_graph(monkeypa
                                                           attention_kernel="fa4_varlen"))
     assert low.attention_varlen == 2
     batch = Tree.from_paths([[t % 97 for t in p] for p in forest_paths(60, 2, seed=4)]).to_batch(pad_to_multiple=16)
-    runs = []
-    for module, extra in ((prog.graph_module, []), (low.graph_module, [None])):  # no block mask for varlen
-        values = [prog.lifted_value(x) for x in prog.lifted]
-        out = module(*values, *prog.batch_args(batch), *extra)
-        leaves = [x for x in values if x.requires_grad]
-        runs.append((out[0].detach(), out[1].detach(), torch.autograd.grad(out[0], leaves)))
-    (l0, lp0, g0), (l1, lp1, g1) = runs
+    l0, lp0, g0 = run_program_graph(prog, prog.graph_module, batch)
+    l1, lp1, g1 = run_program_graph(prog, low.graph_module, batch, None)  # no block mask for varlen
     torch.testing.assert_close(l1, l0, rtol=1e-12, atol=0)
     torch.testing.assert_close(lp1, lp0, rtol=1e-12, atol=1e-12)
     assert len(g0) == len(g1) > 0

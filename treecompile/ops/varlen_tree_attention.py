@@ -167,6 +167,20 @@ def _plan(subtree_end: Tensor) -> SegmentPlan:
     return _PLANS.get((subtree_end,), None, lambda: segment_plan(subtree_end))
 
 
+def _segments(q: Tensor, k: Tensor, v: Tensor, plan: SegmentPlan):
+    """Per segment ``j``: (query rows, key rows, ``[H, n, D]`` queries, ``[H, m, D]`` keys and values with the
+    kv heads repeated for GQA, the ``[n, m]`` bottom-right causal visibility), as the reference kernels read them."""
+    r = q.shape[1] // k.shape[1]
+    cq, ck = plan.cu_seqlens_q_host, plan.cu_seqlens_k_host
+    for j in range(plan.segments):
+        rq, rk = slice(cq[j], cq[j + 1]), slice(ck[j], ck[j + 1])
+        qs = q[rq].transpose(0, 1)
+        ks, vs = (x[rk].transpose(0, 1).repeat_interleave(r, 0) for x in (k, v))
+        n, m = qs.shape[1], ks.shape[1]
+        visible = torch.arange(m, device=q.device)[None, :] <= torch.arange(n, device=q.device)[:, None] + (m - n)
+        yield rq, rk, qs, ks, vs, visible
+
+
 def varlen_attention_reference(q: Tensor, k: Tensor, v: Tensor, plan: SegmentPlan,
                                scale: float) -> tuple[Tensor, Tensor]:
     """Bottom-right causal attention per segment: ``q [T, H, D]``, gathered ``k``/``v`` ``[G, Hkv, D]`` ->
@@ -174,17 +188,9 @@ def varlen_attention_reference(q: Tensor, k: Tensor, v: Tensor, plan: SegmentPla
     half precision computed in float32, as the kernels accumulate)."""
     dtype = q.dtype
     q, k, v = (x.to(torch.promote_types(torch.float32, dtype)) for x in (q, k, v))
-    H, Hkv = q.shape[1], k.shape[1]
     outs, lses = [], []
-    cq, ck = plan.cu_seqlens_q_host, plan.cu_seqlens_k_host
-    for j in range(plan.segments):
-        qs = q[cq[j]:cq[j + 1]].transpose(0, 1)  # [H, n, D]
-        ks = k[ck[j]:ck[j + 1]].transpose(0, 1).repeat_interleave(H // Hkv, 0)
-        vs = v[ck[j]:ck[j + 1]].transpose(0, 1).repeat_interleave(H // Hkv, 0)
-        n, m = qs.shape[1], ks.shape[1]
-        s = (qs @ ks.transpose(1, 2)) * scale
-        visible = torch.arange(m, device=q.device)[None, :] <= torch.arange(n, device=q.device)[:, None] + (m - n)
-        s = s.masked_fill(~visible, float("-inf"))
+    for _, _, qs, ks, vs, visible in _segments(q, k, v, plan):
+        s = ((qs @ ks.transpose(1, 2)) * scale).masked_fill(~visible, float("-inf"))
         lse = torch.logsumexp(s, -1)
         outs.append((torch.exp(s - lse[..., None]) @ vs).transpose(0, 1))
         lses.append(lse)
@@ -198,24 +204,17 @@ def varlen_attention_reference_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor
     does not record.  Half precision computed in float32."""
     dtype = q.dtype
     q, k, v, dout = (x.to(torch.promote_types(torch.float32, dtype)) for x in (q, k, v, dout))
-    H, Hkv = q.shape[1], k.shape[1]
-    r = H // Hkv
+    Hkv = k.shape[1]
+    r = q.shape[1] // Hkv
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    cq, ck = plan.cu_seqlens_q_host, plan.cu_seqlens_k_host
-    for j in range(plan.segments):
-        qs = q[cq[j]:cq[j + 1]].transpose(0, 1)  # [H, n, D]
-        dos = dout[cq[j]:cq[j + 1]].transpose(0, 1)
-        ks = k[ck[j]:ck[j + 1]].transpose(0, 1).repeat_interleave(r, 0)
-        vs = v[ck[j]:ck[j + 1]].transpose(0, 1).repeat_interleave(r, 0)
-        n, m = qs.shape[1], ks.shape[1]
-        s = (qs @ ks.transpose(1, 2)) * scale
-        visible = torch.arange(m, device=q.device)[None, :] <= torch.arange(n, device=q.device)[:, None] + (m - n)
-        p = torch.softmax(s.masked_fill(~visible, float("-inf")), -1)
+    for rq, rk, qs, ks, vs, visible in _segments(q, k, v, plan):
+        dos = dout[rq].transpose(0, 1)
+        p = torch.softmax(((qs @ ks.transpose(1, 2)) * scale).masked_fill(~visible, float("-inf")), -1)
         dp = dos @ vs.transpose(1, 2)
         ds = p * (dp - (dp * p).sum(-1, keepdim=True)) * scale
-        dq[cq[j]:cq[j + 1]] = (ds @ ks).transpose(0, 1)
-        dk[ck[j]:ck[j + 1]] = (ds.transpose(1, 2) @ qs).unflatten(0, (Hkv, r)).sum(1).transpose(0, 1)
-        dv[ck[j]:ck[j + 1]] = (p.transpose(1, 2) @ dos).unflatten(0, (Hkv, r)).sum(1).transpose(0, 1)
+        dq[rq] = (ds @ ks).transpose(0, 1)
+        dk[rk] = (ds.transpose(1, 2) @ qs).unflatten(0, (Hkv, r)).sum(1).transpose(0, 1)
+        dv[rk] = (p.transpose(1, 2) @ dos).unflatten(0, (Hkv, r)).sum(1).transpose(0, 1)
     return dq.to(dtype), dk.to(dtype), dv.to(dtype)
 
 
@@ -298,7 +297,8 @@ def _(q, k, v, subtree_end, scale):
 def tree_attention_varlen_bwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor,
                               subtree_end: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) in the layouts of :func:`_heads_major`; key/value gradients summed over their gathered
-    copies in float32."""
+    copies in float32.  K/V are gathered again here rather than saved by the forward (G rows per layer, ~2x T
+    on wide trees: kept over the whole backward of every layer it would cost more than the gather)."""
     plan = _plan(subtree_end)
     idx, n = plan.key_index, plan.tail
     q_t, k_t, v_t, dout_t = _tokens_major(q), _tokens_major(k), _tokens_major(v), _tokens_major(dout)

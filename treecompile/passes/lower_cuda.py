@@ -65,10 +65,10 @@ import treecompile.ops.fla_conv  # noqa: F401
 import treecompile.ops.moe  # noqa: F401
 import treecompile.ops.moe_grouped  # noqa: F401
 import treecompile.ops.materialize  # noqa: F401
-import treecompile.ops.varlen_tree_attention  # noqa: F401
 from treecompile.ops.fa4_tree_attention import (FA4_KERNEL_OPTIONS, fa4_input_reason, fa4_unusable_reason,
                                                 tree_attention_fa4)
 from treecompile.ops.flex_tree_attention import kernel_options_for, tree_attention_flex, tree_block_mask
+from treecompile.ops.varlen_tree_attention import tree_attention_varlen
 from treecompile.ops.flex_tree_attention_boundary import boundary_block_mask, tree_attention_boundary_flex
 from treecompile.ops.tree_layout import heavy_first_order, permuted_subtree_end, reordered_attention
 
@@ -198,8 +198,11 @@ def resolve_attention_kernel(requested: str, q, setup_reason=_PROBE) -> str:
     and warns once per reason."""
     if requested == "flex":
         return "flex"
-    if requested not in ATTENTION_KERNELS or requested == "fa4_varlen":  # fa4_varlen never reaches flex
+    if requested not in ATTENTION_KERNELS:
         raise ValueError(f"attention_kernel: expected one of {ATTENTION_KERNELS}, got {requested!r}")
+    if requested == "fa4_varlen":
+        raise ValueError("attention_kernel='fa4_varlen' is not a FlexAttention kernel (lower_cuda lowers its "
+                         "attention to ops.varlen_tree_attention)")
     if setup_reason is _PROBE:
         reason = fa4_unusable_reason(q)
     else:
@@ -250,9 +253,7 @@ def _varlen(q, k, v, subtree_end, scale, setup_reason=None):
     reason = setup_reason or varlen_input_reason(q)
     if reason is not None:
         raise RuntimeError(f"attention_kernel='fa4_varlen': {reason}")
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1])
-    return torch.ops.treecompile.tree_attention_varlen_fwd(q, k, v, subtree_end, float(scale))[0]
+    return tree_attention_varlen(q, k, v, subtree_end, scale)
 
 
 def _boundary_kernel(kernel: str) -> str:
@@ -364,17 +365,16 @@ def lower_cuda(gm: fx.GraphModule, options: CudaOptions, *, boundary: bool = Fal
             order = graph.placeholder("tree_attention_order")
     attention = gdn_fla = triton_head = conv_fla = moe_grouped = attention_varlen = 0
     for n in list(graph.nodes):
-        if n.op == "call_function" and n.target == TREE_ATTENTION and options.attention_kernel == "fa4_varlen":
+        if n.op == "call_function" and n.target == TREE_ATTENTION:
             q, k, v, subtree_end = n.args[:4]
             scale = n.args[4] if len(n.args) > 4 else n.kwargs.get("scale")
-            _replace(graph, n, _varlen, (q, k, v, subtree_end, scale, setup_reason))
-            attention_varlen += 1
-        elif n.op == "call_function" and n.target == TREE_ATTENTION:
-            q, k, v, _subtree_end = n.args[:4]
-            scale = n.args[4] if len(n.args) > 4 else n.kwargs.get("scale")
-            _replace(graph, n, _flex if compiled else _flex_eager, (q, k, v, mask, scale, options.attention_kernel,
-                                                                         setup_reason, order))
-            attention += 1
+            if options.attention_kernel == "fa4_varlen":  # no block mask: the op plans from subtree_end
+                _replace(graph, n, _varlen, (q, k, v, subtree_end, scale, setup_reason))
+                attention_varlen += 1
+            else:
+                _replace(graph, n, _flex if compiled else _flex_eager, (q, k, v, mask, scale, options.attention_kernel,
+                                                                             setup_reason, order))
+                attention += 1
         elif n.op == "call_function" and n.target == TREE_ATTENTION_BOUNDARY:
             q, k, v, _subtree_end, boundary_k, boundary_v, _visible = n.args[:7]
             scale = n.args[7] if len(n.args) > 7 else n.kwargs.get("scale")
@@ -443,15 +443,14 @@ def _pure_op(target) -> bool:
 _MODE_HOPS = {"wrap_with_set_grad_enabled", "wrap_with_autocast"}
 
 
+def _pure_call(n: fx.Node, root) -> bool:
+    """``n`` computes a value from its inputs only: a pure op, ``getitem``, or a mode region with a pure subgraph."""
+    return n.op == "call_function" and (_pure_op(n.target) or n.target is operator.getitem or _pure_hop(n, root))
+
+
 def _pure_graph(gm) -> bool:
     """Every node of ``gm``'s graph computes a value from its inputs only (no randomness, no mutation)."""
-    for n in gm.graph.nodes:
-        if n.op in ("placeholder", "output", "get_attr"):
-            continue
-        if n.op != "call_function" or not (_pure_op(n.target) or n.target is operator.getitem
-                                           or _pure_hop(n, gm)):
-            return False
-    return True
+    return all(n.op in ("placeholder", "output", "get_attr") or _pure_call(n, gm) for n in gm.graph.nodes)
 
 
 def _pure_hop(n: fx.Node, root) -> bool:
@@ -481,15 +480,14 @@ def materialize_position_values(graph: fx.Graph, constants: Collection[str] = ()
         if n.op == "get_attr" and root is not None:
             only.add(n)
             continue
-        if n.op != "call_function" or not (_pure_op(n.target) or n.target is operator.getitem
-                                           or _pure_hop(n, root)):
+        if not _pure_call(n, root):
             continue
         inputs = n.all_input_nodes
         if all(i in only for i in inputs):
             only.add(n)
             if any(i in from_pos for i in inputs):
                 from_pos.add(n)
-    chosen: list[fx.Node] = []
+    chosen: dict[fx.Node, None] = {}  # graph order, O(1) membership
     for n in [n for n in graph.nodes if n in from_pos]:  # graph order: a deterministic graph
         if n is pos or not isinstance(n.meta.get("val"), torch.Tensor) or all(u in only for u in n.users):
             continue
@@ -499,7 +497,7 @@ def materialize_position_values(graph: fx.Graph, constants: Collection[str] = ()
         width = _per_token_width(n.meta["val"], T)
         if width is None or width > MATERIALIZE_MAX_WIDTH or not n.meta["val"].is_floating_point() or n in chosen:
             continue
-        chosen.append(n)
+        chosen[n] = None
     for n in chosen:
         with graph.inserting_after(n):
             m = graph.call_function(MATERIALIZE, (n,))
