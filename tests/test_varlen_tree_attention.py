@@ -4,8 +4,9 @@ CPU: the segment plan expands to exactly the dense tree mask (odd trees, forests
 the op (plan, key gather, float32 scatter-add of key gradients, autograd) equals the dense-mask reference in
 float64 to rounding, opcheck; bad ``subtree_end`` is refused naming the token; the lowering's
 ``attention_kernel="fa4_varlen"`` option.  GPU (``-m gpu``, flash-attn-4 on sm_90+): FA4's varlen kernel through
-the op, output and q/k/v gradients within 2x the bf16 dense kernel's error against a float64 oracle, and a
-compiled model's step with it against the flex lowering.
+the op (both plans: the segments, and FA4's block-sparse kernels the op takes for trees whose segments gather
+more than ``VARLEN_GATHER_LIMIT`` x T rows), output and q/k/v gradients within 2x the bf16 dense kernel's error
+against a float64 oracle, and a compiled model's step with it against the flex lowering (a deep tree too).
 """
 
 from __future__ import annotations
@@ -158,10 +159,57 @@ def test_plan_is_kept_per_batch():
     from treecompile.ops import varlen_tree_attention as vta
 
     se = _batch([[1, 2, 3], [1, 4]]).subtree_end
-    p1 = vta._plan(se)
-    assert vta._plan(se) is p1
+    q = torch.empty(1, 2, se.numel(), 8, dtype=torch.float64)
+    p1 = vta._plan(se, q)
+    assert vta._plan(se, q) is p1
     se2 = se.clone()
-    assert vta._plan(se2) is not p1 and vta._plan(se2).cu_seqlens_q_host == p1.cu_seqlens_q_host
+    assert vta._plan(se2, q) is not p1 and vta._plan(se2, q).cu_seqlens_q_host == p1.cu_seqlens_q_host
+
+
+def _deep_paths(levels: int = 12, leaves_per_level: int = 2) -> list[list[int]]:
+    """A spine of 3-token nodes with short leaves off every level: each leaf re-reads the spine (G >> T)."""
+    spine, paths, nxt = [], [], iter(range(10**6))
+    for _ in range(levels):
+        spine = spine + [next(nxt) for _ in range(3)]
+        paths += [spine + [next(nxt) for _ in range(2)] for _ in range(leaves_per_level)]
+    return paths + [spine]
+
+
+def test_deep_trees_take_the_block_sparse_plan():
+    """Above VARLEN_GATHER_LIMIT x T gathered rows the op runs the whole sequence under the tree mask (FA4's
+    block-sparse kernels on CUDA); below, the segments.  Where the block-sparse tiles cannot run (``block_sparse=
+    False``: a head dim FA4's sparse tiles do not take) the segments stay, up to the refusal."""
+    from treecompile.ops import varlen_tree_attention as vta
+
+    deep = _batch(_deep_paths(), 16).subtree_end
+    assert segment_plan(deep).gathered > vta.VARLEN_GATHER_LIMIT * deep.numel()
+    assert isinstance(vta.tree_attention_plan(deep, block_sparse=True), vta.BlockSparsePlan)
+    assert isinstance(vta.tree_attention_plan(deep, block_sparse=False), vta.SegmentPlan)
+    wide = _batch([[1, 2, 3, 4], [1, 2, 5, 6], [7, 8]]).subtree_end  # G = 4 + 4 + 2 = 1.25x T
+    assert isinstance(vta.tree_attention_plan(wide, block_sparse=True), vta.SegmentPlan)
+    p = vta.tree_attention_plan(deep, block_sparse=True)
+    assert p.gathered == segment_plan(deep).gathered and p.tail == deep.numel() and p.mask_end is None  # CPU
+
+
+@pytest.mark.parametrize("limit", [0.0, float("inf")], ids=["block_sparse", "segments"])
+@pytest.mark.parametrize("H,Hkv", [(4, 2), (3, 3)])
+def test_op_on_a_deep_tree_equals_the_dense_reference_both_plans(limit, H, Hkv, monkeypatch):
+    from treecompile.ops import varlen_tree_attention as vta
+
+    monkeypatch.setattr(vta, "VARLEN_GATHER_LIMIT", limit)
+    b = _batch(_deep_paths(9, 3), 32)  # padded: the block-sparse plan's padding sees itself through the mask
+    q, k, v = _qkv(b.seq_len, H, Hkv, 8, seed=H)
+    se = b.subtree_end.clone()  # a tensor of its own: the per-batch plan is not the other parametrization's
+    assert isinstance(vta._plan(se, q), vta.BlockSparsePlan if limit == 0 else vta.SegmentPlan)
+    do = torch.randn(1, H, b.seq_len, 8, dtype=torch.float64)
+    got = out_and_grads(lambda a, b_, c: tree_attention_varlen(a, b_, c, se, scale=0.4), q, k, v, do, torch.float64)
+    ref = out_and_grads(lambda a, b_, c: tree_attention_reference(a, b_, c, se, scale=0.4), q, k, v, do,
+                        torch.float64)
+    for name, x, r in zip(("out", "dq", "dk", "dv"), got, ref):
+        torch.testing.assert_close(x, r, rtol=1e-12, atol=1e-12, msg=name)
+    torch.library.opcheck(torch.ops.treecompile.tree_attention_varlen_fwd.default,
+                          (q.detach().requires_grad_(), k.detach().requires_grad_(), v.detach().requires_grad_(),
+                           se, 0.4))
 
 
 # ---------------------------------------------------------------------------- the lowering's option (CPU)
@@ -228,10 +276,21 @@ CASES = [(63, 1, 128, 4, 2, 128), (1000, 3, 1024, 4, 2, 128), (2900, 1, 3072, 16
 @pytest.mark.skipif(_gpu_reason() is not None, reason=str(_gpu_reason()))
 @pytest.mark.parametrize("T,roots,pad_to,H,Hkv,D", CASES,
                          ids=[f"T{c[0]}_r{c[1]}_pad{c[2]}_H{c[3]}kv{c[4]}_D{c[5]}" for c in CASES])
-def test_fa4_varlen_vs_fp64_oracle(T, roots, pad_to, H, Hkv, D):
-    assert_bf16_tree_kernel_near_oracle(
-        lambda b, scale: lambda q, k, v: tree_attention_varlen(q, k, v, b.subtree_end, scale=scale),
-        T, roots, pad_to, H, Hkv, D)
+@pytest.mark.parametrize("limit", [float("inf"), 0.0], ids=["segments", "block_sparse"])
+def test_fa4_varlen_vs_fp64_oracle(T, roots, pad_to, H, Hkv, D, limit, monkeypatch):
+    """Both plans of the op on the same trees (the gather limit forced each way); head dim 256 has no block-sparse
+    tiles and keeps the segments."""
+    from treecompile.ops import varlen_tree_attention as vta
+
+    monkeypatch.setattr(vta, "VARLEN_GATHER_LIMIT", limit)
+    kinds = []
+
+    def attend(b, scale):
+        kinds.append(type(vta._plan(b.subtree_end, torch.empty(1, H, 1, D, device="cuda", dtype=torch.bfloat16))))
+        return lambda q, k, v: tree_attention_varlen(q, k, v, b.subtree_end, scale=scale)
+
+    assert_bf16_tree_kernel_near_oracle(attend, T, roots, pad_to, H, Hkv, D)
+    assert kinds == [vta.BlockSparsePlan if limit == 0 and D != 256 else vta.SegmentPlan]
 
 
 @pytest.mark.gpu
@@ -243,18 +302,24 @@ def test_compiled_model_with_fa4_varlen_matches_flex():
     torch.manual_seed(0)
     cfg = DenseConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=128)
+    from treecompile.ops import varlen_tree_attention as vta
+
     model = DenseForCausalLM(cfg).cuda().to(torch.bfloat16)
-    b = Tree.from_paths([[t % cfg.vocab_size for t in p] for p in forest_paths(900, 2, seed=5)]).to_batch(device="cuda")
-    runs = {}
-    for kernel in ("flex", "fa4_varlen"):
-        tm = treecompile.compile(model, attention_kernel=kernel)
-        model.zero_grad()
-        out = tm(b)
-        out.loss.backward()
-        runs[kernel] = (out.loss.detach().float(), torch.cat([p.grad.flatten().float() for p in model.parameters()]))
-    (l1, g1), (l2, g2) = runs["flex"], runs["fa4_varlen"]
-    assert abs(float(l1 - l2)) <= 1e-2 * abs(float(l1))
-    assert float(torch.nn.functional.cosine_similarity(g1, g2, 0)) > 0.999
+    tms = {kernel: treecompile.compile(model, attention_kernel=kernel) for kernel in ("flex", "fa4_varlen")}
+    # a wide forest (the segments) and a deep tree of short nodes (the block-sparse plan), one compiled program
+    for paths, kind in ((forest_paths(900, 2, seed=5), vta.SegmentPlan), (_deep_paths(60, 3), vta.BlockSparsePlan)):
+        b = Tree.from_paths([[t % cfg.vocab_size for t in p] for p in paths]).to_batch(device="cuda")
+        assert isinstance(vta.tree_attention_plan(b.subtree_end, block_sparse=True), kind)
+        runs = {}
+        for kernel, tm in tms.items():
+            model.zero_grad()
+            out = tm(b)
+            out.loss.backward()
+            runs[kernel] = (out.loss.detach().float(),
+                            torch.cat([p.grad.flatten().float() for p in model.parameters()]))
+        (l1, g1), (l2, g2) = runs["flex"], runs["fa4_varlen"]
+        assert abs(float(l1 - l2)) <= 1e-2 * abs(float(l1)), kind
+        assert float(torch.nn.functional.cosine_similarity(g1, g2, 0)) > 0.999, kind
 
 
 # ---------------------------------------------------------------------------- the tile cost model's varlen rows

@@ -270,7 +270,8 @@ def compile(model=None, *, disable: tuple[str, ...] = (), debug: bool = False,  
         attention_kernel: ``"auto"``, ``"fa4"``, ``"flex"`` or ``"fa4_varlen"``: the tree attention kernel on
             CUDA (FlashAttention-4 needs ``treecompile[hopper]`` and sm_90+; ``"auto"`` falls back to flex
             with a warning, ``"fa4"`` raises naming the reason; ``"fa4_varlen"``: FA4's varlen kernel over the
-            tree's segments, ``ops.varlen_tree_attention``, explicit only).
+            tree's segments, or per batch its block-sparse kernels where the segments would gather more
+            than 3x the tokens, ``ops.varlen_tree_attention``, explicit only).
         attention_layout: ``"dfs"`` or ``"heavy_first"``: the token order tree attention runs in on CUDA
             (``"heavy_first"``: the batch's tree with children visited largest subtree first, gathered in
             and out inside each attention call; exact, fewer partial tiles on deep agentic trees).

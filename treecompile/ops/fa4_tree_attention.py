@@ -7,7 +7,8 @@ Two ways to run the FA4 kernels under the tree's interval BlockMask (``flex_tree
   buffer) as a CuTe ``mask_mod`` reading an aux tensor, passes the BlockMask's kv lists to FA4's forward
   and its q lists to FA4's backward, and compiles the attention with the rest of the graph: no
   autograd Function, no graph break, the same BlockMask as the Triton flex path.
-* **direct** (:func:`tree_attention_fa4_direct`, kept for the benchmark): ``flash_attn.cute.flash_attn_func``
+* **direct** (:func:`tree_attention_fa4_direct`, for the benchmark; the varlen op's block-sparse plan calls the
+  same kernels with :func:`cute_tree_mask`, ops/varlen_tree_attention.py): ``flash_attn.cute.flash_attn_func``
   with a hand-written CuTe ``mask_mod`` reading ``subtree_end`` from ``aux_tensors`` and the BlockMask's
   lists as ``block_sparse_tensors`` / ``block_sparse_tensors_bwd``.  Same kernels; it is an autograd
   Function that dynamo cannot trace into, so inside a compiled graph it would split the graph at every
@@ -45,6 +46,7 @@ __all__ = [
     "fa4_block_sparse_tensors",
     "tree_attention_fa4",
     "tree_attention_fa4_direct",
+    "cute_tree_mask",
 ]
 
 FA4_KERNEL_OPTIONS: dict = {"BACKEND": "FLASH"}
@@ -147,7 +149,7 @@ def fa4_block_sparse_tensors(block_mask: BlockMask):
 
 
 @functools.lru_cache(maxsize=1)
-def _cute_tree_mask():
+def cute_tree_mask():
     """The tree rule as a CuTe mask_mod: ``k <= q < subtree_end[k]``, ``subtree_end = aux_tensors[0]``."""
     import cutlass
     import cutlass.cute as cute
@@ -181,7 +183,7 @@ def tree_attention_fa4_direct(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     se = F.pad(subtree_end.to(torch.int32), (0, -(-T // kb) * kb - T))
     fwd, bwd = block_sparse if block_sparse is not None else fa4_block_sparse_tensors(block_mask)
     out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale,
-                          mask_mod=_cute_tree_mask(), aux_tensors=[se], block_sparse_tensors=fwd,
+                          mask_mod=cute_tree_mask(), aux_tensors=[se], block_sparse_tensors=fwd,
                           block_sparse_tensors_bwd=bwd)
     if isinstance(out, tuple):  # (out, lse) in some versions
         out = out[0]

@@ -20,8 +20,14 @@ one-token sequences: each one's output is its own value row (softmax over one ke
 The plan (host work, one sync) is built once per batch and kept while the same ``subtree_end`` tensor comes
 back (:class:`last_batch.LastBatch`).
 
-Where the gather is large (deep trees of short nodes: every leaf re-reads the whole spine) the block-sparse
-kernels (flex / FA4 ``mask_mod``) do less work; :func:`segment_plan` reports ``G`` so a caller can choose.
+Where the gather is large (deep trees of short nodes: every leaf re-reads the whole spine, ``G`` = 10-22x T) the
+block-sparse kernels do less work.  So the op chooses per batch (:func:`tree_attention_plan`): segments through
+the varlen kernel while ``G <= VARLEN_GATHER_LIMIT * T``, else FA4's block-sparse kernels on the whole sequence
+with the tree ``mask_mod`` and the tree's 128 x 128 block lists (:class:`BlockSparsePlan`; the kernels of
+``attention_kernel="fa4"``, called directly: inside this opaque op dynamo never sees the autograd Function).
+The block-sparse tiles need head dim 64 or 128 (``fa4_tree_attention.FA4_HEAD_DIMS``); other head dims keep the
+varlen kernel up to ``MAX_GATHER_FACTOR``.  Off CUDA both plans run float64-exact reference kernels, so the CPU
+tests cover the choice and the wiring of both.
 
 Shapes as ``treecompile::tree_attention``: ``q [1, H, T, D]``, ``k``/``v`` ``[1, Hkv, T, D]`` (GQA when
 ``H > Hkv``), ``subtree_end [T]`` int64; returns ``[1, H, T, Dv]``.
@@ -33,12 +39,14 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from .last_batch import LastBatch
+from .tree_attention import tree_mask
 
-__all__ = ["SegmentPlan", "segment_plan", "tree_attention_varlen", "varlen_attention_reference",
-           "varlen_attention_reference_bwd"]
+__all__ = ["SegmentPlan", "BlockSparsePlan", "segment_plan", "tree_attention_plan", "tree_attention_varlen",
+           "varlen_attention_reference", "varlen_attention_reference_bwd", "VARLEN_GATHER_LIMIT"]
 
 
 @dataclass(frozen=True)
@@ -63,17 +71,57 @@ class SegmentPlan:
         """G: key rows the kernel reads (T when the tree is one chain)."""
         return self.cu_seqlens_k_host[-1]
 
+    def pieces(self, device):
+        """Per segment: (query rows, gathered key rows, the bottom-right causal ``[n, m]`` visibility)."""
+        cq, ck = self.cu_seqlens_q_host, self.cu_seqlens_k_host
+        for j in range(self.segments):
+            n, m = cq[j + 1] - cq[j], ck[j + 1] - ck[j]
+            visible = torch.arange(m, device=device)[None, :] <= torch.arange(n, device=device)[:, None] + (m - n)
+            yield slice(cq[j], cq[j + 1]), slice(ck[j], ck[j + 1]), visible
+
+
+@dataclass(frozen=True)
+class BlockSparsePlan:
+    """A batch whose segments would gather more than ``VARLEN_GATHER_LIMIT * T`` key rows: the whole sequence
+    through FA4's block-sparse kernels under the tree ``mask_mod`` (module docstring)."""
+
+    subtree_end: Tensor  # [T] int64, the tokens' device
+    mask_end: Tensor | None  # [T rounded up to kv blocks] int32: FA4's mask_mod aux tensor (0 past T); None off CUDA
+    sparse: tuple | None  # (forward, backward) FA4 BlockSparseTensorsTorch of the tree's block mask; None off CUDA
+    gathered: int  # the key rows the segments would have gathered (why this plan was chosen)
+    tail: int  # all T queries are the kernel's (the mask gives padding tokens themselves)
+
+    @property
+    def segments(self) -> int:
+        return 1
+
+    def pieces(self, device):
+        T = self.subtree_end.numel()
+        yield slice(0, T), slice(0, T), tree_mask(self.subtree_end.to(device))
+
 
 # most key rows a plan may gather, in units of T (plus MAX_GATHER_ROWS): the deep agentic trees of the
 # benchmark gather 20-22x T; a comb (a long spine with a leaf at every token) would gather O(T^2) rows
 MAX_GATHER_FACTOR = 64
 MAX_GATHER_ROWS = 1 << 16
+# the varlen kernel while the segments gather at most this many key rows per token, else the block-sparse
+# kernels.  Measured fwd+bwd on one H100 (bf16, H=16, Hkv=8, D=128; benchmarks/results/h100_s15/attn_varlen):
+# G = 2.0x T (32 x 2,048 POR 0.5): varlen 5.52 ms vs block-sparse 7.14 ms; 4.0x T (32 x 2,048 POR 0.75): 4.26 vs
+# 3.41 ms; 19.5x T (agentic deep-16k): 17.0 vs 7.14 ms.  G ~ path tokens on wide trees, i.e. T / (1 - POR).
+VARLEN_GATHER_LIMIT = 3.0
 
 
 def segment_plan(subtree_end: Tensor) -> SegmentPlan:
     """The segments of ``subtree_end`` (module docstring); raises ValueError naming the first token where
     ``subtree_end`` is not the DFS layout of a forest (``t < subtree_end[t] <= T``, subtrees nested), and when
     the segments would gather more than ``MAX_GATHER_FACTOR * T + MAX_GATHER_ROWS`` key rows."""
+    return tree_attention_plan(subtree_end, block_sparse=False)
+
+
+def tree_attention_plan(subtree_end: Tensor, *, block_sparse: bool) -> SegmentPlan | BlockSparsePlan:
+    """The plan the op runs for one batch: a :class:`BlockSparsePlan` when ``block_sparse`` (the kernels can take
+    the inputs) and the segments would gather more than ``VARLEN_GATHER_LIMIT * T`` key rows, else the
+    :class:`SegmentPlan` (:func:`segment_plan`'s checks and refusals)."""
     if subtree_end.dim() != 1 or subtree_end.numel() == 0:
         raise ValueError(f"subtree_end: expected a non-empty 1-D tensor [T], got shape {tuple(subtree_end.shape)}")
     if subtree_end.dtype.is_floating_point or subtree_end.dtype == torch.bool:
@@ -90,8 +138,10 @@ def segment_plan(subtree_end: Tensor) -> SegmentPlan:
     ends = torch.cat([starts[1:], torch.tensor([T])])
     neg = (-se).contiguous()  # non-decreasing inside a segment (nested subtrees): searchsorted applies
     se_l, starts_l, ends_l = se.tolist(), starts.tolist(), ends.tolist()
-    # each segment's prefix as (lo, hi) intervals, root first; a stack of the open ancestor segments
-    prefixes: list[list[tuple[int, int]]] = []
+    # each segment's parent (the open ancestor segment, and how many of its tokens it sees) and prefix length,
+    # from a stack of the open ancestor segments: O(segments), before any key row is laid out
+    parents: list[tuple[int, int] | None] = []
+    prefix_len: list[int] = []
     stack: list[int] = []  # segment indices
     for a in starts_l:
         while stack and se_l[starts_l[stack[-1]]] <= a:
@@ -100,33 +150,41 @@ def segment_plan(subtree_end: Tensor) -> SegmentPlan:
             i = stack[-1]
             a2, b2 = starts_l[i], ends_l[i]
             p = a2 + int(torch.searchsorted(neg[a2:b2], -a))  # the tokens of segment i that see a
-            prefixes.append(prefixes[i] + [(a2, p)])
+            parents.append((i, p))
+            prefix_len.append(prefix_len[i] + p - a2)
         else:
-            prefixes.append([])
-        stack.append(len(prefixes) - 1)
+            parents.append(None)
+            prefix_len.append(0)
+        stack.append(len(parents) - 1)
     # the trailing tokens that see only themselves (no prefix, one token): not for the kernel
     n_main = len(starts_l)
-    path_rows = sum(p_hi - p_lo for pre in prefixes for p_lo, p_hi in pre) + T
-    if path_rows > MAX_GATHER_FACTOR * T + MAX_GATHER_ROWS:
-        raise ValueError(f"tree_attention_varlen: this tree's {len(starts_l)} segments would gather {path_rows:,} key "
-                         f"rows for {T:,} tokens ({path_rows / T:.0f}x; at most {MAX_GATHER_FACTOR}x): its paths share "
-                         "long prefixes among many short branches; use attention_kernel='fa4' or 'auto' (block-sparse)")
-    while n_main and not prefixes[n_main - 1] and ends_l[n_main - 1] - starts_l[n_main - 1] == 1:
+    while n_main and parents[n_main - 1] is None and ends_l[n_main - 1] - starts_l[n_main - 1] == 1:
         n_main -= 1
     tail = ends_l[n_main - 1] if n_main else 0
-    prefixes, starts_l, ends_l = prefixes[:n_main], starts_l[:n_main], ends_l[:n_main]
-    intervals = [iv for pre, a, b in zip(prefixes, starts_l, ends_l) for iv in pre + [(a, b)]]
+    G = sum(prefix_len[:n_main]) + tail  # the key rows the segments gather
+    if block_sparse and G > VARLEN_GATHER_LIMIT * T:
+        return _block_sparse_plan(subtree_end, G)
+    if G > MAX_GATHER_FACTOR * T + MAX_GATHER_ROWS:
+        raise ValueError(f"tree_attention_varlen: this tree's {n_main} segments would gather {G:,} key "
+                         f"rows for {T:,} tokens ({G / T:.0f}x; at most {MAX_GATHER_FACTOR}x): its paths share "
+                         "long prefixes among many short branches; use attention_kernel='fa4' or 'auto' (block-sparse)")
+    intervals = []
+    for j in range(n_main):  # segment j's keys: its ancestors' visible runs, root first, then itself
+        run = [(starts_l[j], ends_l[j])]
+        while parents[j] is not None:
+            j, p = parents[j]
+            run.append((starts_l[j], p))
+        intervals += run[::-1]
     if not intervals:
         intervals = [(0, 0)]  # no segment for the kernel: an empty plan
     lo, hi = torch.tensor(intervals, dtype=torch.int64).unbind(1)
     lengths = hi - lo
-    G = int(lengths.sum())
     # concatenated ranges: row r of interval m reads lo[m] + (r - first row of m)
     first = torch.cumsum(lengths, 0) - lengths
     key_index = torch.repeat_interleave(lo - first, lengths) + torch.arange(G)
-    ends_of_seg = torch.cumsum(torch.tensor([len(pre) + 1 for pre in prefixes], dtype=torch.int64), 0) - 1
-    cu_k = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lengths, 0)[ends_of_seg]])
-    cu_q = torch.tensor([0] + ends_l, dtype=torch.int64)
+    cu_k = torch.tensor([0] + [prefix_len[j] + ends_l[j] - starts_l[j] for j in range(n_main)],
+                        dtype=torch.int64).cumsum(0)
+    cu_q = torch.tensor([0] + ends_l[:n_main], dtype=torch.int64)
     _check_plan(se, key_index, cu_q, cu_k, tail)
     dev = subtree_end.device
     return SegmentPlan(
@@ -134,6 +192,20 @@ def segment_plan(subtree_end: Tensor) -> SegmentPlan:
         cu_seqlens_q_host=tuple(cu_q.tolist()), cu_seqlens_k_host=tuple(cu_k.tolist()),
         max_seqlen_q=int(cu_q.diff().max()) if n_main else 0, max_seqlen_k=int(cu_k.diff().max()) if n_main else 0,
         tail=tail)
+
+
+def _block_sparse_plan(subtree_end: Tensor, gathered: int) -> BlockSparsePlan:
+    T = subtree_end.numel()
+    if subtree_end.device.type != "cuda":
+        return BlockSparsePlan(subtree_end=subtree_end, mask_end=None, sparse=None, gathered=gathered, tail=T)
+    from .fa4_tree_attention import fa4_block_sparse_tensors
+    from .flex_tree_attention import tree_block_mask
+
+    kb = 128
+    # padded to whole kv blocks: the kernel may evaluate the mask on columns past T in the last block (0: unseen)
+    mask_end = F.pad(subtree_end.to(torch.int32), (0, -(-T // kb) * kb - T))
+    return BlockSparsePlan(subtree_end=subtree_end, mask_end=mask_end, gathered=gathered, tail=T,
+                           sparse=fa4_block_sparse_tensors(tree_block_mask(subtree_end, block_size=(128, kb))))
 
 
 def _check_plan(se: Tensor, key_index: Tensor, cu_q: Tensor, cu_k: Tensor, tail: int) -> None:
@@ -163,29 +235,33 @@ def _check_plan(se: Tensor, key_index: Tensor, cu_q: Tensor, cu_k: Tensor, tail:
 _PLANS = LastBatch()
 
 
-def _plan(subtree_end: Tensor) -> SegmentPlan:
-    return _PLANS.get((subtree_end,), None, lambda: segment_plan(subtree_end))
+def _plan(subtree_end: Tensor, q: Tensor) -> SegmentPlan | BlockSparsePlan:
+    block_sparse = not _fa4(q) or q.shape[-1] in _fa4_head_dims()
+    return _PLANS.get((subtree_end,), block_sparse, lambda: tree_attention_plan(subtree_end, block_sparse=block_sparse))
 
 
-def _segments(q: Tensor, k: Tensor, v: Tensor, plan: SegmentPlan):
-    """Per segment ``j``: (query rows, key rows, ``[H, n, D]`` queries, ``[H, m, D]`` keys and values with the
-    kv heads repeated for GQA, the ``[n, m]`` bottom-right causal visibility), as the reference kernels read them."""
+def _fa4_head_dims() -> tuple:
+    from .fa4_tree_attention import FA4_HEAD_DIMS
+
+    return FA4_HEAD_DIMS
+
+
+def _segments(q: Tensor, k: Tensor, v: Tensor, plan):
+    """Per piece of the plan (a segment, or the whole sequence of a block-sparse plan): (query rows, key rows,
+    ``[H, n, D]`` queries, ``[H, m, D]`` keys and values with the kv heads repeated for GQA, the ``[n, m]``
+    visibility), as the reference kernels read them."""
     r = q.shape[1] // k.shape[1]
-    cq, ck = plan.cu_seqlens_q_host, plan.cu_seqlens_k_host
-    for j in range(plan.segments):
-        rq, rk = slice(cq[j], cq[j + 1]), slice(ck[j], ck[j + 1])
+    for rq, rk, visible in plan.pieces(q.device):
         qs = q[rq].transpose(0, 1)
         ks, vs = (x[rk].transpose(0, 1).repeat_interleave(r, 0) for x in (k, v))
-        n, m = qs.shape[1], ks.shape[1]
-        visible = torch.arange(m, device=q.device)[None, :] <= torch.arange(n, device=q.device)[:, None] + (m - n)
         yield rq, rk, qs, ks, vs, visible
 
 
-def varlen_attention_reference(q: Tensor, k: Tensor, v: Tensor, plan: SegmentPlan,
+def varlen_attention_reference(q: Tensor, k: Tensor, v: Tensor, plan,
                                scale: float) -> tuple[Tensor, Tensor]:
-    """Bottom-right causal attention per segment: ``q [T, H, D]``, gathered ``k``/``v`` ``[G, Hkv, D]`` ->
-    ``(out [T, H, Dv], lse [H, T] float32)``; any dtype and device (one SDPA per segment, exact in float64;
-    half precision computed in float32, as the kernels accumulate)."""
+    """The plan's attention: ``q [T, H, D]``, ``k``/``v`` ``[G, Hkv, D]`` (gathered for a :class:`SegmentPlan`, the
+    sequence's own for a :class:`BlockSparsePlan`) -> ``(out [tail, H, Dv], lse [H, tail] float32)``; any dtype and
+    device (exact in float64; half precision computed in float32, as the kernels accumulate)."""
     dtype = q.dtype
     q, k, v = (x.to(torch.promote_types(torch.float32, dtype)) for x in (q, k, v))
     outs, lses = [], []
@@ -197,10 +273,10 @@ def varlen_attention_reference(q: Tensor, k: Tensor, v: Tensor, plan: SegmentPla
     return torch.cat(outs, 0).to(dtype), torch.cat(lses, 1).float()
 
 
-def varlen_attention_reference_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, plan: SegmentPlan,
+def varlen_attention_reference_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, plan,
                                    scale: float) -> tuple[Tensor, Tensor, Tensor]:
     """The gradients of :func:`varlen_attention_reference` (``dq [T, H, D]``, ``dk``/``dv`` ``[G, Hkv, D]``), written
-    out (softmax backward per segment, GQA groups summed), so that it runs inside a custom op where autograd
+    out (softmax backward per piece, GQA groups summed), so that it runs inside a custom op where autograd
     does not record.  Half precision computed in float32."""
     dtype = q.dtype
     q, k, v, dout = (x.to(torch.promote_types(torch.float32, dtype)) for x in (q, k, v, dout))
@@ -228,6 +304,13 @@ def _fwd(q_t, kg, vg, plan, scale):
             return varlen_attention_reference(q_t, kg, vg, plan, scale)
     from flash_attn.cute.interface import _flash_attn_fwd
 
+    if isinstance(plan, BlockSparsePlan):  # [T, H, D] as a batch of one; lse [1, H, T]
+        from .fa4_tree_attention import cute_tree_mask
+
+        out, lse = _flash_attn_fwd(q_t[None], kg[None], vg[None], softmax_scale=scale, causal=False,
+                                   return_lse=True, mask_mod=cute_tree_mask(), aux_tensors=[plan.mask_end],
+                                   block_sparse_tensors=plan.sparse[0])[:2]
+        return out[0], lse[0]
     out, lse = _flash_attn_fwd(q_t, kg, vg, softmax_scale=scale, causal=True, return_lse=True,
                                cu_seqlens_q=plan.cu_seqlens_q, cu_seqlens_k=plan.cu_seqlens_k,
                                max_seqlen_q=plan.max_seqlen_q, max_seqlen_k=plan.max_seqlen_k)[:2]
@@ -239,6 +322,13 @@ def _bwd(q_t, kg, vg, out_t, dout_t, lse, plan, scale):
         return varlen_attention_reference_bwd(q_t, kg, vg, dout_t, plan, scale)
     from flash_attn.cute.interface import _flash_attn_bwd
 
+    if isinstance(plan, BlockSparsePlan):
+        from .fa4_tree_attention import cute_tree_mask
+
+        grads = _flash_attn_bwd(q_t[None], kg[None], vg[None], out_t[None], dout_t[None], lse[None], scale, False,
+                                mask_mod=cute_tree_mask(), aux_tensors=[plan.mask_end],
+                                block_sparse_tensors=plan.sparse[1])[:3]
+        return tuple(g[0] for g in grads)
     return _flash_attn_bwd(q_t, kg, vg, out_t, dout_t, lse, scale, True,
                            cu_seqlens_q=plan.cu_seqlens_q, cu_seqlens_k=plan.cu_seqlens_k,
                            max_seqlen_q=plan.max_seqlen_q, max_seqlen_k=plan.max_seqlen_k)[:3]
@@ -256,6 +346,13 @@ def _check(q, k, v, subtree_end):
                          f"v {v.shape[2]}, subtree_end {subtree_end.shape[-1]}")
 
 
+def _keys(plan, k_t: Tensor, v_t: Tensor) -> tuple[Tensor, Tensor]:
+    """The key/value rows the plan's kernel reads: gathered per segment, or the sequence's own."""
+    if isinstance(plan, BlockSparsePlan):
+        return k_t, v_t
+    return k_t.index_select(0, plan.key_index), v_t.index_select(0, plan.key_index)
+
+
 def _tokens_major(x: Tensor) -> Tensor:
     """``[1, H, T, D]`` -> ``[T, H, D]``, contiguous (a free view of the model's ``[1, T, H, D]`` storage)."""
     return x[0].transpose(0, 1).contiguous()
@@ -271,13 +368,13 @@ def tree_attention_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, subtree_end: Tens
                               scale: float) -> tuple[Tensor, Tensor]:
     """(out ``[1, H, T, Dv]`` as a view of ``[T, H, Dv]`` storage, lse ``[H, T]`` float32)."""
     _check(q, k, v, subtree_end)
-    plan = _plan(subtree_end)
-    idx, n = plan.key_index, plan.tail
+    plan = _plan(subtree_end, q)
+    n = plan.tail
     q_t, k_t, v_t = _tokens_major(q), _tokens_major(k), _tokens_major(v)
     r = q.shape[1] // k.shape[1]
     outs, lses = [], []
     if n:
-        out, lse = _fwd(q_t[:n], k_t.index_select(0, idx), v_t.index_select(0, idx), plan, scale)
+        out, lse = _fwd(q_t[:n], *_keys(plan, k_t, v_t), plan, scale)
         outs.append(out)
         lses.append(lse.float())
     if n < q_t.shape[0]:  # tokens that see only themselves: softmax over one key
@@ -299,20 +396,22 @@ def tree_attention_varlen_bwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse:
     """(dq, dk, dv) in the layouts of :func:`_heads_major`; key/value gradients summed over their gathered
     copies in float32.  K/V are gathered again here rather than saved by the forward (G rows per layer, ~2x T
     on wide trees: kept over the whole backward of every layer it would cost more than the gather)."""
-    plan = _plan(subtree_end)
-    idx, n = plan.key_index, plan.tail
+    plan = _plan(subtree_end, q)
+    n = plan.tail
     q_t, k_t, v_t, dout_t = _tokens_major(q), _tokens_major(k), _tokens_major(v), _tokens_major(dout)
+    if isinstance(plan, BlockSparsePlan):  # every key once: no copies to sum
+        return tuple(_heads_major(g) for g in _bwd(q_t, k_t, v_t, _tokens_major(out), dout_t, lse, plan, scale))
     T, H, Hkv = q_t.shape[0], q_t.shape[1], k_t.shape[1]
     acc = torch.promote_types(torch.float32, k.dtype)
     dk = torch.zeros(k_t.shape, dtype=acc, device=k.device)
     dv = torch.zeros(v_t.shape, dtype=acc, device=v.device)
     dq = torch.zeros_like(q_t)  # the tail's queries: the softmax over one key has no gradient
     if n:
-        dq_main, dkg, dvg = _bwd(q_t[:n], k_t.index_select(0, idx), v_t.index_select(0, idx), _tokens_major(out)[:n],
+        dq_main, dkg, dvg = _bwd(q_t[:n], *_keys(plan, k_t, v_t), _tokens_major(out)[:n],
                                  dout_t[:n], lse[:, :n].contiguous(), plan, scale)
         dq[:n] = dq_main
-        dk.index_add_(0, idx, dkg.to(acc))
-        dv.index_add_(0, idx, dvg.to(acc))
+        dk.index_add_(0, plan.key_index, dkg.to(acc))
+        dv.index_add_(0, plan.key_index, dvg.to(acc))
     if n < T:  # the tail's value rows receive their own output gradient, summed over the query heads of a group
         dv[n:] += dout_t[n:].to(acc).unflatten(1, (Hkv, H // Hkv)).sum(2)
     return _heads_major(dq), _heads_major(dk.to(k.dtype)), _heads_major(dv.to(v.dtype))

@@ -10,8 +10,11 @@ kernel: ``"fa4"`` (FlashAttention-4 through FlexAttention's FLASH backend, same 
 resolved when the graph is traced, on the attention inputs (device, dtype, head size).
 ``"fa4_varlen"`` (explicit only) lowers it instead to ``treecompile::tree_attention_varlen_fwd``
 (``ops.varlen_tree_attention``): FA4's varlen causal kernel over the tree's segments (each first-child chain
-attends to its gathered path prefix), no BlockMask, no mask function; its key gather is the tree's path
-tokens, so it suits wide trees of long nodes, not deep trees of short ones.
+attends to its gathered path prefix), no BlockMask, no mask function.  Its key gather is the tree's path
+tokens, which suits wide trees of long nodes, not deep trees of short ones, so the op chooses per batch: where
+the segments would gather more than ``VARLEN_GATHER_LIMIT`` x T key rows it runs FA4's block-sparse kernels
+under the tree mask instead (head dims 64/128; built from ``subtree_end`` inside the op, still no BlockMask
+input).
 ``treecompile::tree_gated_delta_rule``
 is lowered to flash-linear-attention's varlen kernel when the resolved ``gdn_kernel`` is ``"fla"``, and with
 it the layer's short convolution ``treecompile::tree_causal_conv1d`` becomes
@@ -96,7 +99,8 @@ MOE_GROUPED_DTYPES = (torch.bfloat16,)
 GDN_KERNELS = ("auto", "fla", "reference")
 # Tree attention kernel on CUDA: "fa4" (FlashAttention-4 through FlexAttention's FLASH backend),
 # "flex" (FlexAttention's Triton kernel), "auto" (fa4 where it can run, else flex with one warning),
-# "fa4_varlen" (FA4's varlen kernel over the tree's segments, ops/varlen_tree_attention.py; explicit only).
+# "fa4_varlen" (FA4's varlen kernel over the tree's segments, or its block-sparse kernels for batches whose
+# segments would gather too much, chosen per batch; ops/varlen_tree_attention.py; explicit only).
 ATTENTION_KERNELS = ("auto", "fa4", "flex", "fa4_varlen")
 # Token order the tree attention kernel runs in: "dfs" (the batch's own order) or "heavy_first" (the same
 # tree with children visited largest subtree first, ops/tree_layout.py: q/k/v gathered in, the output
