@@ -8,8 +8,11 @@ model's layout: ``[B, T, H, D]`` storage viewed as ``[B, H, T, D]``):
 - ``flex_triton``: compiled FlexAttention's Triton kernel under the tree BlockMask (tuned options);
 - ``fa4_flex``: the same BlockMask through FlexAttention's ``BACKEND="FLASH"`` (FA4 kernels);
 - ``fa4_direct``: ``flash_attn.cute.flash_attn_func`` with a CuTe mask_mod and the BlockMask's lists;
-- ``fa4_varlen``: no mask: FA4's varlen causal kernel over the tree's segments, each attending to its gathered
-  path prefix (``ops/varlen_tree_attention.py``, ``attention_kernel="fa4_varlen"``; gather and scatter timed);
+- ``fa4_varlen``: the op of ``attention_kernel="fa4_varlen"`` (``ops/varlen_tree_attention.py``) as it chooses per
+  tree: FA4's varlen causal kernel over the tree's segments, each attending to its gathered path prefix (gather
+  and scatter timed), or, where the segments would gather more than ``VARLEN_GATHER_LIMIT`` x T rows, FA4's
+  block-sparse kernels under the tree mask; the row's ``plan`` says which;
+- ``fa4_segments``: the same op held to the segments whatever they gather (the varlen kernel's own rate);
 - ``fa4_flex_heavy``: ``fa4_flex`` in the heaviest-first order (``attention_layout="heavy_first"``,
   ops/tree_layout.py): q/k/v gathered into that order, the BlockMask of that order, the output gathered
   back, all inside the timed call (what the lowering runs);
@@ -56,6 +59,7 @@ from treecompile import Tree  # noqa: E402
 from treecompile.ops import fa4_tree_attention as fa4  # noqa: E402
 from treecompile.ops import flex_tree_attention as fta  # noqa: E402
 from treecompile.ops.tree_layout import heavy_first_order, permuted_subtree_end, reordered_attention  # noqa: E402
+from treecompile.ops import varlen_tree_attention as vta  # noqa: E402
 from treecompile.ops.varlen_tree_attention import tree_attention_varlen  # noqa: E402
 
 DEEP = [  # deep agentic trees with short nodes (20-200 tokens), 50+ levels
@@ -180,6 +184,20 @@ def heavy_layout(se):
     return order, bm, 1e3 * (time.perf_counter() - t0)
 
 
+def segments_only(fn, *args):
+    """``fn(*args)`` with the varlen op held to its segment plan (no block-sparse choice)."""
+    limit, vta.VARLEN_GATHER_LIMIT = vta.VARLEN_GATHER_LIMIT, float("inf")
+    try:
+        return fn(*args)
+    finally:
+        vta.VARLEN_GATHER_LIMIT = limit
+
+
+def plan_kind(se, q) -> str:
+    """Which plan the varlen op takes for this tree and these inputs: "segments" or "block_sparse"."""
+    return "block_sparse" if isinstance(vta._plan(se, q), vta.BlockSparsePlan) else "segments"
+
+
 def tree_fns(se, bm, which, heavy=None):
     opts = dict(fta.HOPPER_KERNEL_OPTIONS)
     out = {}
@@ -187,8 +205,11 @@ def tree_fns(se, bm, which, heavy=None):
         out["flex_triton"] = lambda q, k, v: fta.tree_attention_flex(q, k, v, bm, enable_gqa=True, kernel_options=opts)
     if "fa4_flex" in which:
         out["fa4_flex"] = lambda q, k, v: fa4.tree_attention_fa4(q, k, v, bm, enable_gqa=True)
-    if "fa4_varlen" in which:  # no BlockMask: the segment plan, built on the first call and kept for se
+    if "fa4_varlen" in which:  # no BlockMask: the op's plan, built on the first call and kept for se
         out["fa4_varlen"] = lambda q, k, v: tree_attention_varlen(q, k, v, se)
+    if "fa4_segments" in which:  # a tensor of its own: the op keeps one plan per subtree_end tensor
+        se_seg = se.clone()
+        out["fa4_segments"] = lambda q, k, v: segments_only(tree_attention_varlen, q, k, v, se_seg)
     if "fa4_direct" in which:
         sparse = fa4.fa4_block_sparse_tensors(bm)
         out["fa4_direct"] = lambda q, k, v: fa4.tree_attention_fa4_direct(q, k, v, se, bm, block_sparse=sparse)
@@ -275,6 +296,8 @@ def main() -> None:
                 del qh, kh, vh
             else:
                 r = row(case, name, fn, q, k, v, do, nnz, se)
+            if name in ("fa4_varlen", "fa4_segments"):
+                r["plan"] = plan_kind(se, q) if name == "fa4_varlen" else "segments"
             if ref and "fwdbwd_tfs" in r:
                 r["pct_fa4_causal"] = round(100 * r["fwdbwd_tfs"] / ref, 1)
             rows.append(r)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.strategies import ODD_TREES, path_sets
 from tests.test_fa4_tree_attention import assert_bf16_tree_kernel_near_oracle, forest_paths
@@ -189,6 +190,28 @@ def test_deep_trees_take_the_block_sparse_plan():
     assert isinstance(vta.tree_attention_plan(wide, block_sparse=True), vta.SegmentPlan)
     p = vta.tree_attention_plan(deep, block_sparse=True)
     assert p.gathered == segment_plan(deep).gathered and p.tail == deep.numel() and p.mask_end is None  # CPU
+
+
+@settings(max_examples=40, deadline=None)
+@given(path_sets(max_paths=8, max_len=10), st.sampled_from([0.0, 3.0, float("inf")]), st.sampled_from([None, 8, 13]))
+def test_op_equals_the_dense_reference_hypothesis(paths, limit, pad_to):
+    """Any tree, either plan (the limit forced low, as shipped, or high), padded or not: out and q/k/v gradients
+    of the op equal the dense-mask reference in float64."""
+    from treecompile.ops import varlen_tree_attention as vta
+
+    old, vta.VARLEN_GATHER_LIMIT = vta.VARLEN_GATHER_LIMIT, limit
+    try:
+        se = _batch(paths, pad_to).subtree_end.clone()  # a tensor of its own per example: one plan each
+        q, k, v = _qkv(se.numel(), 4, 2, 4, seed=se.numel())
+        do = torch.randn(1, 4, se.numel(), 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        got = out_and_grads(lambda a, b_, c: tree_attention_varlen(a, b_, c, se, scale=0.5), q, k, v, do,
+                            torch.float64)
+        ref = out_and_grads(lambda a, b_, c: tree_attention_reference(a, b_, c, se, scale=0.5), q, k, v, do,
+                            torch.float64)
+    finally:
+        vta.VARLEN_GATHER_LIMIT = old
+    for name, x, r in zip(("out", "dq", "dk", "dv"), got, ref):
+        torch.testing.assert_close(x, r, rtol=1e-12, atol=1e-12, msg=name)
 
 
 @pytest.mark.parametrize("limit", [0.0, float("inf")], ids=["block_sparse", "segments"])
