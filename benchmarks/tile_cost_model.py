@@ -11,7 +11,8 @@ Layouts:
 - ``heavy_first``: the same tree, children visited largest subtree first (``ops/tree_layout.py``;
   ``attention_layout="heavy_first"``);
 - ``varlen``: no token order: FA4's varlen causal kernel over the tree's segments (``attention_kernel="fa4_varlen"``,
-  ops/varlen_tree_attention.py); tiles per segment, ``gathered_x_T`` = key rows it gathers / T;
+  ops/varlen_tree_attention.py); tiles per segment, ``gathered_x_T`` = key rows it gathers / T, ``op_plan`` =
+  what that op runs for the tree (the segments up to ``VARLEN_GATHER_LIMIT`` x T, else the dfs block-sparse tiles);
 - ``heavy_first+qpad{B}%``: on top of heavy_first, the QUERY side padded (pad rows inserted before chosen
   node starts so they land on 128-row boundaries, greedily, at most B % more query rows; keys unpadded,
   because a padded key must be masked for every real query and so makes its kv block partial).  Modelled
@@ -42,7 +43,7 @@ from trees import agentic_paths, harness_tree_paths  # noqa: E402
 from treecompile import Tree  # noqa: E402
 from treecompile.ops.flex_tree_attention import tree_block_classes  # noqa: E402
 from treecompile.ops.tree_layout import heavy_first_order, permuted_subtree_end  # noqa: E402
-from treecompile.ops.varlen_tree_attention import segment_plan  # noqa: E402
+from treecompile.ops.varlen_tree_attention import VARLEN_GATHER_LIMIT, segment_plan  # noqa: E402
 
 BLOCK = 128
 
@@ -136,7 +137,8 @@ def model_tree(case: str, tree: Tree, budgets=(0.05, 0.10)) -> list[dict]:
     tiles, part = varlen_tiles(plan)
     rows.append(dict(tree=case, layout="varlen", tiles=tiles, partial=part, partial_pct=round(100 * part / tiles, 1),
                      useful=round((nnz - (T - plan.tail)) / (tiles * BLOCK * BLOCK), 3), pad_rows=0,
-                     gathered_x_T=round(plan.gathered / T, 2)))
+                     gathered_x_T=round(plan.gathered / T, 2),
+                     op_plan="segments" if plan.gathered <= VARLEN_GATHER_LIMIT * T else "block_sparse"))
     causal_tiles = (T // BLOCK) * (T // BLOCK + 1) // 2
     for r in rows:
         r.update(T=T, causal_useful=round(T * (T + 1) / 2 / (causal_tiles * BLOCK * BLOCK), 3))
