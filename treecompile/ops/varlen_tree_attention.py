@@ -121,7 +121,9 @@ def segment_plan(subtree_end: Tensor) -> SegmentPlan:
 def tree_attention_plan(subtree_end: Tensor, *, block_sparse: bool) -> SegmentPlan | BlockSparsePlan:
     """The plan the op runs for one batch: a :class:`BlockSparsePlan` when ``block_sparse`` (the kernels can take
     the inputs) and the segments would gather more than ``VARLEN_GATHER_LIMIT * T`` key rows, else the
-    :class:`SegmentPlan` (:func:`segment_plan`'s checks and refusals)."""
+    :class:`SegmentPlan` (:func:`segment_plan`'s checks and refusals).  The block-sparse plan evaluates the mask
+    ``k <= q < subtree_end[k]`` itself, so it is exact for any ``subtree_end`` that passes the bounds check; only
+    the segments need nested subtrees (checked, and refused naming the token, when they are built)."""
     if subtree_end.dim() != 1 or subtree_end.numel() == 0:
         raise ValueError(f"subtree_end: expected a non-empty 1-D tensor [T], got shape {tuple(subtree_end.shape)}")
     if subtree_end.dtype.is_floating_point or subtree_end.dtype == torch.bool:
@@ -170,10 +172,10 @@ def tree_attention_plan(subtree_end: Tensor, *, block_sparse: bool) -> SegmentPl
                          "long prefixes among many short branches; use attention_kernel='fa4' or 'auto' (block-sparse)")
     intervals = []
     for j in range(n_main):  # segment j's keys: its ancestors' visible runs, root first, then itself
-        run = [(starts_l[j], ends_l[j])]
-        while parents[j] is not None:
-            j, p = parents[j]
-            run.append((starts_l[j], p))
+        run, i = [(starts_l[j], ends_l[j])], j
+        while parents[i] is not None:
+            i, p = parents[i]
+            run.append((starts_l[i], p))
         intervals += run[::-1]
     if not intervals:
         intervals = [(0, 0)]  # no segment for the kernel: an empty plan
@@ -375,6 +377,8 @@ def tree_attention_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, subtree_end: Tens
     outs, lses = [], []
     if n:
         out, lse = _fwd(q_t[:n], *_keys(plan, k_t, v_t), plan, scale)
+        if n == q_t.shape[0]:  # no tail (the kernel's fresh tensors): no concatenation copy
+            return _heads_major(out.contiguous()), lse.float().contiguous()
         outs.append(out)
         lses.append(lse.float())
     if n < q_t.shape[0]:  # tokens that see only themselves: softmax over one key
