@@ -91,10 +91,6 @@ class BlockSparsePlan:
     gathered: int  # the key rows the segments would have gathered (why this plan was chosen)
     tail: int  # all T queries are the kernel's (the mask gives padding tokens themselves)
 
-    @property
-    def segments(self) -> int:
-        return 1
-
     def pieces(self, device):
         T = self.subtree_end.numel()
         yield slice(0, T), slice(0, T), tree_mask(self.subtree_end.to(device))
