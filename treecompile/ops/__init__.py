@@ -7,8 +7,8 @@ the partition-boundary variants ``::tree_attention_boundary``, ``::tree_gated_de
 ``::tree_causal_conv1d_boundary``), so that saved programs that name them load; also
 ``::moe_experts_grouped``, the routed experts as ``lower_cuda`` runs them on Hopper, and ``::materialize``,
 where ``lower_cuda`` has inductor compute a position-only value (RoPE's tables) once, and
-``::tree_attention_varlen_fwd`` / ``_bwd``, tree attention as FA4 varlen over the tree's segments
-(``attention_kernel="fa4_varlen"``).  The CUDA attention
+``::tree_attention_varlen_fwd`` / ``_bwd``, tree attention as FA4 varlen over the tree's segments, or per
+batch FA4's block-sparse kernels where the segments would gather too much (``attention_kernel="fa4_varlen"``).  The CUDA attention
 paths (``flex_tree_attention``, ``flex_tree_attention_boundary``) are imported only where they are used.
 """
 
