@@ -195,3 +195,12 @@ def test_saved_program_takes_the_kernel_at_load(tmp_path):
         assert lm.program.options.attention_kernel == kernel
     b = Tree.from_paths([[1, 2, 3], [1, 4]]).to_batch()
     assert torch.equal(lm(b).logprobs, tm(b).logprobs)  # the "fa4" load; CPU: no lowering
+
+
+def test_fa4_mask_end_pads_to_whole_kv_blocks_with_unseen_columns():
+    from treecompile.ops.fa4_tree_attention import fa4_mask_end
+
+    se = torch.tensor([3, 2, 3, 4, 5])
+    got = fa4_mask_end(se, 4)
+    assert got.dtype == torch.int32 and got.tolist() == [3, 2, 3, 4, 5, 0, 0, 0]  # 0: no query sees a pad column
+    assert fa4_mask_end(se[:4], 4).tolist() == [3, 2, 3, 4]  # already whole blocks

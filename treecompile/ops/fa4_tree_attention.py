@@ -47,6 +47,7 @@ __all__ = [
     "tree_attention_fa4",
     "tree_attention_fa4_direct",
     "cute_tree_mask",
+    "fa4_mask_end",
 ]
 
 FA4_KERNEL_OPTIONS: dict = {"BACKEND": "FLASH"}
@@ -148,6 +149,13 @@ def fa4_block_sparse_tensors(block_mask: BlockMask):
     return fwd, bwd
 
 
+def fa4_mask_end(subtree_end: torch.Tensor, kv_block: int) -> torch.Tensor:
+    """``subtree_end`` as :func:`cute_tree_mask`'s aux tensor: int32, padded with 0 to whole kv blocks (the kernel
+    may evaluate the mask on columns past T in the last block; 0 hides them)."""
+    T = subtree_end.numel()
+    return F.pad(subtree_end.to(torch.int32), (0, -(-T // kv_block) * kv_block - T))
+
+
 @functools.lru_cache(maxsize=1)
 def cute_tree_mask():
     """The tree rule as a CuTe mask_mod: ``k <= q < subtree_end[k]``, ``subtree_end = aux_tensors[0]``."""
@@ -177,10 +185,7 @@ def tree_attention_fa4_direct(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     _check(q, k, v, block_mask, enable_gqa=True)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    T = q.shape[2]
-    kb = block_mask.BLOCK_SIZE[1]
-    # padded to whole kv blocks: the kernel may evaluate the mask on columns past T in the last block
-    se = F.pad(subtree_end.to(torch.int32), (0, -(-T // kb) * kb - T))
+    se = fa4_mask_end(subtree_end, block_mask.BLOCK_SIZE[1])
     fwd, bwd = block_sparse if block_sparse is not None else fa4_block_sparse_tensors(block_mask)
     out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale,
                           mask_mod=cute_tree_mask(), aux_tensors=[se], block_sparse_tensors=fwd,

@@ -39,7 +39,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from .last_batch import LastBatch
@@ -71,6 +70,10 @@ class SegmentPlan:
         """G: key rows the kernel reads (T when the tree is one chain)."""
         return self.cu_seqlens_k_host[-1]
 
+    def keys(self, k_t: Tensor, v_t: Tensor) -> tuple[Tensor, Tensor]:
+        """The key/value rows the varlen kernel reads: each segment's path prefix and itself, gathered."""
+        return k_t.index_select(0, self.key_index), v_t.index_select(0, self.key_index)
+
     def pieces(self, device):
         """Per segment: (query rows, gathered key rows, the bottom-right causal ``[n, m]`` visibility)."""
         cq, ck = self.cu_seqlens_q_host, self.cu_seqlens_k_host
@@ -90,6 +93,10 @@ class BlockSparsePlan:
     sparse: tuple | None  # (forward, backward) FA4 BlockSparseTensorsTorch of the tree's block mask; None off CUDA
     gathered: int  # the key rows the segments would have gathered (why this plan was chosen)
     tail: int  # all T queries are the kernel's (the mask gives padding tokens themselves)
+
+    def keys(self, k_t: Tensor, v_t: Tensor) -> tuple[Tensor, Tensor]:
+        """The sequence's own key/value rows (the mask picks them)."""
+        return k_t, v_t
 
     def pieces(self, device):
         T = self.subtree_end.numel()
@@ -196,14 +203,13 @@ def _block_sparse_plan(subtree_end: Tensor, gathered: int) -> BlockSparsePlan:
     T = subtree_end.numel()
     if subtree_end.device.type != "cuda":
         return BlockSparsePlan(subtree_end=subtree_end, mask_end=None, sparse=None, gathered=gathered, tail=T)
-    from .fa4_tree_attention import fa4_block_sparse_tensors
-    from .flex_tree_attention import tree_block_mask
+    from .fa4_tree_attention import fa4_block_sparse_tensors, fa4_mask_end
+    from .flex_tree_attention import DEFAULT_BLOCK_SIZE, tree_block_mask
 
-    kb = 128
-    # padded to whole kv blocks: the kernel may evaluate the mask on columns past T in the last block (0: unseen)
-    mask_end = F.pad(subtree_end.to(torch.int32), (0, -(-T // kb) * kb - T))
-    return BlockSparsePlan(subtree_end=subtree_end, mask_end=mask_end, gathered=gathered, tail=T,
-                           sparse=fa4_block_sparse_tensors(tree_block_mask(subtree_end, block_size=(128, kb))))
+    # the bounds were checked by tree_attention_plan: no second host sync in tree_block_mask
+    bm = tree_block_mask(subtree_end, block_size=DEFAULT_BLOCK_SIZE, validate=False)
+    return BlockSparsePlan(subtree_end=subtree_end, mask_end=fa4_mask_end(subtree_end, bm.BLOCK_SIZE[1]),
+                           sparse=fa4_block_sparse_tensors(bm), gathered=gathered, tail=T)
 
 
 def _check_plan(se: Tensor, key_index: Tensor, cu_q: Tensor, cu_k: Tensor, tail: int) -> None:
@@ -234,14 +240,12 @@ _PLANS = LastBatch()
 
 
 def _plan(subtree_end: Tensor, q: Tensor) -> SegmentPlan | BlockSparsePlan:
-    block_sparse = not _fa4(q) or q.shape[-1] in _fa4_head_dims()
+    """The batch's plan, kept per ``subtree_end`` tensor.  Off the FA4 kernels (the reference) both plans are
+    possible; on them the block-sparse one needs what FA4 tree attention takes (head dim 64/128)."""
+    from .fa4_tree_attention import fa4_input_reason
+
+    block_sparse = not _fa4(q) or fa4_input_reason(q) is None
     return _PLANS.get((subtree_end,), block_sparse, lambda: tree_attention_plan(subtree_end, block_sparse=block_sparse))
-
-
-def _fa4_head_dims() -> tuple:
-    from .fa4_tree_attention import FA4_HEAD_DIMS
-
-    return FA4_HEAD_DIMS
 
 
 def _segments(q: Tensor, k: Tensor, v: Tensor, plan):
@@ -344,13 +348,6 @@ def _check(q, k, v, subtree_end):
                          f"v {v.shape[2]}, subtree_end {subtree_end.shape[-1]}")
 
 
-def _keys(plan, k_t: Tensor, v_t: Tensor) -> tuple[Tensor, Tensor]:
-    """The key/value rows the plan's kernel reads: gathered per segment, or the sequence's own."""
-    if isinstance(plan, BlockSparsePlan):
-        return k_t, v_t
-    return k_t.index_select(0, plan.key_index), v_t.index_select(0, plan.key_index)
-
-
 def _tokens_major(x: Tensor) -> Tensor:
     """``[1, H, T, D]`` -> ``[T, H, D]``, contiguous (a free view of the model's ``[1, T, H, D]`` storage)."""
     return x[0].transpose(0, 1).contiguous()
@@ -372,7 +369,7 @@ def tree_attention_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, subtree_end: Tens
     r = q.shape[1] // k.shape[1]
     outs, lses = [], []
     if n:
-        out, lse = _fwd(q_t[:n], *_keys(plan, k_t, v_t), plan, scale)
+        out, lse = _fwd(q_t[:n], *plan.keys(k_t, v_t), plan, scale)
         if n == q_t.shape[0]:  # no tail (the kernel's fresh tensors): no concatenation copy
             return _heads_major(out.contiguous()), lse.float().contiguous()
         outs.append(out)
@@ -399,7 +396,7 @@ def tree_attention_varlen_bwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse:
     plan = _plan(subtree_end, q)
     n = plan.tail
     q_t, k_t, v_t, dout_t = _tokens_major(q), _tokens_major(k), _tokens_major(v), _tokens_major(dout)
-    if isinstance(plan, BlockSparsePlan):  # every key once: no copies to sum
+    if isinstance(plan, BlockSparsePlan):  # every key once (no copies to sum), every query the kernel's
         return tuple(_heads_major(g) for g in _bwd(q_t, k_t, v_t, _tokens_major(out), dout_t, lse, plan, scale))
     T, H, Hkv = q_t.shape[0], q_t.shape[1], k_t.shape[1]
     acc = torch.promote_types(torch.float32, k.dtype)
@@ -407,7 +404,7 @@ def tree_attention_varlen_bwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse:
     dv = torch.zeros(v_t.shape, dtype=acc, device=v.device)
     dq = torch.zeros_like(q_t)  # the tail's queries: the softmax over one key has no gradient
     if n:
-        dq_main, dkg, dvg = _bwd(q_t[:n], *_keys(plan, k_t, v_t), _tokens_major(out)[:n],
+        dq_main, dkg, dvg = _bwd(q_t[:n], *plan.keys(k_t, v_t), _tokens_major(out)[:n],
                                  dout_t[:n], lse[:, :n].contiguous(), plan, scale)
         dq[:n] = dq_main
         dk.index_add_(0, plan.key_index, dkg.to(acc))
