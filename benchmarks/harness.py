@@ -105,7 +105,7 @@ else:  # run as a script: benchmarks/ is on sys.path
 
 BASELINES = ("eager_per_path", "compiled_per_path", "packed_flex", "compiled_per_path_fa4", "packed_fa4_varlen",
              "compiled_per_path_fla", "packed_fla_varlen", "packed_fla_varlen_conv")
-TREE_CONTENDERS = ("tree", "tree_heavy_first", "tree_fa4_varlen", "tree_packed", "tree_rf")
+TREE_CONTENDERS = ("tree", "tree_heavy_first", "tree_fa4_varlen", "tree_fa4_flex", "tree_packed", "tree_rf")
 CONTENDERS = BASELINES + TREE_CONTENDERS
 
 
@@ -592,6 +592,13 @@ class Steps:
         if self.dev.type != "cuda":
             raise _Skip("attention_kernel='fa4_varlen' is a CUDA lowering option")
         return self.tree_step(kernel="fa4_varlen")
+
+    def tree_fa4_flex(self):
+        """``tree`` with ``attention_kernel="fa4"`` (FA4 through flex's FLASH backend under the tree's BlockMask: what
+        ``"auto"`` took on Hopper before session 16; CUDA)."""
+        if self.dev.type != "cuda":
+            raise _Skip("attention_kernel='fa4' is a CUDA lowering option")
+        return self.tree_step(kernel="fa4")
 
     def tree_step(self, layout="dfs", kernel="auto"):
         tm = self._tree_model(layout=layout, kernel=kernel)

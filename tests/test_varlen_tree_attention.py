@@ -150,7 +150,7 @@ def test_a_comb_is_refused_with_its_gather_size(monkeypatch):
     se = _batch(comb).subtree_end
     monkeypatch.setattr(vta, "MAX_GATHER_ROWS", 0)
     monkeypatch.setattr(vta, "MAX_GATHER_FACTOR", 4)
-    with pytest.raises(ValueError, match=r"40 segments would gather .* rows for 80 tokens .*attention_kernel='fa4'"):
+    with pytest.raises(ValueError, match=r"40 segments would gather .* rows for 80 tokens .*attention_kernel='flex'"):
         segment_plan(se)
     monkeypatch.setattr(vta, "MAX_GATHER_FACTOR", 64)
     assert segment_plan(se).gathered == sum(i + 1 for i in range(1, 41))  # each leaf reads its whole path
@@ -259,6 +259,40 @@ def test_lowering_fa4_varlen():
         lc.resolve_attention_kernel("fa4_varlen", q)
 
 
+def test_auto_lowers_to_varlen_only_where_fa4_runs_both_plans(monkeypatch):
+    """``attention_kernel="auto"``: the varlen op for a bf16 model of head dim 64 where FA4 runs and the layout is
+    DFS; flex for every other case (no FA4, float64, heavy_first layout, head dim 256: no block-sparse tiles)."""
+    import treecompile
+    from treecompile.models import DenseConfig, DenseForCausalLM
+    from treecompile.passes import lower_cuda as lc
+
+    programs = {}
+
+    def lowered(head_dim, dtype, reason=None, layout="dfs", kernel="auto"):
+        if (head_dim, dtype) not in programs:
+            torch.manual_seed(0)
+            cfg = DenseConfig.tiny(head_dim=head_dim, num_hidden_layers=1)
+            programs[head_dim, dtype] = treecompile.compile(DenseForCausalLM(cfg).to(dtype))
+        tm = programs[head_dim, dtype]
+        monkeypatch.setattr(lc, "fa4_unusable_reason", lambda q=None: reason)
+        low = lc.lower_cuda(tm.graph_module, lc.CudaOptions(gdn_kernel="reference", attention_kernel=kernel,
+                                                           attention_layout=layout))
+        return low.attention_varlen, low.attention
+
+    assert lowered(64, torch.bfloat16) == (1, 0)
+    assert lowered(128, torch.float16) == (1, 0)
+    assert lowered(64, torch.bfloat16, reason="no GPU") == (0, 1)
+    assert lowered(64, torch.float64) == (0, 1)
+    assert lowered(64, torch.bfloat16, layout="heavy_first") == (0, 1)
+    assert lowered(256, torch.bfloat16) == (0, 1)
+    assert lowered(256, torch.bfloat16, kernel="fa4_varlen") == (1, 0)  # explicit: the segments at head dim 256
+    assert lowered(64, torch.bfloat16, kernel="fa4") == (0, 1)
+    # the traced call names the option asked for when the real inputs cannot run
+    q = torch.empty(1, 2, 8, 64, dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="attention_kernel='auto': FA4's varlen kernel takes"):
+        lc._varlen(q, q, q, torch.arange(1, 9), None, None, "auto")
+
+
 def test_lowered_model_with_varlen_attention_equals_the_rewritten_graph(monkeypatch):
     """The lowering's wiring (arguments, scale, the unused block-mask input) on CPU in float64: the input check
     let through, the op runs its reference kernel; loss, log-probs and every gradient as the rewritten graph's."""
@@ -328,7 +362,7 @@ def test_compiled_model_with_fa4_varlen_matches_flex():
     from treecompile.ops import varlen_tree_attention as vta
 
     model = DenseForCausalLM(cfg).cuda().to(torch.bfloat16)
-    tms = {kernel: treecompile.compile(model, attention_kernel=kernel) for kernel in ("flex", "fa4_varlen")}
+    tms = {kernel: treecompile.compile(model, attention_kernel=kernel) for kernel in ("flex", "fa4_varlen", "auto")}
     # a wide forest (the segments) and a deep tree of short nodes (the block-sparse plan), one compiled program
     for paths, kind in ((forest_paths(900, 2, seed=5), vta.SegmentPlan), (_deep_paths(60, 3), vta.BlockSparsePlan)):
         b = Tree.from_paths([[t % cfg.vocab_size for t in p] for p in paths]).to_batch(device="cuda")
@@ -340,9 +374,14 @@ def test_compiled_model_with_fa4_varlen_matches_flex():
             out.loss.backward()
             runs[kernel] = (out.loss.detach().float(),
                             torch.cat([p.grad.flatten().float() for p in model.parameters()]))
-        (l1, g1), (l2, g2) = runs["flex"], runs["fa4_varlen"]
-        assert abs(float(l1 - l2)) <= 1e-2 * abs(float(l1)), kind
-        assert float(torch.nn.functional.cosine_similarity(g1, g2, 0)) > 0.999, kind
+        (l1, g1) = runs["flex"]
+        for kernel in ("fa4_varlen", "auto"):
+            l2, g2 = runs[kernel]
+            assert abs(float(l1 - l2)) <= 1e-2 * abs(float(l1)), (kind, kernel)
+            assert float(torch.nn.functional.cosine_similarity(g1, g2, 0)) > 0.999, (kind, kernel)
+    # "auto" took the varlen op here (bf16, head dim 128, FA4 on sm_90+), "flex" did not
+    assert tms["auto"].program._cuda.lowering.attention_varlen == cfg.num_hidden_layers
+    assert tms["flex"].program._cuda.lowering.attention_varlen == 0
 
 
 # ---------------------------------------------------------------------------- the tile cost model's varlen rows

@@ -268,10 +268,12 @@ def compile(model=None, *, disable: tuple[str, ...] = (), debug: bool = False,  
             for ``treecompile.runtime.redundancy_free``.
         gdn_kernel: ``"auto"``, ``"fla"`` or ``"reference"``: the Gated DeltaNet kernel on CUDA.
         attention_kernel: ``"auto"``, ``"fa4"``, ``"flex"`` or ``"fa4_varlen"``: the tree attention kernel on
-            CUDA (FlashAttention-4 needs ``treecompile[hopper]`` and sm_90+; ``"auto"`` falls back to flex
-            with a warning, ``"fa4"`` raises naming the reason; ``"fa4_varlen"``: FA4's varlen kernel over the
-            tree's segments, or per batch its block-sparse kernels where the segments would gather more
-            than 3x the tokens, ``ops.varlen_tree_attention``, explicit only).
+            CUDA (FlashAttention-4 needs ``treecompile[hopper]`` and sm_90+).  ``"fa4_varlen"``: FA4's varlen
+            kernel over the tree's segments, or per batch its block-sparse kernels where the segments would
+            gather more than 3x the tokens (``ops.varlen_tree_attention``); ``"fa4"``: FA4 through flex's FLASH
+            backend under a BlockMask, raising naming the reason where it cannot run; ``"flex"``: flex's
+            Triton kernel.  ``"auto"`` takes ``"fa4_varlen"`` where FA4 runs both its plans (bf16/fp16, head
+            dim 64 or 128, ``attention_layout="dfs"``), else ``"fa4"`` where it runs, else flex with a warning.
         attention_layout: ``"dfs"`` or ``"heavy_first"``: the token order tree attention runs in on CUDA
             (``"heavy_first"``: the batch's tree with children visited largest subtree first, gathered in
             and out inside each attention call; exact, fewer partial tiles on deep agentic trees).

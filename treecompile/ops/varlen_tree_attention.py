@@ -172,7 +172,8 @@ def tree_attention_plan(subtree_end: Tensor, *, block_sparse: bool) -> SegmentPl
     if G > MAX_GATHER_FACTOR * T + MAX_GATHER_ROWS:
         raise ValueError(f"tree_attention_varlen: this tree's {n_main} segments would gather {G:,} key "
                          f"rows for {T:,} tokens ({G / T:.0f}x; at most {MAX_GATHER_FACTOR}x): its paths share "
-                         "long prefixes among many short branches; use attention_kernel='fa4' or 'auto' (block-sparse)")
+                         "long prefixes among many short branches; run it through a block-sparse kernel: "
+                         "attention_kernel='flex' (any head dim) or 'fa4' (head dim 64/128)")
     intervals = []
     for j in range(n_main):  # segment j's keys: its ancestors' visible runs, root first, then itself
         run, i = [(starts_l[j], ends_l[j])], j

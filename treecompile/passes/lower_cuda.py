@@ -6,15 +6,19 @@ BlockMask input (a new last placeholder ``tree_block_mask``, built once per batc
 ``ops.flex_tree_attention.tree_block_mask``, O(blocks)), so that inductor compiles the attention
 kernel and its backward together with the rest of the graph.  ``attention_kernel`` picks the flex
 kernel: ``"fa4"`` (FlashAttention-4 through FlexAttention's FLASH backend, same BlockMask), ``"flex"``
-(FlexAttention's Triton kernel), ``"auto"`` (fa4 where it can run, else flex with one warning); it is
-resolved when the graph is traced, on the attention inputs (device, dtype, head size).
-``"fa4_varlen"`` (explicit only) lowers it instead to ``treecompile::tree_attention_varlen_fwd``
+(FlexAttention's Triton kernel), ``"auto"`` (below); it is resolved when the graph is traced, on the attention
+inputs (device, dtype, head size).
+``"fa4_varlen"`` lowers it instead to ``treecompile::tree_attention_varlen_fwd``
 (``ops.varlen_tree_attention``): FA4's varlen causal kernel over the tree's segments (each first-child chain
 attends to its gathered path prefix), no BlockMask, no mask function.  Its key gather is the tree's path
 tokens, which suits wide trees of long nodes, not deep trees of short ones, so the op chooses per batch: where
 the segments would gather more than ``VARLEN_GATHER_LIMIT`` x T key rows it runs FA4's block-sparse kernels
 under the tree mask instead (head dims 64/128; built from ``subtree_end`` inside the op, still no BlockMask
-input).
+input).  ``"auto"`` lowers each tree attention to that op where FA4 can run both its plans (FA4 installed on
+sm_90+, bfloat16/float16, head dim 64 or 128, DFS layout: :func:`_auto_varlen`; measured no slower than FA4
+through flex on every tree, faster on wide ones), else to flex: FA4 through the FLASH backend where it runs, else
+the Triton kernel with one warning (head dim 256: FA4's sparse tiles do not take it, and the varlen op's segments
+alone are unmeasured against flex on deep trees, so only an explicit ``"fa4_varlen"`` takes them there).
 ``treecompile::tree_gated_delta_rule``
 is lowered to flash-linear-attention's varlen kernel when the resolved ``gdn_kernel`` is ``"fla"``, and with
 it the layer's short convolution ``treecompile::tree_causal_conv1d`` becomes
@@ -68,8 +72,8 @@ import treecompile.ops.fla_conv  # noqa: F401
 import treecompile.ops.moe  # noqa: F401
 import treecompile.ops.moe_grouped  # noqa: F401
 import treecompile.ops.materialize  # noqa: F401
-from treecompile.ops.fa4_tree_attention import (FA4_KERNEL_OPTIONS, fa4_input_reason, fa4_unusable_reason,
-                                                tree_attention_fa4)
+from treecompile.ops.fa4_tree_attention import (FA4_HEAD_DIMS, FA4_KERNEL_OPTIONS, fa4_input_reason,
+                                                fa4_unusable_reason, tree_attention_fa4)
 from treecompile.ops.flex_tree_attention import kernel_options_for, tree_attention_flex, tree_block_mask
 from treecompile.ops.varlen_tree_attention import tree_attention_varlen
 from treecompile.ops.flex_tree_attention_boundary import boundary_block_mask, tree_attention_boundary_flex
@@ -100,7 +104,8 @@ GDN_KERNELS = ("auto", "fla", "reference")
 # Tree attention kernel on CUDA: "fa4" (FlashAttention-4 through FlexAttention's FLASH backend),
 # "flex" (FlexAttention's Triton kernel), "auto" (fa4 where it can run, else flex with one warning),
 # "fa4_varlen" (FA4's varlen kernel over the tree's segments, or its block-sparse kernels for batches whose
-# segments would gather too much, chosen per batch; ops/varlen_tree_attention.py; explicit only).
+# segments would gather too much, chosen per batch; ops/varlen_tree_attention.py; what "auto" takes where FA4
+# runs both plans: _auto_varlen).
 ATTENTION_KERNELS = ("auto", "fa4", "flex", "fa4_varlen")
 # Token order the tree attention kernel runs in: "dfs" (the batch's own order) or "heavy_first" (the same
 # tree with children visited largest subtree first, ops/tree_layout.py: q/k/v gathered in, the output
@@ -250,14 +255,28 @@ def varlen_input_reason(q) -> str | None:
     return None
 
 
-def _varlen(q, k, v, subtree_end, scale, setup_reason=None):
-    """``attention_kernel="fa4_varlen"``: ``treecompile::tree_attention_varlen_fwd`` (an opaque op in the compiled
-    graph, with its own backward op).  Checked when the graph is traced: FA4 installed on sm_90+ (the lowering's
-    probe) and half-precision CUDA inputs, else RuntimeError naming the reason."""
+def _varlen(q, k, v, subtree_end, scale, setup_reason=None, kernel="fa4_varlen"):
+    """``attention_kernel="fa4_varlen"`` (or ``"auto"``, :func:`_auto_varlen`):
+    ``treecompile::tree_attention_varlen_fwd`` (an opaque op in the compiled graph, with its own backward op).
+    Checked when the graph is traced: FA4 installed on sm_90+ (the lowering's probe) and half-precision CUDA
+    inputs, else RuntimeError naming the reason."""
     reason = setup_reason or varlen_input_reason(q)
     if reason is not None:
-        raise RuntimeError(f"attention_kernel='fa4_varlen': {reason}")
+        raise RuntimeError(f"attention_kernel={kernel!r}: {reason}")
     return tree_attention_varlen(q, k, v, subtree_end, scale)
+
+
+def _auto_varlen(q: fx.Node, layout: str, setup_reason) -> bool:
+    """Whether ``attention_kernel="auto"`` lowers the tree attention with query ``q`` to the varlen op: FA4
+    usable here (``setup_reason`` None), the DFS layout (the op has no reordered form), and a query whose
+    recorded dtype and head dim FA4 takes in both of the op's plans (the block-sparse one needs
+    ``FA4_HEAD_DIMS``): then the op is the faster or equal choice on every tree measured (H100, session 15:
+    Qwen3-0.6B 32k step 0.407 vs 0.445 s, 1.7B 0.777 vs 0.811 s, agentic deep-agent 0.336 vs 0.337 s).
+    The device is not read from the record (a program captured on the CPU runs here on CUDA); the traced call
+    checks the real inputs."""
+    val = q.meta.get("val") if isinstance(q, fx.Node) else None
+    return (setup_reason is None and layout == "dfs" and isinstance(val, torch.Tensor) and val.dtype in HALF
+            and val.shape[-1] in FA4_HEAD_DIMS)
 
 
 def _boundary_kernel(kernel: str) -> str:
@@ -372,8 +391,10 @@ def lower_cuda(gm: fx.GraphModule, options: CudaOptions, *, boundary: bool = Fal
         if n.op == "call_function" and n.target == TREE_ATTENTION:
             q, k, v, subtree_end = n.args[:4]
             scale = n.args[4] if len(n.args) > 4 else n.kwargs.get("scale")
-            if options.attention_kernel == "fa4_varlen":  # no block mask: the op plans from subtree_end
-                _replace(graph, n, _varlen, (q, k, v, subtree_end, scale, setup_reason))
+            if options.attention_kernel == "fa4_varlen" or (options.attention_kernel == "auto"
+                                                            and _auto_varlen(q, layout, setup_reason)):
+                # no block mask: the op plans from subtree_end
+                _replace(graph, n, _varlen, (q, k, v, subtree_end, scale, setup_reason, options.attention_kernel))
                 attention_varlen += 1
             else:
                 _replace(graph, n, _flex if compiled else _flex_eager, (q, k, v, mask, scale, options.attention_kernel,
