@@ -70,6 +70,14 @@ DEEP = [  # deep agentic trees with short nodes (20-200 tokens), 50+ levels
 ]
 
 
+def set_shape(heads: int, kv_heads: int, head_dim: int) -> None:
+    """The attention shape every case runs (module globals read by :func:`inputs` and the TF/s of :func:`row`)."""
+    global H, HKV, D
+    if heads % kv_heads:
+        raise SystemExit(f"--shape: {heads} heads is not a multiple of {kv_heads} kv heads")
+    H, HKV, D = heads, kv_heads, head_dim
+
+
 def versions() -> dict:
     import triton
 
@@ -202,7 +210,9 @@ def tree_fns(se, bm, which, heavy=None):
     opts = dict(fta.HOPPER_KERNEL_OPTIONS)
     out = {}
     if "flex_triton" in which:
-        out["flex_triton"] = lambda q, k, v: fta.tree_attention_flex(q, k, v, bm, enable_gqa=True, kernel_options=opts)
+        # the options the lowering passes (tuned for D=128 on Hopper; flex's defaults otherwise, e.g. D=256)
+        out["flex_triton"] = lambda q, k, v: fta.tree_attention_flex(q, k, v, bm, enable_gqa=True,
+                                                                    kernel_options=fta.kernel_options_for(q))
     if "fa4_flex" in which:
         out["fa4_flex"] = lambda q, k, v: fa4.tree_attention_fa4(q, k, v, bm, enable_gqa=True)
     if "fa4_varlen" in which:  # no BlockMask: the op's plan, built on the first call and kept for se
@@ -234,7 +244,10 @@ def main() -> None:
                     "PATHSxLEN@POR (e.g. 32x2048@0.5: trees.synthetic_paths, the end-to-end tree at 32k)")
     ap.add_argument("--contenders", default="flex_triton,fa4_flex,fa4_direct")
     ap.add_argument("--out", default=None, help="folder for fa4_attention.{json,md}")
+    ap.add_argument("--shape", default=f"{H}:{HKV}:{D}", help="heads:kv_heads:head_dim (default %(default)s; "
+                    "the Qwen3.5 hybrids' attention: 8:2:256)")
     a = ap.parse_args()
+    set_shape(*(int(x) for x in a.shape.split(":")))
     for key in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
         if hasattr(torch._dynamo.config, key):
             setattr(torch._dynamo.config, key, 512)
