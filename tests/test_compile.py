@@ -487,3 +487,35 @@ def test_tree_output_is_a_pytree_node():
     leaves, spec = pytree.tree_flatten(out)
     assert len(leaves) == 3 and leaves[2] is out.entropy
     assert pytree.tree_unflatten(leaves, spec).entropy is out.entropy
+
+
+class ConstantArangeOfExampleLength(torch.nn.Module):
+    """An ``arange(16)`` that is no position: 16 is the capture's example length, so a comparison with the
+    symbolic length that read the example's hint took it for one (refused by the verifier, or rewritten)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(50, 16)
+        self.table = torch.nn.Parameter(torch.randn(40, 16))
+        self.head = torch.nn.Linear(16, 50)
+
+    def forward(self, ids):
+        return self.head(self.emb(ids) + self.table[torch.arange(16)].sum(0))
+
+
+def test_an_arange_as_long_as_the_example_is_not_taken_for_positions():
+    from treecompile import reference
+
+    torch.manual_seed(0)
+    paths = [[1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 8], [9]]
+    for model in (ConstantArangeOfExampleLength().double(),
+                  # rotary frequencies arange(0, 32, 2): 16 entries
+                  DenseForCausalLM(DenseConfig.tiny(head_dim=32, num_hidden_layers=1)).double()):
+        tm = treecompile.compile(model)
+        out = tm(Tree.from_paths(paths).to_batch())
+        ref = reference.run(model, paths)
+        torch.testing.assert_close(out.loss, ref.loss, rtol=1e-12, atol=0)
+        g = torch.autograd.grad(out.loss, list(model.parameters()))
+        g_ref = torch.autograd.grad(ref.loss, list(model.parameters()))
+        for a, b in zip(g, g_ref):
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)

@@ -276,21 +276,64 @@ def test_auto_lowers_to_varlen_only_where_fa4_runs_both_plans(monkeypatch):
         tm = programs[head_dim, dtype]
         monkeypatch.setattr(lc, "fa4_unusable_reason", lambda q=None: reason)
         low = lc.lower_cuda(tm.graph_module, lc.CudaOptions(gdn_kernel="reference", attention_kernel=kernel,
-                                                           attention_layout=layout))
-        return low.attention_varlen, low.attention
+                                                           attention_layout=layout), varlen=varlen)
+        return low.attention_varlen, low.attention, low.attention_segments_only
 
-    assert lowered(64, torch.bfloat16) == (1, 0)
-    assert lowered(128, torch.float16) == (1, 0)
-    assert lowered(64, torch.bfloat16, reason="no GPU") == (0, 1)
-    assert lowered(64, torch.float64) == (0, 1)
-    assert lowered(64, torch.bfloat16, layout="heavy_first") == (0, 1)
-    assert lowered(256, torch.bfloat16) == (0, 1)
-    assert lowered(256, torch.bfloat16, kernel="fa4_varlen") == (1, 0)  # explicit: the segments at head dim 256
-    assert lowered(64, torch.bfloat16, kernel="fa4") == (0, 1)
+    varlen = True
+    assert lowered(64, torch.bfloat16) == (1, 0, 0)
+    assert lowered(128, torch.float16) == (1, 0, 0)
+    assert lowered(256, torch.bfloat16) == (1, 0, 1)  # the segments alone: a per-batch flex fallback
+    assert lowered(64, torch.bfloat16, reason="no GPU") == (0, 1, 0)
+    assert lowered(64, torch.float64) == (0, 1, 0)
+    assert lowered(64, torch.bfloat16, layout="heavy_first") == (0, 1, 0)
+    assert lowered(32, torch.bfloat16) == (0, 1, 0)  # a head dim neither measured nor block-sparse
+    assert lowered(256, torch.bfloat16, kernel="fa4_varlen") == (1, 0, 0)  # explicit: no fallback, refusals name it
+    assert lowered(64, torch.bfloat16, kernel="fa4") == (0, 1, 0)
+    varlen = False  # the fallback lowering: flex everywhere under "auto"
+    assert lowered(256, torch.bfloat16) == lowered(64, torch.bfloat16) == (0, 1, 0)
     # the traced call names the option asked for when the real inputs cannot run
     q = torch.empty(1, 2, 8, 64, dtype=torch.float32)
     with pytest.raises(RuntimeError, match="attention_kernel='auto': FA4's varlen kernel takes"):
         lc._varlen(q, q, q, torch.arange(1, 9), None, None, "auto")
+
+
+def test_auto_runs_batches_the_segments_cannot_take_through_the_flex_lowering(monkeypatch):
+    """The per-batch choice of ``TreeProgram._run_cuda`` when "auto" put a head dim on the segments alone: a wide
+    forest runs the varlen lowering, a comb (a leaf off every spine token: the segments gather ~T^2/2 key rows)
+    the flex lowering, with one warning.  The two lowerings are real (CPU, reference kernels); their runners
+    report which one ran."""
+    import dataclasses
+    import warnings
+
+    from helpers import cached_compile, cached_model, tiny_dense
+    from treecompile.ops import varlen_tree_attention as vta
+    from treecompile.passes import lower_cuda as lc
+    from treecompile.program import _CudaState
+
+    prog = cached_compile(cached_model("dense-tiny", tiny_dense)).program
+    monkeypatch.setattr(lc, "fa4_unusable_reason", lambda q=None: None)
+    monkeypatch.setattr(lc, "HALF", lc.HALF + (torch.float64,))  # the tiny float64 model as a half one
+    monkeypatch.setattr(lc, "AUTO_SEGMENTS_HEAD_DIMS", (8,))  # its head dim as one with the segments alone
+    options = lc.CudaOptions(compile_cuda=False, bucket=False, gdn_kernel="reference")
+    for varlen, name in ((True, "varlen"), (False, "flex")):
+        low = lc.lower_cuda(prog.graph_module, options, varlen=varlen)
+        assert (low.attention_segments_only > 0) == varlen and (low.attention > 0) != varlen
+        state = _CudaState(low, lambda *args, name=name: (name,))
+        monkeypatch.setattr(prog, "_cuda" if varlen else "_cuda_flex", state)
+    forest = Tree.from_paths([[t % 97 for t in p] for p in forest_paths(60, 2, seed=4)]).to_batch()
+    spine = list(range(1, 41))
+    comb = Tree.from_paths([spine[:i] + [50 + i] for i in range(1, 41)]).to_batch()  # 40 segments, G ~ 900 rows
+    monkeypatch.setattr(vta, "MAX_GATHER_ROWS", 0)
+    monkeypatch.setattr(vta, "MAX_GATHER_FACTOR", 4)
+    assert vta.segments_fit(forest.subtree_end) and not vta.segments_fit(comb.subtree_end)
+    monkeypatch.setattr(lc, "_WARNED", set())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert prog._run_cuda(forest, []) == ("varlen",)
+        assert prog._run_cuda(comb, []) == ("flex",)
+        assert prog._run_cuda(comb, []) == ("flex",)
+        assert prog._run_cuda(forest, []) == ("varlen",)
+    assert len([w for w in caught if "runs tree attention through flex" in str(w.message)]) == 1  # once
 
 
 def test_lowered_model_with_varlen_attention_equals_the_rewritten_graph(monkeypatch):
@@ -407,3 +450,39 @@ def test_varlen_tile_counts_equal_brute_force(name, monkeypatch):
         computed += int(any_.sum())
         partial += int((any_ & ~all_).sum())
     assert varlen_tiles(plan, block=blk) == (computed, partial)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpu_reason() is not None, reason=str(_gpu_reason()))
+def test_auto_at_head_dim_256_runs_segments_and_falls_back_per_batch(monkeypatch):
+    """Head dim 256 (the Qwen3.5 hybrids' attention) under "auto": the varlen op's segments; a batch whose segments
+    would gather past the bound (forced here by a bound of 0) runs the flex lowering, compiled beside it.  Both
+    against flex alone: loss within 1 % and gradient cosine > 0.999 (the bf16 kernels' difference)."""
+    import treecompile
+    from treecompile.models import DenseConfig, DenseForCausalLM
+    from treecompile.ops import varlen_tree_attention as vta
+
+    torch.manual_seed(0)
+    cfg = DenseConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=256)
+    model = DenseForCausalLM(cfg).cuda().to(torch.bfloat16)
+    tms = {kernel: treecompile.compile(model, attention_kernel=kernel) for kernel in ("flex", "auto")}
+    b = Tree.from_paths([[t % cfg.vocab_size for t in p] for p in forest_paths(900, 2, seed=5)]).to_batch(device="cuda")
+
+    def run(tm):
+        model.zero_grad()
+        out = tm(b)
+        out.loss.backward()
+        return out.loss.detach().float(), torch.cat([p.grad.flatten().float() for p in model.parameters()])
+
+    l1, g1 = run(tms["flex"])
+    for forced in (False, True):
+        if forced:
+            monkeypatch.setattr(vta, "MAX_GATHER_FACTOR", 0)
+            monkeypatch.setattr(vta, "MAX_GATHER_ROWS", 0)
+        l2, g2 = run(tms["auto"])
+        assert abs(float(l1 - l2)) <= 1e-2 * abs(float(l1)), forced
+        assert float(torch.nn.functional.cosine_similarity(g1, g2, 0)) > 0.999, forced
+        prog = tms["auto"].program
+        assert prog._cuda.lowering.attention_segments_only == cfg.num_hidden_layers
+        assert (prog._cuda_flex is not None) == forced  # the flex lowering made only when a batch needed it

@@ -29,7 +29,8 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
 from treecompile.passes.expose_boundary import BoundarySpec
-from treecompile.passes.lower_cuda import CudaLowering, CudaOptions, attention_inputs, lower_cuda
+from treecompile.ops.varlen_tree_attention import segments_fit
+from treecompile.passes.lower_cuda import CudaLowering, CudaOptions, attention_inputs, lower_cuda, warn_once
 from treecompile.passes.split_modules import Segment, split_by_modules
 from treecompile.tree import TreeBatch, ancestor_index
 
@@ -94,6 +95,7 @@ class TreeProgram:
         self._aliases: dict[str, list[str]] = {}
         self._cpu_split: SplitGraph | None = None
         self._cuda: _CudaState | None = None
+        self._cuda_flex: _CudaState | None = None  # "auto"'s flex lowering, for batches the varlen segments refuse
 
     # ------------------------------------------------------------------ inputs
     @property
@@ -142,7 +144,7 @@ class TreeProgram:
         ``TreeModel.split_at``); ``aliases``: FQN -> other names of the same tensor (tied weights)."""
         self.split_owners = list(owners)
         self._aliases = dict(aliases or {})
-        self._cuda = None
+        self._cuda = self._cuda_flex = None
         # built now: a graph that cannot be split fails here, not at the first step
         self._cpu_split = self.split_graph(self.graph_module) if self.split_owners else None
 
@@ -217,24 +219,38 @@ class TreeProgram:
             return self._run_segments(self._cpu_split, args)
         return tuple(self.graph_module(*[self.lifted_value(x, tensors) for x in self.lifted], *args))
 
-    def _cuda_state(self) -> _CudaState:
-        if self._cuda is None:
+    def _cuda_state(self, varlen: bool = True) -> _CudaState:
+        """The CUDA lowering and its runner, made on first use.  ``varlen=False``: the lowering with every tree
+        attention on flex, for batches the varlen op's segments cannot take (:meth:`_run_cuda`)."""
+        state = self._cuda if varlen else self._cuda_flex
+        if state is None:
             lowering = lower_cuda(self.graph_module, self.options, boundary=self.boundary is not None,
-                                  constants=self.constant_inputs())
+                                  constants=self.constant_inputs(), varlen=varlen)
 
             def wrap(fn):
                 return torch.compile(fn, dynamic=False) if lowering.compiled else fn
 
             run = self.split_graph(lowering.graph_module, wrap=wrap) if self.split_owners \
                 else wrap(lowering.graph_module)
-            self._cuda = _CudaState(lowering, run)
-        return self._cuda
+            state = _CudaState(lowering, run)
+            if varlen:
+                self._cuda = state
+            else:
+                self._cuda_flex = state
+        return state
 
     def _run_cuda(self, batch, boundary_inputs: list) -> tuple:
         state = self._cuda_state()
         T = batch.seq_len
         if state.lowering.bucket:
             batch, boundary_inputs = self.padded_call(batch, boundary_inputs, bucket_length(T))
+        if state.lowering.attention_segments_only and not segments_fit(batch.subtree_end):
+            # "auto" put a head dim without block-sparse FA4 tiles on the varlen op's segments, and this batch's
+            # tree would gather past their bound (a long spine with many short branches): the flex lowering
+            warn_once("attention_kernel='auto': a batch whose varlen segments would gather past the op's bound "
+                      "(varlen_tree_attention.MAX_GATHER_FACTOR) runs tree attention through flex's Triton kernel "
+                      "(a second compiled graph; at head dims FA4's block-sparse tiles do not take)")
+            state = self._cuda_state(varlen=False)
         args = self.batch_args(batch) + boundary_inputs
         args += attention_inputs(batch.subtree_end, state.lowering, **self._boundary_mask_args(boundary_inputs))
         # compiled flex kernels (the graph's, or the separately compiled one of an eager graph) compile once

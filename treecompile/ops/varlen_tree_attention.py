@@ -44,7 +44,7 @@ from torch import Tensor
 from .last_batch import LastBatch
 from .tree_attention import tree_mask
 
-__all__ = ["SegmentPlan", "BlockSparsePlan", "segment_plan", "tree_attention_plan", "tree_attention_varlen",
+__all__ = ["SegmentPlan", "BlockSparsePlan", "segment_plan", "segments_fit", "tree_attention_plan", "tree_attention_varlen",
            "varlen_attention_reference", "varlen_attention_reference_bwd", "VARLEN_GATHER_LIMIT"]
 
 
@@ -121,12 +121,27 @@ def segment_plan(subtree_end: Tensor) -> SegmentPlan:
     return tree_attention_plan(subtree_end, block_sparse=False)
 
 
-def tree_attention_plan(subtree_end: Tensor, *, block_sparse: bool) -> SegmentPlan | BlockSparsePlan:
-    """The plan the op runs for one batch: a :class:`BlockSparsePlan` when ``block_sparse`` (the kernels can take
-    the inputs) and the segments would gather more than ``VARLEN_GATHER_LIMIT * T`` key rows, else the
-    :class:`SegmentPlan` (:func:`segment_plan`'s checks and refusals).  The block-sparse plan evaluates the mask
-    ``k <= q < subtree_end[k]`` itself, so it is exact for any ``subtree_end`` that passes the bounds check; only
-    the segments need nested subtrees (checked, and refused naming the token, when they are built)."""
+@dataclass(frozen=True)
+class _Walk:
+    """The segments of one ``subtree_end`` before any key row is laid out (:func:`_walk`)."""
+
+    se: Tensor  # [T] int64 on the host
+    starts: list  # segment j is [starts[j], ends[j])
+    ends: list
+    parents: list  # (parent segment, end of its tokens that segment j sees), None for a root segment
+    prefix_len: list  # keys before segment j's own: its ancestors' visible runs
+    n_main: int  # segments for the kernel (after them: tail tokens that see only themselves)
+    tail: int  # the segments cover queries [0, tail)
+    gathered: int  # G: the key rows the segments gather
+
+    @property
+    def fits(self) -> bool:
+        """Whether the segments gather at most ``MAX_GATHER_FACTOR * T + MAX_GATHER_ROWS`` key rows."""
+        return self.gathered <= MAX_GATHER_FACTOR * self.se.numel() + MAX_GATHER_ROWS
+
+
+def _walk(subtree_end: Tensor) -> _Walk:
+    """Bounds-check ``subtree_end`` and walk its segments: O(segments) on the host after one sync."""
     if subtree_end.dim() != 1 or subtree_end.numel() == 0:
         raise ValueError(f"subtree_end: expected a non-empty 1-D tensor [T], got shape {tuple(subtree_end.shape)}")
     if subtree_end.dtype.is_floating_point or subtree_end.dtype == torch.bool:
@@ -167,9 +182,29 @@ def tree_attention_plan(subtree_end: Tensor, *, block_sparse: bool) -> SegmentPl
         n_main -= 1
     tail = ends_l[n_main - 1] if n_main else 0
     G = sum(prefix_len[:n_main]) + tail  # the key rows the segments gather
+    return _Walk(se=se, starts=starts_l, ends=ends_l, parents=parents, prefix_len=prefix_len, n_main=n_main,
+                 tail=tail, gathered=G)
+
+
+def segments_fit(subtree_end: Tensor) -> bool:
+    """Whether this op's segments for ``subtree_end`` stay within the gather bound (one host sync, O(segments)).
+    Where they do not, a head dim without block-sparse tiles cannot run the batch through this op: ``"auto"``
+    then runs it through flex (``TreeProgram``'s per-batch fallback graph)."""
+    return _walk(subtree_end).fits
+
+
+def tree_attention_plan(subtree_end: Tensor, *, block_sparse: bool) -> SegmentPlan | BlockSparsePlan:
+    """The plan the op runs for one batch: a :class:`BlockSparsePlan` when ``block_sparse`` (the kernels can take
+    the inputs) and the segments would gather more than ``VARLEN_GATHER_LIMIT * T`` key rows, else the
+    :class:`SegmentPlan` (:func:`segment_plan`'s checks and refusals).  The block-sparse plan evaluates the mask
+    ``k <= q < subtree_end[k]`` itself, so it is exact for any ``subtree_end`` that passes the bounds check; only
+    the segments need nested subtrees (checked, and refused naming the token, when they are built)."""
+    w = _walk(subtree_end)
+    se, T, G, n_main, tail = w.se, w.se.numel(), w.gathered, w.n_main, w.tail
+    starts_l, ends_l, parents, prefix_len = w.starts, w.ends, w.parents, w.prefix_len
     if block_sparse and G > VARLEN_GATHER_LIMIT * T:
         return _block_sparse_plan(subtree_end, G)
-    if G > MAX_GATHER_FACTOR * T + MAX_GATHER_ROWS:
+    if not w.fits:
         raise ValueError(f"tree_attention_varlen: this tree's {n_main} segments would gather {G:,} key "
                          f"rows for {T:,} tokens ({G / T:.0f}x; at most {MAX_GATHER_FACTOR}x): its paths share "
                          "long prefixes among many short branches; run it through a block-sparse kernel: "

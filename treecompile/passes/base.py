@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 from torch._guards import detect_fake_mode
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 __all__ = ["METADATA_ASSERTS", "CompileOptions", "PassContext", "PassResult", "UnsupportedModelError", "remove_dead_code",
-           "where"]
+           "same_length", "where"]
 
 METADATA_ASSERTS = {torch.ops.aten._assert_tensor_metadata.default}
 
@@ -169,3 +170,15 @@ class PassContext:
                 if k in like.meta:
                     node.meta[k] = like.meta[k]
         return self.set_val(node)
+
+
+def same_length(a, b) -> bool:
+    """Whether sizes ``a`` and ``b`` (ints or the symbolic sequence length) are equal for every sequence length.
+    Never decided by the capture's example: ``bool(16 == s)`` reads the symbol's hint (the example length, 16),
+    so a constant ``arange(16)`` (rotary frequencies of head dim 32, a table of 16 rows) was taken for positions."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    try:
+        return bool(statically_known_true(a == b))
+    except Exception:  # noqa: BLE001
+        return False

@@ -14,11 +14,12 @@ attends to its gathered path prefix), no BlockMask, no mask function.  Its key g
 tokens, which suits wide trees of long nodes, not deep trees of short ones, so the op chooses per batch: where
 the segments would gather more than ``VARLEN_GATHER_LIMIT`` x T key rows it runs FA4's block-sparse kernels
 under the tree mask instead (head dims 64/128; built from ``subtree_end`` inside the op, still no BlockMask
-input).  ``"auto"`` lowers each tree attention to that op where FA4 can run both its plans (FA4 installed on
-sm_90+, bfloat16/float16, head dim 64 or 128, DFS layout: :func:`_auto_varlen`; measured no slower than FA4
-through flex on every tree, faster on wide ones), else to flex: FA4 through the FLASH backend where it runs, else
-the Triton kernel with one warning (head dim 256: FA4's sparse tiles do not take it, and the varlen op's segments
-alone are unmeasured against flex on deep trees, so only an explicit ``"fa4_varlen"`` takes them there).
+input).  ``"auto"`` lowers each tree attention to that op where FA4 runs (installed on sm_90+, bfloat16/float16,
+DFS layout) at head dim 64 or 128 (both plans: measured no slower than FA4 through flex on every tree, faster on
+wide ones) or 256 (the segments alone, measured faster than flex's Triton kernel on wide and deep trees; a batch
+whose segments would gather past the op's bound runs a second lowering with flex, chosen per batch by
+``TreeProgram``): :func:`_auto_varlen`.  Elsewhere flex: FA4 through the FLASH backend where it runs, else the
+Triton kernel with one warning.
 ``treecompile::tree_gated_delta_rule``
 is lowered to flash-linear-attention's varlen kernel when the resolved ``gdn_kernel`` is ``"fla"``, and with
 it the layer's short convolution ``treecompile::tree_causal_conv1d`` becomes
@@ -81,7 +82,7 @@ from treecompile.ops.tree_layout import heavy_first_order, permuted_subtree_end,
 
 __all__ = ["CudaOptions", "CudaLowering", "lower_cuda", "attention_inputs", "resolve_gdn_kernel",
            "resolve_attention_kernel", "moe_grouped_unusable_reason", "GDN_KERNELS", "ATTENTION_KERNELS",
-           "ATTENTION_LAYOUTS"]
+           "ATTENTION_LAYOUTS", "AUTO_SEGMENTS_HEAD_DIMS", "warn_once"]
 
 TREE_ATTENTION = torch.ops.treecompile.tree_attention.default
 TREE_ATTENTION_BOUNDARY = torch.ops.treecompile.tree_attention_boundary.default
@@ -166,6 +167,9 @@ class CudaLowering:
     moe_grouped: int = 0  # routed experts lowered to moe_experts_grouped (grouped GEMMs)
     materialized: int = 0  # position-only values computed once (``treecompile::materialize``; compiled only)
     attention_varlen: int = 0  # tree_attention calls lowered to tree_attention_varlen_fwd (no block mask)
+    # of those, calls "auto" lowered at a head dim with the segments alone: a batch whose segments would gather
+    # past the op's bound (varlen_tree_attention.segments_fit) runs a graph lowered with varlen=False instead
+    attention_segments_only: int = 0
 
 
 @torch._dynamo.disable  # a host-side level schedule and fla's autograd Functions: kept out of dynamo
@@ -192,6 +196,13 @@ def resolve_gdn_kernel(requested: str) -> str:
 
 
 _WARNED: set = set()  # reasons "auto" already warned about (once per process)
+
+
+def warn_once(message: str, stacklevel: int = 3) -> None:
+    """``warnings.warn(message)`` the first time this process sees ``message``."""
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, stacklevel=stacklevel)
 
 
 _PROBE = object()  # resolve_attention_kernel: probe the installation and device now
@@ -266,17 +277,27 @@ def _varlen(q, k, v, subtree_end, scale, setup_reason=None, kernel="fa4_varlen")
     return tree_attention_varlen(q, k, v, subtree_end, scale)
 
 
-def _auto_varlen(q: fx.Node, layout: str, setup_reason) -> bool:
-    """Whether ``attention_kernel="auto"`` lowers the tree attention with query ``q`` to the varlen op: FA4
-    usable here (``setup_reason`` None), the DFS layout (the op has no reordered form), and a query whose
-    recorded dtype and head dim FA4 takes in both of the op's plans (the block-sparse one needs
-    ``FA4_HEAD_DIMS``): then the op is the faster or equal choice on every tree measured (H100, session 15:
-    Qwen3-0.6B 32k step 0.407 vs 0.445 s, 1.7B 0.777 vs 0.811 s, agentic deep-agent 0.336 vs 0.337 s).
-    The device is not read from the record (a program captured on the CPU runs here on CUDA); the traced call
-    checks the real inputs."""
+# head dims "auto" runs through the varlen op's segments alone (FA4's block-sparse tiles do not take them): measured
+# faster than flex's Triton kernel on every tree tried (H100, 8 heads / 2 kv heads / D=256, fwd+bwd ms: 16 x 2,048
+# POR 0.5 2.96 vs 10.24; 32 x 2,048 POR 0.75 4.06 vs 10.22; agentic deep-16k, 19.5x T gathered, 13.6 vs 17.6;
+# benchmarks/results/h100_s16/attn256).  A batch whose segments would gather past the op's bound runs the flex
+# graph instead (TreeProgram, per batch).
+AUTO_SEGMENTS_HEAD_DIMS = (256,)
+
+
+def _auto_varlen(q: fx.Node, layout: str, setup_reason) -> str | None:
+    """How ``attention_kernel="auto"`` lowers the tree attention with query ``q``: ``"both"`` (the varlen op with
+    both its plans: the query's recorded dtype is bf16/fp16 and its head dim in ``FA4_HEAD_DIMS``), ``"segments"``
+    (the op's segments only: head dim in :data:`AUTO_SEGMENTS_HEAD_DIMS`), or None (flex), given FA4 usable here
+    (``setup_reason`` None) and the DFS layout (the op has no reordered form).  The op was the faster or equal
+    choice on every tree measured (H100, session 15: Qwen3-0.6B 32k step 0.407 vs 0.445 s, 1.7B 0.777 vs
+    0.811 s, agentic deep-agent 0.336 vs 0.337 s).  The device is not read from the record (a program captured
+    on the CPU runs here on CUDA); the traced call checks the real inputs."""
     val = q.meta.get("val") if isinstance(q, fx.Node) else None
-    return (setup_reason is None and layout == "dfs" and isinstance(val, torch.Tensor) and val.dtype in HALF
-            and val.shape[-1] in FA4_HEAD_DIMS)
+    if setup_reason is not None or layout != "dfs" or not isinstance(val, torch.Tensor) or val.dtype not in HALF:
+        return None
+    D = val.shape[-1]
+    return "both" if D in FA4_HEAD_DIMS else "segments" if D in AUTO_SEGMENTS_HEAD_DIMS else None
 
 
 def _boundary_kernel(kernel: str) -> str:
@@ -367,10 +388,11 @@ def attention_inputs(subtree_end: torch.Tensor, lowering: CudaLowering, *, bound
 
 
 def lower_cuda(gm: fx.GraphModule, options: CudaOptions, *, boundary: bool = False,
-               constants: Collection[str] = ()) -> CudaLowering:
+               constants: Collection[str] = (), varlen: bool = True) -> CudaLowering:
     """A copy of ``gm`` for CUDA (module docstring).  ``boundary``: ``gm`` is a boundary program.
     ``constants``: names of placeholders holding no trained value (buffers, lifted constants: a RoPE
-    ``inv_freq``), which :func:`materialize_position_values` treats as constants."""
+    ``inv_freq``), which :func:`materialize_position_values` treats as constants.  ``varlen=False``: "auto"
+    lowers every tree attention to flex (the graph for batches the varlen op's segments cannot take)."""
     compiled = options.compile_cuda
     layout = "dfs" if boundary else options.attention_layout
     gdn_kernel = resolve_gdn_kernel(options.gdn_kernel)
@@ -386,16 +408,16 @@ def lower_cuda(gm: fx.GraphModule, options: CudaOptions, *, boundary: bool = Fal
     if layout != "dfs":
         with graph.inserting_after(mask):
             order = graph.placeholder("tree_attention_order")
-    attention = gdn_fla = triton_head = conv_fla = moe_grouped = attention_varlen = 0
+    attention = gdn_fla = triton_head = conv_fla = moe_grouped = attention_varlen = segments_only = 0
     for n in list(graph.nodes):
         if n.op == "call_function" and n.target == TREE_ATTENTION:
             q, k, v, subtree_end = n.args[:4]
             scale = n.args[4] if len(n.args) > 4 else n.kwargs.get("scale")
-            if options.attention_kernel == "fa4_varlen" or (options.attention_kernel == "auto"
-                                                            and _auto_varlen(q, layout, setup_reason)):
-                # no block mask: the op plans from subtree_end
+            auto = _auto_varlen(q, layout, setup_reason) if options.attention_kernel == "auto" and varlen else None
+            if options.attention_kernel == "fa4_varlen" or auto:  # no block mask: the op plans from subtree_end
                 _replace(graph, n, _varlen, (q, k, v, subtree_end, scale, setup_reason, options.attention_kernel))
                 attention_varlen += 1
+                segments_only += auto == "segments"
             else:
                 _replace(graph, n, _flex if compiled else _flex_eager, (q, k, v, mask, scale, options.attention_kernel,
                                                                              setup_reason, order))
@@ -425,7 +447,7 @@ def lower_cuda(gm: fx.GraphModule, options: CudaOptions, *, boundary: bool = Fal
     return CudaLowering(graph_module=fx.GraphModule(gm, graph), attention=attention, materialized=materialized,
                         layout=layout, boundary=boundary, gdn_fla=gdn_fla, triton_head=triton_head,
                         compiled=compiled, bucket=options.bucket, conv_fla=conv_fla, moe_grouped=moe_grouped,
-                        attention_varlen=attention_varlen)
+                        attention_varlen=attention_varlen, attention_segments_only=segments_only)
 
 
 MATERIALIZE = torch.ops.treecompile.materialize.default

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from treecompile.passes.base import PassContext, PassResult, UnsupportedModelError, where
+from treecompile.passes.base import PassContext, PassResult, UnsupportedModelError, same_length, where
 
 aten = torch.ops.aten
 ARANGES = {aten.arange.default, aten.arange.start, aten.arange.start_step}
@@ -25,13 +25,6 @@ def _arange_bounds(node: fx.Node):
     if node.target == aten.arange.start:
         return args[0], args[1], 1
     return args[0], args[1], args[2] if len(args) > 2 else 1
-
-
-def _same_len(a, b) -> bool:
-    try:
-        return a == b if isinstance(a, int) == isinstance(b, int) else bool(a == b)
-    except Exception:  # noqa: BLE001
-        return False
 
 
 def _reaches_trig(node: fx.Node, gm: fx.GraphModule) -> bool:
@@ -63,7 +56,7 @@ def rewrite_positions(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         if node.op != "call_function" or node.target not in ARANGES:
             continue
         val = node.meta.get("val")
-        if val is None or val.dim() != 1 or not _same_len(val.shape[0], T):
+        if val is None or val.dim() != 1 or not same_length(val.shape[0], T):
             continue
         start, end, step = _arange_bounds(node)
         if not (isinstance(start, int) and start == 0 and isinstance(step, int) and step == 1):
