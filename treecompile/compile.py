@@ -272,8 +272,9 @@ def compile(model=None, *, disable: tuple[str, ...] = (), debug: bool = False,  
             kernel over the tree's segments, or per batch its block-sparse kernels where the segments would
             gather more than 3x the tokens (``ops.varlen_tree_attention``); ``"fa4"``: FA4 through flex's FLASH
             backend under a BlockMask, raising naming the reason where it cannot run; ``"flex"``: flex's
-            Triton kernel.  ``"auto"`` takes ``"fa4_varlen"`` where FA4 runs both its plans (bf16/fp16, head
-            dim 64 or 128, ``attention_layout="dfs"``), else ``"fa4"`` where it runs, else flex with a warning.
+            Triton kernel.  ``"auto"`` takes ``"fa4_varlen"`` where FA4 runs (bf16/fp16,
+            ``attention_layout="dfs"``) at head dim 64/128 (both plans) or 256 (segments; a batch they cannot
+            take runs a flex lowering, with one warning), else ``"fa4"`` where it runs, else flex with a warning.
         attention_layout: ``"dfs"`` or ``"heavy_first"``: the token order tree attention runs in on CUDA
             (``"heavy_first"``: the batch's tree with children visited largest subtree first, gathered in
             and out inside each attention call; exact, fewer partial tiles on deep agentic trees).

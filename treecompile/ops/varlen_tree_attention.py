@@ -26,7 +26,8 @@ the varlen kernel while ``G <= VARLEN_GATHER_LIMIT * T``, else FA4's block-spars
 with the tree ``mask_mod`` and the tree's 128 x 128 block lists (:class:`BlockSparsePlan`; the kernels of
 ``attention_kernel="fa4"``, called directly: inside this opaque op dynamo never sees the autograd Function).
 The block-sparse tiles need head dim 64 or 128 (``fa4_tree_attention.FA4_HEAD_DIMS``); other head dims keep the
-varlen kernel up to ``MAX_GATHER_FACTOR``.  Off CUDA both plans run float64-exact reference kernels, so the CPU
+varlen kernel up to ``MAX_GATHER_FACTOR`` (:func:`segments_fit`: past it the op refuses, and the lowering's
+``"auto"`` runs such a batch through flex instead).  Off CUDA both plans run float64-exact reference kernels, so the CPU
 tests cover the choice and the wiring of both.
 
 Shapes as ``treecompile::tree_attention``: ``q [1, H, T, D]``, ``k``/``v`` ``[1, Hkv, T, D]`` (GQA when

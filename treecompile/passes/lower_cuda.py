@@ -106,7 +106,7 @@ GDN_KERNELS = ("auto", "fla", "reference")
 # "flex" (FlexAttention's Triton kernel), "auto" (fa4 where it can run, else flex with one warning),
 # "fa4_varlen" (FA4's varlen kernel over the tree's segments, or its block-sparse kernels for batches whose
 # segments would gather too much, chosen per batch; ops/varlen_tree_attention.py; what "auto" takes where FA4
-# runs both plans: _auto_varlen).
+# runs: _auto_varlen).
 ATTENTION_KERNELS = ("auto", "fa4", "flex", "fa4_varlen")
 # Token order the tree attention kernel runs in: "dfs" (the batch's own order) or "heavy_first" (the same
 # tree with children visited largest subtree first, ops/tree_layout.py: q/k/v gathered in, the output
