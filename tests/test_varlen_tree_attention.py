@@ -359,6 +359,33 @@ def test_lowered_model_with_varlen_attention_equals_the_rewritten_graph(monkeypa
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
+def test_split_program_with_varlen_attention_equals_the_rewritten_graph(monkeypatch):
+    """``split_at`` (each layer through its module's ``__call__``: FSDP2, activation checkpointing) over the varlen
+    lowering, the default on Hopper: the block-mask input unused, each layer's op reads ``subtree_end``; CPU,
+    float64, reference kernels; loss, log-probs and every gradient as the rewritten graph's."""
+    from helpers import cached_compile, cached_model, run_program_graph, tiny_dense
+    from treecompile.passes import lower_cuda as lc
+
+    model = cached_model("dense-tiny", tiny_dense)
+    prog = cached_compile(model).split_at(model.model.layers).program
+    monkeypatch.setattr(lc, "fa4_unusable_reason", lambda q=None: None)
+    monkeypatch.setattr(lc, "varlen_input_reason", lambda q: None)
+    low = lc.lower_cuda(prog.graph_module, lc.CudaOptions(compile_cuda=False, gdn_kernel="reference",
+                                                          attention_kernel="fa4_varlen"))
+    split = prog.split_graph(low.graph_module)
+    assert [s.owner for s, _ in split.segments] == [None, "model.layers.0", "model.layers.1", None]
+    batch = Tree.from_paths([[t % 97 for t in p] for p in forest_paths(60, 2, seed=4)]).to_batch(pad_to_multiple=16)
+    values = [prog.lifted_value(x) for x in prog.lifted]
+    out = prog._run_segments(split, prog.batch_args(batch) + lc.attention_inputs(batch.subtree_end, low))
+    g1 = torch.autograd.grad(out[0], [v for v in values if v.requires_grad])
+    l0, lp0, g0 = run_program_graph(prog, prog.graph_module, batch)
+    torch.testing.assert_close(out[0].detach(), l0, rtol=1e-12, atol=0)
+    torch.testing.assert_close(out[1].detach(), lp0, rtol=1e-12, atol=1e-12)
+    assert len(g0) == len(g1) > 0
+    for a, b in zip(g1, g0):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
 # ---------------------------------------------------------------------------- GPU
 def _gpu_reason():
     if not torch.cuda.is_available():
