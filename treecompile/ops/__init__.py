@@ -9,7 +9,8 @@ the partition-boundary variants ``::tree_attention_boundary``, ``::tree_gated_de
 where ``lower_cuda`` has inductor compute a position-only value (RoPE's tables) once, and
 ``::tree_attention_varlen_fwd`` / ``_bwd``, tree attention as FA4 varlen over the tree's segments, or per
 batch FA4's block-sparse kernels where the segments would gather too much (``attention_kernel="fa4_varlen"``,
-and what ``"auto"`` takes where FA4 runs).  The CUDA attention paths (``flex_tree_attention``, ``flex_tree_attention_boundary``) are imported only where they are used.
+and what ``"auto"`` takes where FA4 runs).  The CUDA attention paths (``flex_tree_attention``,
+``flex_tree_attention_boundary``) are imported only where they are used.
 """
 
 from treecompile.ops import (  # noqa: F401

@@ -27,8 +27,8 @@ with the tree ``mask_mod`` and the tree's 128 x 128 block lists (:class:`BlockSp
 ``attention_kernel="fa4"``, called directly: inside this opaque op dynamo never sees the autograd Function).
 The block-sparse tiles need head dim 64 or 128 (``fa4_tree_attention.FA4_HEAD_DIMS``); other head dims keep the
 varlen kernel up to ``MAX_GATHER_FACTOR`` (:func:`segments_fit`: past it the op refuses, and the lowering's
-``"auto"`` runs such a batch through flex instead).  Off CUDA both plans run float64-exact reference kernels, so the CPU
-tests cover the choice and the wiring of both.
+``"auto"`` runs such a batch through flex instead).  Off CUDA both plans run float64-exact reference kernels, so
+the CPU tests cover the choice and the wiring of both.
 
 Shapes as ``treecompile::tree_attention``: ``q [1, H, T, D]``, ``k``/``v`` ``[1, Hkv, T, D]`` (GQA when
 ``H > Hkv``), ``subtree_end [T]`` int64; returns ``[1, H, T, Dv]``.
@@ -45,8 +45,9 @@ from torch import Tensor
 from .last_batch import LastBatch
 from .tree_attention import tree_mask
 
-__all__ = ["SegmentPlan", "BlockSparsePlan", "segment_plan", "segments_fit", "tree_attention_plan", "tree_attention_varlen",
-           "varlen_attention_reference", "varlen_attention_reference_bwd", "VARLEN_GATHER_LIMIT"]
+__all__ = ["SegmentPlan", "BlockSparsePlan", "segment_plan", "segments_fit", "tree_attention_plan",
+           "tree_attention_varlen", "varlen_attention_reference", "varlen_attention_reference_bwd",
+           "VARLEN_GATHER_LIMIT"]
 
 
 @dataclass(frozen=True)

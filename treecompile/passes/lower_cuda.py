@@ -103,7 +103,7 @@ MOE_GROUPED_DTYPES = (torch.bfloat16,)
 # with a warning).  On CPU the reference always runs.
 GDN_KERNELS = ("auto", "fla", "reference")
 # Tree attention kernel on CUDA: "fa4" (FlashAttention-4 through FlexAttention's FLASH backend),
-# "flex" (FlexAttention's Triton kernel), "auto" (fa4 where it can run, else flex with one warning),
+# "flex" (FlexAttention's Triton kernel), "auto" (fa4_varlen, else fa4 where it can run, else flex with one warning),
 # "fa4_varlen" (FA4's varlen kernel over the tree's segments, or its block-sparse kernels for batches whose
 # segments would gather too much, chosen per batch; ops/varlen_tree_attention.py; what "auto" takes where FA4
 # runs: _auto_varlen).
