@@ -2,7 +2,7 @@
 
 Every layer of a step gets the same tree tensors, so a plan built on the host from them (one host sync) is
 built once per batch, not once per layer: the fla GDN call plan (``fla_gdn``), the conv segments
-(``fla_conv``) and the varlen attention segments (``varlen_tree_attention``) each keep one.
+(``fla_conv``) and the varlen attention's segment walk and plan (``varlen_tree_attention``) each keep one.
 """
 
 from __future__ import annotations

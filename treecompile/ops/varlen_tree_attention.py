@@ -188,11 +188,18 @@ def _walk(subtree_end: Tensor) -> _Walk:
                  tail=tail, gathered=G)
 
 
+_WALKS = LastBatch()  # the last batch's walk: TreeProgram's segments_fit and the op's plan read the same one
+
+
+def _last_walk(subtree_end: Tensor) -> _Walk:
+    return _WALKS.get((subtree_end,), None, lambda: _walk(subtree_end))
+
+
 def segments_fit(subtree_end: Tensor) -> bool:
-    """Whether this op's segments for ``subtree_end`` stay within the gather bound (one host sync, O(segments)).
-    Where they do not, a head dim without block-sparse tiles cannot run the batch through this op: ``"auto"``
-    then runs it through flex (``TreeProgram``'s per-batch fallback graph)."""
-    return _walk(subtree_end).fits
+    """Whether this op's segments for ``subtree_end`` stay within the gather bound (one host sync, O(segments),
+    kept for the op's plan of the same tensor).  Where they do not, a head dim without block-sparse tiles cannot
+    run the batch through this op: ``"auto"`` then runs it through flex (``TreeProgram``'s per-batch fallback)."""
+    return _last_walk(subtree_end).fits
 
 
 def tree_attention_plan(subtree_end: Tensor, *, block_sparse: bool) -> SegmentPlan | BlockSparsePlan:
@@ -201,7 +208,7 @@ def tree_attention_plan(subtree_end: Tensor, *, block_sparse: bool) -> SegmentPl
     :class:`SegmentPlan` (:func:`segment_plan`'s checks and refusals).  The block-sparse plan evaluates the mask
     ``k <= q < subtree_end[k]`` itself, so it is exact for any ``subtree_end`` that passes the bounds check; only
     the segments need nested subtrees (checked, and refused naming the token, when they are built)."""
-    w = _walk(subtree_end)
+    w = _last_walk(subtree_end)
     se, T, G, n_main, tail = w.se, w.se.numel(), w.gathered, w.n_main, w.tail
     starts_l, ends_l, parents, prefix_len = w.starts, w.ends, w.parents, w.prefix_len
     if block_sparse and G > VARLEN_GATHER_LIMIT * T:
