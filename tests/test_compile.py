@@ -251,10 +251,35 @@ class ExplicitCausal(Bidirectional):
         return self.head(x[:, 0])
 
 
+class WideSlidingWindow(Bidirectional):
+    """A window of 64 tokens: causal at every length up to 64."""
+
+    def forward(self, ids):
+        x = self.emb(ids)[:, None]
+        i = torch.arange(ids.shape[1])
+        mask = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < 64)
+        x = torch.nn.functional.scaled_dot_product_attention(x, x, x, attn_mask=mask)
+        return self.head(x[:, 0])
+
+
+class EagerWideSlidingWindow(Bidirectional):
+    """Attention written out (``q @ k^T``, ``masked_fill``, softmax) with a window of 64 tokens: the eager-attention
+    pass probed it at 5 and 11 tokens, where it is causal, and rewrote it into full tree attention."""
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        i = torch.arange(ids.shape[1])
+        far = (i[:, None] - i[None, :] >= 64) | (i[None, :] > i[:, None])
+        scores = (x @ x.transpose(-1, -2) / 8 ** 0.5).masked_fill(far, float("-inf"))
+        return self.head(torch.softmax(scores, -1) @ x)
+
+
 @pytest.mark.parametrize("cls, message", [
     (Bidirectional, r"test_compile.py:\d+ in forward.*not causal"),
+    (EagerWideSlidingWindow, r"test_compile.py:\d+ in forward.*pairs every token with every other token"),
     (PaddingMasked, "reads the values of input"),
     (SlidingWindow, "not the causal mask"),
+    (WideSlidingWindow, r"not the causal mask \(checked at length 66"),
 ])
 def test_non_causal_attention_is_refused(cls, message):
     with pytest.raises(treecompile.passes.PassError, match=message) as info:

@@ -100,3 +100,17 @@ def test_dropout_in_eval_mode_or_allowed():
                                rtol=1e-12, atol=0)
     allowed = treecompile.compile(WithDropout().train(), allow_dropout=True)
     assert allowed.pass_results["check_dropout"].info["active_dropout"] == 1
+
+
+@pytest.mark.parametrize("window, message", [
+    (20, r"not the causal mask \(checked at length 22"),  # past the window: q - k = 21 is masked there
+    (4096, r"not the causal mask \(checked at length 4098"),  # Mistral-7B's window
+    (100_000, r"holds the number 100000 .*at most 8192"),  # too large to check past: refused by name
+])
+def test_hf_sliding_window_is_refused(window, message):
+    """A sliding window is causal at every length up to the window, so a mask checked at short lengths alone would
+    pass it (it did, for any window over 9 tokens): the check evaluates the mask past every number it holds."""
+    torch.manual_seed(0)
+    model = transformers.MistralForCausalLM(transformers.MistralConfig(**dict(COMMON, sliding_window=window)))
+    with pytest.raises(PassError, match=message):
+        treecompile.compile(model.double())

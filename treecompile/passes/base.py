@@ -16,7 +16,7 @@ from torch._guards import detect_fake_mode
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 __all__ = ["METADATA_ASSERTS", "CompileOptions", "PassContext", "PassResult", "UnsupportedModelError", "remove_dead_code",
-           "same_length", "where"]
+           "int_literals", "same_length", "where"]
 
 METADATA_ASSERTS = {torch.ops.aten._assert_tensor_metadata.default}
 
@@ -182,3 +182,25 @@ def same_length(a, b) -> bool:
         return bool(statically_known_true(a == b))
     except Exception:  # noqa: BLE001
         return False
+
+
+def int_literals(nodes) -> list[int]:
+    """The integer arguments (lists and tuples walked, bools not counted) of ``nodes`` below ``2**31`` in absolute
+    value: the sizes, offsets and windows a mask or score subgraph may hold.  Larger ones (``INT64_MAX`` slice
+    ends) bound no pattern; float arguments are fill values and scales."""
+    out: list[int] = []
+
+    def visit(a):
+        if isinstance(a, bool):
+            return
+        if isinstance(a, int):
+            if abs(a) < 2 ** 31:
+                out.append(a)
+        elif isinstance(a, (list, tuple)):
+            for x in a:
+                visit(x)
+
+    for n in nodes:
+        for a in (*n.args, *n.kwargs.values()):
+            visit(a)
+    return out

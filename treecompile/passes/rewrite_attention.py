@@ -4,8 +4,10 @@ Two forms are accepted:
 - ``is_causal=True`` with no mask (plain PyTorch models);
 - an explicit mask computed from the sequence length alone (Hugging Face transformers builds one
   from ``cache_position``/``position_ids`` under export).  The mask subgraph is extracted and
-  evaluated at a few lengths: it must depend on no input *values* and equal the causal mask, else
-  the attention is refused.  After the rewrite the mask subgraph is dead and is removed.
+  evaluated at a few lengths and at one past every integer it holds (a sliding window of W tokens is
+  causal up to length W: sampled at short lengths alone it would pass): it must depend on no input
+  *values* and equal the causal mask, else the attention is refused (and an integer too large to check
+  past is refused by name).  After the rewrite the mask subgraph is dead and is removed.
 A ``repeat_kv`` (unsqueeze -> expand -> reshape of K/V) feeding SDPA is folded into native GQA.
 Anything else (no mask and ``is_causal=False``: a bidirectional encoder; a mask that reads user
 inputs; sliding windows; dropout) raises ``UnsupportedModelError`` naming the node and source line.
@@ -18,13 +20,20 @@ import torch
 from torch import fx
 
 import treecompile.ops.tree_attention  # noqa: F401  (registers treecompile::tree_attention)
-from treecompile.passes.base import PassContext, PassResult, UnsupportedModelError, remove_dead_code, where
+from treecompile.passes.base import (PassContext, PassResult, UnsupportedModelError, int_literals, remove_dead_code,
+                                     where)
 
 aten = torch.ops.aten
 SDPA = aten.scaled_dot_product_attention.default
 _SHAPE_ONLY = {aten.sym_size.int, aten.sym_numel.default, aten.sym_stride.int}
 _VIEWS = {aten.reshape.default, aten.view.default, aten._unsafe_view.default}
 _COPIES = {aten.clone.default, aten.contiguous.default}
+# the mask subgraph is evaluated at these lengths, and at one past the largest integer it holds (a window, an
+# offset; base.int_literals) when that is at most MASK_CHECK_MAX_LEN (a [T, T] mask and its index intermediates
+# are materialized)
+MASK_CHECK_LENGTHS = (1, 5, 11)
+MASK_CHECK_MAX_LEN = 8192
+
 
 
 def _sdpa_args(node: fx.Node):
@@ -70,7 +79,16 @@ def _check_mask(mask: fx.Node, sdpa: fx.Node, ctx: PassContext, cache: dict) -> 
         g.output(env[mask])
         sub = fx.GraphModule(ctx.gm, g)
         phs = [n for n in nodes if n.op == "placeholder"]
-        for T in (1, 5, 11):
+        bound = max((abs(c) for c in int_literals(nodes)), default=0)
+        past = int(bound) + 2  # a pattern at offset c shows at length c + 2 (q - k = c + 1 exists)
+        lengths = MASK_CHECK_LENGTHS + ((past,) if past > max(MASK_CHECK_LENGTHS) else ())
+        if past > MASK_CHECK_MAX_LEN:
+            err = UnsupportedModelError(
+                f"{where(sdpa)}: the attention mask subgraph holds the number {bound} (a sliding window or an "
+                f"offset?): checking that the mask is causal past it would take a [{past}, {past}] mask (at most "
+                f"{MASK_CHECK_MAX_LEN}); tree attention replaces only causal masks")
+            lengths = ()
+        for T in lengths:
             args = []
             for p in phs:
                 v = p.meta["val"]

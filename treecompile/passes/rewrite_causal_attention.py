@@ -9,9 +9,10 @@ from the scores through views, scalar scales, additions and masking (whose other
 depend on the input ids) reaches the ``q @ k^T`` matmul.  The score subgraph ``g`` (scores as a
 function of the product ``X = q @ k^T``) is then *evaluated* (``token_probe.Probe``):
 
-1. on plain sequences of a few lengths: ``g(X) - g(0) == c * X`` on the entries that ``g(0)`` does
-   not mask, where ``c`` is the product of the scalar scales on the path, and the unmasked entries
-   are exactly the causal lower triangle;
+1. on plain sequences of a few lengths, and of one past the largest integer the mask and bias operands
+   hold (a sliding window of W tokens is causal up to length W): ``g(X) - g(0) == c * X`` on the entries
+   that ``g(0)`` does not mask, where ``c`` is the product of the scalar scales on the path, and the
+   unmasked entries are exactly the causal lower triangle;
 2. on a small tree: the bias ``g(0)`` that the graph computes from the tree's depth positions
    (``rewrite_positions``/``rewrite_scans`` ran before) equals, for every pair of tokens on one path,
    what the per-path run computes for that pair.
@@ -24,11 +25,13 @@ the input ids or that depends on the sequence length): the verifier refuses it.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import fx
 
 import treecompile.ops.tree_attention  # noqa: F401  (registers treecompile::tree_attention_biased)
-from treecompile.passes.base import METADATA_ASSERTS, PassContext, PassResult, remove_dead_code
+from treecompile.passes.base import METADATA_ASSERTS, PassContext, PassResult, int_literals, remove_dead_code
 from treecompile.passes.token_probe import PROBE_TREE, Probe, chain_batch, concrete_shape, token_dims, value_nodes
 from treecompile.tree import Tree
 
@@ -43,6 +46,10 @@ ADDS = {aten.add.Tensor, aten.sub.Tensor, aten.masked_fill.Scalar, aten.masked_f
         aten.where.ScalarOther, aten.where.ScalarSelf}
 SCALES = {aten.mul.Tensor, aten.div.Tensor}
 PROBE_LENGTHS = (5, 11)
+# the scores are also probed at one past the largest integer their side operands hold (a sliding window of W
+# tokens is causal at every length up to W), while that probe's [*, T, T] scores hold at most this many entries;
+# past it the site is left alone (the verifier then refuses it)
+PROBE_MAX_ENTRIES = 1 << 24
 
 
 def _users(n: fx.Node) -> list[fx.Node]:
@@ -191,12 +198,39 @@ def _split_baddbmm(gm, ctx, node, chain):
     return prod, ([scaled] if scaled is not prod else []) + [new] + chain
 
 
+def _ancestors(node: fx.Node) -> set:
+    seen, stack = {node}, [node]
+    while stack:
+        for a in stack.pop().all_input_nodes:
+            if a not in seen:
+                seen.add(a)
+                stack.append(a)
+    return seen
+
+
+def _probe_lengths(ctx: PassContext, qk: fx.Node, s: fx.Node) -> tuple[int, ...] | None:
+    """``PROBE_LENGTHS``, and one past the largest integer in the nodes that make the scores ``s`` from the product
+    ``qk`` (the mask and bias operands, not ``q``/``k``'s own subgraphs); None when that probe would be too large."""
+    side = _ancestors(s) - _ancestors(qk)
+    past = max((abs(c) for c in int_literals(side)), default=0) + 2  # offset c shows where q - k = c + 1 exists
+    if past <= max(PROBE_LENGTHS):
+        return PROBE_LENGTHS
+    try:
+        lead = math.prod(concrete_shape(qk.meta["val"], ctx, 1))  # the [*, 1, 1] product: its leading dims
+    except Exception:  # noqa: BLE001 - a size the probe cannot make: the site is left alone
+        return None
+    return PROBE_LENGTHS + (past,) if lead * past * past <= PROBE_MAX_ENTRIES else None
+
+
 def _check_scores(probe: Probe, ctx: PassContext, qk: fx.Node, s: fx.Node, scale: float):
     """True/False (bias or none) if the scores are ``scale * X + bias`` under a causal mask with a
     bias that is exact on trees; None otherwise (see the module docstring)."""
     gen = torch.Generator().manual_seed(0)
     has_bias = False
-    for T in PROBE_LENGTHS:
+    lengths = _probe_lengths(ctx, qk, s)
+    if lengths is None:
+        return None
+    for T in lengths:
         x = probe.random(qk, T, gen)
         zero = torch.zeros_like(x)
         outs = [probe.run([s], chain_batch(T), {qk: v}) for v in (zero, x)]
