@@ -544,3 +544,37 @@ def test_an_arange_as_long_as_the_example_is_not_taken_for_positions():
         g_ref = torch.autograd.grad(ref.loss, list(model.parameters()))
         for a, b in zip(g, g_ref):
             torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
+class EagerBiasPastADistance(torch.nn.Module):
+    """Causal attention written out whose additive operand is 0 up to a distance of 40 and a bias past it: at the
+    probe lengths (5, 11) the operand holds only zeros, so the pass took it for a mask and dropped it."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(11, 8)
+        self.head = torch.nn.Linear(8, 11)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        i = torch.arange(ids.shape[1])
+        d = i[:, None] - i[None, :]
+        side = torch.where(d > 40, -0.5, 0.0).to(x.dtype) + torch.where(d < 0, float("-inf"), 0.0).to(x.dtype)
+        return self.head(torch.softmax(x @ x.transpose(-1, -2) + side, -1) @ x)
+
+
+@pytest.mark.parametrize("cls", [EagerBiasPastADistance, ConstantArangeOfExampleLength])
+def test_long_paths_equal_per_path_past_every_number_in_the_model(cls):
+    """Paths longer than the numbers the model holds (a bias from distance 40; a table of 16 rows): the tree equals
+    per-path in float64 (the checks that sample short lengths saw neither)."""
+    torch.manual_seed(0)
+    model = cls().double()
+    paths = [[t % 11 for t in range(60)], [t % 11 for t in range(45)] + [3, 4], [5, 6]]
+    tm = treecompile.compile(model)
+    out = tm(Tree.from_paths(paths).to_batch())
+    ref = reference.run(model, paths)
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-12, atol=0)
+    g = torch.autograd.grad(out.loss, list(model.parameters()))
+    g_ref = torch.autograd.grad(ref.loss, list(model.parameters()))
+    for a, b in zip(g, g_ref):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)

@@ -16,7 +16,7 @@ from torch._guards import detect_fake_mode
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 __all__ = ["METADATA_ASSERTS", "CompileOptions", "PassContext", "PassResult", "UnsupportedModelError", "remove_dead_code",
-           "int_literals", "same_length", "where"]
+           "index_literals", "same_length", "where"]
 
 METADATA_ASSERTS = {torch.ops.aten._assert_tensor_metadata.default}
 
@@ -184,17 +184,22 @@ def same_length(a, b) -> bool:
         return False
 
 
-def int_literals(nodes) -> list[int]:
-    """The integer arguments (lists and tuples walked, bools not counted) of ``nodes`` below ``2**31`` in absolute
-    value: the sizes, offsets and windows a mask or score subgraph may hold.  Larger ones (``INT64_MAX`` slice
-    ends) bound no pattern; float arguments are fill values and scales."""
-    out: list[int] = []
+def index_literals(nodes) -> list:
+    """The numbers among the arguments (lists and tuples walked, bools not counted) of ``nodes`` that may bound an
+    index pattern (a window, an offset, a distance where a bias starts) in a mask or score subgraph: integers below
+    ``2**31`` in absolute value (``INT64_MAX`` slice ends bound nothing) and finite floats below
+    ``FLOAT_LITERAL_LIMIT`` (larger floats are fill values: -1e4, -1e9, a dtype's min; a float window that wide is
+    not told apart from them)."""
+    out: list = []
 
     def visit(a):
         if isinstance(a, bool):
             return
         if isinstance(a, int):
             if abs(a) < 2 ** 31:
+                out.append(a)
+        elif isinstance(a, float):
+            if abs(a) < FLOAT_LITERAL_LIMIT:
                 out.append(a)
         elif isinstance(a, (list, tuple)):
             for x in a:
@@ -204,3 +209,6 @@ def int_literals(nodes) -> list[int]:
         for a in (*n.args, *n.kwargs.values()):
             visit(a)
     return out
+
+
+FLOAT_LITERAL_LIMIT = 8192.0

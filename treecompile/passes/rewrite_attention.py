@@ -4,9 +4,9 @@ Two forms are accepted:
 - ``is_causal=True`` with no mask (plain PyTorch models);
 - an explicit mask computed from the sequence length alone (Hugging Face transformers builds one
   from ``cache_position``/``position_ids`` under export).  The mask subgraph is extracted and
-  evaluated at a few lengths and at one past every integer it holds (a sliding window of W tokens is
+  evaluated at a few lengths and at one past every number it holds (a sliding window of W tokens is
   causal up to length W: sampled at short lengths alone it would pass): it must depend on no input
-  *values* and equal the causal mask, else the attention is refused (and an integer too large to check
+  *values* and equal the causal mask, else the attention is refused (and a number too large to check
   past is refused by name).  After the rewrite the mask subgraph is dead and is removed.
 A ``repeat_kv`` (unsqueeze -> expand -> reshape of K/V) feeding SDPA is folded into native GQA.
 Anything else (no mask and ``is_causal=False``: a bidirectional encoder; a mask that reads user
@@ -20,7 +20,7 @@ import torch
 from torch import fx
 
 import treecompile.ops.tree_attention  # noqa: F401  (registers treecompile::tree_attention)
-from treecompile.passes.base import (PassContext, PassResult, UnsupportedModelError, int_literals, remove_dead_code,
+from treecompile.passes.base import (PassContext, PassResult, UnsupportedModelError, index_literals, remove_dead_code,
                                      where)
 
 aten = torch.ops.aten
@@ -28,8 +28,8 @@ SDPA = aten.scaled_dot_product_attention.default
 _SHAPE_ONLY = {aten.sym_size.int, aten.sym_numel.default, aten.sym_stride.int}
 _VIEWS = {aten.reshape.default, aten.view.default, aten._unsafe_view.default}
 _COPIES = {aten.clone.default, aten.contiguous.default}
-# the mask subgraph is evaluated at these lengths, and at one past the largest integer it holds (a window, an
-# offset; base.int_literals) when that is at most MASK_CHECK_MAX_LEN (a [T, T] mask and its index intermediates
+# the mask subgraph is evaluated at these lengths, and at one past the largest number it holds (a window, an
+# offset; base.index_literals) when that is at most MASK_CHECK_MAX_LEN (a [T, T] mask and its index intermediates
 # are materialized)
 MASK_CHECK_LENGTHS = (1, 5, 11)
 MASK_CHECK_MAX_LEN = 8192
@@ -79,8 +79,8 @@ def _check_mask(mask: fx.Node, sdpa: fx.Node, ctx: PassContext, cache: dict) -> 
         g.output(env[mask])
         sub = fx.GraphModule(ctx.gm, g)
         phs = [n for n in nodes if n.op == "placeholder"]
-        bound = max((abs(c) for c in int_literals(nodes)), default=0)
-        past = int(bound) + 2  # a pattern at offset c shows at length c + 2 (q - k = c + 1 exists)
+        bound = max((abs(c) for c in index_literals(nodes)), default=0)
+        past = int(bound) + 2  # a pattern at offset c shows at length c + 2 (where q - k > c exists)
         lengths = MASK_CHECK_LENGTHS + ((past,) if past > max(MASK_CHECK_LENGTHS) else ())
         if past > MASK_CHECK_MAX_LEN:
             err = UnsupportedModelError(

@@ -9,7 +9,7 @@ from the scores through views, scalar scales, additions and masking (whose other
 depend on the input ids) reaches the ``q @ k^T`` matmul.  The score subgraph ``g`` (scores as a
 function of the product ``X = q @ k^T``) is then *evaluated* (``token_probe.Probe``):
 
-1. on plain sequences of a few lengths, and of one past the largest integer the mask and bias operands
+1. on plain sequences of a few lengths, and of one past the largest number the mask and bias operands
    hold (a sliding window of W tokens is causal up to length W): ``g(X) - g(0) == c * X`` on the entries
    that ``g(0)`` does not mask, where ``c`` is the product of the scalar scales on the path, and the
    unmasked entries are exactly the causal lower triangle;
@@ -31,7 +31,8 @@ import torch
 from torch import fx
 
 import treecompile.ops.tree_attention  # noqa: F401  (registers treecompile::tree_attention_biased)
-from treecompile.passes.base import METADATA_ASSERTS, PassContext, PassResult, int_literals, remove_dead_code
+from treecompile.passes.base import (METADATA_ASSERTS, PassContext, PassResult, index_literals,
+                                     remove_dead_code)
 from treecompile.passes.token_probe import PROBE_TREE, Probe, chain_batch, concrete_shape, token_dims, value_nodes
 from treecompile.tree import Tree
 
@@ -46,7 +47,7 @@ ADDS = {aten.add.Tensor, aten.sub.Tensor, aten.masked_fill.Scalar, aten.masked_f
         aten.where.ScalarOther, aten.where.ScalarSelf}
 SCALES = {aten.mul.Tensor, aten.div.Tensor}
 PROBE_LENGTHS = (5, 11)
-# the scores are also probed at one past the largest integer their side operands hold (a sliding window of W
+# the scores are also probed at one past the largest number their side operands hold (base.index_literals) (a sliding window of W
 # tokens is causal at every length up to W), while that probe's [*, T, T] scores hold at most this many entries;
 # past it the site is left alone (the verifier then refuses it)
 PROBE_MAX_ENTRIES = 1 << 24
@@ -159,7 +160,7 @@ def rewrite_causal_attention(gm: fx.GraphModule, ctx: PassContext) -> PassResult
             continue
         with gm.graph.inserting_before(pv):
             k = ctx.call(aten.transpose.int, (kt, -1, -2), like=qk)
-            bias = _bias_nodes(ctx, probe, qk, chain, s) if has_bias else None
+            bias = _bias_nodes(ctx, probe, qk, chain, s, _probe_lengths(ctx, qk, s)) if has_bias else None
             new = ctx.call(BIASED, (q, k, v, ctx.tree_input("subtree_end"), bias, float(scale),
                                     _softmax_dtype(sm)), like=sm)
         if str(new.meta["val"].shape) != str(pv.meta["val"].shape):
@@ -209,10 +210,10 @@ def _ancestors(node: fx.Node) -> set:
 
 
 def _probe_lengths(ctx: PassContext, qk: fx.Node, s: fx.Node) -> tuple[int, ...] | None:
-    """``PROBE_LENGTHS``, and one past the largest integer in the nodes that make the scores ``s`` from the product
+    """``PROBE_LENGTHS``, and one past the largest number in the nodes that make the scores ``s`` from the product
     ``qk`` (the mask and bias operands, not ``q``/``k``'s own subgraphs); None when that probe would be too large."""
     side = _ancestors(s) - _ancestors(qk)
-    past = max((abs(c) for c in int_literals(side)), default=0) + 2  # offset c shows where q - k = c + 1 exists
+    past = int(max((abs(c) for c in index_literals(side)), default=0)) + 2  # offset c shows where q - k > c exists
     if past <= max(PROBE_LENGTHS):
         return PROBE_LENGTHS
     try:
@@ -286,16 +287,21 @@ def _is_mask_value(x) -> bool:
     return isinstance(x, (int, float)) and x < 0 and (x == float("-inf") or x <= -1e30)
 
 
-def _masks_only(probe: Probe, side: fx.Node) -> bool:
-    """An additive operand whose values are only 0 and -inf/finfo.min (a mask, not a bias)."""
-    out = probe.run([side], chain_batch(PROBE_LENGTHS[-1]), {})
-    if out is None or not out[0].dtype.is_floating_point:
-        return False
-    v = out[0]
-    return bool(((v == 0) | ~_allowed(v)).all())
+def _masks_only(probe: Probe, side: fx.Node, lengths) -> bool:
+    """An additive operand whose values are only 0 and -inf/finfo.min (a mask, not a bias) at every probe length
+    (those of :func:`_probe_lengths`: a bias that starts past some distance is zero at short lengths)."""
+    for T in lengths:
+        out = probe.run([side], chain_batch(T), {})
+        if out is None or not out[0].dtype.is_floating_point:
+            return False
+        v = out[0]
+        if not bool(((v == 0) | ~_allowed(v)).all()):
+            return False
+    return True
 
 
-def _bias_nodes(ctx: PassContext, probe: Probe, qk: fx.Node, chain: list[fx.Node], s: fx.Node) -> fx.Node:
+def _bias_nodes(ctx: PassContext, probe: Probe, qk: fx.Node, chain: list[fx.Node], s: fx.Node,
+                lengths=PROBE_LENGTHS) -> fx.Node:
     """The scores with the product replaced by zeros (in the graph), in the product's shape.
 
     Masking steps are left out (``masked_fill``/``where`` with -inf/finfo.min, additions of an operand
@@ -327,7 +333,7 @@ def _bias_nodes(ctx: PassContext, probe: Probe, qk: fx.Node, chain: list[fx.Node
                 or (t == aten.where.ScalarOther and a[1] is prev and _is_mask_value(a[2]))
                 or (t == aten.where.ScalarSelf and a[2] is prev and _is_mask_value(a[1]))
                 or (t == aten.add.Tensor and len(a) == 2 and not n.kwargs
-                    and _masks_only(probe, a[1] if a[0] is prev else a[0])))
+                    and _masks_only(probe, a[1] if a[0] is prev else a[0], lengths)))
         if skip:
             env[n] = env[prev]
         else:
