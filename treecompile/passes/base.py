@@ -16,7 +16,7 @@ from torch._guards import detect_fake_mode
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 __all__ = ["METADATA_ASSERTS", "CompileOptions", "PassContext", "PassResult", "UnsupportedModelError", "remove_dead_code",
-           "index_literals", "same_length", "where"]
+           "ancestors", "index_literals", "same_length", "where"]
 
 METADATA_ASSERTS = {torch.ops.aten._assert_tensor_metadata.default}
 
@@ -212,3 +212,14 @@ def index_literals(nodes) -> list:
 
 
 FLOAT_LITERAL_LIMIT = 8192.0
+
+
+def ancestors(node: fx.Node) -> set:
+    """``node`` and every node it reads, transitively."""
+    seen, stack = {node}, [node]
+    while stack:
+        for a in stack.pop().all_input_nodes:
+            if a not in seen:
+                seen.add(a)
+                stack.append(a)
+    return seen

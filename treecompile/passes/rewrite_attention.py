@@ -20,8 +20,8 @@ import torch
 from torch import fx
 
 import treecompile.ops.tree_attention  # noqa: F401  (registers treecompile::tree_attention)
-from treecompile.passes.base import (PassContext, PassResult, UnsupportedModelError, index_literals, remove_dead_code,
-                                     where)
+from treecompile.passes.base import (PassContext, PassResult, UnsupportedModelError, ancestors, index_literals,
+                                     remove_dead_code, where)
 
 aten = torch.ops.aten
 SDPA = aten.scaled_dot_product_attention.default
@@ -35,7 +35,6 @@ MASK_CHECK_LENGTHS = (1, 5, 11)
 MASK_CHECK_MAX_LEN = 8192
 
 
-
 def _sdpa_args(node: fx.Node):
     names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
     a = dict(zip(names, node.args))
@@ -45,12 +44,7 @@ def _sdpa_args(node: fx.Node):
 
 
 def _ancestors(node: fx.Node) -> list[fx.Node]:
-    seen, stack = {node}, [node]
-    while stack:
-        for a in stack.pop().all_input_nodes:
-            if a not in seen:
-                seen.add(a)
-                stack.append(a)
+    seen = ancestors(node)
     return [n for n in node.graph.nodes if n in seen]  # topological order
 
 

@@ -31,7 +31,7 @@ import torch
 from torch import fx
 
 import treecompile.ops.tree_attention  # noqa: F401  (registers treecompile::tree_attention_biased)
-from treecompile.passes.base import (METADATA_ASSERTS, PassContext, PassResult, index_literals,
+from treecompile.passes.base import (METADATA_ASSERTS, PassContext, PassResult, ancestors, index_literals,
                                      remove_dead_code)
 from treecompile.passes.token_probe import PROBE_TREE, Probe, chain_batch, concrete_shape, token_dims, value_nodes
 from treecompile.tree import Tree
@@ -47,9 +47,9 @@ ADDS = {aten.add.Tensor, aten.sub.Tensor, aten.masked_fill.Scalar, aten.masked_f
         aten.where.ScalarOther, aten.where.ScalarSelf}
 SCALES = {aten.mul.Tensor, aten.div.Tensor}
 PROBE_LENGTHS = (5, 11)
-# the scores are also probed at one past the largest number their side operands hold (base.index_literals) (a sliding window of W
-# tokens is causal at every length up to W), while that probe's [*, T, T] scores hold at most this many entries;
-# past it the site is left alone (the verifier then refuses it)
+# the scores are also probed at one past the largest number their mask/bias operands hold (base.index_literals; a
+# sliding window of W tokens is causal at every length up to W) while that probe's [*, T, T] scores hold at most
+# this many entries; past it the site is left alone (the verifier then refuses it)
 PROBE_MAX_ENTRIES = 1 << 24
 
 
@@ -199,20 +199,10 @@ def _split_baddbmm(gm, ctx, node, chain):
     return prod, ([scaled] if scaled is not prod else []) + [new] + chain
 
 
-def _ancestors(node: fx.Node) -> set:
-    seen, stack = {node}, [node]
-    while stack:
-        for a in stack.pop().all_input_nodes:
-            if a not in seen:
-                seen.add(a)
-                stack.append(a)
-    return seen
-
-
 def _probe_lengths(ctx: PassContext, qk: fx.Node, s: fx.Node) -> tuple[int, ...] | None:
     """``PROBE_LENGTHS``, and one past the largest number in the nodes that make the scores ``s`` from the product
     ``qk`` (the mask and bias operands, not ``q``/``k``'s own subgraphs); None when that probe would be too large."""
-    side = _ancestors(s) - _ancestors(qk)
+    side = ancestors(s) - ancestors(qk)
     past = int(max((abs(c) for c in index_literals(side)), default=0)) + 2  # offset c shows where q - k > c exists
     if past <= max(PROBE_LENGTHS):
         return PROBE_LENGTHS
