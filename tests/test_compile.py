@@ -235,10 +235,12 @@ class PaddingMasked(Bidirectional):
 
 
 class SlidingWindow(Bidirectional):
+    window = 3
+
     def forward(self, ids):
         x = self.emb(ids)[:, None]
         i = torch.arange(ids.shape[1])
-        mask = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < 3)
+        mask = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < self.window)
         x = torch.nn.functional.scaled_dot_product_attention(x, x, x, attn_mask=mask)
         return self.head(x[:, 0])
 
@@ -251,15 +253,10 @@ class ExplicitCausal(Bidirectional):
         return self.head(x[:, 0])
 
 
-class WideSlidingWindow(Bidirectional):
+class WideSlidingWindow(SlidingWindow):
     """A window of 64 tokens: causal at every length up to 64."""
 
-    def forward(self, ids):
-        x = self.emb(ids)[:, None]
-        i = torch.arange(ids.shape[1])
-        mask = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < 64)
-        x = torch.nn.functional.scaled_dot_product_attention(x, x, x, attn_mask=mask)
-        return self.head(x[:, 0])
+    window = 64
 
 
 class EagerWideSlidingWindow(Bidirectional):
@@ -528,22 +525,24 @@ class ConstantArangeOfExampleLength(torch.nn.Module):
         return self.head(self.emb(ids) + self.table[torch.arange(16)].sum(0))
 
 
-def test_an_arange_as_long_as_the_example_is_not_taken_for_positions():
-    from treecompile import reference
+def _assert_tree_equals_per_path(model, paths):
+    """Loss to 1e-12 and every parameter gradient to 1e-9 (relative) of the per-path run, float64."""
+    out = treecompile.compile(model)(Tree.from_paths(paths).to_batch())
+    ref = reference.run(model, paths)
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-12, atol=0)
+    g = torch.autograd.grad(out.loss, list(model.parameters()))
+    g_ref = torch.autograd.grad(ref.loss, list(model.parameters()))
+    for a, b in zip(g, g_ref):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
 
+
+def test_an_arange_as_long_as_the_example_is_not_taken_for_positions():
     torch.manual_seed(0)
     paths = [[1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 8], [9]]
     for model in (ConstantArangeOfExampleLength().double(),
                   # rotary frequencies arange(0, 32, 2): 16 entries
                   DenseForCausalLM(DenseConfig.tiny(head_dim=32, num_hidden_layers=1)).double()):
-        tm = treecompile.compile(model)
-        out = tm(Tree.from_paths(paths).to_batch())
-        ref = reference.run(model, paths)
-        torch.testing.assert_close(out.loss, ref.loss, rtol=1e-12, atol=0)
-        g = torch.autograd.grad(out.loss, list(model.parameters()))
-        g_ref = torch.autograd.grad(ref.loss, list(model.parameters()))
-        for a, b in zip(g, g_ref):
-            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+        _assert_tree_equals_per_path(model, paths)
 
 
 class EagerBiasPastADistance(torch.nn.Module):
@@ -568,13 +567,5 @@ def test_long_paths_equal_per_path_past_every_number_in_the_model(cls):
     """Paths longer than the numbers the model holds (a bias from distance 40; a table of 16 rows): the tree equals
     per-path in float64 (the checks that sample short lengths saw neither)."""
     torch.manual_seed(0)
-    model = cls().double()
-    paths = [[t % 11 for t in range(60)], [t % 11 for t in range(45)] + [3, 4], [5, 6]]
-    tm = treecompile.compile(model)
-    out = tm(Tree.from_paths(paths).to_batch())
-    ref = reference.run(model, paths)
-    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-12, atol=0)
-    g = torch.autograd.grad(out.loss, list(model.parameters()))
-    g_ref = torch.autograd.grad(ref.loss, list(model.parameters()))
-    for a, b in zip(g, g_ref):
-        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+    _assert_tree_equals_per_path(cls().double(), [[t % 11 for t in range(60)], [t % 11 for t in range(45)] + [3, 4],
+                                                  [5, 6]])
