@@ -102,15 +102,22 @@ def test_dropout_in_eval_mode_or_allowed():
     assert allowed.pass_results["check_dropout"].info["active_dropout"] == 1
 
 
-@pytest.mark.parametrize("window, message", [
-    (20, r"not the causal mask \(checked at length 22"),  # past the window: q - k = 21 is masked there
-    (4096, r"not the causal mask \(checked at length 4098"),  # Mistral-7B's window
-    (100_000, r"holds the number 100000 .*at most 8192"),  # too large to check past: refused by name
+@pytest.mark.parametrize("family, window, message", [
+    ("mistral", 20, r"not the causal mask \(checked at length 22"),  # past the window: q - k = 21 is masked there
+    ("mistral", 4096, r"not the causal mask \(checked at length 4098"),  # Mistral-7B's window
+    ("mistral", 100_000, r"holds the number 100000 .*at most 8192"),  # too large to check past: refused by name
+    ("qwen2", 24, r"not the causal mask \(checked at length 26"),  # use_sliding_window on every layer
+    ("gemma3", 24, r"not the causal mask \(checked at length 26"),  # local layers between global ones
 ])
-def test_hf_sliding_window_is_refused(window, message):
+def test_hf_sliding_window_is_refused(family, window, message):
     """A sliding window is causal at every length up to the window, so a mask checked at short lengths alone would
     pass it (it did, for any window over 9 tokens): the check evaluates the mask past every number it holds."""
+    mcls, ccls, kw = {"mistral": ("MistralForCausalLM", "MistralConfig", {}),
+                      "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", dict(use_sliding_window=True, max_window_layers=0)),
+                      "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig", dict(head_dim=8))}[family]
+    if not hasattr(transformers, mcls):
+        pytest.skip(f"transformers has no {mcls}")
     torch.manual_seed(0)
-    model = transformers.MistralForCausalLM(transformers.MistralConfig(**dict(COMMON, sliding_window=window)))
+    model = getattr(transformers, mcls)(getattr(transformers, ccls)(**dict(COMMON, sliding_window=window, **kw)))
     with pytest.raises(PassError, match=message):
         treecompile.compile(model.double())
