@@ -209,8 +209,7 @@ def tree_attention_plan(subtree_end: Tensor, *, block_sparse: bool) -> SegmentPl
     ``k <= q < subtree_end[k]`` itself, so it is exact for any ``subtree_end`` that passes the bounds check; only
     the segments need nested subtrees (checked, and refused naming the token, when they are built)."""
     w = _last_walk(subtree_end)
-    se, T, G, n_main, tail = w.se, w.se.numel(), w.gathered, w.n_main, w.tail
-    starts_l, ends_l, parents, prefix_len = w.starts, w.ends, w.parents, w.prefix_len
+    T, G, n_main = w.se.numel(), w.gathered, w.n_main
     if block_sparse and G > VARLEN_GATHER_LIMIT * T:
         return _block_sparse_plan(subtree_end, G)
     if not w.fits:
@@ -220,10 +219,10 @@ def tree_attention_plan(subtree_end: Tensor, *, block_sparse: bool) -> SegmentPl
                          "attention_kernel='flex' (any head dim) or 'fa4' (head dim 64/128)")
     intervals = []
     for j in range(n_main):  # segment j's keys: its ancestors' visible runs, root first, then itself
-        run, i = [(starts_l[j], ends_l[j])], j
-        while parents[i] is not None:
-            i, p = parents[i]
-            run.append((starts_l[i], p))
+        run, i = [(w.starts[j], w.ends[j])], j
+        while w.parents[i] is not None:
+            i, p = w.parents[i]
+            run.append((w.starts[i], p))
         intervals += run[::-1]
     if not intervals:
         intervals = [(0, 0)]  # no segment for the kernel: an empty plan
@@ -232,16 +231,16 @@ def tree_attention_plan(subtree_end: Tensor, *, block_sparse: bool) -> SegmentPl
     # concatenated ranges: row r of interval m reads lo[m] + (r - first row of m)
     first = torch.cumsum(lengths, 0) - lengths
     key_index = torch.repeat_interleave(lo - first, lengths) + torch.arange(G)
-    cu_k = torch.tensor([0] + [prefix_len[j] + ends_l[j] - starts_l[j] for j in range(n_main)],
+    cu_k = torch.tensor([0] + [w.prefix_len[j] + w.ends[j] - w.starts[j] for j in range(n_main)],
                         dtype=torch.int64).cumsum(0)
-    cu_q = torch.tensor([0] + ends_l[:n_main], dtype=torch.int64)
-    _check_plan(se, key_index, cu_q, cu_k, tail)
+    cu_q = torch.tensor([0] + w.ends[:n_main], dtype=torch.int64)
+    _check_plan(w.se, key_index, cu_q, cu_k, w.tail)
     dev = subtree_end.device
     return SegmentPlan(
         key_index=key_index.to(dev), cu_seqlens_q=cu_q.to(dev, torch.int32), cu_seqlens_k=cu_k.to(dev, torch.int32),
         cu_seqlens_q_host=tuple(cu_q.tolist()), cu_seqlens_k_host=tuple(cu_k.tolist()),
         max_seqlen_q=int(cu_q.diff().max()) if n_main else 0, max_seqlen_k=int(cu_k.diff().max()) if n_main else 0,
-        tail=tail)
+        tail=w.tail)
 
 
 def _block_sparse_plan(subtree_end: Tensor, gathered: int) -> BlockSparsePlan:

@@ -13,10 +13,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 from torch._guards import detect_fake_mode
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 __all__ = ["METADATA_ASSERTS", "CompileOptions", "PassContext", "PassResult", "UnsupportedModelError", "remove_dead_code",
-           "ancestors", "index_literals", "same_length", "where"]
+           "ancestors", "largest_index_literal", "where"]
 
 METADATA_ASSERTS = {torch.ops.aten._assert_tensor_metadata.default}
 
@@ -172,35 +171,21 @@ class PassContext:
         return self.set_val(node)
 
 
-def same_length(a, b) -> bool:
-    """Whether sizes ``a`` and ``b`` (ints or the symbolic sequence length) are equal for every sequence length.
-    Never decided by the capture's example: ``bool(16 == s)`` reads the symbol's hint (the example length, 16),
-    so a constant ``arange(16)`` (rotary frequencies of head dim 32, a table of 16 rows) was taken for positions."""
-    if isinstance(a, int) and isinstance(b, int):
-        return a == b
-    try:
-        return bool(statically_known_true(a == b))
-    except Exception:  # noqa: BLE001
-        return False
-
-
-def index_literals(nodes) -> list:
-    """The numbers among the arguments (lists and tuples walked, bools not counted) of ``nodes`` that may bound an
-    index pattern (a window, an offset, a distance where a bias starts) in a mask or score subgraph: integers below
-    ``2**31`` in absolute value (``INT64_MAX`` slice ends bound nothing) and finite floats below
+def largest_index_literal(nodes) -> float:
+    """The largest absolute number among the arguments (lists and tuples walked, bools not counted) of ``nodes``
+    that may bound an index pattern (a window, an offset, a distance where a bias starts) in a mask or score
+    subgraph, 0 if none: integers below ``2**31`` (``INT64_MAX`` slice ends bound nothing) and finite floats below
     ``FLOAT_LITERAL_LIMIT`` (larger floats are fill values: -1e4, -1e9, a dtype's min; a float window that wide is
-    not told apart from them)."""
-    out: list = []
+    not told apart from them).  A pattern at offset c first shows at length c + 2."""
+    largest = 0.0
 
     def visit(a):
+        nonlocal largest
         if isinstance(a, bool):
             return
-        if isinstance(a, int):
-            if abs(a) < 2 ** 31:
-                out.append(a)
-        elif isinstance(a, float):
-            if abs(a) < FLOAT_LITERAL_LIMIT:
-                out.append(a)
+        if isinstance(a, (int, float)):
+            if abs(a) < (2 ** 31 if isinstance(a, int) else FLOAT_LITERAL_LIMIT):
+                largest = max(largest, abs(a))
         elif isinstance(a, (list, tuple)):
             for x in a:
                 visit(x)
@@ -208,7 +193,7 @@ def index_literals(nodes) -> list:
     for n in nodes:
         for a in (*n.args, *n.kwargs.values()):
             visit(a)
-    return out
+    return largest
 
 
 FLOAT_LITERAL_LIMIT = 8192.0

@@ -79,6 +79,7 @@ from treecompile.ops.flex_tree_attention import kernel_options_for, tree_attenti
 from treecompile.ops.varlen_tree_attention import tree_attention_varlen
 from treecompile.ops.flex_tree_attention_boundary import boundary_block_mask, tree_attention_boundary_flex
 from treecompile.ops.tree_layout import heavy_first_order, permuted_subtree_end, reordered_attention
+from treecompile.passes.token_axis import same
 
 __all__ = ["CudaOptions", "CudaLowering", "lower_cuda", "attention_inputs", "resolve_gdn_kernel",
            "resolve_attention_kernel", "moe_grouped_unusable_reason", "GDN_KERNELS", "ATTENTION_KERNELS",
@@ -195,7 +196,7 @@ def resolve_gdn_kernel(requested: str) -> str:
     return "reference"
 
 
-_WARNED: set = set()  # reasons "auto" already warned about (once per process)
+_WARNED: set = set()  # warnings already given (once per process)
 
 
 def warn_once(message: str, stacklevel: int = 3) -> None:
@@ -231,10 +232,7 @@ def resolve_attention_kernel(requested: str, q, setup_reason=_PROBE) -> str:
         return "fa4"
     if requested == "fa4":
         raise RuntimeError(f"attention_kernel='fa4': {reason}")
-    if reason not in _WARNED:
-        _WARNED.add(reason)
-        warnings.warn(f"attention_kernel='auto': {reason}; tree attention runs FlexAttention's Triton kernel",
-                      stacklevel=2)
+    warn_once(f"attention_kernel='auto': {reason}; tree attention runs FlexAttention's Triton kernel")
     return "flex"
 
 
@@ -460,19 +458,11 @@ _VIEWS = {torch.ops.aten.expand.default, torch.ops.aten.view.default, torch.ops.
 MATERIALIZE_MAX_WIDTH = 4096  # a materialized value holds at most this many elements per token
 
 
-def _same_size(a, b) -> bool:
-    if isinstance(a, int) and isinstance(b, int):
-        return a == b
-    if isinstance(a, torch.SymInt) and isinstance(b, torch.SymInt):
-        return a.node.expr == b.node.expr
-    return False
-
-
 def _per_token_width(val, T) -> int | None:
     """Elements per token of ``val`` (a tensor with one dimension of size ``T``), or None."""
     width, seen = 1, False
     for d in val.shape:
-        if not seen and _same_size(d, T):
+        if not seen and same(d, T):
             seen = True
         elif isinstance(d, int):
             width *= d

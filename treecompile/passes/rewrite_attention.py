@@ -20,8 +20,8 @@ import torch
 from torch import fx
 
 import treecompile.ops.tree_attention  # noqa: F401  (registers treecompile::tree_attention)
-from treecompile.passes.base import (PassContext, PassResult, UnsupportedModelError, ancestors, index_literals,
-                                     remove_dead_code, where)
+from treecompile.passes.base import (PassContext, PassResult, UnsupportedModelError, ancestors,
+                                     largest_index_literal, remove_dead_code, where)
 
 aten = torch.ops.aten
 SDPA = aten.scaled_dot_product_attention.default
@@ -29,7 +29,7 @@ _SHAPE_ONLY = {aten.sym_size.int, aten.sym_numel.default, aten.sym_stride.int}
 _VIEWS = {aten.reshape.default, aten.view.default, aten._unsafe_view.default}
 _COPIES = {aten.clone.default, aten.contiguous.default}
 # the mask subgraph is evaluated at these lengths, and at one past the largest number it holds (a window, an
-# offset; base.index_literals) when that is at most MASK_CHECK_MAX_LEN (a [T, T] mask and its index intermediates
+# offset; base.largest_index_literal) when that is at most MASK_CHECK_MAX_LEN (a [T, T] mask and its index intermediates
 # are materialized)
 MASK_CHECK_LENGTHS = (1, 5, 11)
 MASK_CHECK_MAX_LEN = 8192
@@ -73,12 +73,12 @@ def _check_mask(mask: fx.Node, sdpa: fx.Node, ctx: PassContext, cache: dict) -> 
         g.output(env[mask])
         sub = fx.GraphModule(ctx.gm, g)
         phs = [n for n in nodes if n.op == "placeholder"]
-        bound = max((abs(c) for c in index_literals(nodes)), default=0)
+        bound = largest_index_literal(nodes)
         past = int(bound) + 2  # a pattern at offset c shows at length c + 2 (where q - k > c exists)
         lengths = MASK_CHECK_LENGTHS + ((past,) if past > max(MASK_CHECK_LENGTHS) else ())
         if past > MASK_CHECK_MAX_LEN:
             err = UnsupportedModelError(
-                f"{where(sdpa)}: the attention mask subgraph holds the number {bound} (a sliding window or an "
+                f"{where(sdpa)}: the attention mask subgraph holds the number {bound:g} (a sliding window or an "
                 f"offset?): checking that the mask is causal past it would take a [{past}, {past}] mask (at most "
                 f"{MASK_CHECK_MAX_LEN}); tree attention replaces only causal masks")
             lengths = ()

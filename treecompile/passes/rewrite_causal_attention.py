@@ -31,7 +31,7 @@ import torch
 from torch import fx
 
 import treecompile.ops.tree_attention  # noqa: F401  (registers treecompile::tree_attention_biased)
-from treecompile.passes.base import (METADATA_ASSERTS, PassContext, PassResult, ancestors, index_literals,
+from treecompile.passes.base import (METADATA_ASSERTS, PassContext, PassResult, ancestors, largest_index_literal,
                                      remove_dead_code)
 from treecompile.passes.token_probe import PROBE_TREE, Probe, chain_batch, concrete_shape, token_dims, value_nodes
 from treecompile.tree import Tree
@@ -47,7 +47,7 @@ ADDS = {aten.add.Tensor, aten.sub.Tensor, aten.masked_fill.Scalar, aten.masked_f
         aten.where.ScalarOther, aten.where.ScalarSelf}
 SCALES = {aten.mul.Tensor, aten.div.Tensor}
 PROBE_LENGTHS = (5, 11)
-# the scores are also probed at one past the largest number their mask/bias operands hold (base.index_literals; a
+# the scores are also probed at one past the largest number their mask/bias operands hold (base.largest_index_literal; a
 # sliding window of W tokens is causal at every length up to W) while that probe's [*, T, T] scores hold at most
 # this many entries; past it the site is left alone (the verifier then refuses it)
 PROBE_MAX_ENTRIES = 1 << 24
@@ -155,12 +155,13 @@ def rewrite_causal_attention(gm: fx.GraphModule, ctx: PassContext) -> PassResult
                 or token_dims(v.meta["val"], ctx)[-1:] != [v.meta["val"].dim() - 2]
                 or str(probs.meta["val"].shape) != str(qkv.shape)):
             continue  # the input batch is [1, T]: leading dims are batch 1 times heads
-        has_bias = _check_scores(probe, ctx, qk, s, scale)
+        lengths = _probe_lengths(ctx, qk, s)
+        has_bias = _check_scores(probe, ctx, qk, s, scale, lengths) if lengths is not None else None
         if has_bias is None:
             continue
         with gm.graph.inserting_before(pv):
             k = ctx.call(aten.transpose.int, (kt, -1, -2), like=qk)
-            bias = _bias_nodes(ctx, probe, qk, chain, s, _probe_lengths(ctx, qk, s)) if has_bias else None
+            bias = _bias_nodes(ctx, probe, qk, chain, s, lengths) if has_bias else None
             new = ctx.call(BIASED, (q, k, v, ctx.tree_input("subtree_end"), bias, float(scale),
                                     _softmax_dtype(sm)), like=sm)
         if str(new.meta["val"].shape) != str(pv.meta["val"].shape):
@@ -203,7 +204,7 @@ def _probe_lengths(ctx: PassContext, qk: fx.Node, s: fx.Node) -> tuple[int, ...]
     """``PROBE_LENGTHS``, and one past the largest number in the nodes that make the scores ``s`` from the product
     ``qk`` (the mask and bias operands, not ``q``/``k``'s own subgraphs); None when that probe would be too large."""
     side = ancestors(s) - ancestors(qk)
-    past = int(max((abs(c) for c in index_literals(side)), default=0)) + 2  # offset c shows where q - k > c exists
+    past = int(largest_index_literal(side)) + 2  # offset c shows where q - k > c exists
     if past <= max(PROBE_LENGTHS):
         return PROBE_LENGTHS
     try:
@@ -213,14 +214,12 @@ def _probe_lengths(ctx: PassContext, qk: fx.Node, s: fx.Node) -> tuple[int, ...]
     return PROBE_LENGTHS + (past,) if lead * past * past <= PROBE_MAX_ENTRIES else None
 
 
-def _check_scores(probe: Probe, ctx: PassContext, qk: fx.Node, s: fx.Node, scale: float):
+def _check_scores(probe: Probe, ctx: PassContext, qk: fx.Node, s: fx.Node, scale: float, lengths):
     """True/False (bias or none) if the scores are ``scale * X + bias`` under a causal mask with a
-    bias that is exact on trees; None otherwise (see the module docstring)."""
+    bias that is exact on trees at the probe ``lengths`` (:func:`_probe_lengths`); None otherwise (see the module
+    docstring)."""
     gen = torch.Generator().manual_seed(0)
     has_bias = False
-    lengths = _probe_lengths(ctx, qk, s)
-    if lengths is None:
-        return None
     for T in lengths:
         x = probe.random(qk, T, gen)
         zero = torch.zeros_like(x)
@@ -291,7 +290,7 @@ def _masks_only(probe: Probe, side: fx.Node, lengths) -> bool:
 
 
 def _bias_nodes(ctx: PassContext, probe: Probe, qk: fx.Node, chain: list[fx.Node], s: fx.Node,
-                lengths=PROBE_LENGTHS) -> fx.Node:
+                lengths) -> fx.Node:
     """The scores with the product replaced by zeros (in the graph), in the product's shape.
 
     Masking steps are left out (``masked_fill``/``where`` with -inf/finfo.min, additions of an operand

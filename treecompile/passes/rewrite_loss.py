@@ -21,7 +21,8 @@ import torch
 from torch import fx
 
 import treecompile.ops.logprobs  # noqa: F401  (registers the ops)
-from treecompile.passes.base import PassContext, PassResult, UnsupportedModelError, remove_dead_code, same_length
+from treecompile.passes.base import PassContext, PassResult, UnsupportedModelError, remove_dead_code
+from treecompile.passes.token_axis import same
 
 aten = torch.ops.aten
 OUTPUT_TAG = "treecompile_output"  # node.meta key of an output another pass asks to keep (sorted by its value)
@@ -32,7 +33,7 @@ _PASS_THROUGH = {aten.to.dtype, aten._to_copy.default, aten.alias.default, aten.
 def _find_logits(out_nodes, T):
     cands = [n for n in out_nodes if isinstance(n, fx.Node) and "val" in n.meta
              and isinstance(n.meta["val"], torch.Tensor) and n.meta["val"].dim() == 3
-             and n.meta["val"].shape[0] == 1 and same_length(n.meta["val"].shape[1], T)]
+             and n.meta["val"].shape[0] == 1 and same(n.meta["val"].shape[1], T)]
     if len(cands) != 1:
         shapes = [tuple(n.meta["val"].shape) for n in out_nodes if isinstance(n, fx.Node) and "val" in n.meta]
         raise UnsupportedModelError(f"expected exactly one [1, T, V] logits output, found {len(cands)} "

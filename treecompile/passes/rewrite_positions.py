@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from treecompile.passes.base import PassContext, PassResult, UnsupportedModelError, same_length, where
+from treecompile.passes.base import PassContext, PassResult, UnsupportedModelError, where
+from treecompile.passes.token_axis import same
 
 aten = torch.ops.aten
 ARANGES = {aten.arange.default, aten.arange.start, aten.arange.start_step}
@@ -56,7 +57,9 @@ def rewrite_positions(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         if node.op != "call_function" or node.target not in ARANGES:
             continue
         val = node.meta.get("val")
-        if val is None or val.dim() != 1 or not same_length(val.shape[0], T):
+        # sizes compared as expressions (token_axis.same): ``bool(16 == s)`` would read the symbol's hint, the
+        # capture's example length 16, and take a constant arange(16) (rotary frequencies of head dim 32) for positions
+        if val is None or val.dim() != 1 or not same(val.shape[0], T):
             continue
         start, end, step = _arange_bounds(node)
         if not (isinstance(start, int) and start == 0 and isinstance(step, int) and step == 1):
