@@ -43,7 +43,7 @@ from trees import agentic_paths, harness_tree_paths  # noqa: E402
 from treecompile import Tree  # noqa: E402
 from treecompile.ops.flex_tree_attention import tree_block_classes  # noqa: E402
 from treecompile.ops.tree_layout import heavy_first_order, permuted_subtree_end  # noqa: E402
-from treecompile.ops.varlen_tree_attention import VARLEN_GATHER_LIMIT, segment_plan  # noqa: E402
+from treecompile.ops.varlen_tree_attention import BlockSparsePlan, segment_plan, tree_attention_plan  # noqa: E402
 
 BLOCK = 128
 
@@ -138,7 +138,8 @@ def model_tree(case: str, tree: Tree, budgets=(0.05, 0.10)) -> list[dict]:
     rows.append(dict(tree=case, layout="varlen", tiles=tiles, partial=part, partial_pct=round(100 * part / tiles, 1),
                      useful=round((nnz - (T - plan.tail)) / (tiles * BLOCK * BLOCK), 3), pad_rows=0,
                      gathered_x_T=round(plan.gathered / T, 2),
-                     op_plan="segments" if plan.gathered <= VARLEN_GATHER_LIMIT * T else "block_sparse"))
+                     op_plan="block_sparse" if isinstance(tree_attention_plan(se, block_sparse=True), BlockSparsePlan)
+                     else "segments"))  # the op's own choice for this tree
     causal_tiles = (T // BLOCK) * (T // BLOCK + 1) // 2
     for r in rows:
         r.update(T=T, causal_useful=round(T * (T + 1) / 2 / (causal_tiles * BLOCK * BLOCK), 3))
