@@ -6,9 +6,10 @@
    tree level) vs :func:`treecompile.ops.fla_gdn.plan_calls` (chains merged, short parents replayed, ready
    sets) at several ``replay_max``, on the bench trees and every agentic spec.
 2. One GDN layer's fwd+bwd (bf16, Qwen3.5 linear-attention heads: 16 q/k and 16 v heads of 128) on each
-   bench tree: the tree through fla with the planned calls, the same with the previous per-level
-   schedule (``per_level_fla`` below, kept here for the comparison), and ONE fla varlen call over the same
-   number of tokens (one sequence): the cost of the tree structure itself (target <= 1.2x).
+   bench tree: the tree through fla levelled (the default: fla's chunk kernels once, the state recurrence per
+   call, ``ops/fla_gdn_levels.py``), through whole fla calls (``tree_calls*``, the default before session 17),
+   with the per-level schedule (``per_level_fla`` below, kept here for the comparison), and ONE fla varlen
+   call over the same number of tokens (one sequence): the cost of the tree structure itself (target <= 1.2x).
 3. The harness (:mod:`benchmarks.harness`) on a Qwen3.5-shaped hybrid (``--model``, default
    ``qwen3.5-hybrid-0.8b``: 24 layers, 18 GDN + 6 attention) for ``tree`` vs ``compiled_per_path_fla``
    vs ``packed_fla_varlen`` (and ``eager_per_path``, the gradient reference), on a synthetic POR 0.5 tree
@@ -187,7 +188,8 @@ def layer_inputs(paths: list[list[int]], device: str):
 def _layer_row(name: str, paths: list[list[int]], device: str) -> dict:
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    from treecompile.ops.fla_gdn import REPLAY_FRACTION, cheapest_plan, plan_calls, tree_gated_delta_rule_fla
+    from treecompile.ops.fla_gdn import (REPLAY_FRACTION, cheapest_plan, level_cost_rows, plan_calls,
+                                         tree_gated_delta_rule_fla)
 
     b, xs, do = layer_inputs(paths, device)
     T = b.seq_len
@@ -202,20 +204,18 @@ def _layer_row(name: str, paths: list[list[int]], device: str) -> dict:
                 x.grad = None
         return step
 
-    def planned(r, kernel=None):
+    def planned(r, levels=None):
         return lambda: tree_gated_delta_rule_fla(*xs, *nodes, use_qk_l2norm_in_kernel=True, replay_max=r,
-                                                 kernel=kernel)
-
-    def fla_own_indices(*a, chunk_indices, cu_seqlens_cpu, **kw):
-        """fla deriving the chunk indices from the device cu_seqlens itself (before the plan held them)"""
-        del chunk_indices, cu_seqlens_cpu
-        return chunk_gated_delta_rule(*a, **kw)
+                                                 levels=levels)
 
     variants_fn = {
-        "tree_planned": planned(None),  # the default: cheapest_plan
-        "tree_planned_r256": planned(256),  # the previous default (replay <= 256 tokens, <= 5 % rows)
-        "tree_planned_r256_fla_indices": planned(256, fla_own_indices),  # ... with fla deriving chunk indices
-        "tree_planned_r0": planned(0),
+        # the default: fla's chunk kernels once over all rows, the recurrence per call (ops/fla_gdn_levels.py),
+        # cheapest_plan at LEVEL_COST_ROWS
+        "tree_planned": planned(None),
+        "tree_levels_r0": planned(0, True),  # ... without replay
+        "tree_levels_r64": planned(64, True),
+        "tree_calls": planned(None, False),  # whole fla calls (the default before session 17), cheapest_plan
+        "tree_calls_r0": planned(0, False),
         "tree_per_level": lambda: per_level_fla(*xs, *nodes, use_qk_l2norm_in_kernel=True),
         "one_fla_call": lambda: chunk_gated_delta_rule(*xs, initial_state=h0, output_final_state=True,
                                                        cu_seqlens=one, use_qk_l2norm_in_kernel=True)[0],
@@ -233,15 +233,17 @@ def _layer_row(name: str, paths: list[list[int]], device: str) -> dict:
     # same function: each planned variant's output and input gradients vs the per-level schedule's (bf16
     # rounding of different chunk alignments only; a schedule bug shows as an O(1) difference)
     ref = _out_and_grads(variants_fn["tree_per_level"], xs, do)
-    for k in ("tree_planned", "tree_planned_r0", "tree_planned_r256"):
+    for k in ("tree_planned", "tree_levels_r0", "tree_levels_r64", "tree_calls", "tree_calls_r0"):
         got = _out_and_grads(variants_fn[k], xs, do)
         row[f"{k}_vs_per_level"] = max(float((a - r).abs().max() / r.abs().max().clamp_min(1e-30))
                                        for a, r in zip(got, ref))
-    for r in (0, 256):  # the plans tree_gated_delta_rule_fla takes at these replay_max, and at None
+    for r in (0, 64):  # the plans tree_gated_delta_rule_fla takes at these replay_max, and at None
         row[f"calls_r{r}"] = plan_calls(*nodes[:3], replay_max=r, max_replay_fraction=REPLAY_FRACTION).calls
-    plan = cheapest_plan(*nodes[:3], call_cost_rows=call_cost_rows(HV, DK, DV))
-    row.update({"levels": plan.levels, "calls": plan.calls,
-                "replayed_tokens": plan.replayed_tokens,
+    plan = cheapest_plan(*nodes[:3], call_cost_rows=level_cost_rows(HV, DK, DV))
+    whole = cheapest_plan(*nodes[:3], call_cost_rows=call_cost_rows(HV, DK, DV))
+    row.update({"levels": plan.levels, "calls": plan.calls, "replayed_tokens": plan.replayed_tokens,
+                "calls_whole": whole.calls, "replayed_tokens_whole": whole.replayed_tokens,
+                "calls/one_call": round(row["tree_calls_ms"] / row["one_fla_call_ms"], 3),
                 "tree/one_call": round(row["tree_planned_ms"] / row["one_fla_call_ms"], 3),
                 "per_level/one_call": round(row["tree_per_level_ms"] / row["one_fla_call_ms"], 3)})
     return row

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
@@ -41,9 +42,10 @@ def run(fn, xs, nodes, grad_o):
     return [o.detach().double()] + [g.double() for g in grads]
 
 
+@pytest.mark.parametrize("levels", [True, False], ids=["levels", "calls"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_fla_tree_equals_per_path_oracle(dtype, seed):
+def test_fla_tree_equals_per_path_oracle(dtype, seed, levels):
     paths = short_node_paths(seed)
     b = Tree.from_paths(paths).to_batch(pad_to_multiple=64, device="cuda")
     T, H, Hv, Dk, Dv = b.seq_len, 2, 4, 64, 64
@@ -52,7 +54,7 @@ def test_fla_tree_equals_per_path_oracle(dtype, seed):
     grad_o = torch.randn(1, T, Hv, Dv, generator=gen, device="cuda", dtype=torch.float64)
     nodes = (b.node_start, b.node_end, b.node_parent, b.node_level)
     oracle = run(tree_gated_delta_rule, [x.detach().double().requires_grad_() for x in xs], nodes, grad_o)
-    tree = run(tree_gated_delta_rule_fla, xs, nodes, grad_o)
+    tree = run(functools.partial(tree_gated_delta_rule_fla, levels=levels), xs, nodes, grad_o)
     # fla's own rounding: each path alone through fla vs the float64 oracle of that path
     noise = [0.0] * 6
     for p in range(len(paths)):
@@ -67,3 +69,31 @@ def test_fla_tree_equals_per_path_oracle(dtype, seed):
     for name, t, o, n in zip(["o", "dq", "dk", "dv", "dg", "dbeta"], tree, oracle, noise):
         err = float((t[:, real] - o[:, real]).abs().max() / o[:, real].abs().max())
         assert err <= 4 * n + 1e-6, f"{name}: tree error {err:.2e} vs fla's own per-path error {n:.2e}"
+
+
+@pytest.mark.parametrize("replay_max", [0, 8])
+def test_levels_equal_whole_calls_with_initial_state(replay_max):
+    """The levelled path (fla's chunk kernels once, the recurrence per call) against whole fla calls on the same
+    plan, with a root initial state and its gradient, and both against the float64 oracle."""
+    paths = short_node_paths(2)
+    b = Tree.from_paths(paths).to_batch(device="cuda")
+    T, H, Hv, Dk, Dv = b.seq_len, 2, 4, 64, 64
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    xs = inputs(T, H, Hv, Dk, Dv, torch.float32, gen)
+    h0 = (0.1 * torch.randn(Hv, Dk, Dv, generator=gen, device="cuda", dtype=torch.float64))
+    grad_o = torch.randn(1, T, Hv, Dv, generator=gen, device="cuda", dtype=torch.float64)
+    nodes = (b.node_start, b.node_end, b.node_parent, b.node_level)
+
+    def grads(fn, dtype, **kw):
+        x = [t.detach().to(dtype).requires_grad_() for t in xs]
+        i0 = h0.to(dtype).requires_grad_()
+        o = fn(*x, *nodes, i0, use_qk_l2norm_in_kernel=True, **kw)
+        return [o.detach().double()] + [g.double() for g in torch.autograd.grad(o, x + [i0], grad_o.to(o.dtype))]
+
+    oracle = grads(tree_gated_delta_rule, torch.float64)
+    whole = grads(tree_gated_delta_rule_fla, torch.float32, levels=False, replay_max=replay_max)
+    levels = grads(tree_gated_delta_rule_fla, torch.float32, levels=True, replay_max=replay_max)
+    for name, a, w, o in zip(["o", "dq", "dk", "dv", "dg", "dbeta", "dh0"], levels, whole, oracle):
+        err_levels = float((a - o).abs().max() / o.abs().max())
+        err_whole = float((w - o).abs().max() / o.abs().max())
+        assert err_levels <= 2 * err_whole + 1e-6, f"{name}: levels {err_levels:.2e} vs whole calls {err_whole:.2e}"

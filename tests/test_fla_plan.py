@@ -223,3 +223,42 @@ def test_identity_plan_has_no_gather():
     b = Tree.from_paths([[1, 2, 3, 4, 5]]).to_batch()
     plan = fla_gdn.plan_calls(b.node_start, b.node_end, b.node_parent)
     assert plan.identity and plan.occurrences == ()
+
+
+@pytest.mark.parametrize("chunk_size", [2, 4, 64])
+@pytest.mark.parametrize("name", ["agentic_like_0", "chains", "one_token_nodes"])
+def test_level_tensors_lay_the_calls_end_to_end(name, chunk_size):
+    """The levelled path's host tensors (``fla_gdn_levels.level_tensors``): one cu_seqlens over every call's
+    segments, fla's chunk indices over all of them, and per call the slice of rows and of chunks that call's
+    own (relative) cu_seqlens / chunk indices / chunk offsets describe, the chunks in the same order."""
+    from treecompile.ops.fla_gdn_levels import level_tensors
+
+    b = Tree.from_paths(TREES[name]).to_batch()
+    plan = fla_gdn.plan_calls(b.node_start, b.node_end, b.node_parent, replay_max=1)
+    L = level_tensors(plan, chunk_size)
+    assert level_tensors(plan, chunk_size) is L  # cached on the plan
+    assert L.cu_seqlens[-1] == len(plan.index) and torch.equal(L.chunk_indices, fla_chunk_indices(L.cu_seqlens, chunk_size))
+    seg, chunk = 0, 0
+    for c, w in zip(L.calls, plan.waves):
+        assert (c.lo, c.hi, c.segments) == (w.lo, w.hi, len(w.lengths)) and c.source is w.source
+        assert torch.equal(L.cu_seqlens[seg:seg + c.segments + 1] - c.lo, c.cu_seqlens)
+        assert c.c_lo == chunk and torch.equal(c.chunk_indices, fla_chunk_indices(c.cu_seqlens, chunk_size))
+        ci = L.chunk_indices[c.c_lo:c.c_hi]
+        assert torch.equal(ci[:, 0] - seg, c.chunk_indices[:, 0]) and torch.equal(ci[:, 1], c.chunk_indices[:, 1])
+        lens = c.cu_seqlens.diff()  # fla's prepare_chunk_offsets: first chunk of each segment
+        assert c.chunk_offsets.tolist() == [0] + ((lens + chunk_size - 1) // chunk_size).cumsum(0).tolist()
+        seg, chunk = seg + c.segments, c.c_hi
+    assert chunk == len(L.chunk_indices) and seg == len(L.cu_seqlens) - 1
+
+
+def test_levels_option_refuses_what_it_cannot_run():
+    b = Tree.from_paths([[1, 2, 3], [1, 4]]).to_batch()
+    xs = gdn_inputs(b.seq_len, 0, with_init=False)[:5]
+    nodes = (b.node_start, b.node_end, b.node_parent, b.node_level)
+    with pytest.raises(ValueError, match="takes no `kernel`"):
+        fla_gdn.tree_gated_delta_rule_fla(*xs, *nodes, kernel=torch_varlen_gdn, levels=True)
+    from treecompile.ops.fla_gdn_levels import levels_unusable_reason
+
+    if levels_unusable_reason() is not None:  # no fla here: the explicit option says why
+        with pytest.raises(RuntimeError, match="not importable"):
+            fla_gdn.tree_gated_delta_rule_fla(*xs, *nodes, levels=True)

@@ -36,12 +36,15 @@ __all__ = [
     "CALL_COST_WIDTH",
     "REPLAY_FRACTION",
     "FlaPlan",
+    "LEVEL_COST_ROWS",
+    "LEVELS",
     "LastBatch",
     "Wave",
     "fla_available",
     "fla_unusable_reason",
     "call_cost_rows",
     "cheapest_plan",
+    "level_cost_rows",
     "gather_rows",
     "host_chunk_indices",
     "occurrence_groups",
@@ -66,6 +69,25 @@ COMPUTE_DTYPE: torch.dtype | None = None
 # :func:`call_cost_rows` scales the measured figure from that layer's width to the caller's.
 CALL_COST_ROWS = 4096
 CALL_COST_WIDTH = 16 * 128 * 128  # Hv * Dk * Dv of the layer CALL_COST_ROWS was measured on
+
+
+# What one more call costs on the levelled path (``levels=True``: only the state recurrence runs per call, one
+# ``fwd_h`` forward, ``fwd_h`` + ``bwd_dhu`` backward, plus a state gather/scatter), in GDN rows of the same layer
+# width as :data:`CALL_COST_WIDTH`.  Measured: see benchmarks/RESULTS.md (issue 17, session 17).
+LEVEL_COST_ROWS = 512
+# the levelled path by default where fla's chunk-level functions import (tree_gated_delta_rule_fla's ``levels``)
+LEVELS = True
+
+
+def level_cost_rows(Hv: int, Dk: int, Dv: int) -> int:
+    """:data:`LEVEL_COST_ROWS` scaled to a layer of ``Hv`` value heads and head dims ``Dk``, ``Dv``."""
+    return max(1, round(LEVEL_COST_ROWS * CALL_COST_WIDTH / max(1, Hv * Dk * Dv)))
+
+
+def _levels_reason() -> str | None:
+    from treecompile.ops.fla_gdn_levels import levels_unusable_reason
+
+    return levels_unusable_reason()
 
 
 def call_cost_rows(Hv: int, Dk: int, Dv: int) -> int:
@@ -411,7 +433,7 @@ def tree_gated_delta_rule_fla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: 
                               initial_state: Tensor | None = None, *, scale: float | None = None,
                               use_qk_l2norm_in_kernel: bool = False, chunk_size: int = 64,
                               compute_dtype: torch.dtype | None = None, replay_max: int | None = None,
-                              kernel=None) -> Tensor:
+                              kernel=None, levels: bool | None = None) -> Tensor:
     """q, k ``[1, T, H, Dk]``, v ``[1, T, Hv, Dv]``, g (log decay) / beta ``[1, T, Hv]``; node tensors
     ``[N]`` as in a TreeBatch (``node_level`` is not needed by the plan and not read); ``initial_state
     [Hv, Dk, Dv]`` for root nodes.  Returns ``[1, T, Hv, Dv]`` in v's dtype.  ``compute_dtype``: the
@@ -420,8 +442,17 @@ def tree_gated_delta_rule_fla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: 
     at most :data:`REPLAY_FRACTION` of the tokens replayed; None (default): :func:`cheapest_plan` at this
     layer's :func:`call_cost_rows`.
     ``kernel``: a function with the signature of fla's ``chunk_gated_delta_rule`` (default: fla's; the
-    CPU tests pass a torch one)."""
-    if kernel is None:
+    CPU tests pass a torch one).
+    ``levels``: run fla's chunk-local kernels once over all the plan's rows and only the state recurrence per
+    call (:mod:`treecompile.ops.fla_gdn_levels`); None (default): :data:`LEVELS` when ``kernel`` is fla's own and
+    its chunk-level functions import, whole calls otherwise."""
+    if levels is None:
+        levels = LEVELS and kernel is None and _levels_reason() is None
+    elif levels and kernel is not None:
+        raise ValueError("levels=True composes fla's own chunk kernels: it takes no `kernel`")
+    elif levels and _levels_reason() is not None:
+        raise RuntimeError(_levels_reason())
+    if kernel is None and not levels:
         try:
             from fla.ops.gated_delta_rule import chunk_gated_delta_rule as kernel
         except ImportError as e:
@@ -433,10 +464,19 @@ def tree_gated_delta_rule_fla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: 
         q, k, v_in, g, beta = (x.to(compute_dtype) for x in (q, k, v, g, beta))
     else:
         v_in = v
-    plan = _cached_plan(node_start, node_end, node_parent, replay_max, call_cost_rows(Hv, Dk, Dv))
+    cost = level_cost_rows(Hv, Dk, Dv) if levels else call_cost_rows(Hv, Dk, Dv)
+    plan = _cached_plan(node_start, node_end, node_parent, replay_max, cost)
     xs = (q, k, v_in, g, beta)
     if not plan.identity:  # one gather per input for all calls; each call reads a contiguous block of rows
         xs = tuple(gather_rows(x, plan.index, plan.occurrences) for x in xs)
+    if levels:
+        from treecompile.ops.fla_gdn_levels import TreeGDNLevels, level_tensors
+
+        o = TreeGDNLevels.apply(*xs, initial_state, level_tensors(plan, chunk_size),
+                                scale if scale is not None else Dk ** -0.5, use_qk_l2norm_in_kernel)
+        if not plan.identity:
+            o = o.index_select(1, plan.out_rows)
+        return o.to(v.dtype)
     # each call's rows as one split of the gathered inputs: the backward is one cat per input (slices
     # x[:, lo:hi] would each fill a zero tensor of all rows and add it in: O(calls x rows) of memory traffic)
     sizes = [w.hi - w.lo for w in plan.waves]
