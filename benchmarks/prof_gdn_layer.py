@@ -4,7 +4,7 @@
 
 On :func:`benchmarks.hybrid_bench.layer_inputs` (Qwen3.5 linear-attention heads, bf16 on CUDA) of a bench tree,
 each variant (one fla varlen call over the tree's tokens; the tree through ``tree_gated_delta_rule_fla`` with the
-default plan, ``replay_max=0`` and ``replay_max=256``) is timed (median of 5: step and host-until-return) and
+default plan (levelled), levelled with ``replay_max=0``, and whole fla calls) is timed (median of 5: step and host-until-return) and
 profiled once (torch.profiler): on CUDA the kernel count, kernel time and the top kernels; everywhere the top
 host ops.  ``--compare FILE``: another ``fla_gdn.py`` (e.g. ``git show REV:treecompile/ops/fla_gdn.py``) whose
 ``tree_gated_delta_rule_fla`` runs the same tree variants as ``<name>_compare`` rows, and whose outputs and input
@@ -30,7 +30,9 @@ else:
 from treecompile import Tree
 from treecompile.ops import fla_gdn
 
-TREE_VARIANTS = {"tree_planned": {}, "tree_r0": {"replay_max": 0}, "tree_r256": {"replay_max": 256}}
+# the default (levelled: fla's chunk kernels once, the recurrence per call), levelled without replay, whole calls
+TREE_VARIANTS = {"tree_planned": {}, "tree_levels_r0": {"replay_max": 0, "levels": True},
+                 "tree_calls": {"levels": False}}
 
 
 def _sync():
