@@ -71,10 +71,16 @@ def test_fla_tree_equals_per_path_oracle(dtype, seed, levels):
         assert err <= 4 * n + 1e-6, f"{name}: tree error {err:.2e} vs fla's own per-path error {n:.2e}"
 
 
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "dispatched"])
 @pytest.mark.parametrize("replay_max", [0, 8])
-def test_levels_equal_whole_calls_with_initial_state(replay_max):
-    """The levelled path (fla's chunk kernels once, the recurrence per call) against whole fla calls on the same
-    plan, with a root initial state and its gradient, and both against the float64 oracle."""
+def test_levels_equal_whole_calls_with_initial_state(replay_max, direct, monkeypatch):
+    """The levelled path (fla's chunk kernels once, the recurrence per call; its kernels launched into one buffer
+    or called through fla's functions) against whole fla calls on the same plan, with a root initial state and
+    its gradient, and both against the float64 oracle."""
+    from treecompile.ops import fla_gdn_levels
+
+    monkeypatch.setattr(fla_gdn_levels, "DIRECT", direct)
+    assert (fla_gdn_levels._fla()["direct"] is not None) == direct  # no fla backend claims them on this GPU
     paths = short_node_paths(2)
     b = Tree.from_paths(paths).to_batch(device="cuda")
     T, H, Hv, Dk, Dv = b.seq_len, 2, 4, 64, 64

@@ -22,6 +22,7 @@ says when they are not importable, and the caller then falls back to whole calls
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 
@@ -41,7 +42,14 @@ def levels_unusable_reason() -> str | None:
 
 
 def _fla():
-    """fla's internal functions the levelled path composes (imported when first needed)."""
+    """fla's internal functions the levelled path composes, with ``direct``: the recurrence kernels when
+    :data:`DIRECT` and :func:`_direct_kernels` allow launching them directly, else None."""
+    return dict(_fla_functions(), direct=_direct_kernels() if DIRECT else None)
+
+
+@functools.cache
+def _fla_functions():
+    """fla's internal functions (imported when first needed)."""
     from fla.modules.norm.l2norm import l2norm_bwd, l2norm_fwd
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h
     from fla.ops.common.chunk_o import chunk_bwd_dqkwg, chunk_bwd_dv_local, chunk_fwd_o
@@ -55,6 +63,56 @@ def _fla():
                 bwd_dqkwg=chunk_bwd_dqkwg, fwd_intra=chunk_gated_delta_rule_fwd_intra,
                 wy_bwd=prepare_wy_repr_bwd, recompute_w_u=recompute_w_u_fwd, cumsum=chunk_local_cumsum,
                 RCP_LN2=RCP_LN2)
+
+
+# Launch the recurrence kernels straight into slices of one buffer per layer (no per-call allocation, no cat, no
+# trip through fla's backend dispatch) where fla's dispatch has no backend for them (:func:`_direct_kernels`).
+DIRECT = True
+
+
+@functools.cache
+def _direct_kernels():
+    """fla's two recurrence Triton kernels, or None when a backend of fla's dispatch that is available and
+    enabled here could serve the functions that launch them (``chunk_gated_delta_rule_fwd_h`` / ``_bwd_dhu``;
+    fla 0.6 has an NPU one and an opt-in inference-only one, ``FLA_INTRACARD_CP``): then those functions are
+    called as they are, through the dispatch, and their outputs concatenated."""
+    import fla.backends as fb
+    from fla.ops.common import chunk_delta_h as m
+
+    names = ("chunk_gated_delta_rule_fwd_h", "chunk_gated_delta_rule_bwd_dhu")
+    registries = [fb._operation_registries.get("common")]
+    registries += [fb._function_registries.get(fb.unwrap(getattr(m, n))) for n in names]
+    for reg in registries:
+        for backend in (reg._backends.values() if reg is not None else ()):
+            if not (backend.is_available() and backend.is_enabled()):
+                continue
+            if getattr(backend, "implementation", None) is not None or any(
+                    backend.get_implementation(n) is not None for n in names):
+                return None
+    return m.chunk_gated_delta_rule_fwd_kernel_h_blockdim64, m.chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64
+
+
+def _launch_fwd_h(kernel, k, w, u, g, init, c: CallSlice, h, v_new, final: bool, chunk_size: int):
+    """``chunk_gated_delta_rule_fwd_h`` of one call with its outputs written into ``h`` / ``v_new`` (slices of the
+    layer's buffers); the arguments are the ones that function passes (fla/ops/common/chunk_delta_h.py)."""
+    H, K, HV, V = k.shape[2], k.shape[3], u.shape[2], u.shape[3]
+    ht = k.new_zeros(c.segments, HV, K, V, dtype=torch.float32) if final else None
+    kernel[lambda meta: (-(-V // meta["BV"]) * c.segments * HV,)](
+        k=k, v=u, w=w, v_new=v_new, g=g, gk=None, h=h, h0=init, ht=ht, cu_seqlens=c.cu_seqlens,
+        chunk_offsets=c.chunk_offsets, T=k.shape[1], H=H, HV=HV, K=K, V=V, BT=chunk_size, STATE_V_FIRST=False)
+    return ht
+
+
+def _launch_bwd_dhu(kernel, q, k, w, do, dv, g, h0, dht, scale, c: CallSlice, dh, dv2, chunk_size: int):
+    """``chunk_gated_delta_rule_bwd_dhu`` of one call with ``dh`` / ``dv2`` written into slices of the layer's
+    buffers; returns ``dh0``."""
+    H, K, HV, V = q.shape[2], q.shape[3], do.shape[2], do.shape[3]
+    dh0 = torch.empty_like(h0, dtype=torch.float32)
+    kernel[lambda meta: (-(-V // meta["BV"]) * c.segments * HV,)](
+        q=q, k=k, w=w, g=g, gk=None, dht=dht, dh0=dh0, do=do, dh=dh, dv=dv, dv2=dv2, cu_seqlens=c.cu_seqlens,
+        chunk_offsets=c.chunk_offsets, scale=scale, T=q.shape[1], H=H, HV=HV, K=K, V=V, BT=chunk_size,
+        STATE_V_FIRST=False)
+    return dh0
 
 
 @dataclass(frozen=True)
@@ -115,18 +173,32 @@ def _recurrence(f, k, w, u, g, inits, L: LevelTensors, *, final_states: bool):
     """``fwd_h`` call after call: per call the chunk states ``h``, the new values and its final states (each
     call's initial states from the previous call's final states when ``inits`` is a function, else
     ``inits[i]``).  Returns ``(h [1, NT, Hv, K, V], v_new [1, R, Hv, V], initial states per call)``."""
+    direct = f["direct"]
+    if direct:
+        h = k.new_empty(1, len(L.chunk_indices), u.shape[2], k.shape[3], u.shape[3])
+        v_new = torch.empty_like(u)
     hs, vs, used, state = [], [], [], None
     for i, c in enumerate(L.calls):
         init = inits(i, c, state) if callable(inits) else inits[i]
-        h, v_new, state = f["fwd_h"](
-            k=k[:, c.lo:c.hi], w=w[:, c.lo:c.hi], u=u[:, c.lo:c.hi], g=g[:, c.lo:c.hi], initial_state=init,
-            output_final_state=final_states and i + 1 < len(L.calls), chunk_size=L.chunk_size,
-            cu_seqlens=c.cu_seqlens, chunk_indices=c.chunk_indices, chunk_offsets=c.chunk_offsets)
-        hs.append(h)
-        vs.append(v_new)
+        r, final = slice(c.lo, c.hi), final_states and i + 1 < len(L.calls)
+        if direct:
+            state = _launch_fwd_h(direct[0], k[:, r], w[:, r], u[:, r], g[:, r], init, c, h[:, c.c_lo:c.c_hi],
+                                  v_new[:, r], final, L.chunk_size)
+        else:
+            hi, vi, state = f["fwd_h"](
+                k=k[:, r], w=w[:, r], u=u[:, r], g=g[:, r], initial_state=init, output_final_state=final,
+                chunk_size=L.chunk_size, cu_seqlens=c.cu_seqlens, chunk_indices=c.chunk_indices,
+                chunk_offsets=c.chunk_offsets)
+            hs.append(hi)
+            vs.append(vi)
         used.append(init)
-    cat = lambda xs: xs[0] if len(xs) == 1 else torch.cat(xs, 1)  # noqa: E731
-    return cat(hs), cat(vs), used
+    if not direct:
+        h, v_new = _cat(hs), _cat(vs)
+    return h, v_new, used
+
+
+def _cat(xs):
+    return xs[0] if len(xs) == 1 else torch.cat(xs, 1)
 
 
 class TreeGDNLevels(torch.autograd.Function):
@@ -174,21 +246,28 @@ class TreeGDNLevels(torch.autograd.Function):
         h, v_new, _ = _recurrence(f, k, w, u, g, inits, L, final_states=False)
         dv = f["bwd_dv_local"](q=q, k=k, g=g, do=do, scale=scale, cu_seqlens=L.cu_seqlens,
                                chunk_indices=L.chunk_indices, chunk_size=cs)
+        direct = f["direct"]
+        if direct:
+            dh, dv2 = torch.empty_like(h), torch.empty_like(dv)
         dhs, dv2s, dht = [None] * len(L.calls), [None] * len(L.calls), None
         for i in range(len(L.calls) - 1, -1, -1):
             c = L.calls[i]
             r = slice(c.lo, c.hi)
-            dhs[i], dh0, dv2s[i] = f["bwd_dhu"](
-                q=q[:, r], k=k[:, r], w=w[:, r], do=do[:, r], dv=dv[:, r], g=g[:, r], h0=inits[i], dht=dht,
-                scale=scale, cu_seqlens=c.cu_seqlens, chunk_size=cs, chunk_indices=c.chunk_indices,
-                chunk_offsets=c.chunk_offsets)
+            if direct:
+                dh0 = _launch_bwd_dhu(direct[1], q[:, r], k[:, r], w[:, r], do[:, r], dv[:, r], g[:, r], inits[i],
+                                      dht, scale, c, dh[:, c.c_lo:c.c_hi], dv2[:, r], cs)
+            else:
+                dhs[i], dh0, dv2s[i] = f["bwd_dhu"](
+                    q=q[:, r], k=k[:, r], w=w[:, r], do=do[:, r], dv=dv[:, r], g=g[:, r], h0=inits[i], dht=dht,
+                    scale=scale, cu_seqlens=c.cu_seqlens, chunk_size=cs, chunk_indices=c.chunk_indices,
+                    chunk_offsets=c.chunk_offsets)
             if c.source is not None:  # the previous call's final states feed these segments: their gradients
                 prev = L.calls[i - 1]
                 dht = dh0.new_zeros(prev.segments, *dh0.shape[1:]).index_add_(0, c.source, dh0)
             else:
                 d_init = dh0
-        cat = lambda xs: xs[0] if len(xs) == 1 else torch.cat(xs, 1)  # noqa: E731
-        dh, dv2 = cat(dhs), cat(dv2s)
+        if not direct:
+            dh, dv2 = _cat(dhs), _cat(dv2s)
         dq, dk, dw, dg = f["bwd_dqkwg"](q=q, k=k, v=v_new, w=w, g=g, h=h, dv=dv2, do=do, dh=dh, scale=scale,
                                         cu_seqlens=L.cu_seqlens, chunk_indices=L.chunk_indices, chunk_size=cs)
         dk2, dv, db, dg2 = f["wy_bwd"](k=k, v=v, beta=beta, g=g, A=A, dw=dw, du=dv2, cu_seqlens=L.cu_seqlens,
