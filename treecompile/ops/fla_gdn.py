@@ -73,7 +73,9 @@ CALL_COST_WIDTH = 16 * 128 * 128  # Hv * Dk * Dv of the layer CALL_COST_ROWS was
 
 # What one more call costs on the levelled path (``levels=True``: only the state recurrence runs per call, one
 # ``fwd_h`` forward, ``fwd_h`` + ``bwd_dhu`` backward, plus a state gather/scatter), in GDN rows of the same layer
-# width as :data:`CALL_COST_WIDTH`.  Measured: see benchmarks/RESULTS.md (issue 17, session 17).
+# width as :data:`CALL_COST_WIDTH`.  Measured on one H100 (fla 0.6, tilelang 0.1.15; one 16x128 GDN layer fwd+bwd,
+# benchmarks/hybrid_bench.py, results/h100_s17): the plan at 512 ran 8.39 / 6.77 ms on the 16 x 2,048 POR 0.5 / agentic
+# parallel-tools trees, against 10.0 / 6.6 at a replay budget of 64 rows and 10.1 / 6.9 without replay.
 LEVEL_COST_ROWS = 512
 # the levelled path by default where fla's chunk-level functions import (tree_gated_delta_rule_fla's ``levels``)
 LEVELS = True
