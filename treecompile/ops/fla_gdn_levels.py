@@ -14,7 +14,10 @@ call of the plan, each call starting from the previous call's final states (``in
 being its children's initial-state gradients summed (``index_add``).  The sequence of kernel invocations
 per segment is fla's own (``fla/ops/gated_delta_rule/chunk.py``: ``chunk_gated_delta_rule_fwd`` / ``_bwd``,
 whose steps the forward and backward below follow one for one), so the result equals the per-call path's up
-to nothing: same kernels, same chunks, same state dtypes.
+to nothing: same kernels, same chunks, same state dtypes (checked bit for bit on CPU with fla's kernels under
+Triton's interpreter, and on Hopper in ``tests/test_fla_gdn.py``).  The two recurrence kernels are launched
+straight into slices of one buffer per layer (:data:`DIRECT`) unless a backend of fla's dispatch that is
+enabled here claims their functions.
 
 Uses fla's internal (not exported) functions of flash-linear-attention 0.6; :func:`levels_unusable_reason`
 says when they are not importable, and the caller then falls back to whole calls.
@@ -22,6 +25,7 @@ says when they are not importable, and the caller then falls back to whole calls
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 from dataclasses import dataclass
@@ -201,6 +205,10 @@ def _cat(xs):
     return xs[0] if len(xs) == 1 else torch.cat(xs, 1)
 
 
+def _on(device: torch.device):
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 class TreeGDNLevels(torch.autograd.Function):
     """``o [1, R, Hv, V]`` of fla's gated delta rule over the plan's rows (inputs already laid out in call
     order, ``[1, R, ...]``), every segment starting from its source's final state (roots: ``initial_state
@@ -209,6 +217,16 @@ class TreeGDNLevels(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, L: LevelTensors, scale: float, l2norm: bool):
+        with _on(q.device):  # Triton launches on the current device (fla's ``input_guard`` does the same)
+            return TreeGDNLevels._forward(ctx, q, k, v, g, beta, initial_state, L, scale, l2norm)
+
+    @staticmethod
+    def backward(ctx, do):
+        with _on(do.device):
+            return TreeGDNLevels._backward(ctx, do)
+
+    @staticmethod
+    def _forward(ctx, q, k, v, g, beta, initial_state, L: LevelTensors, scale: float, l2norm: bool):
         f = _fla()
         q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
         q_rstd = k_rstd = None
@@ -236,7 +254,7 @@ class TreeGDNLevels(torch.autograd.Function):
         return o.to(q.dtype)
 
     @staticmethod
-    def backward(ctx, do):
+    def _backward(ctx, do):
         f = _fla()
         q, q_rstd, k, k_rstd, v, g, beta, A, *inits = ctx.saved_tensors
         L, scale, cs = ctx.L, ctx.scale, ctx.L.chunk_size
