@@ -190,6 +190,7 @@ def _layer_row(name: str, paths: list[list[int]], device: str) -> dict:
 
     from treecompile.ops.fla_gdn import (REPLAY_FRACTION, cheapest_plan, level_cost_rows, plan_calls,
                                          tree_gated_delta_rule_fla)
+    from treecompile.ops.fla_gdn_levels import levels_unusable_reason
 
     b, xs, do = layer_inputs(paths, device)
     T = b.seq_len
@@ -208,12 +209,13 @@ def _layer_row(name: str, paths: list[list[int]], device: str) -> dict:
         return lambda: tree_gated_delta_rule_fla(*xs, *nodes, use_qk_l2norm_in_kernel=True, replay_max=r,
                                                  levels=levels)
 
+    levelled = levels_unusable_reason() is None  # fla's chunk-level functions import (not with a stand-in fla)
     variants_fn = {
         # the default: fla's chunk kernels once over all rows, the recurrence per call (ops/fla_gdn_levels.py),
-        # cheapest_plan at LEVEL_COST_ROWS
+        # cheapest_plan at LEVEL_COST_ROWS (whole calls where the chunk-level functions do not import)
         "tree_planned": planned(None),
-        "tree_levels_r0": planned(0, True),  # ... without replay
-        "tree_levels_r64": planned(64, True),
+        **({"tree_levels_r0": planned(0, True),  # ... without replay
+            "tree_levels_r64": planned(64, True)} if levelled else {}),
         "tree_calls": planned(None, False),  # whole fla calls (the default before session 17), cheapest_plan
         "tree_calls_r0": planned(0, False),
         "tree_per_level": lambda: per_level_fla(*xs, *nodes, use_qk_l2norm_in_kernel=True),
@@ -234,12 +236,14 @@ def _layer_row(name: str, paths: list[list[int]], device: str) -> dict:
     # rounding of different chunk alignments only; a schedule bug shows as an O(1) difference)
     ref = _out_and_grads(variants_fn["tree_per_level"], xs, do)
     for k in ("tree_planned", "tree_levels_r0", "tree_levels_r64", "tree_calls", "tree_calls_r0"):
+        if k not in variants_fn:
+            continue
         got = _out_and_grads(variants_fn[k], xs, do)
         row[f"{k}_vs_per_level"] = max(float((a - r).abs().max() / r.abs().max().clamp_min(1e-30))
                                        for a, r in zip(got, ref))
     for r in (0, 64):  # the plans tree_gated_delta_rule_fla takes at these replay_max, and at None
         row[f"calls_r{r}"] = plan_calls(*nodes[:3], replay_max=r, max_replay_fraction=REPLAY_FRACTION).calls
-    plan = cheapest_plan(*nodes[:3], call_cost_rows=level_cost_rows(HV, DK, DV))
+    plan = cheapest_plan(*nodes[:3], call_cost_rows=(level_cost_rows if levelled else call_cost_rows)(HV, DK, DV))
     whole = cheapest_plan(*nodes[:3], call_cost_rows=call_cost_rows(HV, DK, DV))
     row.update({"levels": plan.levels, "calls": plan.calls, "replayed_tokens": plan.replayed_tokens,
                 "calls_whole": whole.calls, "replayed_tokens_whole": whole.replayed_tokens,

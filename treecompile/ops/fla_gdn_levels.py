@@ -39,7 +39,7 @@ __all__ = ["LevelTensors", "TreeGDNLevels", "level_tensors", "levels_unusable_re
 def levels_unusable_reason() -> str | None:
     """Why fla's chunk-level functions cannot be imported here (None when they can)."""
     try:
-        _fla()
+        _import_fla_functions()  # not the cached copy: a test may swap fla out of sys.modules
     except ImportError as e:
         return f"fla's chunk-level functions are not importable ({e}); GDN layers run as whole fla calls"
     return None
@@ -51,9 +51,18 @@ def _fla():
     return dict(_fla_functions(), direct=_direct_kernels() if DIRECT else None)
 
 
-@functools.cache
 def _fla_functions():
-    """fla's internal functions (imported when first needed)."""
+    """fla's internal functions (imported once)."""
+    global _FLA_FUNCTIONS
+    if _FLA_FUNCTIONS is None:
+        _FLA_FUNCTIONS = _import_fla_functions()
+    return _FLA_FUNCTIONS
+
+
+_FLA_FUNCTIONS = None
+
+
+def _import_fla_functions():
     from fla.modules.norm.l2norm import l2norm_bwd, l2norm_fwd
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h
     from fla.ops.common.chunk_o import chunk_bwd_dqkwg, chunk_bwd_dv_local, chunk_fwd_o
