@@ -143,6 +143,8 @@ def stand_in_fla(monkeypatch):
 
     fake = types.ModuleType("fla.ops.gated_delta_rule")
     fake.chunk_gated_delta_rule = chunk_gated_delta_rule
+    for name in [m for m in sys.modules if m.startswith("fla.")]:  # a real fla imported earlier stays out of reach
+        monkeypatch.delitem(sys.modules, name)
     for name in ("fla", "fla.ops"):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
     monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule", fake)
