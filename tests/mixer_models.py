@@ -52,6 +52,15 @@ class ShiftRollMask(MixerLM):
         return torch.where(keep, torch.roll(h, 2, 1), 0.0)
 
 
+class ShiftMaskedPast(MixerLM):
+    """A shift whose rows from position 80 on are zeroed: a plain shift at every length up to 80 (the shift
+    rewrite sampled 13, 29, 64 and dropped the mask until it also probed one past every number in the region)."""
+
+    def mix(self, h):
+        keep = (torch.arange(h.shape[1]) < 80)[None, :, None]
+        return torch.where(keep, F.pad(h, (0, 0, 1, 0))[:, :-1], 0.0)
+
+
 class ShiftFuture(MixerLM):  # near miss: reads the next token
     def mix(self, h):
         return F.pad(h, (0, 0, 0, 1))[:, 1:]

@@ -15,6 +15,7 @@ from treecompile.models import DenseConfig, DenseForCausalLM
 from treecompile.frontend import CaptureError
 from treecompile.passes import UnsupportedModelError
 from helpers import cached_compile, cached_model, capture_once, flat_grads, reference_noise, rel, tiny_dense
+from mixer_models import ShiftMaskedPast
 from strategies import ODD_TREES, weighted_path_sets
 
 aten = torch.ops.aten
@@ -569,3 +570,11 @@ def test_long_paths_equal_per_path_past_every_number_in_the_model(cls):
     torch.manual_seed(0)
     _assert_tree_equals_per_path(cls().double(), [[t % 11 for t in range(60)], [t % 11 for t in range(45)] + [3, 4],
                                                   [5, 6]])
+
+
+def test_a_token_shift_masked_past_the_probe_lengths_keeps_its_mask():
+    """A token shift zeroed from position 80 (past every length the shift rewrite sampled): paths of 100 tokens
+    equal per-path in float64."""
+    torch.manual_seed(0)
+    _assert_tree_equals_per_path(ShiftMaskedPast().double(), [[t % 11 for t in range(100)],
+                                                              [t % 11 for t in range(90)] + [3, 4], [5, 6]])

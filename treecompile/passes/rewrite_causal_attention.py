@@ -33,7 +33,8 @@ from torch import fx
 import treecompile.ops.tree_attention  # noqa: F401  (registers treecompile::tree_attention_biased)
 from treecompile.passes.base import (METADATA_ASSERTS, PassContext, PassResult, ancestors, largest_index_literal,
                                      remove_dead_code)
-from treecompile.passes.token_probe import PROBE_TREE, Probe, chain_batch, concrete_shape, token_dims, value_nodes
+from treecompile.passes.token_probe import (PROBE_MAX_ENTRIES, PROBE_TREE, Probe, chain_batch, concrete_shape, token_dims,
+                                           value_nodes)
 from treecompile.tree import Tree
 
 aten = torch.ops.aten
@@ -49,8 +50,7 @@ SCALES = {aten.mul.Tensor, aten.div.Tensor}
 PROBE_LENGTHS = (5, 11)
 # the scores are also probed at one past the largest number their mask/bias operands hold (base.largest_index_literal; a
 # sliding window of W tokens is causal at every length up to W) while that probe's [*, T, T] scores hold at most
-# this many entries; past it the site is left alone (the verifier then refuses it)
-PROBE_MAX_ENTRIES = 1 << 24
+# token_probe.PROBE_MAX_ENTRIES entries; past it the site is left alone (the verifier then refuses it)
 
 
 def _users(n: fx.Node) -> list[fx.Node]:

@@ -9,8 +9,8 @@ GDN conv op; ``d`` = dilation).
 
 Site: an ``aten.conv1d``/``aten.convolution`` (1-D, not transposed) with weight ``[C, 1, K]`` and
 ``groups == C``; the region around it is the pads before it and the slices/narrows after it along
-the token axis.  The region is evaluated at a few lengths with random input, weight and bias and
-must equal the causal conv above; else it is left alone (non-depthwise convs, centred "same"
+the token axis.  The region is evaluated at a few lengths (and one past every number it holds) with random
+input, weight and bias and must equal the causal conv above; else it is left alone (non-depthwise convs, centred "same"
 padding, strides: the verifier refuses them).
 """
 
@@ -25,7 +25,7 @@ import treecompile.ops.tree_mixers  # noqa: F401  (registers treecompile::tree_a
 from treecompile.passes.base import PassContext, PassResult, remove_dead_code
 from treecompile.passes.rewrite_token_shifts import COPIES, moves_tokens
 from treecompile.passes.token_axis import bound_args
-from treecompile.passes.token_probe import Probe, chain_batch, token_dims
+from treecompile.passes.token_probe import Probe, chain_batch, lengths_past_literals, token_dims
 
 aten = torch.ops.aten
 CONVS = {aten.conv1d.default, aten.convolution.default}
@@ -76,8 +76,11 @@ def rewrite_causal_convs(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
 
 
 def _is_causal_conv(probe: Probe, x, w, b, y, dil: int) -> bool:
+    lengths = lengths_past_literals(PROBE_LENGTHS, y, [x, w, *([b] if isinstance(b, fx.Node) else [])], probe.ctx)
+    if lengths is None:
+        return False
     gen = torch.Generator().manual_seed(0)
-    for T in PROBE_LENGTHS:
+    for T in lengths:
         given = {x: probe.random(x, T, gen), w: probe.random(w, T, gen)}
         if isinstance(b, fx.Node):
             given[b] = probe.random(b, T, gen)

@@ -11,7 +11,8 @@ computes, not by its spelling:
    ``masked_fill`` with a mask built from shapes or positions; copies);
 2. the region must read exactly one value input ``x`` whose shape equals the region's result and
    has one dim of size T;
-3. the region is evaluated on random ``x`` at several lengths (:class:`token_probe.Probe`): if the
+3. the region is evaluated on random ``x`` at several lengths, one past every number it holds among them
+   (:class:`token_probe.Probe`, :func:`token_probe.lengths_past_literals`): if the
    result is ``x`` shifted by the same k >= 1 along that dim every time (zeros in front), the region
    becomes ``treecompile::tree_shift(x, pred_index, k, dim)``.
 Anything else (a shift toward the future, a wrap-around roll, a reversal) is left alone: the
@@ -25,7 +26,8 @@ from torch import fx
 
 import treecompile.ops.tree_mixers  # noqa: F401  (registers treecompile::tree_shift)
 from treecompile.passes.base import PassContext, PassResult, remove_dead_code
-from treecompile.passes.token_probe import Probe, chain_batch, involves_tokens, token_dims, value_nodes
+from treecompile.passes.token_probe import (Probe, chain_batch, involves_tokens, lengths_past_literals, token_dims,
+                                           value_nodes)
 
 aten = torch.ops.aten
 TREE_SHIFT = torch.ops.treecompile.tree_shift.default
@@ -153,10 +155,14 @@ def rewrite_token_shifts(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
 
 
 def _probe_shift(probe: Probe, x: fx.Node, y: fx.Node, dim: int) -> int | None:
-    """The shift k (>= 1) that ``y`` applies to ``x`` at every probe length, or None."""
+    """The shift k (>= 1) that ``y`` applies to ``x`` at every probe length (:data:`PROBE_LENGTHS` and one past
+    every number the region holds), or None."""
+    lengths = lengths_past_literals(PROBE_LENGTHS, y, [x], probe.ctx)
+    if lengths is None:
+        return None
     gen = torch.Generator().manual_seed(0)
     found = []
-    for T in PROBE_LENGTHS:
+    for T in lengths:
         xv = probe.random(x, T, gen)
         if xv.dtype.is_floating_point:
             xv = xv + 3.0  # no zero entries: a zero row in y then means "no source row"

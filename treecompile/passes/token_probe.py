@@ -11,7 +11,9 @@ alone (the verifier refuses what no pass could prove).  This module holds what t
 - :func:`token_dims` / :func:`involves_tokens`: which dims of a value are the sequence axis;
 - :class:`Probe`: copies the ancestors of some nodes into a small graph, feeds given tensors for
   chosen nodes, the batch's fields for the tree inputs, zeros or seeded random values for the other
-  placeholders (with the symbolic length replaced by a concrete one), and runs it.
+  placeholders (with the symbolic length replaced by a concrete one), and runs it;
+- :func:`lengths_past_literals`: the sample lengths plus one past every number the piece holds (a mask
+  ``position < 100`` only shows at length 101).
 """
 
 from __future__ import annotations
@@ -19,10 +21,13 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from treecompile.passes.base import TREE_INPUTS, PassContext
+import math
+
+from treecompile.passes.base import TREE_INPUTS, PassContext, ancestors, largest_index_literal
 from treecompile.tree import Tree, TreeBatch, ancestor_index
 
-__all__ = ["PROBE_TREE", "Probe", "chain_batch", "involves_tokens", "token_dims", "value_nodes"]
+__all__ = ["PROBE_MAX_ENTRIES", "PROBE_TREE", "Probe", "chain_batch", "concrete_shape", "involves_tokens",
+           "lengths_past_literals", "token_dims", "value_nodes"]
 
 aten = torch.ops.aten
 _SHAPE_ONLY = {aten.sym_size.int, aten.sym_numel.default, aten.sym_stride.int}
@@ -90,6 +95,28 @@ def concrete_shape(val, ctx: PassContext, T: int) -> list[int]:
 
 class _NotProbeable(Exception):
     pass
+
+
+# the most entries a probe tensor of one past every literal may have (:func:`lengths_past_literals`)
+PROBE_MAX_ENTRIES = 1 << 24
+
+
+def lengths_past_literals(lengths: tuple[int, ...], out: fx.Node, inputs, ctx: PassContext
+                          ) -> tuple[int, ...] | None:
+    """``lengths``, plus one past the largest number held by the nodes that make ``out`` from ``inputs`` (the
+    region and its masks or bias operands, not the inputs' own subgraphs; :func:`largest_index_literal`): a pattern
+    at a position or distance c first shows at length c + 2, so a check that samples only short lengths would
+    take ``shift(x) * (position < 100)`` for a plain shift.  None when a probe at that length would exceed
+    :data:`PROBE_MAX_ENTRIES` entries (the caller then leaves the site alone, for the verifier to refuse)."""
+    below = set().union(*(ancestors(i) for i in inputs))
+    past = int(largest_index_literal(ancestors(out) - below)) + 2
+    if past <= max(lengths):
+        return lengths
+    try:
+        size = max(math.prod(concrete_shape(n.meta["val"], ctx, past)) for n in (*inputs, out))
+    except _NotProbeable:
+        return None
+    return lengths + (past,) if size <= PROBE_MAX_ENTRIES else None
 
 
 def chain_batch(T: int) -> TreeBatch:
