@@ -61,6 +61,15 @@ class ShiftMaskedPast(MixerLM):
         return torch.where(keep, F.pad(h, (0, 0, 1, 0))[:, :-1], 0.0)
 
 
+class ShiftMaskedPastFloat(MixerLM):
+    """The same with a float threshold past FLOAT_LITERAL_LIMIT (fill values such as -1e4 are not thresholds;
+    9000.0 compared with positions is)."""
+
+    def mix(self, h):
+        keep = (torch.arange(h.shape[1]).to(h.dtype) < 9000.0)[None, :, None]
+        return torch.where(keep, F.pad(h, (0, 0, 1, 0))[:, :-1], 0.0)
+
+
 class ShiftFuture(MixerLM):  # near miss: reads the next token
     def mix(self, h):
         return F.pad(h, (0, 0, 0, 1))[:, 1:]

@@ -15,7 +15,7 @@ from treecompile.models import DenseConfig, DenseForCausalLM
 from treecompile.frontend import CaptureError
 from treecompile.passes import UnsupportedModelError
 from helpers import cached_compile, cached_model, capture_once, flat_grads, reference_noise, rel, tiny_dense
-from mixer_models import ShiftMaskedPast
+from mixer_models import ShiftMaskedPast, ShiftMaskedPastFloat
 from strategies import ODD_TREES, weighted_path_sets
 
 aten = torch.ops.aten
@@ -572,9 +572,31 @@ def test_long_paths_equal_per_path_past_every_number_in_the_model(cls):
                                                   [5, 6]])
 
 
-def test_a_token_shift_masked_past_the_probe_lengths_keeps_its_mask():
-    """A token shift zeroed from position 80 (past every length the shift rewrite sampled): paths of 100 tokens
-    equal per-path in float64."""
+@pytest.mark.parametrize("cls, n", [(ShiftMaskedPast, 100), (ShiftMaskedPastFloat, 9100)])
+def test_a_token_shift_masked_past_the_probe_lengths_keeps_its_mask(cls, n):
+    """A token shift zeroed from position 80 (past every length the shift rewrite sampled), or from position 9000
+    given as a float: paths longer than that equal per-path in float64."""
     torch.manual_seed(0)
-    _assert_tree_equals_per_path(ShiftMaskedPast().double(), [[t % 11 for t in range(100)],
-                                                              [t % 11 for t in range(90)] + [3, 4], [5, 6]])
+    _assert_tree_equals_per_path(cls().double(), [[t % 11 for t in range(n)],
+                                                  [t % 11 for t in range(n - 10)] + [3, 4], [5, 6]])
+
+
+def test_largest_index_literal_counts_thresholds_not_fill_values():
+    """Integers below 2**31; floats below FLOAT_LITERAL_LIMIT anywhere, and past it only as a threshold or offset
+    (a comparison, clamp, add/sub, remainder) -- a fill value or scale such as -1e4 is not a pattern's offset."""
+    from torch import fx
+
+    from treecompile.passes.base import FLOAT_LITERAL_LIMIT, largest_index_literal
+
+    aten = torch.ops.aten
+    g = fx.Graph()
+    x = g.placeholder("x")
+    fill = g.call_function(aten.masked_fill.Scalar, (x, x, -1e4))
+    scale = g.call_function(aten.mul.Tensor, (fill, -1e9))
+    assert largest_index_literal([fill, scale]) == 0.0
+    assert largest_index_literal([g.call_function(aten.lt.Scalar, (x, 9000.0))]) == 9000.0
+    assert largest_index_literal([g.call_function(aten.sub.Tensor, (x, 2e4))]) == 2e4
+    assert largest_index_literal([g.call_function(aten.slice.Tensor, (x, 1, 0, 2 ** 63 - 1))]) == 1  # the dim only
+    assert largest_index_literal([g.call_function(aten.slice.Tensor, (x, 1, 0, 300))]) == 300
+    assert largest_index_literal([g.call_function(aten.lt.Scalar, (x, float("inf")))]) == 0.0
+    assert largest_index_literal([g.call_function(aten.mul.Tensor, (x, FLOAT_LITERAL_LIMIT / 2))]) == FLOAT_LITERAL_LIMIT / 2

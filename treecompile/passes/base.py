@@ -174,26 +174,36 @@ class PassContext:
 def largest_index_literal(nodes) -> float:
     """The largest absolute number among the arguments (lists and tuples walked, bools not counted) of ``nodes``
     that may bound an index pattern (a window, an offset, a distance where a bias starts) in a mask or score
-    subgraph, 0 if none: integers below ``2**31`` (``INT64_MAX`` slice ends bound nothing) and finite floats below
-    ``FLOAT_LITERAL_LIMIT`` (larger floats are fill values: -1e4, -1e9, a dtype's min; a float window that wide is
-    not told apart from them).  A pattern at offset c first shows at length c + 2."""
+    subgraph, 0 if none: integers below ``2**31`` (``INT64_MAX`` slice ends bound nothing), finite floats below
+    ``FLOAT_LITERAL_LIMIT`` (larger floats are mostly fill values and scales: -1e4, -1e9, a dtype's min), and floats
+    below ``2**31`` where they are a threshold or an offset (an operand of a comparison, a clamp, an add or
+    subtract, a remainder or floor division: ``position < 9000.0``).  A pattern at offset c first shows at
+    length c + 2."""
     largest = 0.0
 
-    def visit(a):
+    def visit(a, threshold: bool):
         nonlocal largest
         if isinstance(a, bool):
             return
         if isinstance(a, (int, float)):
-            if abs(a) < (2 ** 31 if isinstance(a, int) else FLOAT_LITERAL_LIMIT):
+            limit = 2 ** 31 if isinstance(a, int) or threshold else FLOAT_LITERAL_LIMIT
+            if abs(a) < limit:  # nan and inf fail this too
                 largest = max(largest, abs(a))
         elif isinstance(a, (list, tuple)):
             for x in a:
-                visit(x)
+                visit(x, threshold)
 
     for n in nodes:
+        name = getattr(getattr(n.target, "_schema", None), "name", "")
+        threshold = name.removeprefix("aten::") in THRESHOLD_OPS
         for a in (*n.args, *n.kwargs.values()):
-            visit(a)
+            visit(a, threshold)
     return largest
+
+
+# ops whose scalar operand places an index pattern (a threshold or an offset) whatever its size
+THRESHOLD_OPS = frozenset({"lt", "le", "gt", "ge", "eq", "ne", "clamp", "clamp_min", "clamp_max", "add", "sub",
+                           "rsub", "remainder", "fmod", "floor_divide", "maximum", "minimum"})
 
 
 FLOAT_LITERAL_LIMIT = 8192.0
