@@ -48,7 +48,7 @@ else:
     from trees import agentic_paths, agentic_specs, synthetic_paths
 
 from treecompile import Tree
-from treecompile.ops.fla_gdn import REPLAY_FRACTION, call_cost_rows, cheapest_plan, plan_calls
+from treecompile.ops.fla_gdn import REPLAY_FRACTION, call_cost_rows, cheapest_plan, level_cost_rows, plan_calls
 
 H, HV, DK, DV = 16, 16, 128, 128  # Qwen3.5 linear attention (16 key / 16 value heads of 128)
 AGENTIC, AGENTIC_SCALE = "parallel-tools", 1.5
@@ -68,8 +68,9 @@ def bench_trees(case: str, vocab: int, *, path_len: int = SYN_LEN, scale: float 
 
 def call_counts(trees: dict[str, list[list[int]]], replays=(0, 64, 256, 1024)) -> list[dict]:
     """fla calls per GDN layer (forward; the backward makes as many) per tree and ``replay_max`` (with the
-    layer's cap on replayed rows, ``REPLAY_FRACTION`` of the tokens), and the default plan's
-    (:func:`~treecompile.ops.fla_gdn.cheapest_plan`: calls and rows fed to fla, vs the per-path rows)."""
+    layer's cap on replayed rows, ``REPLAY_FRACTION`` of the tokens), and the default plans'
+    (:func:`~treecompile.ops.fla_gdn.cheapest_plan` at the levelled path's and at whole calls' price of a call:
+    calls and rows fed to fla, vs the per-path rows)."""
     rows = []
     named = dict(trees)
     for s in agentic_specs(1.0):
@@ -83,8 +84,11 @@ def call_counts(trees: dict[str, list[list[int]]], replays=(0, 64, 256, 1024)) -
             p = plan_calls(b.node_start, b.node_end, b.node_parent, replay_max=r, max_replay_fraction=REPLAY_FRACTION)
             row[f"calls r={r}"] = p.calls
             row[f"replayed r={r}"] = p.replayed_tokens
-        p = cheapest_plan(b.node_start, b.node_end, b.node_parent, call_cost_rows=call_cost_rows(HV, DK, DV))
-        row.update({"calls auto": p.calls, "rows auto": len(p.index), "per-path rows": t.num_path_tokens})
+        p = cheapest_plan(b.node_start, b.node_end, b.node_parent, call_cost_rows=level_cost_rows(HV, DK, DV))
+        w = cheapest_plan(b.node_start, b.node_end, b.node_parent, call_cost_rows=call_cost_rows(HV, DK, DV))
+        row.update({"calls auto (levelled)": p.calls, "rows auto (levelled)": len(p.index),
+                    "calls auto (whole calls)": w.calls, "rows auto (whole calls)": len(w.index),
+                    "per-path rows": t.num_path_tokens})
         rows.append(row)
     return rows
 
