@@ -546,6 +546,33 @@ def test_an_arange_as_long_as_the_example_is_not_taken_for_positions():
         _assert_tree_equals_per_path(model, paths)
 
 
+class EagerTrilBias(torch.nn.Module):
+    """Causal attention written out with a bias of -0.5 from a distance of 41 on, built from ``tril`` of a ``[T, T]``
+    tensor: the DFS distance, not the path distance.  On the 16-token probe tree every pair is closer than 41, so
+    the tree check found the bias exact and the tree trained with the DFS distance (1.6e-4 off per-path)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(11, 8)
+        self.head = torch.nn.Linear(8, 11)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        T = ids.shape[1]
+        far = torch.ones(T, T, dtype=x.dtype).tril(-41)
+        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        s = (x @ x.transpose(-1, -2) - 0.5 * far).masked_fill(~causal, float("-inf"))
+        return self.head(torch.softmax(s, -1) @ x)
+
+
+def test_a_bias_of_dfs_distance_past_the_probe_tree_is_refused():
+    """The bias check's tree now holds pairs that lie further apart in DFS order than every number the bias holds
+    while close on their path: a bias made from DFS indices is refused by name instead of trained wrong."""
+    with pytest.raises(treecompile.passes.PassError, match=r"test_compile.py:\d+ in forward.*tril") as info:
+        treecompile.compile(EagerTrilBias().double())
+    assert isinstance(info.value.__cause__, UnsupportedModelError)
+
+
 class EagerBiasPastADistance(torch.nn.Module):
     """Causal attention written out whose additive operand is 0 up to a distance of 40 and a bias past it: at the
     probe lengths (5, 11) the operand holds only zeros, so the pass took it for a mask and dropped it."""

@@ -33,7 +33,7 @@ from torch import fx
 import treecompile.ops.tree_attention  # noqa: F401  (registers treecompile::tree_attention_biased)
 from treecompile.passes.base import (METADATA_ASSERTS, PassContext, PassResult, ancestors, largest_index_literal,
                                      remove_dead_code)
-from treecompile.passes.token_probe import (PROBE_MAX_ENTRIES, PROBE_TREE, Probe, chain_batch, concrete_shape, token_dims,
+from treecompile.passes.token_probe import (PROBE_MAX_ENTRIES, Probe, chain_batch, concrete_shape, probe_tree, token_dims,
                                            value_nodes)
 from treecompile.tree import Tree
 
@@ -241,16 +241,18 @@ def _check_scores(probe: Probe, ctx: PassContext, qk: fx.Node, s: fx.Node, scale
         has_bias = has_bias or bool((s0[causal] != 0).any())
     if not has_bias:
         return False
-    return True if _bias_exact_on_tree(probe, ctx, qk, s) else None
+    return True if _bias_exact_on_tree(probe, ctx, qk, s, max(lengths)) else None
 
 
 def _allowed(s: torch.Tensor) -> torch.Tensor:
     return ~(torch.isneginf(s) | (s <= torch.finfo(s.dtype).min / 2))
 
 
-def _bias_exact_on_tree(probe: Probe, ctx: PassContext, qk: fx.Node, s: fx.Node) -> bool:
-    """The bias the graph computes on a tree equals the per-path bias on every pair of one path."""
-    tree = Tree.from_paths(PROBE_TREE)
+def _bias_exact_on_tree(probe: Probe, ctx: PassContext, qk: fx.Node, s: fx.Node, reach: int) -> bool:
+    """The bias the graph computes on a tree equals the per-path bias on every pair of one path; the tree
+    (:func:`token_probe.probe_tree`) has pairs whose DFS distance exceeds ``reach`` (the longest probe length: one
+    past every number the bias holds) while their path distance does not."""
+    tree = Tree.from_paths(probe_tree(reach))
     batch = tree.to_batch()
     shape = concrete_shape(qk.meta["val"], ctx, batch.seq_len)
     out = probe.run([s], batch, {qk: torch.zeros(shape, dtype=qk.meta["val"].dtype)})

@@ -27,7 +27,7 @@ from treecompile.passes.base import TREE_INPUTS, PassContext, ancestors, largest
 from treecompile.tree import Tree, TreeBatch, ancestor_index
 
 __all__ = ["PROBE_MAX_ENTRIES", "PROBE_TREE", "Probe", "chain_batch", "concrete_shape", "involves_tokens",
-           "lengths_past_literals", "token_dims", "value_nodes"]
+           "lengths_past_literals", "probe_tree", "token_dims", "value_nodes"]
 
 aten = torch.ops.aten
 _SHAPE_ONLY = {aten.sym_size.int, aten.sym_numel.default, aten.sym_stride.int}
@@ -39,6 +39,16 @@ _LIKE = {aten.new_zeros.default, aten.new_ones.default, aten.new_full.default, a
 # nodes shorter than a conv kernel, a second root
 PROBE_TREE = [[1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 9], [1, 2, 10, 11, 12, 13, 14, 15, 16],
               [1, 2, 10, 17], [1, 2, 10, 18, 19], [20, 21, 22]]
+
+
+def probe_tree(reach: int) -> list[list[int]]:
+    """:data:`PROBE_TREE`, and where ``reach`` (one past the largest distance a checked subgraph holds) exceeds
+    what it spans, a long branch of ``reach`` tokens followed in DFS order by a short sibling branch: pairs of
+    the sibling's path then lie ``> reach`` apart in the DFS sequence but a few tokens apart on their path, so a
+    pattern built from DFS indices (``tril`` of a ``[T, T]`` tensor) instead of positions shows there."""
+    if reach + 4 <= max(map(len, PROBE_TREE)):
+        return PROBE_TREE
+    return PROBE_TREE + [[90, 91] + list(range(1000, 1000 + reach)), [90, 91, 92, 93, 94]]
 
 
 def _is_tree_input(n: fx.Node) -> bool:
