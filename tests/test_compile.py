@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -627,3 +628,27 @@ def test_largest_index_literal_counts_thresholds_not_fill_values():
     assert largest_index_literal([g.call_function(aten.slice.Tensor, (x, 1, 0, 300))]) == 300
     assert largest_index_literal([g.call_function(aten.lt.Scalar, (x, float("inf")))]) == 0.0
     assert largest_index_literal([g.call_function(aten.mul.Tensor, (x, FLOAT_LITERAL_LIMIT / 2))]) == FLOAT_LITERAL_LIMIT / 2
+
+
+class LogitsAndAuxLoss(torch.nn.Module):
+    """Returns its logits and a loss term of its own (a stand-in for an MTP head or a regularizer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(11, 8)
+        self.head = torch.nn.Linear(8, 11)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        return self.head(h), (h ** 2).mean()
+
+
+def test_outputs_other_than_the_logits_are_named_when_dropped():
+    """treecompile trains the tree loss of the logits; any other output the model computes is not computed and not
+    trained, and compile says so naming it (silently dropping a loss term would train something else)."""
+    with pytest.warns(UserWarning, match=r"other outputs 'output 1' are not computed"):
+        tm = treecompile.compile(LogitsAndAuxLoss().double())
+    assert tm.pass_results["rewrite_loss"].info["dropped"] == ["'output 1'"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert treecompile.compile(ConstantArangeOfExampleLength().double()).pass_results["rewrite_loss"].info["dropped"] == []

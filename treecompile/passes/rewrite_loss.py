@@ -16,6 +16,7 @@ Otherwise ``treecompile::gather_logprobs`` upcasts the given logits one chunk at
 from __future__ import annotations
 
 import operator
+import warnings
 
 import torch
 from torch import fx
@@ -26,6 +27,8 @@ from treecompile.passes.token_axis import same
 
 aten = torch.ops.aten
 OUTPUT_TAG = "treecompile_output"  # node.meta key of an output another pass asks to keep (sorted by its value)
+OUTPUT_NAME = "treecompile_output_name"  # node.meta key: the captured output's name (set by rewrite_router_loss)
+DROPPED_TAG = "treecompile_dropped"  # node.meta key of an output dropped on the user's request (value: why)
 _PASS_THROUGH = {aten.to.dtype, aten._to_copy.default, aten.alias.default, aten.clone.default,
                  aten.contiguous.default, aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 
@@ -95,7 +98,24 @@ def rewrite_loss(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     # outputs another pass asked to keep (rewrite_router_loss: router logits), in their order
     kept = sorted((n for n in flat if isinstance(n, fx.Node) and OUTPUT_TAG in n.meta),
                   key=lambda n: n.meta[OUTPUT_TAG])
+    dropped = _dropped_outputs(flat, logits, ctx)
+    if dropped:
+        warnings.warn(f"treecompile trains the tree loss of the logits output only; the model's other outputs "
+                      f"{', '.join(dropped)} are not computed (a loss term among them is not trained: add it to "
+                      f"the objective yourself, or, for a MoE router loss, see compile(..., router_aux=...))",
+                      stacklevel=2)
     out.args = ((loss, lp, *([ent] if entropy else []), *kept),)
     remove_dead_code(gm)
     return PassResult(1, {"fused_lm_head": head is not None, "vocab": V, "chunk": chunk, "entropy": entropy,
-                          "kept": [n.meta[OUTPUT_TAG] for n in kept]})
+                          "kept": [n.meta[OUTPUT_TAG] for n in kept], "dropped": dropped})
+
+
+def _dropped_outputs(flat, logits: fx.Node, ctx: PassContext) -> list[str]:
+    """Names of the graph outputs that this pass drops: all but the logits, those another pass keeps
+    (``OUTPUT_TAG``) and those dropped on the user's request (``DROPPED_TAG``: router logits under
+    ``router_aux="none"``)."""
+    names = ctx.options.output_names
+    names = names if names is not None and len(names) == len(flat) else [str(i) for i in range(len(flat))]
+    label = lambda name: repr(f"output {name}" if str(name).isdigit() else name)  # noqa: E731  (a tuple's index)
+    return [label(n.meta.get(OUTPUT_NAME, name)) for n, name in zip(flat, names)
+            if isinstance(n, fx.Node) and n is not logits and OUTPUT_TAG not in n.meta and DROPPED_TAG not in n.meta]
