@@ -243,6 +243,8 @@ class TreeGDNLevels(torch.autograd.Function):
             q, q_rstd = f["l2norm_fwd"](q)
             k, k_rstd = f["l2norm_fwd"](k)
         cs, Hv, K, V, g_dtype = L.chunk_size, v.shape[2], k.shape[3], v.shape[3], g.dtype
+        if K > 256:  # what fla's own chunk_gated_delta_rule_fwd_h asserts (its kernel holds K in 4 blocks of 64)
+            raise ValueError(f"fla's GDN kernels take key head dims up to 256, got {K}")
         g = f["cumsum"](g, chunk_size=cs, scale=f["RCP_LN2"], cu_seqlens=L.cu_seqlens, chunk_indices=L.chunk_indices)
         w, u, A = f["fwd_intra"](k=k, v=v, g=g, beta=beta, cu_seqlens=L.cu_seqlens, chunk_indices=L.chunk_indices,
                                  chunk_size=cs)
