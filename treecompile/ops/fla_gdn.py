@@ -15,6 +15,10 @@ starting states are gathered with ``index_select`` from the previous call's fina
 (fla's own backward, which returns gradients for initial states and takes them for final states)
 carries gradients to every ancestor.
 
+By default (:data:`LEVELS`) the calls are not whole fla calls: :mod:`treecompile.ops.fla_gdn_levels` runs fla's
+chunk-local kernels once over all the plan's rows and only the state recurrence per call (bit-equal to whole calls
+on the same plan), so a call costs far less (:data:`LEVEL_COST_ROWS`) and the plan replays fewer rows.
+
 This is a plain differentiable function, not a registered op: fla's kernels are autograd Functions,
 which a registered op's implementation cannot call with autograd.  ``passes.lower_cuda`` calls it in
 place of the registered op when the GDN kernel is ``"fla"``.  fla is imported lazily, never at import.
@@ -75,7 +79,8 @@ CALL_COST_WIDTH = 16 * 128 * 128  # Hv * Dk * Dv of the layer CALL_COST_ROWS was
 # ``fwd_h`` forward, ``fwd_h`` + ``bwd_dhu`` backward, plus a state gather/scatter), in GDN rows of the same layer
 # width as :data:`CALL_COST_WIDTH`.  Measured on one H100 (fla 0.6, tilelang 0.1.15; one 16x128 GDN layer fwd+bwd,
 # benchmarks/hybrid_bench.py, results/h100_s17): the plan at 512 ran 8.39 / 6.77 ms on the 16 x 2,048 POR 0.5 / agentic
-# parallel-tools trees, against 10.0 / 6.6 at a replay budget of 64 rows and 10.1 / 6.9 without replay.
+# parallel-tools trees, against 10.0 / 6.6 at a replay budget of 64 rows and 10.1 / 6.9 without replay (machine 1);
+# 7.85 / 6.11 against 9.3 / 6.45 and 11.5 / 6.12 on machine 2: the fastest or within 3 %.
 LEVEL_COST_ROWS = 512
 # the levelled path by default where fla's chunk-level functions import (tree_gated_delta_rule_fla's ``levels``)
 LEVELS = True
@@ -442,7 +447,7 @@ def tree_gated_delta_rule_fla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: 
     dtype q, k, v, g, beta enter fla in (default :data:`COMPUTE_DTYPE`, None = as given); states between
     calls are float32 (float64 for float64 inputs) either way.  ``replay_max``: see :func:`plan_calls`, with
     at most :data:`REPLAY_FRACTION` of the tokens replayed; None (default): :func:`cheapest_plan` at this
-    layer's :func:`call_cost_rows`.
+    layer's :func:`level_cost_rows` (levelled) or :func:`call_cost_rows` (whole calls).
     ``kernel``: a function with the signature of fla's ``chunk_gated_delta_rule`` (default: fla's; the
     CPU tests pass a torch one).
     ``levels``: run fla's chunk-local kernels once over all the plan's rows and only the state recurrence per
