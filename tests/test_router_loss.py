@@ -181,6 +181,7 @@ def test_hf_moe_router_loss_is_refused_by_default_and_dropped_only_when_asked():
         cached_compile(model)
     tm = cached_compile(model, router_aux="none")
     assert tm.pass_results["rewrite_router_loss"].info["dropped"] == ["aux_loss"]
+    assert tm.pass_results["rewrite_loss"].info["dropped"] == []  # the router logits dropped as asked: no warning
     out = tm(Tree.from_paths(PATHS).to_batch())
     assert out.aux_loss is None and tm.router_aux is None
     # near miss: the same model without router logits computes no aux loss: compiled as is
