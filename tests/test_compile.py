@@ -547,15 +547,10 @@ def test_an_arange_as_long_as_the_example_is_not_taken_for_positions():
         _assert_tree_equals_per_path(model, paths)
 
 
-class EagerTrilBias(torch.nn.Module):
+class EagerTrilBias(Bidirectional):
     """Causal attention written out with a bias of -0.5 from a distance of 41 on, built from ``tril`` of a ``[T, T]``
     tensor: the DFS distance, not the path distance.  On the 16-token probe tree every pair is closer than 41, so
     the tree check found the bias exact and the tree trained with the DFS distance (1.6e-4 off per-path)."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb = torch.nn.Embedding(11, 8)
-        self.head = torch.nn.Linear(8, 11)
 
     def forward(self, ids):
         x = self.emb(ids)
@@ -630,13 +625,8 @@ def test_largest_index_literal_counts_thresholds_not_fill_values():
     assert largest_index_literal([g.call_function(aten.mul.Tensor, (x, FLOAT_LITERAL_LIMIT / 2))]) == FLOAT_LITERAL_LIMIT / 2
 
 
-class LogitsAndAuxLoss(torch.nn.Module):
+class LogitsAndAuxLoss(Bidirectional):
     """Returns its logits and a loss term of its own (a stand-in for an MTP head or a regularizer)."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb = torch.nn.Embedding(11, 8)
-        self.head = torch.nn.Linear(8, 11)
 
     def forward(self, ids):
         h = self.emb(ids)
