@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import sys
 
 os.environ["TRITON_INTERPRET"] = "1"
@@ -42,23 +41,14 @@ def _no_bench():
     at.Autotuner._bench = lambda self, *a, config=None, **k: [0.0, 0.0, 0.0]
 
 
-def tree_paths(seed: int) -> list[list[int]]:
-    rnd = random.Random(seed)
-    paths = [[rnd.randrange(50) for _ in range(90)]]
-    for _ in range(6):
-        base = paths[rnd.randrange(len(paths))]
-        cut = rnd.randrange(1, len(base))
-        paths.append(base[:cut] + [rnd.randrange(50) for _ in range(rnd.choice([1, 2, 3, 20, 70]))])
-    return paths
-
-
 def check(seed: int) -> bool:
+    from benchmarks.trees import short_node_paths
     from treecompile import Tree
     from treecompile.ops import fla_gdn_levels
     from treecompile.ops.fla_gdn import plan_calls, tree_gated_delta_rule_fla
     from treecompile.ops.tree_gdn import tree_gated_delta_rule
 
-    b = Tree.from_paths(tree_paths(seed)).to_batch()
+    b = Tree.from_paths(short_node_paths(seed, root_len=90, branches=6, tails=(1, 2, 3, 20, 70))).to_batch()
     T, H, Hv, K, V = b.seq_len, 1, 2, 16, 16
     gen = torch.Generator().manual_seed(seed)
     mk = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731

@@ -117,6 +117,20 @@ class AgenticSpec:
                                    observation=f(self.observation))
 
 
+def short_node_paths(seed: int, *, root_len: int = 200, branches: int = 12,
+                     tails: tuple[int, ...] = (1, 2, 3, 40, 130), vocab: int = 50) -> list[list[int]]:
+    """A tree with long and very short (1-3 token) nodes, deep chains and fan-out: a random root path of
+    ``root_len`` tokens, then ``branches`` paths that each leave an earlier path at a random token and add a tail
+    of one of the ``tails`` lengths (the GDN checks' tree: segments of every size, many plan calls)."""
+    rnd = random.Random(seed)
+    paths = [[rnd.randrange(vocab) for _ in range(root_len)]]
+    for _ in range(branches):
+        base = paths[rnd.randrange(len(paths))]
+        cut = rnd.randrange(1, len(base))
+        paths.append(base[:cut] + [rnd.randrange(vocab) for _ in range(rnd.choice(tails))])
+    return paths
+
+
 def agentic_paths(spec: AgenticSpec) -> list[list[int]]:
     """The training samples (paths) of one rollout tree, see the module docstring."""
     if spec.turns < 1 or spec.fanout < 1:

@@ -60,6 +60,12 @@ def test_gdn_lowered_to_fla_only_when_asked():
         # the layers' short convs with them (float32 here), fla's varlen conv over the tree's chains
         assert t.count(tc_cuda.TREE_CONV_FLA) == 3 and tc_cuda.TREE_CONV not in t
         assert (low.gdn_fla, low.conv_fla) == (3, 3)
+        # levelled or whole fla calls: decided once per lowering, carried by every GDN call
+        for levels in (True, False):
+            mp.setattr(fla_gdn, "default_levels", lambda levels=levels: levels)
+            low = tc_cuda.lower_cuda(tm.graph_module, CudaOptions(gdn_kernel="fla"))
+            calls = [n for n in low.graph_module.graph.nodes if n.target is tc_cuda._gdn_fla]
+            assert len(calls) == 3 and all(n.kwargs["levels"] is levels for n in calls)
         # near miss: inputs of a dtype fla's conv does not take (float64 in real use) keep the torch op
         mp.setattr(tc_cuda, "FLA_CONV_DTYPES", (torch.bfloat16,))
         low = tc_cuda.lower_cuda(tm.graph_module, CudaOptions(gdn_kernel="fla"))

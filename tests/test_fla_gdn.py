@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import functools
-import random
 
 import pytest
 import torch
 
+from benchmarks.trees import short_node_paths
 from treecompile import Tree
 from treecompile.ops.fla_gdn import fla_available, fla_unusable_reason, tree_gated_delta_rule_fla
 from treecompile.ops.tree_gdn import sequence_nodes, tree_gated_delta_rule
@@ -15,17 +15,6 @@ from treecompile.ops.tree_gdn import sequence_nodes, tree_gated_delta_rule
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
               pytest.mark.skipif(not fla_available(), reason=str(fla_unusable_reason()))]
-
-
-def short_node_paths(seed: int):
-    """A tree with long and very short nodes (1-3 tokens), deep chains and fan-out."""
-    rnd = random.Random(seed)
-    paths = [[rnd.randrange(50) for _ in range(200)]]
-    for _ in range(12):
-        base = paths[rnd.randrange(len(paths))]
-        cut = rnd.randrange(1, len(base))
-        paths.append(base[:cut] + [rnd.randrange(50) for _ in range(rnd.choice([1, 2, 3, 40, 130]))])
-    return paths
 
 
 def inputs(T, H, Hv, Dk, Dv, dtype, gen):

@@ -48,6 +48,7 @@ __all__ = [
     "fla_unusable_reason",
     "call_cost_rows",
     "cheapest_plan",
+    "default_levels",
     "level_cost_rows",
     "gather_rows",
     "host_chunk_indices",
@@ -82,7 +83,8 @@ CALL_COST_WIDTH = 16 * 128 * 128  # Hv * Dk * Dv of the layer CALL_COST_ROWS was
 # parallel-tools trees, against 10.0 / 6.6 at a replay budget of 64 rows and 10.1 / 6.9 without replay (machine 1);
 # 7.85 / 6.11 against 9.3 / 6.45 and 11.5 / 6.12 on machine 2: the fastest or within 3 %.
 LEVEL_COST_ROWS = 512
-# the levelled path by default where fla's chunk-level functions import (tree_gated_delta_rule_fla's ``levels``)
+# the levelled path by default where fla's chunk-level functions import (tree_gated_delta_rule_fla's ``levels``;
+# a compiled program reads it when it is lowered for CUDA, at its first CUDA step)
 LEVELS = True
 
 
@@ -95,6 +97,11 @@ def _levels_reason() -> str | None:
     from treecompile.ops.fla_gdn_levels import levels_unusable_reason
 
     return levels_unusable_reason()
+
+
+def default_levels() -> bool:
+    """What ``levels=None`` means for fla's own kernels here: :data:`LEVELS` and fla's chunk functions import."""
+    return LEVELS and _levels_reason() is None
 
 
 def call_cost_rows(Hv: int, Dk: int, Dv: int) -> int:
@@ -163,7 +170,8 @@ class FlaPlan:
     # The backward of the input gather, by how many rows read a token: ``(tokens [n], rows [n, c])`` per
     # count c (c = 0: tokens no row reads).  See :func:`gather_rows`.
     occurrences: tuple[tuple[Tensor, Tensor], ...] = ()
-    _chunk_indices: dict = field(default_factory=dict, compare=False, repr=False)
+    # host-made device tensors per (call or "levels", chunk size): chunk_indices, fla_gdn_levels.level_tensors
+    _cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def calls(self) -> int:
@@ -178,12 +186,12 @@ class FlaPlan:
         cache of 4 entries misses when a layer has more calls than that.  Built once per plan and chunk
         size (every layer of a batch reuses them), copied to the device without blocking."""
         key = (wave, chunk_size)
-        if key not in self._chunk_indices:
+        if key not in self._cache:
             w = self.waves[wave]
             cu_cpu = torch.tensor([0, *itertools.accumulate(w.lengths)], dtype=torch.long)
-            self._chunk_indices[key] = (to_device_async(host_chunk_indices(w.lengths, chunk_size),
+            self._cache[key] = (to_device_async(host_chunk_indices(w.lengths, chunk_size),
                                                         w.cu_seqlens.device), cu_cpu)
-        return self._chunk_indices[key]
+        return self._cache[key]
 
 
 def host_chunk_indices(lengths, chunk_size: int) -> Tensor:
@@ -452,13 +460,13 @@ def tree_gated_delta_rule_fla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: 
     CPU tests pass a torch one).
     ``levels``: run fla's chunk-local kernels once over all the plan's rows and only the state recurrence per
     call (:mod:`treecompile.ops.fla_gdn_levels`); None (default): :data:`LEVELS` when ``kernel`` is fla's own and
-    its chunk-level functions import, whole calls otherwise."""
+    its chunk-level functions import, whole calls otherwise (``passes.lower_cuda`` decides it once per lowering)."""
     if levels is None:
-        levels = LEVELS and kernel is None and _levels_reason() is None
+        levels = kernel is None and default_levels()
     elif levels and kernel is not None:
         raise ValueError("levels=True composes fla's own chunk kernels: it takes no `kernel`")
-    elif levels and _levels_reason() is not None:
-        raise RuntimeError(_levels_reason())
+    elif levels and (reason := _levels_reason()) is not None:
+        raise RuntimeError(reason)
     if kernel is None and not levels:
         try:
             from fla.ops.gated_delta_rule import chunk_gated_delta_rule as kernel

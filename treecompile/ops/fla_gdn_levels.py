@@ -155,44 +155,42 @@ class LevelTensors:
 
 
 def level_tensors(plan, chunk_size: int) -> LevelTensors:
-    """The :class:`LevelTensors` of ``plan`` (cached on the plan)."""
+    """The :class:`LevelTensors` of ``plan`` (cached on the plan; each call's chunk indices are the plan's own,
+    :meth:`~treecompile.ops.fla_gdn.FlaPlan.chunk_indices`)."""
     from treecompile.ops.fla_gdn import host_chunk_indices, to_device_async
 
     key = ("levels", chunk_size)
-    cache = plan._chunk_indices
-    if key in cache:
-        return cache[key]
+    if key in plan._cache:
+        return plan._cache[key]
     dev = plan.index.device
-    lengths = [n for w in plan.waves for n in w.lengths]
     calls, c_lo = [], 0
-    for w in plan.waves:
-        nchunks = [-(-n // chunk_size) for n in w.lengths]
-        offsets = [0, *itertools.accumulate(nchunks)]
+    for i, w in enumerate(plan.waves):
+        offsets = [0, *itertools.accumulate(-(-n // chunk_size) for n in w.lengths)]
         calls.append(CallSlice(
-            lo=w.lo, hi=w.hi, c_lo=c_lo, c_hi=c_lo + offsets[-1], segments=len(w.lengths),
-            cu_seqlens=w.cu_seqlens,
-            chunk_indices=to_device_async(host_chunk_indices(w.lengths, chunk_size), dev),
+            lo=w.lo, hi=w.hi, c_lo=c_lo, c_hi=c_lo + offsets[-1], segments=len(w.lengths), cu_seqlens=w.cu_seqlens,
+            chunk_indices=plan.chunk_indices(i, chunk_size)[0],
             chunk_offsets=to_device_async(torch.tensor(offsets, dtype=torch.long), dev), source=w.source))
         c_lo += offsets[-1]
+    lengths = [n for w in plan.waves for n in w.lengths]
     out = LevelTensors(
         cu_seqlens=to_device_async(torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.long), dev),
         chunk_indices=to_device_async(host_chunk_indices(lengths, chunk_size), dev),
         calls=tuple(calls), chunk_size=chunk_size)
-    cache[key] = out
+    plan._cache[key] = out
     return out
 
 
 def _recurrence(f, k, w, u, g, inits, L: LevelTensors, *, final_states: bool):
-    """``fwd_h`` call after call: per call the chunk states ``h``, the new values and its final states (each
-    call's initial states from the previous call's final states when ``inits`` is a function, else
-    ``inits[i]``).  Returns ``(h [1, NT, Hv, K, V], v_new [1, R, Hv, V], initial states per call)``."""
+    """``fwd_h`` call after call: per call the chunk states ``h``, the new values and (with ``final_states``) its
+    final states; call ``i`` starts from ``inits(i, call, previous call's final states)``.  Returns
+    ``(h [1, NT, Hv, K, V], v_new [1, R, Hv, V], initial states per call)``."""
     direct = f["direct"]
     if direct:
         h = k.new_empty(1, len(L.chunk_indices), u.shape[2], k.shape[3], u.shape[3])
         v_new = torch.empty_like(u)
     hs, vs, used, state = [], [], [], None
     for i, c in enumerate(L.calls):
-        init = inits(i, c, state) if callable(inits) else inits[i]
+        init = inits(i, c, state)
         r, final = slice(c.lo, c.hi), final_states and i + 1 < len(L.calls)
         if direct:
             state = _launch_fwd_h(direct[0], k[:, r], w[:, r], u[:, r], g[:, r], init, c, h[:, c.c_lo:c.c_hi],
@@ -261,7 +259,7 @@ class TreeGDNLevels(torch.autograd.Function):
                        chunk_indices=L.chunk_indices, chunk_size=cs)
         ctx.save_for_backward(q, q_rstd, k, k_rstd, v, g, beta, A, *used)
         ctx.L, ctx.scale, ctx.l2norm, ctx.g_dtype = L, scale, l2norm, g_dtype
-        ctx.init_meta = None if initial_state is None else (initial_state.dtype, initial_state.requires_grad)
+        ctx.init_dtype = None if initial_state is None else initial_state.dtype
         return o.to(q.dtype)
 
     @staticmethod
@@ -272,7 +270,7 @@ class TreeGDNLevels(torch.autograd.Function):
         do = do.contiguous()
         w, u = f["recompute_w_u"](k=k, v=v, beta=beta, A=A, g=g, cu_seqlens=L.cu_seqlens,
                                   chunk_indices=L.chunk_indices)
-        h, v_new, _ = _recurrence(f, k, w, u, g, inits, L, final_states=False)
+        h, v_new, _ = _recurrence(f, k, w, u, g, lambda i, c, prev: inits[i], L, final_states=False)
         dv = f["bwd_dv_local"](q=q, k=k, g=g, do=do, scale=scale, cu_seqlens=L.cu_seqlens,
                                chunk_indices=L.chunk_indices, chunk_size=cs)
         direct = f["direct"]
@@ -307,7 +305,5 @@ class TreeGDNLevels(torch.autograd.Function):
         if ctx.l2norm:
             dq = f["l2norm_bwd"](q, q_rstd, dq)
             dk = f["l2norm_bwd"](k, k_rstd, dk)
-        d_initial = None
-        if ctx.init_meta is not None and ctx.init_meta[1]:
-            d_initial = d_init.sum(0).to(ctx.init_meta[0])
+        d_initial = d_init.sum(0).to(ctx.init_dtype) if ctx.needs_input_grad[5] else None
         return dq.to(q), dk.to(k), dv.to(v), dg.to(ctx.g_dtype), db.to(beta), d_initial, None, None, None

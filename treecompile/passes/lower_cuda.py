@@ -407,6 +407,10 @@ def lower_cuda(gm: fx.GraphModule, options: CudaOptions, *, boundary: bool = Fal
         with graph.inserting_after(mask):
             order = graph.placeholder("tree_attention_order")
     attention = gdn_fla = triton_head = conv_fla = moe_grouped = attention_varlen = segments_only = 0
+    if gdn_kernel == "fla":  # levelled or whole fla calls (ops/fla_gdn_levels.py): decided once, not per layer call
+        from treecompile.ops.fla_gdn import default_levels
+
+        gdn_kwargs = {"levels": default_levels()}
     for n in list(graph.nodes):
         if n.op == "call_function" and n.target == TREE_ATTENTION:
             q, k, v, subtree_end = n.args[:4]
@@ -428,7 +432,7 @@ def lower_cuda(gm: fx.GraphModule, options: CudaOptions, *, boundary: bool = Fal
                       setup_reason))
             attention += 1
         elif n.op == "call_function" and n.target == TREE_GDN and gdn_kernel == "fla":
-            _replace(graph, n, _gdn_fla, n.args, n.kwargs)
+            _replace(graph, n, _gdn_fla, n.args, {**n.kwargs, **gdn_kwargs})
             gdn_fla += 1
         elif (n.op == "call_function" and n.target == TREE_CONV and gdn_kernel == "fla"
               and all(a.meta["val"].dtype in FLA_CONV_DTYPES for a in n.args[:2])):  # x and weight

@@ -49,7 +49,7 @@ from treecompile.passes.check_dropout import check_dropout
 from treecompile.passes.rewrite_attention import rewrite_attention
 from treecompile.passes.rewrite_causal_attention import rewrite_causal_attention
 from treecompile.passes.rewrite_causal_convs import rewrite_causal_convs
-from treecompile.passes.rewrite_loss import rewrite_loss
+from treecompile.passes.rewrite_loss import rewrite_loss, tag_output_names
 from treecompile.passes.rewrite_positions import rewrite_positions
 from treecompile.passes.rewrite_scans import rewrite_scans
 from treecompile.passes.rewrite_token_shifts import rewrite_token_shifts
@@ -103,6 +103,7 @@ def run_passes(gm: fx.GraphModule, ctx: PassContext, *, disable: tuple[str, ...]
         warnings.warn(f"disable={tuple(disable)!r} turns off {VERIFIER}: the rewritten graph is UNVERIFIED; an op "
                       f"that mixes tokens along the sequence would read other branches of the tree and train "
                       f"silently wrong", UnverifiedGraphWarning, stacklevel=3)
+    tag_output_names(gm, ctx.options.output_names)  # what a pass drops is named by what the user returned
     results: dict[str, PassResult] = {}
     ran: list[str] = []
     for name, fn in passes:

@@ -25,16 +25,13 @@ the input ids or that depends on the sequence length): the verifier refuses it.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import fx
 
 import treecompile.ops.tree_attention  # noqa: F401  (registers treecompile::tree_attention_biased)
-from treecompile.passes.base import (METADATA_ASSERTS, PassContext, PassResult, ancestors, largest_index_literal,
-                                     remove_dead_code)
-from treecompile.passes.token_probe import (PROBE_MAX_ENTRIES, Probe, chain_batch, concrete_shape, probe_tree, token_dims,
-                                           value_nodes)
+from treecompile.passes.base import METADATA_ASSERTS, PassContext, PassResult, remove_dead_code
+from treecompile.passes.token_probe import (Probe, chain_batch, concrete_shape, lengths_past_literals, probe_tree,
+                                           token_dims, value_nodes)
 from treecompile.tree import Tree
 
 aten = torch.ops.aten
@@ -48,9 +45,9 @@ ADDS = {aten.add.Tensor, aten.sub.Tensor, aten.masked_fill.Scalar, aten.masked_f
         aten.where.ScalarOther, aten.where.ScalarSelf}
 SCALES = {aten.mul.Tensor, aten.div.Tensor}
 PROBE_LENGTHS = (5, 11)
-# the scores are also probed at one past the largest number their mask/bias operands hold (base.largest_index_literal; a
-# sliding window of W tokens is causal at every length up to W) while that probe's [*, T, T] scores hold at most
-# token_probe.PROBE_MAX_ENTRIES entries; past it the site is left alone (the verifier then refuses it)
+# the scores are also probed at one past the largest number their mask/bias operands hold (a sliding window of W
+# tokens is causal at every length up to W; token_probe.lengths_past_literals) while that probe's [*, T, T] scores
+# hold at most token_probe.PROBE_MAX_ENTRIES entries; past it the site is left alone (the verifier then refuses it)
 
 
 def _users(n: fx.Node) -> list[fx.Node]:
@@ -155,7 +152,7 @@ def rewrite_causal_attention(gm: fx.GraphModule, ctx: PassContext) -> PassResult
                 or token_dims(v.meta["val"], ctx)[-1:] != [v.meta["val"].dim() - 2]
                 or str(probs.meta["val"].shape) != str(qkv.shape)):
             continue  # the input batch is [1, T]: leading dims are batch 1 times heads
-        lengths = _probe_lengths(ctx, qk, s)
+        lengths = lengths_past_literals(PROBE_LENGTHS, s, [qk], ctx)  # the mask/bias operands' numbers
         has_bias = _check_scores(probe, ctx, qk, s, scale, lengths) if lengths is not None else None
         if has_bias is None:
             continue
@@ -200,23 +197,9 @@ def _split_baddbmm(gm, ctx, node, chain):
     return prod, ([scaled] if scaled is not prod else []) + [new] + chain
 
 
-def _probe_lengths(ctx: PassContext, qk: fx.Node, s: fx.Node) -> tuple[int, ...] | None:
-    """``PROBE_LENGTHS``, and one past the largest number in the nodes that make the scores ``s`` from the product
-    ``qk`` (the mask and bias operands, not ``q``/``k``'s own subgraphs); None when that probe would be too large."""
-    side = ancestors(s) - ancestors(qk)
-    past = int(largest_index_literal(side)) + 2  # offset c shows where q - k > c exists
-    if past <= max(PROBE_LENGTHS):
-        return PROBE_LENGTHS
-    try:
-        lead = math.prod(concrete_shape(qk.meta["val"], ctx, 1))  # the [*, 1, 1] product: its leading dims
-    except Exception:  # noqa: BLE001 - a size the probe cannot make: the site is left alone
-        return None
-    return PROBE_LENGTHS + (past,) if lead * past * past <= PROBE_MAX_ENTRIES else None
-
-
 def _check_scores(probe: Probe, ctx: PassContext, qk: fx.Node, s: fx.Node, scale: float, lengths):
     """True/False (bias or none) if the scores are ``scale * X + bias`` under a causal mask with a
-    bias that is exact on trees at the probe ``lengths`` (:func:`_probe_lengths`); None otherwise (see the module
+    bias that is exact on trees at the probe ``lengths`` (:func:`token_probe.lengths_past_literals`); None otherwise (see the module
     docstring)."""
     gen = torch.Generator().manual_seed(0)
     has_bias = False
@@ -280,7 +263,7 @@ def _is_mask_value(x) -> bool:
 
 def _masks_only(probe: Probe, side: fx.Node, lengths) -> bool:
     """An additive operand whose values are only 0 and -inf/finfo.min (a mask, not a bias) at every probe length
-    (those of :func:`_probe_lengths`: a bias that starts past some distance is zero at short lengths)."""
+    (those of :func:`token_probe.lengths_past_literals`: a bias that starts past some distance is zero at short lengths)."""
     for T in lengths:
         out = probe.run([side], chain_batch(T), {})
         if out is None or not out[0].dtype.is_floating_point:

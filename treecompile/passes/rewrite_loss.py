@@ -27,7 +27,7 @@ from treecompile.passes.token_axis import same
 
 aten = torch.ops.aten
 OUTPUT_TAG = "treecompile_output"  # node.meta key of an output another pass asks to keep (sorted by its value)
-OUTPUT_NAME = "treecompile_output_name"  # node.meta key: the captured output's name (set by rewrite_router_loss)
+OUTPUT_NAME = "treecompile_output_name"  # node.meta key: the captured output's name (:func:`tag_output_names`)
 DROPPED_TAG = "treecompile_dropped"  # node.meta key of an output dropped on the user's request (value: why)
 _PASS_THROUGH = {aten.to.dtype, aten._to_copy.default, aten.alias.default, aten.clone.default,
                  aten.contiguous.default, aten.view.default, aten.reshape.default, aten._unsafe_view.default}
@@ -98,7 +98,7 @@ def rewrite_loss(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     # outputs another pass asked to keep (rewrite_router_loss: router logits), in their order
     kept = sorted((n for n in flat if isinstance(n, fx.Node) and OUTPUT_TAG in n.meta),
                   key=lambda n: n.meta[OUTPUT_TAG])
-    dropped = _dropped_outputs(flat, logits, ctx)
+    dropped = _dropped_outputs(flat, logits)
     if dropped:
         warnings.warn(f"treecompile trains the tree loss of the logits output only; the model's other outputs "
                       f"{', '.join(dropped)} are not computed (a loss term among them is not trained: add it to "
@@ -110,12 +110,21 @@ def rewrite_loss(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                           "kept": [n.meta[OUTPUT_TAG] for n in kept], "dropped": dropped})
 
 
-def _dropped_outputs(flat, logits: fx.Node, ctx: PassContext) -> list[str]:
+def tag_output_names(gm: fx.GraphModule, names) -> None:
+    """Record each graph output's captured name (``aux_loss``, ``router_logits.0``; a tuple's index: ``output 1``)
+    on its node, before any pass changes the outputs (``passes.pipeline.run_passes``); unnamed outputs get their
+    position."""
+    out = gm.graph.output_node()
+    flat = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
+    names = names if names is not None and len(names) == len(flat) else [str(i) for i in range(len(flat))]
+    for n, name in zip(flat, names):
+        if isinstance(n, fx.Node):
+            n.meta.setdefault(OUTPUT_NAME, f"output {name}" if str(name).isdigit() else name)
+
+
+def _dropped_outputs(flat, logits: fx.Node) -> list[str]:
     """Names of the graph outputs that this pass drops: all but the logits, those another pass keeps
     (``OUTPUT_TAG``) and those dropped on the user's request (``DROPPED_TAG``: router logits under
     ``router_aux="none"``)."""
-    names = ctx.options.output_names
-    names = names if names is not None and len(names) == len(flat) else [str(i) for i in range(len(flat))]
-    label = lambda name: repr(f"output {name}" if str(name).isdigit() else name)  # noqa: E731  (a tuple's index)
-    return [label(n.meta.get(OUTPUT_NAME, name)) for n, name in zip(flat, names)
+    return [repr(n.meta.get(OUTPUT_NAME, n.name)) for n in flat
             if isinstance(n, fx.Node) and n is not logits and OUTPUT_TAG not in n.meta and DROPPED_TAG not in n.meta]

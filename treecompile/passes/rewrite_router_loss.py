@@ -21,7 +21,7 @@ from __future__ import annotations
 from torch import fx
 
 from treecompile.passes.base import PassContext, PassResult, UnsupportedModelError, where
-from treecompile.passes.rewrite_loss import DROPPED_TAG, OUTPUT_NAME, OUTPUT_TAG
+from treecompile.passes.rewrite_loss import DROPPED_TAG, OUTPUT_TAG
 
 ROUTER_AUX = ("batch", "path", "none")
 
@@ -33,10 +33,6 @@ def rewrite_router_loss(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     names = ctx.options.output_names
     out = gm.graph.output_node()
     flat = list(out.args[0]) if isinstance(out.args[0], (tuple, list)) else [out.args[0]]
-    if names is not None and len(names) == len(flat):
-        for n, name in zip(flat, names):  # rewrite_loss names what it drops, after this pass changed the outputs
-            if isinstance(n, fx.Node):
-                n.meta.setdefault(OUTPUT_NAME, name)
     if names is None or len(names) != len(flat):
         if mode in ("batch", "path"):
             raise UnsupportedModelError("router_aux: the captured program's output names are unknown")
