@@ -62,7 +62,7 @@ def _rows(x: Tensor, dtype) -> Tensor:
 def _gather_context(xt: Tensor, conv_index: Tensor) -> Tensor:
     """xt [B, T, C] -> [B, T, K-1, C]: the rows at conv_index, zero where -1 (whole C-rows are gathered)."""
     B, T, C = xt.shape
-    ctx = xt.index_select(1, conv_index.clamp(min=0).reshape(-1)).view(B, T, -1, C)
+    ctx = xt.index_select(1, conv_index.clamp(min=0).reshape(-1)).view(B, T, conv_index.shape[1], C)
     return ctx * (conv_index >= 0).to(xt.dtype)[None, :, :, None]
 
 

@@ -1,0 +1,129 @@
+"""``ops.tree_conv_shifts.tree_causal_conv1d_shifts`` (the tree conv as shifted products + the exceptions' index_add)
+== ``treecompile::tree_causal_conv1d`` in float64, eager and under torch.compile; on CUDA in bf16 against a
+float64 oracle."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.strategies import path_sets
+from tests.test_fla_conv import TREES, _inputs
+from treecompile.ops import tree_conv, tree_conv_shifts
+from treecompile.tree import Tree
+
+F64 = torch.float64
+
+
+def check_equal(conv_index, *, C=5, K=4, B=1, seed=0, activation="silu", bias=True, fn=None):
+    T = conv_index.shape[0]
+    x, w, bs, dy = _inputs(T, C, K, B, seed, bias=bias)
+    leaves = [t for t in (x, w, bs) if t is not None]
+    want = tree_conv.tree_causal_conv1d(x, w, bs, conv_index, activation)
+    got = (fn or tree_conv_shifts.tree_causal_conv1d_shifts)(x, w, bs, conv_index, activation)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    g_want = torch.autograd.grad(want, leaves, dy)
+    g_got = torch.autograd.grad(got, leaves, dy)
+    for name, a, b in zip(("x", "weight", "bias"), g_got, g_want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=lambda m: f"d{name}: {m}")
+
+
+@pytest.mark.parametrize("name", sorted(TREES))
+@pytest.mark.parametrize("B,activation,bias", [(1, "silu", True), (2, None, False)])
+def test_equals_torch_op_on_odd_trees(name, B, activation, bias):
+    b = Tree.from_paths(TREES[name]).to_batch(conv_kernel=4, pad_to_multiple=8)
+    check_equal(b.conv_index, B=B, seed=len(name), activation=activation, bias=bias)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(paths=path_sets(max_paths=6, max_len=9), K=st.integers(1, 5), pad=st.sampled_from([1, 8]))
+def test_equals_torch_op_on_random_trees(paths, K, pad):
+    b = Tree.from_paths(paths).to_batch(conv_kernel=K, pad_to_multiple=pad)
+    check_equal(b.conv_index, K=K, seed=K)
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), T=st.integers(0, 12), K=st.integers(1, 5))
+def test_equals_torch_op_on_any_conv_index(data, T, K):
+    """Any mix of shifts, other rows and -1 (not only what a tree makes): the split is per entry."""
+    entries = data.draw(st.lists(st.lists(st.integers(-1, max(T - 1, -1)), min_size=K - 1, max_size=K - 1),
+                                 min_size=T, max_size=T))
+    shifts = data.draw(st.lists(st.booleans(), min_size=T * (K - 1), max_size=T * (K - 1)))
+    ci = torch.tensor(entries, dtype=torch.long).reshape(T, K - 1)
+    for i, s in enumerate(shifts):  # make about half of the entries the plain shift (where it exists)
+        t, j = divmod(i, K - 1)
+        if s and t - j - 1 >= 0:
+            ci[t, j] = t - j - 1
+    check_equal(ci, K=K, B=2, seed=T)
+
+
+def test_exceptions_table():
+    b = Tree.from_paths([[1, 2, 3, 4], [1, 2, 5, 6], [1, 7]]).to_batch(conv_kernel=3)
+    exc = tree_conv_shifts.context_exceptions(b.conv_index)
+    ci = b.conv_index
+    got = sorted(zip(exc.token.tolist(), exc.column.tolist(), exc.source.tolist()))
+    want = sorted((t, j, int(ci[t, j])) for t in range(ci.shape[0]) for j in range(ci.shape[1])
+                  if ci[t, j] >= 0 and ci[t, j] != t - j - 1)
+    assert got == want and len(want) == 4  # the second and third branch's first tokens read above their DFS neighbour
+
+
+def test_under_torch_compile():
+    """Compiled by inductor (as lower_cuda runs it): same values and gradients, the exceptions op stays opaque."""
+    b = Tree.from_paths(TREES["short_node_chain"] + [[9, 9, 9, 9, 9, 9]]).to_batch(conv_kernel=4, pad_to_multiple=8)
+    fn = torch.compile(tree_conv_shifts.tree_causal_conv1d_shifts, fullgraph=True, dynamic=False)
+    check_equal(b.conv_index, fn=fn)
+
+
+def test_opcheck_and_bad_arguments():
+    b = Tree.from_paths(TREES["short_node_chain"]).to_batch(conv_kernel=4)
+    gen = torch.Generator().manual_seed(0)
+    dpre = torch.randn(2, b.seq_len, 5, generator=gen, dtype=F64)
+    torch.library.opcheck(tree_conv_shifts.tree_conv_context_grad, (dpre, torch.randn(5, 4, dtype=F64), b.conv_index))
+    with pytest.raises(ValueError, match="conv_index"):
+        tree_conv_shifts.tree_causal_conv1d_shifts(torch.randn(1, 5, b.seq_len), torch.randn(5, 3), None,
+                                                   b.conv_index, None)
+    with pytest.raises(ValueError, match="activation"):
+        tree_conv_shifts.tree_causal_conv1d_shifts(torch.randn(1, 5, b.seq_len), torch.randn(5, 4), None,
+                                                   b.conv_index, "relu")
+
+
+def test_empty():
+    ci = torch.zeros(0, 3, dtype=torch.long)
+    x = torch.zeros(1, 5, 0, dtype=F64, requires_grad=True)
+    w = torch.randn(5, 4, dtype=F64, requires_grad=True)
+    y = tree_conv_shifts.tree_causal_conv1d_shifts(x, w, None, ci, "silu")
+    assert y.shape == (1, 5, 0)
+    dx, dw = torch.autograd.grad(y.sum(), (x, w), allow_unused=True, materialize_grads=True)
+    assert dx.shape == x.shape and not dw.any()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_equals_torch_op_on_cuda(dtype):
+    """Compiled on CUDA vs the torch op: float32 to float32 rounding; bf16 no further from a float64 oracle than the
+    torch op in bf16 (x 2, that error floored at 1e-3 as in test_fla_conv)."""
+    from tests.test_fla_conv import ODD_TREES
+
+    paths = ([p + [7] * (300 + 37 * i) for i, p in enumerate(ODD_TREES["wide_fanout_64"][:12])]
+             + TREES["short_node_chain"])
+    b = Tree.from_paths(paths).to_batch(conv_kernel=4, pad_to_multiple=64).to("cuda")
+    C, K = 96, 4
+    x, w, bs, dy = _inputs(b.seq_len, C, K, 1, 0, dtype=F64)
+    compiled = torch.compile(tree_conv_shifts.tree_causal_conv1d_shifts, fullgraph=True, dynamic=False)
+
+    def run(fn, dt):
+        xs = [t.detach().to("cuda", dt).requires_grad_() for t in (x, w, bs)]
+        y = fn(xs[0], xs[1], xs[2], b.conv_index, "silu")
+        return [y.double(), *(g.double() for g in torch.autograd.grad(y, xs, dy.to("cuda", dt)))]
+
+    oracle = run(tree_conv.tree_causal_conv1d, F64)
+    ref = run(tree_conv.tree_causal_conv1d, dtype)
+    got = run(compiled, dtype)
+    for name, o, r, g in zip(("y", "dx", "dw", "dbias"), oracle, ref, got):
+        err_ref = float((r - o).abs().max() / o.abs().max())
+        err_got = float((g - o).abs().max() / o.abs().max())
+        bound = 1e-5 if dtype == torch.float32 else 2 * max(err_ref, 1e-3)
+        assert err_got <= bound, (name, err_got, err_ref)

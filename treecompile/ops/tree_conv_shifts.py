@@ -1,0 +1,149 @@
+"""The tree's short convolution as shifted products that inductor fuses: :func:`tree_causal_conv1d_shifts`,
+what ``lower_cuda`` runs in place of ``treecompile::tree_causal_conv1d`` in a compiled CUDA graph
+(``conv_kernel="shifts"``; same arguments, same result).
+
+``conv_index [T, K-1]`` (``ops.tree_conv``) names, for every token, the K-1 tokens before it on its path.
+Almost every entry is the plain shift ``t - j - 1`` (the token before it in DFS order continues its chain);
+only the first K-1 tokens of a node that does not follow its parent in DFS order read rows elsewhere.
+
+* Forward: ``y[t] = bias + w[:, K-1] x[t] + sum_j w[:, K-2-j] x[conv_index[t, j]]`` as gathers that inductor
+  fuses into one pointwise kernel with the activation (no gathered context tensor is materialised).
+* Backward: the gradient of a gather is a scatter-add (colliding atomics over ``T x (K-1)`` rows: what made the
+  torch op's backward slow).  Split per entry instead: an entry equal to ``t - j - 1`` sends its gradient to
+  ``t - j - 1``, so those are shifted products of ``dy`` masked by "entry is the shift" (pointwise, fused);
+  the other entries (the exceptions, a few per branching node) go through
+  ``treecompile::tree_conv_context_grad``: an ``index_add`` over the exceptions alone, from a table made on
+  the host once per batch (one copy of ``conv_index``, kept while the tensor is unchanged: every GDN layer of a
+  step reuses it).  The weight and bias gradients are reductions inductor fuses with the rest.
+
+The split is per entry, so the result equals the torch op for every ``conv_index`` it accepts (any mix of shifts,
+other rows and -1), not only for DFS trees.  Measured against fla's varlen conv (``ops.fla_conv``, what ran before
+in compiled graphs): benchmarks/bench_tree_conv.py, RESULTS.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from treecompile.ops.last_batch import LastBatch
+from treecompile.ops.tree_conv import check_conv_args
+
+__all__ = ["tree_causal_conv1d_shifts", "tree_conv_context_grad", "ContextExceptions", "context_exceptions"]
+
+
+@dataclass(frozen=True)
+class ContextExceptions:
+    """The entries of one ``conv_index [T, K-1]`` that are not the shift ``t - j - 1`` and not -1, on its device."""
+
+    token: Tensor  # [E] the token t whose context the entry is
+    column: Tensor  # [E] j: the entry's column (offset j + 1, weight column K-2-j)
+    source: Tensor  # [E] conv_index[t, j], the row it reads
+
+
+def context_exceptions(conv_index: Tensor) -> ContextExceptions:
+    """:class:`ContextExceptions` of ``conv_index`` (one host copy of it; the tables go back without blocking)."""
+    ci = conv_index.cpu()
+    T, k1 = ci.shape
+    shift = torch.arange(T)[:, None] - torch.arange(1, k1 + 1)[None, :]
+    token, column = ((ci >= 0) & (ci != shift)).nonzero(as_tuple=True)
+    source = ci[token, column]
+    dev = conv_index.device
+
+    def put(t):
+        return (t.pin_memory() if dev.type == "cuda" else t).to(dev, non_blocking=True)
+
+    return ContextExceptions(put(token), put(column), put(source))
+
+
+_EXCEPTIONS = LastBatch()  # the exceptions of the last batch's conv_index
+
+
+def _cached_exceptions(conv_index: Tensor) -> ContextExceptions:
+    return _EXCEPTIONS.get((conv_index,), None, lambda: context_exceptions(conv_index))
+
+
+@torch.library.custom_op("treecompile::tree_conv_context_grad", mutates_args=())
+def tree_conv_context_grad(dpre: Tensor, weight: Tensor, conv_index: Tensor) -> Tensor:
+    """The part of a tree conv's input gradient that flows through ``conv_index``'s exceptions (entries that are
+    neither the shift ``t - j - 1`` nor -1): ``dx[conv_index[t, j]] += dpre[:, t] * weight[:, K-2-j]`` for each of
+    them, zero elsewhere.  ``dpre [B, T, C]`` (the pre-activation's gradient, row layout), ``weight [C, K]``;
+    returns ``[B, T, C]`` in dpre's dtype."""
+    out = torch.zeros(dpre.shape, dtype=dpre.dtype, device=dpre.device)
+    if conv_index.numel() == 0:
+        return out
+    exc = _cached_exceptions(conv_index)
+    if exc.token.numel():
+        K = weight.shape[1]
+        w_ctx = weight[:, :K - 1].flip(1).T.to(dpre.dtype)  # [K-1, C], row j = weight[:, K-2-j]
+        out.index_add_(1, exc.source, dpre.index_select(1, exc.token) * w_ctx.index_select(0, exc.column))
+    return out
+
+
+@tree_conv_context_grad.register_fake
+def _(dpre, weight, conv_index):
+    return dpre.new_empty(dpre.shape)
+
+
+def _context(xt: Tensor, conv_index: Tensor, j: int) -> Tensor:
+    """xt [B, T, C] -> the rows at ``conv_index[:, j]`` (zero where -1)."""
+    idx = conv_index[:, j]
+    rows = xt.index_select(1, idx.clamp(min=0))
+    return torch.where((idx >= 0)[None, :, None], rows, rows.new_zeros(()))
+
+
+def _preact(xt: Tensor, weight: Tensor, bias: Optional[Tensor], conv_index: Tensor) -> Tensor:
+    K = weight.shape[1]
+    y = xt * weight[:, K - 1]
+    for j in range(K - 1):
+        y = y + _context(xt, conv_index, j) * weight[:, K - 2 - j]
+    return y + bias if bias is not None else y
+
+
+class _TreeConvShifts(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, conv_index, activation):
+        ctx.save_for_backward(x, weight, bias, conv_index)
+        ctx.activation = activation
+        y = _preact(x.transpose(1, 2).to(weight.dtype), weight, bias, conv_index)
+        if activation is not None:
+            y = F.silu(y)
+        return y.to(x.dtype).transpose(1, 2)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, bias, conv_index = ctx.saved_tensors
+        K, T = weight.shape[1], x.shape[2]
+        xt = x.transpose(1, 2).to(weight.dtype)
+        dpre = grad.transpose(1, 2).to(weight.dtype)  # [B, T, C]
+        if ctx.activation is not None:  # silu'(y) = s(y) (1 + y (1 - s(y)))
+            pre = _preact(xt, weight, bias, conv_index)
+            s = torch.sigmoid(pre)
+            dpre = dpre * s * (1 + pre * (1 - s))
+        dx = dpre * weight[:, K - 1]
+        cols = [None] * K
+        cols[K - 1] = (dpre * xt).sum((0, 1))
+        pos = torch.arange(T, device=conv_index.device)
+        for j in range(K - 1):
+            shift = j + 1
+            cols[K - 2 - j] = (dpre * _context(xt, conv_index, j)).sum((0, 1))
+            # entries that are the shift send token t's gradient to t - shift
+            is_shift = (conv_index[:, j] == pos - shift)[None, :, None]
+            sent = torch.where(is_shift, dpre, dpre.new_zeros(())) * weight[:, K - 2 - j]
+            dx = dx + F.pad(sent[:, shift:], (0, 0, 0, min(shift, T)))
+        dx = dx + tree_conv_context_grad(dpre, weight, conv_index)
+        dw = torch.stack(cols, 1)
+        dbias = dpre.sum((0, 1)).to(bias.dtype) if bias is not None else None
+        return dx.to(x.dtype).transpose(1, 2), dw, dbias, None, None
+
+
+def tree_causal_conv1d_shifts(x: Tensor, weight: Tensor, bias: Optional[Tensor], conv_index: Tensor,
+                              activation: Optional[str] = None) -> Tensor:
+    """``treecompile::tree_causal_conv1d`` (``x [B, C, T]``, ``weight [C, K]``, ``conv_index [T, K-1]``) as
+    shifted products (module docstring); returns ``[B, C, T]`` as the transpose of a ``[B, T, C]``."""
+    check_conv_args(x, weight, bias, conv_index, activation)
+    return _TreeConvShifts.apply(x, weight, bias, conv_index, activation)
