@@ -10,6 +10,8 @@ H100 bf16 (session 9): op 9.2 ms compiled / 15.2 eager, cols 13.6 / 62.7 (RESULT
 With flash-linear-attention installed (CUDA) two more rows: ``fla`` is ``treecompile::tree_causal_conv1d_fla``
 (what ``lower_cuda`` runs with the fla GDN kernel: fla's varlen conv over the tree's chains, ops/fla_conv.py),
 ``fla_no_tree`` one fla conv over the same T tokens as one sequence (no tree: the floor).
+``shifts`` is ``ops.tree_conv_shifts`` (what a compiled CUDA graph runs since session 18), ``shifts_no_tree`` the
+same conv over the T tokens as one sequence as plain shifted products (inductor's floor).
 
 Usage: python benchmarks/bench_tree_conv.py [--tiny] [--agentic NAME [--scale S]]
 (default: CUDA, bf16, C = 6144, 16 x 2,048 POR 0.5; ``--agentic parallel-tools``: that agentic tree at scale S)
@@ -59,6 +61,12 @@ def fla_no_tree(x, w, bias, ci):
     return causal_conv1d(x.transpose(1, 2), w, bias, activation="silu")[0].transpose(1, 2)
 
 
+def shifts(x, w, bias, ci):
+    from treecompile.ops.tree_conv_shifts import tree_causal_conv1d_shifts
+
+    return tree_causal_conv1d_shifts(x, w, bias, ci, "silu")
+
+
 def shifts_no_tree(x, w, bias, ci):
     """The same conv over the T tokens as one sequence as K shifted products (what the packed baseline's
     ``reset_conv1d`` does, without its sequence-start masks): with torch.compile, inductor's floor."""
@@ -93,7 +101,7 @@ def main():
     bias = torch.randn(C, device=dev, dtype=dt, requires_grad=True)
     g = torch.randn(1, T, C, device=dev, dtype=dt)
     res, outs = {"T": T, "C": C, "device": dev, "dtype": str(dt), "torch": torch.__version__}, {}
-    contenders = [("op", op), ("cols", cols), ("shifts_no_tree", shifts_no_tree)]
+    contenders = [("op", op), ("cols", cols), ("shifts", shifts), ("shifts_no_tree", shifts_no_tree)]
     if dev == "cuda":
         try:
             import fla.modules.causal_conv1d  # noqa: F401

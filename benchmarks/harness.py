@@ -105,7 +105,8 @@ else:  # run as a script: benchmarks/ is on sys.path
 
 BASELINES = ("eager_per_path", "compiled_per_path", "packed_flex", "compiled_per_path_fa4", "packed_fa4_varlen",
              "compiled_per_path_fla", "packed_fla_varlen", "packed_fla_varlen_conv")
-TREE_CONTENDERS = ("tree", "tree_heavy_first", "tree_fa4_varlen", "tree_fa4_flex", "tree_packed", "tree_rf")
+TREE_CONTENDERS = ("tree", "tree_heavy_first", "tree_fa4_varlen", "tree_fa4_flex", "tree_conv_fla", "tree_packed",
+                   "tree_rf")
 CONTENDERS = BASELINES + TREE_CONTENDERS
 
 
@@ -572,13 +573,13 @@ class Steps:
             mask = (doc[:, None] == doc[None, :]) & (q[None, :] <= q[:, None])
         return ids, targets, same, mask
 
-    def _tree_model(self, boundary=False, layout="dfs", kernel="auto"):
+    def _tree_model(self, boundary=False, layout="dfs", kernel="auto", conv="auto"):
         import treecompile
 
-        key = ("rf" if boundary else "tree", layout, kernel)
+        key = ("rf" if boundary else "tree", layout, kernel, conv)
         if key not in self.tmodels:
             self.tmodels[key] = treecompile.compile(self.model, boundary=boundary, attention_layout=layout,
-                                                    attention_kernel=kernel)
+                                                    attention_kernel=kernel, conv_kernel=conv)
         return self.tmodels[key]
 
     def tree_heavy_first(self):
@@ -600,8 +601,15 @@ class Steps:
             raise _Skip("attention_kernel='fa4' is a CUDA lowering option")
         return self.tree_step(kernel="fa4")
 
-    def tree_step(self, layout="dfs", kernel="auto"):
-        tm = self._tree_model(layout=layout, kernel=kernel)
+    def tree_conv_fla(self):
+        """``tree`` with ``conv_kernel="fla"`` (the GDN layers' short conv through fla's varlen conv: what a compiled
+        graph ran before session 18; CUDA, models with GDN layers)."""
+        if self.dev.type != "cuda":
+            raise _Skip("conv_kernel is a CUDA lowering option")
+        return self.tree_step(conv="fla")
+
+    def tree_step(self, layout="dfs", kernel="auto", conv="auto"):
+        tm = self._tree_model(layout=layout, kernel=kernel, conv=conv)
         batch = self.tree.to_batch(normalize=self.cfg.normalize, device=self.dev)
         step = batches_step(tm, [batch], self.zero)
         return step, self.tree.num_tokens, tree_attention_entries(batch.position_ids[:self.tree.num_tokens])

@@ -57,9 +57,15 @@ def test_gdn_lowered_to_fla_only_when_asked():
         low = tc_cuda.lower_cuda(tm.graph_module, CudaOptions(gdn_kernel="fla"))
         t = targets(low.graph_module)
         assert t.count(tc_cuda._gdn_fla) == 3 and tc_cuda.TREE_GDN not in t
-        # the layers' short convs with them (float32 here), fla's varlen conv over the tree's chains
-        assert t.count(tc_cuda.TREE_CONV_FLA) == 3 and tc_cuda.TREE_CONV not in t
-        assert (low.gdn_fla, low.conv_fla) == (3, 3)
+        # the layers' short convs: shifted products in a compiled graph (conv_kernel "auto"), whatever the GDN kernel
+        assert t.count(tc_cuda.tree_causal_conv1d_shifts) == 3 and tc_cuda.TREE_CONV not in t
+        assert (low.gdn_fla, low.conv_fla, low.conv_shifts) == (3, 0, 3)
+        # fla's varlen conv over the tree's chains (float32 here): asked for, or "auto" in an eager graph
+        for opts in (CudaOptions(gdn_kernel="fla", conv_kernel="fla"), CudaOptions(gdn_kernel="fla", compile_cuda=False)):
+            low = tc_cuda.lower_cuda(tm.graph_module, opts)
+            t = targets(low.graph_module)
+            assert t.count(tc_cuda.TREE_CONV_FLA) == 3 and tc_cuda.TREE_CONV not in t
+            assert (low.gdn_fla, low.conv_fla, low.conv_shifts) == (3, 3, 0)
         # levelled or whole fla calls: decided once per lowering, carried by every GDN call
         for levels in (True, False):
             mp.setattr(fla_gdn, "default_levels", lambda levels=levels: levels)
@@ -68,13 +74,26 @@ def test_gdn_lowered_to_fla_only_when_asked():
             assert len(calls) == 3 and all(n.kwargs["levels"] is levels for n in calls)
         # near miss: inputs of a dtype fla's conv does not take (float64 in real use) keep the torch op
         mp.setattr(tc_cuda, "FLA_CONV_DTYPES", (torch.bfloat16,))
-        low = tc_cuda.lower_cuda(tm.graph_module, CudaOptions(gdn_kernel="fla"))
+        low = tc_cuda.lower_cuda(tm.graph_module, CudaOptions(gdn_kernel="fla", conv_kernel="fla"))
         t = targets(low.graph_module)
         assert (t.count(tc_cuda.TREE_CONV), low.conv_fla, low.gdn_fla) == (3, 0, 3)
-    low = tc_cuda.lower_cuda(tm.graph_module, CudaOptions(gdn_kernel="reference"))
+    low = tc_cuda.lower_cuda(tm.graph_module, CudaOptions(gdn_kernel="reference", compile_cuda=False))
     t = targets(low.graph_module)
     assert t.count(tc_cuda.TREE_GDN) == 3 and low.gdn_fla == 0
-    assert t.count(tc_cuda.TREE_CONV) == 3 and low.conv_fla == 0
+    assert t.count(tc_cuda.TREE_CONV) == 3 and low.conv_fla == low.conv_shifts == 0
+    low = tc_cuda.lower_cuda(tm.graph_module, CudaOptions(gdn_kernel="reference", conv_kernel="reference"))
+    assert targets(low.graph_module).count(tc_cuda.TREE_CONV) == 3 and low.conv_shifts == 0
+    low = tc_cuda.lower_cuda(tm.graph_module, CudaOptions(gdn_kernel="reference", conv_kernel="shifts",
+                                                          compile_cuda=False))
+    assert low.conv_shifts == 3  # asked for: also in an eager graph
+    with pytest.raises(ValueError, match="conv_kernel"):
+        CudaOptions(conv_kernel="triton")
+    import treecompile.ops.fla_gdn as fla_gdn
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fla_gdn, "fla_unusable_reason", lambda device=None: "fla is not installed (test)")
+        with pytest.raises(RuntimeError, match="conv_kernel='fla': fla is not installed"):
+            tc_cuda.lower_cuda(tm.graph_module, CudaOptions(gdn_kernel="reference", conv_kernel="fla"))
 
 
 def test_boundary_attention_lowered_to_flex_boundary():

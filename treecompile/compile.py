@@ -76,10 +76,11 @@ class TreeModel(nn.Module):
                  logits_chunk: int | None = None, compile_cuda: bool = True, swaps: list | None = None,
                  bucket: bool = True, boundary: bool = False, gdn_kernel: str = "auto",
                  allow_dropout: bool = False, entropy: bool = False, router_aux: str | None = None,
-                 attention_kernel: str = "auto", attention_layout: str = "dfs"):
+                 attention_kernel: str = "auto", attention_layout: str = "dfs", conv_kernel: str = "auto"):
         super().__init__()
         options = CudaOptions(compile_cuda=compile_cuda, bucket=bucket, gdn_kernel=gdn_kernel,
-                              attention_kernel=attention_kernel, attention_layout=attention_layout)
+                              attention_kernel=attention_kernel, attention_layout=attention_layout,
+                              conv_kernel=conv_kernel)
         check_disable(disable, BOUNDARY_PASSES if boundary else None)  # a misspelt pass name: before the capture
         if logits_chunk is not None and (isinstance(logits_chunk, bool) or not isinstance(logits_chunk, int)
                                          or logits_chunk < 1):
@@ -250,7 +251,7 @@ def compile(model=None, *, disable: tuple[str, ...] = (), debug: bool = False,  
             logits_chunk: int | None = None, compile_cuda: bool = True, bucket: bool = True,
             boundary: bool = False, gdn_kernel: str = "auto", swaps: list | None = None,
             allow_dropout: bool = False, entropy: bool = False, router_aux: str | None = None,
-            attention_kernel: str = "auto", attention_layout: str = "dfs"):
+            attention_kernel: str = "auto", attention_layout: str = "dfs", conv_kernel: str = "auto"):
     """Rewrite ``model`` for tree batches and return a :class:`TreeModel`.
 
     Usable as ``treecompile.compile(model, ...)``, or as a decorator (bare or with options) on an
@@ -267,6 +268,11 @@ def compile(model=None, *, disable: tuple[str, ...] = (), debug: bool = False,  
         boundary: build the partition graph that takes and returns a partition's boundary tensors,
             for ``treecompile.runtime.redundancy_free``.
         gdn_kernel: ``"auto"``, ``"fla"`` or ``"reference"``: the Gated DeltaNet kernel on CUDA.
+        conv_kernel: ``"auto"``, ``"shifts"``, ``"fla"`` or ``"reference"``: the tree's short convolution (GDN
+            layers) on CUDA.  ``"shifts"``: shifted products that inductor fuses, the backward's few non-shift
+            context entries through one ``index_add`` (``ops.tree_conv_shifts``); ``"fla"``: fla's varlen conv over
+            the tree's chains (float32/half inputs); ``"auto"``: ``"shifts"`` in a compiled graph, else ``"fla"``
+            where the GDN kernel is fla, else the reference op.
         attention_kernel: ``"auto"``, ``"fa4"``, ``"flex"`` or ``"fa4_varlen"``: the tree attention kernel on
             CUDA (FlashAttention-4 needs ``treecompile[hopper]`` and sm_90+).  ``"fa4_varlen"``: FA4's varlen
             kernel over the tree's segments, or per batch its block-sparse kernels where the segments would
@@ -302,7 +308,7 @@ def compile(model=None, *, disable: tuple[str, ...] = (), debug: bool = False,  
     options = dict(disable=disable, debug=debug, logits_chunk=logits_chunk, compile_cuda=compile_cuda,
                    bucket=bucket, boundary=boundary, gdn_kernel=gdn_kernel, swaps=swaps, allow_dropout=allow_dropout,
                    entropy=entropy, router_aux=router_aux, attention_kernel=attention_kernel,
-                   attention_layout=attention_layout)
+                   attention_layout=attention_layout, conv_kernel=conv_kernel)
     if model is None:
         return functools.partial(compile, **options)
     if isinstance(model, nn.Module):

@@ -22,9 +22,12 @@ whose segments would gather past the op's bound runs a second lowering with flex
 Triton kernel with one warning.
 ``treecompile::tree_gated_delta_rule``
 is lowered to flash-linear-attention's varlen kernel when the resolved ``gdn_kernel`` is ``"fla"``, and with
-it the layer's short convolution ``treecompile::tree_causal_conv1d`` becomes
+it, in a graph that runs eagerly, the layer's short convolution ``treecompile::tree_causal_conv1d`` becomes
 ``treecompile::tree_causal_conv1d_fla`` (fla's varlen ``causal_conv1d`` over the tree's chains,
-``ops.fla_conv``; float32 and half precision inputs: fla's kernels do not take float64).
+``ops.fla_conv``; float32 and half precision inputs: fla's kernels do not take float64).  In a compiled graph
+the conv becomes ``ops.tree_conv_shifts.tree_causal_conv1d_shifts`` whatever the GDN kernel (shifted products
+inductor fuses; measured faster than fla's conv, benchmarks/bench_tree_conv.py): ``conv_kernel``
+(:data:`CONV_KERNELS`).
 The fused head ``treecompile::linear_logprobs`` of a half-precision model becomes
 ``treecompile::linear_logprobs_triton`` (same arguments; Triton row kernels) when triton imports: the
 reference op never chooses it.
@@ -77,6 +80,7 @@ from treecompile.ops.fa4_tree_attention import (FA4_HEAD_DIMS, FA4_KERNEL_OPTION
                                                 fa4_unusable_reason, tree_attention_fa4)
 from treecompile.ops.flex_tree_attention import kernel_options_for, tree_attention_flex, tree_block_mask
 from treecompile.ops.varlen_tree_attention import tree_attention_varlen
+from treecompile.ops.tree_conv_shifts import tree_causal_conv1d_shifts
 from treecompile.ops.flex_tree_attention_boundary import boundary_block_mask, tree_attention_boundary_flex
 from treecompile.ops.tree_layout import heavy_first_order, permuted_subtree_end, reordered_attention
 from treecompile.passes.token_axis import same
@@ -113,6 +117,11 @@ ATTENTION_KERNELS = ("auto", "fa4", "flex", "fa4_varlen")
 # tree with children visited largest subtree first, ops/tree_layout.py: q/k/v gathered in, the output
 # gathered back; far fewer partial tiles on deep agentic trees).
 ATTENTION_LAYOUTS = ("dfs", "heavy_first")
+# The tree's short convolution on CUDA: "shifts" (ops.tree_conv_shifts: shifted products inductor fuses, the
+# backward's few non-shift entries through one index_add), "fla" (fla's varlen conv over the tree's chains,
+# ops.fla_conv; float32/half inputs, else the reference), "reference" (the registered op), "auto" ("shifts" in a
+# compiled graph; in an eager one "fla" where the GDN kernel is fla, else the reference).
+CONV_KERNELS = ("auto", "shifts", "fla", "reference")
 
 
 @dataclass(frozen=True)
@@ -123,6 +132,7 @@ class CudaOptions:
     bucket: pad sequence lengths to ``bucket_length`` buckets (bounded recompiles).
     gdn_kernel: one of ``GDN_KERNELS``.
     attention_kernel: one of ``ATTENTION_KERNELS``.
+    conv_kernel: one of ``CONV_KERNELS``.
     attention_layout: one of ``ATTENTION_LAYOUTS``: ``"heavy_first"`` runs every tree attention in the
         heaviest-child-first DFS order of the batch (exact; one more ``[2, T]`` graph input); boundary
         programs (redundancy-free partitions) attend in DFS order whatever it says.
@@ -137,10 +147,13 @@ class CudaOptions:
     recompile_limit: int = 64
     attention_kernel: str = "auto"
     attention_layout: str = "dfs"
+    conv_kernel: str = "auto"
 
     def __post_init__(self):
         if self.gdn_kernel not in GDN_KERNELS:
             raise ValueError(f"gdn_kernel: expected one of {GDN_KERNELS}, got {self.gdn_kernel!r}")
+        if self.conv_kernel not in CONV_KERNELS:
+            raise ValueError(f"conv_kernel: expected one of {CONV_KERNELS}, got {self.conv_kernel!r}")
         if self.attention_kernel not in ATTENTION_KERNELS:
             raise ValueError(f"attention_kernel: expected one of {ATTENTION_KERNELS}, got {self.attention_kernel!r}")
         if self.attention_layout not in ATTENTION_LAYOUTS:
@@ -165,6 +178,7 @@ class CudaLowering:
     compiled: bool  # run under torch.compile(dynamic=False)
     bucket: bool  # pad the batch to bucket_length(T) and cut the outputs back to T
     conv_fla: int = 0  # tree causal convs lowered to fla's varlen conv
+    conv_shifts: int = 0  # tree causal convs lowered to shifted products (ops.tree_conv_shifts)
     moe_grouped: int = 0  # routed experts lowered to moe_experts_grouped (grouped GEMMs)
     materialized: int = 0  # position-only values computed once (``treecompile::materialize``; compiled only)
     attention_varlen: int = 0  # tree_attention calls lowered to tree_attention_varlen_fwd (no block mask)
@@ -194,6 +208,19 @@ def resolve_gdn_kernel(requested: str) -> str:
     warnings.warn(f"{reason}; Gated DeltaNet layers run the slow reference implementation on CUDA",
                   stacklevel=3)
     return "reference"
+
+
+def resolve_conv_kernel(requested: str, gdn_kernel: str, compiled: bool) -> str:
+    """``"shifts"``, ``"fla"`` or ``"reference"`` for the tree conv (:data:`CONV_KERNELS`; ``gdn_kernel`` resolved).
+    ``"fla"`` asked for where flash-linear-attention does not import raises naming the reason."""
+    if requested == "auto":
+        return "shifts" if compiled else ("fla" if gdn_kernel == "fla" else "reference")
+    if requested == "fla":
+        from treecompile.ops.fla_gdn import fla_unusable_reason
+
+        if (reason := fla_unusable_reason()) is not None:
+            raise RuntimeError(f"conv_kernel='fla': {reason}")
+    return requested
 
 
 _WARNED: set = set()  # warnings already given (once per process)
@@ -406,7 +433,8 @@ def lower_cuda(gm: fx.GraphModule, options: CudaOptions, *, boundary: bool = Fal
     if layout != "dfs":
         with graph.inserting_after(mask):
             order = graph.placeholder("tree_attention_order")
-    attention = gdn_fla = triton_head = conv_fla = moe_grouped = attention_varlen = segments_only = 0
+    attention = gdn_fla = triton_head = conv_fla = conv_shifts = moe_grouped = attention_varlen = segments_only = 0
+    conv_kernel = resolve_conv_kernel(options.conv_kernel, gdn_kernel, compiled)
     if gdn_kernel == "fla":  # levelled or whole fla calls (ops/fla_gdn_levels.py): decided once, not per layer call
         from treecompile.ops.fla_gdn import default_levels
 
@@ -434,7 +462,10 @@ def lower_cuda(gm: fx.GraphModule, options: CudaOptions, *, boundary: bool = Fal
         elif n.op == "call_function" and n.target == TREE_GDN and gdn_kernel == "fla":
             _replace(graph, n, _gdn_fla, n.args, {**n.kwargs, **gdn_kwargs})
             gdn_fla += 1
-        elif (n.op == "call_function" and n.target == TREE_CONV and gdn_kernel == "fla"
+        elif n.op == "call_function" and n.target == TREE_CONV and conv_kernel == "shifts":
+            _replace(graph, n, tree_causal_conv1d_shifts, n.args, n.kwargs)
+            conv_shifts += 1
+        elif (n.op == "call_function" and n.target == TREE_CONV and conv_kernel == "fla"
               and all(a.meta["val"].dtype in FLA_CONV_DTYPES for a in n.args[:2])):  # x and weight
             _replace(graph, n, TREE_CONV_FLA, n.args, n.kwargs)
             conv_fla += 1
@@ -448,7 +479,8 @@ def lower_cuda(gm: fx.GraphModule, options: CudaOptions, *, boundary: bool = Fal
     materialized = materialize_position_values(graph, constants, gm) if compiled else 0
     return CudaLowering(graph_module=fx.GraphModule(gm, graph), attention=attention, materialized=materialized,
                         layout=layout, boundary=boundary, gdn_fla=gdn_fla, triton_head=triton_head,
-                        compiled=compiled, bucket=options.bucket, conv_fla=conv_fla, moe_grouped=moe_grouped,
+                        compiled=compiled, bucket=options.bucket, conv_fla=conv_fla, conv_shifts=conv_shifts,
+                        moe_grouped=moe_grouped,
                         attention_varlen=attention_varlen, attention_segments_only=segments_only)
 
 
