@@ -198,10 +198,12 @@ def part_b(out: dict, fp32_inputs_only: bool = False, model_name: str = "qwen3.5
     print(json.dumps(res), flush=True)
     # the tree through fla with fp32 GDN inputs (fla_gdn.COMPUTE_DTYPE switch), then the issue's compiled run
     prev = fla_gdn.COMPUTE_DTYPE
-    variants = [("tree bf16, reference GDN op (eager graph)", dict(gdn_kernel="reference", compile_cuda=False), None),
+    # compiled runs first (what training runs: the conv as shifted products by default, session 18; fla's conv before)
+    variants = [("tree bf16, fla GDN (compiled, as issue 17)", dict(gdn_kernel="fla"), None),
+                ("tree bf16, fla GDN + fla conv (compiled)", dict(gdn_kernel="fla", conv_kernel="fla"), None),
+                ("tree bf16, reference GDN op (eager graph)", dict(gdn_kernel="reference", compile_cuda=False), None),
                 ("tree bf16, fla GDN fp32 inputs (eager graph)", dict(gdn_kernel="fla", compile_cuda=False),
-                 torch.float32),
-                ("tree bf16, fla GDN (compiled, as issue 17)", dict(gdn_kernel="fla"), None)]
+                 torch.float32)]
     if skip_fp32_inputs:
         variants = [v for v in variants if v[2] is None]
     for name, opts, cdt in variants:
