@@ -10,6 +10,7 @@ import treecompile.passes.lower_cuda as tc_cuda
 from treecompile.passes.lower_cuda import CudaOptions
 from treecompile.program import bucket_length
 from treecompile.models import DenseConfig, DenseForCausalLM, HybridConfig, HybridForCausalLM
+from treecompile.tree import Tree
 
 
 def targets(gm):
@@ -60,6 +61,13 @@ def test_gdn_lowered_to_fla_only_when_asked():
         # the layers' short convs: shifted products in a compiled graph (conv_kernel "auto"), whatever the GDN kernel
         assert t.count(tc_cuda.tree_causal_conv1d_shifts) == 3 and tc_cuda.TREE_CONV not in t
         assert (low.gdn_fla, low.conv_fla, low.conv_shifts) == (3, 0, 3)
+        # they read the batch's conv_index input itself: the tensor TreeProgram._run_cuda prepares the table of
+        convs = [n for n in low.graph_module.graph.nodes if n.target is tc_cuda.tree_causal_conv1d_shifts]
+        assert {(n.args[3].op, n.args[3].name) for n in convs} == {("placeholder", "tree_conv_index")}
+        prog = tm.program
+        batch = Tree.from_paths([[1, 2, 3], [1, 2, 4, 5]]).to_batch(conv_kernel=prog.conv_width + 1)
+        args = prog.batch_args(batch)
+        assert args[len(prog.user_inputs) + prog.tree_inputs.index("conv_index")] is batch.conv_index
         # fla's varlen conv over the tree's chains (float32 here): asked for, or "auto" in an eager graph
         for opts in (CudaOptions(gdn_kernel="fla", conv_kernel="fla"), CudaOptions(gdn_kernel="fla", compile_cuda=False)):
             low = tc_cuda.lower_cuda(tm.graph_module, opts)

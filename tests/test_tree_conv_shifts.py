@@ -127,3 +127,27 @@ def test_equals_torch_op_on_cuda(dtype):
         err_got = float((g - o).abs().max() / o.abs().max())
         bound = 1e-5 if dtype == torch.float32 else 2 * max(err_ref, 1e-3)
         assert err_got <= bound, (name, err_got, err_ref)
+
+
+def test_exceptions_made_once_per_batch_under_torch_compile(monkeypatch):
+    """Two convs of one compiled graph that share conv_index, forward and backward: one host table (the compiled
+    graph hands the ops the caller's tensor), and none made again once prepare() has made it."""
+    made = []
+    real = tree_conv_shifts.context_exceptions
+    monkeypatch.setattr(tree_conv_shifts, "context_exceptions", lambda ci: made.append(1) or real(ci))
+    tree_conv_shifts._EXCEPTIONS.clear()
+    b = Tree.from_paths(TREES["short_node_chain"] + [[9, 9, 9, 9]]).to_batch(conv_kernel=4)
+    x, w, bs, dy = _inputs(b.seq_len, 5, 4, 1, 0)
+
+    def two(x, w, bs, ci):
+        h = tree_conv_shifts.tree_causal_conv1d_shifts(x, w, bs, ci, "silu")
+        return tree_conv_shifts.tree_causal_conv1d_shifts(h, w, bs, ci, "silu")
+
+    fn = torch.compile(two, fullgraph=True, dynamic=False)
+    ci = b.conv_index.clone()
+    torch.autograd.grad(fn(x, w, bs, ci), (x, w), dy)
+    assert len(made) == 1
+    ci2 = b.conv_index.clone()  # the next batch: prepare() makes its table before the graph runs
+    tree_conv_shifts.prepare(ci2)
+    torch.autograd.grad(fn(x, w, bs, ci2), (x, w), dy)
+    assert len(made) == 2

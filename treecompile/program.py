@@ -30,6 +30,7 @@ from torch.export.graph_signature import InputKind
 
 from treecompile.passes.expose_boundary import BoundarySpec
 from treecompile.ops.varlen_tree_attention import segments_fit
+from treecompile.ops import tree_conv_shifts
 from treecompile.passes.lower_cuda import CudaLowering, CudaOptions, attention_inputs, lower_cuda, warn_once
 from treecompile.passes.split_modules import Segment, split_by_modules
 from treecompile.tree import TreeBatch, ancestor_index
@@ -252,6 +253,8 @@ class TreeProgram:
                       "(a second compiled graph; at head dims FA4's block-sparse tiles do not take)")
             state = self._cuda_state(varlen=False)
         args = self.batch_args(batch) + boundary_inputs
+        if state.lowering.conv_shifts and "conv_index" in self.tree_inputs:  # its host-side table, before the graph
+            tree_conv_shifts.prepare(args[len(self.user_inputs) + self.tree_inputs.index("conv_index")])
         args += attention_inputs(batch.subtree_end, state.lowering, **self._boundary_mask_args(boundary_inputs))
         # compiled flex kernels (the graph's, or the separately compiled one of an eager graph) compile once
         # per shape: room for one per bucket

@@ -33,7 +33,8 @@ from torch import Tensor
 from treecompile.ops.last_batch import LastBatch
 from treecompile.ops.tree_conv import check_conv_args
 
-__all__ = ["tree_causal_conv1d_shifts", "tree_conv_context_grad", "ContextExceptions", "context_exceptions"]
+__all__ = ["tree_causal_conv1d_shifts", "tree_conv_context_grad", "ContextExceptions", "context_exceptions",
+           "prepare"]
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,13 @@ _EXCEPTIONS = LastBatch()  # the exceptions of the last batch's conv_index
 
 def _cached_exceptions(conv_index: Tensor) -> ContextExceptions:
     return _EXCEPTIONS.get((conv_index,), None, lambda: context_exceptions(conv_index))
+
+
+def prepare(conv_index: Tensor) -> None:
+    """Make the exceptions table of the batch's ``conv_index`` now (``TreeProgram`` calls it before a step's graph
+    runs, where the other host-side plans are made): otherwise the first conv backward makes it, and its copy of
+    ``conv_index`` to the host would wait there for the whole forward to finish on the GPU."""
+    _cached_exceptions(conv_index)
 
 
 @torch.library.custom_op("treecompile::tree_conv_context_grad", mutates_args=())
