@@ -67,6 +67,8 @@ def test_exceptions_table():
     want = sorted((t, j, int(ci[t, j])) for t in range(ci.shape[0]) for j in range(ci.shape[1])
                   if ci[t, j] >= 0 and ci[t, j] != t - j - 1)
     assert got == want and len(want) == 4  # the second and third branch's first tokens read above their DFS neighbour
+    assert exc.sources.tolist() == sorted(set(exc.source.tolist()))
+    assert torch.equal(exc.sources[exc.slot], exc.source)
 
 
 def test_under_torch_compile():
@@ -151,3 +153,16 @@ def test_exceptions_made_once_per_batch_under_torch_compile(monkeypatch):
     tree_conv_shifts.prepare(ci2)
     torch.autograd.grad(fn(x, w, bs, ci2), (x, w), dy)
     assert len(made) == 2
+
+
+def test_context_grad_rounds_each_source_once_in_bf16():
+    """64 children read the same parent rows: their bf16 gradients are summed in float32 and rounded once (within
+    one bf16 rounding of the float64 sum of the same bf16 inputs)."""
+    b = Tree.from_paths([[1, 2, 3, 4] + [10 + i, 99] for i in range(64)]).to_batch(conv_kernel=4)
+    gen = torch.Generator().manual_seed(0)
+    dpre = torch.randn(1, b.seq_len, 8, generator=gen).to(torch.bfloat16)
+    w = torch.randn(8, 4, generator=gen).to(torch.bfloat16)
+    got = tree_conv_shifts.tree_conv_context_grad(dpre, w, b.conv_index)
+    want = tree_conv_shifts.tree_conv_context_grad(dpre.double(), w.double(), b.conv_index)
+    assert want.abs().amax() > 0
+    torch.testing.assert_close(got.double(), want.to(torch.bfloat16).double(), rtol=2 ** -8, atol=0)

@@ -44,6 +44,8 @@ class ContextExceptions:
     token: Tensor  # [E] the token t whose context the entry is
     column: Tensor  # [E] j: the entry's column (offset j + 1, weight column K-2-j)
     source: Tensor  # [E] conv_index[t, j], the row it reads
+    slot: Tensor  # [E] the entry's row in ``sources``
+    sources: Tensor  # [U] the distinct sources, increasing
 
 
 def context_exceptions(conv_index: Tensor) -> ContextExceptions:
@@ -53,12 +55,13 @@ def context_exceptions(conv_index: Tensor) -> ContextExceptions:
     shift = torch.arange(T)[:, None] - torch.arange(1, k1 + 1)[None, :]
     token, column = ((ci >= 0) & (ci != shift)).nonzero(as_tuple=True)
     source = ci[token, column]
+    sources, slot = torch.unique(source, return_inverse=True)
     dev = conv_index.device
 
     def put(t):
         return (t.pin_memory() if dev.type == "cuda" else t).to(dev, non_blocking=True)
 
-    return ContextExceptions(put(token), put(column), put(source))
+    return ContextExceptions(put(token), put(column), put(source), put(slot.reshape(-1)), put(sources))
 
 
 _EXCEPTIONS = LastBatch()  # the exceptions of the last batch's conv_index
@@ -80,15 +83,19 @@ def tree_conv_context_grad(dpre: Tensor, weight: Tensor, conv_index: Tensor) -> 
     """The part of a tree conv's input gradient that flows through ``conv_index``'s exceptions (entries that are
     neither the shift ``t - j - 1`` nor -1): ``dx[conv_index[t, j]] += dpre[:, t] * weight[:, K-2-j]`` for each of
     them, zero elsewhere.  ``dpre [B, T, C]`` (the pre-activation's gradient, row layout), ``weight [C, K]``;
-    returns ``[B, T, C]`` in dpre's dtype."""
+    returns ``[B, T, C]`` in dpre's dtype.  A source read by several entries (a node's last tokens, read by the
+    first tokens of each of its children) sums them in float32 (float64 stays) and is rounded once."""
     out = torch.zeros(dpre.shape, dtype=dpre.dtype, device=dpre.device)
     if conv_index.numel() == 0:
         return out
     exc = _cached_exceptions(conv_index)
     if exc.token.numel():
         K = weight.shape[1]
-        w_ctx = weight[:, :K - 1].flip(1).T.to(dpre.dtype)  # [K-1, C], row j = weight[:, K-2-j]
-        out.index_add_(1, exc.source, dpre.index_select(1, exc.token) * w_ctx.index_select(0, exc.column))
+        acc_dtype = torch.promote_types(dpre.dtype, torch.float32)
+        w_ctx = weight[:, :K - 1].flip(1).T.to(acc_dtype)  # [K-1, C], row j = weight[:, K-2-j]
+        sent = dpre.index_select(1, exc.token).to(acc_dtype) * w_ctx.index_select(0, exc.column)
+        acc = sent.new_zeros(dpre.shape[0], exc.sources.numel(), dpre.shape[2]).index_add_(1, exc.slot, sent)
+        out.index_copy_(1, exc.sources, acc.to(dpre.dtype))
     return out
 
 
