@@ -109,12 +109,13 @@ def _inputs(T, C, K, B, seed, dtype=F64, bias=True):
     return x, w, bs, dy
 
 
-def check_equal_to_torch_op(conv_index, *, C=5, K=4, B=1, seed=0, activation="silu", bias=True):
+def check_equal_to_torch_op(conv_index, *, C=5, K=4, B=1, seed=0, activation="silu", bias=True, fn=None):
+    """``fn`` (default: the fla op) == the torch op in float64: output and every gradient to 1e-12."""
     T = conv_index.shape[0]
     x, w, bs, dy = _inputs(T, C, K, B, seed, bias=bias)
     leaves = [t for t in (x, w, bs) if t is not None]
     want = tree_conv.tree_causal_conv1d(x, w, bs, conv_index, activation)
-    got = fla_conv.tree_causal_conv1d_fla(x, w, bs, conv_index, activation)
+    got = (fn or fla_conv.tree_causal_conv1d_fla)(x, w, bs, conv_index, activation)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     g_want = torch.autograd.grad(want, leaves, dy)
     g_got = torch.autograd.grad(got, leaves, dy)
@@ -201,13 +202,19 @@ def test_fla_equals_torch_op_on_cuda(dtype):
     """fla's kernels vs the torch op on a tree with short and long nodes: float32 to float32 rounding;
     bf16 no further from a float64 oracle than the torch op in bf16 (x 2)."""
     pytest.importorskip("fla.modules.causal_conv1d")
+    fla_conv._SEGMENTS.clear()
+    check_cuda_error_bound(fla_conv.tree_causal_conv1d_fla, dtype)
+
+
+def check_cuda_error_bound(fn, dtype):
+    """``fn`` vs the torch op on CUDA on a tree with short and long nodes: float32 to float32 rounding; bf16 no further
+    from a float64 oracle than the torch op in bf16 (x 2)."""
     # 12 branches of 300-700 tokens under a shared 3-token root, and 1-3-token nodes chained several levels deep
     paths = ([p + [7] * (300 + 37 * i) for i, p in enumerate(ODD_TREES["wide_fanout_64"][:12])]
              + TREES["short_node_chain"])
     b = Tree.from_paths(paths).to_batch(conv_kernel=4, pad_to_multiple=64).to("cuda")
     C, K = 96, 4
     x, w, bs, dy = _inputs(b.seq_len, C, K, 1, 0, dtype=F64)
-    fla_conv._SEGMENTS.clear()
 
     def run(fn, dt):
         xs = [t.detach().to("cuda", dt).requires_grad_() for t in (x, w, bs)]
@@ -216,7 +223,7 @@ def test_fla_equals_torch_op_on_cuda(dtype):
 
     oracle = run(tree_conv.tree_causal_conv1d, F64)
     ref = run(tree_conv.tree_causal_conv1d, dtype)
-    got = run(fla_conv.tree_causal_conv1d_fla, dtype)
+    got = run(fn, dtype)
     for name, o, r, g in zip(("y", "dx", "dw", "dbias"), oracle, ref, got):
         err_ref = float((r - o).abs().max() / o.abs().max())
         err_got = float((g - o).abs().max() / o.abs().max())

@@ -10,24 +10,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.strategies import path_sets
-from tests.test_fla_conv import TREES, _inputs
-from treecompile.ops import tree_conv, tree_conv_shifts
+from tests.test_fla_conv import TREES, _inputs, check_cuda_error_bound, check_equal_to_torch_op
+from treecompile.ops import tree_conv_shifts
 from treecompile.tree import Tree
 
 F64 = torch.float64
 
 
-def check_equal(conv_index, *, C=5, K=4, B=1, seed=0, activation="silu", bias=True, fn=None):
-    T = conv_index.shape[0]
-    x, w, bs, dy = _inputs(T, C, K, B, seed, bias=bias)
-    leaves = [t for t in (x, w, bs) if t is not None]
-    want = tree_conv.tree_causal_conv1d(x, w, bs, conv_index, activation)
-    got = (fn or tree_conv_shifts.tree_causal_conv1d_shifts)(x, w, bs, conv_index, activation)
-    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
-    g_want = torch.autograd.grad(want, leaves, dy)
-    g_got = torch.autograd.grad(got, leaves, dy)
-    for name, a, b in zip(("x", "weight", "bias"), g_got, g_want):
-        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=lambda m: f"d{name}: {m}")
+def check_equal(conv_index, fn=None, **kw):
+    check_equal_to_torch_op(conv_index, fn=fn or tree_conv_shifts.tree_causal_conv1d_shifts, **kw)
 
 
 @pytest.mark.parametrize("name", sorted(TREES))
@@ -107,28 +98,8 @@ def test_empty():
 def test_equals_torch_op_on_cuda(dtype):
     """Compiled on CUDA vs the torch op: float32 to float32 rounding; bf16 no further from a float64 oracle than the
     torch op in bf16 (x 2, that error floored at 1e-3 as in test_fla_conv)."""
-    from tests.test_fla_conv import ODD_TREES
-
-    paths = ([p + [7] * (300 + 37 * i) for i, p in enumerate(ODD_TREES["wide_fanout_64"][:12])]
-             + TREES["short_node_chain"])
-    b = Tree.from_paths(paths).to_batch(conv_kernel=4, pad_to_multiple=64).to("cuda")
-    C, K = 96, 4
-    x, w, bs, dy = _inputs(b.seq_len, C, K, 1, 0, dtype=F64)
-    compiled = torch.compile(tree_conv_shifts.tree_causal_conv1d_shifts, fullgraph=True, dynamic=False)
-
-    def run(fn, dt):
-        xs = [t.detach().to("cuda", dt).requires_grad_() for t in (x, w, bs)]
-        y = fn(xs[0], xs[1], xs[2], b.conv_index, "silu")
-        return [y.double(), *(g.double() for g in torch.autograd.grad(y, xs, dy.to("cuda", dt)))]
-
-    oracle = run(tree_conv.tree_causal_conv1d, F64)
-    ref = run(tree_conv.tree_causal_conv1d, dtype)
-    got = run(compiled, dtype)
-    for name, o, r, g in zip(("y", "dx", "dw", "dbias"), oracle, ref, got):
-        err_ref = float((r - o).abs().max() / o.abs().max())
-        err_got = float((g - o).abs().max() / o.abs().max())
-        bound = 1e-5 if dtype == torch.float32 else 2 * max(err_ref, 1e-3)
-        assert err_got <= bound, (name, err_got, err_ref)
+    check_cuda_error_bound(torch.compile(tree_conv_shifts.tree_causal_conv1d_shifts, fullgraph=True, dynamic=False),
+                           dtype)
 
 
 def test_exceptions_made_once_per_batch_under_torch_compile(monkeypatch):
