@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from treecompile.ops.fla_gdn import to_device_async
 from treecompile.ops.last_batch import LastBatch
 from treecompile.ops.tree_conv import check_conv_args
 
@@ -43,9 +44,8 @@ class ContextExceptions:
 
     token: Tensor  # [E] the token t whose context the entry is
     column: Tensor  # [E] j: the entry's column (offset j + 1, weight column K-2-j)
-    source: Tensor  # [E] conv_index[t, j], the row it reads
-    slot: Tensor  # [E] the entry's row in ``sources``
-    sources: Tensor  # [U] the distinct sources, increasing
+    slot: Tensor  # [E] the row it reads, conv_index[t, j], as its place in ``sources``
+    sources: Tensor  # [U] the distinct rows read, increasing
 
 
 def context_exceptions(conv_index: Tensor) -> ContextExceptions:
@@ -54,14 +54,9 @@ def context_exceptions(conv_index: Tensor) -> ContextExceptions:
     T, k1 = ci.shape
     shift = torch.arange(T)[:, None] - torch.arange(1, k1 + 1)[None, :]
     token, column = ((ci >= 0) & (ci != shift)).nonzero(as_tuple=True)
-    source = ci[token, column]
-    sources, slot = torch.unique(source, return_inverse=True)
+    sources, slot = torch.unique(ci[token, column], return_inverse=True)
     dev = conv_index.device
-
-    def put(t):
-        return (t.pin_memory() if dev.type == "cuda" else t).to(dev, non_blocking=True)
-
-    return ContextExceptions(put(token), put(column), put(source), put(slot.reshape(-1)), put(sources))
+    return ContextExceptions(*(to_device_async(t, dev) for t in (token, column, slot.reshape(-1), sources)))
 
 
 _EXCEPTIONS = LastBatch()  # the exceptions of the last batch's conv_index
