@@ -447,3 +447,42 @@ def test_unsupported_experts_are_left_alone():
     from treecompile.frontend import kernel_swaps
     n_gdn_swaps = len(kernel_swaps(hf_model("qwen3_next")))
     assert len(kernel_swaps(model)) == n_gdn_swaps + model.config.num_hidden_layers - 1
+
+
+def check_conv_as_shifts(model, tm):
+    """The CUDA lowering's tree conv (``ops.tree_conv_shifts``, conv_kernel "shifts") put in the rewritten graph in
+    place of ``treecompile::tree_causal_conv1d`` and run on CPU in float64: loss, log-probs and every parameter's
+    gradient equal the graph with the registered op (the shapes and layouts HF and our models hand the conv)."""
+    import torch.fx as fx
+
+    from treecompile.ops.tree_conv_shifts import tree_causal_conv1d_shifts
+    from treecompile.passes.lower_cuda import TREE_CONV
+
+    prog = tm.program
+    gm = prog.graph_module
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    convs = [n for n in graph.nodes if n.op == "call_function" and n.target == TREE_CONV]
+    assert convs
+    for n in convs:
+        n.target = tree_causal_conv1d_shifts
+    shifted = fx.GraphModule(gm, graph)
+    batch = Tree.from_paths(FIXED["short_node_chain"] + FIXED["wide_fanout_16"][:4]).to_batch(
+        conv_kernel=prog.conv_width + 1)
+    params = [p for p in model.parameters() if p.requires_grad]
+    results = []
+    for g in (gm, shifted):
+        loss, logprobs = g(*prog.inputs(batch))[:2]
+        results.append([loss, logprobs, *torch.autograd.grad(loss, params, allow_unused=True, materialize_grads=True)])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_conv_as_shifts_in_ours(ours):
+    check_conv_as_shifts(*ours)
+
+
+@pytest.mark.parametrize("hf", ["qwen3_5"], indirect=True)
+def test_conv_as_shifts_in_hf(hf):
+    _, model, tm, _ = hf
+    check_conv_as_shifts(model, tm)
