@@ -136,3 +136,23 @@ def test_context_grad_rounds_each_source_once_in_bf16():
     want = tree_conv_shifts.tree_conv_context_grad(dpre.double(), w.double(), b.conv_index)
     assert want.abs().amax() > 0
     torch.testing.assert_close(got.double(), want.to(torch.bfloat16).double(), rtol=2 ** -8, atol=0)
+
+
+def test_conv_kernel_is_a_run_option_of_compile_and_load(tmp_path):
+    """``conv_kernel`` reaches the program's CudaOptions through compile() and load() (chosen at load, never saved);
+    a name outside CONV_KERNELS raises (CudaOptions, before any capture or load)."""
+    from helpers import cached_compile, cached_model
+    from treecompile import saved
+    from treecompile.models import HybridConfig, HybridForCausalLM
+
+    def make():
+        torch.manual_seed(0)
+        return HybridForCausalLM(HybridConfig.tiny())
+
+    tm = cached_compile(cached_model("hybrid-tiny-float32", make), conv_kernel="fla")
+    assert tm.program.options.conv_kernel == "fla"
+    saved.save(tm, tmp_path / "p")
+    for kernel in ("shifts", "reference"):
+        assert saved.load(tmp_path / "p", conv_kernel=kernel).program.options.conv_kernel == kernel
+    with pytest.raises(ValueError, match="conv_kernel: expected one of"):
+        saved.load(tmp_path / "p", conv_kernel="triton")
