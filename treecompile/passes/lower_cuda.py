@@ -26,8 +26,9 @@ it, in a graph that runs eagerly, the layer's short convolution ``treecompile::t
 ``treecompile::tree_causal_conv1d_fla`` (fla's varlen ``causal_conv1d`` over the tree's chains,
 ``ops.fla_conv``; float32 and half precision inputs: fla's kernels do not take float64).  In a compiled graph
 the conv becomes ``ops.tree_conv_shifts.tree_causal_conv1d_shifts`` whatever the GDN kernel (shifted products
-inductor fuses; measured faster than fla's conv, benchmarks/bench_tree_conv.py): ``conv_kernel``
-(:data:`CONV_KERNELS`).
+inductor fuses with the conv's neighbours, no host work per call; on an H100 the hybrid step on an agentic tree ran
+11.5 % faster than with fla's conv, a GPU-bound 32k synthetic one 2 % slower: benchmarks/RESULTS.md, Session 18):
+``conv_kernel`` (:data:`CONV_KERNELS`).
 The fused head ``treecompile::linear_logprobs`` of a half-precision model becomes
 ``treecompile::linear_logprobs_triton`` (same arguments; Triton row kernels) when triton imports: the
 reference op never chooses it.
