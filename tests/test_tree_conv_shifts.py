@@ -57,7 +57,7 @@ def test_exceptions_table():
     got = sorted(zip(exc.token.tolist(), exc.column.tolist(), exc.sources[exc.slot].tolist()))
     want = sorted((t, j, int(ci[t, j])) for t in range(ci.shape[0]) for j in range(ci.shape[1])
                   if ci[t, j] >= 0 and ci[t, j] != t - j - 1)
-    assert got == want and len(want) == 4  # the second and third branch's first tokens read above their DFS neighbour
+    assert got == want and len(want) == 4  # the first K-1 tokens of the 2nd and 3rd branch read above their DFS neighbour
     assert exc.sources.tolist() == sorted(set(exc.sources[exc.slot].tolist()))  # distinct, increasing
 
 
