@@ -1,13 +1,15 @@
 """Where one harness contender's step goes on CUDA (issue 16 item 4: profile what remains).
 
     python -m benchmarks.prof_step --model qwen3-30b-a3b-4l --contenders tree packed_fa4_varlen [--por 0.5]
-                                   [--paths 16] [--path-len 2048] [--iters 3] [--top 20]
+                                   [--paths 16] [--path-len 2048] [--agentic NAME [--agentic-scale S]]
+                                   [--iters 3] [--top 20]
 
 The model, tree and step closures are the harness's own (:class:`benchmarks.harness.Steps`, one synthetic
-tree of ``--paths`` x ``--path-len`` tokens at ``--por``).  Per contender: the first step (compile
-included), the median of ``--iters`` steps, the host time until the step returns (before the final
-synchronize), then one profiled step (torch.profiler, CPU + CUDA): kernel count, summed kernel time, its
-share of the step, and kernel time by kind (attention, grouped/MoE GEMMs, dense GEMMs, Triton fusions,
+tree of ``--paths`` x ``--path-len`` tokens at ``--por``, or the agentic tree ``--agentic``).  Per contender: the
+first step (compile included), the median of ``--iters`` steps, the host time until the step returns (before the
+final synchronize), then one profiled step (torch.profiler, CPU + CUDA): kernel count, summed kernel time, its
+share of the step, the time the GPU was busy (union of the kernels' intervals), and kernel time by kind
+(attention, Triton fusions, grouped/MoE GEMMs, GDN and short-conv kernels of hybrids, dense GEMMs,
 copies/memsets, other) with the top kernels.  One JSON line per contender, then a readable summary.
 """
 
@@ -30,6 +32,9 @@ KINDS = [
     ("attention", re.compile(r"flash|fmha|attn|attention|flex|sdpa|cudnn", re.I)),
     ("triton", re.compile(r"^triton_", re.I)),  # inductor's fusions (their names list the ops: _to_copy, cat, ...)
     ("grouped_gemm", re.compile(r"grouped|group_gemm|moe|ragged", re.I)),
+    # fla's GDN kernels (Triton; tilelang's are named "kernel_kernel") and the short conv's
+    ("gdn", re.compile(r"chunk_|gated_delta|delta_rule|wy_repr|recompute_w_u|l2norm|solve_tril|kkt|^kernel_kernel$")),
+    ("conv", re.compile(r"conv1d", re.I)),
     ("gemm", re.compile(r"gemm|nvjet|sm90_xmma|cutlass|cublas|matmul|wgmma", re.I)),
     ("copy/memset", re.compile(r"memcpy|memset|copy|cat_|fill", re.I)),
 ]
@@ -40,6 +45,17 @@ def kind_of(name: str) -> str:
         if pat.search(name):
             return kind
     return "other"
+
+
+def busy_ms(intervals) -> float:
+    """Milliseconds covered by the union of ``(start, end)`` intervals in microseconds (the time the GPU was busy)."""
+    busy, end = 0.0, None
+    for a, b in sorted(intervals):
+        if end is None or a > end:
+            busy, end = busy + (b - a), b
+        elif b > end:
+            busy, end = busy + (b - end), b
+    return busy / 1e3
 
 
 def _sync():
@@ -53,17 +69,19 @@ def profile_step(step) -> dict:
         step()
         _sync()
     by_name: dict[str, list] = defaultdict(lambda: [0.0, 0])
+    intervals = []
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             rec = by_name[e.name]
             rec[0] += e.device_time_total / 1e3 if hasattr(e, "device_time_total") else e.cuda_time_total / 1e3
             rec[1] += 1
+            intervals.append((e.time_range.start, e.time_range.end))
     kinds: dict[str, float] = defaultdict(float)
     for name, (ms, _) in by_name.items():
         kinds[kind_of(name)] += ms
     top = sorted(by_name.items(), key=lambda kv: -kv[1][0])
     return {"kernels": sum(n for _, n in by_name.values()), "kernel_ms": sum(ms for ms, _ in by_name.values()),
-            "by_kind_ms": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
+            "gpu_busy_ms": busy_ms(intervals), "by_kind_ms": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
             "top": [(name[:110], round(ms, 3), n) for name, (ms, n) in top]}
 
 
@@ -74,6 +92,8 @@ def main(argv=None) -> int:
     ap.add_argument("--por", type=float, default=0.5)
     ap.add_argument("--paths", type=int, default=16)
     ap.add_argument("--path-len", type=int, default=2048)
+    ap.add_argument("--agentic", default=None, metavar="NAME", help="an agentic tree (benchmarks/trees.py) instead")
+    ap.add_argument("--agentic-scale", type=float, default=1.0)
     ap.add_argument("--capacity", type=int, default=16384)
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--top", type=int, default=20)
@@ -84,7 +104,8 @@ def main(argv=None) -> int:
     dev = torch.device("cuda")
     model = spec.build(dev, torch.bfloat16)
     cfg = harness.BenchConfig(device="cuda", dtype="bfloat16", iters=args.iters, capacity=args.capacity)
-    case = harness.synthetic_cases([args.por], args.paths, args.path_len, spec.config.vocab_size)[0]
+    case = (harness.agentic_cases(args.agentic_scale, spec.config.vocab_size, [args.agentic])[0] if args.agentic
+            else harness.synthetic_cases([args.por], args.paths, args.path_len, spec.config.vocab_size)[0])
     steps = harness.Steps(model, spec, case, cfg, {})
     for name in args.contenders:
         made = steps.tree_step() if name == "tree" else getattr(steps, name)()
@@ -109,7 +130,8 @@ def main(argv=None) -> int:
         top = row.pop("top")
         print(json.dumps(row))
         print(f"# {name}: step {row['step_s'] * 1e3:.1f} ms, host {row['host_s'] * 1e3:.1f} ms, "
-              f"{row['kernels']} kernels {row['kernel_ms']:.1f} ms ({row['kernel_share']:.0%} of the step)")
+              f"{row['kernels']} kernels {row['kernel_ms']:.1f} ms ({row['kernel_share']:.0%} of the step), "
+              f"GPU busy {row['gpu_busy_ms']:.1f} ms")
         for kind, ms in row["by_kind_ms"].items():
             print(f"#   {kind:13s} {ms:8.2f} ms")
         for kname, ms, n in top[:args.top]:

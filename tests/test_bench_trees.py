@@ -262,3 +262,14 @@ def test_harness_tree_paths_names_the_bad_item():
     for bad in ("4x64", "4-64@0.5", "0x64@0.5"):
         with pytest.raises(ValueError, match=f"'{bad}': expected PATHSxLEN@POR"):
             harness_tree_paths(bad)
+
+
+def test_prof_step_busy_time_and_kinds():
+    """benchmarks.prof_step: the GPU's busy time is the union of kernel intervals; the hybrids' kernels get their kinds."""
+    from benchmarks.prof_step import busy_ms, kind_of
+
+    assert busy_ms([(30, 40), (0, 10), (5, 20), (12, 14)]) == 0.03 and busy_ms([]) == 0.0
+    assert [kind_of(n) for n in ("chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64", "kernel_kernel",
+                                 "causal_conv1d_bwd_kernel", "triton_poi_fused_mul_silu_2", "nvjet_sm90_tst_256x128",
+                                 "kernel_cutlass_kernel_flash_attncuteflash_bwd_sm90")] == \
+        ["gdn", "gdn", "conv", "triton", "gemm", "attention"]

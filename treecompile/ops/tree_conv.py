@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["tree_causal_conv1d", "chain_conv_index", "ACTIVATIONS", "check_conv_args", "conv_setup_context"]
+__all__ = ["tree_causal_conv1d", "chain_conv_index", "ACTIVATIONS", "check_conv_args", "conv_setup_context",
+           "silu_backward"]
 
 ACTIVATIONS = (None, "silu", "swish")
 
@@ -94,6 +95,12 @@ def _(x, weight, bias, conv_index, activation=None):
     return x.new_empty(x.shape)
 
 
+def silu_backward(grad: Tensor, pre: Tensor) -> Tensor:
+    """The gradient of ``silu(pre)``'s input: ``grad * silu'(pre)``, silu'(y) = s(y) (1 + y (1 - s(y)))."""
+    s = torch.sigmoid(pre)
+    return grad * s * (1 + pre * (1 - s))
+
+
 def conv_setup_context(ctx, inputs, output):
     """The autograd context of a tree conv op (this one and ``ops.fla_conv``'s): its tensors and activation."""
     x, weight, bias, conv_index, activation = inputs
@@ -108,9 +115,8 @@ def _backward(ctx, grad):
     xt = _rows(x, weight.dtype)
     dpre = _rows(grad, weight.dtype)  # [B, T, C]
     pre, cx = _preact(xt, weight, bias, conv_index)
-    if ctx.activation is not None:  # silu'(y) = s(y) (1 + y (1 - s(y)))
-        s = torch.sigmoid(pre)
-        dpre = dpre * s * (1 + pre * (1 - s))
+    if ctx.activation is not None:
+        dpre = silu_backward(dpre, pre)
     dw = torch.cat([(dpre[:, :, None, :] * cx).sum((0, 1)).T.flip(1), (dpre * xt).sum((0, 1))[:, None]], 1)
     dbias = dpre.sum((0, 1)).to(bias.dtype) if bias is not None else None
     w_ctx = weight[:, :K - 1].flip(1).T  # [K-1, C], row j multiplies the (j+1)-th preceding token

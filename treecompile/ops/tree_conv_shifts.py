@@ -34,7 +34,7 @@ from torch import Tensor
 
 from treecompile.ops.fla_gdn import to_device_async
 from treecompile.ops.last_batch import LastBatch
-from treecompile.ops.tree_conv import check_conv_args
+from treecompile.ops.tree_conv import check_conv_args, silu_backward
 
 __all__ = ["tree_causal_conv1d_shifts", "tree_conv_context_grad", "ContextExceptions", "context_exceptions",
            "prepare"]
@@ -108,11 +108,17 @@ def _context(xt: Tensor, conv_index: Tensor, j: int) -> Tensor:
     return torch.where((idx >= 0)[None, :, None], rows, rows.new_zeros(()))
 
 
-def _preact(xt: Tensor, weight: Tensor, bias: Optional[Tensor], conv_index: Tensor) -> Tensor:
+def _contexts(xt: Tensor, conv_index: Tensor) -> list[Tensor]:
+    """Column j of ``conv_index`` as rows of xt [B, T, C] (zero where -1), one tensor per column."""
+    return [_context(xt, conv_index, j) for j in range(conv_index.shape[1])]
+
+
+def _preact(xt: Tensor, weight: Tensor, bias: Optional[Tensor], ctxs: list[Tensor]) -> Tensor:
+    """``bias + w[:, K-1] xt + sum_j w[:, K-2-j] ctxs[j]`` (ctxs: :func:`_contexts`)."""
     K = weight.shape[1]
     y = xt * weight[:, K - 1]
-    for j in range(K - 1):
-        y = y + _context(xt, conv_index, j) * weight[:, K - 2 - j]
+    for j, c in enumerate(ctxs):
+        y = y + c * weight[:, K - 2 - j]
     return y + bias if bias is not None else y
 
 
@@ -121,7 +127,8 @@ class _TreeConvShifts(torch.autograd.Function):
     def forward(ctx, x, weight, bias, conv_index, activation):
         ctx.save_for_backward(x, weight, bias, conv_index)
         ctx.activation = activation
-        y = _preact(x.transpose(1, 2).to(weight.dtype), weight, bias, conv_index)
+        xt = x.transpose(1, 2).to(weight.dtype)
+        y = _preact(xt, weight, bias, _contexts(xt, conv_index))
         if activation is not None:
             y = F.silu(y)
         return y.to(x.dtype).transpose(1, 2)
@@ -132,17 +139,16 @@ class _TreeConvShifts(torch.autograd.Function):
         K, T = weight.shape[1], x.shape[2]
         xt = x.transpose(1, 2).to(weight.dtype)
         dpre = grad.transpose(1, 2).to(weight.dtype)  # [B, T, C]
-        if ctx.activation is not None:  # silu'(y) = s(y) (1 + y (1 - s(y)))
-            pre = _preact(xt, weight, bias, conv_index)
-            s = torch.sigmoid(pre)
-            dpre = dpre * s * (1 + pre * (1 - s))
+        ctxs = _contexts(xt, conv_index)  # gathered once: the pre-activation and the weight gradient read them
+        if ctx.activation is not None:
+            dpre = silu_backward(dpre, _preact(xt, weight, bias, ctxs))
         dx = dpre * weight[:, K - 1]
         cols = [None] * K
         cols[K - 1] = (dpre * xt).sum((0, 1))
         pos = torch.arange(T, device=conv_index.device)
         for j in range(K - 1):
             shift = j + 1
-            cols[K - 2 - j] = (dpre * _context(xt, conv_index, j)).sum((0, 1))
+            cols[K - 2 - j] = (dpre * ctxs[j]).sum((0, 1))
             # entries that are the shift send token t's gradient to t - shift
             is_shift = (conv_index[:, j] == pos - shift)[None, :, None]
             sent = torch.where(is_shift, dpre, dpre.new_zeros(())) * weight[:, K - 2 - j]
