@@ -10,8 +10,10 @@ H100 bf16 (session 9): op 9.2 ms compiled / 15.2 eager, cols 13.6 / 62.7 (RESULT
 With flash-linear-attention installed (CUDA) two more rows: ``fla`` is ``treecompile::tree_causal_conv1d_fla``
 (what ``lower_cuda`` runs with the fla GDN kernel: fla's varlen conv over the tree's chains, ops/fla_conv.py),
 ``fla_no_tree`` one fla conv over the same T tokens as one sequence (no tree: the floor).
-``shifts`` is ``ops.tree_conv_shifts`` (what a compiled CUDA graph runs since session 18), ``shifts_no_tree`` the
-same conv over the T tokens as one sequence as plain shifted products (inductor's floor).
+``shifts`` is ``ops.tree_conv_shifts`` (what a compiled CUDA graph runs: since session 19 its backward is the Triton
+kernels of ``ops.tree_conv_triton``), ``shifts_inductor`` the same with session 18's backward (inductor's shifted
+products), ``shifts_no_tree`` the same conv over the T tokens as one sequence as plain shifted products (inductor's
+floor for that math).
 
 Usage: python benchmarks/bench_tree_conv.py [--tiny] [--agentic NAME [--scale S]]
 (default: CUDA, bf16, C = 6144, 16 x 2,048 POR 0.5; ``--agentic parallel-tools``: that agentic tree at scale S)
@@ -67,6 +69,12 @@ def shifts(x, w, bias, ci):
     return tree_causal_conv1d_shifts(x, w, bias, ci, "silu")
 
 
+def shifts_inductor(x, w, bias, ci):
+    from treecompile.ops.tree_conv_shifts import tree_causal_conv1d_shifts_inductor
+
+    return tree_causal_conv1d_shifts_inductor(x, w, bias, ci, "silu")
+
+
 def shifts_no_tree(x, w, bias, ci):
     """The same conv over the T tokens as one sequence as K shifted products (what the packed baseline's
     ``reset_conv1d`` does, without its sequence-start masks): with torch.compile, inductor's floor."""
@@ -83,6 +91,8 @@ def main():
     ap.add_argument("--tiny", action="store_true", help="CPU, float64, 8 channels, 4 x 64 tokens, eager only")
     ap.add_argument("--agentic", metavar="NAME", help="an agentic tree (benchmarks/trees.py) instead of the synthetic one")
     ap.add_argument("--scale", type=float, default=1.5, help="the agentic tree's scale")
+    ap.add_argument("--only", help="comma-separated contenders (default: all)")
+    ap.add_argument("--profile", action="store_true", help="also print each contender's CUDA kernels (one step)")
     a = ap.parse_args()
     dev, dt, C, (n, L), modes = (("cpu", torch.float64, 8, (4, 64), ("eager",)) if a.tiny else
                                  ("cuda", torch.bfloat16, 6144, (16, 2048), ("eager", "compiled")))
@@ -101,15 +111,22 @@ def main():
     bias = torch.randn(C, device=dev, dtype=dt, requires_grad=True)
     g = torch.randn(1, T, C, device=dev, dtype=dt)
     res, outs = {"T": T, "C": C, "device": dev, "dtype": str(dt), "torch": torch.__version__}, {}
-    contenders = [("op", op), ("cols", cols), ("shifts", shifts), ("shifts_no_tree", shifts_no_tree)]
+    contenders = [("op", op), ("cols", cols), ("shifts", shifts), ("shifts_inductor", shifts_inductor),
+                  ("shifts_no_tree", shifts_no_tree)]
     if dev == "cuda":
         try:
             import fla.modules.causal_conv1d  # noqa: F401
             contenders += [("fla", fla_op), ("fla_no_tree", fla_no_tree)]
         except ImportError as e:
             print(f"fla rows skipped: {e}", flush=True)
+    if a.only:
+        contenders = [c for c in contenders if c[0] in a.only.split(",")]
+    if "op" not in {c[0] for c in contenders}:
+        contenders.append(("op", op))  # the reference of the rel diffs below
     for name, fn in contenders:
         for mode in modes:
+            if a.only and name not in a.only.split(",") and mode != "eager":
+                continue  # the reference, eagerly
             if name.startswith("fla") and mode == "compiled":
                 continue  # opaque kernels: compiling around them changes nothing
             f = torch.compile(fn, dynamic=False) if mode == "compiled" else fn
@@ -129,6 +146,11 @@ def main():
                 sync()
                 ts.append(time.perf_counter() - t0)
             res[f"{name} {mode} ms"] = round(sorted(ts)[5] * 1e3, 3)
+            if a.profile and dev == "cuda":
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                    step()
+                    sync()
+                print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=70))
             outs[f"{name} {mode}"] = [t.double() for t in r]
             print(name, mode, res[f"{name} {mode} ms"], "ms fwd+bwd", flush=True)
     ref = outs["op eager"]

@@ -105,8 +105,8 @@ else:  # run as a script: benchmarks/ is on sys.path
 
 BASELINES = ("eager_per_path", "compiled_per_path", "packed_flex", "compiled_per_path_fa4", "packed_fa4_varlen",
              "compiled_per_path_fla", "packed_fla_varlen", "packed_fla_varlen_conv")
-TREE_CONTENDERS = ("tree", "tree_heavy_first", "tree_fa4_varlen", "tree_fa4_flex", "tree_conv_fla", "tree_packed",
-                   "tree_rf")
+TREE_CONTENDERS = ("tree", "tree_heavy_first", "tree_fa4_varlen", "tree_fa4_flex", "tree_conv_fla",
+                   "tree_conv_shifts_inductor", "tree_packed", "tree_rf")
 CONTENDERS = BASELINES + TREE_CONTENDERS
 
 
@@ -607,6 +607,13 @@ class Steps:
         if self.dev.type != "cuda":
             raise _Skip("conv_kernel is a CUDA lowering option")
         return self.tree_step(conv="fla")
+
+    def tree_conv_shifts_inductor(self):
+        """``tree`` with ``conv_kernel="shifts_inductor"`` (the short conv's backward as inductor's shifted products,
+        not the Triton kernels: what a compiled graph ran in session 18; CUDA, models with GDN layers)."""
+        if self.dev.type != "cuda":
+            raise _Skip("conv_kernel is a CUDA lowering option")
+        return self.tree_step(conv="shifts_inductor")
 
     def tree_step(self, layout="dfs", kernel="auto", conv="auto"):
         tm = self._tree_model(layout=layout, kernel=kernel, conv=conv)

@@ -94,6 +94,12 @@ def test_gdn_lowered_to_fla_only_when_asked():
     low = tc_cuda.lower_cuda(tm.graph_module, CudaOptions(gdn_kernel="reference", conv_kernel="shifts",
                                                           compile_cuda=False))
     assert low.conv_shifts == 3  # asked for: also in an eager graph
+    from treecompile.ops import tree_conv_shifts
+
+    assert targets(low.graph_module).count(tree_conv_shifts.tree_causal_conv1d_shifts) == 3
+    low = tc_cuda.lower_cuda(tm.graph_module, CudaOptions(gdn_kernel="reference", conv_kernel="shifts_inductor"))
+    assert low.conv_shifts == 3  # the same forward, the backward inductor's
+    assert targets(low.graph_module).count(tree_conv_shifts.tree_causal_conv1d_shifts_inductor) == 3
     with pytest.raises(ValueError, match="conv_kernel"):
         CudaOptions(conv_kernel="triton")
     import treecompile.ops.fla_gdn as fla_gdn

@@ -4,6 +4,8 @@ float64 oracle."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -94,11 +96,88 @@ def test_empty():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_equals_torch_op_on_cuda(dtype):
-    """Compiled on CUDA vs the torch op: float32 to float32 rounding; bf16 no further from a float64 oracle than the
-    torch op in bf16 (x 2, that error floored at 1e-3 as in test_fla_conv)."""
-    check_cuda_error_bound(torch.compile(tree_conv_shifts.tree_causal_conv1d_shifts, fullgraph=True, dynamic=False),
-                           dtype)
+@pytest.mark.parametrize("fn", [tree_conv_shifts.tree_causal_conv1d_shifts,
+                                tree_conv_shifts.tree_causal_conv1d_shifts_inductor], ids=["triton", "inductor"])
+def test_equals_torch_op_on_cuda(dtype, fn):
+    """Compiled on CUDA vs the torch op (backward through the Triton kernels, and traced): float32 to float32
+    rounding; bf16 no further from a float64 oracle than the torch op in bf16 (x 2, that error floored at 1e-3 as in
+    test_fla_conv)."""
+    check_cuda_error_bound(torch.compile(fn, fullgraph=True, dynamic=False), dtype)
+
+
+_INTERPRETED = r"""
+import random, torch
+from treecompile.ops import tree_conv_shifts, tree_conv_triton
+from treecompile.ops.tree_conv import tree_causal_conv1d
+from treecompile.tree import Tree
+
+launched = []
+kernel = tree_conv_triton._backward_kernel
+class Counting:
+    def __getitem__(self, grid):
+        launched.append(grid)
+        return kernel[grid]
+tree_conv_triton._backward_kernel = Counting()
+
+rng = random.Random(0)
+def paths():
+    base = [rng.randrange(5) for _ in range(rng.randrange(1, 12))]
+    return [base[:rng.randrange(len(base) + 1)] + [rng.randrange(5) for _ in range(rng.randrange(1, 10))]
+            for _ in range(rng.randrange(1, 7))]
+
+worst = {"tree": 0.0, "any": 0.0, "bf16_dx": 0.0}
+for it in range(36):
+    K, B, C = rng.randint(1, 5), rng.randint(1, 2), rng.choice([3, 64, 130, 200])
+    if it % 3 == 2:  # any conv_index: a mix of shifts, other rows and -1
+        T = rng.randint(0, 40)
+        ci = torch.tensor([[t - j - 1 if rng.random() < 0.5 else rng.randint(-1, T - 1) for j in range(K - 1)]
+                           for t in range(T)], dtype=torch.long).reshape(T, K - 1)
+    else:
+        ci = Tree.from_paths(paths()).to_batch(conv_kernel=K, pad_to_multiple=rng.choice([1, 8])).conv_index
+    T = ci.shape[0]
+    x = torch.randn(B, T, C, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(C, K, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(C, dtype=torch.float64, requires_grad=True) if rng.random() < 0.5 else None
+    act = rng.choice(["silu", None])
+    g = torch.randn(B, C, T, dtype=torch.float64)
+    params = [p for p in (x, w, b) if p is not None]
+    want = torch.autograd.grad(tree_causal_conv1d(x.transpose(1, 2), w, b, ci, act), params, g)
+    got = torch.autograd.grad(tree_conv_shifts.tree_causal_conv1d_shifts(x.transpose(1, 2), w, b, ci, act), params, g)
+    for q, r in zip(got, want):
+        worst["any" if it % 3 == 2 else "tree"] = max(worst["any" if it % 3 == 2 else "tree"],
+                                                    float((q - r).norm() / max(float(r.norm()), 1e-300)))
+assert launched, "the Triton backward did not run"
+
+# bf16: 64 children read the same parent rows; each source's sum is float32 and rounded once with the rest of dx
+ci = Tree.from_paths([[1, 2, 3, 4] + [10 + i, 99] for i in range(64)]).to_batch(conv_kernel=4).conv_index
+x, g = torch.randn(1, ci.shape[0], 8), torch.randn(1, ci.shape[0], 8)
+w, b = torch.randn(8, 4), torch.randn(8)
+bf = [t.to(torch.bfloat16) for t in (g, x, w, b)]
+dx = tree_conv_triton.tree_conv_shifts_backward(*bf, ci, True)[0]
+dx64 = tree_conv_triton.tree_conv_shifts_backward(*(t.double() for t in bf), ci, True)[0]
+ulp = torch.exp2(torch.floor(torch.log2(dx64.abs().clamp(min=1e-30))) - 7)  # bf16's spacing at dx64
+worst["bf16_dx"] = float(((dx.double() - dx64).abs() / (ulp + 1e-5 * dx64.abs().max())).max())
+torch.library.opcheck(tree_conv_triton.tree_conv_shifts_backward, (g.double(), x.double(), w.double(), None, ci, True))
+print(repr(worst))
+"""
+
+
+@pytest.mark.skipif(not tree_conv_shifts.tree_conv_triton.available(), reason="triton is not importable")
+def test_triton_backward_in_interpreter_equals_torch_op():
+    """The Triton backward (kernels run by Triton's CPU interpreter) through the autograd of
+    ``tree_causal_conv1d_shifts``, float64, against the torch op: random trees (K 1-5, padding, batch rows,
+    channels not a multiple of the block) and any conv_index, to float64 rounding; in bf16 each dx element is
+    rounded once: within one bf16 ulp of the float64 result from the same bf16 inputs (the interpreter truncates
+    where the GPU rounds to nearest; rounding the sources' sums first would add another ulp)."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    res = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    worst = eval(res.stdout.strip().splitlines()[-1], {})  # a dict of floats printed by the script above
+    assert worst["tree"] < 1e-12 and worst["any"] < 1e-12, worst
+    assert worst["bf16_dx"] <= 1, worst
 
 
 def test_exceptions_made_once_per_batch_under_torch_compile(monkeypatch):
@@ -152,7 +231,7 @@ def test_conv_kernel_is_a_run_option_of_compile_and_load(tmp_path):
     tm = cached_compile(cached_model("hybrid-tiny-float32", make), conv_kernel="fla")
     assert tm.program.options.conv_kernel == "fla"
     saved.save(tm, tmp_path / "p")
-    for kernel in ("shifts", "reference"):
+    for kernel in ("shifts", "shifts_inductor", "reference"):
         assert saved.load(tmp_path / "p", conv_kernel=kernel).program.options.conv_kernel == kernel
     with pytest.raises(ValueError, match="conv_kernel: expected one of"):
         saved.load(tmp_path / "p", conv_kernel="triton")

@@ -268,9 +268,11 @@ def compile(model=None, *, disable: tuple[str, ...] = (), debug: bool = False,  
         boundary: build the partition graph that takes and returns a partition's boundary tensors,
             for ``treecompile.runtime.redundancy_free``.
         gdn_kernel: ``"auto"``, ``"fla"`` or ``"reference"``: the Gated DeltaNet kernel on CUDA.
-        conv_kernel: ``"auto"``, ``"shifts"``, ``"fla"`` or ``"reference"``: the tree's short convolution (GDN
-            layers) on CUDA.  ``"shifts"``: shifted products that inductor fuses, the backward's few non-shift
-            context entries through one ``index_add`` (``ops.tree_conv_shifts``); ``"fla"``: fla's varlen conv over
+        conv_kernel: ``"auto"``, ``"shifts"``, ``"shifts_inductor"``, ``"fla"`` or ``"reference"``: the tree's
+            short convolution (GDN layers) on CUDA.  ``"shifts"``: a forward of shifted products that inductor
+            fuses, the backward as Triton kernels (``ops.tree_conv_shifts``, ``ops.tree_conv_triton``);
+            ``"shifts_inductor"``: the same forward, the backward as shifted products inductor fuses, the few
+            non-shift context entries through one ``index_add``; ``"fla"``: fla's varlen conv over
             the tree's chains (float32/half inputs); ``"auto"``: ``"shifts"`` in a compiled graph, else ``"fla"``
             where the GDN kernel is fla, else the reference op.
         attention_kernel: ``"auto"``, ``"fa4"``, ``"flex"`` or ``"fa4_varlen"``: the tree attention kernel on

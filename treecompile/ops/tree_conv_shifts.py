@@ -32,11 +32,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from treecompile.ops import tree_conv_triton
 from treecompile.ops.fla_gdn import to_device_async
 from treecompile.ops.last_batch import LastBatch
 from treecompile.ops.tree_conv import check_conv_args, silu_backward
 
-__all__ = ["tree_causal_conv1d_shifts", "tree_conv_context_grad", "ContextExceptions", "context_exceptions",
+__all__ = ["tree_causal_conv1d_shifts", "tree_causal_conv1d_shifts_inductor", "tree_conv_context_grad", "ContextExceptions", "context_exceptions",
            "prepare"]
 
 
@@ -48,6 +49,13 @@ class ContextExceptions:
     column: Tensor  # [E] j: the entry's column (offset j + 1, weight column K-2-j)
     slot: Tensor  # [E] the row it reads, conv_index[t, j], as its place in ``sources``
     sources: Tensor  # [U] the distinct rows read, increasing
+    # the same entries grouped by the row they read (for ``ops.tree_conv_triton``): source u's entries are
+    # ``source_ptr[u]:source_ptr[u+1]`` of ``source_token``/``source_column``; ``source_slot [T]`` is u at row
+    # ``sources[u]``, -1 at rows no exception reads
+    source_ptr: Tensor  # [U + 1]
+    source_token: Tensor  # [E]
+    source_column: Tensor  # [E]
+    source_slot: Tensor  # [T]
 
 
 def context_exceptions(conv_index: Tensor) -> ContextExceptions:
@@ -57,8 +65,15 @@ def context_exceptions(conv_index: Tensor) -> ContextExceptions:
     shift = torch.arange(T)[:, None] - torch.arange(1, k1 + 1)[None, :]
     token, column = ((ci >= 0) & (ci != shift)).nonzero(as_tuple=True)
     sources, slot = torch.unique(ci[token, column], return_inverse=True)
+    slot = slot.reshape(-1)
+    order = torch.argsort(slot, stable=True)
+    ptr = torch.zeros(sources.numel() + 1, dtype=torch.long)
+    ptr[1:] = torch.bincount(slot, minlength=sources.numel()).cumsum(0)
+    source_slot = torch.full((T,), -1, dtype=torch.long)
+    source_slot[sources] = torch.arange(sources.numel())
     dev = conv_index.device
-    return ContextExceptions(*(to_device_async(t, dev) for t in (token, column, slot.reshape(-1), sources)))
+    return ContextExceptions(*(to_device_async(t, dev) for t in (token, column, slot, sources, ptr, token[order],
+                                                                column[order], source_slot)))
 
 
 _EXCEPTIONS = LastBatch()  # the exceptions of the last batch's conv_index
@@ -124,9 +139,10 @@ def _preact(xt: Tensor, weight: Tensor, bias: Optional[Tensor], ctxs: list[Tenso
 
 class _TreeConvShifts(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, conv_index, activation):
+    def forward(ctx, x, weight, bias, conv_index, activation, triton_backward):
         ctx.save_for_backward(x, weight, bias, conv_index)
         ctx.activation = activation
+        ctx.triton_backward = triton_backward
         xt = x.transpose(1, 2).to(weight.dtype)
         y = _preact(xt, weight, bias, _contexts(xt, conv_index))
         if activation is not None:
@@ -136,6 +152,10 @@ class _TreeConvShifts(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight, bias, conv_index = ctx.saved_tensors
+        if ctx.triton_backward and tree_conv_triton.usable(x):
+            dx, dw, dbias = tree_conv_triton.tree_conv_shifts_backward(
+                grad.transpose(1, 2), x.transpose(1, 2), weight, bias, conv_index, ctx.activation is not None)
+            return dx.transpose(1, 2), dw, dbias if bias is not None else None, None, None, None
         K, T = weight.shape[1], x.shape[2]
         xt = x.transpose(1, 2).to(weight.dtype)
         dpre = grad.transpose(1, 2).to(weight.dtype)  # [B, T, C]
@@ -156,12 +176,22 @@ class _TreeConvShifts(torch.autograd.Function):
         dx = dx + tree_conv_context_grad(dpre, weight, conv_index)
         dw = torch.stack(cols, 1)
         dbias = dpre.sum((0, 1)).to(bias.dtype) if bias is not None else None
-        return dx.to(x.dtype).transpose(1, 2), dw, dbias, None, None
+        return dx.to(x.dtype).transpose(1, 2), dw, dbias, None, None, None
 
 
 def tree_causal_conv1d_shifts(x: Tensor, weight: Tensor, bias: Optional[Tensor], conv_index: Tensor,
                               activation: Optional[str] = None) -> Tensor:
     """``treecompile::tree_causal_conv1d`` (``x [B, C, T]``, ``weight [C, K]``, ``conv_index [T, K-1]``) as
-    shifted products (module docstring); returns ``[B, C, T]`` as the transpose of a ``[B, T, C]``."""
+    shifted products (module docstring); returns ``[B, C, T]`` as the transpose of a ``[B, T, C]``.  Its backward
+    is ``treecompile::tree_conv_shifts_backward`` (``ops.tree_conv_triton``) where Triton runs, else the traced
+    shifted products of :func:`tree_causal_conv1d_shifts_inductor`."""
     check_conv_args(x, weight, bias, conv_index, activation)
-    return _TreeConvShifts.apply(x, weight, bias, conv_index, activation)
+    return _TreeConvShifts.apply(x, weight, bias, conv_index, activation, True)
+
+
+def tree_causal_conv1d_shifts_inductor(x: Tensor, weight: Tensor, bias: Optional[Tensor], conv_index: Tensor,
+                                       activation: Optional[str] = None) -> Tensor:
+    """:func:`tree_causal_conv1d_shifts` with the backward traced as shifted products that inductor fuses (session
+    18's; ``conv_kernel="shifts_inductor"``)."""
+    check_conv_args(x, weight, bias, conv_index, activation)
+    return _TreeConvShifts.apply(x, weight, bias, conv_index, activation, False)

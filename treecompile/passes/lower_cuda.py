@@ -25,9 +25,10 @@ is lowered to flash-linear-attention's varlen kernel when the resolved ``gdn_ker
 it, in a graph that runs eagerly, the layer's short convolution ``treecompile::tree_causal_conv1d`` becomes
 ``treecompile::tree_causal_conv1d_fla`` (fla's varlen ``causal_conv1d`` over the tree's chains,
 ``ops.fla_conv``; float32 and half precision inputs: fla's kernels do not take float64).  In a compiled graph
-the conv becomes ``ops.tree_conv_shifts.tree_causal_conv1d_shifts`` whatever the GDN kernel (shifted products
-inductor fuses with the conv's neighbours, no host work per call; on an H100 the hybrid step on an agentic tree ran
-11.5 % faster than with fla's conv, a GPU-bound 32k synthetic one 2 % slower: benchmarks/RESULTS.md, Session 18):
+the conv becomes ``ops.tree_conv_shifts.tree_causal_conv1d_shifts`` whatever the GDN kernel (a forward of shifted
+products inductor fuses with the conv's neighbours, no host work per call, the backward as Triton kernels,
+``ops.tree_conv_triton``; with session 18's inductor-made backward the hybrid step on an agentic tree ran 11.5 %
+faster than with fla's conv on an H100, a GPU-bound 32k synthetic one 2 % slower: benchmarks/RESULTS.md):
 ``conv_kernel`` (:data:`CONV_KERNELS`).
 The fused head ``treecompile::linear_logprobs`` of a half-precision model becomes
 ``treecompile::linear_logprobs_triton`` (same arguments; Triton row kernels) when triton imports: the
@@ -81,7 +82,7 @@ from treecompile.ops.fa4_tree_attention import (FA4_HEAD_DIMS, FA4_KERNEL_OPTION
                                                 fa4_unusable_reason, tree_attention_fa4)
 from treecompile.ops.flex_tree_attention import kernel_options_for, tree_attention_flex, tree_block_mask
 from treecompile.ops.varlen_tree_attention import tree_attention_varlen
-from treecompile.ops.tree_conv_shifts import tree_causal_conv1d_shifts
+from treecompile.ops.tree_conv_shifts import tree_causal_conv1d_shifts, tree_causal_conv1d_shifts_inductor
 from treecompile.ops.flex_tree_attention_boundary import boundary_block_mask, tree_attention_boundary_flex
 from treecompile.ops.tree_layout import heavy_first_order, permuted_subtree_end, reordered_attention
 from treecompile.passes.token_axis import same
@@ -118,11 +119,13 @@ ATTENTION_KERNELS = ("auto", "fa4", "flex", "fa4_varlen")
 # tree with children visited largest subtree first, ops/tree_layout.py: q/k/v gathered in, the output
 # gathered back; far fewer partial tiles on deep agentic trees).
 ATTENTION_LAYOUTS = ("dfs", "heavy_first")
-# The tree's short convolution on CUDA: "shifts" (ops.tree_conv_shifts: shifted products inductor fuses, the
-# backward's few non-shift entries through one index_add), "fla" (fla's varlen conv over the tree's chains,
-# ops.fla_conv; float32/half inputs, else the reference), "reference" (the registered op), "auto" ("shifts" in a
-# compiled graph; in an eager one "fla" where the GDN kernel is fla, else the reference).
-CONV_KERNELS = ("auto", "shifts", "fla", "reference")
+# The tree's short convolution on CUDA: "shifts" (ops.tree_conv_shifts: a forward of shifted products inductor
+# fuses, the backward as Triton kernels, ops.tree_conv_triton), "shifts_inductor" (the same forward, the backward
+# as shifted products inductor fuses, the few non-shift entries through one index_add: session 18's), "fla"
+# (fla's varlen conv over the tree's chains, ops.fla_conv; float32/half inputs, else the reference), "reference"
+# (the registered op), "auto" ("shifts" in a compiled graph; in an eager one "fla" where the GDN kernel is fla,
+# else the reference).
+CONV_KERNELS = ("auto", "shifts", "shifts_inductor", "fla", "reference")
 
 
 @dataclass(frozen=True)
@@ -212,7 +215,7 @@ def resolve_gdn_kernel(requested: str) -> str:
 
 
 def resolve_conv_kernel(requested: str, gdn_kernel: str, compiled: bool) -> str:
-    """``"shifts"``, ``"fla"`` or ``"reference"`` for the tree conv (:data:`CONV_KERNELS`; ``gdn_kernel`` resolved).
+    """``"shifts"``, ``"shifts_inductor"``, ``"fla"`` or ``"reference"`` for the tree conv (:data:`CONV_KERNELS`; ``gdn_kernel`` resolved).
     ``"fla"`` asked for where flash-linear-attention does not import raises naming the reason."""
     if requested == "auto":
         return "shifts" if compiled else ("fla" if gdn_kernel == "fla" else "reference")
@@ -463,8 +466,9 @@ def lower_cuda(gm: fx.GraphModule, options: CudaOptions, *, boundary: bool = Fal
         elif n.op == "call_function" and n.target == TREE_GDN and gdn_kernel == "fla":
             _replace(graph, n, _gdn_fla, n.args, {**n.kwargs, **gdn_kwargs})
             gdn_fla += 1
-        elif n.op == "call_function" and n.target == TREE_CONV and conv_kernel == "shifts":
-            _replace(graph, n, tree_causal_conv1d_shifts, n.args, n.kwargs)
+        elif n.op == "call_function" and n.target == TREE_CONV and conv_kernel in ("shifts", "shifts_inductor"):
+            _replace(graph, n, tree_causal_conv1d_shifts if conv_kernel == "shifts" else
+                     tree_causal_conv1d_shifts_inductor, n.args, n.kwargs)
             conv_shifts += 1
         elif (n.op == "call_function" and n.target == TREE_CONV and conv_kernel == "fla"
               and all(a.meta["val"].dtype in FLA_CONV_DTYPES for a in n.args[:2])):  # x and weight
