@@ -112,12 +112,12 @@ from treecompile.ops.tree_conv import tree_causal_conv1d
 from treecompile.tree import Tree
 
 launched = []
-kernel = tree_conv_triton._backward_kernel
+kernel = tree_conv_triton._dx_kernel
 class Counting:
     def __getitem__(self, grid):
         launched.append(grid)
         return kernel[grid]
-tree_conv_triton._backward_kernel = Counting()
+tree_conv_triton._dx_kernel = Counting()
 
 rng = random.Random(0)
 def paths():

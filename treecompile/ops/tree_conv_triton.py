@@ -1,4 +1,4 @@
-"""``treecompile::tree_conv_shifts_backward``: the tree short conv's backward as two Triton kernels.
+"""``treecompile::tree_conv_shifts_backward``: the tree short conv's backward as three Triton kernels.
 
 The backward of :func:`treecompile.ops.tree_conv_shifts.tree_causal_conv1d_shifts` (same math, same result):
 ``y[t] = act(bias + w[:, K-1] x[t] + sum_j w[:, K-2-j] x[conv_index[t, j]])``, so with ``dpre = dy * act'``
@@ -7,11 +7,16 @@ The backward of :func:`treecompile.ops.tree_conv_shifts.tree_causal_conv1d_shift
   s = 1..K-1) ``+ sum over the exceptions e reading t of dpre[token_e] w[:, K-2-col_e]``;
 * ``dw[:, K-1] = sum_t dpre[t] x[t]``, ``dw[:, K-2-j] = sum_t dpre[t] x[conv_index[t, j]]``, ``dbias = sum_t dpre``.
 
-``_exceptions_kernel`` sums, per source row of the exceptions (``ops.tree_conv_shifts.ContextExceptions``, made on
-the host once per batch), what its entries send it, in float32 (float64 stays); ``_backward_kernel`` walks each
-program's chunk of rows once: it recomputes ``dpre`` at the rows and at the K-1 rows after them (the shift
-entries' senders: cache hits, no ``dpre`` tensor is written), writes ``dx`` (the exceptions' sums added before the
-one rounding) and the chunk's float32 partial sums of ``dw`` and ``dbias``, which one ``sum`` reduces.
+Three kernels, each walking a chunk of ``CHUNK_T`` rows x ``BLOCK_C`` channels per program:
+
+1. ``_dpre_kernel``: ``dpre`` (the pre-activation recomputed from x and its gathered context), written once in
+   float32 (float64 for float64 inputs), with the chunk's partial sums of ``dbias`` and ``dw[:, K-1]``;
+2. ``_exceptions_kernel``: per source row of the exceptions (``ops.tree_conv_shifts.ContextExceptions``, made on the
+   host once per batch), the sum of what its entries send it, and their ``dw`` terms;
+3. ``_dx_kernel``: ``dx`` from ``dpre`` read at the row and at the K-1 rows after it (contiguous rows, no gather),
+   the exceptions' sums added before the one rounding, and the shift entries' ``dw`` terms from the same products.
+
+The ``dw``/``dbias`` partial sums (one ``[K, C]`` row per program) are reduced by one ``sum``.
 
 Why a kernel of our own: inductor's code for the same math (the session-18 backward, still
 ``tree_causal_conv1d_shifts_inductor``) recomputes the pre-activation gradient at every shifted position and
@@ -40,6 +45,7 @@ BLOCK_T = 32  # rows per step of a program's walk
 BLOCK_C = 128  # channels per program (256 bytes of bf16: whole sectors)
 CHUNK_T = 256  # rows per program: its dw/dbias partial sums are one [K, C] row of a [chunks, K, C] tensor
 BLOCK_E = 16  # exception entries per step of _exceptions_kernel
+SOURCES = 16  # exception sources per program of _exceptions_kernel (one dw partial each)
 
 
 def available() -> bool:
@@ -58,110 +64,122 @@ def usable(t: Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _preact_dpre(x_b, g_b, w_ptr, bias_ptr, ci_ptr, rows, rmask, cols, cmask, sxt, sxc, sgt, sgc, swc, swk,
-                     K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, ACC: tl.constexpr):
-        """``dpre`` [BT, BC] at ``rows`` (zero where ``rmask`` is off): the pre-activation recomputed from x."""
-        m2 = rmask[:, None] & cmask[None, :]
-        rows64 = rows.to(tl.int64)
-        xr = tl.load(x_b + rows64[:, None] * sxt + cols[None, :] * sxc, mask=m2, other=0.0).to(ACC)
-        w_last = tl.load(w_ptr + cols * swc + (K - 1) * swk, mask=cmask, other=0.0).to(ACC)
-        pre = xr * w_last[None, :]
-        for j in tl.static_range(K - 1):
-            idx = tl.load(ci_ptr + rows64 * (K - 1) + j, mask=rmask, other=-1)
-            ok = idx >= 0
-            xc = tl.load(x_b + idx[:, None] * sxt + cols[None, :] * sxc, mask=ok[:, None] & cmask[None, :],
-                         other=0.0).to(ACC)
-            wj = tl.load(w_ptr + cols * swc + (K - 2 - j) * swk, mask=cmask, other=0.0).to(ACC)
-            pre += xc * wj[None, :]
-        if HAS_BIAS:
-            pre += tl.load(bias_ptr + cols, mask=cmask, other=0.0).to(ACC)[None, :]
-        d = tl.load(g_b + rows64[:, None] * sgt + cols[None, :] * sgc, mask=m2, other=0.0).to(ACC)
-        if SILU:
-            s = 1.0 / (1.0 + tl.exp(-pre))
-            d = d * s * (1.0 + pre * (1.0 - s))
-        return d
-
-    @triton.jit
-    def _exceptions_kernel(x_ptr, g_ptr, w_ptr, bias_ptr, ci_ptr, ptr_ptr, tok_ptr, col_ptr, out_ptr, T, C, U,
-                           sxb, sxt, sxc, sgb, sgt, sgc, swc, swk,
-                           K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, ACC: tl.constexpr,
-                           BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr):
-        """out[b, u, c] = sum over the exceptions e of source u of dpre[token_e] w[c, K-2-col_e] (ACC dtype)."""
-        u = tl.program_id(0)
-        b = tl.program_id(2).to(tl.int64)
-        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-        cmask = cols < C
-        e0 = tl.load(ptr_ptr + u)
-        e1 = tl.load(ptr_ptr + u + 1)
-        acc = tl.zeros((BLOCK_C,), ACC)
-        for start in range(e0, e1, BLOCK_E):
-            es = start + tl.arange(0, BLOCK_E)
-            emask = es < e1
-            tok = tl.load(tok_ptr + es, mask=emask, other=0)
-            col = tl.load(col_ptr + es, mask=emask, other=0)
-            d = _preact_dpre(x_ptr + b * sxb, g_ptr + b * sgb, w_ptr, bias_ptr, ci_ptr, tok, emask, cols, cmask,
-                             sxt, sxc, sgt, sgc, swc, swk, K, HAS_BIAS, SILU, ACC)
-            wv = tl.load(w_ptr + cols[None, :] * swc + (K - 2 - col)[:, None] * swk,
-                         mask=emask[:, None] & cmask[None, :], other=0.0).to(ACC)
-            acc += tl.sum(d * wv, axis=0)
-        tl.store(out_ptr + (b * U + u) * C + cols, acc, mask=cmask)
-
-    @triton.jit
-    def _backward_kernel(x_ptr, g_ptr, w_ptr, bias_ptr, ci_ptr, slot_ptr, exc_ptr, dx_ptr, dwp_ptr, dbp_ptr,
-                         T, C, U, n_chunks, sxb, sxt, sxc, sgb, sgt, sgc, swc, swk,
-                         K: tl.constexpr, KP: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
-                         HAS_EXC: tl.constexpr, ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-                         CHUNK_T: tl.constexpr):
-        """dx over rows [chunk * CHUNK_T, +CHUNK_T) x one BLOCK_C of channels, and that chunk's dw/dbias partials."""
+    def _dpre_kernel(x_ptr, g_ptr, w_ptr, bias_ptr, ci_ptr, dpre_ptr, dwp_ptr, dbp_ptr, T, C, n_chunks,
+                     sxb, sxt, sxc, sgb, sgt, sgc, swc, swk,
+                     K: tl.constexpr, KP: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+                     ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, CHUNK_T: tl.constexpr):
+        """dpre = dy act'(pre) over rows [chunk * CHUNK_T, +CHUNK_T) x BLOCK_C channels (the pre-activation
+        recomputed from x and its gathered context), written in ACC; the chunk's partial sums of dbias and of
+        dw[:, K-1] (dpre x: the row's own tap)."""
         cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
         chunk = tl.program_id(1)
         b = tl.program_id(2).to(tl.int64)
         cmask = cols < C
         x_b = x_ptr + b * sxb
         g_b = g_ptr + b * sgb
-        ks = tl.arange(0, KP)
-        dw = tl.zeros((KP, BLOCK_C), ACC)
+        w_last = tl.load(w_ptr + cols * swc + (K - 1) * swk, mask=cmask, other=0.0).to(ACC)
+        bias = tl.load(bias_ptr + cols, mask=cmask & HAS_BIAS, other=0.0).to(ACC)
+        dw_own = tl.zeros((BLOCK_C,), ACC)
         db = tl.zeros((BLOCK_C,), ACC)
         for t0 in range(chunk * CHUNK_T, tl.minimum(chunk * CHUNK_T + CHUNK_T, T), BLOCK_T):
-            rows = t0 + tl.arange(0, BLOCK_T)
+            rows = (t0 + tl.arange(0, BLOCK_T)).to(tl.int64)
             rmask = rows < T
-            rows64 = rows.to(tl.int64)
             m2 = rmask[:, None] & cmask[None, :]
-            d = _preact_dpre(x_b, g_b, w_ptr, bias_ptr, ci_ptr, rows, rmask, cols, cmask, sxt, sxc, sgt, sgc,
-                             swc, swk, K, HAS_BIAS, SILU, ACC)
-            # weight and bias gradients: dpre times what multiplied each weight column
-            xr = tl.load(x_b + rows64[:, None] * sxt + cols[None, :] * sxc, mask=m2, other=0.0).to(ACC)
-            dw += tl.where(ks[:, None] == K - 1, tl.sum(d * xr, axis=0)[None, :], 0.0)
+            xr = tl.load(x_b + rows[:, None] * sxt + cols[None, :] * sxc, mask=m2, other=0.0).to(ACC)
+            pre = xr * w_last[None, :] + bias[None, :]
             for j in tl.static_range(K - 1):
-                idx = tl.load(ci_ptr + rows64 * (K - 1) + j, mask=rmask, other=-1)
-                ok = idx >= 0
-                xc = tl.load(x_b + idx[:, None] * sxt + cols[None, :] * sxc, mask=ok[:, None] & cmask[None, :],
-                             other=0.0).to(ACC)
-                dw += tl.where(ks[:, None] == K - 2 - j, tl.sum(d * xc, axis=0)[None, :], 0.0)
+                idx = tl.load(ci_ptr + rows * (K - 1) + j, mask=rmask, other=-1)
+                xc = tl.load(x_b + idx[:, None] * sxt + cols[None, :] * sxc,
+                             mask=(idx >= 0)[:, None] & cmask[None, :], other=0.0).to(ACC)
+                wj = tl.load(w_ptr + cols * swc + (K - 2 - j) * swk, mask=cmask, other=0.0).to(ACC)
+                pre += xc * wj[None, :]
+            d = tl.load(g_b + rows[:, None] * sgt + cols[None, :] * sgc, mask=m2, other=0.0).to(ACC)
+            if SILU:
+                sig = 1.0 / (1.0 + tl.exp(-pre))
+                d = d * sig * (1.0 + pre * (1.0 - sig))
+            tl.store(dpre_ptr + (b * T + rows)[:, None] * C + cols[None, :], d, mask=m2)
+            dw_own += tl.sum(d * xr, axis=0)
             db += tl.sum(d, axis=0)
-            # input gradient: the row's own tap, then the shift entries of the K-1 rows after it
-            w_last = tl.load(w_ptr + cols * swc + (K - 1) * swk, mask=cmask, other=0.0).to(ACC)
-            dx = d * w_last[None, :]
+        part = b * n_chunks + chunk
+        tl.store(dwp_ptr + (part * KP + K - 1) * C + cols, dw_own, mask=cmask)
+        tl.store(dbp_ptr + part * C + cols, db, mask=cmask)
+
+    @triton.jit
+    def _exceptions_kernel(x_ptr, dpre_ptr, w_ptr, ptr_ptr, src_ptr, tok_ptr, col_ptr, out_ptr, dwp_ptr, T, C, U,
+                           part0, n_parts, sxb, sxt, sxc, swc, swk,
+                           K: tl.constexpr, KP: tl.constexpr, ACC: tl.constexpr, BLOCK_E: tl.constexpr,
+                           BLOCK_C: tl.constexpr, SOURCES: tl.constexpr):
+        """For sources [pid1 * SOURCES, +SOURCES) of the exceptions table: out[b, u] = sum over source u's entries
+        e of dpre[token_e] w[:, K-2-col_e] (ACC), and the partial sums of dw[:, K-2-col_e] += dpre[token_e]
+        x[sources[u]] over those entries (one [KP, BLOCK_C] partial per program, part0 + b * n_parts + pid1)."""
+        cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+        cmask = cols < C
+        u0 = tl.program_id(1) * SOURCES
+        b = tl.program_id(2).to(tl.int64)
+        ks = tl.arange(0, KP)
+        dw = tl.zeros((KP, BLOCK_C), ACC)
+        for u in range(u0, tl.minimum(u0 + SOURCES, U)):
+            e0 = tl.load(ptr_ptr + u)
+            e1 = tl.load(ptr_ptr + u + 1)
+            src = tl.load(src_ptr + u)
+            xs = tl.load(x_ptr + b * sxb + src * sxt + cols * sxc, mask=cmask, other=0.0).to(ACC)
+            acc = tl.zeros((BLOCK_C,), ACC)
+            for start in range(e0, e1, BLOCK_E):
+                es = start + tl.arange(0, BLOCK_E)
+                emask = es < e1
+                tok = tl.load(tok_ptr + es, mask=emask, other=0)
+                col = tl.load(col_ptr + es, mask=emask, other=0)
+                m2 = emask[:, None] & cmask[None, :]
+                d = tl.load(dpre_ptr + (b * T + tok)[:, None] * C + cols[None, :], mask=m2, other=0.0)
+                wv = tl.load(w_ptr + cols[None, :] * swc + (K - 2 - col)[:, None] * swk, mask=m2, other=0.0).to(ACC)
+                acc += tl.sum(d * wv, axis=0)
+                # dw[:, K-2-col] += d x[src]: scatter each entry's product into its column's row of dw
+                prod = d * xs[None, :]
+                for k in tl.static_range(K - 1):
+                    dw += tl.where(ks[:, None] == k, tl.sum(tl.where((K - 2 - col == k)[:, None], prod, 0.0),
+                                                            axis=0)[None, :], 0.0)
+            tl.store(out_ptr + (b * U + u) * C + cols, acc, mask=cmask)
+        part = part0 + b * n_parts + tl.program_id(1)
+        tl.store(dwp_ptr + (part * KP + ks[:, None]) * C + cols[None, :], dw, mask=(ks[:, None] < K) & cmask[None, :])
+
+    @triton.jit
+    def _dx_kernel(x_ptr, dpre_ptr, w_ptr, ci_ptr, slot_ptr, exc_ptr, dx_ptr, dwp_ptr, T, C, U, n_chunks,
+                   sxb, sxt, sxc, swc, swk,
+                   K: tl.constexpr, KP: tl.constexpr, HAS_EXC: tl.constexpr, ACC: tl.constexpr,
+                   BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, CHUNK_T: tl.constexpr):
+        """dx over rows [chunk * CHUNK_T, +CHUNK_T) x BLOCK_C channels: the row's own tap, the shift entries of
+        the K-1 rows after it (dpre read at t + s where conv_index[t + s, s - 1] == t) and the exceptions' sums;
+        with the same products the chunk's partial sums of dw[:, K-1-s] over the shift entries."""
+        cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+        chunk = tl.program_id(1)
+        b = tl.program_id(2).to(tl.int64)
+        cmask = cols < C
+        ks = tl.arange(0, KP)
+        d_b = dpre_ptr + b * T * C
+        dw = tl.zeros((KP, BLOCK_C), ACC)
+        w_last = tl.load(w_ptr + cols * swc + (K - 1) * swk, mask=cmask, other=0.0).to(ACC)
+        for t0 in range(chunk * CHUNK_T, tl.minimum(chunk * CHUNK_T + CHUNK_T, T), BLOCK_T):
+            rows = (t0 + tl.arange(0, BLOCK_T)).to(tl.int64)
+            rmask = rows < T
+            m2 = rmask[:, None] & cmask[None, :]
+            dx = tl.load(d_b + rows[:, None] * C + cols[None, :], mask=m2, other=0.0) * w_last[None, :]
+            xr = tl.load(x_ptr + b * sxb + rows[:, None] * sxt + cols[None, :] * sxc, mask=m2, other=0.0).to(ACC)
             for s in tl.static_range(1, K):
                 src = rows + s
-                smask = rmask & (src < T)
-                idx = tl.load(ci_ptr + src.to(tl.int64) * (K - 1) + (s - 1), mask=smask, other=-1)
-                is_shift = smask & (idx == rows64)
-                ds = _preact_dpre(x_b, g_b, w_ptr, bias_ptr, ci_ptr, src, is_shift, cols, cmask, sxt, sxc, sgt,
-                                  sgc, swc, swk, K, HAS_BIAS, SILU, ACC)
+                idx = tl.load(ci_ptr + src * (K - 1) + (s - 1), mask=rmask & (src < T), other=-1)
+                is_shift = idx == rows
+                ds = tl.load(d_b + src[:, None] * C + cols[None, :], mask=is_shift[:, None] & cmask[None, :],
+                             other=0.0)
                 ws = tl.load(w_ptr + cols * swc + (K - 1 - s) * swk, mask=cmask, other=0.0).to(ACC)
                 dx += ds * ws[None, :]
+                dw += tl.where(ks[:, None] == K - 1 - s, tl.sum(ds * xr, axis=0)[None, :], 0.0)
             if HAS_EXC:
-                slot = tl.load(slot_ptr + rows64, mask=rmask, other=-1)
-                has = slot >= 0
-                dx += tl.load(exc_ptr + (b * U + slot.to(tl.int64))[:, None] * C + cols[None, :],
-                              mask=has[:, None] & cmask[None, :], other=0.0)
-            tl.store(dx_ptr + (b * T + rows64)[:, None] * C + cols[None, :], dx.to(dx_ptr.dtype.element_ty),
-                     mask=m2)
+                slot = tl.load(slot_ptr + rows, mask=rmask, other=-1)
+                dx += tl.load(exc_ptr + (b * U + slot)[:, None] * C + cols[None, :],
+                              mask=(slot >= 0)[:, None] & cmask[None, :], other=0.0)
+            tl.store(dx_ptr + (b * T + rows)[:, None] * C + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=m2)
         part = b * n_chunks + chunk
-        tl.store(dwp_ptr + (part * KP + ks[:, None]) * C + cols[None, :], dw, mask=(ks[:, None] < K) & cmask[None, :])
-        if HAS_BIAS:
-            tl.store(dbp_ptr + part * C + cols, db, mask=cmask)
+        tl.store(dwp_ptr + (part * KP + ks[:, None]) * C + cols[None, :], dw, mask=(ks[:, None] < K - 1) & cmask[None, :])
 
 
 def _check(grad: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tensor], conv_index: Tensor) -> None:
@@ -185,36 +203,36 @@ def tree_conv_shifts_backward(grad: Tensor, x: Tensor, weight: Tensor, bias: Opt
     _check(grad, x, weight, bias, conv_index)
     B, T, C = x.shape
     K = weight.shape[1]
+    if x.numel() == 0:
+        return (torch.zeros_like(x), torch.zeros_like(weight),
+                torch.zeros_like(bias) if bias is not None else weight.new_empty(0))
     acc_dtype = torch.promote_types(torch.promote_types(x.dtype, weight.dtype), torch.float32)
-    dx = torch.empty(B, T, C, dtype=x.dtype, device=x.device)
-    KP = triton.next_power_of_2(K)
-    n_chunks = triton.cdiv(T, CHUNK_T)
-    dwp = torch.empty(B * n_chunks, KP, C, dtype=acc_dtype, device=x.device)
-    dbp = torch.empty(B * n_chunks if bias is not None else 0, C, dtype=acc_dtype, device=x.device)
-    if dx.numel() == 0 or K == 0:
-        dx.zero_()
-        dw = torch.zeros_like(weight)
-        db = torch.zeros_like(bias) if bias is not None else weight.new_empty(0)
-        return dx, dw, db
+    ACC = tl.float64 if acc_dtype == torch.float64 else tl.float32
     ci = conv_index.contiguous()
     exc = _cached_exceptions(ci) if K > 1 else None
     U = 0 if exc is None else exc.sources.numel()
-    ACC = tl.float64 if acc_dtype == torch.float64 else tl.float32
-    args = (x.stride(0), x.stride(1), x.stride(2), grad.stride(0), grad.stride(1), grad.stride(2),
-            weight.stride(0), weight.stride(1))
-    bias_arg = bias if bias is not None else weight  # never read without HAS_BIAS
+    KP = triton.next_power_of_2(K)
+    n_chunks, n_src = triton.cdiv(T, CHUNK_T), triton.cdiv(U, SOURCES)
+    dpre = torch.empty(B, T, C, dtype=acc_dtype, device=x.device)
+    dx = torch.empty(B, T, C, dtype=x.dtype, device=x.device)
+    dwp = torch.empty(B * (n_chunks + n_src), KP, C, dtype=acc_dtype, device=x.device)
+    dbp = torch.empty(B * n_chunks, C, dtype=acc_dtype, device=x.device)
+    xs = (x.stride(0), x.stride(1), x.stride(2))
+    ws = (weight.stride(0), weight.stride(1))
+    grid = (triton.cdiv(C, BLOCK_C), n_chunks, B)
+    _dpre_kernel[grid](x, grad, weight, bias if bias is not None else weight, ci, dpre, dwp, dbp, T, C, n_chunks,
+                       *xs, grad.stride(0), grad.stride(1), grad.stride(2), *ws, K=K, KP=KP,
+                       HAS_BIAS=bias is not None, SILU=silu, ACC=ACC, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C,
+                       CHUNK_T=CHUNK_T)
+    exc_sums = dpre  # never read without HAS_EXC
     if U:
         exc_sums = torch.empty(B, U, C, dtype=acc_dtype, device=x.device)
-        _exceptions_kernel[(U, triton.cdiv(C, BLOCK_C), B)](
-            x, grad, weight, bias_arg, ci, exc.source_ptr, exc.source_token, exc.source_column, exc_sums, T, C, U,
-            *args, K=K, HAS_BIAS=bias is not None, SILU=silu, ACC=ACC, BLOCK_E=BLOCK_E, BLOCK_C=BLOCK_C)
-        slots = exc.source_slot
-    else:
-        exc_sums, slots = dwp, ci  # never read without HAS_EXC
-    _backward_kernel[(triton.cdiv(C, BLOCK_C), n_chunks, B)](
-        x, grad, weight, bias_arg, ci, slots, exc_sums, dx, dwp, dbp, T, C, U, n_chunks, *args,
-        K=K, KP=KP, HAS_BIAS=bias is not None, SILU=silu, HAS_EXC=U > 0, ACC=ACC, BLOCK_T=BLOCK_T,
-        BLOCK_C=BLOCK_C, CHUNK_T=CHUNK_T)
+        _exceptions_kernel[(triton.cdiv(C, BLOCK_C), n_src, B)](
+            x, dpre, weight, exc.source_ptr, exc.sources, exc.source_token, exc.source_column, exc_sums, dwp, T, C,
+            U, B * n_chunks, n_src, *xs, *ws, K=K, KP=KP, ACC=ACC, BLOCK_E=BLOCK_E, BLOCK_C=BLOCK_C,
+            SOURCES=SOURCES)
+    _dx_kernel[grid](x, dpre, weight, ci, exc.source_slot if U else ci, exc_sums, dx, dwp, T, C, U, n_chunks, *xs,
+                     *ws, K=K, KP=KP, HAS_EXC=U > 0, ACC=ACC, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, CHUNK_T=CHUNK_T)
     dw = dwp.sum(0)[:K].T.to(weight.dtype).contiguous()
     db = dbp.sum(0).to(bias.dtype) if bias is not None else weight.new_empty(0)
     return dx, dw, db
