@@ -41,8 +41,12 @@ except ImportError:  # CPU-only installs: tree_conv_shifts keeps its traced back
 
 __all__ = ["available", "usable", "tree_conv_shifts_backward"]
 
-BLOCK_T = 32  # rows per step of a program's walk
-BLOCK_C = 128  # channels per program (256 bytes of bf16: whole sectors)
+# Block sizes: of 27 configurations on an H100 (bf16, C = 6,144, K = 4; BLOCK_T 16/32/64 x BLOCK_C 64/128/256 x
+# CHUNK_T 128/256/512) the fastest on the 16k synthetic and the 32k synthetic tree and within 5 % of it on the 15k
+# agentic one: 1.36 / 2.58 / 1.45 ms for the backward against 1.62 / 2.84 / 1.65 ms at (32, 128, 256); BLOCK_C = 256
+# spills (7-15 ms).  benchmarks/results/h100_s19/conv_tune.py.
+BLOCK_T = 64  # rows per step of a program's walk
+BLOCK_C = 64  # channels per program (128 bytes of bf16)
 CHUNK_T = 256  # rows per program: its dw/dbias partial sums are one [K, C] row of a [chunks, K, C] tensor
 BLOCK_E = 16  # exception entries per step of _exceptions_kernel
 SOURCES = 16  # exception sources per program of _exceptions_kernel (one dw partial each)
