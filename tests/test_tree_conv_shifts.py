@@ -81,6 +81,25 @@ def test_opcheck_and_bad_arguments():
     with pytest.raises(ValueError, match="activation"):
         tree_conv_shifts.tree_causal_conv1d_shifts(torch.randn(1, 5, b.seq_len), torch.randn(5, 4), None,
                                                    b.conv_index, "relu")
+    bad = b.conv_index.clone()
+    bad[3, 1] = b.seq_len  # a row past the batch: named, never read
+    with pytest.raises(ValueError, match=rf"conv_index\[3, 1\] = {b.seq_len} is past the last row {b.seq_len - 1}"):
+        tree_conv_shifts.tree_conv_context_grad(dpre, torch.randn(5, 4, dtype=F64), bad)
+
+
+def test_triton_backward_refuses_what_it_cannot_run():
+    """The Triton backward op on CPU without the interpreter names why (tree_causal_conv1d_shifts then keeps the
+    traced backward), and it checks its arguments like the registered op."""
+    from treecompile.ops import tree_conv_triton
+
+    b = Tree.from_paths(TREES["short_node_chain"]).to_batch(conv_kernel=4)
+    x = torch.randn(1, b.seq_len, 5, dtype=F64)
+    if not tree_conv_triton.usable(x):
+        with pytest.raises(ValueError, match="Triton kernels, CUDA tensors only"):
+            tree_conv_triton.tree_conv_shifts_backward(x, x, torch.randn(5, 4, dtype=F64), None, b.conv_index, True)
+    else:  # TRITON_INTERPRET=1
+        with pytest.raises(ValueError, match="conv_index"):
+            tree_conv_triton.tree_conv_shifts_backward(x, x, torch.randn(5, 3, dtype=F64), None, b.conv_index, True)
 
 
 def test_empty():

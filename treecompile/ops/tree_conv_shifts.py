@@ -62,6 +62,10 @@ def context_exceptions(conv_index: Tensor) -> ContextExceptions:
     """:class:`ContextExceptions` of ``conv_index`` (one host copy of it; the tables go back without blocking)."""
     ci = conv_index.cpu()
     T, k1 = ci.shape
+    bad = ci >= T  # (a negative entry means "no context", as in the registered op)
+    if bad.any():  # the kernels would read outside x: say where (the host copy is here anyway)
+        t, j = (int(v) for v in bad.nonzero()[0])
+        raise ValueError(f"conv_index[{t}, {j}] = {int(ci[t, j])} is past the last row {T - 1} (T = {T} tokens)")
     shift = torch.arange(T)[:, None] - torch.arange(1, k1 + 1)[None, :]
     token, column = ((ci >= 0) & (ci != shift)).nonzero(as_tuple=True)
     sources, slot = torch.unique(ci[token, column], return_inverse=True)

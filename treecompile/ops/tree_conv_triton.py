@@ -33,6 +33,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from treecompile.ops.tree_conv import check_conv_args
+
 try:
     import triton
     import triton.language as tl
@@ -194,6 +196,10 @@ def _check(grad: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tensor], conv
     if grad.shape != x.shape or x.dim() != 3:
         raise ValueError(f"treecompile::tree_conv_shifts_backward: grad {tuple(grad.shape)} and x {tuple(x.shape)} "
                          "must both be [B, T, C]")
+    check_conv_args(x.transpose(1, 2), weight, bias, conv_index, None)
+    for name, t in (("grad", grad), ("weight", weight), ("bias", bias), ("conv_index", conv_index)):
+        if t is not None and t.device != x.device:
+            raise ValueError(f"treecompile::tree_conv_shifts_backward: {name} is on {t.device}, x on {x.device}")
 
 
 @torch.library.custom_op("treecompile::tree_conv_shifts_backward", mutates_args=())
@@ -205,6 +211,9 @@ def tree_conv_shifts_backward(grad: Tensor, x: Tensor, weight: Tensor, bias: Opt
     from treecompile.ops.tree_conv_shifts import _cached_exceptions
 
     _check(grad, x, weight, bias, conv_index)
+    # rows of C contiguous channels (what the model hands over; a copy otherwise, else every load would be strided)
+    grad, x = (t if t.stride(2) == 1 else t.contiguous() for t in (grad, x))
+    bias = bias.contiguous() if bias is not None else None
     B, T, C = x.shape
     K = weight.shape[1]
     if x.numel() == 0:
