@@ -15,12 +15,17 @@ only the first K-1 tokens of a node that does not follow its parent in DFS order
   ``treecompile::tree_conv_context_grad``: an ``index_add`` over the exceptions alone, from a table made on
   the host once per batch (one copy of ``conv_index``, kept while the tensor is unchanged: every GDN layer of a
   step reuses it).  The weight and bias gradients are reductions inductor fuses with the rest.
+  That is :func:`tree_causal_conv1d_shifts_inductor` (``conv_kernel="shifts_inductor"``).  Where Triton runs,
+  :func:`tree_causal_conv1d_shifts` runs the same split as Triton kernels instead
+  (``treecompile::tree_conv_shifts_backward``, ``ops.tree_conv_triton``: the pre-activation gradient written once
+  rather than recomputed at every shifted row, the same exceptions table).
 
 The split is per entry, so the result equals the torch op for every ``conv_index`` it accepts (any mix of shifts,
-other rows and -1), not only for DFS trees.  Against fla's varlen conv (``ops.fla_conv``, what ran before in
-compiled graphs; H100, bf16, C = 6,144, 16k tokens): alone no faster (3.7-3.8 ms fwd+bwd vs 3.2-3.6,
-benchmarks/bench_tree_conv.py), but in the hybrid model's compiled step it fuses with its neighbours and costs no host
-work per call: the agentic step 11.5 % faster, a GPU-bound 32k synthetic step 2 % slower (RESULTS.md, Session 18).
+other rows and negative entries), not only for DFS trees.  H100, bf16, C = 6,144, 16k tokens, fwd+bwd
+(benchmarks/bench_tree_conv.py): inductor's backward 3.9-4.2 ms, fla's varlen conv (``ops.fla_conv``, what ran before in
+compiled graphs) 3.3-3.6, the Triton backward 2.7-2.8.  In the hybrid model's compiled step the shifted products fuse
+with their neighbours and cost no host work per call: the agentic step 11.5 % faster than with fla's conv, a GPU-bound
+32k synthetic step 2 % slower (Session 18), and 1.4 % faster again with the Triton backward (RESULTS.md, Session 19).
 """
 
 from __future__ import annotations
