@@ -42,8 +42,8 @@ from treecompile.ops.fla_gdn import to_device_async
 from treecompile.ops.last_batch import LastBatch
 from treecompile.ops.tree_conv import check_conv_args, silu_backward
 
-__all__ = ["tree_causal_conv1d_shifts", "tree_causal_conv1d_shifts_inductor", "tree_conv_context_grad", "ContextExceptions", "context_exceptions",
-           "prepare"]
+__all__ = ["tree_causal_conv1d_shifts", "tree_causal_conv1d_shifts_inductor", "tree_conv_context_grad",
+           "ContextExceptions", "context_exceptions", "prepare"]
 
 
 @dataclass(frozen=True)

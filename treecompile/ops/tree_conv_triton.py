@@ -185,7 +185,8 @@ if triton is not None:
                               mask=(slot >= 0)[:, None] & cmask[None, :], other=0.0)
             tl.store(dx_ptr + (b * T + rows)[:, None] * C + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=m2)
         part = b * n_chunks + chunk
-        tl.store(dwp_ptr + (part * KP + ks[:, None]) * C + cols[None, :], dw, mask=(ks[:, None] < K - 1) & cmask[None, :])
+        tl.store(dwp_ptr + (part * KP + ks[:, None]) * C + cols[None, :], dw,
+                 mask=(ks[:, None] < K - 1) & cmask[None, :])
 
 
 def _check(grad: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tensor], conv_index: Tensor) -> None:

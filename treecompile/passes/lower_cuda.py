@@ -215,8 +215,9 @@ def resolve_gdn_kernel(requested: str) -> str:
 
 
 def resolve_conv_kernel(requested: str, gdn_kernel: str, compiled: bool) -> str:
-    """``"shifts"``, ``"shifts_inductor"``, ``"fla"`` or ``"reference"`` for the tree conv (:data:`CONV_KERNELS`; ``gdn_kernel`` resolved).
-    ``"fla"`` asked for where flash-linear-attention does not import raises naming the reason."""
+    """``"shifts"``, ``"shifts_inductor"``, ``"fla"`` or ``"reference"`` for the tree conv (:data:`CONV_KERNELS`;
+    ``gdn_kernel`` resolved).  ``"fla"`` asked for where flash-linear-attention does not import raises naming the
+    reason."""
     if requested == "auto":
         return "shifts" if compiled else ("fla" if gdn_kernel == "fla" else "reference")
     if requested == "fla":
