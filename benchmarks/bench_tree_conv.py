@@ -119,14 +119,14 @@ def main():
             contenders += [("fla", fla_op), ("fla_no_tree", fla_no_tree)]
         except ImportError as e:
             print(f"fla rows skipped: {e}", flush=True)
-    if a.only:
-        contenders = [c for c in contenders if c[0] in a.only.split(",")]
-    if "op" not in {c[0] for c in contenders}:
-        contenders.append(("op", op))  # the reference of the rel diffs below
+    only = set(a.only.split(",")) if a.only else {name for name, _ in contenders}
+    contenders = [c for c in contenders if c[0] in only]
+    if "op" not in only:
+        contenders.append(("op", op))  # the reference of the rel diffs below, eagerly only
     for name, fn in contenders:
         for mode in modes:
-            if a.only and name not in a.only.split(",") and mode != "eager":
-                continue  # the reference, eagerly
+            if name not in only and mode != "eager":
+                continue
             if name.startswith("fla") and mode == "compiled":
                 continue  # opaque kernels: compiling around them changes nothing
             f = torch.compile(fn, dynamic=False) if mode == "compiled" else fn

@@ -584,36 +584,32 @@ class Steps:
 
     def tree_heavy_first(self):
         """``tree`` with ``attention_layout="heavy_first"`` (tree attention in heavy-child-first order; CUDA)."""
-        if self.dev.type != "cuda":
-            raise _Skip("attention_layout is a CUDA lowering option")
-        return self.tree_step(layout="heavy_first")
+        return self._cuda_tree_step("attention_layout", layout="heavy_first")
 
     def tree_fa4_varlen(self):
         """``tree`` with ``attention_kernel="fa4_varlen"`` (FA4 varlen over the tree's segments; CUDA)."""
-        if self.dev.type != "cuda":
-            raise _Skip("attention_kernel='fa4_varlen' is a CUDA lowering option")
-        return self.tree_step(kernel="fa4_varlen")
+        return self._cuda_tree_step("attention_kernel='fa4_varlen'", kernel="fa4_varlen")
 
     def tree_fa4_flex(self):
         """``tree`` with ``attention_kernel="fa4"`` (FA4 through flex's FLASH backend under the tree's BlockMask: what
         ``"auto"`` took on Hopper before session 16; CUDA)."""
-        if self.dev.type != "cuda":
-            raise _Skip("attention_kernel='fa4' is a CUDA lowering option")
-        return self.tree_step(kernel="fa4")
+        return self._cuda_tree_step("attention_kernel='fa4'", kernel="fa4")
 
     def tree_conv_fla(self):
         """``tree`` with ``conv_kernel="fla"`` (the GDN layers' short conv through fla's varlen conv: what a compiled
         graph ran before session 18; CUDA, models with GDN layers)."""
-        if self.dev.type != "cuda":
-            raise _Skip("conv_kernel is a CUDA lowering option")
-        return self.tree_step(conv="fla")
+        return self._cuda_tree_step("conv_kernel", conv="fla")
 
     def tree_conv_shifts_inductor(self):
         """``tree`` with ``conv_kernel="shifts_inductor"`` (the short conv's backward as inductor's shifted products,
         not the Triton kernels: what a compiled graph ran in session 18; CUDA, models with GDN layers)."""
+        return self._cuda_tree_step("conv_kernel", conv="shifts_inductor")
+
+    def _cuda_tree_step(self, option: str, **kw):
+        """``tree_step(**kw)`` on CUDA; elsewhere a skip naming ``option`` (a CUDA lowering option)."""
         if self.dev.type != "cuda":
-            raise _Skip("conv_kernel is a CUDA lowering option")
-        return self.tree_step(conv="shifts_inductor")
+            raise _Skip(f"{option} is a CUDA lowering option")
+        return self.tree_step(**kw)
 
     def tree_step(self, layout="dfs", kernel="auto", conv="auto"):
         tm = self._tree_model(layout=layout, kernel=kernel, conv=conv)

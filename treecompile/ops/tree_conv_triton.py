@@ -222,8 +222,10 @@ def tree_conv_shifts_backward(grad: Tensor, x: Tensor, weight: Tensor, bias: Opt
                 torch.zeros_like(bias) if bias is not None else weight.new_empty(0))
     acc_dtype = torch.promote_types(torch.promote_types(x.dtype, weight.dtype), torch.float32)
     ACC = tl.float64 if acc_dtype == torch.float64 else tl.float32
+    # the table is kept per conv_index tensor (one per batch, prepared before the graph): look it up with the
+    # caller's tensor, never with a copy of it (a copy would miss and rebuild it, a host sync, in every layer)
+    exc = _cached_exceptions(conv_index) if K > 1 else None
     ci = conv_index.contiguous()
-    exc = _cached_exceptions(ci) if K > 1 else None
     U = 0 if exc is None else exc.sources.numel()
     KP = triton.next_power_of_2(K)
     n_chunks, n_src = triton.cdiv(T, CHUNK_T), triton.cdiv(U, SOURCES)
