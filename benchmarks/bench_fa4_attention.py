@@ -13,6 +13,9 @@ model's layout: ``[B, T, H, D]`` storage viewed as ``[B, H, T, D]``):
   and scatter timed), or, where the segments would gather more than ``VARLEN_GATHER_LIMIT`` x T rows, FA4's
   block-sparse kernels under the tree mask; the row's ``plan`` says which;
 - ``fa4_segments``: the same op held to the segments whatever they gather (the varlen kernel's own rate);
+- ``fa4_varlen_index_add``: ``fa4_varlen`` with the key/value gradients of the gathered copies summed the way the
+  op did before session 20 (``index_add_`` into a zeroed float32 buffer, then rounded) instead of
+  ``ops/key_copies.py``'s kernel: the same-machine comparison for that change;
 - ``fa4_flex_heavy``: ``fa4_flex`` in the heaviest-first order (``attention_layout="heavy_first"``,
   ops/tree_layout.py): q/k/v gathered into that order, the BlockMask of that order, the output gathered
   back, all inside the timed call (what the lowering runs);
@@ -201,6 +204,20 @@ def segments_only(fn, *args):
         vta.VARLEN_GATHER_LIMIT = limit
 
 
+def index_add_sums(fn, *args, **kw):
+    """``fn(*args, **kw)`` with the varlen op's per-token copy sums done by ``index_add_`` into float32 (as before
+    session 20), for everything ``fn`` runs: forward and backward."""
+    def sums(src, runs, key_index, T):
+        acc = torch.zeros((T,) + tuple(src.shape[1:]), dtype=torch.float32, device=src.device)
+        return acc.index_add_(0, key_index, src.float()).to(src.dtype)
+
+    real, vta.sum_copies = vta.sum_copies, sums
+    try:
+        return fn(*args, **kw)
+    finally:
+        vta.sum_copies = real
+
+
 def plan_kind(se, q) -> str:
     """Which plan the varlen op takes for this tree and these inputs: "segments" or "block_sparse"."""
     return "block_sparse" if isinstance(vta._plan(se, q), vta.BlockSparsePlan) else "segments"
@@ -217,6 +234,8 @@ def tree_fns(se, bm, which, heavy=None):
         out["fa4_flex"] = lambda q, k, v: fa4.tree_attention_fa4(q, k, v, bm, enable_gqa=True)
     if "fa4_varlen" in which:  # no BlockMask: the op's plan, built on the first call and kept for se
         out["fa4_varlen"] = lambda q, k, v: tree_attention_varlen(q, k, v, se)
+    if "fa4_varlen_index_add" in which:  # main() runs its row under index_add_sums (the backward too)
+        out["fa4_varlen_index_add"] = lambda q, k, v: tree_attention_varlen(q, k, v, se)
     if "fa4_segments" in which:  # a tensor of its own: the op keeps one plan per subtree_end tensor
         se_seg = se.clone()
         out["fa4_segments"] = lambda q, k, v: segments_only(tree_attention_varlen, q, k, v, se_seg)
@@ -307,10 +326,12 @@ def main() -> None:
                 qh, kh, vh = (x.detach()[:, heavy[0][0]].requires_grad_() for x in (q, k, v))
                 r = row(case, name, fn, qh, kh, vh, do, nnz)
                 del qh, kh, vh
+            elif name == "fa4_varlen_index_add":
+                r = index_add_sums(row, case, name, fn, q, k, v, do, nnz, se)
             else:
                 r = row(case, name, fn, q, k, v, do, nnz, se)
-            if name in ("fa4_varlen", "fa4_segments"):
-                r["plan"] = plan_kind(se, q) if name == "fa4_varlen" else "segments"
+            if name in ("fa4_varlen", "fa4_varlen_index_add", "fa4_segments"):
+                r["plan"] = "segments" if name == "fa4_segments" else plan_kind(se, q)
             if ref and "fwdbwd_tfs" in r:
                 r["pct_fa4_causal"] = round(100 * r["fwdbwd_tfs"] / ref, 1)
             rows.append(r)

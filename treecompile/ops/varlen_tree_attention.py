@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .key_copies import CopyRuns, copy_runs, sum_copies
 from .last_batch import LastBatch
 from .tree_attention import tree_mask
 
@@ -62,6 +63,7 @@ class SegmentPlan:
     max_seqlen_q: int
     max_seqlen_k: int
     tail: int  # the segments cover queries [0, tail); [tail, T) are tokens that see only themselves (padding)
+    copies: CopyRuns  # the gathered rows as runs of tokens with the same copies: the backward's per-token sums
 
     @property
     def segments(self) -> int:
@@ -236,7 +238,7 @@ def tree_attention_plan(subtree_end: Tensor, *, block_sparse: bool) -> SegmentPl
     cu_q = torch.tensor([0] + w.ends[:n_main], dtype=torch.int64)
     _check_plan(w.se, key_index, cu_q, cu_k, w.tail)
     dev = subtree_end.device
-    return SegmentPlan(
+    return SegmentPlan(copies=copy_runs(lo, hi, first, dev),
         key_index=key_index.to(dev), cu_seqlens_q=cu_q.to(dev, torch.int32), cu_seqlens_k=cu_k.to(dev, torch.int32),
         cu_seqlens_q_host=tuple(cu_q.tolist()), cu_seqlens_k_host=tuple(cu_k.tolist()),
         max_seqlen_q=int(cu_q.diff().max()) if n_main else 0, max_seqlen_k=int(cu_k.diff().max()) if n_main else 0,
@@ -443,19 +445,20 @@ def tree_attention_varlen_bwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse:
     if isinstance(plan, BlockSparsePlan):  # every key once (no copies to sum), every query the kernel's
         return tuple(_heads_major(g) for g in _bwd(q_t, k_t, v_t, _tokens_major(out), dout_t, lse, plan, scale))
     T, H, Hkv = q_t.shape[0], q_t.shape[1], k_t.shape[1]
-    acc = torch.promote_types(torch.float32, k.dtype)
-    dk = torch.zeros(k_t.shape, dtype=acc, device=k.device)
-    dv = torch.zeros(v_t.shape, dtype=acc, device=v.device)
-    dq = torch.zeros_like(q_t)  # the tail's queries: the softmax over one key has no gradient
-    if n:
-        dq_main, dkg, dvg = _bwd(q_t[:n], *plan.keys(k_t, v_t), _tokens_major(out)[:n],
-                                 dout_t[:n], lse[:, :n].contiguous(), plan, scale)
-        dq[:n] = dq_main
-        dk.index_add_(0, plan.key_index, dkg.to(acc))
-        dv.index_add_(0, plan.key_index, dvg.to(acc))
+    if not n:
+        dq, dk, dv = torch.zeros_like(q_t), torch.zeros_like(k_t), torch.zeros_like(v_t)
+    else:
+        dq, dkg, dvg = _bwd(q_t[:n], *plan.keys(k_t, v_t), _tokens_major(out)[:n],
+                            dout_t[:n], lse[:, :n].contiguous(), plan, scale)
+        if n < T:  # the tail's queries: the softmax over one key has no gradient
+            dq = torch.cat([dq, q_t.new_zeros((T - n,) + tuple(q_t.shape[1:]))], 0)
+        # each token's key/value gradient: the sum over its gathered copies (float32, rounded once; rows >= n zero)
+        dk = sum_copies(dkg, plan.copies, plan.key_index, T)
+        dv = sum_copies(dvg, plan.copies, plan.key_index, T)
     if n < T:  # the tail's value rows receive their own output gradient, summed over the query heads of a group
-        dv[n:] += dout_t[n:].to(acc).unflatten(1, (Hkv, H // Hkv)).sum(2)
-    return _heads_major(dq), _heads_major(dk.to(k.dtype)), _heads_major(dv.to(v.dtype))
+        acc = torch.promote_types(torch.float32, v.dtype)
+        dv[n:] = dout_t[n:].to(acc).unflatten(1, (Hkv, H // Hkv)).sum(2).to(v.dtype)
+    return _heads_major(dq), _heads_major(dk), _heads_major(dv)
 
 
 @tree_attention_varlen_bwd.register_fake
