@@ -287,7 +287,7 @@ def test_deep_trees_take_the_block_sparse_plan():
     False``: a head dim FA4's sparse tiles do not take) the segments stay, up to the refusal."""
     from treecompile.ops import varlen_tree_attention as vta
 
-    deep = _batch(_deep_paths(), 16).subtree_end
+    deep = _batch(_deep_paths(levels=24), 16).subtree_end
     assert segment_plan(deep).gathered > vta.VARLEN_GATHER_LIMIT * deep.numel()
     assert isinstance(vta.tree_attention_plan(deep, block_sparse=True), vta.BlockSparsePlan)
     assert isinstance(vta.tree_attention_plan(deep, block_sparse=False), vta.SegmentPlan)
