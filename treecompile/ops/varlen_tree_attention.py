@@ -14,10 +14,11 @@ On CUDA with bf16/fp16 the kernel is FlashAttention-4's varlen forward and backw
 ``treecompile[hopper]``); elsewhere a float64-exact reference (one SDPA per segment) runs the same plan, so
 the CPU tests check the plan, the gather, the scatter-add of the key gradients and the autograd wiring.
 Queries are not gathered (segments tile ``[0, T)`` in order); key/value gradients of the gathered rows are
-summed back per token in float32 (the root's rows appear in every segment) by one Triton kernel over runs of tokens
-with the same copies (:mod:`treecompile.ops.key_copies`; ``index_add_`` where Triton cannot run).  A trailing run of tokens that see only
-themselves (the padding of a length bucket: up to T/8 of them) is not handed to the kernel as that many
-one-token sequences: each one's output is its own value row (softmax over one key), computed directly.
+summed back per token in float32 (the root's rows appear in every segment) by one Triton kernel over runs of
+tokens with the same copies (:mod:`treecompile.ops.key_copies`; ``index_add_`` where Triton cannot run).  A
+trailing run of tokens that see only themselves (the padding of a length bucket: up to T/8 of them) is not
+handed to the kernel as that many one-token sequences: each one's output is its own value row (softmax over one
+key), computed directly.
 The plan (host work, one sync) is built once per batch and kept while the same ``subtree_end`` tensor comes
 back (:class:`last_batch.LastBatch`).
 
@@ -114,11 +115,11 @@ MAX_GATHER_FACTOR = 64
 MAX_GATHER_ROWS = 1 << 16
 # the varlen kernel while the segments gather at most this many key rows per token, else the block-sparse
 # kernels.  Measured fwd+bwd on one H100 (bf16, H=16, Hkv=8, D=128) since the copies' gradients are summed by
-# ops/key_copies.py (benchmarks/results/h100_s20/attn_limit): G = 2.0x T (64 x 2,048 POR 0.5): segments 7.8-7.9 ms
-# (the baselines' attention over the paths: 10.9); 4.0x T (32 x 2,048 POR 0.75): segments 2.85 vs block-sparse 3.22 ms; 19.6x T
-# (agentic deep-16k): 10.50 vs 6.65 ms.  The ratio crosses 1 near 6.7x T (linear between the two points): 6.
-# (Before, with index_add_ sums, the segments lost from 4x T on: session 15, limit 3.)  G ~ path tokens on wide
-# trees, i.e. T / (1 - POR).
+# ops/key_copies.py (benchmarks/results/h100_s20/attn_limit): G = 2.0x T (64 x 2,048 POR 0.5): segments
+# 7.8-7.9 ms (the baselines' attention over the paths: 10.9); 4.0x T (32 x 2,048 POR 0.75): segments 2.85 vs
+# block-sparse 3.22 ms; 19.6x T (agentic deep-16k): 10.50 vs 6.65 ms.  The time ratio crosses 1 near 6.7x T
+# (linear between those two points; no tree in between was measured): 6.  (Before, with index_add_ sums, the
+# segments lost from 4x T on: session 15, limit 3.)  G ~ path tokens on wide trees, i.e. T / (1 - POR).
 VARLEN_GATHER_LIMIT = 6.0
 
 
