@@ -207,11 +207,9 @@ def segments_only(fn, *args):
 def index_add_sums(fn, *args, **kw):
     """``fn(*args, **kw)`` with the varlen op's per-token copy sums done by ``index_add_`` into float32 (as before
     session 20), for everything ``fn`` runs: forward and backward."""
-    def sums(src, runs, key_index, T):
-        acc = torch.zeros((T,) + tuple(src.shape[1:]), dtype=torch.float32, device=src.device)
-        return acc.index_add_(0, key_index, src.float()).to(src.dtype)
+    from treecompile.ops.key_copies import sum_copies_index_add
 
-    real, vta.sum_copies = vta.sum_copies, sums
+    real, vta.sum_copies = vta.sum_copies, lambda src, runs, key_index, T: sum_copies_index_add(src, key_index, T)
     try:
         return fn(*args, **kw)
     finally:

@@ -258,3 +258,31 @@ def materialized_run_is_exact(tmodel, batch) -> int:
     assert torch.equal(l0, l1) and torch.equal(lp0, lp1) and len(g0) == len(g1) > 0
     assert all(torch.equal(a, b) for a, b in zip(g0, g1))
     return count
+
+
+def run_interpreted(script: str) -> dict:
+    """Run ``script`` in a fresh Python under Triton's CPU interpreter (``TRITON_INTERPRET=1`` must be set before
+    triton is imported, hence the subprocess) and return the dict of floats it printed on its last line; a failing
+    script fails the test with its stderr."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return eval(res.stdout.strip().splitlines()[-1], {})  # a dict of floats printed by the script
+
+
+def count_launches(module, name: str) -> list:
+    """Replace the Triton kernel ``module.<name>`` by a wrapper that records each launch's grid in the returned
+    list (for scripts run by :func:`run_interpreted`: the kernel under test did run)."""
+    kernel, launched = getattr(module, name), []
+
+    class Counting:
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return kernel[grid]
+
+    setattr(module, name, Counting())
+    return launched

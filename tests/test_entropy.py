@@ -5,9 +5,6 @@ importable) against the torch reference op.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -16,8 +13,9 @@ import torch
 import treecompile
 from treecompile import Tree
 from treecompile.models import DenseConfig, DenseForCausalLM
+from treecompile.ops import triton_support
 from treecompile.ops.logprobs import gather_logprobs, linear_logprobs
-from helpers import capture_once, flat_grads, rel
+from helpers import capture_once, flat_grads, rel, run_interpreted
 from strategies import ODD_TREES
 from tests.conftest import CUDA
 
@@ -183,14 +181,6 @@ def test_entropy_without_fused_head(dense):
 
 
 # ------------------------------------------------------------------ the Triton head
-def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 _INTERPRETED = textwrap.dedent("""
     import torch
     from treecompile.ops.logprobs import linear_logprobs
@@ -218,15 +208,12 @@ _INTERPRETED = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(not _triton_available(), reason="triton is not importable")
+@pytest.mark.skipif(not triton_support.available(), reason="triton is not importable")
 def test_triton_head_in_interpreter_matches_reference_op():
     """The Triton head (kernels run by Triton's CPU interpreter) against the reference op on the same
     half-precision inputs: float32 statistics agree to float32 rounding; gradients (both written in the
     half dtype) to the half dtype's rounding."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    res = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    worst = eval(res.stdout.strip().splitlines()[-1], {})  # a dict of floats printed by the script above
+    worst = run_interpreted(_INTERPRETED)
     for name in ("lp", "lse", "entropy"):
         assert worst[name] < 1e-5, (name, worst)
     for name in ("dh", "dW", "db"):

@@ -4,13 +4,12 @@ float64 oracle."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.helpers import run_interpreted
 from tests.strategies import path_sets
 from tests.test_fla_conv import TREES, _inputs, check_cuda_error_bound, check_equal_to_torch_op
 from treecompile.ops import tree_conv_shifts
@@ -130,13 +129,9 @@ from treecompile.ops import tree_conv_shifts, tree_conv_triton
 from treecompile.ops.tree_conv import tree_causal_conv1d
 from treecompile.tree import Tree
 
-launched = []
-kernel = tree_conv_triton._dx_kernel
-class Counting:
-    def __getitem__(self, grid):
-        launched.append(grid)
-        return kernel[grid]
-tree_conv_triton._dx_kernel = Counting()
+from tests.helpers import count_launches
+
+launched = count_launches(tree_conv_triton, "_dx_kernel")
 
 rng = random.Random(0)
 def paths():
@@ -188,13 +183,7 @@ def test_triton_backward_in_interpreter_equals_torch_op():
     channels not a multiple of the block) and any conv_index, to float64 rounding; in bf16 each dx element is
     rounded once: within one bf16 ulp of the float64 result from the same bf16 inputs (the interpreter truncates
     where the GPU rounds to nearest; rounding the sources' sums first would add another ulp)."""
-    import subprocess
-    import sys
-
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    res = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    worst = eval(res.stdout.strip().splitlines()[-1], {})  # a dict of floats printed by the script above
+    worst = run_interpreted(_INTERPRETED)
     assert worst["tree"] < 1e-12 and worst["any"] < 1e-12, worst
     assert worst["bf16_dx"] <= 1, worst
 

@@ -16,6 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.helpers import run_interpreted
 from tests.strategies import ODD_TREES, path_sets
 from tests.test_fa4_tree_attention import assert_bf16_tree_kernel_near_oracle, forest_paths
 from tests.test_flex_tree_attention import ancestor_mask, out_and_grads
@@ -120,13 +121,9 @@ from treecompile.ops.tree_attention import tree_attention_reference
 from treecompile.ops.varlen_tree_attention import segment_plan, tree_attention_varlen
 from tests.test_fa4_tree_attention import forest_paths
 
-launched = []
-real = key_copies._sum_copies_kernel
-class Spy:
-    def __getitem__(self, grid):
-        launched.append(grid)
-        return real[grid]
-key_copies._sum_copies_kernel = Spy()
+from tests.helpers import count_launches
+
+launched = count_launches(key_copies, "_sum_copies_kernel")
 
 rng = random.Random(0)
 def paths():
@@ -166,14 +163,7 @@ def test_triton_copy_sums_in_interpreter():
     float64 gradients equal the dense-mask reference's to rounding on random trees and forests (GQA, padding,
     head dims not a multiple of the block); bf16 sums of 48 copies are within one bf16 ulp of the exact sum
     (accumulated in float32, rounded once; the interpreter truncates where the GPU rounds to nearest)."""
-    import os
-    import subprocess
-    import sys
-
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    res = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    worst = eval(res.stdout.strip().splitlines()[-1], {})  # a dict of floats printed by the script above
+    worst = run_interpreted(_INTERPRETED)
     assert worst["op"] < 1e-12, worst
     assert worst["bf16"] <= 1, worst
 

@@ -17,19 +17,15 @@ the same float32/float64 accumulation: the same sums, possibly in another order.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs: sum_copies uses index_add_
-    triton = None
+# triton is None on CPU-only installs: sum_copies then uses index_add_
+from treecompile.ops.triton_support import available, tl, triton, usable
 
-__all__ = ["CopyRuns", "available", "copy_runs", "sum_copies", "usable"]
+__all__ = ["CopyRuns", "available", "copy_runs", "sum_copies", "sum_copies_index_add", "usable"]
 
 BLOCK_T = 64  # tokens per program (a run is cut into tiles of at most this many)
 BLOCK_C = 128  # channels (Hkv * D flattened) per program
@@ -77,19 +73,6 @@ def copy_runs(lo: Tensor, hi: Tensor, first: Tensor, device) -> CopyRuns:
     return CopyRuns(tiles=tiles.to(device), offsets=offsets.to(device), tokens=tokens, rows=rows)
 
 
-def available() -> bool:
-    return triton is not None
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def usable(t: Tensor) -> bool:
-    """The kernel can run on ``t``'s device: CUDA with Triton, or anywhere under Triton's CPU interpreter."""
-    return triton is not None and (t.is_cuda or _interpreting())
-
-
 if triton is not None:
 
     @triton.jit
@@ -112,6 +95,14 @@ if triton is not None:
         tl.store(out_ptr + rows[:, None] * C + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=m2)
 
 
+def sum_copies_index_add(src: Tensor, key_index: Tensor, T: int) -> Tensor:
+    """:func:`sum_copies` by ``index_add_`` into a zeroed float32 (float64) buffer, then rounded: where Triton cannot
+    run, and the way the op summed before its kernel (``bench_fa4_attention``'s ``fa4_varlen_index_add``)."""
+    acc_dtype = torch.promote_types(src.dtype, torch.float32)
+    acc = torch.zeros((T,) + tuple(src.shape[1:]), dtype=acc_dtype, device=src.device)
+    return acc.index_add_(0, key_index, src.to(acc_dtype)).to(src.dtype)
+
+
 def sum_copies(src: Tensor, runs: CopyRuns, key_index: Tensor, T: int) -> Tensor:
     """``out [T, ...]`` in ``src``'s dtype: ``out[t]`` = the sum of ``src[g]`` over the gathered rows ``g`` with
     ``key_index[g] == t`` (``src [G, ...]``), accumulated in float32 (float64 for float64) and rounded once; rows the
@@ -120,10 +111,9 @@ def sum_copies(src: Tensor, runs: CopyRuns, key_index: Tensor, T: int) -> Tensor
     if G != runs.rows or key_index.numel() != G:
         raise ValueError(f"sum_copies: {G} gathered rows, the runs read {runs.rows} and key_index has "
                          f"{key_index.numel()}")
-    acc_dtype = torch.promote_types(src.dtype, torch.float32)
     if not usable(src):
-        acc = torch.zeros((T,) + tuple(src.shape[1:]), dtype=acc_dtype, device=src.device)
-        return acc.index_add_(0, key_index, src.to(acc_dtype)).to(src.dtype)
+        return sum_copies_index_add(src, key_index, T)
+    acc_dtype = torch.promote_types(src.dtype, torch.float32)
     out = torch.empty((T,) + tuple(src.shape[1:]), dtype=src.dtype, device=src.device)
     if runs.tokens < T:
         out[runs.tokens:] = 0

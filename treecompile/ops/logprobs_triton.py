@@ -21,12 +21,8 @@ from __future__ import annotations
 import torch
 
 from treecompile.ops.logprobs import accumulate_weight_grad, chunk_logits, resolve_chunk
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs: the lowering keeps the reference op
-    triton = None
+# triton is None on CPU-only installs: the lowering keeps the reference op
+from treecompile.ops.triton_support import available, interpreting, tl, triton
 
 __all__ = ["available", "stats_", "dlogits_", "linear_logprobs_triton"]
 
@@ -37,10 +33,6 @@ BLOCK = 4096
 # 119 -> 66 ms (peak +2.5 GiB), V 151,936 x D 2,048 96 -> 69 ms (+1.0 GiB); Qwen3-1.7B tree step
 # 0.469 -> 0.448 s (benchmarks/RESULTS.md, session 7).
 DEFAULT_BUDGET = 1 << 30
-
-
-def available() -> bool:
-    return triton is not None
 
 
 if triton is not None:
@@ -136,19 +128,12 @@ def dlogits_(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, gra
 def _check_inputs(h, W, b, targets):
     if not available():
         raise RuntimeError("treecompile::linear_logprobs_triton: triton is not importable")
-    if not (h.is_cuda or _interpreting()) or h.dtype not in (torch.bfloat16, torch.float16):
+    if not (h.is_cuda or interpreting()) or h.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"treecompile::linear_logprobs_triton: CUDA bf16/fp16 hidden states only, got "
                          f"{h.dtype} on {h.device} (the reference op treecompile::linear_logprobs serves the rest)")
     for name, t in (("W", W), ("b", b)):
         if t is not None and t.dtype != h.dtype:
             raise ValueError(f"treecompile::linear_logprobs_triton: {name} is {t.dtype}, h is {h.dtype}")
-
-
-def _interpreting() -> bool:
-    """Triton's CPU interpreter (``TRITON_INTERPRET=1``): lets tests run the kernels without a GPU."""
-    import os
-
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @torch.library.custom_op("treecompile::linear_logprobs_triton", mutates_args=())

@@ -27,19 +27,14 @@ segments and costs host work per call (benchmarks/RESULTS.md, Session 18).  Wher
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 from torch import Tensor
 
 from treecompile.ops.tree_conv import check_conv_args
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs: tree_conv_shifts keeps its traced backward
-    triton = None
+# triton is None on CPU-only installs: tree_conv_shifts then keeps its traced backward
+from treecompile.ops.triton_support import available, tl, triton, usable
 
 __all__ = ["available", "usable", "tree_conv_shifts_backward"]
 
@@ -52,19 +47,6 @@ BLOCK_C = 64  # channels per program (128 bytes of bf16)
 CHUNK_T = 256  # rows per program: its dw/dbias partial sums are one [K, C] row of a [chunks, K, C] tensor
 BLOCK_E = 16  # exception entries per step of _exceptions_kernel
 SOURCES = 16  # exception sources per program of _exceptions_kernel (one dw partial each)
-
-
-def available() -> bool:
-    return triton is not None
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def usable(t: Tensor) -> bool:
-    """The kernels can run on ``t``'s device: CUDA with Triton, or anywhere under Triton's CPU interpreter."""
-    return triton is not None and (t.is_cuda or _interpreting())
 
 
 if triton is not None:
