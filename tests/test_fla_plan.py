@@ -262,3 +262,33 @@ def test_levels_option_refuses_what_it_cannot_run():
     if levels_unusable_reason() is not None:  # no fla here: the explicit option says why
         with pytest.raises(RuntimeError, match="not importable"):
             fla_gdn.tree_gated_delta_rule_fla(*xs, *nodes, levels=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_padding_and_host_plans_do_not_wait_for_the_gpu():
+    """Padding a CUDA batch and copying the host-made plans (the GDN call plan, the attention's copy runs) to the
+    GPU issue no blocking copy: one would wait for everything queued on the GPU, mid-step.  CUDA's sync debug
+    mode raises on any synchronising call."""
+    from treecompile.ops.key_copies import copy_runs
+
+    rng = random.Random(3)
+    paths = [[rng.randrange(9) for _ in range(rng.randint(20, 90))] for _ in range(4)]
+    paths += [p[:rng.randint(1, len(p))] + [rng.randrange(9) for _ in range(30)] for p in paths]
+    host = Tree.from_paths(paths).to_batch()
+    batch = host.to("cuda")
+    torch.cuda.synchronize()
+    segs = fla_gdn._segments(host.node_start, host.node_end, host.node_parent)
+    lo, hi = torch.tensor([0, 5, 40]), torch.tensor([5, 9, 60])
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        padded = batch.padded(batch.seq_len + 7)
+        plan = fla_gdn._materialize(segs, fla_gdn._schedule(segs, 8), torch.device("cuda"))
+        runs = copy_runs(lo, hi, torch.cumsum(hi - lo, 0) - (hi - lo), torch.device("cuda"))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert padded.node_start.device.type == "cuda" and padded.seq_len == batch.seq_len + 7
+    assert torch.equal(padded.to("cpu").node_end, host.padded(host.seq_len + 7).node_end)
+    ref = fla_gdn._materialize(segs, fla_gdn._schedule(segs, 8), torch.device("cpu"))
+    assert torch.equal(plan.index.cpu(), ref.index) and torch.equal(plan.out_rows.cpu(), ref.out_rows)
+    assert runs.tiles.device.type == "cuda"

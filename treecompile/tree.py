@@ -631,10 +631,11 @@ class TreeBatch:
             loss_weight=torch.cat([self.loss_weight, self.loss_weight.new_zeros(n)]),
             subtree_end=torch.cat([self.subtree_end, ar + 1]),
             node_id=torch.cat([self.node_id, torch.full((n,), Nn, dtype=torch.long, device=dev)]),
-            node_start=torch.cat([self.node_start, self.node_start.new_tensor([T])]),
-            node_end=torch.cat([self.node_end, self.node_end.new_tensor([length])]),
-            node_parent=torch.cat([self.node_parent, self.node_parent.new_tensor([-1])]),
-            node_level=torch.cat([self.node_level, self.node_level.new_tensor([0])]),
+            # new_full, not new_tensor: a list copied to a CUDA tensor is a blocking copy that waits for the GPU
+            node_start=torch.cat([self.node_start, self.node_start.new_full((1,), T)]),
+            node_end=torch.cat([self.node_end, self.node_end.new_full((1,), length)]),
+            node_parent=torch.cat([self.node_parent, self.node_parent.new_full((1,), -1)]),
+            node_level=torch.cat([self.node_level, self.node_level.new_full((1,), 0)]),
             conv_index=torch.cat([self.conv_index, self.conv_index.new_full((n, self.conv_index.shape[1]), -1)]),
         )
 

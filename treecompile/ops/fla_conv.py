@@ -26,7 +26,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from treecompile.ops.fla_gdn import host_chunk_indices, to_device_async
+from treecompile.ops.fla_gdn import host_chunk_indices
+from treecompile.ops.last_batch import to_device_async
 from treecompile.ops.last_batch import LastBatch
 from treecompile.ops.tree_conv import check_conv_args, conv_setup_context
 

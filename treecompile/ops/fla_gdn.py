@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from treecompile.ops.last_batch import LastBatch
+from treecompile.ops.last_batch import LastBatch, to_device_async
 
 __all__ = [
     "COMPUTE_DTYPE",
@@ -201,12 +201,6 @@ def host_chunk_indices(lengths, chunk_size: int) -> Tensor:
     return torch.tensor(rows, dtype=torch.long).reshape(-1, 2)
 
 
-def to_device_async(t: Tensor, device: torch.device) -> Tensor:
-    """A host tensor on ``device`` without blocking the host (through pinned memory when it is CUDA)."""
-    device = torch.device(device)
-    return (t.pin_memory() if device.type == "cuda" else t).to(device, non_blocking=True)
-
-
 def plan_calls(node_start: Tensor, node_end: Tensor, node_parent: Tensor, *, replay_max: int = 0,
                max_replay_fraction: float | None = None) -> FlaPlan:
     """Group the radix nodes into as few varlen calls as the recurrence allows, exactly.
@@ -333,35 +327,47 @@ def _schedule(segs: _Segments, replay_max: int) -> _Schedule:
 
 
 def _materialize(segs: _Segments, sched: _Schedule, dev: torch.device) -> FlaPlan:
+    """The plan's tensors: made on the host from ranges (one ``arange`` per segment, not a Python int per row),
+    then copied to ``dev`` without blocking (:func:`to_device_async`: a blocking copy would wait for the GPU's
+    queue, and the plan is made inside the graph, at the first GDN layer)."""
     s_start, s_end, T = segs.start, segs.end, segs.tokens
     S = len(s_start)
     by_wave: list[list[int]] = [[] for _ in range(sched.calls)]
     for s in range(S):
         if sched.wave[s] >= 0:
             by_wave[sched.wave[s]].append(s)
-    index: list[int] = []
-    out_rows = [-1] * T
+    pieces: list[tuple[int, int]] = []  # the rows, in order: token ranges [a, b)
+    out_rows = torch.full((T,), -1, dtype=torch.long)
+    has_out = [False] * S
     row_in_wave = [0] * S
-    waves = []
+    waves, rows = [], 0
+
+    def run(seg: int, out: bool):
+        nonlocal rows
+        a, b = s_start[seg], s_end[seg]
+        if out:
+            out_rows[a:b] = torch.arange(rows, rows + b - a)
+            has_out[seg] = True
+        pieces.append((a, b))
+        rows += b - a
+
     for w, members in enumerate(by_wave):
-        lo, cu = len(index), [0]
+        lo, cu = rows, [0]
         for r, s in enumerate(members):
             row_in_wave[s] = r
-            for a in sched.replays[s]:
-                if sched.wave[a] < 0 and out_rows[s_start[a]] < 0:  # a skipped ancestor's outputs: these rows
-                    out_rows[s_start[a]:s_end[a]] = range(len(index), len(index) + s_end[a] - s_start[a])
-                index.extend(range(s_start[a], s_end[a]))
-            out_rows[s_start[s]:s_end[s]] = range(len(index), len(index) + s_end[s] - s_start[s])
-            index.extend(range(s_start[s], s_end[s]))
-            cu.append(len(index) - lo)
+            for a in sched.replays[s]:  # a skipped ancestor's outputs: its first replayed rows
+                run(a, sched.wave[a] < 0 and not has_out[a])
+            run(s, True)
+            cu.append(rows - lo)
         src = (None if w == 0 else
-               torch.tensor([row_in_wave[sched.source[s]] for s in members], dtype=torch.long, device=dev))
-        waves.append(Wave(lo, len(index), torch.tensor(cu, dtype=torch.long, device=dev), src,
+               to_device_async(torch.tensor([row_in_wave[sched.source[s]] for s in members], dtype=torch.long), dev))
+        waves.append(Wave(lo, rows, to_device_async(torch.tensor(cu, dtype=torch.long), dev), src,
                           tuple(b - a for a, b in zip(cu, cu[1:]))))
-    identity = len(waves) == 1 and len(index) == T
-    host_index = torch.tensor(index, dtype=torch.long)
-    return FlaPlan(index=host_index.to(dev), out_rows=torch.tensor(out_rows, dtype=torch.long, device=dev),
-                   waves=tuple(waves), identity=identity, replayed_tokens=len(index) - T, levels=segs.levels,
+    identity = len(waves) == 1 and rows == T
+    host_index = (torch.cat([torch.arange(a, b) for a, b in pieces]) if pieces
+                  else torch.zeros(0, dtype=torch.long))
+    return FlaPlan(index=to_device_async(host_index, dev), out_rows=to_device_async(out_rows, dev),
+                   waves=tuple(waves), identity=identity, replayed_tokens=rows - T, levels=segs.levels,
                    occurrences=() if identity else occurrence_groups(host_index, T, dev))
 
 
@@ -371,6 +377,7 @@ def occurrence_groups(index: Tensor, tokens: int, device: torch.device | None = 
     increasing c, ``(values [n], rows [n, c])`` where ``index[rows[i, j]] == values[i]`` (rows in increasing
     order).  Made on the host; the tensors are moved to ``device``."""
     index = index.cpu()
+    move = (lambda t: t) if device is None else (lambda t: to_device_async(t, device))
     counts = torch.bincount(index, minlength=tokens)
     order = torch.argsort(index, stable=True)  # the rows of value 0, then of value 1, ...
     starts = torch.cumsum(counts, 0) - counts
@@ -378,7 +385,7 @@ def occurrence_groups(index: Tensor, tokens: int, device: torch.device | None = 
     for c in torch.unique(counts).tolist():
         values = torch.nonzero(counts == c).flatten()
         rows = order[starts[values, None] + torch.arange(c)] if c else values.new_empty(len(values), 0)
-        groups.append((values.to(device), rows.to(device)))
+        groups.append((move(values), move(rows)))
     return tuple(groups)
 
 

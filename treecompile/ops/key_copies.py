@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 # triton is None on CPU-only installs: sum_copies then uses index_add_
+from treecompile.ops.last_batch import to_device_async
 from treecompile.ops.triton_support import available, tl, triton, usable
 
 __all__ = ["CopyRuns", "available", "copy_runs", "sum_copies", "sum_copies_index_add", "usable"]
@@ -70,7 +71,8 @@ def copy_runs(lo: Tensor, hi: Tensor, first: Tensor, device) -> CopyRuns:
     t_lo = run_lo[tile_run] + (torch.arange(int(per.sum())) - tile_first[tile_run]) * BLOCK_T
     t_hi = torch.minimum(t_lo + BLOCK_T, run_hi[tile_run])
     tiles = torch.stack([t_lo, t_hi, ptr[:-1][tile_run], ptr[1:][tile_run]], 1)
-    return CopyRuns(tiles=tiles.to(device), offsets=offsets.to(device), tokens=tokens, rows=rows)
+    return CopyRuns(tiles=to_device_async(tiles, device), offsets=to_device_async(offsets, device), tokens=tokens,
+                    rows=rows)
 
 
 if triton is not None:

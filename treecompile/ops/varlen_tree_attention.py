@@ -45,7 +45,7 @@ import torch
 from torch import Tensor
 
 from .key_copies import CopyRuns, copy_runs, sum_copies
-from .last_batch import LastBatch
+from .last_batch import LastBatch, to_device_async
 from .tree_attention import tree_mask
 
 __all__ = ["SegmentPlan", "BlockSparsePlan", "segment_plan", "segments_fit", "tree_attention_plan",
@@ -243,8 +243,8 @@ def tree_attention_plan(subtree_end: Tensor, *, block_sparse: bool) -> SegmentPl
     cu_q = torch.tensor([0] + w.ends[:n_main], dtype=torch.int64)
     _check_plan(w.se, key_index, cu_q, cu_k, w.tail)
     dev = subtree_end.device
-    return SegmentPlan(copies=copy_runs(lo, hi, first, dev),
-        key_index=key_index.to(dev), cu_seqlens_q=cu_q.to(dev, torch.int32), cu_seqlens_k=cu_k.to(dev, torch.int32),
+    return SegmentPlan(copies=copy_runs(lo, hi, first, dev), key_index=to_device_async(key_index, dev),
+        cu_seqlens_q=to_device_async(cu_q.to(torch.int32), dev), cu_seqlens_k=to_device_async(cu_k.to(torch.int32), dev),
         cu_seqlens_q_host=tuple(cu_q.tolist()), cu_seqlens_k_host=tuple(cu_k.tolist()),
         max_seqlen_q=int(cu_q.diff().max()) if n_main else 0, max_seqlen_k=int(cu_k.diff().max()) if n_main else 0,
         tail=w.tail)
