@@ -27,8 +27,7 @@ import torch
 from torch import Tensor
 
 from treecompile.ops.fla_gdn import host_chunk_indices
-from treecompile.ops.last_batch import to_device_async
-from treecompile.ops.last_batch import LastBatch
+from treecompile.ops.last_batch import LastBatch, to_device_async
 from treecompile.ops.tree_conv import check_conv_args, conv_setup_context
 
 __all__ = ["tree_causal_conv1d_fla", "ConvSegments", "conv_segments", "CHUNK_SIZE"]

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-# triton is None on CPU-only installs: sum_copies then uses index_add_
 from treecompile.ops.last_batch import to_device_async
+# triton is None on CPU-only installs: sum_copies then uses index_add_
 from treecompile.ops.triton_support import available, tl, triton, usable
 
 __all__ = ["CopyRuns", "available", "copy_runs", "sum_copies", "sum_copies_index_add", "usable"]

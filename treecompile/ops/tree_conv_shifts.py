@@ -38,8 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from treecompile.ops import tree_conv_triton
-from treecompile.ops.last_batch import to_device_async
-from treecompile.ops.last_batch import LastBatch
+from treecompile.ops.last_batch import LastBatch, to_device_async
 from treecompile.ops.tree_conv import check_conv_args, silu_backward
 
 __all__ = ["tree_causal_conv1d_shifts", "tree_causal_conv1d_shifts_inductor", "tree_conv_context_grad",

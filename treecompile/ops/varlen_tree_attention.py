@@ -243,8 +243,9 @@ def tree_attention_plan(subtree_end: Tensor, *, block_sparse: bool) -> SegmentPl
     cu_q = torch.tensor([0] + w.ends[:n_main], dtype=torch.int64)
     _check_plan(w.se, key_index, cu_q, cu_k, w.tail)
     dev = subtree_end.device
+    cu_q32, cu_k32 = (to_device_async(c.to(torch.int32), dev) for c in (cu_q, cu_k))
     return SegmentPlan(copies=copy_runs(lo, hi, first, dev), key_index=to_device_async(key_index, dev),
-        cu_seqlens_q=to_device_async(cu_q.to(torch.int32), dev), cu_seqlens_k=to_device_async(cu_k.to(torch.int32), dev),
+        cu_seqlens_q=cu_q32, cu_seqlens_k=cu_k32,
         cu_seqlens_q_host=tuple(cu_q.tolist()), cu_seqlens_k_host=tuple(cu_k.tolist()),
         max_seqlen_q=int(cu_q.diff().max()) if n_main else 0, max_seqlen_k=int(cu_k.diff().max()) if n_main else 0,
         tail=w.tail)
