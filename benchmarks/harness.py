@@ -645,6 +645,18 @@ class Steps:
         return step, self.tree.num_tokens, tree_attention_entries(batch.position_ids[:self.tree.num_tokens])
 
 
+def cuda_steps(model_name: str, *, agentic: str | None = None, agentic_scale: float = 1.0, por: float = 0.5,
+               paths: int = 16, path_len: int = 2048, capacity: int = 16384, iters: int = 3) -> "Steps":
+    """The :class:`Steps` of one model (built in bf16 on CUDA) on one tree: the agentic tree ``agentic`` at
+    ``agentic_scale``, else the synthetic ``paths`` x ``path_len`` tree at ``por`` (the profiling scripts' setup)."""
+    spec = model_specs()[model_name]
+    model = spec.build(torch.device("cuda"), torch.bfloat16)
+    cfg = BenchConfig(device="cuda", dtype="bfloat16", iters=iters, capacity=capacity)
+    case = (agentic_cases(agentic_scale, spec.config.vocab_size, [agentic])[0] if agentic
+            else synthetic_cases([por], paths, path_len, spec.config.vocab_size)[0])
+    return Steps(model, spec, case, cfg, {})
+
+
 class _Skip(Exception):
     pass
 

@@ -100,13 +100,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("prof_step: needs a CUDA device")
-    spec = harness.model_specs()[args.model]
-    dev = torch.device("cuda")
-    model = spec.build(dev, torch.bfloat16)
-    cfg = harness.BenchConfig(device="cuda", dtype="bfloat16", iters=args.iters, capacity=args.capacity)
-    case = (harness.agentic_cases(args.agentic_scale, spec.config.vocab_size, [args.agentic])[0] if args.agentic
-            else harness.synthetic_cases([args.por], args.paths, args.path_len, spec.config.vocab_size)[0])
-    steps = harness.Steps(model, spec, case, cfg, {})
+    steps = harness.cuda_steps(args.model, agentic=args.agentic, agentic_scale=args.agentic_scale, por=args.por,
+                               paths=args.paths, path_len=args.path_len, capacity=args.capacity, iters=args.iters)
+    case = steps.case
     for name in args.contenders:
         made = steps.tree_step() if name == "tree" else getattr(steps, name)()
         step = made[0] if isinstance(made, tuple) else made
@@ -136,7 +132,7 @@ def main(argv=None) -> int:
             print(f"#   {kind:13s} {ms:8.2f} ms")
         for kname, ms, n in top[:args.top]:
             print(f"#     {ms:8.2f} ms  x{n:<5d} {kname}")
-        model.zero_grad(set_to_none=True)
+        steps.zero()
         torch.cuda.empty_cache()
     return 0
 

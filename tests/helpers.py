@@ -260,6 +260,14 @@ def materialized_run_is_exact(tmodel, batch) -> int:
     return count
 
 
+def branching_paths(rng, vocab: int, base_len: int, tail_len: int, max_paths: int) -> list[list[int]]:
+    """1 to ``max_paths - 1`` paths, each a prefix of one shared base (1 to ``base_len - 1`` tokens) plus its own
+    tail (1 to ``tail_len - 1`` tokens), token ids below ``vocab``; ``rng`` a ``random.Random``."""
+    base = [rng.randrange(vocab) for _ in range(rng.randrange(1, base_len))]
+    return [base[:rng.randrange(len(base) + 1)] + [rng.randrange(vocab) for _ in range(rng.randrange(1, tail_len))]
+            for _ in range(rng.randrange(1, max_paths))]
+
+
 def run_interpreted(script: str) -> dict:
     """Run ``script`` in a fresh Python under Triton's CPU interpreter (``TRITON_INTERPRET=1`` must be set before
     triton is imported, hence the subprocess) and return the dict of floats it printed on its last line; a failing

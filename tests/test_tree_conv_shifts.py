@@ -129,15 +129,13 @@ from treecompile.ops import tree_conv_shifts, tree_conv_triton
 from treecompile.ops.tree_conv import tree_causal_conv1d
 from treecompile.tree import Tree
 
-from tests.helpers import count_launches
+from tests.helpers import branching_paths, count_launches
 
 launched = count_launches(tree_conv_triton, "_dx_kernel")
 
 rng = random.Random(0)
 def paths():
-    base = [rng.randrange(5) for _ in range(rng.randrange(1, 12))]
-    return [base[:rng.randrange(len(base) + 1)] + [rng.randrange(5) for _ in range(rng.randrange(1, 10))]
-            for _ in range(rng.randrange(1, 7))]
+    return branching_paths(rng, 5, 12, 10, 7)
 
 worst = {"tree": 0.0, "any": 0.0, "bf16_dx": 0.0}
 for it in range(36):

@@ -121,15 +121,13 @@ from treecompile.ops.tree_attention import tree_attention_reference
 from treecompile.ops.varlen_tree_attention import segment_plan, tree_attention_varlen
 from tests.test_fa4_tree_attention import forest_paths
 
-from tests.helpers import count_launches
+from tests.helpers import branching_paths, count_launches
 
 launched = count_launches(key_copies, "_sum_copies_kernel")
 
 rng = random.Random(0)
 def paths():
-    base = [rng.randrange(4) for _ in range(rng.randrange(1, 90))]
-    return [base[:rng.randrange(len(base) + 1)] + [rng.randrange(4) for _ in range(rng.randrange(1, 80))]
-            for _ in range(rng.randrange(1, 9))]
+    return branching_paths(rng, 4, 90, 80, 9)
 
 worst = {"op": 0.0, "bf16": 0.0}
 for it in range(12):

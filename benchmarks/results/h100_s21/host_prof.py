@@ -76,14 +76,8 @@ def report(tag, step, n):
 
 if what == "step":
     from benchmarks import harness as H
-    spec = H.model_specs()["qwen3.5-hybrid-0.8b"]
-    model = spec.build(torch.device("cuda"), torch.bfloat16)
-    if case_name == "agentic":
-        case = H.agentic_cases(1.5, spec.config.vocab_size, ["parallel-tools"])[0]
-    else:
-        case = H.synthetic_cases([0.5], 16, 2048, spec.config.vocab_size)[0]
-    cfg = H.BenchConfig(device="cuda", dtype="bfloat16", iters=3, capacity=8192)
-    steps = H.Steps(model, spec, case, cfg, {})
+    steps = (H.cuda_steps("qwen3.5-hybrid-0.8b", agentic="parallel-tools", agentic_scale=1.5, capacity=8192)
+             if case_name == "agentic" else H.cuda_steps("qwen3.5-hybrid-0.8b", capacity=8192))
     step = steps.tree_step()[0]
     t0 = time.perf_counter(); step(); torch.cuda.synchronize(); print("first_s", round(time.perf_counter() - t0, 1), flush=True)
     report(f"step_{case_name}", step, 3)
