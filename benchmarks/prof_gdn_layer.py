@@ -4,7 +4,8 @@
 
 On :func:`benchmarks.hybrid_bench.layer_inputs` (Qwen3.5 linear-attention heads, bf16 on CUDA) of a bench tree,
 each variant (one fla varlen call over the tree's tokens; the tree through ``tree_gated_delta_rule_fla`` with the
-default plan (levelled), levelled with ``replay_max=0``, and whole fla calls) is timed (median of 5: step and host-until-return) and
+default plan (levelled), the same through fla's own functions (``tree_planned_via_fla``: no
+``ops/fla_direct.py`` launches), levelled with ``replay_max=0``, and whole fla calls) is timed (median of 5: step and host-until-return) and
 profiled once (torch.profiler): on CUDA the kernel count, kernel time and the top kernels; everywhere the top
 host ops.  ``--compare FILE``: another ``fla_gdn.py`` (e.g. ``git show REV:treecompile/ops/fla_gdn.py``) whose
 ``tree_gated_delta_rule_fla`` runs the same tree variants as ``<name>_compare`` rows, and whose outputs and input
@@ -72,7 +73,22 @@ def variants(paths, device: str, compare=None) -> tuple[dict, list, torch.Tensor
         for name, kw in tree_variants().items():
             fns[name + suffix] = (lambda f=mod.tree_gated_delta_rule_fla, kw=kw:
                                   f(*xs, *nodes, use_qk_l2norm_in_kernel=True, **kw))
+    if "tree_levels_r0" in tree_variants():  # levelled, default plan, every kernel through fla's own functions
+        fns["tree_planned_via_fla"] = lambda: _via_fla(lambda: fla_gdn.tree_gated_delta_rule_fla(
+            *xs, *nodes, use_qk_l2norm_in_kernel=True))
     return fns, xs, do
+
+
+def _via_fla(fn):
+    """``fn()`` with ``fla_gdn_levels.DIRECT`` off: the levelled layer's kernels through fla's own functions (its
+    wrappers, dispatch and autotuner stack), as before ``ops/fla_direct.py``; its backward uses the same set."""
+    from treecompile.ops import fla_gdn_levels
+
+    prev, fla_gdn_levels.DIRECT = fla_gdn_levels.DIRECT, False
+    try:
+        return fn()
+    finally:
+        fla_gdn_levels.DIRECT = prev
 
 
 def profile_variant(fn, xs, do, top: int = 8, warmup: int = 3, iters: int = 5) -> dict:
