@@ -10,5 +10,7 @@ layer)
 tests)
   timeout ${TT:-420} python -m pytest -q -m gpu tests/test_fla_gdn.py tests/test_fla_plan.py 2>&1 \
     | grep -E "passed|failed|Error|assert" | tail -8 | tee $OUT/gpu_tests.txt ;;
+s21) PYTHONPATH=$PWD/benchmarks/results/h100_s22/s21_code:$PYTHONPATH bash benchmarks/results/h100_s20/b.sh ;;
 *) bash benchmarks/results/h100_s20/b.sh ;;
 esac
+# s21: the same harness run with session 21's launches (s21_code/sitecustomize.py), e.g. SUITE=agentic CONTENDERS=tree
