@@ -4,8 +4,8 @@
 
 On :func:`benchmarks.hybrid_bench.layer_inputs` (Qwen3.5 linear-attention heads, bf16 on CUDA) of a bench tree,
 each variant (one fla varlen call over the tree's tokens; the tree through ``tree_gated_delta_rule_fla`` with the
-default plan (levelled), the same through fla's own functions (``tree_planned_via_fla``: no
-``ops/fla_direct.py`` launches), levelled with ``replay_max=0``, and whole fla calls) is timed (median of 5: step and host-until-return) and
+default plan (levelled), the same through fla's own functions (``tree_planned_via_fla``:
+``fla_gdn_levels.DIRECT`` off), levelled with ``replay_max=0``, and whole fla calls) is timed (median of 5: step and host-until-return) and
 profiled once (torch.profiler): on CUDA the kernel count, kernel time and the top kernels; everywhere the top
 host ops.  ``--compare FILE``: another ``fla_gdn.py`` (e.g. ``git show REV:treecompile/ops/fla_gdn.py``) whose
 ``tree_gated_delta_rule_fla`` runs the same tree variants as ``<name>_compare`` rows, and whose outputs and input
@@ -80,8 +80,8 @@ def variants(paths, device: str, compare=None) -> tuple[dict, list, torch.Tensor
 
 
 def _via_fla(fn):
-    """``fn()`` with ``fla_gdn_levels.DIRECT`` off: the levelled layer's kernels through fla's own functions (its
-    wrappers, dispatch and autotuner stack), as before ``ops/fla_direct.py``; its backward uses the same set."""
+    """``fn()`` with ``fla_gdn_levels.DIRECT`` off: the levelled layer's recurrence through fla's own functions (a
+    call each, outputs concatenated) instead of launches into one buffer; its backward uses the same set."""
     from treecompile.ops import fla_gdn_levels
 
     prev, fla_gdn_levels.DIRECT = fla_gdn_levels.DIRECT, False

@@ -92,25 +92,3 @@ def test_levels_equal_whole_calls_with_initial_state(replay_max, direct, monkeyp
         err_levels = float((a - o).abs().max() / o.abs().max())
         err_whole = float((w - o).abs().max() / o.abs().max())
         assert err_levels <= 2 * err_whole + 1e-6, f"{name}: levels {err_levels:.2e} vs whole calls {err_whole:.2e}"
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_direct_launches_equal_fla_functions(dtype, monkeypatch):
-    """``fla_direct``'s launches (fla's chunk kernels with its configs, without its wrappers and autotuner stack)
-    against the levelled path through fla's own functions: the same numbers bit for bit, outputs and every input
-    gradient, with grouped value heads (H != Hv) and a tree of T not a multiple of the chunk size."""
-    from treecompile.ops import fla_direct, fla_gdn_levels
-
-    assert {"l2norm_fwd", "cumsum", "fwd_intra", "fwd_o", "wy_bwd"} <= set(fla_direct.functions())
-    b = Tree.from_paths(short_node_paths(4)).to_batch(device="cuda")
-    assert b.seq_len % 64
-    gen = torch.Generator(device="cuda").manual_seed(5)
-    xs = inputs(b.seq_len, 2, 4, 128, 128, dtype, gen)
-    grad_o = torch.randn(1, b.seq_len, 4, 128, generator=gen, device="cuda", dtype=torch.float64)
-    nodes = (b.node_start, b.node_end, b.node_parent, b.node_level)
-    fn = functools.partial(tree_gated_delta_rule_fla, levels=True)
-    direct = [run(fn, xs, nodes, grad_o) for _ in range(2)]  # the second launches every key from the memo
-    monkeypatch.setattr(fla_gdn_levels, "DIRECT", False)
-    dispatched = run(fn, xs, nodes, grad_o)
-    for name, a, c, d in zip(["o", "dq", "dk", "dv", "dg", "dbeta"], *direct, dispatched):
-        assert torch.equal(a, d) and torch.equal(c, d), name

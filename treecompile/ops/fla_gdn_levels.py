@@ -17,8 +17,7 @@ whose steps the forward and backward below follow one for one), so the result eq
 to nothing: same kernels, same chunks, same state dtypes (checked bit for bit on CPU with fla's kernels under
 Triton's interpreter, and on Hopper in ``tests/test_fla_gdn.py``).  The two recurrence kernels are launched
 straight into slices of one buffer per layer (:data:`DIRECT`) unless a backend of fla's dispatch that is
-enabled here claims their functions; with :data:`DIRECT` the chunk-local kernels are launched directly too
-(:mod:`treecompile.ops.fla_direct`: fla's wrappers and autotuner stack cost more host time than the launch).
+enabled here claims their functions.
 
 Uses fla's internal (not exported) functions of flash-linear-attention 0.6; :func:`levels_unusable_reason`
 says when they are not importable, and the caller then falls back to whole calls.
@@ -48,19 +47,14 @@ def levels_unusable_reason() -> str | None:
 
 def _fla():
     """fla's internal functions the levelled path composes, with ``direct``: the recurrence kernels when
-    :data:`DIRECT` and :func:`_direct_kernels` allow launching them directly, else None.  With :data:`DIRECT` the
-    chunk-local functions that no enabled fla backend claims are :mod:`treecompile.ops.fla_direct`'s (the same
-    kernels, launched with less host work).  A layer's backward uses the set its forward used."""
+    :data:`DIRECT` and :func:`_direct_kernels` allow launching them directly, else None.  A layer's backward uses
+    the set its forward used (:data:`DIRECT` may change in between)."""
     return _fla_set(DIRECT)
 
 
 @functools.cache
 def _fla_set(direct: bool) -> dict:
-    if not direct:
-        return dict(_fla_functions(), direct=None)
-    from treecompile.ops import fla_direct
-
-    return dict(_fla_functions(), **fla_direct.functions(), direct=_direct_kernels())
+    return dict(_fla_functions(), direct=_direct_kernels() if direct else None)
 
 
 def _fla_functions():
@@ -91,25 +85,30 @@ def _import_fla_functions():
 
 
 # Launch the recurrence kernels straight into slices of one buffer per layer (no per-call allocation, no cat, no
-# trip through fla's backend dispatch) where fla's dispatch has no backend for them (:func:`_direct_kernels`), and
-# the chunk-local kernels through treecompile.ops.fla_direct (False: every function through fla's own).
+# trip through fla's backend dispatch) where fla's dispatch has no backend for them (:func:`_direct_kernels`).
 DIRECT = True
 
 
 @functools.cache
 def _direct_kernels():
-    """fla's two recurrence Triton kernels (each a :class:`~treecompile.ops.fla_direct.Launcher`), or None when a
-    backend of fla's dispatch that is available and enabled here could serve the functions that launch them (``chunk_gated_delta_rule_fwd_h`` / ``_bwd_dhu``;
+    """fla's two recurrence Triton kernels, or None when a backend of fla's dispatch that is available and
+    enabled here could serve the functions that launch them (``chunk_gated_delta_rule_fwd_h`` / ``_bwd_dhu``;
     fla 0.6 has an NPU one and an opt-in inference-only one, ``FLA_INTRACARD_CP``): then those functions are
     called as they are, through the dispatch, and their outputs concatenated."""
+    import fla.backends as fb
     from fla.ops.common import chunk_delta_h as m
 
-    from treecompile.ops.fla_direct import Launcher, claimed
-
-    if any(claimed(m.__name__, n) for n in ("chunk_gated_delta_rule_fwd_h", "chunk_gated_delta_rule_bwd_dhu")):
-        return None
-    return (Launcher(m.chunk_gated_delta_rule_fwd_kernel_h_blockdim64),
-            Launcher(m.chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64))
+    names = ("chunk_gated_delta_rule_fwd_h", "chunk_gated_delta_rule_bwd_dhu")
+    registries = [fb._operation_registries.get("common")]
+    registries += [fb._function_registries.get(fb.unwrap(getattr(m, n))) for n in names]
+    for reg in registries:
+        for backend in (reg._backends.values() if reg is not None else ()):
+            if not (backend.is_available() and backend.is_enabled()):
+                continue
+            if getattr(backend, "implementation", None) is not None or any(
+                    backend.get_implementation(n) is not None for n in names):
+                return None
+    return m.chunk_gated_delta_rule_fwd_kernel_h_blockdim64, m.chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64
 
 
 def _launch_fwd_h(kernel, k, w, u, g, init, c: CallSlice, h, v_new, final: bool, chunk_size: int):
@@ -117,9 +116,9 @@ def _launch_fwd_h(kernel, k, w, u, g, init, c: CallSlice, h, v_new, final: bool,
     layer's buffers); the arguments are the ones that function passes (fla/ops/common/chunk_delta_h.py)."""
     H, K, HV, V = k.shape[2], k.shape[3], u.shape[2], u.shape[3]
     ht = k.new_zeros(c.segments, HV, K, V, dtype=torch.float32) if final else None
-    kernel(lambda meta: (-(-V // meta["BV"]) * c.segments * HV,),
-           k=k, v=u, w=w, v_new=v_new, g=g, gk=None, h=h, h0=init, ht=ht, cu_seqlens=c.cu_seqlens,
-           chunk_offsets=c.chunk_offsets, T=k.shape[1], H=H, HV=HV, K=K, V=V, BT=chunk_size, STATE_V_FIRST=False)
+    kernel[lambda meta: (-(-V // meta["BV"]) * c.segments * HV,)](
+        k=k, v=u, w=w, v_new=v_new, g=g, gk=None, h=h, h0=init, ht=ht, cu_seqlens=c.cu_seqlens,
+        chunk_offsets=c.chunk_offsets, T=k.shape[1], H=H, HV=HV, K=K, V=V, BT=chunk_size, STATE_V_FIRST=False)
     return ht
 
 
@@ -128,10 +127,10 @@ def _launch_bwd_dhu(kernel, q, k, w, do, dv, g, h0, dht, scale, c: CallSlice, dh
     buffers; returns ``dh0``."""
     H, K, HV, V = q.shape[2], q.shape[3], do.shape[2], do.shape[3]
     dh0 = torch.empty_like(h0, dtype=torch.float32)
-    kernel(lambda meta: (-(-V // meta["BV"]) * c.segments * HV,),
-           q=q, k=k, w=w, g=g, gk=None, dht=dht, dh0=dh0, do=do, dh=dh, dv=dv, dv2=dv2, cu_seqlens=c.cu_seqlens,
-           chunk_offsets=c.chunk_offsets, scale=scale, T=q.shape[1], H=H, HV=HV, K=K, V=V, BT=chunk_size,
-           STATE_V_FIRST=False)
+    kernel[lambda meta: (-(-V // meta["BV"]) * c.segments * HV,)](
+        q=q, k=k, w=w, g=g, gk=None, dht=dht, dh0=dh0, do=do, dh=dh, dv=dv, dv2=dv2, cu_seqlens=c.cu_seqlens,
+        chunk_offsets=c.chunk_offsets, scale=scale, T=q.shape[1], H=H, HV=HV, K=K, V=V, BT=chunk_size,
+        STATE_V_FIRST=False)
     return dh0
 
 
