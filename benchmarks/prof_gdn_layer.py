@@ -7,8 +7,8 @@ each variant (one fla varlen call over the tree's tokens; the tree through ``tre
 default plan (levelled), the same through fla's own functions (``tree_planned_via_fla``:
 ``fla_gdn_levels.DIRECT`` off), levelled with ``replay_max=0``, and whole fla calls) is timed (median of 5: step
 and host-until-return) and profiled once (torch.profiler): on CUDA the kernel count, kernel time and the top
-kernels; everywhere the top host ops.  ``--compare FILE``: another ``fla_gdn.py`` (e.g. ``git show REV:treecompile/ops/fla_gdn.py``) whose
-``tree_gated_delta_rule_fla`` runs the same tree variants as ``<name>_compare`` rows, and whose outputs and input
+kernels; everywhere the top host ops.  ``--compare FILE``: another ``fla_gdn.py`` (e.g. ``git show
+REV:treecompile/ops/fla_gdn.py``) whose ``tree_gated_delta_rule_fla`` runs the same tree variants as ``<name>_compare`` rows, and whose outputs and input
 gradients are compared with this tree's (max abs diff).  One JSON row per variant, then its top ops.
 """
 
