@@ -8,8 +8,9 @@ default plan (levelled), the same through fla's own functions (``tree_planned_vi
 ``fla_gdn_levels.DIRECT`` off), levelled with ``replay_max=0``, and whole fla calls) is timed (median of 5: step
 and host-until-return) and profiled once (torch.profiler): on CUDA the kernel count, kernel time and the top
 kernels; everywhere the top host ops.  ``--compare FILE``: another ``fla_gdn.py`` (e.g. ``git show
-REV:treecompile/ops/fla_gdn.py``) whose ``tree_gated_delta_rule_fla`` runs the same tree variants as ``<name>_compare`` rows, and whose outputs and input
-gradients are compared with this tree's (max abs diff).  One JSON row per variant, then its top ops.
+REV:treecompile/ops/fla_gdn.py``) whose ``tree_gated_delta_rule_fla`` runs the same tree variants as
+``<name>_compare`` rows, and whose outputs and input gradients are compared with this tree's (max abs diff).  One
+JSON row per variant, then its top ops.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import importlib.util
 import json
 import sys
 import time
+from unittest import mock
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -84,11 +86,8 @@ def _via_fla(fn):
     call each, outputs concatenated) instead of launches into one buffer; its backward uses the same set."""
     from treecompile.ops import fla_gdn_levels
 
-    prev, fla_gdn_levels.DIRECT = fla_gdn_levels.DIRECT, False
-    try:
+    with mock.patch.object(fla_gdn_levels, "DIRECT", False):
         return fn()
-    finally:
-        fla_gdn_levels.DIRECT = prev
 
 
 def profile_variant(fn, xs, do, top: int = 8, warmup: int = 3, iters: int = 5) -> dict:

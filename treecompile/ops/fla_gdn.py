@@ -54,7 +54,6 @@ __all__ = [
     "host_chunk_indices",
     "occurrence_groups",
     "plan_calls",
-    "to_device_async",
     "tree_gated_delta_rule_fla",
 ]
 
