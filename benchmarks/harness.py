@@ -215,6 +215,10 @@ def model_specs() -> dict[str, ModelSpec]:
         # layers (HF Qwen3MoeForCausalLM, 128 experts top 8; 3.0B parameters, 0.6B of them embeddings), and
         # HF Qwen3 at the 0.6B shape (to compare HF's dense model with ours)
         "qwen3-30b-a3b-4l": ModelSpec("qwen3-30b-a3b-4l", "hf", hf_models.qwen3_30b_a3b_config(4)),
+        # HF Qwen3.5-MoE (Qwen3_5MoeForCausalLM) at the Qwen3.5-35B-A3B layer shape with 8 layers (6 GDN: 16 key /
+        # 32 value heads of 128; 2 gated attention: 16 q / 2 kv heads of 256; 256 experts top 8 + a shared expert;
+        # 7.5B parameters, 1.0B of them embeddings): the MoE hybrid of issue 17
+        "qwen3.5-35b-a3b-8l": ModelSpec("qwen3.5-35b-a3b-8l", "hf", hf_models.qwen3_5_35b_a3b_config(8)),
         "hf-qwen3-0.6b": ModelSpec("hf-qwen3-0.6b", "hf", hf_models.HFConfig.of("Qwen3Config", **hf_models.QWEN3_0_6B)),
         "dense-tiny": ModelSpec("dense-tiny", "dense", DenseConfig.tiny(vocab_size=512)),
         # flex attention needs head_dim >= 16 (the recompile stream on CUDA)
@@ -223,6 +227,13 @@ def model_specs() -> dict[str, ModelSpec]:
         "hybrid-tiny": ModelSpec("hybrid-tiny", "hybrid", HybridConfig.tiny(vocab_size=512)),
         # Qwen3-Next / Qwen3.5-MoE shape (GDN + attention, routed experts + shared expert), tiny
         "hybrid-moe-tiny": ModelSpec("hybrid-moe-tiny", "hybrid", HybridConfig.tiny(vocab_size=512, num_experts=4)),
+        # HF Qwen3.5-MoE, tiny (CPU tests): 4 layers (3 GDN + 1 attention), 4 experts top 2 + a shared expert
+        "hf-qwen3.5-moe-tiny": ModelSpec("hf-qwen3.5-moe-tiny", "hf", hf_models.HFConfig.of(
+            "Qwen3_5MoeTextConfig", vocab_size=512, hidden_size=32, num_hidden_layers=4, full_attention_interval=4,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=8, linear_conv_kernel_dim=4, linear_key_head_dim=8,
+            linear_value_head_dim=6, linear_num_key_heads=2, linear_num_value_heads=4, num_experts=4,
+            num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24,
+            tie_word_embeddings=False)),
         # HF Qwen3-MoE, tiny (CPU tests): 1 layer, 4 experts top 2
         "hf-qwen3-moe-tiny": ModelSpec("hf-qwen3-moe-tiny", "hf", hf_models.HFConfig.of(
             "Qwen3MoeConfig", vocab_size=512, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
@@ -508,8 +519,9 @@ class Steps:
             from benchmarks import hybrid_baselines
         else:
             import hybrid_baselines
-        if self.spec.kind != "hybrid":
-            raise _Skip("hybrid models only (dense models: compiled_per_path / packed_*)")
+        if not hybrid_baselines.gdn_hooks(self.model):
+            raise _Skip("hybrid models only (no Gated DeltaNet kernel hooks; dense models: compiled_per_path / "
+                        "packed_*)")
         if self.dev.type == "cuda" or name == "compiled_per_path_fla":
             from treecompile.ops.fla_gdn import fla_unusable_reason
 
@@ -1069,7 +1081,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.harness", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", action="append", help="repeatable; default qwen3-0.6b (tiny: dense-tiny, hybrid-tiny; "
-                    "HF transformers models: qwen3-30b-a3b-4l, hf-qwen3-0.6b, hf-qwen3-moe-tiny)")
+                    "HF transformers models: qwen3-30b-a3b-4l, qwen3.5-35b-a3b-8l, hf-qwen3-0.6b, hf-qwen3-moe-tiny, "
+                    "hf-qwen3.5-moe-tiny)")
     ap.add_argument("--suite", action="append", choices=["sweep", "agentic"], help="repeatable; default both")
     ap.add_argument("--por", type=float, nargs="+", default=[0.2, 0.5, 0.7, 0.85, 0.92])
     ap.add_argument("--paths", type=int, default=16, help="paths per synthetic tree")

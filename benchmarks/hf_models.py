@@ -24,14 +24,22 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["HFConfig", "QWEN3_30B_A3B_LAYER", "build_hf", "causal_attention", "qwen3_30b_a3b_config",
-           "require_transformers"]
+__all__ = ["HFConfig", "QWEN3_30B_A3B_LAYER", "QWEN3_5_35B_A3B_LAYER", "build_hf", "causal_attention",
+           "qwen3_30b_a3b_config", "qwen3_5_35b_a3b_config", "require_transformers"]
 
 # Qwen3-30B-A3B's layer shape (config.json of Qwen/Qwen3-30B-A3B); the layer count is the spec's
 QWEN3_30B_A3B_LAYER = dict(
     vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_attention_heads=32,
     num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
     max_position_embeddings=40960)
+
+# Qwen3.5-35B-A3B's text layer shape (Qwen3_5MoeTextConfig's defaults in transformers 5.23); the layer count
+# (and with it the 3 GDN : 1 attention layer types) is the spec's
+QWEN3_5_35B_A3B_LAYER = dict(
+    vocab_size=248320, hidden_size=2048, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+    linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
+    linear_num_value_heads=32, num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+    shared_expert_intermediate_size=512, rms_norm_eps=1e-6, tie_word_embeddings=False)
 
 # Qwen3-0.6B's shape as DenseConfig.qwen3_0_6b() (tied embeddings), as an HF Qwen3Config
 QWEN3_0_6B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
@@ -71,6 +79,17 @@ class HFConfig:
 
     def build(self):
         return getattr(require_transformers(), self.config_class)(**dict(self.kwargs))
+
+
+def qwen3_5_35b_a3b_config(num_layers: int = 8) -> HFConfig:
+    """The Qwen3.5-35B-A3B text layer shape (HF ``Qwen3_5MoeForCausalLM``; the layer fields are
+    ``Qwen3_5MoeTextConfig``'s defaults, spelled out here so that a transformers release changing its defaults
+    does not change the benchmark; RoPE is the config's default, partial rotary 0.25) with ``num_layers``
+    layers, every fourth full attention."""
+    if num_layers < 1:
+        raise ValueError(f"num_layers: expected >= 1, got {num_layers}")
+    return HFConfig.of("Qwen3_5MoeTextConfig", num_hidden_layers=num_layers, full_attention_interval=4,
+                       **QWEN3_5_35B_A3B_LAYER)
 
 
 def qwen3_30b_a3b_config(num_layers: int = 4) -> HFConfig:

@@ -31,13 +31,19 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["compiled_per_path_fla", "fla_gdn_kernel", "gdn_layers", "hooks", "layer_kernels", "packed_fla_varlen",
-           "varlen_conv_fla"]
+__all__ = ["compiled_per_path_fla", "fla_gdn_kernel", "gdn_hooks", "hook_values", "hooks", "layer_kernels",
+           "packed_fla_varlen", "varlen_conv_fla"]
 
 
-def gdn_layers(model) -> list[torch.nn.Module]:
-    """Modules with the GDN kernel hooks (``chunk_gated_delta_rule`` and ``causal_conv1d_fn`` attributes)."""
-    return [m for m in model.modules() if hasattr(m, "chunk_gated_delta_rule") and hasattr(m, "causal_conv1d_fn")]
+def gdn_hooks(model) -> list[tuple[object, tuple[str, ...], tuple[str, ...]]]:
+    """``(owner, GDN hook names, conv hook names)`` of the model's Gated DeltaNet layers
+    (``treecompile.frontend.gdn_hook_owners``): our hybrid's layers hold their kernels as instance
+    attributes, HF's Qwen3.5 / Qwen3-Next layers call their modeling module's globals (transformers 5.2x)
+    or instance attributes (earlier 5.x); the baselines install their kernels wherever the tree's capture
+    finds the hooks."""
+    from treecompile.frontend import gdn_hook_owners
+
+    return gdn_hook_owners(model)
 
 
 def fla_gdn_kernel():
@@ -55,30 +61,35 @@ def fla_gdn_kernel():
 
 
 def layer_kernels(model, make) -> dict:
-    """``{layer: make(layer's own GDN kernel)}``, built once per baseline: the hook functions must be the
-    same objects every step (dynamo guards on them; a fresh closure per step would recompile each step)."""
-    return {m: make(m.chunk_gated_delta_rule) for m in gdn_layers(model)}
+    """``{hook owner: make(the owner's own GDN kernel)}``, built once per baseline: the hook functions must be
+    the same objects every step (dynamo guards on them; a fresh closure per step would recompile each step)."""
+    return {owner: make(getattr(owner, gdn[0])) for owner, gdn, _ in gdn_hooks(model)}
+
+
+def hook_values(model) -> list:
+    """Every GDN / conv hook's current value (what :func:`hooks` must leave as it found)."""
+    return [(owner, n, getattr(owner, n)) for owner, gdn, conv in gdn_hooks(model) for n in gdn + conv]
 
 
 @contextlib.contextmanager
 def hooks(model, *, gdn: dict | None = None, conv=None, sdpa=None):
     """Install kernels (``gdn`` from :func:`layer_kernels`) on the GDN layers' hooks, and SDPA, for the
     block; restore them after."""
-    layers = gdn_layers(model)
-    saved = [(m.chunk_gated_delta_rule, m.causal_conv1d_fn) for m in layers]
+    owners = gdn_hooks(model)
+    saved = hook_values(model)
     orig_sdpa = torch.nn.functional.scaled_dot_product_attention
     try:
-        for m in layers:
-            if gdn is not None:
-                m.chunk_gated_delta_rule = gdn[m]
-            if conv is not None:
-                m.causal_conv1d_fn = conv
+        for owner, gdn_names, conv_names in owners:
+            for n in gdn_names if gdn is not None else ():
+                setattr(owner, n, gdn[owner])
+            for n in conv_names if conv is not None else ():
+                setattr(owner, n, conv)
         if sdpa is not None:
             torch.nn.functional.scaled_dot_product_attention = sdpa
         yield
     finally:
-        for m, (g, c) in zip(layers, saved):
-            m.chunk_gated_delta_rule, m.causal_conv1d_fn = g, c
+        for owner, n, value in saved:
+            setattr(owner, n, value)
         torch.nn.functional.scaled_dot_product_attention = orig_sdpa
 
 
@@ -87,7 +98,7 @@ def _upcast(x):
 
 
 def _require_hybrid(steps):
-    if not gdn_layers(steps.model):
+    if not gdn_hooks(steps.model):
         raise RuntimeError("hybrid models only (no GDN layer with kernel hooks)")
 
 
@@ -278,8 +289,10 @@ def packed_fla_varlen(steps, capacity: int, conv: str = "reset", causal_conv1d=N
             from harness import document_sdpa
         Varlen, sdpa = None, document_sdpa(Pack)
 
+    spec = steps.spec
+
     def loss_fn_packed(ids, targets, same):
-        logits = _upcast(model(ids[None])[0])
+        logits = _upcast(spec.logits(model, ids[None])[0])  # [1, n, V] for ours and HF models alike
         return (F.cross_entropy(logits, targets, reduction="none") * same).sum()
 
     fn = loss_fn_packed
@@ -289,7 +302,7 @@ def packed_fla_varlen(steps, capacity: int, conv: str = "reset", causal_conv1d=N
     def step():
         steps.zero()
         total = 0.0
-        with hooks(model, gdn=gdn, conv=conv_fn, sdpa=sdpa):
+        with spec.baseline_context(model), hooks(model, gdn=gdn, conv=conv_fn, sdpa=sdpa):
             for ids, targets, same, cu, cu_list, cu32, pos, mask, cu_cpu in packs:
                 Pack.cu_seqlens, Pack.cu_list, Pack.pos_in_seq, Pack.mask, Pack.cu_cpu = cu, cu_list, pos, mask, cu_cpu
                 if Varlen is not None:

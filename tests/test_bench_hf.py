@@ -143,3 +143,30 @@ def test_hf_dense_spec_has_our_qwen3_shape():
     assert (moe.num_hidden_layers, moe.num_experts, moe.num_experts_per_tok, moe.moe_intermediate_size,
             moe.hidden_size, moe.num_attention_heads, moe.num_key_value_heads, moe.head_dim) == (4, 128, 8, 768, 2048,
                                                                                                    32, 4, 128)
+
+
+def test_hf_moe_hybrid_spec_has_the_qwen3_5_35b_a3b_layer_shape():
+    """``qwen3.5-35b-a3b-8l``: HF Qwen3.5-MoE with the 35B-A3B text layers (the config class's defaults, as
+    they stand in this transformers), 8 layers of 3 GDN : 1 attention; its GDN layers are found by the
+    baselines' hook discovery (the capture's), and the FLOP model counts 8 routed experts + the shared one."""
+    from benchmarks import harness
+    from benchmarks.hybrid_baselines import gdn_hooks
+
+    cfg = harness.model_specs()["qwen3.5-35b-a3b-8l"].config.build()
+    default = transformers.Qwen3_5MoeTextConfig()
+    for k in ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+              "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads",
+              "num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
+              "tie_word_embeddings", "rope_parameters"):
+        assert getattr(cfg, k) == getattr(default, k), k
+    assert cfg.layer_types == ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"]
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    assert type(model).__name__ == "Qwen3_5MoeForCausalLM"
+    assert gdn_hooks(model)
+    fm = FlopModel.of(model)
+    D, I, E, k = 2048, 512, 256, 8
+    experts = 8 * (k * 3 * D * I + 3 * D * I + D * E + D)  # routed top-8, shared expert, router, shared gate
+    assert fm.linear_per_token - 2 * experts == 2 * sum(
+        m.in_features * m.out_features for n, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and ".mlp." not in n)

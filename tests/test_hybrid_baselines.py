@@ -1,42 +1,65 @@
 """The hybrid baselines of the benchmark harness on CPU: packed == per path (loss and every gradient)."""
 
+import copy
 import itertools
 
 import pytest
 import torch
 
 from benchmarks import harness
-from benchmarks.hybrid_baselines import Pack, gdn_layers, reset_conv1d
+from benchmarks.hybrid_baselines import Pack, gdn_hooks, hook_values, reset_conv1d
 from benchmarks.trees import synthetic_paths
 
 
-def run(spec_name, contender, paths, capacity):
+def run(spec_name, contender, paths, capacity, model=None):
+    """``contender``'s step on a fresh ``spec_name`` model (float64, seed 0), or on ``model``."""
     spec = harness.model_specs()[spec_name]
-    torch.manual_seed(0)
-    model = spec.build(torch.device("cpu"), torch.float64)
+    if model is None:
+        torch.manual_seed(0)
+        model = spec.build(torch.device("cpu"), torch.float64)
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     case = harness.TreeCase("t", "synthetic", None, tuple(map(tuple, paths)))
-    cfg = harness.BenchConfig(device="cpu", dtype="float64", iters=1, capacity=capacity, compile_baselines=False)
+    cfg = harness.BenchConfig(device="cpu", dtype=dtype, iters=1, capacity=capacity, compile_baselines=False)
     steps = harness.Steps(model, spec, case, cfg, {})
-    before = [(m.chunk_gated_delta_rule, m.causal_conv1d_fn) for m in gdn_layers(model)]
+    before = hook_values(model)
+    assert before  # every spec here is a hybrid
     loss = float(getattr(steps, contender)()())
     # the hooks are restored after the step: the model stays unmodified for the tree contender
-    assert before == [(m.chunk_gated_delta_rule, m.causal_conv1d_fn) for m in gdn_layers(model)]
+    assert before == hook_values(model)
     assert torch.nn.functional.scaled_dot_product_attention is harness._ORIG_SDPA
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return loss, grads, model, steps
 
 
-@pytest.mark.parametrize("spec_name", ["hybrid-tiny", "hybrid-moe-tiny"])
+F32_TINY = torch.finfo(torch.float32).tiny
+
+
+@pytest.mark.parametrize("spec_name", ["hybrid-tiny", "hybrid-moe-tiny", "hf-qwen3.5-moe-tiny"])
 @pytest.mark.parametrize("capacity", [40, 10_000], ids=["several_packs", "one_pack"])
 def test_packed_hybrid_equals_per_path(spec_name, capacity):
+    """The packed step (the reference GDN once per sequence, a dense document mask) equals each path run alone:
+    ours to 1e-9; HF's Qwen3.5-MoE (whose GDN layers call their modeling module's globals, not instance
+    attributes) within the per-path run's own rounding: HF computes its GDN, RMSNorm and router in float32
+    inside the float64 model, so the bound is 2x the per-path run's distance to the same model run all in
+    float32 (which rounds wherever HF64 rounds; as ``test_compile_hybrid``'s HF checks)."""
+    if spec_name.startswith("hf-"):
+        pytest.importorskip("transformers")
     paths = synthetic_paths(6, 23, 0.5, vocab=512, seed=3) + [[5, 6, 7]]  # odd lengths, a 3-token path
-    ref_loss, ref_grads, _, _ = run(spec_name, "eager_per_path", paths, capacity)
+    ref_loss, ref_grads, model, _ = run(spec_name, "eager_per_path", paths, capacity)
     loss, grads, _, steps = run(spec_name, "packed_fla_varlen", paths, capacity)
     assert "attention" in steps.note
-    assert abs(loss - ref_loss) <= 1e-9 * abs(ref_loss)
     assert grads.keys() == ref_grads.keys()
+    if not spec_name.startswith("hf-"):
+        assert abs(loss - ref_loss) <= 1e-9 * abs(ref_loss)
+        for n, g in ref_grads.items():
+            torch.testing.assert_close(grads[n], g, rtol=1e-9, atol=1e-12, msg=n)
+        return
+    model.zero_grad(set_to_none=True)
+    loss32, grads32, *_ = run(spec_name, "eager_per_path", paths, capacity, model=copy.deepcopy(model).float())
+    assert abs(loss - ref_loss) <= 2 * abs(loss32 - ref_loss) + 1e-12 * abs(ref_loss)
     for n, g in ref_grads.items():
-        torch.testing.assert_close(grads[n], g, rtol=1e-9, atol=1e-12, msg=n)
+        err, noise = float((grads[n] - g).norm()), float((grads32[n].double() - g).norm())
+        assert err <= 2 * noise + 1e-12 * float(g.norm()) + F32_TINY, (n, err, noise)
 
 
 def test_packed_with_a_varlen_conv_equals_per_path():
@@ -69,7 +92,8 @@ def test_packed_with_a_varlen_conv_equals_per_path():
     loss = float(hb.packed_fla_varlen(steps, 40, conv="fla", causal_conv1d=causal_conv1d)())
     # 6 packs of <= 40 tokens (each 23-token path alone, the 3-token path with one of them), each padded to one
     # length: 2-3 sequences per call, one call per GDN layer and pack
-    assert "conv: fla varlen" in steps.note and len(calls) == len(gdn_layers(model)) * 6
+    n_gdn = sum(type(m).__name__ == "GatedDeltaNet" for m in model.modules())
+    assert "conv: fla varlen" in steps.note and len(calls) == n_gdn * 6
     assert set(calls) == {2, 3}
     assert abs(loss - ref_loss) <= 1e-9 * abs(ref_loss)
     for n, p in model.named_parameters():

@@ -20,7 +20,7 @@ from torch.export import Dim, ExportedProgram
 from treecompile.capture_errors import explain_capture_error, record_guards
 from treecompile.tracing import export_settings
 
-__all__ = ["Captured", "capture", "CaptureError", "kernel_swaps"]
+__all__ = ["Captured", "capture", "CaptureError", "gdn_hook_owners", "kernel_swaps"]
 
 # Kernel hooks that are swapped, during capture only, for registered tree ops (so that each Gated
 # DeltaNet layer is one node and the length stays dynamic).  HF transformers (Qwen3.5, Qwen3-Next)
@@ -43,36 +43,47 @@ def _patched(obj, name, value):
             delattr(obj, name)
 
 
+def gdn_hook_owners(model: torch.nn.Module) -> list[tuple[object, tuple[str, ...], tuple[str, ...]]]:
+    """``(owner, GDN hook names, conv hook names)`` for every object that holds a Gated DeltaNet layer's
+    kernel hooks: a module of ``model`` (or the Python module its class is defined in) exposing one of
+    ``GDN_HOOKS`` and one of ``CONV_HOOKS`` as callables, each owner once, in module order.  What
+    :func:`kernel_swaps` swaps during capture, and what the benchmark baselines swap their kernels into."""
+    import sys
+
+    owners, done = [], set()
+    for m in model.modules():
+        for owner in (m, sys.modules.get(type(m).__module__)):
+            if owner is None or id(owner) in done:
+                continue
+            space = vars(owner)
+            gdn = tuple(n for n in GDN_HOOKS if callable(space.get(n)))
+            conv = tuple(n for n in CONV_HOOKS if callable(space.get(n)))
+            if gdn and conv:
+                done.add(id(owner))
+                owners.append((owner, gdn, conv))
+    return owners
+
+
 def kernel_swaps(model: torch.nn.Module) -> list:
     """Context managers that swap Gated DeltaNet / causal-conv hooks for tree ops during capture.
 
     A module is taken for a GDN layer when it (or the module its class is defined in) exposes one of
-    ``GDN_HOOKS`` and one of ``CONV_HOOKS`` as callables.  HF experts modules (classes decorated with
-    ``use_experts_implementation``: their eager loop is data-dependent, ``grouped_mm`` refuses float64)
-    get their instance ``forward`` swapped for ``treecompile::moe_experts`` when
-    :func:`treecompile.hf_adapters.hf_experts_supported` says it computes them exactly; others are left
-    as they are.  Returns [] for models without such layers.
+    ``GDN_HOOKS`` and one of ``CONV_HOOKS`` as callables (:func:`gdn_hook_owners`).  HF experts modules
+    (classes decorated with ``use_experts_implementation``: their eager loop is data-dependent,
+    ``grouped_mm`` refuses float64) get their instance ``forward`` swapped for ``treecompile::moe_experts``
+    when :func:`treecompile.hf_adapters.hf_experts_supported` says it computes them exactly; others are
+    left as they are.  Returns [] for models without such layers.
     """
-    import sys
     import types
 
     from treecompile.hf_adapters import hf_causal_conv1d_fn, hf_chunk_gated_delta_rule
     from treecompile.hf_adapters import hf_experts_forward, hf_experts_supported
 
-    swaps, done = [], set()
-    for m in model.modules():
-        if hasattr(m, "is_concatenated") and hasattr(m, "gate_up_proj") and hf_experts_supported(m) is None:
-            swaps.append(_patched(m, "forward", types.MethodType(hf_experts_forward, m)))
-        for owner in (m, sys.modules.get(type(m).__module__)):
-            if owner is None or id(owner) in done:
-                continue
-            space = vars(owner)
-            gdn = [n for n in GDN_HOOKS if callable(space.get(n))]
-            conv = [n for n in CONV_HOOKS if callable(space.get(n))]
-            if gdn and conv:
-                done.add(id(owner))
-                swaps += [_patched(owner, n, hf_chunk_gated_delta_rule) for n in gdn]
-                swaps += [_patched(owner, n, hf_causal_conv1d_fn) for n in conv]
+    swaps = [_patched(m, "forward", types.MethodType(hf_experts_forward, m)) for m in model.modules()
+             if hasattr(m, "is_concatenated") and hasattr(m, "gate_up_proj") and hf_experts_supported(m) is None]
+    for owner, gdn, conv in gdn_hook_owners(model):
+        swaps += [_patched(owner, n, hf_chunk_gated_delta_rule) for n in gdn]
+        swaps += [_patched(owner, n, hf_causal_conv1d_fn) for n in conv]
     return swaps
 
 
