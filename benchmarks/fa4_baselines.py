@@ -136,9 +136,13 @@ def compiled_per_path_fa4(steps):
 
 
 def packed_fa4_varlen(steps, capacity: int):
-    """Packed step: paths packed whole under ``capacity`` (first-fit decreasing), each pack one sequence
-    padded to a multiple of 128 with FA4 varlen causal attention over its documents."""
-    from treecompile.runtime.partition import first_fit_decreasing
+    """Packed step: paths packed whole under ``capacity`` (``harness.pack_plan``: first-fit decreasing, each
+    pack one sequence padded to its own length, a multiple of 128 or more for at most a few compiled shapes)
+    with FA4 varlen causal attention over its documents."""
+    try:
+        from benchmarks.harness import pack_plan
+    except ImportError:
+        from harness import pack_plan
 
     refusal = steps.spec.packing_refusal(steps.model)
     if refusal:
@@ -146,14 +150,11 @@ def packed_fa4_varlen(steps, capacity: int):
     if steps.dev.type != "cuda":
         raise RuntimeError("FA4 runs on CUDA only")
     fa4_ops()
-    paths = steps.case.paths
-    lens = [len(p) for p in paths]
-    groups = first_fit_decreasing(lens, max(capacity, max(lens)))
-    n = -(-max(sum(lens[i] for i in g) for g in groups) // 128) * 128
+    lens = [len(p) for p in steps.case.paths]
+    plan = pack_plan(lens, capacity)
     wdtype = _upcast(next(steps.model.parameters())).dtype
     packs = []
-    for g in groups:
-        g = sorted(g)
+    for g, n in plan:
         glens = [lens[i] for i in g]
         pad = n - sum(glens)
         ids = torch.cat([steps.path_ids[i] for i in g] + [torch.zeros(pad, dtype=torch.long, device=steps.dev)])
@@ -169,7 +170,7 @@ def packed_fa4_varlen(steps, capacity: int):
         packs.append((ids, targets, same, cu))
     # one max_seqlen for every pack (an upper bound only sizes the grid): a per-pack value is a Python
     # int that dynamo specialises on, one compile per distinct value (292 s first step on the H100)
-    mx = max(lens + [n - sum(lens[i] for i in g) for g in groups])
+    mx = max(lens + [n - sum(lens[i] for i in g) for g, n in plan])
     spec, model = steps.spec, steps.model
 
     def loss_fn(ids, targets, same):

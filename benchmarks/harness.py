@@ -20,7 +20,8 @@ accumulated in ``.grad``; **optimizer step excluded**), median of ``--iters`` af
   per sequence on CPU); ``packed_fla_varlen_conv``: the same with the short conv through fla's varlen
   ``causal_conv1d`` (CUDA only; the harness takes the faster of the two as the packed baseline);
 - ``packed_flex``: paths concatenated into packs of at most ``--capacity`` tokens (first-fit
-  decreasing, whole paths, every pack padded to one length; all paths in one pack when they fit), the
+  decreasing, whole paths, each pack padded to its own length: ``pack_plan``; all paths in one pack when
+  they fit), the
   model compiled with its SDPA call replaced by compiled FlexAttention under a document-causal
   BlockMask (RoPE is relative, so global positions give the per-path scores); dense models only (a GDN
   layer would carry state across documents);
@@ -87,7 +88,7 @@ import time
 import traceback
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -217,8 +218,10 @@ def model_specs() -> dict[str, ModelSpec]:
         "qwen3-30b-a3b-4l": ModelSpec("qwen3-30b-a3b-4l", "hf", hf_models.qwen3_30b_a3b_config(4)),
         # HF Qwen3.5-MoE (Qwen3_5MoeForCausalLM) at the Qwen3.5-35B-A3B layer shape with 8 layers (6 GDN: 16 key /
         # 32 value heads of 128; 2 gated attention: 16 q / 2 kv heads of 256; 256 experts top 8 + a shared expert;
-        # 7.5B parameters, 1.0B of them embeddings): the MoE hybrid of issue 17
+        # 7.7B parameters, 1.0B of them embeddings): the MoE hybrid of issue 17.  At 16k tree tokens the 8 layers
+        # do not fit one H100 (tree and packed baseline OOM, session 23): 4 layers (3 GDN + 1 attention, 4.3B) do
         "qwen3.5-35b-a3b-8l": ModelSpec("qwen3.5-35b-a3b-8l", "hf", hf_models.qwen3_5_35b_a3b_config(8)),
+        "qwen3.5-35b-a3b-4l": ModelSpec("qwen3.5-35b-a3b-4l", "hf", hf_models.qwen3_5_35b_a3b_config(4)),
         "hf-qwen3-0.6b": ModelSpec("hf-qwen3-0.6b", "hf", hf_models.HFConfig.of("Qwen3Config", **hf_models.QWEN3_0_6B)),
         "dense-tiny": ModelSpec("dense-tiny", "dense", DenseConfig.tiny(vocab_size=512)),
         # flex attention needs head_dim >= 16 (the recompile stream on CUDA)
@@ -315,6 +318,32 @@ def agentic_cases(scale, vocab, names=None) -> list[TreeCase]:
 
 
 # ---------------------------------------------------------------------------------------------- steps
+PACK_SHAPES = 4  # the most distinct pack lengths (compiled graphs) a packed baseline pads to
+
+
+def pack_plan(lens: Sequence[int], capacity: int, *, multiple: int = 128,
+              max_shapes: int = PACK_SHAPES) -> list[tuple[list[int], int]]:
+    """The packed baselines' packs: paths packed whole, first-fit decreasing, under max(``capacity``, longest
+    path) tokens; ``[(members in order, padded length)]``, ordered by first member.  Each pack is padded to
+    its own length rounded up to ``multiple`` (the padding is a sequence of its own), the multiple doubled
+    until at most ``max_shapes`` lengths remain: each length is one compiled graph (dynamo falls back past its
+    recompile limit).  Padding every pack to the longest, as before session 23, ran the agentic
+    parallel-tools tree (8 paths of 3.9-6.6k tokens) as 1.15x its tokens at capacity 16,384 and 1.26x at
+    8,192: work the FLOP bound does not count, which flattered the tree."""
+    from treecompile.runtime.partition import first_fit_decreasing
+
+    if not lens or min(lens) < 1:
+        raise ValueError(f"pack_plan: expected non-empty paths, got lengths {list(lens)[:8]}")
+    groups = sorted(sorted(g) for g in first_fit_decreasing(list(lens), max(capacity, max(lens))))
+    sizes = [sum(lens[i] for i in g) for g in groups]
+    m = multiple
+    while True:
+        ns = [-(-s // m) * m for s in sizes]
+        if len(set(ns)) <= max_shapes:
+            return list(zip(groups, ns))
+        m *= 2
+
+
 class _Packed:
     """The block mask (CUDA) / dense mask (CPU) the replaced SDPA reads during the packed baseline."""
 
@@ -456,20 +485,14 @@ class Steps:
         return step
 
     def packed_flex(self):
-        """Paths packed whole, first-fit decreasing, into packs of <= max(--capacity, longest path)
-        tokens, each padded to the same length (a multiple of 128: one compiled shape); one step =
-        every pack's fwd+bwd (all paths in one pack when they fit)."""
-        from treecompile.runtime.partition import first_fit_decreasing
-
+        """Paths packed whole into packs of <= max(--capacity, longest path) tokens (:func:`pack_plan`: each
+        padded to its own length, at most ``PACK_SHAPES`` compiled shapes); one step = every pack's fwd+bwd
+        (all paths in one pack when they fit)."""
         refusal = self.spec.packing_refusal(self.model)
         if refusal:
             raise _Skip(refusal)
-        lens = [len(p) for p in self.case.paths]
-        cap = max(self.cfg.capacity, max(lens))
-        groups = first_fit_decreasing(lens, cap)
-        n = -(-max(sum(lens[i] for i in g) for g in groups) // 128) * 128
         wdtype = _upcast(next(self.model.parameters())).dtype
-        packs = [self._pack(sorted(g), n, wdtype) for g in groups]
+        packs = [self._pack(g, n, wdtype) for g, n in pack_plan([len(p) for p in self.case.paths], self.cfg.capacity)]
         if self.dev.type == "cuda":
             try:
                 from treecompile.ops.flex_tree_attention import kernel_options_for

@@ -4,8 +4,9 @@
   ``torch.compile(dynamic=True)``, its GDN kernel hook served by fla's ``chunk_gated_delta_rule``
   (opaque to dynamo: one graph break per GDN layer, as in the tree's fla lowering), its own depthwise
   conv and causal SDPA (cuDNN first) compiled;
-- ``packed_fla_varlen``: paths packed whole under ``--capacity`` (first-fit decreasing, every pack one
-  sequence padded to one length, a multiple of 128; the padding is a sequence of its own); GDN through
+- ``packed_fla_varlen``: paths packed whole under ``--capacity`` (``harness.pack_plan``: first-fit
+  decreasing, every pack one sequence padded to its own length, a multiple of 128 or more for at most a
+  few compiled shapes; the padding is a sequence of its own); GDN through
   fla varlen (``cu_seqlens``: the state resets at every sequence start); the short conv reset at
   sequence starts (sum of shifted copies masked by the position within the sequence, fused by
   inductor; ``packed_fla_varlen_conv``: through fla's varlen ``causal_conv1d`` instead); attention by
@@ -216,7 +217,10 @@ def packed_fla_varlen(steps, capacity: int, conv: str = "reset", causal_conv1d=N
     On CPU the model's reference GDN per sequence and a dense document mask (exact, eager).
     ``conv``: ``"reset"`` (:func:`reset_conv1d`, compiled with the rest) or ``"fla"`` (fla's varlen
     ``causal_conv1d``, :func:`varlen_conv_fla`; ``causal_conv1d`` replaces fla's function, for tests)."""
-    from treecompile.runtime.partition import first_fit_decreasing
+    try:
+        from benchmarks.harness import pack_plan
+    except ImportError:
+        from harness import pack_plan
 
     _require_hybrid(steps)
     dev, model = steps.dev, steps.model
@@ -235,13 +239,11 @@ def packed_fla_varlen(steps, capacity: int, conv: str = "reset", causal_conv1d=N
         conv_fn = reset_conv1d
     else:
         raise ValueError(f"conv: expected 'reset' or 'fla', got {conv!r}")
-    paths = steps.case.paths
-    lens = [len(p) for p in paths]
-    groups = first_fit_decreasing(lens, max(capacity, max(lens)))
-    n = -(-max(sum(lens[i] for i in g) for g in groups) // 128) * 128
+    lens = [len(p) for p in steps.case.paths]
+    plan = pack_plan(lens, capacity)
     wdtype = _upcast(next(model.parameters())).dtype
     packs = []
-    for g in sorted(sorted(g) for g in groups):
+    for g, n in plan:
         glens = [lens[i] for i in g]
         pad = n - sum(glens)
         seqs = glens + ([pad] if pad else [])
@@ -274,7 +276,7 @@ def packed_fla_varlen(steps, capacity: int, conv: str = "reset", causal_conv1d=N
         cfg = model.config
         Pack.kernel_options = kernel_options_for(torch.empty(1, cfg.num_attention_heads, 1, cfg.head_dim, device=dev,
                                                              dtype=next(model.parameters()).dtype))
-    mx = max(lens + [n])  # one max_seqlen for every pack (a Python int dynamo would specialise on)
+    mx = max(lens + [n for _, n in plan])  # one max_seqlen for every pack (a Python int dynamo would specialise on)
 
     if why_not_fa4 is None:
         try:

@@ -231,3 +231,27 @@ def test_prof_gdn_layer_runs_and_compares_with_a_stand_in_fla(stand_in_fla, tmp_
     assert all(r["step_ms"] > 0 and r["top_host"] for r in timed.values())
     diffs = [r["max_abs_diff"] for r in rows if "max_abs_diff" in r]
     assert diffs == [0.0] * len(variants)
+
+
+@pytest.mark.parametrize("capacity", [1, 100, 8192, 16384, 10**6])
+@pytest.mark.parametrize("seed", range(4))
+def test_pack_plan_pads_each_pack_to_its_own_length(capacity, seed):
+    """Every path in exactly one pack, packs under the capacity (or one path alone), each padded by less than
+    its rounding multiple, at most PACK_SHAPES lengths; with few packs each is padded by < 128 tokens (the
+    agentic parallel-tools tree at 16,384: packs of 13,378 / 12,748 / 16,041 path tokens, no longer all padded
+    to 16,128)."""
+    import random
+
+    rnd = random.Random(seed)
+    lens = [rnd.randint(1, 7000) for _ in range(rnd.randint(1, 30))]
+    plan = harness.pack_plan(lens, capacity)
+    members = sorted(i for g, _ in plan for i in g)
+    assert members == list(range(len(lens)))
+    sizes = [sum(lens[i] for i in g) for g, _ in plan]
+    assert all(s <= max(capacity, max(lens)) or len(g) == 1 for s, (g, _) in zip(sizes, plan))
+    assert len({n for _, n in plan}) <= harness.PACK_SHAPES
+    assert all(n >= s and n % 128 == 0 for s, (_, n) in zip(sizes, plan))
+    if len({-(-s // 128) for s in sizes}) <= harness.PACK_SHAPES:
+        assert all(n - s < 128 for s, (_, n) in zip(sizes, plan))
+    with pytest.raises(ValueError, match="non-empty"):
+        harness.pack_plan([3, 0], capacity)
