@@ -13,6 +13,10 @@ op, and the tree through fla with the GDN inputs upcast to fp32 (``fla_gdn`` pre
 
 Part B runs on ``--model``: the Qwen3.5-shaped hybrid above (default) or ``qwen3-next-moe-small`` (the
 Qwen3-Next / Qwen3.5-MoE shape of the harness: routed experts + a shared expert per layer; issue 17 item 4).
+At random init bf16 rounding flips 16-19 % of that model's top-2 decisions, and the cosines then measure the
+flips (RESULTS.md, session 8); ``--route-all`` routes every token to every expert (softmax weights over all
+8), which leaves no decision to flip: the MoE layers stay token-local and trained, and the cosines measure
+the tree.
 
 Usage: python benchmarks/gdn_precision.py [--skip-model] [--model NAME] [--out FILE.json]
 """
@@ -120,11 +124,18 @@ def cosines(g, ref):
 
 
 def part_b(out: dict, fp32_inputs_only: bool = False, model_name: str = "qwen3.5-hybrid-small",
-           router_std: float | None = None, skip_fp32_inputs: bool = False) -> None:
+           router_std: float | None = None, skip_fp32_inputs: bool = False, route_all: bool = False) -> None:
+    import dataclasses
+
     from harness import model_specs
 
     cfg = SMALL_HYBRID if model_name == "qwen3.5-hybrid-small" else model_specs()[model_name].config
     out["B model"] = model_name
+    if route_all:  # top-k = every expert: no selection for rounding to flip; the router still trains (softmax)
+        if not getattr(cfg, "num_experts", 0):
+            raise ValueError(f"--route-all: {model_name} has no experts")
+        cfg = dataclasses.replace(cfg, num_experts_per_tok=cfg.num_experts)
+        out["B route_all"] = f"top-{cfg.num_experts} of {cfg.num_experts} experts"
     torch.manual_seed(0)
     paths = branching_paths(6, prompt=1500, seg=1200, vocab=cfg.vocab_size, seed=1)
     model = init_(HybridForCausalLM(cfg))
@@ -233,6 +244,9 @@ def main():
     ap.add_argument("--router-std", type=float, default=None,
                     help="MoE models: re-draw the router weights with this std (default: the 0.02 of every matrix)")
     ap.add_argument("--skip-fp32-inputs", action="store_true", help="model level: leave out the fp32-input variant")
+    ap.add_argument("--route-all", action="store_true",
+                    help="MoE models: route every token to every expert (top-k = all), so that bf16 rounding cannot "
+                         "flip a routing decision and the cosines measure the rest (the tree) alone")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     import triton
@@ -245,7 +259,7 @@ def main():
         if not a.skip_op:
             part_a(out)
         if not a.skip_model:
-            part_b(out, a.fp32_inputs_only, a.model, a.router_std, a.skip_fp32_inputs)
+            part_b(out, a.fp32_inputs_only, a.model, a.router_std, a.skip_fp32_inputs, a.route_all)
     finally:
         if a.out:
             with open(a.out, "w") as f:
