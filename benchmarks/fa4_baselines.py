@@ -137,7 +137,7 @@ def compiled_per_path_fa4(steps):
 
 def packed_fa4_varlen(steps, capacity: int):
     """Packed step: paths packed whole under ``capacity`` (``harness.pack_plan``: first-fit decreasing, each
-    pack one sequence padded to its own length, a multiple of 128 or more for at most a few compiled shapes)
+    pack one sequence padded to one of at most ``PACK_SHAPES`` lengths chosen to waste the fewest tokens)
     with FA4 varlen causal attention over its documents."""
     try:
         from benchmarks.harness import pack_plan

@@ -325,23 +325,47 @@ def pack_plan(lens: Sequence[int], capacity: int, *, multiple: int = 128,
               max_shapes: int = PACK_SHAPES) -> list[tuple[list[int], int]]:
     """The packed baselines' packs: paths packed whole, first-fit decreasing, under max(``capacity``, longest
     path) tokens; ``[(members in order, padded length)]``, ordered by first member.  Each pack is padded to
-    its own length rounded up to ``multiple`` (the padding is a sequence of its own), the multiple doubled
-    until at most ``max_shapes`` lengths remain: each length is one compiled graph (dynamo falls back past its
-    recompile limit).  Padding every pack to the longest, as before session 23, ran the agentic
-    parallel-tools tree (8 paths of 3.9-6.6k tokens) as 1.15x its tokens at capacity 16,384 and 1.26x at
-    8,192: work the FLOP bound does not count, which flattered the tree."""
+    a length of at most ``max_shapes`` (each length is one compiled graph; dynamo falls back past its
+    recompile limit), chosen to waste the fewest tokens: the packs' sizes rounded up to ``multiple``, sorted,
+    cut into at most ``max_shapes`` runs, each padded to its run's largest (an exact dynamic program; the
+    padding is a sequence of its own).  Padding every pack to the longest, as before session 23, ran the
+    agentic parallel-tools tree (8 paths of 3.9-6.6k tokens) as 1.15x its tokens at capacity 16,384 and
+    1.26x at 8,192: work the FLOP bound does not count, which flattered the tree."""
     from treecompile.runtime.partition import first_fit_decreasing
 
     if not lens or min(lens) < 1:
         raise ValueError(f"pack_plan: expected non-empty paths, got lengths {list(lens)[:8]}")
+    if max_shapes < 1:
+        raise ValueError(f"pack_plan: max_shapes must be >= 1, got {max_shapes}")
     groups = sorted(sorted(g) for g in first_fit_decreasing(list(lens), max(capacity, max(lens))))
-    sizes = [sum(lens[i] for i in g) for g in groups]
-    m = multiple
-    while True:
-        ns = [-(-s // m) * m for s in sizes]
-        if len(set(ns)) <= max_shapes:
-            return list(zip(groups, ns))
-        m *= 2
+    rounded = [-(-sum(lens[i] for i in g) // multiple) * multiple for g in groups]
+    r = sorted(set(rounded))  # candidate lengths; a run of r[i..j] is padded to r[j]
+    count = [rounded.count(x) for x in r]
+    m, k = len(r), min(max_shapes, len(r))
+    inf = float("inf")
+
+    def waste(i, j):  # tokens added padding the packs of r[i..j] up to r[j]
+        return sum(count[t] * (r[j] - r[t]) for t in range(i, j + 1))
+
+    # best[c][j]: least waste covering r[0..j] with c runs, the last ending at j; back[c][j]: where it starts
+    best = [[inf] * m for _ in range(k + 1)]
+    back = [[0] * m for _ in range(k + 1)]
+    for j in range(m):
+        best[1][j] = waste(0, j)
+    for c in range(2, k + 1):
+        for j in range(m):
+            for i in range(1, j + 1):
+                w = best[c - 1][i - 1] + waste(i, j)
+                if w < best[c][j]:
+                    best[c][j], back[c][j] = w, i
+    c = min(range(1, k + 1), key=lambda c_: (best[c_][m - 1], c_))
+    length, j = {}, m - 1
+    while c >= 1:
+        i = back[c][j] if c > 1 else 0
+        for t in range(i, j + 1):
+            length[r[t]] = r[j]
+        j, c = i - 1, c - 1
+    return [(g, length[n]) for g, n in zip(groups, rounded)]
 
 
 class _Packed:

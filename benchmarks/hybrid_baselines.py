@@ -5,8 +5,8 @@
   (opaque to dynamo: one graph break per GDN layer, as in the tree's fla lowering), its own depthwise
   conv and causal SDPA (cuDNN first) compiled;
 - ``packed_fla_varlen``: paths packed whole under ``--capacity`` (``harness.pack_plan``: first-fit
-  decreasing, every pack one sequence padded to its own length, a multiple of 128 or more for at most a
-  few compiled shapes; the padding is a sequence of its own); GDN through
+  decreasing, every pack one sequence padded to one of at most ``PACK_SHAPES`` lengths chosen to waste the
+  fewest tokens; the padding is a sequence of its own); GDN through
   fla varlen (``cu_seqlens``: the state resets at every sequence start); the short conv reset at
   sequence starts (sum of shifted copies masked by the position within the sequence, fused by
   inductor; ``packed_fla_varlen_conv``: through fla's varlen ``causal_conv1d`` instead); attention by

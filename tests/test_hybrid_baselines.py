@@ -255,3 +255,21 @@ def test_pack_plan_pads_each_pack_to_its_own_length(capacity, seed):
         assert all(n - s < 128 for s, (_, n) in zip(sizes, plan))
     with pytest.raises(ValueError, match="non-empty"):
         harness.pack_plan([3, 0], capacity)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_pack_plan_pads_least_under_its_shape_limit(seed):
+    """The padded lengths waste the fewest tokens of any choice of <= PACK_SHAPES lengths (brute force over
+    the packs' rounded sizes: a pack goes to the smallest chosen length that holds it; the largest is always
+    chosen), for the same packs."""
+    import random
+
+    rnd = random.Random(seed)
+    lens = [rnd.randint(1, 3000) for _ in range(rnd.randint(5, 40))]
+    plan = harness.pack_plan(lens, 4096)
+    rounded = [-(-sum(lens[i] for i in g) // 128) * 128 for g, _ in plan]
+    cands = sorted(set(rounded))
+    best = min(sum(min(c for c in chosen + (cands[-1],) if c >= x) - x for x in rounded)
+               for k in range(harness.PACK_SHAPES) for chosen in itertools.combinations(cands[:-1], k))
+    assert sum(n for _, n in plan) - sum(rounded) == best
+    assert all(n >= x for (_, n), x in zip(plan, rounded))
