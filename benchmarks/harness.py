@@ -324,9 +324,9 @@ PACK_SHAPES = 4  # the most distinct pack lengths (compiled graphs) a packed bas
 def pack_plan(lens: Sequence[int], capacity: int, *, multiple: int = 128,
               max_shapes: int = PACK_SHAPES) -> list[tuple[list[int], int]]:
     """The packed baselines' packs: paths packed whole, first-fit decreasing, under max(``capacity``, longest
-    path) tokens; ``[(members in order, padded length)]``, ordered by first member.  Each pack is padded to
-    a length of at most ``max_shapes`` (each length is one compiled graph; dynamo falls back past its
-    recompile limit), chosen to waste the fewest tokens: the packs' sizes rounded up to ``multiple``, sorted,
+    path) tokens; ``[(members in order, padded length)]``, ordered by first member.  The packs are padded to
+    at most ``max_shapes`` lengths (each length is one compiled graph; dynamo falls back past its recompile
+    limit), chosen to waste the fewest tokens: the packs' sizes rounded up to ``multiple``, sorted,
     cut into at most ``max_shapes`` runs, each padded to its run's largest (an exact dynamic program; the
     padding is a sequence of its own).  Padding every pack to the longest, as before session 23, ran the
     agentic parallel-tools tree (8 paths of 3.9-6.6k tokens) as 1.15x its tokens at capacity 16,384 and
@@ -343,9 +343,13 @@ def pack_plan(lens: Sequence[int], capacity: int, *, multiple: int = 128,
     count = [rounded.count(x) for x in r]
     m, k = len(r), min(max_shapes, len(r))
     inf = float("inf")
+    n_le, tok_le = [0], [0]  # prefix sums: packs, and their rounded tokens, of r[0..j-1]
+    for x, c_ in zip(r, count):
+        n_le.append(n_le[-1] + c_)
+        tok_le.append(tok_le[-1] + c_ * x)
 
     def waste(i, j):  # tokens added padding the packs of r[i..j] up to r[j]
-        return sum(count[t] * (r[j] - r[t]) for t in range(i, j + 1))
+        return r[j] * (n_le[j + 1] - n_le[i]) - (tok_le[j + 1] - tok_le[i])
 
     # best[c][j]: least waste covering r[0..j] with c runs, the last ending at j; back[c][j]: where it starts
     best = [[inf] * m for _ in range(k + 1)]
