@@ -235,11 +235,11 @@ def test_prof_gdn_layer_runs_and_compares_with_a_stand_in_fla(stand_in_fla, tmp_
 
 @pytest.mark.parametrize("capacity", [1, 100, 8192, 16384, 10**6])
 @pytest.mark.parametrize("seed", range(4))
-def test_pack_plan_pads_each_pack_to_its_own_length(capacity, seed):
-    """Every path in exactly one pack, packs under the capacity (or one path alone), each padded by less than
-    its rounding multiple, at most PACK_SHAPES lengths; with few packs each is padded by < 128 tokens (the
-    agentic parallel-tools tree at 16,384: packs of 13,378 / 12,748 / 16,041 path tokens, no longer all padded
-    to 16,128)."""
+def test_pack_plan_covers_every_path_in_few_shapes(capacity, seed):
+    """Every path in exactly one pack, packs under the capacity (or one path alone), padded to multiples of 128,
+    at most PACK_SHAPES lengths; where the packs round to at most that many lengths each is padded by < 128
+    tokens (the agentic parallel-tools tree at 16,384: packs of 13,378 / 12,748 / 16,041 path tokens, no longer
+    all padded to 16,128)."""
     import random
 
     rnd = random.Random(seed)
