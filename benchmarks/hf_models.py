@@ -6,6 +6,8 @@
 - :func:`qwen3_30b_a3b_config`: the Qwen3-30B-A3B layer shape (HF ``Qwen3MoeForCausalLM``: 128 experts,
   top 8, expert width 768, 32 query / 4 KV heads of 128) with fewer layers; the single source for the
   harness's ``qwen3-30b-a3b-<N>l`` specs and ``benchmarks/gpu_checks.py --moe``.
+- :func:`qwen3_5_35b_a3b_config`: the Qwen3.5-35B-A3B text layer shape (HF ``Qwen3_5MoeForCausalLM``: 3 GDN : 1
+  gated attention, 256 experts top 8 + a shared expert) with fewer layers: the harness's MoE hybrid specs.
 - :func:`build_hf`: ``AutoModelForCausalLM.from_config`` built on the device in the run's dtype, seeded,
   matrices, embeddings and expert stacks ~ N(0, 0.02); experts through HF's own loop (``"eager"``) on
   CPU (``grouped_mm`` refuses float64), HF's default (``grouped_mm``) elsewhere.
