@@ -159,7 +159,7 @@ def test_hf_moe_hybrid_spec_has_the_qwen3_5_35b_a3b_layer_shape():
               "num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
               "tie_word_embeddings", "rope_parameters"):
         assert getattr(cfg, k) == getattr(default, k), k
-    assert cfg.layer_types == ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"]
+    assert cfg.layer_types == (["linear_attention"] * 3 + ["full_attention"]) * 2
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(cfg)
     assert type(model).__name__ == "Qwen3_5MoeForCausalLM"
