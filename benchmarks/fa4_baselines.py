@@ -155,19 +155,8 @@ def packed_fa4_varlen(steps, capacity: int):
     wdtype = _upcast(next(steps.model.parameters())).dtype
     packs = []
     for g, n in plan:
-        glens = [lens[i] for i in g]
-        pad = n - sum(glens)
-        ids = torch.cat([steps.path_ids[i] for i in g] + [torch.zeros(pad, dtype=torch.long, device=steps.dev)])
-        seqs = glens + ([pad] if pad else [])
-        cu = torch.tensor([0] + seqs, device=steps.dev).cumsum(0).to(torch.int32)
-        sizes = torch.tensor(seqs, device=steps.dev)
-        doc = torch.repeat_interleave(torch.arange(len(seqs), device=steps.dev), sizes)
-        w = torch.repeat_interleave(torch.tensor([steps.coef[i] for i in g] + ([0.0] if pad else []),
-                                                 device=steps.dev, dtype=wdtype), sizes)
-        same = torch.zeros_like(w)
-        same[:-1] = (doc[1:] == doc[:-1]).to(wdtype) * w[:-1]  # target t+1 in the same document
-        targets = torch.cat([ids[1:], ids[:1]])
-        packs.append((ids, targets, same, cu))
+        p = steps.pack_tensors(g, n, wdtype)
+        packs.append((p.ids, p.targets, p.same, p.cu.to(torch.int32)))
     # one max_seqlen for every pack (an upper bound only sizes the grid): a per-pack value is a Python
     # int that dynamo specialises on, one compile per distinct value (292 s first step on the H100)
     mx = max(lens + [n - sum(lens[i] for i in g) for g, n in plan])

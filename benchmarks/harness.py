@@ -74,6 +74,7 @@ it elsewhere).
 from __future__ import annotations
 
 import argparse
+import collections
 import csv
 import contextlib
 import dataclasses
@@ -339,8 +340,9 @@ def pack_plan(lens: Sequence[int], capacity: int, *, multiple: int = 128,
         raise ValueError(f"pack_plan: max_shapes must be >= 1, got {max_shapes}")
     groups = sorted(sorted(g) for g in first_fit_decreasing(list(lens), max(capacity, max(lens))))
     rounded = [-(-sum(lens[i] for i in g) // multiple) * multiple for g in groups]
-    r = sorted(set(rounded))  # candidate lengths; a run of r[i..j] is padded to r[j]
-    count = [rounded.count(x) for x in r]
+    n_packs = collections.Counter(rounded)
+    r = sorted(n_packs)  # candidate lengths; a run of r[i..j] is padded to r[j]
+    count = [n_packs[x] for x in r]
     m, k = len(r), min(max_shapes, len(r))
     inf = float("inf")
     n_le, tok_le = [0], [0]  # prefix sums: packs, and their rounded tokens, of r[0..j-1]
@@ -370,6 +372,34 @@ def pack_plan(lens: Sequence[int], capacity: int, *, multiple: int = 128,
             length[r[t]] = r[j]
         j, c = i - 1, c - 1
     return [(g, length[n]) for g, n in zip(groups, rounded)]
+
+
+@dataclass(frozen=True)
+class PackTensors:
+    """A pack of the packed baselines (``Steps.pack_tensors``): ``ids [n]``, ``targets [n]`` (``ids`` shifted by
+    one), ``same [n]`` (the loss weight of predicting ``targets[t]``: its path's coefficient where t + 1 is in
+    the same sequence, else 0), ``cu [S + 1]`` int64 sequence bounds (the padding is the last sequence) and
+    ``doc [n]`` (each token's sequence)."""
+
+    ids: torch.Tensor
+    targets: torch.Tensor
+    same: torch.Tensor
+    cu: torch.Tensor
+    doc: torch.Tensor
+
+
+def document_mask(doc: torch.Tensor, n: int, device):
+    """The document-causal mask of a pack whose tokens lie in sequences ``doc [n]``: a flex BlockMask on CUDA, a
+    dense ``[n, n]`` bool mask elsewhere (what :func:`document_sdpa` applies)."""
+    if torch.device(device).type == "cuda":
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        def doc_causal(b, h, q, k):
+            return (doc[q] == doc[k]) & (k <= q)
+
+        return create_block_mask(doc_causal, None, None, n, n, device=device)
+    q = torch.arange(n, device=device)
+    return (doc[:, None] == doc[None, :]) & (q[None, :] <= q[:, None])
 
 
 class _Packed:
@@ -570,7 +600,7 @@ class Steps:
             from benchmarks import hybrid_baselines
         else:
             import hybrid_baselines
-        if not hybrid_baselines.gdn_hooks(self.model):
+        if not hybrid_baselines.gdn_hook_owners(self.model):
             raise _Skip("hybrid models only (no Gated DeltaNet kernel hooks; dense models: compiled_per_path / "
                         "packed_*)")
         if self.dev.type == "cuda" or name == "compiled_per_path_fla":
@@ -611,30 +641,28 @@ class Steps:
             return fa4_baselines.packed_fa4_varlen(self, self.cfg.capacity)
         return fa4_baselines.compiled_per_path_fa4(self)
 
-    def _pack(self, members: list[int], n: int, wdtype):
-        """One pack of the given paths, padded to ``n`` tokens: (ids, targets, weights, mask)."""
+    def pack_tensors(self, members: list[int], n: int, wdtype) -> "PackTensors":
+        """One pack of the given paths (in order), padded to ``n`` tokens by a sequence of its own (none if they
+        fill it): the packed baselines' inputs (:class:`PackTensors`)."""
         lens = [len(self.case.paths[i]) for i in members]
         pad = n - sum(lens)
+        seqs = lens + ([pad] if pad else [])
         ids = torch.cat([self.path_ids[i] for i in members] + [torch.zeros(pad, dtype=torch.long, device=self.dev)])
-        sizes = torch.tensor(lens + [pad], device=self.dev)
-        doc = torch.repeat_interleave(torch.arange(len(lens) + 1, device=self.dev), sizes)
+        sizes = torch.tensor(seqs, device=self.dev)
+        doc = torch.repeat_interleave(torch.arange(len(seqs), device=self.dev), sizes)
         # target of position t is ids[t+1] within the same document, weighted by its path's coefficient
-        w = torch.repeat_interleave(torch.tensor([self.coef[i] for i in members] + [0.0], device=self.dev,
-                                                 dtype=wdtype), sizes)
+        w = torch.repeat_interleave(torch.tensor([self.coef[i] for i in members] + ([0.0] if pad else []),
+                                                 device=self.dev, dtype=wdtype), sizes)
         same = torch.zeros_like(w)
         same[:-1] = (doc[1:] == doc[:-1]).to(wdtype) * w[:-1]
         targets = torch.cat([ids[1:], ids[:1]])
-        if self.dev.type == "cuda":
-            from torch.nn.attention.flex_attention import create_block_mask
+        cu = torch.tensor([0] + seqs, device=self.dev).cumsum(0)
+        return PackTensors(ids, targets, same, cu, doc)
 
-            def doc_causal(b, h, q, k):
-                return (doc[q] == doc[k]) & (k <= q)
-
-            mask = create_block_mask(doc_causal, None, None, n, n, device=self.dev)
-        else:
-            q = torch.arange(n, device=self.dev)
-            mask = (doc[:, None] == doc[None, :]) & (q[None, :] <= q[:, None])
-        return ids, targets, same, mask
+    def _pack(self, members: list[int], n: int, wdtype):
+        """One pack of the given paths, padded to ``n`` tokens: (ids, targets, weights, mask)."""
+        p = self.pack_tensors(members, n, wdtype)
+        return p.ids, p.targets, p.same, document_mask(p.doc, n, self.dev)
 
     def _tree_model(self, boundary=False, layout="dfs", kernel="auto", conv="auto"):
         import treecompile

@@ -32,19 +32,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["compiled_per_path_fla", "fla_gdn_kernel", "gdn_hooks", "hook_values", "hooks", "layer_kernels",
-           "packed_fla_varlen", "varlen_conv_fla"]
+from treecompile.frontend import gdn_hook_owners
 
-
-def gdn_hooks(model) -> list[tuple[object, tuple[str, ...], tuple[str, ...]]]:
-    """``(owner, GDN hook names, conv hook names)`` of the model's Gated DeltaNet layers
-    (``treecompile.frontend.gdn_hook_owners``): our hybrid's layers hold their kernels as instance
-    attributes, HF's Qwen3.5 / Qwen3-Next layers call their modeling module's globals (transformers 5.2x)
-    or instance attributes (earlier 5.x); the baselines install their kernels wherever the tree's capture
-    finds the hooks."""
-    from treecompile.frontend import gdn_hook_owners
-
-    return gdn_hook_owners(model)
+__all__ = ["compiled_per_path_fla", "fla_gdn_kernel", "hook_values", "hooks", "layer_kernels", "packed_fla_varlen",
+           "varlen_conv_fla"]
 
 
 def fla_gdn_kernel():
@@ -63,21 +54,26 @@ def fla_gdn_kernel():
 
 def layer_kernels(model, make) -> dict:
     """``{hook owner: make(the owner's own GDN kernel)}``, built once per baseline: the hook functions must be
-    the same objects every step (dynamo guards on them; a fresh closure per step would recompile each step)."""
-    return {owner: make(getattr(owner, gdn[0])) for owner, gdn, _ in gdn_hooks(model)}
+    the same objects every step (dynamo guards on them; a fresh closure per step would recompile each step).
+    The owners are where the tree's capture finds the hooks (``treecompile.frontend.gdn_hook_owners``): our
+    hybrid's layers hold their kernels as instance attributes, HF's Qwen3.5 / Qwen3-Next layers call their
+    modeling module's globals."""
+    return {owner: make(getattr(owner, gdn[0])) for owner, gdn, _ in gdn_hook_owners(model)}
 
 
-def hook_values(model) -> list:
-    """Every GDN / conv hook's current value (what :func:`hooks` must leave as it found)."""
-    return [(owner, n, getattr(owner, n)) for owner, gdn, conv in gdn_hooks(model) for n in gdn + conv]
+def hook_values(model, owners=None) -> list:
+    """Every GDN / conv hook's current value (what :func:`hooks` must leave as it found); ``owners``: those of
+    ``gdn_hook_owners(model)`` when already at hand."""
+    owners = gdn_hook_owners(model) if owners is None else owners
+    return [(owner, n, getattr(owner, n)) for owner, gdn, conv in owners for n in gdn + conv]
 
 
 @contextlib.contextmanager
 def hooks(model, *, gdn: dict | None = None, conv=None, sdpa=None):
     """Install kernels (``gdn`` from :func:`layer_kernels`) on the GDN layers' hooks, and SDPA, for the
     block; restore them after."""
-    owners = gdn_hooks(model)
-    saved = hook_values(model)
+    owners = gdn_hook_owners(model)
+    saved = hook_values(model, owners)
     orig_sdpa = torch.nn.functional.scaled_dot_product_attention
     try:
         for owner, gdn_names, conv_names in owners:
@@ -99,7 +95,7 @@ def _upcast(x):
 
 
 def _require_hybrid(steps):
-    if not gdn_hooks(steps.model):
+    if not gdn_hook_owners(steps.model):
         raise RuntimeError("hybrid models only (no GDN layer with kernel hooks)")
 
 
@@ -218,9 +214,9 @@ def packed_fla_varlen(steps, capacity: int, conv: str = "reset", causal_conv1d=N
     ``conv``: ``"reset"`` (:func:`reset_conv1d`, compiled with the rest) or ``"fla"`` (fla's varlen
     ``causal_conv1d``, :func:`varlen_conv_fla`; ``causal_conv1d`` replaces fla's function, for tests)."""
     try:
-        from benchmarks.harness import pack_plan
+        from benchmarks.harness import document_mask, pack_plan
     except ImportError:
-        from harness import pack_plan
+        from harness import document_mask, pack_plan
 
     _require_hybrid(steps)
     dev, model = steps.dev, steps.model
@@ -244,31 +240,10 @@ def packed_fla_varlen(steps, capacity: int, conv: str = "reset", causal_conv1d=N
     wdtype = _upcast(next(model.parameters())).dtype
     packs = []
     for g, n in plan:
-        glens = [lens[i] for i in g]
-        pad = n - sum(glens)
-        seqs = glens + ([pad] if pad else [])
-        ids = torch.cat([steps.path_ids[i] for i in g] + [torch.zeros(pad, dtype=torch.long, device=dev)])
-        sizes = torch.tensor(seqs, device=dev)
-        cu = torch.tensor([0] + seqs, device=dev).cumsum(0)
-        doc = torch.repeat_interleave(torch.arange(len(seqs), device=dev), sizes)
-        pos = torch.arange(n, device=dev) - cu[doc]
-        w = torch.repeat_interleave(torch.tensor([steps.coef[i] for i in g] + ([0.0] if pad else []), device=dev,
-                                                 dtype=wdtype), sizes)
-        same = torch.zeros_like(w)
-        same[:-1] = (doc[1:] == doc[:-1]).to(wdtype) * w[:-1]  # target t+1 in the same sequence
-        targets = torch.cat([ids[1:], ids[:1]])
-        if why_not_fa4 is None:
-            mask = None
-        elif dev.type == "cuda":
-            from torch.nn.attention.flex_attention import create_block_mask
-
-            def doc_causal(b, h, q, k, doc=doc):
-                return (doc[q] == doc[k]) & (k <= q)
-
-            mask = create_block_mask(doc_causal, None, None, n, n, device=dev)
-        else:
-            ar = torch.arange(n, device=dev)
-            mask = (doc[:, None] == doc[None, :]) & (ar[None, :] <= ar[:, None])
+        p = steps.pack_tensors(g, n, wdtype)
+        ids, targets, same, cu = p.ids, p.targets, p.same, p.cu
+        pos = torch.arange(n, device=dev) - cu[p.doc]
+        mask = None if why_not_fa4 is None else document_mask(p.doc, n, dev)
         packs.append((ids, targets, same, cu, cu.tolist(), cu.to(torch.int32), pos, mask, cu.cpu()))
     if dev.type == "cuda" and why_not_fa4 is not None:
         from treecompile.ops.flex_tree_attention import kernel_options_for

@@ -150,7 +150,7 @@ def test_hf_moe_hybrid_spec_has_the_qwen3_5_35b_a3b_layer_shape():
     they stand in this transformers), 8 layers of 3 GDN : 1 attention; its GDN layers are found by the
     baselines' hook discovery (the capture's), and the FLOP model counts 8 routed experts + the shared one."""
     from benchmarks import harness
-    from benchmarks.hybrid_baselines import gdn_hooks
+    from treecompile.frontend import gdn_hook_owners
 
     cfg = harness.model_specs()["qwen3.5-35b-a3b-8l"].config.build()
     default = transformers.Qwen3_5MoeTextConfig()
@@ -163,7 +163,7 @@ def test_hf_moe_hybrid_spec_has_the_qwen3_5_35b_a3b_layer_shape():
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(cfg)
     assert type(model).__name__ == "Qwen3_5MoeForCausalLM"
-    assert gdn_hooks(model)
+    assert gdn_hook_owners(model)
     fm = FlopModel.of(model)
     D, I, E, k = 2048, 512, 256, 8
     experts = 8 * (k * 3 * D * I + 3 * D * I + D * E + D)  # routed top-8, shared expert, router, shared gate

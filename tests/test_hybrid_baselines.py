@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from benchmarks import harness
-from benchmarks.hybrid_baselines import Pack, gdn_hooks, hook_values, reset_conv1d
+from benchmarks.hybrid_baselines import Pack, hook_values, reset_conv1d
 from benchmarks.trees import synthetic_paths
 
 
@@ -236,7 +236,7 @@ def test_prof_gdn_layer_runs_and_compares_with_a_stand_in_fla(stand_in_fla, tmp_
 @pytest.mark.parametrize("capacity", [1, 100, 8192, 16384, 10**6])
 @pytest.mark.parametrize("seed", range(4))
 def test_pack_plan_covers_every_path_in_few_shapes(capacity, seed):
-    """Every path in exactly one pack, packs under the capacity (or one path alone), padded to multiples of 128,
+    """Every path in exactly one pack, packs under max(capacity, longest path), padded to multiples of 128,
     at most PACK_SHAPES lengths; where the packs round to at most that many lengths each is padded by < 128
     tokens (the agentic parallel-tools tree at 16,384: packs of 13,378 / 12,748 / 16,041 path tokens, no longer
     all padded to 16,128)."""
@@ -248,7 +248,7 @@ def test_pack_plan_covers_every_path_in_few_shapes(capacity, seed):
     members = sorted(i for g, _ in plan for i in g)
     assert members == list(range(len(lens)))
     sizes = [sum(lens[i] for i in g) for g, _ in plan]
-    assert all(s <= max(capacity, max(lens)) or len(g) == 1 for s, (g, _) in zip(sizes, plan))
+    assert all(s <= max(capacity, max(lens)) for s in sizes)
     assert len({n for _, n in plan}) <= harness.PACK_SHAPES
     assert all(n >= s and n % 128 == 0 for s, (_, n) in zip(sizes, plan))
     if len({-(-s // 128) for s in sizes}) <= harness.PACK_SHAPES:

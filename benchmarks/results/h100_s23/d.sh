@@ -8,7 +8,7 @@ smoke)
 import torch, transformers
 from benchmarks import harness
 from benchmarks.flops import FlopModel
-from benchmarks.hybrid_baselines import gdn_hooks
+from treecompile.frontend import gdn_hook_owners as gdn_hooks
 cfg = harness.model_specs()["qwen3.5-35b-a3b-8l"].config.build()
 with torch.device("meta"):
     m = transformers.AutoModelForCausalLM.from_config(cfg)
