@@ -778,9 +778,18 @@ def time_step(step: Callable, dev, iters: int):
     return first, statistics.median(ts), peak, loss
 
 
-def flat_grads(model):
-    return torch.cat([p.grad.float().flatten() if p.grad is not None else torch.zeros(p.numel(), device=p.device)
-                      for p in model.parameters()])
+def flat_grads(model) -> torch.Tensor:
+    """All parameter gradients as one float32 vector on the host (zeros where a parameter has none), copied one
+    parameter at a time: a float32 copy of every gradient on the GPU (plus ``torch.cat``'s second one) is 4x the
+    bf16 model, which made the 8-layer MoE hybrid's rows OOM after their timed steps (session 24)."""
+    params = list(model.parameters())
+    out = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32)
+    o = 0
+    for p in params:
+        if p.grad is not None:
+            out[o:o + p.numel()].copy_(p.grad.detach().reshape(-1))
+        o += p.numel()
+    return out
 
 
 def grad_cosine(a: torch.Tensor, b: torch.Tensor, *, chunk: int = 1 << 24) -> float:
@@ -821,6 +830,7 @@ def run_contenders(model, spec: ModelSpec, case: TreeCase, cfg: BenchConfig, con
             rows.append(r)
             continue
         r.pid = os.getpid()
+        stage = "building the step"
         try:
             if name in BASELINES:
                 step = getattr(steps, name)()
@@ -832,8 +842,10 @@ def run_contenders(model, spec: ModelSpec, case: TreeCase, cfg: BenchConfig, con
                 step, tokens, entries = getattr(steps, name)()
                 flops = fm.train(tokens, entries)
             r.note, steps.note = steps.note, None
+            stage = "steps"
             first, med, peak, loss = time_step(step, dev, cfg.iters)
-            g = flat_grads(model).cpu()  # the reference waits on the host, not in the next contender's memory
+            stage = "gradient copy"
+            g = flat_grads(model)  # the reference waits on the host, not in the next contender's memory
             if name == "eager_per_path":
                 ref = {"loss": loss, "grad": g}
             r.step_s, r.first_s, r.peak_gib, r.loss = med, first, peak, loss
@@ -847,8 +859,9 @@ def run_contenders(model, spec: ModelSpec, case: TreeCase, cfg: BenchConfig, con
             del g
         except _Skip as e:
             r.status = f"skipped: {e}"
-        except torch.OutOfMemoryError:
+        except torch.OutOfMemoryError as e:
             r.status = "OOM"
+            r.note = oom_note(stage, e, r.note)
         except Exception as e:  # a failed contender is a row, not a crash
             msg = f"{type(e).__name__}: {e}".splitlines()[0][:160]
             r.status = f"error: {msg}"
@@ -860,6 +873,14 @@ def run_contenders(model, spec: ModelSpec, case: TreeCase, cfg: BenchConfig, con
         rows.append(r)
         print_row(r)
     return rows, ref
+
+
+def oom_note(stage: str, e: BaseException, note: str | None = None) -> str:
+    """Where a contender ran out of memory and what the allocator said (its first sentence: the size asked for
+    and what was free), kept in the row so an OOM can be told from a harness artefact."""
+    msg = " ".join(str(e).split())
+    msg = msg[:msg.find(". Of the allocated")] if ". Of the allocated" in msg else msg[:200]
+    return "; ".join(x for x in (note, f"OOM in {stage}: {msg}") if x)
 
 
 def print_row(r: Result) -> None:

@@ -10,7 +10,8 @@ first step (compile included), the median of ``--iters`` steps, the host time un
 final synchronize), then one profiled step (torch.profiler, CPU + CUDA): kernel count, summed kernel time, its
 share of the step, the time the GPU was busy (union of the kernels' intervals), and kernel time by kind
 (attention, Triton fusions, grouped/MoE GEMMs, GDN and short-conv kernels of hybrids, dense GEMMs,
-copies/memsets, other) with the top kernels.  One JSON line per contender, then a readable summary.
+copies/memsets, other) with the top kernels, and the GPU's idle gaps named by the host events under them.
+One JSON line per contender, then a readable summary.
 """
 
 from __future__ import annotations
@@ -62,6 +63,30 @@ def _sync():
     torch.cuda.synchronize()
 
 
+def idle_gaps(intervals, host_events, *, min_us: float = 200.0, depth: int = 3) -> list[tuple[str, float, int]]:
+    """Where the GPU waited on the host: the gaps of at least ``min_us`` between the union of kernel
+    ``intervals`` (``(start, end)`` us), each named by the host events (``(name, start, end)`` us) running at
+    its midpoint, outermost to innermost, the last ``depth`` of them joined by " > ". Returns ``(name,
+    idle ms, gaps)`` per name, most idle first. A gap under a synchronize or a copy to the host is the host
+    waiting; under Python-level ops it is host work the GPU ran out of."""
+    merged = []
+    for a, b in sorted(intervals):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    by: dict[str, list] = defaultdict(lambda: [0.0, 0])
+    for (_, e0), (s1, _) in zip(merged, merged[1:]):
+        if s1 - e0 < min_us:
+            continue
+        mid = (e0 + s1) / 2
+        stack = sorted((ev for ev in host_events if ev[1] <= mid <= ev[2]), key=lambda ev: (ev[1], -ev[2]))
+        name = " > ".join(ev[0][:60] for ev in stack[-depth:]) or "(no host event)"
+        by[name][0] += (s1 - e0) / 1e3
+        by[name][1] += 1
+    return sorted(((n, round(ms, 3), k) for n, (ms, k) in by.items()), key=lambda x: -x[1])
+
+
 def profile_step(step) -> dict:
     """One profiled step: kernel totals (ms) by kind and the top kernels by time."""
     _sync()
@@ -69,8 +94,10 @@ def profile_step(step) -> dict:
         step()
         _sync()
     by_name: dict[str, list] = defaultdict(lambda: [0.0, 0])
-    intervals = []
+    intervals, host = [], []
     for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CPU:
+            host.append((e.name, e.time_range.start, e.time_range.end))
         if e.device_type == torch.autograd.DeviceType.CUDA:
             rec = by_name[e.name]
             rec[0] += e.device_time_total / 1e3 if hasattr(e, "device_time_total") else e.cuda_time_total / 1e3
@@ -82,7 +109,7 @@ def profile_step(step) -> dict:
     top = sorted(by_name.items(), key=lambda kv: -kv[1][0])
     return {"kernels": sum(n for _, n in by_name.values()), "kernel_ms": sum(ms for ms, _ in by_name.values()),
             "gpu_busy_ms": busy_ms(intervals), "by_kind_ms": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
-            "top": [(name[:110], round(ms, 3), n) for name, (ms, n) in top]}
+            "top": [(name[:110], round(ms, 3), n) for name, (ms, n) in top], "idle": idle_gaps(intervals, host)}
 
 
 def main(argv=None) -> int:
@@ -123,7 +150,7 @@ def main(argv=None) -> int:
                "step_s": round(statistics.median(times), 4), "host_s": round(statistics.median(hosts), 4),
                **profile_step(step)}
         row["kernel_share"] = round(row["kernel_ms"] / 1e3 / row["step_s"], 3)
-        top = row.pop("top")
+        top, idle = row.pop("top"), row.pop("idle")
         print(json.dumps(row))
         print(f"# {name}: step {row['step_s'] * 1e3:.1f} ms, host {row['host_s'] * 1e3:.1f} ms, "
               f"{row['kernels']} kernels {row['kernel_ms']:.1f} ms ({row['kernel_share']:.0%} of the step), "
@@ -132,6 +159,9 @@ def main(argv=None) -> int:
             print(f"#   {kind:13s} {ms:8.2f} ms")
         for kname, ms, n in top[:args.top]:
             print(f"#     {ms:8.2f} ms  x{n:<5d} {kname}")
+        print(f"#   GPU idle in gaps >= 0.2 ms: {sum(ms for _, ms, _ in idle):.1f} ms, by the host events at their middle:")
+        for hname, ms, n in idle[:args.top]:
+            print(f"#     {ms:8.2f} ms  x{n:<5d} {hname}")
         steps.zero()
         torch.cuda.empty_cache()
     return 0

@@ -273,3 +273,37 @@ def test_prof_step_busy_time_and_kinds():
                                  "causal_conv1d_bwd_kernel", "triton_poi_fused_mul_silu_2", "nvjet_sm90_tst_256x128",
                                  "kernel_cutlass_kernel_flash_attncuteflash_bwd_sm90")] == \
         ["gdn", "gdn", "conv", "triton", "gemm", "attention"]
+
+
+def test_prof_step_idle_gaps_are_named_by_the_host_events_under_them():
+    from benchmarks.prof_step import idle_gaps
+
+    kernels = [(0, 100), (50, 300), (800, 900), (950, 1000), (1600, 1700)]  # gaps 300-800, 900-950, 1000-1600
+    host = [("step", 0, 2000), ("GDN backward", 250, 1100), ("cudaStreamSynchronize", 400, 700),
+            ("aten::mm", 1200, 1500)]
+    assert idle_gaps(kernels, host) == [("step > aten::mm", 0.6, 1),
+                                        ("step > GDN backward > cudaStreamSynchronize", 0.5, 1)]
+    assert idle_gaps(kernels, host, min_us=10, depth=1) == [("aten::mm", 0.6, 1), ("cudaStreamSynchronize", 0.5, 1),
+                                                            ("GDN backward", 0.05, 1)]
+    assert idle_gaps([(0, 1)], host) == [] and idle_gaps(kernels, [])[0] == ("(no host event)", 1.1, 2)
+
+
+def test_harness_flat_grads_and_oom_note():
+    """The reference gradient is one float32 host vector built a parameter at a time (zeros where none); an OOM
+    row says where it happened and what the allocator asked for."""
+    import torch
+
+    from benchmarks.harness import flat_grads, oom_note
+
+    m = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 2)).to(torch.bfloat16)
+    m(torch.ones(4, 3, dtype=torch.bfloat16))[:, 0].sum().backward()
+    m[1].bias.grad = None
+    g = flat_grads(m)
+    want = torch.cat([p.grad.float().flatten() if p.grad is not None else torch.zeros(p.numel())
+                      for p in m.parameters()])
+    assert g.dtype == torch.float32 and g.device.type == "cpu" and torch.equal(g, want) and g[-2:].eq(0).all()
+    e = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
+                               "79.19 GiB of which 1.02 GiB is free. Of the allocated memory 70 GiB is allocated")
+    assert oom_note("gradient copy", e, "attention: FA4 varlen") == (
+        "attention: FA4 varlen; OOM in gradient copy: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a "
+        "total capacity of 79.19 GiB of which 1.02 GiB is free")
