@@ -63,6 +63,15 @@ def _sync():
     torch.cuda.synchronize()
 
 
+def _where(stack) -> str:
+    """The innermost frame of a profiler event's Python stack in our code or transformers' ("file:line")."""
+    for frame in stack or ():
+        if any(k in frame for k in ("treecompile/", "benchmarks/", "transformers/")):
+            path, _, rest = frame.partition("(")
+            return f"{'/'.join(path.split('/')[-2:])}:{rest.split(')')[0]}"
+    return ""
+
+
 def idle_gaps(intervals, host_events, *, min_us: float = 200.0, depth: int = 3) -> list[tuple[str, float, int]]:
     """Where the GPU waited on the host: the gaps of at least ``min_us`` between the union of kernel
     ``intervals`` (``(start, end)`` us), each named by the host events (``(name, start, end)`` us) running at
@@ -81,23 +90,25 @@ def idle_gaps(intervals, host_events, *, min_us: float = 200.0, depth: int = 3) 
             continue
         mid = (e0 + s1) / 2
         stack = sorted((ev for ev in host_events if ev[1] <= mid <= ev[2]), key=lambda ev: (ev[1], -ev[2]))
-        name = " > ".join(ev[0][:60] for ev in stack[-depth:]) or "(no host event)"
+        name = " > ".join(ev[0][:100] for ev in stack[-depth:]) or "(no host event)"
         by[name][0] += (s1 - e0) / 1e3
         by[name][1] += 1
     return sorted(((n, round(ms, 3), k) for n, (ms, k) in by.items()), key=lambda x: -x[1])
 
 
-def profile_step(step) -> dict:
-    """One profiled step: kernel totals (ms) by kind and the top kernels by time."""
+def profile_step(step, *, stacks: bool = False) -> dict:
+    """One profiled step: kernel totals (ms) by kind and the top kernels by time.  ``stacks``: record Python
+    stacks, and name each idle gap's host events by their innermost source line in our code (slower host)."""
     _sync()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=stacks) as prof:
         step()
         _sync()
     by_name: dict[str, list] = defaultdict(lambda: [0.0, 0])
     intervals, host = [], []
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CPU:
-            host.append((e.name, e.time_range.start, e.time_range.end))
+            where = _where(e.stack) if stacks else ""
+            host.append((f"{e.name} @{where}" if where else e.name, e.time_range.start, e.time_range.end))
         if e.device_type == torch.autograd.DeviceType.CUDA:
             rec = by_name[e.name]
             rec[0] += e.device_time_total / 1e3 if hasattr(e, "device_time_total") else e.cuda_time_total / 1e3
@@ -124,6 +135,8 @@ def main(argv=None) -> int:
     ap.add_argument("--capacity", type=int, default=16384)
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--top", type=int, default=20)
+    ap.add_argument("--stacks", action="store_true", help="name the idle gaps by source line (Python stacks "
+                    "recorded: the profiled step's host runs slower)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("prof_step: needs a CUDA device")
@@ -148,7 +161,7 @@ def main(argv=None) -> int:
         row = {"contender": name, "model": args.model, "tree": case.name, "tree_tokens": steps.tree.num_tokens,
                "path_tokens": steps.tree.num_path_tokens, "first_s": round(first, 3),
                "step_s": round(statistics.median(times), 4), "host_s": round(statistics.median(hosts), 4),
-               **profile_step(step)}
+               **profile_step(step, stacks=args.stacks)}
         row["kernel_share"] = round(row["kernel_ms"] / 1e3 / row["step_s"], 3)
         top, idle = row.pop("top"), row.pop("idle")
         print(json.dumps(row))

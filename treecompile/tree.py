@@ -29,6 +29,8 @@ from typing import Sequence
 
 import torch
 
+from treecompile.host_values import remembered_host, to_device_with_host
+
 __all__ = ["Tree", "TreeBatch", "NORMALIZATIONS", "path_coefficients", "ancestor_index"]
 
 NORMALIZATIONS = ("sum", "path_mean", "token_mean")
@@ -619,6 +621,12 @@ class TreeBatch:
         if n == 0:
             return self
         dev = self.input_ids.device
+        if dev.type != "cpu":
+            # a batch moved by :meth:`to` pads its host values and moves them: the plans read the padded batch's
+            # tree tensors on the host (last_batch.host_copy), so they must have host values too
+            host = [remembered_host(getattr(self, f)) for f in _TENSOR_FIELDS]
+            if all(h is not None for h in host):
+                return dataclasses.replace(self, **dict(zip(_TENSOR_FIELDS, host))).padded(length).to(dev)
         ar = torch.arange(T, length, dtype=torch.long, device=dev)
         zeros = torch.zeros(n, dtype=torch.long, device=dev)
         neg = torch.full((n,), -1, dtype=torch.long, device=dev)
@@ -640,7 +648,10 @@ class TreeBatch:
         )
 
     def to(self, device) -> "TreeBatch":
-        kw = {f: getattr(self, f).to(device) for f in _TENSOR_FIELDS}
+        """This batch on ``device``.  From the host: copies that do not block the host, and the tree tensors'
+        host values remembered (:func:`treecompile.ops.last_batch.to_device_with_host`), so that the plans
+        built from them mid-step read no device tensor back (that would wait for the GPU's queue)."""
+        kw = {f: to_device_with_host(getattr(self, f), device) for f in _TENSOR_FIELDS}
         extras = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.extras.items()}
         return TreeBatch(**kw, tree=self.tree, num_tokens=self.num_tokens, num_paths=self.num_paths,
                          normalize=self.normalize, extras=extras)

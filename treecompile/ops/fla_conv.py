@@ -27,7 +27,8 @@ import torch
 from torch import Tensor
 
 from treecompile.ops.fla_gdn import host_chunk_indices
-from treecompile.ops.last_batch import LastBatch, to_device_async
+from treecompile.host_values import host_copy, to_device_async
+from treecompile.ops.last_batch import LastBatch
 from treecompile.ops.tree_conv import check_conv_args, conv_setup_context
 
 __all__ = ["tree_causal_conv1d_fla", "ConvSegments", "conv_segments", "CHUNK_SIZE"]
@@ -62,7 +63,7 @@ def _segment_starts(ci: Tensor) -> Tensor:
 
 def conv_segments(conv_index: Tensor, batch: int, chunk_size: int = CHUNK_SIZE) -> ConvSegments:
     """Segments of ``conv_index [T, K-1]`` for ``batch`` rows sharing it (one host sync)."""
-    ci = conv_index.cpu()
+    ci = host_copy(conv_index)
     T, k1 = ci.shape
     dev = conv_index.device
     if T == 0 or batch == 0:  # no rows: no segments

@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from treecompile.ops.last_batch import LastBatch, to_device_async
+from treecompile.host_values import host_copy, to_device_async
+from treecompile.ops.last_batch import LastBatch
 
 __all__ = [
     "COMPUTE_DTYPE",
@@ -252,7 +253,7 @@ class _Schedule:
 
 
 def _segments(node_start: Tensor, node_end: Tensor, node_parent: Tensor) -> _Segments:
-    ns, ne, par = (t.tolist() for t in (node_start, node_end, node_parent))
+    ns, ne, par = (host_copy(t).tolist() for t in (node_start, node_end, node_parent))
     N = len(ns)
     for n in range(N):
         if ne[n] <= ns[n] or ns[n] != (ne[n - 1] if n else 0) or not -1 <= par[n] < n:

@@ -164,7 +164,7 @@ def level_tensors(plan, chunk_size: int) -> LevelTensors:
     """The :class:`LevelTensors` of ``plan`` (cached on the plan; each call's chunk indices are the plan's own,
     :meth:`~treecompile.ops.fla_gdn.FlaPlan.chunk_indices`)."""
     from treecompile.ops.fla_gdn import host_chunk_indices
-    from treecompile.ops.last_batch import to_device_async
+    from treecompile.host_values import to_device_async
 
     key = ("levels", chunk_size)
     if key in plan._cache:

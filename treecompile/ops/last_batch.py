@@ -1,27 +1,18 @@
-"""A value built from one batch's tensors, kept while the same tensors come back (host-side plans), and
-:func:`to_device_async`, how those plans reach the device.
+"""A value built from one batch's tensors, kept while the same tensors come back (host-side plans).
 
-Every layer of a step gets the same tree tensors, so a plan built on the host from them (one host sync) is
-built once per batch, not once per layer: the fla GDN call plan (``fla_gdn``), the conv segments
-(``fla_conv``) and the varlen attention's segment walk and plan (``varlen_tree_attention``) each keep one.
+Every layer of a step gets the same tree tensors, so a plan built on the host from them is built once per
+batch, not once per layer: the fla GDN call plan (``fla_gdn``), the conv segments (``fla_conv``, ``tree_conv_shifts``)
+and the varlen attention's segment walk and plan (``varlen_tree_attention``) each keep one.
+
+The plans read the tree tensors through :func:`treecompile.host_values.host_copy` (no device copy for a
+batch's own tensors) and reach the device through :func:`treecompile.host_values.to_device_async`.
 """
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
-__all__ = ["LastBatch", "to_device_async"]
-
-
-def to_device_async(t: Tensor, device: torch.device) -> Tensor:
-    """A host tensor on ``device`` without blocking the host (through pinned memory when it is CUDA).
-
-    A plain ``.to("cuda")`` of pageable memory (or ``torch.tensor(list, device="cuda")``) synchronises the
-    stream: the host waits until the GPU has run everything queued before it.  The plans are made inside the
-    graph (at the first layer that needs one), where that wait would drain the GPU's queue."""
-    device = torch.device(device)
-    return (t.pin_memory() if device.type == "cuda" else t).to(device, non_blocking=True)
+__all__ = ["LastBatch"]
 
 
 class LastBatch:

@@ -38,7 +38,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from treecompile.ops import tree_conv_triton
-from treecompile.ops.last_batch import LastBatch, to_device_async
+from treecompile.host_values import host_copy, to_device_async
+from treecompile.ops.last_batch import LastBatch
 from treecompile.ops.tree_conv import check_conv_args, silu_backward
 
 __all__ = ["tree_causal_conv1d_shifts", "tree_causal_conv1d_shifts_inductor", "tree_conv_context_grad",
@@ -64,7 +65,7 @@ class ContextExceptions:
 
 def context_exceptions(conv_index: Tensor) -> ContextExceptions:
     """:class:`ContextExceptions` of ``conv_index`` (one host copy of it; the tables go back without blocking)."""
-    ci = conv_index.cpu()
+    ci = host_copy(conv_index)
     T, k1 = ci.shape
     bad = ci >= T  # (a negative entry means "no context", as in the registered op)
     if bad.any():  # the kernels would read outside x: say where (the host copy is here anyway)

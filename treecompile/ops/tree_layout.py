@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import torch
 
+from treecompile.host_values import host_copy, to_device_async
+
 __all__ = ["heavy_first_order", "permuted_subtree_end", "reordered_attention"]
 
 
@@ -55,7 +57,7 @@ def heavy_first_order(subtree_end: torch.Tensor) -> torch.Tensor:
     if subtree_end.dim() != 1 or subtree_end.numel() == 0:
         raise ValueError(f"subtree_end: expected a non-empty 1-D tensor [T], got shape {tuple(subtree_end.shape)}")
     dev = subtree_end.device
-    se = subtree_end.detach().to("cpu", torch.int64)
+    se = host_copy(subtree_end).to(torch.int64)
     T = se.numel()
     start, end, sub = _nodes(se)
     N = len(start)
@@ -93,7 +95,7 @@ def heavy_first_order(subtree_end: torch.Tensor) -> torch.Tensor:
     perm[pos] = torch.arange(T)  # the token at new position i
     if bool((perm < 0).any()):  # pos in [0, T) by construction; every position hit once <=> a permutation
         raise AssertionError("heavy_first_order: not a permutation (internal error)")
-    return torch.stack([perm, pos]).to(dev)
+    return to_device_async(torch.stack([perm, pos]), dev)
 
 
 def permuted_subtree_end(subtree_end: torch.Tensor, order: torch.Tensor) -> torch.Tensor:

@@ -44,8 +44,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from treecompile.host_values import host_copy, to_device_async
+
 from .key_copies import CopyRuns, copy_runs, sum_copies
-from .last_batch import LastBatch, to_device_async
+from .last_batch import LastBatch
 from .tree_attention import tree_mask
 
 __all__ = ["SegmentPlan", "BlockSparsePlan", "segment_plan", "segments_fit", "tree_attention_plan",
@@ -155,7 +157,7 @@ def _walk(subtree_end: Tensor) -> _Walk:
         raise ValueError(f"subtree_end: expected a non-empty 1-D tensor [T], got shape {tuple(subtree_end.shape)}")
     if subtree_end.dtype.is_floating_point or subtree_end.dtype == torch.bool:
         raise ValueError(f"subtree_end: expected an integer tensor, got {subtree_end.dtype}")
-    se = subtree_end.detach().to("cpu", torch.int64)
+    se = host_copy(subtree_end).to(torch.int64)  # no device copy for a batch's own tensor (last_batch)
     T = se.numel()
     pos = torch.arange(T)
     bad = torch.nonzero((se <= pos) | (se > T)).flatten()

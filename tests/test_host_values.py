@@ -1,0 +1,144 @@
+"""treecompile.host_values: a batch's tree tensors keep their host values when moved, so the CUDA ops'
+plans read no device tensor back (a blocking copy mid-step).  On the CPU the "device" is ``meta``: a meta
+tensor has no values, so a plan built from a meta batch proves it read none from the device."""
+
+from __future__ import annotations
+
+import gc
+import random
+
+import pytest
+import torch
+
+from treecompile import Tree
+from treecompile.host_values import _HOST, host_copy, remember_host, remembered_host, to_device_with_host
+from treecompile.tree import _TENSOR_FIELDS
+
+
+def _paths(seed=0, n=6):
+    rng = random.Random(seed)
+    paths = [[rng.randrange(50) for _ in range(rng.randint(3, 40))] for _ in range(n)]
+    return paths + [p[:rng.randint(1, len(p))] + [rng.randrange(50) for _ in range(rng.randint(1, 9))] for p in paths]
+
+
+def test_host_values_follow_the_same_unchanged_tensor_only():
+    t = torch.arange(7)
+    d = to_device_with_host(t, "meta")
+    assert d.device.type == "meta" and torch.equal(host_copy(d), t)
+    t.add_(100)  # the remembered values are a private copy
+    assert torch.equal(remembered_host(d), torch.arange(7))
+    assert remembered_host(d.clone()) is None and remembered_host(d.view(7)) is None  # another tensor object
+    d.add_(1)  # an in-place write bumps the version counter: the record no longer applies
+    assert remembered_host(d) is None
+    c = torch.arange(3)
+    assert to_device_with_host(c, "cpu") is c and host_copy(c) is c  # no copies on the host
+    with pytest.raises(ValueError, match=r"shape \(7,\) and dtype torch.int64"):
+        remember_host(d, torch.zeros(6, dtype=torch.long))
+
+
+def test_record_goes_with_its_tensor():
+    before = len(_HOST)
+    d = to_device_with_host(torch.arange(5), "meta")
+    assert len(_HOST) == before + 1
+    del d
+    gc.collect()
+    assert len(_HOST) == before
+
+
+@pytest.mark.parametrize("extra", [0, 1, 37])
+def test_moved_and_padded_batch_keeps_host_values(extra):
+    host = Tree.from_paths(_paths(1)).to_batch()
+    moved = host.to("meta")
+    padded = moved.padded(moved.seq_len + extra)
+    want = host.padded(host.seq_len + extra)
+    for f in _TENSOR_FIELDS:
+        got = getattr(padded, f)
+        assert got.device.type == "meta" and torch.equal(remembered_host(got), getattr(want, f)), f
+    assert padded.num_tokens == host.num_tokens and padded.tree is host.tree
+
+
+def test_plans_of_a_moved_batch_read_nothing_from_the_device():
+    """The varlen attention's plans, the fla GDN call plan and the conv tables, built from a meta batch, equal
+    the same plans built from the host batch (a device read would raise: meta tensors hold no values)."""
+    from treecompile.ops import fla_conv, fla_gdn, tree_conv_shifts, tree_layout
+    from treecompile.ops import varlen_tree_attention as vta
+
+    host = Tree.from_paths(_paths(2)).to_batch(pad_to_multiple=64)
+    dev = host.to("meta").padded(host.seq_len + 64)
+    host = host.padded(host.seq_len + 64)
+    for block_sparse in (False, True):
+        a = vta.tree_attention_plan(dev.subtree_end, block_sparse=block_sparse)
+        b = vta.tree_attention_plan(host.subtree_end, block_sparse=block_sparse)
+        assert type(a) is type(b) and a.gathered == b.gathered
+    assert vta.segments_fit(dev.subtree_end) == vta.segments_fit(host.subtree_end)
+    nodes = (dev.node_start, dev.node_end, dev.node_parent)
+    assert fla_gdn._segments(*nodes) == fla_gdn._segments(host.node_start, host.node_end, host.node_parent)
+    assert fla_gdn.plan_calls(*nodes).index.device.type == "meta"
+    assert tree_conv_shifts.context_exceptions(dev.conv_index).token.device.type == "meta"
+    assert torch.equal(fla_conv.conv_segments(dev.conv_index, 2).cu_seqlens_cpu,
+                       fla_conv.conv_segments(host.conv_index, 2).cu_seqlens_cpu)
+    assert tree_layout.heavy_first_order(dev.subtree_end).device.type == "meta"
+
+
+def _same_bucket_trees(vocab: int):
+    """Two different trees of 600-700 tokens (one length bucket: one compiled graph for both)."""
+    from treecompile.program import bucket_length
+
+    trees = []
+    for seed in range(100):
+        t = Tree.from_paths([[x % vocab for x in p] for p in _paths(seed, 10)])
+        if 600 <= t.num_tokens <= 700 and (not trees or t.num_tokens != trees[0].num_tokens):
+            trees.append(t)
+        if len(trees) == 2:
+            break
+    assert len(trees) == 2 and bucket_length(trees[0].num_tokens) == bucket_length(trees[1].num_tokens)
+    return trees
+
+
+def _gpu_model_reason(kind: str) -> str | None:
+    if not torch.cuda.is_available():
+        return "needs a CUDA device"
+    from treecompile.ops.fa4_tree_attention import fa4_unusable_reason
+
+    if kind == "hybrid":
+        from treecompile.ops.fla_gdn_levels import levels_unusable_reason
+
+        return fa4_unusable_reason() or levels_unusable_reason()
+    return fa4_unusable_reason()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["dense", "hybrid"])
+def test_compiled_step_on_a_moved_batch_does_not_wait_for_the_gpu(kind):
+    """Forward and backward of a compiled tree step (FA4 varlen attention; for the hybrid, the levelled fla GDN
+    and the conv tables) on a batch moved by ``TreeBatch.to``: no call waits for the GPU (CUDA's sync debug mode
+    raises on any), once the length bucket's graph is compiled."""
+    reason = _gpu_model_reason(kind)
+    if reason:
+        pytest.skip(reason)
+    import treecompile
+    from treecompile.models import DenseConfig, DenseForCausalLM, HybridConfig, HybridForCausalLM
+
+    torch.manual_seed(0)
+    if kind == "dense":
+        model = DenseForCausalLM(DenseConfig.tiny(hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                                                  num_key_value_heads=2, head_dim=128))
+    else:
+        # the GDN layer shape of Qwen3.5-35B-A3B (16 key / 32 value heads of 128): tilelang kernels already built
+        model = HybridForCausalLM(HybridConfig.tiny(hidden_size=256, intermediate_size=512, head_dim=256,
+                                                    num_attention_heads=4, num_key_value_heads=2,
+                                                    linear_key_head_dim=128, linear_value_head_dim=128,
+                                                    linear_num_key_heads=16, linear_num_value_heads=32))
+    model = model.cuda().to(torch.bfloat16)
+    tm = treecompile.compile(model)
+    first, second = _same_bucket_trees(model.config.vocab_size)
+    tm(first.to_batch().to("cuda")).loss.backward()  # compiles the bucket's graph
+    torch.cuda.synchronize()
+    batch = second.to_batch().to("cuda")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = tm(batch)
+        out.loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.isfinite(out.loss.detach()).item()

@@ -1,0 +1,73 @@
+"""Host values of a batch's device tensors, and copies to the device that do not block the host.
+
+The plans of the CUDA ops (the fla GDN call plan, the conv tables, the varlen attention's segments) are built
+on the host from the batch's tree tensors, inside the step, at the first layer that needs one.  Reading a CUDA
+tensor on the host is a blocking copy: the host waits for everything queued on the GPU, and the GPU then idles
+while the host builds the plan.  So :func:`to_device_with_host` (what ``TreeBatch.to`` uses) remembers the
+host values of what it copies, and :func:`host_copy` returns them for that same device tensor while it is
+unchanged (same object, same version counter), with no copy and no wait; any other tensor is copied as
+before.  Part of the data model: imports only torch.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import Tensor
+
+__all__ = ["to_device_async", "to_device_with_host", "host_copy", "remember_host", "remembered_host"]
+
+# id(device tensor) -> (weak reference to it, its version counter when remembered, its values on the host)
+_HOST: dict[int, tuple[weakref.ref, int, Tensor]] = {}
+
+
+def to_device_async(t: Tensor, device: torch.device) -> Tensor:
+    """A host tensor on ``device`` without blocking the host (through pinned memory when it is CUDA).
+
+    A plain ``.to("cuda")`` of pageable memory (or ``torch.tensor(list, device="cuda")``) synchronises the
+    stream: the host waits until the GPU has run everything queued before it.  The plans are made inside the
+    graph (at the first layer that needs one), where that wait would drain the GPU's queue."""
+    device = torch.device(device)
+    return (t.pin_memory() if device.type == "cuda" else t).to(device, non_blocking=True)
+
+
+def remember_host(t: Tensor, host: Tensor) -> Tensor:
+    """Record ``host`` (a CPU tensor equal to ``t``, which nobody else may write) as ``t``'s host values;
+    returns ``t``.  The record goes when ``t`` is freed."""
+    if t.device.type == "cpu":
+        return t
+    if host.device.type != "cpu" or host.shape != t.shape or host.dtype != t.dtype:
+        raise ValueError(f"remember_host: expected a CPU tensor of shape {tuple(t.shape)} and dtype {t.dtype}, got "
+                         f"{host.device} {tuple(host.shape)} {host.dtype}")
+    key = id(t)
+    _HOST[key] = (weakref.ref(t, lambda _, key=key: _HOST.pop(key, None)), t._version, host)
+    return t
+
+
+def to_device_with_host(t: Tensor, device: torch.device) -> Tensor:
+    """:func:`to_device_async` of a host tensor that also remembers its values (:func:`host_copy` of the result
+    reads them, with no device copy).  The remembered copy is private (the pinned staging copy on CUDA, a
+    clone otherwise), so later writes to ``t`` do not reach it."""
+    device = torch.device(device)
+    if device.type == "cpu" or t.device.type != "cpu":
+        return t.to(device)
+    staged = t.pin_memory() if device.type == "cuda" else t.clone()
+    return remember_host(staged.to(device, non_blocking=True), staged)
+
+
+def remembered_host(t: Tensor) -> Tensor | None:
+    """The host values :func:`remember_host` recorded for ``t`` while it is unchanged, else None (no copy)."""
+    rec = _HOST.get(id(t))
+    return rec[2] if rec is not None and rec[0]() is t and rec[1] == t._version else None
+
+
+def host_copy(t: Tensor) -> Tensor:
+    """``t``'s values on the host: ``t`` itself on the CPU; the values :func:`to_device_with_host` remembered
+    while ``t`` is that same tensor, unchanged (its version counter; a write that bypasses it, such as a
+    custom kernel writing into the batch's tree tensors, is not seen: the tree tensors are inputs the
+    program only reads); else a copy (which waits for the device).  The result must not be written to."""
+    if t.device.type == "cpu":
+        return t
+    host = remembered_host(t)
+    return host if host is not None else t.detach().cpu()
