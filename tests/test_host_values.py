@@ -81,17 +81,19 @@ def test_plans_of_a_moved_batch_read_nothing_from_the_device():
 
 
 def _same_bucket_trees(vocab: int):
-    """Two different trees of 600-700 tokens (one length bucket: one compiled graph for both)."""
+    """Two different trees in one length bucket (one compiled graph for both)."""
     from treecompile.program import bucket_length
 
     trees = []
-    for seed in range(100):
-        t = Tree.from_paths([[x % vocab for x in p] for p in _paths(seed, 10)])
-        if 600 <= t.num_tokens <= 700 and (not trees or t.num_tokens != trees[0].num_tokens):
-            trees.append(t)
-        if len(trees) == 2:
-            break
-    assert len(trees) == 2 and bucket_length(trees[0].num_tokens) == bucket_length(trees[1].num_tokens)
+    for seed, tail in ((0, 40), (1, 50)):  # 320 + 6 x 40 = 560 and 320 + 6 x 50 = 620 tokens, bucket 768
+        rng = random.Random(seed)
+        trunk = [rng.randrange(vocab) for _ in range(320)]
+        paths = [trunk]
+        for cut in (30, 80, 130, 180, 230, 280):  # each branch leaves the trunk at its own token
+            paths.append(trunk[:cut] + [(trunk[cut] + 1) % vocab] + [rng.randrange(vocab) for _ in range(tail - 1)])
+        trees.append(Tree.from_paths(paths))
+    assert [t.num_tokens for t in trees] == [560, 620]
+    assert bucket_length(560) == bucket_length(620)
     return trees
 
 
