@@ -100,7 +100,10 @@ def profile_step(step, *, stacks: bool = False) -> dict:
     """One profiled step: kernel totals (ms) by kind and the top kernels by time.  ``stacks``: record Python
     stacks, and name each idle gap's host events by their innermost source line in our code (slower host)."""
     _sync()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=stacks) as prof:
+    # the Python stacks reach prof.events() only with the verbose experimental config (torch 2.11-2.13)
+    extra = {"with_stack": True, "experimental_config": torch._C._profiler._ExperimentalConfig(verbose=True)} \
+        if stacks else {}
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], **extra) as prof:
         step()
         _sync()
     by_name: dict[str, list] = defaultdict(lambda: [0.0, 0])
