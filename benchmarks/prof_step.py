@@ -175,7 +175,8 @@ def main(argv=None) -> int:
             print(f"#   {kind:13s} {ms:8.2f} ms")
         for kname, ms, n in top[:args.top]:
             print(f"#     {ms:8.2f} ms  x{n:<5d} {kname}")
-        print(f"#   GPU idle in gaps >= 0.2 ms: {sum(ms for _, ms, _ in idle):.1f} ms, by the host events at their middle:")
+        print(f"#   GPU idle in gaps >= 0.2 ms: {sum(ms for _, ms, _ in idle):.1f} ms, "
+              "by the host events at their middle:")
         for hname, ms, n in idle[:args.top]:
             print(f"#     {ms:8.2f} ms  x{n:<5d} {hname}")
         steps.zero()

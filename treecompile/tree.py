@@ -623,7 +623,7 @@ class TreeBatch:
         dev = self.input_ids.device
         if dev.type != "cpu":
             # a batch moved by :meth:`to` pads its host values and moves them: the plans read the padded batch's
-            # tree tensors on the host (last_batch.host_copy), so they must have host values too
+            # tree tensors on the host (host_values.host_copy), so they must have host values too
             host = [remembered_host(getattr(self, f)) for f in _TENSOR_FIELDS]
             if all(h is not None for h in host):
                 return dataclasses.replace(self, **dict(zip(_TENSOR_FIELDS, host))).padded(length).to(dev)

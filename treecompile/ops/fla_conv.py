@@ -62,7 +62,8 @@ def _segment_starts(ci: Tensor) -> Tensor:
 
 
 def conv_segments(conv_index: Tensor, batch: int, chunk_size: int = CHUNK_SIZE) -> ConvSegments:
-    """Segments of ``conv_index [T, K-1]`` for ``batch`` rows sharing it (one host sync)."""
+    """Segments of ``conv_index [T, K-1]`` for ``batch`` rows sharing it (read on the host: no device copy for a
+    moved batch's own tensor, :func:`treecompile.host_values.host_copy`)."""
     ci = host_copy(conv_index)
     T, k1 = ci.shape
     dev = conv_index.device

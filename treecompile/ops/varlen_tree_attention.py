@@ -152,12 +152,13 @@ class _Walk:
 
 
 def _walk(subtree_end: Tensor) -> _Walk:
-    """Bounds-check ``subtree_end`` and walk its segments: O(segments) on the host after one sync."""
+    """Bounds-check ``subtree_end`` and walk its segments: O(segments) on the host (no device copy for a moved
+    batch's own tensor: :mod:`treecompile.host_values`)."""
     if subtree_end.dim() != 1 or subtree_end.numel() == 0:
         raise ValueError(f"subtree_end: expected a non-empty 1-D tensor [T], got shape {tuple(subtree_end.shape)}")
     if subtree_end.dtype.is_floating_point or subtree_end.dtype == torch.bool:
         raise ValueError(f"subtree_end: expected an integer tensor, got {subtree_end.dtype}")
-    se = host_copy(subtree_end).to(torch.int64)  # no device copy for a batch's own tensor (last_batch)
+    se = host_copy(subtree_end).to(torch.int64)  # no device copy for a moved batch's own tensor (host_values)
     T = se.numel()
     pos = torch.arange(T)
     bad = torch.nonzero((se <= pos) | (se > T)).flatten()
@@ -205,7 +206,7 @@ def _last_walk(subtree_end: Tensor) -> _Walk:
 
 
 def segments_fit(subtree_end: Tensor) -> bool:
-    """Whether this op's segments for ``subtree_end`` stay within the gather bound (one host sync, O(segments),
+    """Whether this op's segments for ``subtree_end`` stay within the gather bound (read on the host, O(segments),
     kept for the op's plan of the same tensor).  Where they do not, a head dim without block-sparse tiles cannot
     run the batch through this op: ``"auto"`` then runs it through flex (``TreeProgram``'s per-batch fallback)."""
     return _last_walk(subtree_end).fits
