@@ -37,12 +37,12 @@ def test_host_values_follow_the_same_unchanged_tensor_only():
 
 
 def test_record_goes_with_its_tensor():
-    before = len(_HOST)
     d = to_device_with_host(torch.arange(5), "meta")
-    assert len(_HOST) == before + 1
+    key = id(d)
+    assert _HOST[key][0]() is d
     del d
     gc.collect()
-    assert len(_HOST) == before
+    assert key not in _HOST
 
 
 @pytest.mark.parametrize("extra", [0, 1, 37])
@@ -78,6 +78,17 @@ def test_plans_of_a_moved_batch_read_nothing_from_the_device():
     assert torch.equal(fla_conv.conv_segments(dev.conv_index, 2).cu_seqlens_cpu,
                        fla_conv.conv_segments(host.conv_index, 2).cu_seqlens_cpu)
     assert tree_layout.heavy_first_order(dev.subtree_end).device.type == "meta"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("pinned", [False, True])
+def test_cuda_copy_remembers_a_private_host_copy(pinned):
+    """Through pinned staging (a pinned source, as a DataLoader's pin_memory gives, is copied, not reused)."""
+    t = torch.arange(9).pin_memory() if pinned else torch.arange(9)
+    d = to_device_with_host(t, "cuda")
+    t.add_(100)
+    assert torch.equal(remembered_host(d), torch.arange(9)) and torch.equal(d.cpu(), torch.arange(9))
 
 
 def _same_bucket_trees(vocab: int):

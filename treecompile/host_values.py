@@ -52,7 +52,12 @@ def to_device_with_host(t: Tensor, device: torch.device) -> Tensor:
     device = torch.device(device)
     if device.type == "cpu" or t.device.type != "cpu":
         return t.to(device)
-    staged = t.pin_memory() if device.type == "cuda" else t.clone()
+    if device.type != "cuda":
+        staged = t.clone()
+    elif t.is_pinned():  # pin_memory() would return t itself (a DataLoader's pinned batch), not a private copy
+        staged = torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
+    else:
+        staged = t.pin_memory()
     return remember_host(staged.to(device, non_blocking=True), staged)
 
 
