@@ -48,15 +48,20 @@ def kind_of(name: str) -> str:
     return "other"
 
 
+def _merged(intervals) -> list[list[float]]:
+    """The union of ``(start, end)`` intervals as disjoint ``[start, end]`` runs, in order."""
+    runs: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if runs and a <= runs[-1][1]:
+            runs[-1][1] = max(runs[-1][1], b)
+        else:
+            runs.append([a, b])
+    return runs
+
+
 def busy_ms(intervals) -> float:
     """Milliseconds covered by the union of ``(start, end)`` intervals in microseconds (the time the GPU was busy)."""
-    busy, end = 0.0, None
-    for a, b in sorted(intervals):
-        if end is None or a > end:
-            busy, end = busy + (b - a), b
-        elif b > end:
-            busy, end = busy + (b - end), b
-    return busy / 1e3
+    return sum(b - a for a, b in _merged(intervals)) / 1e3
 
 
 def _sync():
@@ -78,12 +83,7 @@ def idle_gaps(intervals, host_events, *, min_us: float = 200.0, depth: int = 3) 
     its midpoint, outermost to innermost, the last ``depth`` of them joined by " > ". Returns ``(name,
     idle ms, gaps)`` per name, most idle first. A gap under a synchronize or a copy to the host is the host
     waiting; under Python-level ops it is host work the GPU ran out of."""
-    merged = []
-    for a, b in sorted(intervals):
-        if merged and a <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], b)
-        else:
-            merged.append([a, b])
+    merged = _merged(intervals)
     by: dict[str, list] = defaultdict(lambda: [0.0, 0])
     for (_, e0), (s1, _) in zip(merged, merged[1:]):
         if s1 - e0 < min_us:

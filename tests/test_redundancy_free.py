@@ -328,6 +328,36 @@ def test_padded_partitions_equal_whole_tree(which, dense, hybrid, monkeypatch):
     assert sum(moved) > 0
 
 
+def test_padded_partition_on_a_device_keeps_host_values(hybrid, monkeypatch):
+    """A partition moved to a device (``meta`` here: no values) and padded by ``padded_call`` keeps the host
+    values of its tree tensors, the fed-row shift of ``pred_index``/``conv_index`` included: the CUDA plans read
+    them instead of the device (``treecompile.host_values``)."""
+    from treecompile.host_values import remembered_host
+    from treecompile.tree import _TENSOR_FIELDS
+
+    model, tmodel, bmodel = hybrid
+    program = bmodel.program
+    run, seen = program.run, []
+
+    def record(batch, boundary_inputs=(), **kw):
+        seen.append((batch, list(boundary_inputs)))
+        return run(batch, boundary_inputs, **kw)
+
+    monkeypatch.setattr(program, "run", record)
+    tree = Tree.from_paths([[1, 2, 3, 4, 5, 6], [1, 2, 3, 7, 8], [1, 2, 9, 10, 2, 3, 4], [3, 4], [3, 5, 6]])
+    run_redundancy_free(bmodel, partition_redundancy_free(tree, 3))
+    model.zero_grad()
+    shifted = 0
+    for batch, ins in seen:
+        L = batch.seq_len + 7
+        want, _ = program.padded_call(batch, ins, L)
+        got, _ = program.padded_call(batch.to("meta"), [x.detach().to("meta") for x in ins], L)
+        for f in _TENSOR_FIELDS:
+            assert torch.equal(remembered_host(getattr(got, f)), getattr(want, f)), f
+        shifted += int((want.conv_index >= L).sum())
+    assert len(seen) > 1 and shifted > 0  # the partitions read fed rows: the shift moved indices
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("compile_cuda", [False, True], ids=["eager_graph", "compiled_graph"])

@@ -22,6 +22,17 @@ __all__ = ["to_device_async", "to_device_with_host", "host_copy", "remember_host
 _HOST: dict[int, tuple[weakref.ref, int, Tensor]] = {}
 
 
+def _staged(t: Tensor, device: torch.device, *, private: bool) -> Tensor:
+    """The host tensor a copy of ``t`` to ``device`` starts from: pinned memory for CUDA (a pageable source
+    would make the copy block); ``private``: never ``t`` itself (``pin_memory()`` returns an already pinned
+    tensor, such as a DataLoader's pinned batch, unchanged)."""
+    if device.type != "cuda":
+        return t.clone() if private else t
+    if private and t.is_pinned():
+        return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
+    return t.pin_memory()
+
+
 def to_device_async(t: Tensor, device: torch.device) -> Tensor:
     """A host tensor on ``device`` without blocking the host (through pinned memory when it is CUDA).
 
@@ -29,7 +40,7 @@ def to_device_async(t: Tensor, device: torch.device) -> Tensor:
     stream: the host waits until the GPU has run everything queued before it.  The plans are made inside the
     graph (at the first layer that needs one), where that wait would drain the GPU's queue."""
     device = torch.device(device)
-    return (t.pin_memory() if device.type == "cuda" else t).to(device, non_blocking=True)
+    return _staged(t, device, private=False).to(device, non_blocking=True)
 
 
 def remember_host(t: Tensor, host: Tensor) -> Tensor:
@@ -52,12 +63,7 @@ def to_device_with_host(t: Tensor, device: torch.device) -> Tensor:
     device = torch.device(device)
     if device.type == "cpu" or t.device.type != "cpu":
         return t.to(device)
-    if device.type != "cuda":
-        staged = t.clone()
-    elif t.is_pinned():  # pin_memory() would return t itself (a DataLoader's pinned batch), not a private copy
-        staged = torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
-    else:
-        staged = t.pin_memory()
+    staged = _staged(t, device, private=True)
     return remember_host(staged.to(device, non_blocking=True), staged)
 
 

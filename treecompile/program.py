@@ -28,6 +28,7 @@ from torch import fx, nn
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
+from treecompile.host_values import remember_host, remembered_host
 from treecompile.passes.expose_boundary import BoundarySpec
 from treecompile.ops.varlen_tree_attention import segments_fit
 from treecompile.ops import tree_conv_shifts
@@ -282,8 +283,10 @@ class TreeProgram:
             return padded, list(boundary_inputs)
         shift = length - T
 
-        def moved(idx):
-            return torch.where(idx >= T, idx + shift, idx)
+        def moved(idx):  # the host values follow (host_values): the conv tables then read no device tensor
+            host = remembered_host(idx)
+            out = torch.where(idx >= T, idx + shift, idx)
+            return out if host is None else remember_host(out, torch.where(host >= T, host + shift, host))
 
         padded = dataclasses.replace(padded, pred_index=moved(padded.pred_index), conv_index=moved(padded.conv_index))
         out = []

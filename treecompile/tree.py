@@ -649,7 +649,7 @@ class TreeBatch:
 
     def to(self, device) -> "TreeBatch":
         """This batch on ``device``.  From the host: copies that do not block the host, and the tree tensors'
-        host values remembered (:func:`treecompile.ops.last_batch.to_device_with_host`), so that the plans
+        host values remembered (:func:`treecompile.host_values.to_device_with_host`), so that the plans
         built from them mid-step read no device tensor back (that would wait for the GPU's queue)."""
         kw = {f: to_device_with_host(getattr(self, f), device) for f in _TENSOR_FIELDS}
         extras = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.extras.items()}
