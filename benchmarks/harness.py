@@ -108,7 +108,7 @@ else:  # run as a script: benchmarks/ is on sys.path
 BASELINES = ("eager_per_path", "compiled_per_path", "packed_flex", "compiled_per_path_fa4", "packed_fa4_varlen",
              "compiled_per_path_fla", "packed_fla_varlen", "packed_fla_varlen_conv")
 TREE_CONTENDERS = ("tree", "tree_heavy_first", "tree_fa4_varlen", "tree_fa4_flex", "tree_conv_fla",
-                   "tree_conv_shifts_inductor", "tree_packed", "tree_rf")
+                   "tree_conv_shifts_inductor", "tree_head_chunked", "tree_packed", "tree_rf")
 CONTENDERS = BASELINES + TREE_CONTENDERS
 
 
@@ -664,13 +664,13 @@ class Steps:
         p = self.pack_tensors(members, n, wdtype)
         return p.ids, p.targets, p.same, document_mask(p.doc, n, self.dev)
 
-    def _tree_model(self, boundary=False, layout="dfs", kernel="auto", conv="auto"):
+    def _tree_model(self, boundary=False, layout="dfs", kernel="auto", conv="auto", head="auto"):
         import treecompile
 
-        key = ("rf" if boundary else "tree", layout, kernel, conv)
+        key = ("rf" if boundary else "tree", layout, kernel, conv, head)
         if key not in self.tmodels:
             self.tmodels[key] = treecompile.compile(self.model, boundary=boundary, attention_layout=layout,
-                                                    attention_kernel=kernel, conv_kernel=conv)
+                                                    attention_kernel=kernel, conv_kernel=conv, head_logits=head)
         return self.tmodels[key]
 
     def tree_heavy_first(self):
@@ -696,14 +696,19 @@ class Steps:
         not the Triton kernels: what a compiled graph ran in session 18; CUDA, models with GDN layers)."""
         return self._cuda_tree_step("conv_kernel", conv="shifts_inductor")
 
+    def tree_head_chunked(self):
+        """``tree`` with ``head_logits="chunked"`` (the fused head recomputes its logits chunk by chunk in the
+        backward: what every step ran before session 25; CUDA)."""
+        return self._cuda_tree_step("head_logits", head="chunked")
+
     def _cuda_tree_step(self, option: str, **kw):
         """``tree_step(**kw)`` on CUDA; elsewhere a skip naming ``option`` (a CUDA lowering option)."""
         if self.dev.type != "cuda":
             raise _Skip(f"{option} is a CUDA lowering option")
         return self.tree_step(**kw)
 
-    def tree_step(self, layout="dfs", kernel="auto", conv="auto"):
-        tm = self._tree_model(layout=layout, kernel=kernel, conv=conv)
+    def tree_step(self, layout="dfs", kernel="auto", conv="auto", head="auto"):
+        tm = self._tree_model(layout=layout, kernel=kernel, conv=conv, head=head)
         batch = self.tree.to_batch(normalize=self.cfg.normalize, device=self.dev)
         step = batches_step(tm, [batch], self.zero)
         return step, self.tree.num_tokens, tree_attention_entries(batch.position_ids[:self.tree.num_tokens])

@@ -266,7 +266,8 @@ def test_cuda_lowering_picks_the_triton_head_for_half_precision(monkeypatch, dty
     fast_op = torch.ops.treecompile.linear_logprobs_triton.default
     for avail in (True, False):
         monkeypatch.setattr(logprobs_triton, "available", lambda avail=avail: avail)
-        lowering = lower_cuda(tm.graph_module, CudaOptions(gdn_kernel="reference"))
+        # "chunked": the op itself (what head_logits="auto" runs where it does not keep the logits; test_logprobs_kept)
+        lowering = lower_cuda(tm.graph_module, CudaOptions(gdn_kernel="reference", head_logits="chunked"))
         heads = [n for n in lowering.graph_module.graph.nodes if n.op == "call_function" and n.target in (ref_op, fast_op)]
         assert len(heads) == 1 and lowering.triton_head == int(fast and avail)
         assert heads[0].target == (fast_op if fast and avail else ref_op)

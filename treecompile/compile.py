@@ -76,11 +76,12 @@ class TreeModel(nn.Module):
                  logits_chunk: int | None = None, compile_cuda: bool = True, swaps: list | None = None,
                  bucket: bool = True, boundary: bool = False, gdn_kernel: str = "auto",
                  allow_dropout: bool = False, entropy: bool = False, router_aux: str | None = None,
-                 attention_kernel: str = "auto", attention_layout: str = "dfs", conv_kernel: str = "auto"):
+                 attention_kernel: str = "auto", attention_layout: str = "dfs", conv_kernel: str = "auto",
+                 head_logits: str = "auto"):
         super().__init__()
         options = CudaOptions(compile_cuda=compile_cuda, bucket=bucket, gdn_kernel=gdn_kernel,
                               attention_kernel=attention_kernel, attention_layout=attention_layout,
-                              conv_kernel=conv_kernel)
+                              conv_kernel=conv_kernel, head_logits=head_logits)
         check_disable(disable, BOUNDARY_PASSES if boundary else None)  # a misspelt pass name: before the capture
         if logits_chunk is not None and (isinstance(logits_chunk, bool) or not isinstance(logits_chunk, int)
                                          or logits_chunk < 1):
@@ -251,7 +252,8 @@ def compile(model=None, *, disable: tuple[str, ...] = (), debug: bool = False,  
             logits_chunk: int | None = None, compile_cuda: bool = True, bucket: bool = True,
             boundary: bool = False, gdn_kernel: str = "auto", swaps: list | None = None,
             allow_dropout: bool = False, entropy: bool = False, router_aux: str | None = None,
-            attention_kernel: str = "auto", attention_layout: str = "dfs", conv_kernel: str = "auto"):
+            attention_kernel: str = "auto", attention_layout: str = "dfs", conv_kernel: str = "auto",
+            head_logits: str = "auto"):
     """Rewrite ``model`` for tree batches and return a :class:`TreeModel`.
 
     Usable as ``treecompile.compile(model, ...)``, or as a decorator (bare or with options) on an
@@ -286,6 +288,13 @@ def compile(model=None, *, disable: tuple[str, ...] = (), debug: bool = False,  
         attention_layout: ``"dfs"`` or ``"heavy_first"``: the token order tree attention runs in on CUDA
             (``"heavy_first"``: the batch's tree with children visited largest subtree first, gathered in
             and out inside each attention call; exact, fewer partial tiles on deep agentic trees).
+        head_logits: ``"auto"``, ``"kept"`` or ``"chunked"``: what the fused head keeps for its backward on CUDA.
+            ``"chunked"``: at most ``logits_chunk`` rows of logits at a time, forward and backward (the backward
+            recomputes them); ``"kept"``: the ``[tokens, vocab]`` logits in the model's dtype from the forward to
+            the head's backward, which runs the head's GEMMs over all rows (``ops.logprobs_kept``: one head GEMM
+            per token less); ``"auto"``: ``"kept"`` when ``logits_chunk`` is not set and the logits of the call
+            take at most 1/8 of the GPU's memory (10 GB on an 80 GB H100), else ``"chunked"``.  Calls without
+            gradients always run chunked.
         swaps: context managers entered during capture (default: ``frontend.kernel_swaps(model)``).
         allow_dropout: accept active dropout (one mask per shared token, so gradients equal the
             per-path ones only in expectation); by default it is refused.
@@ -310,7 +319,7 @@ def compile(model=None, *, disable: tuple[str, ...] = (), debug: bool = False,  
     options = dict(disable=disable, debug=debug, logits_chunk=logits_chunk, compile_cuda=compile_cuda,
                    bucket=bucket, boundary=boundary, gdn_kernel=gdn_kernel, swaps=swaps, allow_dropout=allow_dropout,
                    entropy=entropy, router_aux=router_aux, attention_kernel=attention_kernel,
-                   attention_layout=attention_layout, conv_kernel=conv_kernel)
+                   attention_layout=attention_layout, conv_kernel=conv_kernel, head_logits=head_logits)
     if model is None:
         return functools.partial(compile, **options)
     if isinstance(model, nn.Module):

@@ -32,7 +32,10 @@ faster than with fla's conv on an H100, a GPU-bound 32k synthetic one 2 % slower
 ``conv_kernel`` (:data:`CONV_KERNELS`).
 The fused head ``treecompile::linear_logprobs`` of a half-precision model becomes
 ``treecompile::linear_logprobs_triton`` (same arguments; Triton row kernels) when triton imports: the
-reference op never chooses it.
+reference op never chooses it.  With ``head_logits`` (:data:`HEAD_LOGITS`) "kept", or "auto" where the user set no
+``logits_chunk``, the head becomes :func:`_fused_head`, which runs ``treecompile::linear_logprobs_kept`` (the
+logits kept for the backward: no recompute, ``ops.logprobs_kept``) on calls that differentiate the head with
+logits under the bound (:func:`head_kept_max_bytes`), and the chunked op on the others.
 The routed experts ``treecompile::moe_experts`` become ``treecompile::moe_experts_grouped`` (same arguments;
 ``torch._grouped_mm``, no host sync, ``ops.moe_grouped``) on Hopper for bfloat16 experts whose dims give
 16-byte strides (:func:`_moe_grouped`); other dtypes run ``_grouped_mm``'s per-group loop on CUDA, which reads
@@ -72,6 +75,7 @@ from torch.nn.attention.flex_attention import flex_attention
 import treecompile.ops.tree_attention  # noqa: F401  (registers the ops lowered here)
 import treecompile.ops.tree_attention_boundary  # noqa: F401
 import treecompile.ops.logprobs  # noqa: F401
+import treecompile.ops.logprobs_kept  # noqa: F401
 import treecompile.ops.tree_gdn  # noqa: F401
 import treecompile.ops.tree_conv  # noqa: F401
 import treecompile.ops.fla_conv  # noqa: F401
@@ -89,7 +93,9 @@ from treecompile.passes.token_axis import same
 
 __all__ = ["CudaOptions", "CudaLowering", "lower_cuda", "attention_inputs", "resolve_gdn_kernel",
            "resolve_attention_kernel", "moe_grouped_unusable_reason", "GDN_KERNELS", "ATTENTION_KERNELS",
-           "ATTENTION_LAYOUTS", "AUTO_SEGMENTS_HEAD_DIMS", "warn_once"]
+           "ATTENTION_LAYOUTS", "AUTO_SEGMENTS_HEAD_DIMS", "HEAD_LOGITS", "KEPT_FRACTION", "head_kept_max_bytes",
+           "head_keeps",
+           "warn_once"]
 
 TREE_ATTENTION = torch.ops.treecompile.tree_attention.default
 TREE_ATTENTION_BOUNDARY = torch.ops.treecompile.tree_attention_boundary.default
@@ -126,6 +132,13 @@ ATTENTION_LAYOUTS = ("dfs", "heavy_first")
 # (the registered op), "auto" ("shifts" in a compiled graph; in an eager one "fla" where the GDN kernel is fla,
 # else the reference).
 CONV_KERNELS = ("auto", "shifts", "shifts_inductor", "fla", "reference")
+# What the fused head keeps for its backward on CUDA: "chunked" (one [chunk, V] block of logits at a time, forward
+# and backward: the backward recomputes them), "kept" (ops.logprobs_kept: the [N, V] logits in the model's dtype
+# from the forward to the head's backward, overwritten there by their gradient; one head GEMM per token less and
+# dW over all rows in one GEMM), "auto" ("kept" where the user set no logits_chunk and the logits take at most
+# KEPT_FRACTION of the device's memory, else "chunked").  A call without gradients runs "chunked" whatever this says.
+HEAD_LOGITS = ("auto", "kept", "chunked")
+KEPT_FRACTION = 8  # "auto" keeps logits of at most total_memory // KEPT_FRACTION bytes (10 GB on an 80 GB H100)
 
 
 @dataclass(frozen=True)
@@ -137,6 +150,7 @@ class CudaOptions:
     gdn_kernel: one of ``GDN_KERNELS``.
     attention_kernel: one of ``ATTENTION_KERNELS``.
     conv_kernel: one of ``CONV_KERNELS``.
+    head_logits: one of ``HEAD_LOGITS``.
     attention_layout: one of ``ATTENTION_LAYOUTS``: ``"heavy_first"`` runs every tree attention in the
         heaviest-child-first DFS order of the batch (exact; one more ``[2, T]`` graph input); boundary
         programs (redundancy-free partitions) attend in DFS order whatever it says.
@@ -152,8 +166,11 @@ class CudaOptions:
     attention_kernel: str = "auto"
     attention_layout: str = "dfs"
     conv_kernel: str = "auto"
+    head_logits: str = "auto"
 
     def __post_init__(self):
+        if self.head_logits not in HEAD_LOGITS:
+            raise ValueError(f"head_logits: expected one of {HEAD_LOGITS}, got {self.head_logits!r}")
         if self.gdn_kernel not in GDN_KERNELS:
             raise ValueError(f"gdn_kernel: expected one of {GDN_KERNELS}, got {self.gdn_kernel!r}")
         if self.conv_kernel not in CONV_KERNELS:
@@ -178,7 +195,7 @@ class CudaLowering:
     layout: str  # "heavy_first" feeds the order and the block mask of that order ("dfs" for a boundary program)
     boundary: bool  # a boundary program: the block mask is ops.flex_tree_attention_boundary's
     gdn_fla: int  # tree GDN calls lowered to fla
-    triton_head: int  # fused heads lowered to linear_logprobs_triton
+    triton_head: int  # fused heads lowered to linear_logprobs_triton (when they run chunked)
     compiled: bool  # run under torch.compile(dynamic=False)
     bucket: bool  # pad the batch to bucket_length(T) and cut the outputs back to T
     conv_fla: int = 0  # tree causal convs lowered to fla's varlen conv
@@ -189,6 +206,9 @@ class CudaLowering:
     # of those, calls "auto" lowered at a head dim with the segments alone: a batch whose segments would gather
     # past the op's bound (varlen_tree_attention.segments_fit) runs a graph lowered with varlen=False instead
     attention_segments_only: int = 0
+    # fused heads that keep their logits for the backward when a call's logits take at most this many bytes
+    # (None: no head may keep them; options.head_logits, _fused_head)
+    head_kept_max_bytes: int | None = None
 
 
 @torch._dynamo.disable  # a host-side level schedule and fla's autograd Functions: kept out of dynamo
@@ -365,6 +385,44 @@ def _triton_head(n: fx.Node) -> bool:
     return n.args[0].meta["val"].dtype in HALF and logprobs_triton.available()
 
 
+def head_keeps(h, W, b, kept_max_bytes: int) -> bool:
+    """Whether :func:`_fused_head` keeps this call's logits: it differentiates the head (grad mode on, an input
+    requires grad) and the ``N x V`` logits take at most ``kept_max_bytes`` (-1: any size)."""
+    needs_grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (h, W, b))
+    return needs_grad and (kept_max_bytes < 0 or h.shape[0] * W.shape[0] * h.dtype.itemsize <= kept_max_bytes)
+
+
+def _fused_head(h, W, b, targets, chunk, entropy=False, *, triton: bool, kept_max_bytes: int):
+    """The fused head ``treecompile::linear_logprobs`` on CUDA: ``linear_logprobs_kept`` (the logits kept
+    for the backward) when this call differentiates the head and its ``N x V`` logits take at most
+    ``kept_max_bytes`` (-1: any size), else chunked: ``linear_logprobs_triton`` (``triton``) or the reference op.
+    Decided per call from shapes and grad mode alone: under ``torch.compile`` at trace time (dynamo guards on
+    both)."""
+    if head_keeps(h, W, b, kept_max_bytes):
+        lp, lse, ent, _logits = torch.ops.treecompile.linear_logprobs_kept(h, W, b, targets, entropy)
+        return lp, lse, ent
+    chunked = torch.ops.treecompile.linear_logprobs_triton if triton else torch.ops.treecompile.linear_logprobs
+    return chunked(h, W, b, targets, chunk, entropy)
+
+
+def device_memory() -> int | None:
+    """Bytes of memory of the current CUDA device (None without one)."""
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory \
+        if torch.cuda.is_available() else None
+
+
+def head_kept_max_bytes(head_logits: str, chunk: int) -> int | None:
+    """The most bytes of logits a fused head keeps under ``head_logits`` (:data:`HEAD_LOGITS`) with its
+    graph's ``chunk`` (0: the user set no ``logits_chunk``): None (never), -1 (any size: "kept") or
+    ``total_memory // KEPT_FRACTION`` of the current CUDA device ("auto" without a user chunk)."""
+    if head_logits == "kept":
+        return -1
+    memory = device_memory()
+    if head_logits == "chunked" or chunk != 0 or memory is None:
+        return None
+    return memory // KEPT_FRACTION
+
+
 def moe_grouped_unusable_reason() -> str | None:
     """Why ``moe_experts_grouped`` is not used on this device (None: it is): torch without
     ``_grouped_mm`` or a GPU other than compute capability 9.x.  Blackwell's kernel was reported to leave
@@ -439,6 +497,7 @@ def lower_cuda(gm: fx.GraphModule, options: CudaOptions, *, boundary: bool = Fal
         with graph.inserting_after(mask):
             order = graph.placeholder("tree_attention_order")
     attention = gdn_fla = triton_head = conv_fla = conv_shifts = moe_grouped = attention_varlen = segments_only = 0
+    head_kept_max = None
     conv_kernel = resolve_conv_kernel(options.conv_kernel, gdn_kernel, compiled)
     if gdn_kernel == "fla":  # levelled or whole fla calls (ops/fla_gdn_levels.py): decided once, not per layer call
         from treecompile.ops.fla_gdn import default_levels
@@ -475,9 +534,15 @@ def lower_cuda(gm: fx.GraphModule, options: CudaOptions, *, boundary: bool = Fal
               and all(a.meta["val"].dtype in FLA_CONV_DTYPES for a in n.args[:2])):  # x and weight
             _replace(graph, n, TREE_CONV_FLA, n.args, n.kwargs)
             conv_fla += 1
-        elif n.op == "call_function" and n.target == LINEAR_LOGPROBS and _triton_head(n):
-            _replace(graph, n, torch.ops.treecompile.linear_logprobs_triton.default, n.args, n.kwargs)
-            triton_head += 1
+        elif n.op == "call_function" and n.target == LINEAR_LOGPROBS:
+            triton = _triton_head(n)
+            triton_head += triton
+            kept_max = head_kept_max_bytes(options.head_logits, n.args[4] if len(n.args) > 4 else n.kwargs["chunk"])
+            if kept_max is not None:
+                _replace(graph, n, _fused_head, n.args, {**n.kwargs, "triton": triton, "kept_max_bytes": kept_max})
+                head_kept_max = kept_max
+            elif triton:
+                _replace(graph, n, torch.ops.treecompile.linear_logprobs_triton.default, n.args, n.kwargs)
         elif n.op == "call_function" and n.target == MOE_EXPERTS and moe_grouped_ok and _moe_grouped(n):
             _replace(graph, n, MOE_EXPERTS_GROUPED, n.args, n.kwargs)
             moe_grouped += 1
@@ -486,8 +551,8 @@ def lower_cuda(gm: fx.GraphModule, options: CudaOptions, *, boundary: bool = Fal
     return CudaLowering(graph_module=fx.GraphModule(gm, graph), attention=attention, materialized=materialized,
                         layout=layout, boundary=boundary, gdn_fla=gdn_fla, triton_head=triton_head,
                         compiled=compiled, bucket=options.bucket, conv_fla=conv_fla, conv_shifts=conv_shifts,
-                        moe_grouped=moe_grouped,
-                        attention_varlen=attention_varlen, attention_segments_only=segments_only)
+                        moe_grouped=moe_grouped, attention_varlen=attention_varlen,
+                        attention_segments_only=segments_only, head_kept_max_bytes=head_kept_max)
 
 
 MATERIALIZE = torch.ops.treecompile.materialize.default

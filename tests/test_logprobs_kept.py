@@ -1,0 +1,198 @@
+"""``treecompile::linear_logprobs_kept`` (the fused head that keeps its logits for the backward) and the CUDA
+lowering's ``head_logits`` choice.
+
+CPU float64: log-probs, log-sum-exps, entropies and every gradient equal the chunked reference op's to rounding,
+with and without bias and entropy, over several row blocks; a second backward through the same graph raises
+(eagerly and compiled) rather than reading gradients as logits.  The lowering keeps the logits only where
+``head_logits`` and the call allow it.  CUDA bf16: the op against an fp64 oracle, and a compiled step with kept
+logits against an fp32 run.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from treecompile.ops import logprobs_kept
+from treecompile.ops.logprobs import linear_logprobs
+from treecompile.ops.logprobs_kept import linear_logprobs_kept
+from treecompile.passes import lower_cuda
+from tests.conftest import CUDA
+
+
+def _inputs(N, D, V, dtype, bias, device="cpu", seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    h = (torch.randn(N, D, generator=g, device=device, dtype=torch.float64) * 0.5).to(dtype).requires_grad_()
+    W = (torch.randn(V, D, generator=g, device=device, dtype=torch.float64) * 0.5).to(dtype).requires_grad_()
+    b = ((torch.randn(V, generator=g, device=device, dtype=torch.float64) * 0.5).to(dtype).requires_grad_()
+         if bias else None)
+    t = torch.randint(0, V, (N,), generator=g, device=device)
+    cot = [torch.randn(N, generator=g, device=device, dtype=torch.float64) for _ in range(3)]
+    return h, W, b, t, cot
+
+
+def _all(outs, params, cot):
+    """Values and the gradient of ``sum_k <outs[k], cot[k]>`` w.r.t. ``params`` (float64)."""
+    outs = [o for o in outs if o.numel()]
+    total = sum((o.double() * c).sum() for o, c in zip(outs, cot))
+    return [o.detach().double() for o in outs] + [g.double() for g in torch.autograd.grad(total, params)]
+
+
+@pytest.mark.parametrize("entropy", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_kept_head_equals_the_chunked_reference_float64(monkeypatch, bias, entropy):
+    monkeypatch.setattr(logprobs_kept, "ROWS", 7)  # several row blocks, the last one partial
+    h, W, b, t, cot = _inputs(40, 8, 50, torch.float64, bias)
+    params = [x for x in (h, W, b) if x is not None]
+    got = _all(linear_logprobs_kept(h, W, b, t, entropy)[:3], params, cot)
+    want = _all(linear_logprobs(h, W, b, t, 9, entropy), params, cot)
+    assert len(got) == len(want) == 2 + entropy + len(params)
+    for a, w in zip(got, want):
+        assert torch.allclose(a, w, rtol=1e-12, atol=1e-13)
+
+
+def test_kept_logits_are_the_heads_logits_and_take_no_gradient():
+    h, W, b, t, _ = _inputs(5, 4, 11, torch.float64, True)
+    lp, lse, ent, logits = linear_logprobs_kept(h, W, b, t)
+    assert torch.equal(logits, h @ W.t() + b) and not logits.requires_grad and ent.numel() == 0
+    assert torch.allclose(lp, torch.log_softmax(logits, -1).gather(-1, t[:, None])[:, 0], rtol=1e-14)
+    assert logprobs_kept.logits_bytes(5, 11, torch.bfloat16) == 110
+
+
+@pytest.mark.parametrize("backend", [None, "aot_eager"])
+def test_second_backward_through_kept_logits_raises(backend):
+    """The backward writes the logits' gradient over the kept logits: a second backward through the same graph
+    (``retain_graph=True``) must fail loudly, not differentiate the gradient as if it were logits."""
+    h, W, _, t, _ = _inputs(6, 4, 9, torch.float64, False)
+
+    def loss(h, W):
+        return linear_logprobs_kept(h, W, None, t)[0].sum()
+
+    fn = loss if backend is None else torch.compile(loss, backend=backend)
+    out = fn(h, W)
+    out.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.backward()
+
+
+# ------------------------------------------------------------------ the lowering's choice
+def _head_nodes(gm):
+    return [n for n in gm.graph.nodes if n.op == "call_function"
+            and (n.target is lower_cuda._fused_head or "logprobs" in str(n.target))]
+
+
+@pytest.mark.parametrize("head_logits,chunk,memory,want", [
+    ("auto", None, 80 << 30, 10 << 30), ("auto", 64, 80 << 30, None), ("auto", None, None, None),
+    ("kept", 64, None, -1), ("chunked", None, 80 << 30, None)])
+def test_lowering_keeps_the_logits_only_where_asked(monkeypatch, head_logits, chunk, memory, want):
+    """"auto" keeps logits of at most 1/8 of the device's memory, and only where the user set no logits_chunk;
+    "kept" always; "chunked" never (the head stays the chunked op, as before this option)."""
+    import treecompile
+    from treecompile.models import DenseConfig, DenseForCausalLM
+
+    monkeypatch.setattr(lower_cuda, "device_memory", lambda: memory)
+    tm = treecompile.compile(DenseForCausalLM(DenseConfig.tiny(num_hidden_layers=1)), logits_chunk=chunk)
+    lowering = lower_cuda.lower_cuda(tm.graph_module, lower_cuda.CudaOptions(gdn_kernel="reference",
+                                                                             head_logits=head_logits))
+    (head,) = _head_nodes(lowering.graph_module)
+    assert lowering.head_kept_max_bytes == want
+    if want is None:
+        assert head.target == torch.ops.treecompile.linear_logprobs.default  # float32: no Triton head
+    else:
+        assert head.target is lower_cuda._fused_head
+        assert head.kwargs["kept_max_bytes"] == want and head.kwargs["triton"] is False
+    with pytest.raises(ValueError, match="head_logits: expected one of"):
+        lower_cuda.CudaOptions(head_logits="keep")
+
+
+def test_fused_head_keeps_only_differentiated_calls_under_the_bound():
+    h, W, b, t, cot = _inputs(6, 4, 10, torch.float64, False)
+    nbytes = 6 * 10 * 8
+    assert lower_cuda.head_keeps(h, W, b, nbytes) and lower_cuda.head_keeps(h, W, b, -1)
+    assert not lower_cuda.head_keeps(h, W, b, nbytes - 1)
+    with torch.no_grad():
+        assert not lower_cuda.head_keeps(h, W, b, -1)
+    assert not lower_cuda.head_keeps(h.detach(), W.detach(), None, -1)
+    assert lower_cuda.head_keeps(h.detach(), W, None, -1)  # a frozen trunk under a trained head
+    want = _all(linear_logprobs(h, W, b, t, 4), [h, W], cot)
+    for bound in (-1, nbytes - 1):  # kept, chunked
+        got = _all(lower_cuda._fused_head(h, W, b, t, 4, triton=False, kept_max_bytes=bound), [h, W], cot)
+        assert all(torch.allclose(a, w, rtol=1e-12, atol=1e-13) for a, w in zip(got, want))
+
+
+# ------------------------------------------------------------------ CUDA
+def _rel(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device (and triton)")
+@pytest.mark.parametrize("N,V,bias", [(1000, 151936, False), (257, 5000, True), (3, 4097, False)])
+def test_kept_head_bf16_vs_fp64_oracle(N, V, bias):
+    """The kept head in bf16 (Triton row kernels, full-row GEMMs) against the fp64 oracle: within twice the
+    chunked reference op's own error plus half an ulp of bf16, for every output and gradient."""
+    h, W, b, t, cot = _inputs(N, 256, V, torch.bfloat16, bias, device="cuda")
+    params = [x for x in (h, W, b) if x is not None]
+
+    def oracle():
+        logits = h.double() @ W.double().t() + (b.double() if b is not None else 0)
+        lsm = torch.log_softmax(logits, -1)
+        return lsm.gather(-1, t[:, None])[:, 0], logits.logsumexp(-1), -(lsm.exp() * lsm).sum(-1)
+
+    want = _all(oracle(), params, cot)
+    kept = _all(linear_logprobs_kept(h, W, b, t, True)[:3], params, cot)
+    plain = _all(linear_logprobs(h, W, b, t, 100, True), params, cot)
+    u = torch.finfo(torch.bfloat16).eps / 2
+    for name, k, p, o in zip(("lp", "lse", "entropy", "dh", "dW", "db"), kept, plain, want):
+        ek, ep = _rel(k, o), _rel(p, o)
+        assert ek <= 2 * ep + u, f"{name}: kept error {ek:.3g} > 2 * torch-path error {ep:.3g} + {u:.1g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device (and triton)")
+def test_second_backward_through_kept_logits_raises_on_cuda():
+    """The Triton kernel's in-place write does not bump the version counter by itself (the CPU path's slice
+    assignment does): the op bumps it, so the second backward raises here too."""
+    h, W, _, t, _ = _inputs(6, 64, 300, torch.bfloat16, False, device="cuda")
+    out = linear_logprobs_kept(h, W, None, t)[0].sum()
+    out.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.backward()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device (and triton)")
+def test_compiled_step_with_kept_logits_vs_fp32():
+    """A compiled bf16 tree step whose head keeps its logits: loss and gradients as far from the same step in
+    float32 as the chunked head's are (the head's share of the bf16 error is small; 1.25x leaves room for the
+    different rounding order), and the lowering did keep them."""
+    import treecompile
+    from treecompile import Tree
+    from treecompile.models import DenseConfig, DenseForCausalLM
+    from helpers import flat_grads
+
+    torch.manual_seed(0)
+    cfg = DenseConfig.tiny(vocab_size=4096, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=64)
+    base = DenseForCausalLM(cfg).cuda()
+    g = torch.Generator().manual_seed(1)
+    trunk = torch.randint(0, 4096, (300,), generator=g).tolist()
+    paths = [trunk[:c] + torch.randint(0, 4096, (120,), generator=g).tolist() for c in (60, 150, 300)]
+    batch = Tree.from_paths(paths).to_batch().to("cuda")
+
+    def step(dtype, head_logits):
+        model = DenseForCausalLM(cfg).cuda().to(dtype)
+        model.load_state_dict(base.state_dict())
+        tm = treecompile.compile(model, head_logits=head_logits)
+        loss = tm(batch).loss
+        return tm.program._cuda.lowering, loss.double(), flat_grads(loss, list(model.parameters())).double()
+
+    _, loss32, grads32 = step(torch.float32, "chunked")
+    errs = {}
+    for head_logits in ("chunked", "kept"):
+        lowering, loss, grads = step(torch.bfloat16, head_logits)
+        assert lowering.head_kept_max_bytes == (-1 if head_logits == "kept" else None)
+        errs[head_logits] = (abs(float(loss - loss32)) / abs(float(loss32)), _rel(grads, grads32))
+    u = torch.finfo(torch.bfloat16).eps / 2
+    assert errs["kept"][0] <= 1.25 * errs["chunked"][0] + u, errs
+    assert errs["kept"][1] <= 1.25 * errs["chunked"][1], errs
