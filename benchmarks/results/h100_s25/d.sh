@@ -6,6 +6,7 @@
 #   bash d.sh ab MODEL [ARGS...]      prof_step through ab.py (NO_HOST_VALUES=1: plans read the tree back from the GPU)
 #   bash d.sh gputests FILES...       pytest -m gpu FILES
 #   bash d.sh head                    results/h100_s25/head_kept.py (the head chunked vs kept)
+#   bash d.sh dw                      results/h100_s25/dw.py (the kept head's dW GEMM: layouts and output dtypes)
 #   bash d.sh kcpack                  the kernel caches as parts in $OUT (carry them in .kc/ next time)
 source benchmarks/results/h100_s18/pre.sh
 set -o pipefail
@@ -35,5 +36,7 @@ gputests)
   timeout 570 python -m pytest -m gpu -q -p no:cacheprovider "$@" 2>&1 | tee $OUT/gputests.txt | tail -30 ;;
 head)
   timeout 570 python benchmarks/results/h100_s25/head_kept.py 2>&1 | tee $OUT/head_kept.txt | tail -20 ;;
+dw)
+  timeout 570 python benchmarks/results/h100_s25/dw.py 2>&1 | tee $OUT/dw.txt | tail -20 ;;
 kcpack) source benchmarks/results/h100_s18/kc_pack.sh ;;
 esac
