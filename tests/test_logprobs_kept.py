@@ -59,6 +59,29 @@ def test_kept_logits_are_the_heads_logits_and_take_no_gradient():
     assert logprobs_kept.logits_bytes(5, 11, torch.bfloat16) == 110
 
 
+def test_backward_gets_no_materialized_logits_gradient(monkeypatch):
+    """Autograd would hand the backward a zero ``[N, V]`` gradient for the (unused, non-differentiable) logits:
+    as much memory as the logits themselves.  The op turns that off; unused log-prob / lse gradients arrive as
+    None and are handled."""
+    seen = []
+    backward = logprobs_kept._backward
+
+    def spy(ctx, *grads):
+        seen.append([None if g is None else tuple(g.shape) for g in grads])
+        return backward(ctx, *grads)
+
+    h, W, _, t, _ = _inputs(5, 4, 9, torch.float64, False)
+    try:
+        linear_logprobs_kept.register_autograd(spy, setup_context=logprobs_kept._setup)
+        lp, lse, _, _ = linear_logprobs_kept(h, W, None, t)
+        (gh,) = torch.autograd.grad(lse.sum(), [h])
+    finally:
+        linear_logprobs_kept.register_autograd(backward, setup_context=logprobs_kept._setup)
+    assert seen == [[None, (5,), None, None]]
+    (want,) = torch.autograd.grad(linear_logprobs(h, W, None, t, 2)[1].sum(), [h])
+    assert torch.allclose(gh, want, rtol=1e-12, atol=1e-14)
+
+
 @pytest.mark.parametrize("backend", [None, "aot_eager"])
 def test_second_backward_through_kept_logits_raises(backend):
     """The backward writes the logits' gradient over the kept logits: a second backward through the same graph
