@@ -128,6 +128,20 @@ def test_lowering_keeps_the_logits_only_where_asked(monkeypatch, head_logits, ch
         lower_cuda.CudaOptions(head_logits="keep")
 
 
+@pytest.mark.parametrize("head_logits,want", [("auto", None), ("kept", -1)])
+def test_partition_graphs_keep_no_logits_under_auto(monkeypatch, head_logits, want):
+    """A redundancy-free partition's graph lives until the partitions below it ran: "auto" keeps nothing there
+    (kept logits would add up along a chain); an explicit "kept" still does."""
+    import treecompile
+    from treecompile.models import DenseConfig, DenseForCausalLM
+
+    monkeypatch.setattr(lower_cuda, "device_memory", lambda: 80 << 30)
+    tm = treecompile.compile(DenseForCausalLM(DenseConfig.tiny(num_hidden_layers=1)), boundary=True)
+    lowering = lower_cuda.lower_cuda(tm.graph_module, lower_cuda.CudaOptions(gdn_kernel="reference",
+                                                                             head_logits=head_logits), boundary=True)
+    assert len(_head_nodes(lowering.graph_module)) == 1 and lowering.head_kept_max_bytes == want
+
+
 def test_fused_head_keeps_only_differentiated_calls_under_the_bound():
     h, W, b, t, cot = _inputs(6, 4, 10, torch.float64, False)
     nbytes = 6 * 10 * 8

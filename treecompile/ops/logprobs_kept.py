@@ -36,7 +36,7 @@ HALF = (torch.bfloat16, torch.float16)
 
 def logits_bytes(n: int, vocab: int, dtype: torch.dtype) -> int:
     """The memory this op keeps from the forward to the backward: ``n x vocab`` logits of ``dtype``."""
-    return n * vocab * torch.empty((), dtype=dtype).element_size()
+    return n * vocab * dtype.itemsize
 
 
 def _triton(h: torch.Tensor) -> bool:
@@ -55,7 +55,9 @@ def _weight_grad(dl: torch.Tensor, h: torch.Tensor, W: torch.Tensor) -> torch.Te
 def linear_logprobs_kept(h: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None, targets: torch.Tensor,
                          entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(logprobs [N], lse [N], entropy [N] if entropy else [0], logits [N, V])``; the first three as
-    ``treecompile::linear_logprobs`` returns them (float32, or float64 for a float64 model)."""
+    ``treecompile::linear_logprobs`` returns them (float32, or float64 for a float64 model).  The logits are
+    the backward's working buffer: its backward overwrites them with their gradient, so a caller reads them
+    before the backward or not at all (``passes.lower_cuda._fused_head`` drops them)."""
     N = h.shape[0]
     acc = _acc_dtype(h.dtype)
     logits = chunk_logits(h, W, b)

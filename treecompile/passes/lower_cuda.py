@@ -75,7 +75,7 @@ from torch.nn.attention.flex_attention import flex_attention
 import treecompile.ops.tree_attention  # noqa: F401  (registers the ops lowered here)
 import treecompile.ops.tree_attention_boundary  # noqa: F401
 import treecompile.ops.logprobs  # noqa: F401
-import treecompile.ops.logprobs_kept  # noqa: F401
+from treecompile.ops.logprobs_kept import logits_bytes
 import treecompile.ops.tree_gdn  # noqa: F401
 import treecompile.ops.tree_conv  # noqa: F401
 import treecompile.ops.fla_conv  # noqa: F401
@@ -136,7 +136,8 @@ CONV_KERNELS = ("auto", "shifts", "shifts_inductor", "fla", "reference")
 # and backward: the backward recomputes them), "kept" (ops.logprobs_kept: the [N, V] logits in the model's dtype
 # from the forward to the head's backward, overwritten there by their gradient; one head GEMM per token less and
 # dW over all rows in one GEMM), "auto" ("kept" where the user set no logits_chunk and the logits take at most
-# KEPT_FRACTION of the device's memory, else "chunked").  A call without gradients runs "chunked" whatever this says.
+# KEPT_FRACTION of the device's memory in a whole-tree program, else "chunked").  A call without gradients runs
+# "chunked" whatever this says.
 HEAD_LOGITS = ("auto", "kept", "chunked")
 KEPT_FRACTION = 8  # "auto" keeps logits of at most total_memory // KEPT_FRACTION bytes (10 GB on an 80 GB H100)
 
@@ -389,7 +390,7 @@ def head_keeps(h, W, b, kept_max_bytes: int) -> bool:
     """Whether :func:`_fused_head` keeps this call's logits: it differentiates the head (grad mode on, an input
     requires grad) and the ``N x V`` logits take at most ``kept_max_bytes`` (-1: any size)."""
     needs_grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (h, W, b))
-    return needs_grad and (kept_max_bytes < 0 or h.shape[0] * W.shape[0] * h.dtype.itemsize <= kept_max_bytes)
+    return needs_grad and (kept_max_bytes < 0 or logits_bytes(h.shape[0], W.shape[0], h.dtype) <= kept_max_bytes)
 
 
 def _fused_head(h, W, b, targets, chunk, entropy=False, *, triton: bool, kept_max_bytes: int):
@@ -411,14 +412,17 @@ def device_memory() -> int | None:
         if torch.cuda.is_available() else None
 
 
-def head_kept_max_bytes(head_logits: str, chunk: int) -> int | None:
+def head_kept_max_bytes(head_logits: str, chunk: int, *, boundary: bool = False) -> int | None:
     """The most bytes of logits a fused head keeps under ``head_logits`` (:data:`HEAD_LOGITS`) with its
     graph's ``chunk`` (0: the user set no ``logits_chunk``): None (never), -1 (any size: "kept") or
-    ``total_memory // KEPT_FRACTION`` of the current CUDA device ("auto" without a user chunk)."""
+    ``total_memory // KEPT_FRACTION`` of the current CUDA device ("auto" without a user chunk, in a whole-tree
+    program).  "auto" keeps nothing in a ``boundary`` program: a redundancy-free partition's graph stays alive
+    while the partitions below it run, so kept logits would add up along each chain of partitions, memory the
+    plan's budget does not count."""
     if head_logits == "kept":
         return -1
     memory = device_memory()
-    if head_logits == "chunked" or chunk != 0 or memory is None:
+    if head_logits == "chunked" or chunk != 0 or boundary or memory is None:
         return None
     return memory // KEPT_FRACTION
 
@@ -537,7 +541,8 @@ def lower_cuda(gm: fx.GraphModule, options: CudaOptions, *, boundary: bool = Fal
         elif n.op == "call_function" and n.target == LINEAR_LOGPROBS:
             triton = _triton_head(n)
             triton_head += triton
-            kept_max = head_kept_max_bytes(options.head_logits, n.args[4] if len(n.args) > 4 else n.kwargs["chunk"])
+            kept_max = head_kept_max_bytes(options.head_logits, n.args[4] if len(n.args) > 4 else n.kwargs["chunk"],
+                                           boundary=boundary)
             if kept_max is not None:
                 _replace(graph, n, _fused_head, n.args, {**n.kwargs, "triton": triton, "kept_max_bytes": kept_max})
                 head_kept_max = kept_max
