@@ -157,6 +157,15 @@ def test_manifest_records_passes_inputs_and_weights(saved_models):
     assert (d / saved.PROGRAM).stat().st_size < 2 * (d / saved.WEIGHTS).stat().st_size + 600_000
 
 
+def test_run_options_are_chosen_at_load(saved_models):
+    """The CUDA run options are not saved: ``load`` takes them (here ``head_logits``) and checks them."""
+    d, _, _ = saved_models["hybrid"]
+    assert saved.load(d, head_logits="kept", conv_kernel="fla").program.options.head_logits == "kept"
+    assert saved.load(d).program.options.head_logits == "auto"
+    with pytest.raises(ValueError, match="head_logits: expected one of"):
+        saved.load(d, head_logits="always")
+
+
 def test_tied_weights_stored_once_and_shared_after_load(saved_models, loaded_in_fresh_process):
     d, _, _ = saved_models["hf_qwen3"]
     m = saved.read_manifest(d)
