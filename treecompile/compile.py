@@ -293,7 +293,7 @@ def compile(model=None, *, disable: tuple[str, ...] = (), debug: bool = False,  
             recomputes them); ``"kept"``: the ``[tokens, vocab]`` logits in the model's dtype from the forward to
             the head's backward, which runs the head's GEMMs over all rows (``ops.logprobs_kept``: one head GEMM
             per token less); ``"auto"``: ``"kept"`` when ``logits_chunk`` is not set and the logits of the call
-            take at most 1/8 of the GPU's memory (10 GB on an 80 GB H100), else ``"chunked"``; a partition graph
+            take at most 1/8 of the GPU's memory (9.9 GiB on an H100 80GB), else ``"chunked"``; a partition graph
             (``boundary=True``) runs chunked under "auto" (its graph stays alive while the partitions below it
             run, so kept logits would add up along a chain).  Calls without gradients always run chunked.
         swaps: context managers entered during capture (default: ``frontend.kernel_swaps(model)``).

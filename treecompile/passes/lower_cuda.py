@@ -139,7 +139,7 @@ CONV_KERNELS = ("auto", "shifts", "shifts_inductor", "fla", "reference")
 # KEPT_FRACTION of the device's memory in a whole-tree program, else "chunked").  A call without gradients runs
 # "chunked" whatever this says.
 HEAD_LOGITS = ("auto", "kept", "chunked")
-KEPT_FRACTION = 8  # "auto" keeps logits of at most total_memory // KEPT_FRACTION bytes (10 GB on an 80 GB H100)
+KEPT_FRACTION = 8  # "auto" keeps logits of at most total_memory // KEPT_FRACTION bytes (9.9 GiB on an H100 80GB)
 
 
 @dataclass(frozen=True)
