@@ -94,8 +94,7 @@ from treecompile.passes.token_axis import same
 __all__ = ["CudaOptions", "CudaLowering", "lower_cuda", "attention_inputs", "resolve_gdn_kernel",
            "resolve_attention_kernel", "moe_grouped_unusable_reason", "GDN_KERNELS", "ATTENTION_KERNELS",
            "ATTENTION_LAYOUTS", "AUTO_SEGMENTS_HEAD_DIMS", "HEAD_LOGITS", "KEPT_FRACTION", "head_kept_max_bytes",
-           "head_keeps",
-           "warn_once"]
+           "head_keeps", "warn_once"]
 
 TREE_ATTENTION = torch.ops.treecompile.tree_attention.default
 TREE_ATTENTION_BOUNDARY = torch.ops.treecompile.tree_attention_boundary.default
