@@ -93,7 +93,7 @@ def linear_logprobs_kept_backward(h: torch.Tensor, W: torch.Tensor, b: torch.Ten
     differentiated.
 
     ``logits`` is the forward's own fourth result, which nothing but this backward reads: it is overwritten
-    with d(loss)/d(logits) in place (not declared as a mutation, which would make the compiler copy it) and
+    with d(loss)/d(logits) in place (a mutation the schema does not declare: no other op reads the tensor) and
     its version counter is bumped, so any later read through autograd raises."""
     acc = _acc_dtype(h.dtype)
     targets = targets.contiguous()
