@@ -41,7 +41,7 @@ def _all(outs, params, cot):
 @pytest.mark.parametrize("entropy", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
 def test_kept_head_equals_the_chunked_reference_float64(monkeypatch, bias, entropy):
-    monkeypatch.setattr(logprobs_kept, "ROWS", 7)  # several row blocks, the last one partial
+    monkeypatch.setattr(logprobs_kept, "default_chunk", lambda vocab: 7)  # several row blocks, the last partial
     h, W, b, t, cot = _inputs(40, 8, 50, torch.float64, bias)
     params = [x for x in (h, W, b) if x is not None]
     got = _all(linear_logprobs_kept(h, W, b, t, entropy)[:3], params, cot)

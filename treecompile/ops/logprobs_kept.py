@@ -15,7 +15,7 @@ version counter, so a second backward through the same graph (``retain_graph=Tru
 "modified by an inplace operation" error instead of reading gradients as logits.
 
 The row statistics and the logits' gradient are the reference formulas (``chunk_stats``,
-``chunk_dlogits``, upcast ``ROWS`` rows at a time) on any device, and the Triton row kernels of
+``chunk_dlogits``, upcast ``default_chunk(V)`` rows at a time, the reference head's own bound) on any device, and the Triton row kernels of
 :mod:`treecompile.ops.logprobs_triton` on CUDA half precision (one launch over all rows).
 """
 
@@ -24,13 +24,11 @@ from __future__ import annotations
 import torch
 
 from treecompile.ops import logprobs_triton
-from treecompile.ops.logprobs import _acc_dtype, chunk_dlogits, chunk_logits, chunk_stats
+from treecompile.ops.logprobs import _acc_dtype, chunk_dlogits, chunk_logits, chunk_stats, default_chunk
 from treecompile.ops.triton_support import usable
 
 __all__ = ["linear_logprobs_kept", "logits_bytes"]
 
-# rows upcast at a time on the reference path (its float32/float64 working copies stay [ROWS, V])
-ROWS = 1024
 HALF = (torch.bfloat16, torch.float16)
 
 
@@ -44,7 +42,11 @@ def _triton(h: torch.Tensor) -> bool:
 
 
 def _weight_grad(dl: torch.Tensor, h: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
-    """``dl.T @ h`` accumulated in float32 (float64 for a float64 model) and rounded once to ``W``'s dtype."""
+    """``dl.T @ h`` accumulated in float32 (float64 for a float64 model) and rounded once to ``W``'s dtype.
+
+    Not ``logprobs.accumulate_weight_grad`` into a zeroed float32 buffer: with one GEMM there is nothing to
+    accumulate into, and the zero fill and read of ``[V, D]`` float32 cost 1.8 ms of 24 on the MoE head (H100,
+    ``benchmarks/results/h100_s25/dw.jsonl``)."""
     if dl.is_cuda and dl.dtype in HALF:
         return torch.mm(dl.t(), h, out_dtype=torch.float32).to(W.dtype)
     acc = _acc_dtype(dl.dtype)
@@ -67,11 +69,13 @@ def linear_logprobs_kept(h: torch.Tensor, W: torch.Tensor, b: torch.Tensor | Non
     if _triton(h):
         logprobs_triton.stats_(logits, targets.contiguous(), lp, lse, ent if entropy else None)
         return lp, lse, ent, logits
-    for s in range(0, N, ROWS):
-        c_lp, c_lse, c_ent = chunk_stats(logits[s:s + ROWS].to(acc), targets[s:s + ROWS], entropy)
-        lp[s:s + ROWS], lse[s:s + ROWS] = c_lp, c_lse
+    rows = default_chunk(W.shape[0])
+    for s in range(0, N, rows):
+        sl = slice(s, s + rows)
+        c_lp, c_lse, c_ent = chunk_stats(logits[sl].to(acc), targets[sl], entropy)
+        lp[sl], lse[sl] = c_lp, c_lse
         if entropy:
-            ent[s:s + ROWS] = c_ent
+            ent[sl] = c_ent
     return lp, lse, ent, logits
 
 
@@ -103,8 +107,9 @@ def linear_logprobs_kept_backward(h: torch.Tensor, W: torch.Tensor, b: torch.Ten
     if _triton(h):
         logprobs_triton.dlogits_(logits, targets, lse, g, gl, e, ge)
     else:
-        for s in range(0, h.shape[0], ROWS):
-            sl = slice(s, s + ROWS)
+        rows = default_chunk(W.shape[0])
+        for s in range(0, h.shape[0], rows):
+            sl = slice(s, s + rows)
             logits[sl] = chunk_dlogits(logits[sl].to(acc), targets[sl], lse[sl], g[sl], gl[sl],
                                        None if e is None else e[sl], None if ge is None else ge[sl])
     torch.autograd.graph.increment_version(logits)
@@ -132,9 +137,7 @@ def _setup(ctx, inputs, output):
 
 
 def _backward(ctx, grad_lp, grad_lse, grad_ent, _grad_logits):
-    h, W, b, targets, lse, ent, logits = ctx.saved_tensors
-    if _grad_logits is not None:
-        raise RuntimeError("treecompile::linear_logprobs_kept: its logits are not differentiable")
+    h, W, b, targets, lse, ent, logits = ctx.saved_tensors  # _grad_logits: None (non-differentiable)
     grad_lp = torch.zeros_like(lse) if grad_lp is None else grad_lp
     grad_lse = torch.zeros_like(lse) if grad_lse is None else grad_lse
     gh, gW, gb = linear_logprobs_kept_backward(h, W, b, targets, lse, ent, logits, grad_lp, grad_lse,
