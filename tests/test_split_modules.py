@@ -158,3 +158,26 @@ def test_layers_may_read_the_roots_parameters():
     torch.manual_seed(0)
     model = _SharedScaleModel().double()
     _check_equal(treecompile.compile(model), list(model.layers))
+
+
+def test_module_tensor_reads_what_get_parameter_reads():
+    """The program's lookup of its lifted tensors (``program.module_tensor``, through the modules' dicts) gives the
+    tensor ``get_parameter`` / ``get_buffer`` gives, for every name, after a parameter is swapped (what FSDP2 does
+    around a forward), and a missing name raises ``nn.Module``'s own error."""
+    from treecompile.program import module_tensor
+
+    model = _dense3()
+    model.register_buffer("scale", torch.ones(3))
+    model.model.layers[1].register_buffer("step", torch.zeros(()))
+    for name, _ in model.named_parameters(remove_duplicate=False):
+        assert module_tensor(model, name, parameter=True) is model.get_parameter(name), name
+    for name, _ in model.named_buffers():
+        assert module_tensor(model, name, parameter=False) is model.get_buffer(name), name
+    name = "model.layers.2.mlp.down_proj.weight"
+    fresh = torch.nn.Parameter(model.get_parameter(name).detach().clone())
+    model.model.layers[2].mlp.down_proj.weight = fresh
+    assert module_tensor(model, name, parameter=True) is fresh
+    with pytest.raises(AttributeError, match="no attribute `nope`|has no attribute"):
+        module_tensor(model, "model.nope.weight", parameter=True)
+    with pytest.raises(AttributeError):
+        module_tensor(model, "model.layers.0.mlp.down_proj.missing", parameter=True)

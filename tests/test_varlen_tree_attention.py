@@ -606,3 +606,21 @@ def test_auto_at_head_dim_256_runs_segments_and_falls_back_per_batch(monkeypatch
         prog = tms["auto"].program
         assert prog._cuda.lowering.attention_segments_only == cfg.num_hidden_layers
         assert (prog._cuda_flex is not None) == forced  # the flex lowering made only when a batch needed it
+
+
+@pytest.mark.parametrize("pad_to,H,Hkv", [(None, 4, 2), (16, 4, 2), (16, 6, 3), (64, 2, 1)])
+def test_op_lse_is_every_querys_log_sum_exp(pad_to, H, Hkv):
+    """The forward's second result (what the backward reads): each query's log-sum-exp over the keys it sees,
+    the tail's (tokens that see only themselves: their one score) included, written in place around the kernel's
+    rows."""
+    b = _batch(ODD_TREES["one_token_nodes"], pad_to)
+    T, D = b.seq_len, 8
+    q, k, v = (x.detach() for x in _qkv(T, H, Hkv, D, seed=T + H))
+    out, lse = torch.ops.treecompile.tree_attention_varlen_fwd(q, k, v, b.subtree_end, 0.3)
+    kk = k.repeat_interleave(H // Hkv, 1)
+    s = (q @ kk.transpose(-1, -2))[0] * 0.3  # [H, T, T]
+    want = torch.logsumexp(s.masked_fill(~tree_mask(b.subtree_end), float("-inf")), -1)
+    assert lse.shape == (H, T) and lse.dtype == torch.float32
+    torch.testing.assert_close(lse, want.float(), rtol=1e-6, atol=1e-6)
+    ref = tree_attention_reference(q, k, v, b.subtree_end, scale=0.3)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)

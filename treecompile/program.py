@@ -36,7 +36,7 @@ from treecompile.passes.lower_cuda import CudaLowering, CudaOptions, attention_i
 from treecompile.passes.split_modules import Segment, split_by_modules
 from treecompile.tree import TreeBatch, ancestor_index
 
-__all__ = ["TreeProgram", "LiftedInput", "SplitGraph", "bucket_length"]
+__all__ = ["TreeProgram", "LiftedInput", "SplitGraph", "bucket_length", "module_tensor"]
 
 
 def bucket_length(T: int, *, min_bucket: int = 256, steps_per_octave: int = 8) -> int:
@@ -49,6 +49,26 @@ def bucket_length(T: int, *, min_bucket: int = 256, steps_per_octave: int = 8) -
         return min_bucket
     step = max(min_bucket, (1 << (T.bit_length() - 1)) // steps_per_octave)
     return math.ceil(T / step) * step
+
+
+def module_tensor(root: nn.Module, fqn: str, *, parameter: bool) -> torch.Tensor:
+    """``root.get_parameter(fqn)`` (or ``get_buffer``), read through the modules' own ``_modules`` /
+    ``_parameters`` / ``_buffers`` dicts: the names ``named_parameters`` gave, looked up now (FSDP2's and the
+    user's swapped tensors are seen), without ``get_submodule``'s attribute walk.  Every step looks up every
+    lifted tensor (311 for Qwen3-0.6B): through ``get_parameter`` that was 9 ms of a 155 ms step's host time
+    under cProfile on an H100 host (benchmarks/results/h100_s26/host_python_wrapper.txt).  A name the dicts do
+    not hold falls back to the ``nn.Module`` method and its error."""
+    *path, leaf = fqn.split(".")
+    mod = root
+    try:
+        for name in path:
+            mod = mod._modules[name]
+        t = (mod._parameters if parameter else mod._buffers)[leaf]
+    except (KeyError, AttributeError, TypeError):
+        t = None
+    if t is None:
+        return root.get_parameter(fqn) if parameter else root.get_buffer(fqn)
+    return t
 
 
 @dataclass(frozen=True)
@@ -108,10 +128,8 @@ class TreeProgram:
     def lifted_value(self, x: LiftedInput, tensors: nn.Module | None = None) -> torch.Tensor:
         """The tensor ``x`` names, looked up now on ``tensors`` (default: the model)."""
         src = self.model if tensors is None else tensors
-        if x.kind == InputKind.PARAMETER:
-            return src.get_parameter(x.target)
-        if x.kind == InputKind.BUFFER:
-            return src.get_buffer(x.target)
+        if x.kind in (InputKind.PARAMETER, InputKind.BUFFER):
+            return module_tensor(src, x.target, parameter=x.kind == InputKind.PARAMETER)
         return self.exported_program.constants[x.target]
 
     def constant_inputs(self) -> list[str]:

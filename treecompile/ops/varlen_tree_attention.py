@@ -355,10 +355,13 @@ def _fa4(q: Tensor) -> bool:
     return q.device.type == "cuda" and q.dtype in (torch.bfloat16, torch.float16)
 
 
-def _fwd(q_t, kg, vg, plan, scale):
+def _fwd(q_t, kg, vg, plan, scale, out=None, lse=None):
+    """(out, lse) of the plan's attention; ``out`` / ``lse``: where to write them (FA4 writes them in place, the
+    reference copies), as ``[n, H, Dv]`` / ``[H, n]`` views of the op's ``[T, ...]`` results."""
     if not _fa4(q_t):
         with torch.no_grad():
-            return varlen_attention_reference(q_t, kg, vg, plan, scale)
+            o, l_ = varlen_attention_reference(q_t, kg, vg, plan, scale)
+        return (o if out is None else out.copy_(o)), (l_ if lse is None else lse.copy_(l_))
     from flash_attn.cute.interface import _flash_attn_fwd
 
     if isinstance(plan, BlockSparsePlan):  # [T, H, D] as a batch of one; lse [1, H, T]
@@ -370,13 +373,17 @@ def _fwd(q_t, kg, vg, plan, scale):
         return out[0], lse[0]
     out, lse = _flash_attn_fwd(q_t, kg, vg, softmax_scale=scale, causal=True, return_lse=True,
                                cu_seqlens_q=plan.cu_seqlens_q, cu_seqlens_k=plan.cu_seqlens_k,
-                               max_seqlen_q=plan.max_seqlen_q, max_seqlen_k=plan.max_seqlen_k)[:2]
+                               max_seqlen_q=plan.max_seqlen_q, max_seqlen_k=plan.max_seqlen_k, out=out,
+                               lse=lse)[:2]
     return out, lse
 
 
-def _bwd(q_t, kg, vg, out_t, dout_t, lse, plan, scale):
+def _bwd(q_t, kg, vg, out_t, dout_t, lse, plan, scale, dq=None):
+    """(dq, dk, dv) of the plan's attention (dk/dv per gathered row); ``dq``: where to write the query gradient
+    (FA4 writes it in place, the reference copies)."""
     if not _fa4(q_t):
-        return varlen_attention_reference_bwd(q_t, kg, vg, dout_t, plan, scale)
+        grads = varlen_attention_reference_bwd(q_t, kg, vg, dout_t, plan, scale)
+        return grads if dq is None else (dq.copy_(grads[0]), *grads[1:])
     from flash_attn.cute.interface import _flash_attn_bwd
 
     if isinstance(plan, BlockSparsePlan):
@@ -388,7 +395,7 @@ def _bwd(q_t, kg, vg, out_t, dout_t, lse, plan, scale):
         return tuple(g[0] for g in grads)
     return _flash_attn_bwd(q_t, kg, vg, out_t, dout_t, lse, scale, True,
                            cu_seqlens_q=plan.cu_seqlens_q, cu_seqlens_k=plan.cu_seqlens_k,
-                           max_seqlen_q=plan.max_seqlen_q, max_seqlen_k=plan.max_seqlen_k)[:3]
+                           max_seqlen_q=plan.max_seqlen_q, max_seqlen_k=plan.max_seqlen_k, dq=dq)[:3]
 
 
 def _check(q, k, v, subtree_end):
@@ -421,18 +428,20 @@ def tree_attention_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, subtree_end: Tens
     plan = _plan(subtree_end, q)
     n = plan.tail
     q_t, k_t, v_t = _tokens_major(q), _tokens_major(k), _tokens_major(v)
-    r = q.shape[1] // k.shape[1]
-    outs, lses = [], []
+    T, H, Hkv = q_t.shape[0], q_t.shape[1], k_t.shape[1]
+    if n == T:  # no tail: the kernel's fresh tensors
+        out, lse = _fwd(q_t, *plan.keys(k_t, v_t), plan, scale)
+        return _heads_major(out.contiguous()), lse.float().contiguous()
+    # a tail: the kernel writes the first n rows of the results in place (no concatenation copies)
+    out = q_t.new_empty((T, H, v_t.shape[-1]))
+    lse = torch.empty((H, T), dtype=torch.float32, device=q.device)
     if n:
-        out, lse = _fwd(q_t[:n], *plan.keys(k_t, v_t), plan, scale)
-        if n == q_t.shape[0]:  # no tail (the kernel's fresh tensors): no concatenation copy
-            return _heads_major(out.contiguous()), lse.float().contiguous()
-        outs.append(out)
-        lses.append(lse.float())
-    if n < q_t.shape[0]:  # tokens that see only themselves: softmax over one key
-        outs.append(v_t[n:].repeat_interleave(r, 1))
-        lses.append(((q_t[n:] * k_t[n:].repeat_interleave(r, 1)).sum(-1) * scale).T.float())
-    return _heads_major(torch.cat(outs, 0).contiguous()), torch.cat(lses, 1).contiguous()
+        _fwd(q_t[:n], *plan.keys(k_t, v_t), plan, scale, out=out[:n], lse=lse[:, :n])
+    # tokens that see only themselves, softmax over one key: the output is the token's value row (its kv head's,
+    # for each query head of the group), the log-sum-exp its one score
+    out[n:].unflatten(1, (Hkv, H // Hkv)).copy_(v_t[n:, :, None, :].expand(-1, -1, H // Hkv, -1))
+    lse[:, n:] = ((q_t[n:].unflatten(1, (Hkv, H // Hkv)) * k_t[n:, :, None, :]).sum(-1) * scale).flatten(1).T
+    return _heads_major(out), lse
 
 
 @tree_attention_varlen_fwd.register_fake
@@ -457,16 +466,20 @@ def tree_attention_varlen_bwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse:
     if not n:
         dq, dk, dv = torch.zeros_like(q_t), torch.zeros_like(k_t), torch.zeros_like(v_t)
     else:
-        dq, dkg, dvg = _bwd(q_t[:n], *plan.keys(k_t, v_t), _tokens_major(out)[:n],
-                            dout_t[:n], lse[:, :n].contiguous(), plan, scale)
-        if n < T:  # the tail's queries: the softmax over one key has no gradient
-            dq = torch.cat([dq, q_t.new_zeros((T - n,) + tuple(q_t.shape[1:]))], 0)
+        # with a tail the kernel writes the first n rows of dq in place; the tail's queries (softmax over one key)
+        # have no gradient
+        dq = None if n == T else torch.empty_like(q_t)
+        dq_n, dkg, dvg = _bwd(q_t[:n], *plan.keys(k_t, v_t), _tokens_major(out)[:n],
+                              dout_t[:n], lse[:, :n].contiguous(), plan, scale, dq=None if dq is None else dq[:n])
+        if dq is None:
+            dq = dq_n
+        else:
+            dq[n:].zero_()
         # each token's key/value gradient: the sum over its gathered copies (float32, rounded once; rows >= n zero)
         dk = sum_copies(dkg, plan.copies, plan.key_index, T)
         dv = sum_copies(dvg, plan.copies, plan.key_index, T)
     if n < T:  # the tail's value rows receive their own output gradient, summed over the query heads of a group
-        acc = torch.promote_types(torch.float32, v.dtype)
-        dv[n:] = dout_t[n:].to(acc).unflatten(1, (Hkv, H // Hkv)).sum(2).to(v.dtype)
+        dv[n:] = dout_t[n:].unflatten(1, (Hkv, H // Hkv)).sum(2, dtype=torch.promote_types(torch.float32, v.dtype))
     return _heads_major(dq), _heads_major(dk), _heads_major(dv)
 
 
