@@ -30,7 +30,14 @@ def main():
     ap.add_argument("--prof", type=int, default=2)
     ap.add_argument("--top", type=int, default=45)
     ap.add_argument("--cpp-wrapper", action="store_true")
+    ap.add_argument("--old", action="store_true", help="session 25's varlen tail and lifted-value lookup "
+                    "(old_paths.py), for an A/B on one machine")
+    ap.add_argument("--no-cprofile", action="store_true")
     args = ap.parse_args()
+    if args.old:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import old_paths
+        old_paths.install()
     if args.cpp_wrapper:
         import torch._inductor.config as ic
         ic.cpp_wrapper = True
@@ -51,10 +58,13 @@ def main():
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     row = {"contender": args.contender, "model": args.model, "tree": steps.case.name, "cpp_wrapper": args.cpp_wrapper,
+           "old": args.old,
            "tree_tokens": steps.tree.num_tokens, "first_s": round(first, 2),
            "step_ms": round(statistics.median(times) * 1e3, 2), "host_ms": round(statistics.median(hosts) * 1e3, 2),
            "steps_ms": [round(t * 1e3, 1) for t in times]}
     print(json.dumps(row), flush=True)
+    if args.no_cprofile:
+        return
     pr = cProfile.Profile()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
