@@ -296,6 +296,7 @@ class Result:
     grad_cos: float | None = None  # vs eager_per_path
     note: str | None = None  # what a contender chose at run time (e.g. its attention kernel)
     pid: int | None = None  # the process that ran it (with --isolate: one per contender)
+    step_times_s: list | None = None  # every timed step (step_s is their median): noisy hosts show here
 
 
 # ---------------------------------------------------------------------------------------------- trees
@@ -765,6 +766,12 @@ def _sync(dev):
 
 def time_step(step: Callable, dev, iters: int):
     """(first step seconds, median step seconds, peak GiB, loss of the first step)."""
+    first, ts, peak, loss = time_steps(step, dev, iters)
+    return first, statistics.median(ts), peak, loss
+
+
+def time_steps(step: Callable, dev, iters: int):
+    """(first step seconds, every timed step's seconds, peak GiB, loss of the first step)."""
     _sync(dev)
     t0 = time.perf_counter()
     loss = float(step())
@@ -780,7 +787,7 @@ def time_step(step: Callable, dev, iters: int):
         _sync(dev)
         ts.append(time.perf_counter() - t0)
     peak = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None
-    return first, statistics.median(ts), peak, loss
+    return first, ts, peak, loss
 
 
 def flat_grads(model) -> torch.Tensor:
@@ -848,7 +855,9 @@ def run_contenders(model, spec: ModelSpec, case: TreeCase, cfg: BenchConfig, con
                 flops = fm.train(tokens, entries)
             r.note, steps.note = steps.note, None
             stage = "steps"
-            first, med, peak, loss = time_step(step, dev, cfg.iters)
+            first, times, peak, loss = time_steps(step, dev, cfg.iters)
+            med = statistics.median(times)
+            r.step_times_s = [round(t, 5) for t in times]
             stage = "gradient copy"
             g = flat_grads(model)  # the reference waits on the host, not in the next contender's memory
             if name == "eager_per_path":

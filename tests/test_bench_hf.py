@@ -1,6 +1,7 @@
 """HF transformers models in the benchmark harness (kind "hf") and the FLOP model's routed experts."""
 
 import csv
+import statistics
 
 import pytest
 import torch
@@ -76,6 +77,9 @@ def test_harness_hf_moe_tree_equals_per_path(tmp_path):
         assert float(rows[name]["loss_rel_dev"]) < 1e-9 and float(rows[name]["grad_cos"]) > 1 - 1e-9, rows[name]
     tree = rows["tree"]
     assert int(tree["computed_tokens"]) == int(tree["tree_tokens"]) < int(tree["path_tokens"])
+    # every timed step is in the row (the jsonl keeps them as a list; --tiny times one); step_s is their median
+    times = {r["contender"]: r for r in harness._read_jsonl(str(tmp_path / "results.jsonl"))}["tree"]["step_times_s"]
+    assert len(times) == 1 and float(tree["step_s"]) == pytest.approx(statistics.median(times), rel=1e-3, abs=1e-5)
     assert float(tree["bound"]) > 1.5 and float(rows["packed_flex"]["bound"]) == 1.0
 
 
