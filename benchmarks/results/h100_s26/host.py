@@ -1,8 +1,10 @@
 """Where the tree step's host time goes (session 26): one harness tree step on CUDA, timed (median of --iters,
 host time until the step returns), then --prof steps under cProfile (the host's Python functions by own time and
-by cumulative time).  --cpp-wrapper: inductor's C++ wrapper (torch._inductor.config.cpp_wrapper) for the A/B.
+by cumulative time).  --cpp-wrapper: inductor's C++ wrapper (torch._inductor.config.cpp_wrapper) for the A/B;
+--old: session 25's varlen tail and lifted-value lookup (old_paths.py) for the A/B of this session's change;
+--no-cprofile: the timed steps only.
 
-    python benchmarks/results/h100_s26/host.py --model qwen3-0.6b --agentic parallel-tools [--cpp-wrapper]
+    python benchmarks/results/h100_s26/host.py --model qwen3-0.6b --agentic parallel-tools [--cpp-wrapper] [--old]
 """
 import argparse
 import cProfile
