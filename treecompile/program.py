@@ -64,7 +64,7 @@ def module_tensor(root: nn.Module, fqn: str, *, parameter: bool) -> torch.Tensor
         for name in path:
             mod = mod._modules[name]
         t = (mod._parameters if parameter else mod._buffers)[leaf]
-    except (KeyError, AttributeError, TypeError):
+    except (KeyError, AttributeError):  # not in the dicts (or a submodule set to None): nn.Module's lookup
         t = None
     if t is None:
         return root.get_parameter(fqn) if parameter else root.get_buffer(fqn)

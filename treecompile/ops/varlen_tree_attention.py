@@ -357,7 +357,10 @@ def _fa4(q: Tensor) -> bool:
 
 def _fwd(q_t, kg, vg, plan, scale, out=None, lse=None):
     """(out, lse) of the plan's attention; ``out`` / ``lse``: where to write them (FA4 writes them in place, the
-    reference copies), as ``[n, H, Dv]`` / ``[H, n]`` views of the op's ``[T, ...]`` results."""
+    reference copies), as ``[n, H, Dv]`` / ``[H, n]`` views of the op's ``[T, ...]`` results: a segment plan with
+    a tail (a block-sparse plan has none, every query is the kernel's)."""
+    if out is not None and isinstance(plan, BlockSparsePlan):
+        raise AssertionError("_fwd: a block-sparse plan has no tail to write around (internal error)")
     if not _fa4(q_t):
         with torch.no_grad():
             o, l_ = varlen_attention_reference(q_t, kg, vg, plan, scale)
@@ -380,7 +383,9 @@ def _fwd(q_t, kg, vg, plan, scale, out=None, lse=None):
 
 def _bwd(q_t, kg, vg, out_t, dout_t, lse, plan, scale, dq=None):
     """(dq, dk, dv) of the plan's attention (dk/dv per gathered row); ``dq``: where to write the query gradient
-    (FA4 writes it in place, the reference copies)."""
+    (FA4 writes it in place, the reference copies): a segment plan with a tail, as in :func:`_fwd`."""
+    if dq is not None and isinstance(plan, BlockSparsePlan):
+        raise AssertionError("_bwd: a block-sparse plan has no tail to write around (internal error)")
     if not _fa4(q_t):
         grads = varlen_attention_reference_bwd(q_t, kg, vg, dout_t, plan, scale)
         return grads if dq is None else (dq.copy_(grads[0]), *grads[1:])
@@ -466,15 +471,14 @@ def tree_attention_varlen_bwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse:
     if not n:
         dq, dk, dv = torch.zeros_like(q_t), torch.zeros_like(k_t), torch.zeros_like(v_t)
     else:
-        # with a tail the kernel writes the first n rows of dq in place; the tail's queries (softmax over one key)
-        # have no gradient
-        dq = None if n == T else torch.empty_like(q_t)
-        dq_n, dkg, dvg = _bwd(q_t[:n], *plan.keys(k_t, v_t), _tokens_major(out)[:n],
-                              dout_t[:n], lse[:, :n].contiguous(), plan, scale, dq=None if dq is None else dq[:n])
-        if dq is None:
-            dq = dq_n
-        else:
+        args = (q_t[:n], *plan.keys(k_t, v_t), _tokens_major(out)[:n], dout_t[:n], lse[:, :n].contiguous(), plan,
+                scale)
+        if n == T:
+            dq, dkg, dvg = _bwd(*args)
+        else:  # the kernel writes the first n rows of dq in place; the tail's queries (softmax over one key) have none
+            dq = torch.empty_like(q_t)
             dq[n:].zero_()
+            dkg, dvg = _bwd(*args, dq=dq[:n])[1:]
         # each token's key/value gradient: the sum over its gathered copies (float32, rounded once; rows >= n zero)
         dk = sum_copies(dkg, plan.copies, plan.key_index, T)
         dv = sum_copies(dvg, plan.copies, plan.key_index, T)
