@@ -1,0 +1,20 @@
+# session 27 device calls (one H100). Modes of its own:
+#   bash d.sh cg [ARGS...]     results/h100_s27/cg.py (the tree step, CUDA graphs between treecompile's ops)
+#   bash d.sh cgab [ARGS...]   cg.py without, then with --cuda-graphs, one process each
+# every other mode is session 26's d.sh (-> 25 -> 24: install, e2e, prof, gputests, ...), run as it is
+case "$1" in
+cg)
+  shift
+  source benchmarks/results/h100_s18/pre.sh
+  N=cg_$(echo "$@" | tr -c 'a-zA-Z0-9.\n' '_')
+  timeout 570 python benchmarks/results/h100_s27/cg.py "$@" 2>&1 | grep -v -i 'aux_data\|exe_args\|TileLang' \
+    | tee $OUT/$N.txt | tail -60 ;;
+cgab)
+  shift
+  source benchmarks/results/h100_s18/pre.sh
+  for o in "" --cuda-graphs; do
+    timeout 280 python benchmarks/results/h100_s27/cg.py $o "$@" 2>&1 | grep -v -i 'aux_data\|exe_args\|TileLang' \
+      | tee -a $OUT/cgab.txt | grep '^{\|^#\|Error\|error\|skipping' | tail -20
+  done ;;
+*) exec bash benchmarks/results/h100_s26/d.sh "$@" ;;
+esac
