@@ -5,6 +5,10 @@ float32 on the same inputs and are compared with the float64 reference op (and t
 ``moe_experts_reference``): the grouped op's error, forward and all four gradients, must stay within
 4x the float32 reference op's own error plus 2 float32 ulp of the result's norm (for the routing
 weights' gradient, of its dot products' terms: the two ops contract it over different axes).
+Triton's CPU interpreter (``TRITON_INTERPRET=1``, where triton imports): the op with its Triton kernels
+(``ops/moe_triton.py``: the activation, its backward, the sum over ``k``) within the same bounds, and each kernel
+against the torch ops it replaces (float32: to rounding of the order of the sums; bfloat16: within one bf16 ulp of
+float64 math on the same inputs, rounded once).
 GPU (``-m gpu``, sm90): bfloat16 at a Qwen3-30B-A3B layer shape against the op in float32, within 2x
 the bfloat16 reference op's error, no host sync, exact zeros for experts without tokens.
 """
@@ -16,7 +20,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from treecompile.ops import moe, moe_grouped
+from tests.helpers import run_interpreted
+from treecompile.ops import moe, moe_grouped, moe_triton
 
 OPS = torch.ops.treecompile
 EPS32 = torch.finfo(torch.float32).eps
@@ -146,6 +151,74 @@ def test_grouped_op_bad_arguments():
         moe_grouped.moe_experts_grouped(hidden, idx, w, gu.bfloat16(), down)
     with pytest.raises(ValueError, match="D=6 and I=4 must be multiples of 4"):
         moe_grouped.moe_experts_grouped(hidden[:, :6], idx, w, gu[:, :, :6], down[:, :6])
+
+
+_INTERPRETED = r"""
+import torch
+from tests.helpers import count_launches
+from tests.test_moe_grouped import check_within_float32_rounding, moe_case
+from treecompile.ops import moe_grouped, moe_triton
+
+launched = {name: count_launches(moe_triton, name)
+            for name in ("_activation_kernel", "_activation_bwd_kernel", "_sum_over_k_kernel")}
+worst = {"f32": 0.0, "bf16_ulps": 0.0}
+
+# the whole op (forward and its four gradients) within the float32 reference op's rounding, as on the torch path
+for seed, (T, D, I, E, k, sentinels, unused) in enumerate([(13, 8, 4, 5, 2, 0.3, 1), (40, 136, 132, 7, 3, 0.1, 2),
+                                                         (1, 4, 4, 3, 1, 0.0, 0), (0, 8, 4, 2, 2, 0.0, 0)]):
+    ins = moe_case(T, D, I, E, k, sentinels=sentinels, unused=unused, seed=seed)
+    go = torch.randn(T, D, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    check_within_float32_rounding(ins, go)
+assert all(launched.values()), {n: len(v) for n, v in launched.items()}
+
+# each kernel against the torch ops it replaces, float32: P and I not multiples of the blocks
+g = torch.Generator().manual_seed(1)
+P, I, D, T, k = 37, 140, 133, 9, 4
+h = torch.randn(P, 2 * I, generator=g) * 3
+w = torch.rand(P, generator=g)
+w[5] = 0
+gr = torch.randn(P, I, generator=g)
+gate, up = h.chunk(2, dim=-1)
+want = [torch.nn.functional.silu(gate) * up * w[:, None], *moe_grouped._activation_backward(h, gr.clone(), w)]
+got = [moe_triton.activation(h, w), *moe_triton.activation_backward(h, gr, w)]
+rows = torch.randn(T * k, D, generator=g)
+inv = torch.randperm(T * k, generator=g)
+want.append(rows.index_select(0, inv).view(T, k, D).sum(1))
+got.append(moe_triton.sum_over_k(rows, inv, T, k))
+for x, r in zip(got, want):
+    worst["f32"] = max(worst["f32"], float((x - r).abs().max() / r.abs().max()))
+
+# bfloat16 inputs: float32 math rounded once, against float64 math on the same inputs
+def ulps(x, exact):
+    ulp = torch.exp2(torch.floor(torch.log2(exact.abs().clamp(min=1e-30))) - 7)
+    return float(((x.double() - exact).abs() / (ulp + 1e-6 * exact.abs().max())).max())
+
+hb, wb, gb, rb = h.bfloat16(), w.bfloat16(), gr.bfloat16(), rows.bfloat16()
+gd, ud = hb.double().chunk(2, dim=-1)
+sig = torch.sigmoid(gd)
+a = gd * sig * ud
+da = gb.double() * wb.double()[:, None]
+exact = [a * wb.double()[:, None], torch.cat([da * ud * sig * (1 + gd * (1 - sig)), da * gd * sig], 1),
+         a * wb.double()[:, None], rb.double().index_select(0, inv).view(T, k, D).sum(1)]
+dh, aw, dw = moe_triton.activation_backward(hb, gb, wb)
+for x, e in zip([moe_triton.activation(hb, wb), dh, aw, moe_triton.sum_over_k(rb, inv, T, k)], exact):
+    worst["bf16_ulps"] = max(worst["bf16_ulps"], ulps(x, e))
+worst["bf16_dw"] = float(((dw.double() - (gb.double() * a).sum(-1)).abs() / (gb.double() * a).abs().sum(-1)).max())
+print(repr(worst))
+"""
+
+
+@pytest.mark.skipif(not moe_triton.triton, reason="triton is not importable")
+def test_triton_kernels_in_interpreter():
+    """The op with its Triton kernels (Triton's CPU interpreter): forward and all four gradients within the float32
+    reference op's rounding (random cases with sentinels, idle experts, k = 1, T = 0; I and D not multiples of the
+    blocks); each kernel equal to the torch ops it replaces in float32 to the rounding of a sum's order, and in
+    bfloat16 within one bf16 ulp of float64 math on the same inputs (float32 math, rounded once; the interpreter
+    truncates where the GPU rounds to nearest), ``<g, a>`` to float32 rounding of its terms."""
+    worst = run_interpreted(_INTERPRETED)
+    assert worst["f32"] < 1e-5, worst
+    assert worst["bf16_ulps"] <= 1, worst
+    assert worst["bf16_dw"] < 1e-5, worst
 
 
 # ---------------------------------------------------------------- GPU (sm90)

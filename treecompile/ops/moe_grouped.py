@@ -42,6 +42,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from treecompile.ops import moe_triton
 from treecompile.ops.moe import check_moe_args, check_moe_index
 
 __all__ = ["moe_experts_grouped", "moe_experts_grouped_backward", "GROUPED_DTYPES"]
@@ -93,15 +94,27 @@ def _routing(top_k_index: Tensor, top_k_weights: Tensor, E: int):
 
 def _sum_over_k(rows: Tensor, inv: Tensor, T: int, k: int) -> Tensor:
     """``[P, D]`` rows in expert order -> ``[T, D]``: token t sums its k pairs (fixed order)."""
+    if moe_triton.usable(rows):
+        return moe_triton.sum_over_k(rows, inv, T, k)  # the gather and the sum in one pass
     per_pair = rows.index_select(0, inv)
     return per_pair if k == 1 else per_pair.view(T, k, -1).sum(1)
 
 
-def _activation(x, gate_up_proj, offs):
-    """``(h, gate, up, silu(gate))`` of the grouped ``h = [gate, up] = x @ gate_up_proj[e]^T``."""
-    h = torch._grouped_mm(x, gate_up_proj.transpose(-2, -1), offs=offs)
+def _activation_backward(h: Tensor, g: Tensor, w: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dh, w a, <g, a>)`` by torch ops (where :mod:`moe_triton`'s kernel cannot run): ``h = [gate, up]``,
+    ``a = silu(gate) * up``, ``g = dL/d(w a)``; ``dh = [da * up * silu'(gate), da * silu(gate)]``, ``da = w g``."""
     gate, up = h.chunk(2, dim=-1)
-    return h, gate, up, torch.nn.functional.silu(gate)
+    s = torch.nn.functional.silu(gate)
+    a = s * up
+    d_w = (g * a).sum(-1)
+    da = g.mul_(w[:, None])
+    dh = torch.empty_like(h)
+    dgate, dup = dh.chunk(2, dim=-1)
+    torch.mul(da, s, out=dup)
+    sig = torch.sigmoid(gate)
+    dsilu = gate * (1 - sig)
+    torch.mul(dsilu.add_(1).mul_(sig).mul_(up), da, out=dgate)
+    return dh, a.mul_(w[:, None]), d_w
 
 
 @torch.library.custom_op("treecompile::moe_experts_grouped", mutates_args=())
@@ -115,8 +128,12 @@ def moe_experts_grouped(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tens
         return torch.zeros_like(hidden)
     perm, inv, offs, w, _ = _routing(top_k_index, top_k_weights, E)
     x = hidden.index_select(0, perm // k)
-    _, _, up, a = _activation(x, gate_up_proj, offs)
-    a.mul_(up).mul_(w[:, None])  # w * silu(gate) * up, in place
+    h = torch._grouped_mm(x, gate_up_proj.transpose(-2, -1), offs=offs)
+    if moe_triton.usable(h):
+        a = moe_triton.activation(h, w)  # w * silu(gate) * up, one pass
+    else:
+        gate, up = h.chunk(2, dim=-1)
+        a = torch.nn.functional.silu(gate).mul_(up).mul_(w[:, None])  # w * silu(gate) * up, in place
     return _sum_over_k(torch._grouped_mm(a, down_proj.transpose(-2, -1), offs=offs), inv, T, k)
 
 
@@ -135,19 +152,15 @@ def moe_experts_grouped_backward(grad_out: Tensor, hidden: Tensor, top_k_index: 
                 torch.zeros_like(down_proj))
     perm, inv, offs, w, valid = _routing(top_k_index, top_k_weights, E)
     x = hidden.index_select(0, perm // k)
-    h, gate, up, s = _activation(x, gate_up_proj, offs)
-    a = s * up
+    h = torch._grouped_mm(x, gate_up_proj.transpose(-2, -1), offs=offs)  # recomputed
     dout = grad_out.index_select(0, perm // k)
     g = torch._grouped_mm(dout, down_proj, offs=offs)  # [P, I]: dL/d(w a)
-    d_w = torch.where(valid, (g * a).sum(-1), 0)
-    d_down = torch._grouped_mm(dout.t(), a.mul_(w[:, None]), offs=offs)  # [E, D, I]
-    da = g.mul_(w[:, None])
-    dh = torch.empty_like(h)  # [dgate, dup]: da * up * silu'(gate), da * silu(gate)
-    dgate, dup = dh.chunk(2, dim=-1)
-    torch.mul(da, s, out=dup)
-    sig = torch.sigmoid(gate)
-    dsilu = gate * (1 - sig)
-    torch.mul(dsilu.add_(1).mul_(sig).mul_(up), da, out=dgate)
+    if moe_triton.usable(h):  # dh, w a and <g, a> in one pass
+        dh, aw, d_w = moe_triton.activation_backward(h, g, w)
+    else:
+        dh, aw, d_w = _activation_backward(h, g, w)
+    d_w = torch.where(valid, d_w, 0)
+    d_down = torch._grouped_mm(dout.t(), aw, offs=offs)  # [E, D, I]
     d_gu = torch._grouped_mm(dh.t(), x, offs=offs)  # [E, 2I, D]
     if not _kernel_zeroes_empty_groups(hidden.device):
         nonempty = torch.diff(offs, prepend=offs.new_zeros(1)) > 0

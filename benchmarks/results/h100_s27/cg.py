@@ -2,7 +2,8 @@
 any option exists).  --cuda-graphs sets, before the first compile: ``triton.cudagraphs`` (what
 ``mode="reduce-overhead"`` sets), ``graph_partition`` and ``custom_should_partition_ops`` = every
 ``treecompile::`` op, so the ops that plan on the host (attention segments, fla GDN levels, the fused head) run
-eagerly between graph replays.  Prints one JSON row: the first steps' losses and gradient checksums (the
+eagerly between graph replays.  --torch-moe: the MoE experts' elementwise work as the torch ops it was before
+``ops/moe_triton.py`` (the A/B of that change).  Prints one JSON row: the first steps' losses and gradient checksums (the
 float64 sum of squares of every gradient, for the A/B against a run without), then the timed steps.
 
     python benchmarks/results/h100_s27/cg.py --model qwen3-0.6b --agentic parallel-tools [--cuda-graphs]
@@ -64,6 +65,8 @@ def main():
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--check", type=int, default=4, help="first steps whose loss and gradient checksum are printed")
     ap.add_argument("--cuda-graphs", action="store_true")
+    ap.add_argument("--torch-moe", action="store_true", help="the routed experts' elementwise work as torch ops "
+                    "(before ops/moe_triton.py), for the A/B")
     ap.add_argument("--no-asserts", action="store_true", help="cudagraph trees' slow-path pool asserts off")
     args = ap.parse_args()
     import torch._inductor.config as ic
@@ -81,6 +84,9 @@ def main():
         if args.no_asserts:
             ic.triton.slow_path_cudagraph_asserts = False
             info["slow_path_cudagraph_asserts"] = False
+    if args.torch_moe:
+        from treecompile.ops import moe_triton
+        moe_triton.usable = lambda t: False
     print("#", json.dumps(info), flush=True)
     steps = harness.cuda_steps(args.model, agentic=args.agentic or None, agentic_scale=args.agentic_scale,
                                iters=args.iters)
@@ -103,7 +109,7 @@ def main():
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     st = sorted(times)
-    row = {"model": args.model, "tree": steps.case.name, "cuda_graphs": args.cuda_graphs,
+    row = {"model": args.model, "tree": steps.case.name, "cuda_graphs": args.cuda_graphs, "torch_moe": args.torch_moe,
            "tree_tokens": steps.tree.num_tokens, "first_s": round(first, 2),
            "losses": [c[0] for c in checks], "grad_sq": [c[1] for c in checks],
            "step_ms": round(statistics.median(times) * 1e3, 2), "lq_ms": round(st[len(st) // 4] * 1e3, 2),
