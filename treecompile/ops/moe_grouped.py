@@ -18,6 +18,10 @@ Dispatch, all on the device (``P = T * k`` routed pairs, ``e(p)`` the expert of 
 3. ``out[t] = sum_j y[inv[t * k + j]]`` with ``inv`` the inverse permutation: a gather and a sum over
    ``k`` in a fixed order, deterministic and free of atomics (``index_add`` on CUDA is neither).
 
+Where Triton runs (CUDA; the CPU under its interpreter) the elementwise work between the GEMMs (the activation
+and routing weight, its backward with ``d_w``) and the sum over ``k`` are one Triton kernel each, in float32,
+rounded once (:mod:`treecompile.ops.moe_triton`); elsewhere the torch ops below.
+
 Backward (``treecompile::moe_experts_grouped_backward``; activations recomputed as in ``moe_experts``'s):
 ``g = dout @ down_proj[e]`` (grouped), ``d_w = <g, a>`` (equal to ``<dout, y>``; 0 for sentinel
 pairs), ``da = w * g``, ``dh = [da * u * silu'(gate); da * silu(gate)]``, ``d_down[e] = dout_e^T (w a)_e``

@@ -14,8 +14,9 @@ model's dtype: on the Qwen3.5-35B-A3B agentic tree (H100, 4 layers, ``P`` = 122,
   one pass, in pair order ``j = 0 .. k-1``, instead of a gathered ``[P, D]`` copy and a reduction over it.
 
 Everything is computed in float32 from the model-dtype inputs and rounded once per output (the torch ops
-rounded every intermediate to the model's dtype): the results differ from the torch path by that rounding, and
-equal it in float32 up to the order of the sum over ``I`` in ``d_w``.  The kernels run on CUDA, or on the CPU
+rounded every intermediate to the model's dtype): the results differ from the torch path by that rounding; in
+float32 they agree with it to a few ulps (the same math in another order: ``silu`` as ``x * sigmoid(x)``, the sum
+over ``I`` in ``d_w`` blocked, the sum over ``k`` in pair order).  The kernels run on CUDA, or on the CPU
 under Triton's interpreter (``TRITON_INTERPRET=1``: the tests); :func:`usable` says where.
 """
 
