@@ -216,9 +216,9 @@ def test_triton_kernels_in_interpreter():
     bfloat16 within one bf16 ulp of float64 math on the same inputs (float32 math, rounded once; the interpreter
     truncates where the GPU rounds to nearest), ``<g, a>`` to float32 rounding of its terms."""
     worst = run_interpreted(_INTERPRETED)
-    assert worst["f32"] < 1e-5, worst
+    assert worst["f32"] <= 8 * EPS32, worst  # a few float32 ulps of the largest value: the same math reordered
     assert worst["bf16_ulps"] <= 1, worst
-    assert worst["bf16_dw"] < 1e-5, worst
+    assert worst["bf16_dw"] <= 140 * EPS32, worst  # float32 sum of I = 140 terms, relative to their magnitudes
 
 
 # ---------------------------------------------------------------- GPU (sm90)

@@ -15,8 +15,9 @@ version counter, so a second backward through the same graph (``retain_graph=Tru
 "modified by an inplace operation" error instead of reading gradients as logits.
 
 The row statistics and the logits' gradient are the reference formulas (``chunk_stats``,
-``chunk_dlogits``, upcast ``default_chunk(V)`` rows at a time, the reference head's own bound) on any device, and the Triton row kernels of
-:mod:`treecompile.ops.logprobs_triton` on CUDA half precision (one launch over all rows).
+``chunk_dlogits``, upcast ``default_chunk(V)`` rows at a time, the reference head's own bound) on any
+device, and the Triton row kernels of :mod:`treecompile.ops.logprobs_triton` on CUDA half precision (one
+launch over all rows).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The routed experts' elementwise work and their sum over ``k`` as Triton kernels (``treecompile::moe_experts_grouped``).
+"""The routed experts' elementwise work and their sum over ``k`` as Triton kernels (``moe_experts_grouped``).
 
 Between its grouped GEMMs :mod:`treecompile.ops.moe_grouped` runs the SwiGLU activation, the routing weights and,
 in the backward, the activation's gradient.  As torch ops on the ``[P, I]`` halves of ``h = [gate, up]`` (``P``:
@@ -114,7 +114,7 @@ def activation_backward(h: Tensor, g: Tensor, w: Tensor) -> tuple[Tensor, Tensor
     """``(dh [P, 2I], a_w [P, I], d_w [P] float32)`` for ``g = dL/d(w a)`` ``[P, I]`` (module docstring)."""
     P, I = _check(h, w, g)
     dh, aw = torch.empty_like(h), h.new_empty((P, I))
-    dw = torch.zeros(P, dtype=torch.float32, device=h.device)
+    dw = torch.empty(P, dtype=torch.float32, device=h.device)  # the kernel writes every row
     if P and I:
         _activation_bwd_kernel[(triton.cdiv(P, BLOCK_P),)](h, g, w.contiguous(), dh, aw, dw, P, I,
                                                           BLOCK_P=BLOCK_P, BLOCK_I=BLOCK_I)
