@@ -9,7 +9,9 @@ seeded random init) on a synthetic tree (``trees.synthetic_paths``, default 16 x
 - ``whole``: ``treecompile.compile(model)`` on the whole tree;
 - ``packed C``: ``runtime.partition.pack`` at budget C, every partition's fwd+bwd (shared prefixes repeated);
 - ``rf C``: ``partition_redundancy_free`` at budget C through ``run_redundancy_free`` (each token once,
-  boundary attention through ``ops.flex_tree_attention_boundary``).
+  boundary attention through ``ops.flex_tree_attention_boundary``), under each of ``--bounds``: ``chain``
+  (every chain of partitions alive at once within C tokens, as a packed partition) and ``partition`` (each
+  partition within C; a chain up to the longest path + C).
 
 Two graph modes: ``eager`` (the rewritten graph run eagerly, flex compiled alone per shape: few
 compiles, so C = T, T/2 and T/4 fit in the time budget) and ``compiled`` (the whole graph under
@@ -83,6 +85,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="qwen3-0.6b", help="a benchmarks.harness.model_specs() name")
     ap.add_argument("--attention-kernel", default="flex", choices=["flex", "fa4"], help="tree and boundary attention")
     ap.add_argument("--device", default="cuda", help="cuda; cpu only checks the plumbing (graphs run eagerly)")
+    ap.add_argument("--bounds", default="chain,partition", help="partition_redundancy_free bounds of the rf rows")
     args = ap.parse_args(argv)
     dev = torch.device(args.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float64
@@ -135,35 +138,37 @@ def main(argv=None) -> int:
         chain = [rows[p.index] + sum(rows[a] for a in p.ancestors) for p in plan.partitions]
         return round(max(chain) * kv_row_bytes / 2**30, 3)
 
-    def rf(bm, C):
-        plan = partition_redundancy_free(tree, C)
+    def rf(bm, C, bound):
+        plan = partition_redundancy_free(tree, C, bound=bound)
 
         def step():
             zero()
             return run_redundancy_free(bm, plan).loss
-        return step, {"partitions": len(plan), "tokens_computed": T, "peak_alive_tokens": plan.peak_chain_tokens(),
-                      "boundary_kv_gib": boundary_copy_gib(plan, padded=True)}
+        return step, {"bound": plan.bound, "partitions": len(plan), "tokens_computed": T,
+                      "peak_alive_tokens": plan.peak_chain_tokens(), "boundary_kv_gib": boundary_copy_gib(plan, padded=True)}
 
-    plans = {"eager": [("rf", T), ("packed", T // 2), ("rf", T // 2), ("packed", T // 4), ("rf", T // 4)],
-             "compiled": [("rf", T)]}
+    bounds = args.bounds.split(",")
+    plans = {"eager": [("rf", T, "auto")] + [row for C in (T // 2, T // 4)
+                                             for row in [("packed", C, None)] + [("rf", C, b) for b in bounds]],
+             "compiled": [("rf", T, "auto")]}
     for graph in args.graphs.split(","):
         opts = dict(compile_cuda=graph == "compiled", attention_kernel=args.attention_kernel)
         tm = treecompile.compile(model, **opts)
         bm = treecompile.compile(model, boundary=True, **opts)
         reference: dict = {}
-        for name, C in [("whole", None)] + plans[graph]:
+        for name, C, bound in [("whole", None, None)] + plans[graph]:
             if time.perf_counter() - t_start + ROW_ESTIMATE_S[graph] > args.budget_s:
                 row = {"mode": name, "graph": graph, "C": C, "error": f"skipped: over --budget-s {args.budget_s}"}
             else:
                 make = {"whole": lambda tm=tm: whole(tm), "packed": lambda tm=tm, C=C: packed(tm, C),
-                        "rf": lambda bm=bm, C=C: rf(bm, C)}[name]
+                        "rf": lambda bm=bm, C=C, bound=bound: rf(bm, C, bound)}[name]
                 row = run_row(name, graph, C, make, model, reference, args.iters, dev)
             row["wall_s"] = round(time.perf_counter() - t_start, 1)
             print(json.dumps(row), flush=True)
             with open(jsonl, "a") as f:
                 f.write(json.dumps(row) + "\n")
             rows.append(row)
-    cols = ["graph", "mode", "C", "partitions", "tokens_computed", "peak_alive_tokens", "step_s", "first_s",
+    cols = ["graph", "mode", "bound", "C", "partitions", "tokens_computed", "peak_alive_tokens", "step_s", "first_s",
             "peak_gib", "boundary_kv_gib", "loss_rel_diff", "grad_cos", "error"]
     lines = [f"Conditions: {json.dumps(env)}", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join("" if r.get(c) is None else (f"{r[c]:.3g}" if isinstance(r[c], float) else str(r[c]))

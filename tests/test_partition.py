@@ -212,9 +212,11 @@ def test_pack_padding_keeps_weights():
 
 
 # ------------------------------------------------------------------------------- redundancy-free
-def check_redundancy_free(paths, C, masks=None, weights=None, conv_kernel=4):
+def check_redundancy_free(paths, C, masks=None, weights=None, conv_kernel=4, bound="auto"):
     tree = Tree.from_paths(paths, loss_masks=masks, path_weights=weights)
-    plan = partition_redundancy_free(tree, C)
+    plan = partition_redundancy_free(tree, C, bound=bound)
+    fits = longest(paths) <= C
+    assert plan.bound == ("chain" if bound == "chain" or (bound == "auto" and fits) else "partition")
     T = tree.num_tokens
     pred = tree.pred.tolist()
     whole_w = tree.to_batch().loss_weight
@@ -310,6 +312,8 @@ def check_redundancy_free(paths, C, masks=None, weights=None, conv_kernel=4):
             bwd.add(i)
     assert fwd == bwd == set(range(len(plan))) and not alive
     assert plan.peak_chain_tokens() <= min(T, longest(paths) + C)
+    if plan.bound == "chain":  # what is alive at once fits C, as a packed partition does
+        assert plan.peak_chain_tokens() <= C
     for part in plan.partitions:  # a partition with partitions below it holds one path's tokens
         if part.children:
             tl = part.tokens.tolist()
@@ -329,6 +333,36 @@ def check_redundancy_free(paths, C, masks=None, weights=None, conv_kernel=4):
 def test_redundancy_free_random(data, C):
     paths, masks, weights = data
     check_redundancy_free(paths, C, masks, weights)
+    check_redundancy_free(paths, C, masks, weights, bound="partition")
+
+
+@settings(max_examples=50, deadline=None)
+@given(path_sets(max_paths=10, max_len=12), st.integers(0, 12))
+def test_redundancy_free_chain_bound_random(paths, extra):
+    """Budgets from the longest path up: every chain of partitions within C, each token once."""
+    check_redundancy_free(paths, longest(paths) + extra, bound="chain")
+
+
+def test_redundancy_free_bounds_and_errors():
+    wide = [list(range(1, 9)) + [100 + 8 * i + j for j in range(8)] for i in range(16)]  # root node of 8, 16 leaves
+    tree = Tree.from_paths(wide)
+    chain, part = (partition_redundancy_free(tree, 32, bound=b) for b in ("chain", "partition"))
+    # the chain plan keeps the root alone (the wide node's children get the room) and bins 3 leaves per partition
+    assert chain.peak_chain_tokens() == 32 and len(chain) == 1 + 6
+    assert part.peak_chain_tokens() == 8 + 32 > 32  # each partition <= C, a chain up to longest path + C
+    assert partition_redundancy_free(tree, 32).bound == "chain"
+    assert partition_redundancy_free(tree, 15).bound == "partition"  # paths of 16 tokens do not fit 15
+    with pytest.raises(ValueError, match=r"bound='chain' needs every path to fit.*path 0 has 16 tokens.*C=15"):
+        partition_redundancy_free(tree, 15, bound="chain")
+    with pytest.raises(ValueError, match="bound must be one of"):
+        partition_redundancy_free(tree, 32, bound="paths")
+    # a spine of long nodes with a short leaf below each: one chunk down the spine, the leaves below it
+    spine, paths = [], []
+    for i in range(6):
+        spine = spine + [1000 + 10 * i + j for j in range(5)]
+        paths.append(spine + [2000 + i])
+    plan = partition_redundancy_free(Tree.from_paths(paths), 31, bound="chain")
+    assert plan.peak_chain_tokens() <= 31 and plan.partitions[0].num_tokens >= 25
 
 
 @pytest.mark.parametrize("name", sorted(ODD_TREES))

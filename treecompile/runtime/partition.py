@@ -347,6 +347,7 @@ class RedundancyFreePlan(_PlanCost):
     tree: Tree
     capacity: int
     partitions: list[RedundancyFreePartition]
+    bound: str = "partition"  # what capacity bounds: "chain" (every chain of partitions) or "partition"
     _shape: TreeShape = field(repr=False, default=None)
     _weights: _WeightCache = field(repr=False, default=None)
     _owner: torch.Tensor = field(repr=False, default=None)
@@ -485,8 +486,60 @@ def first_fit_decreasing(sizes: list[int], C: int) -> list[list[int]]:
     return bins
 
 
-def partition_redundancy_free(tree: Tree, capacity: int) -> RedundancyFreePlan:
-    """Disjoint partitions of at most ``capacity`` tokens covering every token once (any C >= 1).
+RF_BOUNDS = ("auto", "chain", "partition")
+# most radix nodes one chunk of a heavy path takes under ``bound="chain"`` (the extension test is linear in the
+# chunk's nodes: a cap keeps planning linear in the tree on combs of one-token nodes)
+CHAIN_CHUNK_NODES = 512
+
+
+def partition_redundancy_free(tree: Tree, capacity: int, *, bound: str = "auto") -> RedundancyFreePlan:
+    """Disjoint partitions covering every token once, in a tree of partitions run one chain at a time.
+
+    ``bound`` says what ``capacity`` (C) bounds:
+
+    - ``"chain"``: the tokens of every chain of partitions (a partition and its ancestors: the activations alive
+      at once under :meth:`RedundancyFreePlan.schedule`), so the peak is that of a packed partition of C tokens
+      (:func:`pack`) while every token is still computed once.  Needs every path to fit (C >= the longest
+      path: a path's tokens all lie on one chain); a ValueError names the path otherwise.
+    - ``"partition"``: the tokens of each partition, any C >= 1 (a path longer than C spans several
+      partitions); the chains hold at most ``longest path + C`` tokens.
+    - ``"auto"`` (default): ``"chain"`` when every path fits C, else ``"partition"``
+      (``plan.bound`` says which ran).
+
+    Both planners cut the tree into *chunks* along heavy paths (a partition of one path's tokens, with
+    partitions below it) and pack the light subtrees hanging below a chunk's tokens first-fit decreasing into
+    partitions with none below them (:func:`_partition_bound_pieces`, :func:`_chain_bound_pieces`).
+    """
+    if bound not in RF_BOUNDS:
+        raise ValueError(f"bound must be one of {RF_BOUNDS}, got {bound!r}")
+    C = check_capacity(capacity)
+    sh = TreeShape(tree)
+    size = [sh.end[v] - sh.start[v] for v in range(sh.num_nodes)]
+    for v in range(sh.num_nodes - 1, -1, -1):  # children come after their parent in DFS order
+        p = sh.parent[v]
+        if p >= 0:
+            size[p] += size[v]
+    longest = max(sh.height, default=0)
+    if bound == "auto":
+        bound = "chain" if longest <= C else "partition"
+    if bound == "chain":
+        if longest > C:
+            p = int(tree.path_lengths.argmax())
+            raise ValueError(f"bound='chain' needs every path to fit the budget: path {p} has {longest} tokens, "
+                             f"more than C={C} (bound='partition' splits it)")
+        raw = _chain_bound_pieces(tree, sh, size, C)
+    else:
+        raw = _partition_bound_pieces(tree, sh, size, C)
+    return _plan_from_pieces(tree, sh, C, bound, raw)
+
+
+def _ranges_of(sh: TreeShape, sub_end: list[int], nodes: list[int]) -> list[tuple[int, int]]:
+    """The DFS ranges of the subtrees rooted at ``nodes``."""
+    return [(sh.start[c], sub_end[c]) for c in nodes]
+
+
+def _partition_bound_pieces(tree: Tree, sh: TreeShape, size: list[int], C: int) -> list:
+    """``bound="partition"``: (boundary's last token, DFS ranges) per partition, each of <= C tokens.
 
     A node whose subtree holds more than C tokens is *heavy*.  Heavy nodes are split into heavy
     paths (each continues into its largest heavy child); a heavy path's tokens are cut into chunks
@@ -496,20 +549,12 @@ def partition_redundancy_free(tree: Tree, capacity: int) -> RedundancyFreePlan:
     partition below them, and a partition with children holds only tokens of one path, so the
     activations alive at once (a chain) are at most ``longest path + C`` tokens.
     """
-    C = check_capacity(capacity)
-    sh = TreeShape(tree)
-    n_nodes = sh.num_nodes
-    size = [sh.end[v] - sh.start[v] for v in range(n_nodes)]
-    for v in range(n_nodes - 1, -1, -1):  # children come after their parent in DFS order
-        p = sh.parent[v]
-        if p >= 0:
-            size[p] += size[v]
     sub_end = tree.node_subtree_end.tolist()
     raw: list[tuple[int, list[tuple[int, int]]]] = []  # (boundary's last token, DFS ranges)
 
     def pack_light(last: int, light: list[int]) -> None:
         for group in first_fit_decreasing([size[c] for c in light], C):
-            raw.append((last, [(sh.start[light[k]], sub_end[light[k]]) for k in group]))
+            raw.append((last, _ranges_of(sh, sub_end, [light[k] for k in group])))
 
     pack_light(-1, [r for r in sh.roots if size[r] <= C])
     heads = [r for r in sh.roots if size[r] > C]  # tops of heavy paths
@@ -535,7 +580,81 @@ def partition_redundancy_free(tree: Tree, capacity: int) -> RedundancyFreePlan:
             v = nxt
         if chunk:
             raw.append((last, chunk))
+    return raw
 
+
+def _chain_bound_pieces(tree: Tree, sh: TreeShape, size: list[int], C: int) -> list:
+    """``bound="chain"``: (boundary's last token, DFS ranges) per partition, every chain of <= C tokens
+    (every path fits C).
+
+    Children hanging below one token (or the roots, below nothing) get a *room*: C less the tokens of the
+    chain above them.  Those whose subtree fits the room are packed first-fit decreasing into partitions of
+    at most the room, with no partition below them.  Each other one starts a *chunk*: a partition of whole
+    radix nodes down the path to its tallest leaf, whose children (the chunk's side subtrees and the
+    path's continuation) hang below their parent node's last token with the room left after the chunk.
+    The chunk goes on into the next node of its path while (a) every subtree left hanging still fits the
+    smaller room (its longest path, so that a chain can always be found below) and (b) an estimate of the
+    partitions it leaves behind does not grow: per hanging token, the light subtrees' tokens over the room
+    (rounded up) plus, per subtree larger than the room, its tokens over the room.  Taking the next node
+    saves the partition that would start there; it is worth it unless the smaller room splits the
+    subtrees already hanging into more partitions (a wide node's children: the chunk stops above them).
+    Every chain then holds at most C tokens: a chunk's tokens are counted in its room, and what hangs
+    below it gets what is left.
+    """
+    sub_end = tree.node_subtree_end.tolist()
+    height, depth0 = sh.height, sh.depth0
+    length = [sh.end[v] - sh.start[v] for v in range(sh.num_nodes)]
+
+    def longest(v: int) -> int:  # tokens of the longest path from v's first token down
+        return height[v] - depth0[v]
+
+    def estimate(kids: list[int], room: int) -> int:
+        if not kids:
+            return 0
+        light = sum(size[c] for c in kids if size[c] <= room)
+        return -(-light // room) + sum(-(-size[c] // room) for c in kids if size[c] > room)
+
+    raw: list[tuple[int, list[tuple[int, int]]]] = []
+    todo: list[tuple[int, list[int], int]] = [(-1, list(sh.roots), C)]  # (hanging below token, nodes, room)
+    while todo:
+        last, kids, room = todo.pop()
+        light = [c for c in kids if size[c] <= room]
+        for group in first_fit_decreasing([size[c] for c in light], room):
+            raw.append((last, _ranges_of(sh, sub_end, [light[k] for k in group])))
+        for v in kids:
+            if size[v] <= room:
+                continue
+            # a chunk from v: path nodes, and per path node the children it leaves hanging
+            path, hanging = [v], []
+            L, tallest = length[v], 0  # chunk tokens; longest path among the subtrees left hanging
+            while len(path) < CHAIN_CHUNK_NODES:
+                k = path[-1]
+                if not sh.children[k]:
+                    break
+                nxt = max(sh.children[k], key=lambda c: (height[c], size[c], -c))
+                sides = [c for c in sh.children[k] if c != nxt]
+                here, there = room - L, room - L - length[nxt]
+                if size[nxt] <= here:  # the path's rest fits as it is: it hangs below k with its siblings
+                    break
+                below = max([longest(c) for c in sh.children[nxt]] + [longest(c) for c in sides] + [tallest])
+                if there < below:
+                    break
+                if sum(estimate(h, there) for h in hanging + [sides]) > sum(estimate(h, here) for h in hanging + [sides]):
+                    break
+                hanging.append(sides)
+                tallest = max([tallest] + [longest(c) for c in sides])
+                path.append(nxt)
+                L += length[nxt]
+            raw.append((last, [(sh.start[k], sh.end[k]) for k in path]))
+            left = room - L
+            for k, h in zip(path, hanging + [sh.children[path[-1]]]):
+                if h:
+                    todo.append((sh.end[k] - 1, h, left))
+    return raw
+
+
+def _plan_from_pieces(tree: Tree, sh: TreeShape, C: int, bound: str, raw: list) -> RedundancyFreePlan:
+    """The plan of the planners' (boundary's last token, DFS ranges) partitions."""
     # tokens, owners, the partition tree, then renumber in pre-order (parents first)
     T = tree.num_tokens
     rngs = [_merge_ranges(r) for _, r in raw]
@@ -567,5 +686,5 @@ def partition_redundancy_free(tree: Tree, capacity: int) -> RedundancyFreePlan:
             index=i, tokens=toks[k], ranges=rngs[k], boundary_last=lasts[k], parent=p, ancestors=anc[i],
             children=tuple(new[c] for c in sorted(kids[k], key=lambda c: (lasts[c], first[c])))))
     remap = torch.tensor([new[k] for k in range(len(raw))], dtype=torch.long)
-    return RedundancyFreePlan(tree=tree, capacity=C, partitions=parts, _shape=sh,
+    return RedundancyFreePlan(tree=tree, capacity=C, partitions=parts, bound=bound, _shape=sh,
                               _weights=_WeightCache(tree), _owner=remap[owner])
