@@ -29,11 +29,11 @@ partition's graph.  The partitions form a tree (parent = the partition owning ``
 :meth:`RedundancyFreePlan.schedule` runs forwards in pre-order and each backward after its
 descendants', so the activations alive at any time are one chain of partitions.
 
-The planner splits the tree into heavy paths (a node is heavy when its subtree holds more than C
-tokens; a heavy path continues into the largest heavy child) cut into chunks of C, and packs the
-light subtrees hanging below each heavy node (first-fit decreasing; the pieces of one partition
-share its boundary).  Partitions with children then hold tokens of one path only, so the activations alive at
-once are bounded by ``longest path + C`` tokens.
+The planner cuts heavy paths into *chunks* (partitions of one path's tokens, with partitions below
+them) and packs the light subtrees hanging below each chunk's tokens first-fit decreasing (the pieces
+of one partition share its boundary).  What C bounds is the plan's ``bound``: ``"chain"`` the tokens of
+every chain of partitions, i.e. the activations alive at once, as a packed partition's (needs every
+path to fit C); ``"partition"`` each partition, any C (a chain then holds up to ``longest path + C``).
 
 Both plans give per-partition :class:`~treecompile.tree.TreeBatch` objects (``plan.batch(i)``, built
 by :meth:`TreeBatch.from_tokens` from the whole tree: a partition's DFS order is the whole tree's

@@ -21,7 +21,8 @@
   parameter gradients accumulate in ``.grad`` as in any backward; then i's graph is freed.
 
 Activations alive at any time: the graphs of one chain of partitions (the current one and its
-ancestors), at most ``longest path + C`` tokens for this planner (``plan.peak_chain_tokens()``),
+ancestors): ``plan.peak_chain_tokens()``, at most C tokens under the planner's ``bound="chain"`` (the
+default where every path fits C) and ``longest path + C`` under ``bound="partition"``,
 plus the boundary rows kept for descendants.  The summed partition losses equal the whole-tree loss and the
 gradients equal the whole tree's (checked in float64 in ``tests/test_redundancy_free.py``).
 

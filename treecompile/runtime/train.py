@@ -25,7 +25,8 @@ each tree's.  Each tree is run
   (``SequenceClip``) sum over the paths assigned to each partition (each lies whole in it);
 - ``mode="redundancy_free"``: :func:`~treecompile.runtime.partition.partition_redundancy_free` run by
   :func:`~treecompile.runtime.redundancy_free.run_redundancy_free` (a model compiled with
-  ``boundary=True``); every unique token computed once.  One objective linear in the log-probs that
+  ``boundary=True``); every unique token computed once, the chains of partitions alive at once within
+  ``budget`` where every path fits it (the planner's ``bound="auto"``).  One objective linear in the log-probs that
   says its weights (``objective.token_weights(tree, norm, data)``: ``SFT``, ``PolicyGradient``) runs
   as the partition graph's own loss ``-(loss_weight * lp).sum()``; any other token-level objective
   (``PPOClip``, ``KLPenalty``, a tuple of objectives) is evaluated on each partition's log-probs with
