@@ -314,8 +314,8 @@ def check_redundancy_free(paths, C, masks=None, weights=None, conv_kernel=4, bou
     assert plan.peak_chain_tokens() <= min(T, longest(paths) + C)
     if plan.bound == "chain":  # what is alive at once fits C, as a packed partition does
         assert plan.peak_chain_tokens() <= C
-    for part in plan.partitions:  # a partition with partitions below it holds one path's tokens
-        if part.children:
+    for part in plan.partitions:  # a partition with partitions below it holds one path's tokens (the chain
+        if part.children and plan.bound == "partition":  # bound's chunks may also take hanging subtrees whole)
             tl = part.tokens.tolist()
             assert all(pred[u] == v for v, u in zip(tl, tl[1:]))
     # weights: each token once, so the partition losses sum to the whole-tree loss
@@ -363,6 +363,13 @@ def test_redundancy_free_bounds_and_errors():
         paths.append(spine + [2000 + i])
     plan = partition_redundancy_free(Tree.from_paths(paths), 31, bound="chain")
     assert plan.peak_chain_tokens() <= 31 and plan.partitions[0].num_tokens >= 25
+    # a chunk takes a subtree hanging below it whole where that saves a partition: tokens 1, 2 (the chunk) and
+    # the leaf 3 below the root (token 7) in one partition, whose children hang below token 1
+    paths = [[3, 2, 2, 1], [1, 2, 3, 3, 3], [1, 3], [1, 2, 1, 3]]
+    tree, plan = check_redundancy_free(paths, 6, bound="chain")
+    first = plan.partitions[0]
+    assert first.tokens.tolist() == [0, 1, 7] and len(first.children) == 2 and len(plan) == 4
+    assert plan.peak_chain_tokens() == 6 < partition_redundancy_free(tree, 6, bound="partition").peak_chain_tokens()
 
 
 @pytest.mark.parametrize("name", sorted(ODD_TREES))

@@ -210,11 +210,11 @@ def _whole(model, tmodel, tree, normalize):
         (g if g is not None else torch.zeros_like(p)).flatten() for g, p in zip(grads, params)])
 
 
-def check_partitioned(model, tmodel, bmodel, tree, C, normalize, whole=None):
+def check_partitioned(model, tmodel, bmodel, tree, C, normalize, whole=None, bound="auto"):
     """``whole``: ``_whole(model, tmodel, tree, normalize)`` when the caller checks several budgets of one
     tree (the whole-tree run does not depend on C: computed once, not once per budget)."""
     loss, lp, g_ref = _whole(model, tmodel, tree, normalize) if whole is None else whole
-    plan = partition_redundancy_free(tree, C)
+    plan = partition_redundancy_free(tree, C, bound=bound)
     params = list(model.parameters())
     for p in params:
         p.grad = None
@@ -228,6 +228,7 @@ def check_partitioned(model, tmodel, bmodel, tree, C, normalize, whole=None):
     assert res.tokens_computed == tree.num_tokens and res.num_partitions == len(plan)
     assert res.reuse.err == pytest.approx(tree.por, abs=1e-15)
     assert res.peak_alive_tokens == plan.peak_chain_tokens() <= max(tree.path_lengths.tolist()) + C
+    assert plan.bound == "partition" or res.peak_alive_tokens <= C
     # exact: loss, log-probs, every parameter gradient
     assert abs(float(res.loss - loss)) <= 1e-9 * max(abs(float(loss)), 1e-300)
     assert float((res.logprobs - lp).abs().max()) < 1e-12
@@ -262,6 +263,17 @@ def test_dense_path_longer_than_budget_spans_partitions(dense):
     tree = Tree.from_paths([list(range(1, 11)), list(range(1, 6)) + [7, 8, 9, 1, 2, 3]])
     plan = check_partitioned(*dense, tree, 3, "sum")
     assert max(len(p.ancestors) for p in plan.partitions) >= 3  # a chain of several partitions
+
+
+@pytest.mark.parametrize("bound", ["chain", "partition"])
+def test_chunk_with_a_subtree_taken_whole(dense, hybrid, bound):
+    """The chain bound's first partition holds the chunk (tokens 0, 1) and the leaf below the root (token 7),
+    with partitions hanging below token 1: K/V, GDN states and conv inputs exported from a partition that is
+    not one path; the partition bound's plan of the same tree next to it."""
+    tree = Tree.from_paths([[3, 2, 2, 1], [1, 2, 3, 3, 3], [1, 3], [1, 2, 1, 3]])
+    for model in (dense, hybrid):
+        plan = check_partitioned(*model, tree, 6, "token_mean", bound=bound)
+        assert (plan.partitions[0].tokens.tolist() == [0, 1, 7]) == (bound == "chain")
 
 
 @settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

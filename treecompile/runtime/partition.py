@@ -30,7 +30,7 @@ partition's graph.  The partitions form a tree (parent = the partition owning ``
 descendants', so the activations alive at any time are one chain of partitions.
 
 The planner cuts heavy paths into *chunks* (partitions of one path's tokens, with partitions below
-them) and packs the light subtrees hanging below each chunk's tokens first-fit decreasing (the pieces
+them; the chain bound may add whole subtrees hanging below them) and packs the light subtrees hanging below each chunk's tokens first-fit decreasing (the pieces
 of one partition share its boundary).  What C bounds is the plan's ``bound``: ``"chain"`` the tokens of
 every chain of partitions, i.e. the activations alive at once, as a packed partition's (needs every
 path to fit C); ``"partition"`` each partition, any C (a chain then holds up to ``longest path + C``).
@@ -507,7 +507,7 @@ def partition_redundancy_free(tree: Tree, capacity: int, *, bound: str = "auto")
       (``plan.bound`` says which ran).
 
     Both planners cut the tree into *chunks* along heavy paths (a partition of one path's tokens, with
-    partitions below it) and pack the light subtrees hanging below a chunk's tokens first-fit decreasing into
+    partitions below it; under ``"chain"`` it may also take subtrees hanging below it whole) and pack the light subtrees hanging below a chunk's tokens first-fit decreasing into
     partitions with none below them (:func:`_partition_bound_pieces`, :func:`_chain_bound_pieces`).
     """
     if bound not in RF_BOUNDS:
@@ -598,8 +598,9 @@ def _chain_bound_pieces(tree: Tree, sh: TreeShape, size: list[int], C: int) -> l
     (rounded up) plus, per subtree larger than the room, its tokens over the room.  Taking the next node
     saves the partition that would start there; it is worth it unless the smaller room splits the
     subtrees already hanging into more partitions (a wide node's children: the chunk stops above them).
-    Every chain then holds at most C tokens: a chunk's tokens are counted in its room, and what hangs
-    below it gets what is left.
+    Then whole groups of subtrees hanging below one of the chunk's tokens move into the chunk where that saves
+    partitions (:func:`_absorb`): a chunk may hold more than one path's tokens.  Every chain then holds at most
+    C tokens: a chunk's tokens are counted in its room, and what hangs below it gets what is left.
     """
     sub_end = tree.node_subtree_end.tolist()
     height, depth0 = sh.height, sh.depth0
@@ -645,12 +646,36 @@ def _chain_bound_pieces(tree: Tree, sh: TreeShape, size: list[int], C: int) -> l
                 tallest = max([tallest] + [longest(c) for c in sides])
                 path.append(nxt)
                 L += length[nxt]
-            raw.append((last, [(sh.start[k], sh.end[k]) for k in path]))
-            left = room - L
-            for k, h in zip(path, hanging + [sh.children[path[-1]]]):
-                if h:
-                    todo.append((sh.end[k] - 1, h, left))
+            pieces = [(sh.start[k], sh.end[k]) for k in path]
+            groups = [(sh.end[k] - 1, h) for k, h in zip(path, hanging + [sh.children[path[-1]]]) if h]
+            left = _absorb(groups, pieces, room - L, size, longest, estimate, lambda c: (sh.start[c], sub_end[c]))
+            raw.append((last, pieces))
+            todo.extend((h_last, h, left) for h_last, h in groups)
     return raw
+
+
+def _absorb(groups: list, pieces: list, left: int, size: list[int], longest, estimate, subtree_range) -> int:
+    """Moves whole groups of subtrees hanging below one chunk token (``groups``: (token, subtree roots)) into the
+    chunk (``pieces``, its DFS ranges), smallest first, where that saves partitions: the group fits the room
+    ``left``, the others' longest paths still fit what is left, and the estimate of the others' partitions grows
+    by less than the group's own.  Returns the room left below the chunk (``groups`` keeps the rest)."""
+    tokens = {i: sum(size[c] for c in h) for i, (_, h) in enumerate(groups)}
+    kept = set(tokens)
+    for i in sorted(tokens, key=lambda i: tokens[i]):
+        if tokens[i] > left:
+            break
+        others = [groups[j][1] for j in kept if j != i]
+        room = left - tokens[i]
+        if room < max((longest(c) for h in others for c in h), default=0):
+            continue
+        before = sum(estimate(h, left) for h in others) + estimate(groups[i][1], left)
+        if sum(estimate(h, room) for h in others) >= before:
+            continue
+        kept.discard(i)
+        pieces.extend(subtree_range(c) for c in groups[i][1])
+        left = room
+    groups[:] = [g for j, g in enumerate(groups) if j in kept]
+    return left
 
 
 def _plan_from_pieces(tree: Tree, sh: TreeShape, C: int, bound: str, raw: list) -> RedundancyFreePlan:
