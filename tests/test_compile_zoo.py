@@ -121,3 +121,40 @@ def test_hf_sliding_window_is_refused(family, window, message):
     model = getattr(transformers, mcls)(getattr(transformers, ccls)(**dict(COMMON, sliding_window=window, **kw)))
     with pytest.raises(PassError, match=message):
         treecompile.compile(model.double())
+
+
+MOE = dict(vocab_size=37, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+           num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+@pytest.mark.parametrize("mcls, ccls, kw", [
+    # forward(input_ids, **kwargs): use_cache goes through the config, not a dynamic_shapes key torch.export refuses
+    ("GraniteMoeForCausalLM", "GraniteMoeConfig", dict(MOE, num_local_experts=4, num_experts_per_tok=2)),
+    # attn_output.transpose(1, 2).view(1, T, -1) after its SDPA: the tree attention's result keeps SDPA's layout
+    ("AfmoeForCausalLM", "AfmoeConfig", dict(MOE, head_dim=8, moe_intermediate_size=16, num_experts=4,
+                                             num_experts_per_tok=2, num_shared_experts=1, num_dense_layers=1,
+                                             sliding_window=4096, layer_types=["full_attention"] * 2)),
+])
+def test_hf_models_found_by_the_zoo_sweep(mcls, ccls, kw):
+    """Two families a sweep over transformers' causal LMs found refused by treecompile's own bugs (session 28)."""
+    if not hasattr(transformers, mcls):
+        pytest.skip(f"transformers has no {mcls}")
+    torch.manual_seed(0)
+    model = getattr(transformers, mcls)(getattr(transformers, ccls)(**kw)).double().eval()
+    if hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation("eager")  # grouped_mm takes no float64
+    use_cache = model.config.use_cache
+    tmodel = treecompile.compile(model)
+    assert model.config.use_cache == use_cache  # set for the capture only
+    batch = Tree.from_paths(PATHS).to_batch()
+    params = [p for p in model.parameters() if p.requires_grad]
+    out = tmodel(batch)
+    ref = reference.run(model, PATHS)
+    g_tree, g_ref = flat_grads(out.loss, params), flat_grads(ref.loss, params, retain_graph=True)
+    g_err, loss_err = rel(g_tree, g_ref), abs(float(out.loss - ref.loss))
+
+    def within(g_noise, loss_noise):
+        return g_err <= 10 * g_noise + 1e-12 and loss_err <= 10 * loss_noise + 1e-12 * abs(float(ref.loss))
+
+    g_noise, loss_noise = reference_noise(model, PATHS, None, None, batch, ref, params, g_ref, enough=within)
+    assert within(g_noise, loss_noise)

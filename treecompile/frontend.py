@@ -12,6 +12,7 @@ afterwards: its training flag, config and attributes are restored.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -166,11 +167,35 @@ def capture(model: torch.nn.Module, *, example_len: int = 16, max_len: int = 1 <
 def _export(model, ids, seq, is_hf: bool, *, deferred: bool) -> ExportedProgram:
     with export_settings():  # the graph is the same, the capture faster (treecompile/tracing.py)
         if is_hf:
-            return torch.export.export(model, (), {"input_ids": ids, "use_cache": False},
-                                       dynamic_shapes={"input_ids": {1: seq}, "use_cache": None}, strict=False,
-                                       prefer_deferred_runtime_asserts_over_guards=deferred)
+            kwargs, shapes = _hf_inputs(model, ids, seq)
+            with _no_cache(model):
+                return torch.export.export(model, (), kwargs, dynamic_shapes=shapes, strict=False,
+                                           prefer_deferred_runtime_asserts_over_guards=deferred)
         return torch.export.export(model, (ids,), dynamic_shapes=({1: seq},), strict=False,
                                    prefer_deferred_runtime_asserts_over_guards=deferred)
+
+
+def _hf_inputs(model, ids, seq) -> tuple[dict, dict]:
+    """(kwargs, dynamic_shapes) of ``model(input_ids=..., use_cache=False)``.  torch.export keys
+    ``dynamic_shapes`` by the forward's parameter names and cannot nest a spec under ``**kwargs``: a forward that
+    takes ``use_cache`` only through ``**kwargs`` (GraniteMoeForCausalLM's ``forward(input_ids, **kwargs)``) gets
+    ``input_ids`` alone, with ``config.use_cache`` False for the capture (:func:`_no_cache`)."""
+    if "use_cache" in inspect.signature(model.forward).parameters:
+        return {"input_ids": ids, "use_cache": False}, {"input_ids": {1: seq}, "use_cache": None}
+    return {"input_ids": ids}, {"input_ids": {1: seq}}
+
+
+@contextlib.contextmanager
+def _no_cache(model):
+    cfg = getattr(model, "config", None)
+    before = getattr(cfg, "use_cache", None)
+    if cfg is not None and before is not None:
+        cfg.use_cache = False
+    try:
+        yield
+    finally:
+        if cfg is not None and before is not None:
+            cfg.use_cache = before
 
 
 def _constraint_violation(e: BaseException) -> bool:

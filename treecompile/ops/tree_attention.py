@@ -56,12 +56,20 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, subtree_en
             "treecompile::tree_attention was called eagerly on a non-CPU device; TreeModel lowers it to "
             "FlexAttention on CUDA (use treecompile.compile), or call tree_attention_reference explicitly")
     with torch.no_grad():
-        return tree_attention_reference(q, k, v, subtree_end, scale).contiguous()
+        return _sdpa_layout(q, v).copy_(tree_attention_reference(q, k, v, subtree_end, scale))
+
+
+def _sdpa_layout(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """An empty ``[B, H, T, Dv]`` result laid out as ``[B, T, H, Dv]`` (a transposed view), as torch's SDPA
+    kernels return it (CPU flash, CUDA flash/cuDNN): the model's code after the attention was captured against
+    that layout, and a ``.transpose(1, 2).view(B, T, -1)`` there (AfmoeForCausalLM) needs it."""
+    B, H, T = q.shape[:3]
+    return q.new_empty((B, T, H, v.shape[-1])).transpose(1, 2)
 
 
 @tree_attention.register_fake
 def _(q, k, v, subtree_end, scale=None):
-    return q.new_empty(q.shape[:-1] + (v.shape[-1],))
+    return _sdpa_layout(q, v)
 
 
 def _setup(ctx, inputs, output):
