@@ -17,7 +17,8 @@ Two graph modes: ``eager`` (the rewritten graph run eagerly, flex compiled alone
 compiles, so C = T, T/2 and T/4 fit in the time budget) and ``compiled`` (the whole graph under
 ``torch.compile`` per length bucket; by default for C = T only, where the whole tree fits: the step-time
 target of issue 16 is RF within 10 % of the whole tree there; ``--compiled-at 4`` runs packed and rf at
-C = T/4 instead, a compile per length bucket of each).  Gradients are allocated before the first step, so peaks are above weights + gradients.
+C = T/4 instead, a compile per length bucket of each).  Gradients are allocated before the first step, so
+peaks are above weights + gradients.
 Columns: first step seconds (compiles included), median step seconds over ``--iters``, peak GiB above
 weights + gradients over the timed steps, loss relative difference and gradient cosine against the
 whole-tree row of the same graph mode (bf16 rounding only: every mode computes the same math);
@@ -149,7 +150,8 @@ def main(argv=None) -> int:
             zero()
             return run_redundancy_free(bm, plan).loss
         return step, {"bound": plan.bound, "partitions": len(plan), "tokens_computed": T,
-                      "peak_alive_tokens": plan.peak_chain_tokens(), "boundary_kv_gib": boundary_copy_gib(plan, padded=True)}
+                      "peak_alive_tokens": plan.peak_chain_tokens(),
+                      "boundary_kv_gib": boundary_copy_gib(plan, padded=True)}
 
     bounds = args.bounds.split(",")
     plans = {"eager": [("rf", T, "auto")] + [row for C in (T // 2, T // 4)

@@ -30,8 +30,8 @@ partition's graph.  The partitions form a tree (parent = the partition owning ``
 descendants', so the activations alive at any time are one chain of partitions.
 
 The planner cuts heavy paths into *chunks* (partitions of one path's tokens, with partitions below
-them; the chain bound may add whole subtrees hanging below them) and packs the light subtrees hanging below each chunk's tokens first-fit decreasing (the pieces
-of one partition share its boundary).  What C bounds is the plan's ``bound``: ``"chain"`` the tokens of
+them; the chain bound may add whole subtrees hanging below them) and packs the light subtrees hanging
+below each chunk's tokens first-fit decreasing (the pieces of one partition share its boundary).  What C bounds is the plan's ``bound``: ``"chain"`` the tokens of
 every chain of partitions, i.e. the activations alive at once, as a packed partition's (needs every
 path to fit C); ``"partition"`` each partition, any C (a chain then holds up to ``longest path + C``).
 
@@ -507,8 +507,8 @@ def partition_redundancy_free(tree: Tree, capacity: int, *, bound: str = "auto")
       (``plan.bound`` says which ran).
 
     Both planners cut the tree into *chunks* along heavy paths (a partition of one path's tokens, with
-    partitions below it; under ``"chain"`` it may also take subtrees hanging below it whole) and pack the light subtrees hanging below a chunk's tokens first-fit decreasing into
-    partitions with none below them (:func:`_partition_bound_pieces`, :func:`_chain_bound_pieces`).
+    partitions below it; under ``"chain"`` it may also take subtrees hanging below it whole) and pack the
+    light subtrees hanging below a chunk's tokens first-fit decreasing into partitions with none below them (:func:`_partition_bound_pieces`, :func:`_chain_bound_pieces`).
     """
     if bound not in RF_BOUNDS:
         raise ValueError(f"bound must be one of {RF_BOUNDS}, got {bound!r}")
@@ -640,7 +640,8 @@ def _chain_bound_pieces(tree: Tree, sh: TreeShape, size: list[int], C: int) -> l
                 below = max([longest(c) for c in sh.children[nxt]] + [longest(c) for c in sides] + [tallest])
                 if there < below:
                     break
-                if sum(estimate(h, there) for h in hanging + [sides]) > sum(estimate(h, here) for h in hanging + [sides]):
+                left_behind = hanging + [sides]
+                if sum(estimate(h, there) for h in left_behind) > sum(estimate(h, here) for h in left_behind):
                     break
                 hanging.append(sides)
                 tallest = max([tallest] + [longest(c) for c in sides])
