@@ -106,17 +106,20 @@ def _is_hf(model: torch.nn.Module) -> bool:
 @contextlib.contextmanager
 def _hf_capture_settings(model):
     cfg = model.config
-    saved = cfg._attn_implementation
+    saved, saved_cache = cfg._attn_implementation, cfg.use_cache
     try:
         # SDPA only where the model has an SDPA path; forced onto one without it (BLOOM), HF adds
         # the mask as an additive score that is no longer recognisable as causal.  Such models stay
         # on their own attention, which rewrite_causal_attention turns into tree attention.
         if saved != "sdpa" and getattr(type(model), "_supports_sdpa", True):
             cfg._attn_implementation = "sdpa"
+        # no KV cache, also for a forward that takes use_cache only through **kwargs (:func:`_hf_inputs`)
+        cfg.use_cache = False
         yield
     finally:
         if cfg._attn_implementation != saved:
             cfg._attn_implementation = saved
+        cfg.use_cache = saved_cache
 
 
 def capture(model: torch.nn.Module, *, example_len: int = 16, max_len: int = 1 << 20,
@@ -168,9 +171,8 @@ def _export(model, ids, seq, is_hf: bool, *, deferred: bool) -> ExportedProgram:
     with export_settings():  # the graph is the same, the capture faster (treecompile/tracing.py)
         if is_hf:
             kwargs, shapes = _hf_inputs(model, ids, seq)
-            with _no_cache(model):
-                return torch.export.export(model, (), kwargs, dynamic_shapes=shapes, strict=False,
-                                           prefer_deferred_runtime_asserts_over_guards=deferred)
+            return torch.export.export(model, (), kwargs, dynamic_shapes=shapes, strict=False,
+                                       prefer_deferred_runtime_asserts_over_guards=deferred)
         return torch.export.export(model, (ids,), dynamic_shapes=({1: seq},), strict=False,
                                    prefer_deferred_runtime_asserts_over_guards=deferred)
 
@@ -179,23 +181,10 @@ def _hf_inputs(model, ids, seq) -> tuple[dict, dict]:
     """(kwargs, dynamic_shapes) of ``model(input_ids=..., use_cache=False)``.  torch.export keys
     ``dynamic_shapes`` by the forward's parameter names and cannot nest a spec under ``**kwargs``: a forward that
     takes ``use_cache`` only through ``**kwargs`` (GraniteMoeForCausalLM's ``forward(input_ids, **kwargs)``) gets
-    ``input_ids`` alone, with ``config.use_cache`` False for the capture (:func:`_no_cache`)."""
+    ``input_ids`` alone; ``config.use_cache`` is False for the capture (:func:`_hf_capture_settings`)."""
     if "use_cache" in inspect.signature(model.forward).parameters:
         return {"input_ids": ids, "use_cache": False}, {"input_ids": {1: seq}, "use_cache": None}
     return {"input_ids": ids}, {"input_ids": {1: seq}}
-
-
-@contextlib.contextmanager
-def _no_cache(model):
-    cfg = getattr(model, "config", None)
-    before = getattr(cfg, "use_cache", None)
-    if cfg is not None and before is not None:
-        cfg.use_cache = False
-    try:
-        yield
-    finally:
-        if cfg is not None and before is not None:
-            cfg.use_cache = before
 
 
 def _constraint_violation(e: BaseException) -> bool:

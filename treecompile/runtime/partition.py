@@ -31,9 +31,10 @@ descendants', so the activations alive at any time are one chain of partitions.
 
 The planner cuts heavy paths into *chunks* (partitions of one path's tokens, with partitions below
 them; the chain bound may add whole subtrees hanging below them) and packs the light subtrees hanging
-below each chunk's tokens first-fit decreasing (the pieces of one partition share its boundary).  What C bounds is the plan's ``bound``: ``"chain"`` the tokens of
-every chain of partitions, i.e. the activations alive at once, as a packed partition's (needs every
-path to fit C); ``"partition"`` each partition, any C (a chain then holds up to ``longest path + C``).
+below each chunk's tokens first-fit decreasing (the pieces of one partition share its boundary).  What
+C bounds is the plan's ``bound``: ``"chain"`` the tokens of every chain of partitions, i.e. the
+activations alive at once, as a packed partition's (needs every path to fit C); ``"partition"`` each
+partition, any C (a chain then holds up to ``longest path + C``).
 
 Both plans give per-partition :class:`~treecompile.tree.TreeBatch` objects (``plan.batch(i)``, built
 by :meth:`TreeBatch.from_tokens` from the whole tree: a partition's DFS order is the whole tree's
@@ -508,7 +509,8 @@ def partition_redundancy_free(tree: Tree, capacity: int, *, bound: str = "auto")
 
     Both planners cut the tree into *chunks* along heavy paths (a partition of one path's tokens, with
     partitions below it; under ``"chain"`` it may also take subtrees hanging below it whole) and pack the
-    light subtrees hanging below a chunk's tokens first-fit decreasing into partitions with none below them (:func:`_partition_bound_pieces`, :func:`_chain_bound_pieces`).
+    light subtrees hanging below a chunk's tokens first-fit decreasing into partitions with none below them
+    (:func:`_partition_bound_pieces`, :func:`_chain_bound_pieces`).
     """
     if bound not in RF_BOUNDS:
         raise ValueError(f"bound must be one of {RF_BOUNDS}, got {bound!r}")
@@ -519,6 +521,7 @@ def partition_redundancy_free(tree: Tree, capacity: int, *, bound: str = "auto")
         p = sh.parent[v]
         if p >= 0:
             size[p] += size[v]
+    sub_end = tree.node_subtree_end.tolist()
     longest = max(sh.height, default=0)
     if bound == "auto":
         bound = "chain" if longest <= C else "partition"
@@ -527,9 +530,9 @@ def partition_redundancy_free(tree: Tree, capacity: int, *, bound: str = "auto")
             p = int(tree.path_lengths.argmax())
             raise ValueError(f"bound='chain' needs every path to fit the budget: path {p} has {longest} tokens, "
                              f"more than C={C} (bound='partition' splits it)")
-        raw = _chain_bound_pieces(tree, sh, size, C)
+        raw = _chain_bound_pieces(sh, size, sub_end, C)
     else:
-        raw = _partition_bound_pieces(tree, sh, size, C)
+        raw = _partition_bound_pieces(tree, sh, size, sub_end, C)
     return _plan_from_pieces(tree, sh, C, bound, raw)
 
 
@@ -538,7 +541,7 @@ def _ranges_of(sh: TreeShape, sub_end: list[int], nodes: list[int]) -> list[tupl
     return [(sh.start[c], sub_end[c]) for c in nodes]
 
 
-def _partition_bound_pieces(tree: Tree, sh: TreeShape, size: list[int], C: int) -> list:
+def _partition_bound_pieces(tree: Tree, sh: TreeShape, size: list[int], sub_end: list[int], C: int) -> list:
     """``bound="partition"``: (boundary's last token, DFS ranges) per partition, each of <= C tokens.
 
     A node whose subtree holds more than C tokens is *heavy*.  Heavy nodes are split into heavy
@@ -549,7 +552,6 @@ def _partition_bound_pieces(tree: Tree, sh: TreeShape, size: list[int], C: int) 
     partition below them, and a partition with children holds only tokens of one path, so the
     activations alive at once (a chain) are at most ``longest path + C`` tokens.
     """
-    sub_end = tree.node_subtree_end.tolist()
     raw: list[tuple[int, list[tuple[int, int]]]] = []  # (boundary's last token, DFS ranges)
 
     def pack_light(last: int, light: list[int]) -> None:
@@ -583,7 +585,7 @@ def _partition_bound_pieces(tree: Tree, sh: TreeShape, size: list[int], C: int) 
     return raw
 
 
-def _chain_bound_pieces(tree: Tree, sh: TreeShape, size: list[int], C: int) -> list:
+def _chain_bound_pieces(sh: TreeShape, size: list[int], sub_end: list[int], C: int) -> list:
     """``bound="chain"``: (boundary's last token, DFS ranges) per partition, every chain of <= C tokens
     (every path fits C).
 
@@ -599,10 +601,9 @@ def _chain_bound_pieces(tree: Tree, sh: TreeShape, size: list[int], C: int) -> l
     saves the partition that would start there; it is worth it unless the smaller room splits the
     subtrees already hanging into more partitions (a wide node's children: the chunk stops above them).
     Then whole groups of subtrees hanging below one of the chunk's tokens move into the chunk where that saves
-    partitions (:func:`_absorb`): a chunk may hold more than one path's tokens.  Every chain then holds at most
+    partitions (``absorb``): a chunk may hold more than one path's tokens.  Every chain then holds at most
     C tokens: a chunk's tokens are counted in its room, and what hangs below it gets what is left.
     """
-    sub_end = tree.node_subtree_end.tolist()
     height, depth0 = sh.height, sh.depth0
     length = [sh.end[v] - sh.start[v] for v in range(sh.num_nodes)]
 
@@ -614,6 +615,30 @@ def _chain_bound_pieces(tree: Tree, sh: TreeShape, size: list[int], C: int) -> l
             return 0
         light = sum(size[c] for c in kids if size[c] <= room)
         return -(-light // room) + sum(-(-size[c] // room) for c in kids if size[c] > room)
+
+    def absorb(groups: list, pieces: list, left: int) -> int:
+        """Moves whole groups of subtrees hanging below one chunk token (``groups``: (token, subtree roots)) into
+        the chunk (``pieces``, its DFS ranges), smallest first, where that saves partitions: the group fits the
+        room ``left``, the others' longest paths still fit what is left, and the estimate of the others'
+        partitions grows by less than the group's own.  Returns the room left below the chunk (``groups`` keeps
+        the rest)."""
+        tokens = {i: sum(size[c] for c in h) for i, (_, h) in enumerate(groups)}
+        kept = set(tokens)
+        for i in sorted(tokens, key=lambda i: tokens[i]):
+            if tokens[i] > left:
+                break
+            others = [groups[j][1] for j in kept if j != i]
+            room = left - tokens[i]
+            if room < max((longest(c) for h in others for c in h), default=0):
+                continue
+            before = sum(estimate(h, left) for h in others) + estimate(groups[i][1], left)
+            if sum(estimate(h, room) for h in others) >= before:
+                continue
+            kept.discard(i)
+            pieces.extend(_ranges_of(sh, sub_end, groups[i][1]))
+            left = room
+        groups[:] = [g for j, g in enumerate(groups) if j in kept]
+        return left
 
     raw: list[tuple[int, list[tuple[int, int]]]] = []
     todo: list[tuple[int, list[int], int]] = [(-1, list(sh.roots), C)]  # (hanging below token, nodes, room)
@@ -649,34 +674,10 @@ def _chain_bound_pieces(tree: Tree, sh: TreeShape, size: list[int], C: int) -> l
                 L += length[nxt]
             pieces = [(sh.start[k], sh.end[k]) for k in path]
             groups = [(sh.end[k] - 1, h) for k, h in zip(path, hanging + [sh.children[path[-1]]]) if h]
-            left = _absorb(groups, pieces, room - L, size, longest, estimate, lambda c: (sh.start[c], sub_end[c]))
+            left = absorb(groups, pieces, room - L)
             raw.append((last, pieces))
             todo.extend((h_last, h, left) for h_last, h in groups)
     return raw
-
-
-def _absorb(groups: list, pieces: list, left: int, size: list[int], longest, estimate, subtree_range) -> int:
-    """Moves whole groups of subtrees hanging below one chunk token (``groups``: (token, subtree roots)) into the
-    chunk (``pieces``, its DFS ranges), smallest first, where that saves partitions: the group fits the room
-    ``left``, the others' longest paths still fit what is left, and the estimate of the others' partitions grows
-    by less than the group's own.  Returns the room left below the chunk (``groups`` keeps the rest)."""
-    tokens = {i: sum(size[c] for c in h) for i, (_, h) in enumerate(groups)}
-    kept = set(tokens)
-    for i in sorted(tokens, key=lambda i: tokens[i]):
-        if tokens[i] > left:
-            break
-        others = [groups[j][1] for j in kept if j != i]
-        room = left - tokens[i]
-        if room < max((longest(c) for h in others for c in h), default=0):
-            continue
-        before = sum(estimate(h, left) for h in others) + estimate(groups[i][1], left)
-        if sum(estimate(h, room) for h in others) >= before:
-            continue
-        kept.discard(i)
-        pieces.extend(subtree_range(c) for c in groups[i][1])
-        left = room
-    groups[:] = [g for j, g in enumerate(groups) if j in kept]
-    return left
 
 
 def _plan_from_pieces(tree: Tree, sh: TreeShape, C: int, bound: str, raw: list) -> RedundancyFreePlan:
