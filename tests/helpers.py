@@ -20,15 +20,19 @@ def rel(a, b):
 
 
 def equal_per_path_computations(model, paths, masks, weights, batch, ref=None):
-    """Two per-path computations mathematically equal to ``reference.run(..., normalize="sum")``.
+    """Three per-path computations mathematically equal to ``reference.run(..., normalize="sum")``.
 
     (a) each unique token's log-prob read from one path's run (its last occurrence in DFS order)
         instead of summing over the paths through it;
     (b) every path split into two copies weighted 1/3 and 2/3 (exact: the same loss), which regroups
-        the backward signals as the tree's summing of shared prefixes does.
+        the backward signals as the tree's summing of shared prefixes does;
+    (c) every path run with 5 more tokens after it, their loss masked out (exact in a causal model): the
+        arrays are longer, so where a float32 kernel rounds by position (a vectorized body and a scalar tail, as
+        in complex64 products of complex rotary embeddings) the same token rounds differently, as it does in
+        the tree's longer sequence.
     ``ref``: a ``reference.run(model, paths, ...)`` whose graph is still alive (``retain_graph``): (a)
     reads its log-probs (the per-path runs are deterministic: a second run is bitwise the same forward).
-    Yields ``loss_a`` then ``loss_b``, each computed when it is asked for ((b) runs every path twice).
+    Yields ``loss_a``, ``loss_b``, ``loss_c``, each computed when it is asked for ((b) runs every path twice).
     """
     tree = batch.tree
     last = torch.empty(tree.num_tokens, dtype=torch.long)
@@ -39,6 +43,13 @@ def equal_per_path_computations(model, paths, masks, weights, batch, ref=None):
     ref_b = reference.run(model, list(paths) * 2, loss_masks=None if masks is None else list(masks) * 2,
                           path_weights=[c / 3 for c in w] + [2 * c / 3 for c in w], normalize="sum")
     yield 2 * ref_b.loss  # 2N paths under the 1/N of "sum"
+    longer = [list(p) + [p[i % len(p)] for i in range(EXTRA_TOKENS)] for p in paths]
+    long_masks = [([0.0] + [1.0] * (len(p) - 1) if masks is None else [float(x) for x in masks[i]])
+                  + [0.0] * EXTRA_TOKENS for i, p in enumerate(paths)]
+    yield reference.run(model, longer, loss_masks=long_masks, path_weights=weights, normalize="sum").loss
+
+
+EXTRA_TOKENS = 5
 
 
 def reference_noise(model, paths, masks, weights, batch, ref, params, g_ref, *, enough=None):

@@ -5,8 +5,8 @@ Our ``HybridForCausalLM`` (pure float64): loss, per-token logprobs and every par
 ``Qwen3_5MoeForCausalLM``: within the per-path reference's own float32 rounding (HF computes the GDN
 kernel, RMSNorm, the decay g, rotary and the router softmax in float32 even in a float64 model; the
 tree runs the GDN kernel in float64).  That rounding is measured, not guessed, as the disagreement of
-mathematically equal per-path computations: (a), (b) of ``helpers.equal_per_path_computations`` and
-(c) the reference with HF's GDN kernel in its token-by-token recurrent form instead of chunked.
+mathematically equal per-path computations: (a)-(c) of ``helpers.equal_per_path_computations`` and
+(d) the reference with HF's GDN kernel in its token-by-token recurrent form instead of chunked.
 A GDN pass switched off (sibling state leaks) is >1e3x above that noise.
 
 HF MoE experts (data-dependent loop; grouped_mm refuses float64) are swapped during capture for
@@ -193,18 +193,18 @@ def float32_copy(model):
 
 
 def hf_noise(model, paths, masks, weights, batch, ref, named, g_ref, enough=None):
-    """The reference's own rounding, two ways: ``equal`` = max disagreement of three per-path
-    computations mathematically equal to it ((a), (b) of ``equal_per_path_computations``; (c) HF's
+    """The reference's own rounding, two ways: ``equal`` = max disagreement of four per-path
+    computations mathematically equal to it ((a)-(c) of ``equal_per_path_computations``; (d) HF's
     GDN kernel in its recurrent form), ``f32`` = its distance to the same model run all in float32,
     which rounds at a superset of the places where HF64 rounds (the GDN kernel's float32 *input*
-    rounding, which (c) shares with the reference, included).
+    rounding, which (d) shares with the reference, included).
     Returns {"equal"|"f32": (loss noise, logprob noise, {param: gradient noise}, relative gradient noise)}.
 
-    The four are made one at a time: f32, (c), (a), then (b) (every path run twice).  ``enough(noise)
+    The five are made one at a time: f32, (d), (a), (b) (every path run twice), then (c).  ``enough(noise)
     -> bool``: a check that only gets easier as the noise grows; the rest are skipped once it holds.
     Every figure is a max over the computations made, so it only grows as they are added, and the
-    check's verdict is the one it has on all four.  (On this file's HF checks with the CI examples, f32
-    and (c) settle all 22: the tree's decay gradients, dt_bias and A_log, sit at (c)'s distance.)
+    check's verdict is the one it has on all five.  (On this file's HF checks with the CI examples, f32
+    and (d) settle all 22: the tree's decay gradients, dt_bias and A_log, sit at (d)'s distance.)
     Leave ``enough`` None where the noise is a floor that something must exceed (the near miss)."""
     total = max(norm(g_ref), 1e-300)
     noise = {key: (0.0, 0.0, {n: 0.0 for n in g_ref}, 0.0) for key in ("equal", "f32")}
@@ -225,7 +225,7 @@ def hf_noise(model, paths, masks, weights, batch, ref, named, g_ref, enough=None
         return noise
     with hf_recurrent_gdn(model):
         ref_c = reference.run(model, paths, loss_masks=masks, path_weights=weights, normalize="sum")
-    if add("equal", ref_c.loss, named, ref_c.logprobs):  # (a)'s log-probs are ref's own, (b)'s are not compared
+    if add("equal", ref_c.loss, named, ref_c.logprobs):  # (a)'s log-probs are ref's own, (b)'s, (c)'s not compared
         return noise
     for loss in equal_per_path_computations(model, paths, masks, weights, batch, ref=ref):
         if add("equal", loss, named):

@@ -281,6 +281,25 @@ def _repeat_heads(m, x, ids):  # [1, T, 2, 4] -> [1, T, 4, 4]: k heads repeated 
     return x.view(1, T, 2, D // 2).repeat_interleave(2, dim=2)[:, :, 1:3].reshape(1, T, D)
 
 
+def _new_empty_filled(m, x, ids):  # MLA's expand_kv (DeepSeek-V3): a new tensor shaped like x, filled by slices
+    y = x.new_empty(*x.shape[:-1], D + 2)
+    y[..., :D].copy_(x)
+    y[..., D:].copy_(x[..., :2] * 3)
+    return y[..., 1:D + 1] + x.new_zeros(x.shape) + x.new_full((1, 1, D), 0.5)
+
+
+def _complex_rotary(m, x, ids):  # DeepSeek-V2's RoPE: polar angles per feature pair, complex product, back to real
+    T = x.shape[1]
+    angle = torch.arange(D // 2, dtype=x.dtype) * 0.3 + x[..., ::2]  # per token
+    rot = torch.polar(torch.ones_like(angle), angle)
+    z = torch.view_as_complex(x.reshape(1, T, D // 2, 2)) * rot
+    return torch.view_as_real(z).reshape_as(x) + z.real.sum(-1, keepdim=True)
+
+
+def _expand_as_tokens(m, x, ids):  # a learned per-feature vector broadcast to every token (HRM's initial state)
+    return x * m.head.bias[:D].expand_as(x) + x.view_as(x)
+
+
 def _noise(m, x, ids):
     return x + 0 * torch.rand_like(x)
 
@@ -299,6 +318,9 @@ ACCEPTED = {
     "pad_and_cat_over_features": _pad_features,
     "in_place_updates_of_features": _inplace,
     "repeat_interleave_over_heads": _repeat_heads,
+    "new_empty_filled_by_slices": _new_empty_filled,
+    "complex_rotary_embedding": _complex_rotary,
+    "expand_as_and_view_as": _expand_as_tokens,
 }
 
 

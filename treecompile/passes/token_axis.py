@@ -76,7 +76,9 @@ ELEMENTWISE = _packets(  # not tagged pointwise, but elementwise (casts, copies,
     "empty_like", "full_like", "_assert_tensor_metadata", "nan_to_num", "bernoulli", "rand_like", "randn_like")
 RANDOM = _packets("bernoulli", "rand_like", "randn_like", "randint_like", "normal", "uniform_", "normal_")
 RESHAPES = _packets("view", "reshape", "_unsafe_view", "view_copy", "_reshape_alias", "flatten", "unflatten",
-                    "squeeze", "squeeze_", "unsqueeze", "unsqueeze_", "view_as_real", "view_as_complex")
+                    "squeeze", "squeeze_", "unsqueeze", "unsqueeze_", "reshape_as", "view_as")
+COMPLEX_VIEWS = _packets("view_as_real", "view_as_complex")  # [.., n, 2] real <-> [.., n] complex
+COMPLEX_ELEMENTWISE = _packets("polar", "complex", "real", "imag", "angle")  # elementwise, not tagged pointwise
 PERMUTES = _packets("permute", "transpose", "t", "movedim", "swapaxes", "swapdims", "numpy_T", "mT")
 SLICES = _packets("slice", "narrow", "slice_copy")
 SPLITS = _packets("split", "split_with_sizes", "chunk", "unsafe_split", "unsafe_split_with_sizes",
@@ -95,16 +97,19 @@ BATCH_NORMS = _packets("_native_batch_norm_legit_no_training", "batch_norm", "na
                        "_native_batch_norm_legit", "_native_batch_norm_legit_functional")
 PADS = _packets("constant_pad_nd", "pad", "reflection_pad1d", "reflection_pad2d", "reflection_pad3d",
                 "replication_pad1d", "replication_pad2d", "replication_pad3d", "_pad_circular")
+# arguments an op reads only for their dtype/device/shape, never their values (they carry no token data)
+SHAPE_ARGS = {p: ("self",) for p in _packets("new_empty", "new_zeros", "new_ones", "new_full", "new_empty_strided")}
+SHAPE_ARGS.update({p: ("other",) for p in _packets("expand_as", "reshape_as", "view_as")})
 UNIFORM_FACTORIES = _packets(  # values do not depend on the index: constant along every axis
     "empty", "zeros", "ones", "full", "new_empty", "new_zeros", "new_ones", "new_full", "empty_strided",
     "new_empty_strided", "scalar_tensor", "zeros_like", "ones_like", "empty_like", "full_like", "expand",
-    "repeat")
+    "repeat", "expand_as")
 SHAPE_ONLY = _packets("sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "_assert_scalar",
                       "sym_constrain_range", "sym_constrain_range_for_size", "_assert_tensor_metadata")
 
 
 def is_elementwise(op) -> bool:
-    return torch.Tag.pointwise in op.tags or op.overloadpacket in ELEMENTWISE
+    return torch.Tag.pointwise in op.tags or op.overloadpacket in ELEMENTWISE | COMPLEX_ELEMENTWISE
 
 
 def bound_args(node: fx.Node) -> dict:
@@ -271,7 +276,16 @@ def cat(c: Op) -> set[int]:
     return res
 
 
+def complex_view(c: Op) -> set[int]:
+    """``view_as_complex`` folds the trailing pair dim ``[.., n, 2] -> [.., n]``, ``view_as_real`` unfolds it
+    (complex rotary embeddings, DeepSeek-V2): every other dim keeps its place.  The pair dim has size 2, so it is
+    never the token dim."""
+    return c.tok(c.args["self"])
+
+
 def expand(c: Op) -> set[int]:
+    """``expand``/``repeat``/``expand_as``: broadcast to a shape (for ``expand_as``, the other tensor's; only
+    its shape is read)."""
     x = c.args["self"]
     res = _aligned(c.nd(x), c.out_nd, c.tok(x))
     if c.op.overloadpacket == aten.repeat:

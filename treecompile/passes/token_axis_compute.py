@@ -9,10 +9,10 @@ import torch
 from torch import fx
 
 from treecompile.passes.token_axis import (
-    ALONG_DIM, ATTENTIONS, BATCH_NORMS, CONVS, GROUP_NORMS, LAST_TWO, LAYER_NORMS, MATMULS, PADS, PERMUTES,
+    ALONG_DIM, ATTENTIONS, BATCH_NORMS, COMPLEX_VIEWS, CONVS, GROUP_NORMS, LAST_TWO, LAYER_NORMS, MATMULS, PADS, PERMUTES,
     RESHAPES, SLICES, SPLITS, Mixes, Op, _aligned, _packets, cat, diagonal, dims_arg, elementwise, embedding,
     expand, gather, index, index_put, index_select, is_elementwise, one_hot, pad, permute, repeat_interleave,
-    reshape, same, scatter, select, slice_, split, unfold)
+    reshape, same, scatter, select, slice_, split, unfold, complex_view)
 
 aten = torch.ops.aten
 
@@ -195,7 +195,7 @@ for _set, _rule in [(RESHAPES, reshape), (PERMUTES, permute), (SLICES, slice_), 
                     (ATTENTIONS, attention), (LAYER_NORMS, layer_norm), (GROUP_NORMS, group_norm),
                     (BATCH_NORMS, batch_norm), (PADS, pad),
                     (_packets("select"), select), (_packets("cat", "concat", "concatenate", "stack"), cat),
-                    (_packets("expand", "repeat"), expand), (_packets("index_select"), index_select),
+                    (_packets("expand", "repeat", "expand_as"), expand), (COMPLEX_VIEWS, complex_view), (_packets("index_select"), index_select),
                     (_packets("repeat_interleave"), repeat_interleave),
                     (_packets("index", "_unsafe_index"), index), (_packets("index_put", "index_put_"), index_put),
                     (_packets("gather"), gather),

@@ -143,6 +143,12 @@ class _Verifier:
     def _check(self, gm, node, state, val):
         target = node.target
         carries = [a for a in node.all_input_nodes if _has_tokens(state.get(a))]
+        if carries and isinstance(target, torch._ops.OpOverload) and target.overloadpacket in ta.SHAPE_ARGS:
+            read = []  # the nodes the op reads values from: every argument but the shape-only ones
+            for name, arg in ta.bound_args(node).items():
+                if name not in ta.SHAPE_ARGS[target.overloadpacket]:
+                    fx.node.map_arg(arg, read.append)
+            carries = [a for a in carries if a in read]
         if isinstance(target, torch._ops.OpOverload) and target.namespace == "treecompile":
             by = node.meta.get(PASS_KEY)
             self.site(node, "tree op", f"inserted by {by}" if by else "swapped in during capture")
