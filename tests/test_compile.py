@@ -255,6 +255,17 @@ class ExplicitCausal(Bidirectional):
         return self.head(x[:, 0])
 
 
+class ChunkedCausal(Bidirectional):
+    """Causal within chunks of 4 tokens (Llama 4's chunked layers): neither causal nor a sliding window."""
+
+    def forward(self, ids):
+        x = self.emb(ids)[:, None]
+        i = torch.arange(ids.shape[1])
+        mask = (i[None, :] <= i[:, None]) & (i[:, None] // 4 == i[None, :] // 4)
+        x = torch.nn.functional.scaled_dot_product_attention(x, x, x, attn_mask=mask)
+        return self.head(x[:, 0])
+
+
 class WideSlidingWindow(SlidingWindow):
     """A window of 64 tokens: causal at every length up to 64."""
 
@@ -277,14 +288,30 @@ class EagerWideSlidingWindow(Bidirectional):
     (Bidirectional, r"test_compile.py:\d+ in forward.*not causal"),
     (EagerWideSlidingWindow, r"test_compile.py:\d+ in forward.*pairs every token with every other token"),
     (PaddingMasked, "reads the values of input"),
-    (SlidingWindow, "not the causal mask"),
-    (WideSlidingWindow, r"not the causal mask \(checked at length 66"),
+    (ChunkedCausal, r"neither the causal mask nor a sliding window over it \(checked at length \d+"),
 ])
 def test_non_causal_attention_is_refused(cls, message):
     with pytest.raises(treecompile.passes.PassError, match=message) as info:
         treecompile.compile(cls())
     assert isinstance(info.value.__cause__, UnsupportedModelError)
     assert "rewrite_attention" in str(info.value)
+
+
+@pytest.mark.parametrize("cls", [SlidingWindow, WideSlidingWindow])
+def test_sliding_window_attention_is_exact_on_a_tree(cls):
+    """A sliding window of W tokens (W read off the mask, checked past it) becomes ``tree_attention_windowed``:
+    each token sees the W - 1 tokens above it on its own path.  Paths of 70-150 tokens, so that the 64-token
+    window cuts them, with branches on both sides of it."""
+    torch.manual_seed(0)
+    model = cls().double()
+    tm = treecompile.compile(model)
+    assert tm.pass_results["rewrite_attention"].info["windowed"] == 1
+    trunk = [1 + i % 9 for i in range(70)]
+    paths = [trunk + [2, 3] * 40, trunk[:20] + [4] * 60, trunk[:66] + [5, 6, 7], [3, 1, 4]]
+    out, ref = tm(Tree.from_paths(paths).to_batch()), reference.run(model, paths)
+    assert abs(float(out.loss - ref.loss)) <= 1e-12 * abs(float(ref.loss))
+    params = list(model.parameters())
+    assert rel(flat_grads(out.loss, params), flat_grads(ref.loss, params)) <= 1e-12
 
 
 class LoopOverLength(Bidirectional):  # a recurrent scan written as a Python loop: fixes the length

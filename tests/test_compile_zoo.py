@@ -102,34 +102,70 @@ def test_dropout_in_eval_mode_or_allowed():
     assert allowed.pass_results["check_dropout"].info["active_dropout"] == 1
 
 
-@pytest.mark.parametrize("family, window, message", [
-    ("mistral", 20, r"not the causal mask \(checked at length 22"),  # past the window: q - k = 21 is masked there
-    ("mistral", 4096, r"not the causal mask \(checked at length 4098"),  # Mistral-7B's window
-    ("mistral", 100_000, r"holds the number 100000 .*at most 8192"),  # too large to check past: refused by name
-    ("qwen2", 24, r"not the causal mask \(checked at length 26"),  # use_sliding_window on every layer
-    ("gemma3", 24, r"not the causal mask \(checked at length 26"),  # local layers between global ones
-])
-def test_hf_sliding_window_is_refused(family, window, message):
-    """A sliding window is causal at every length up to the window, so a mask checked at short lengths alone would
-    pass it (it did, for any window over 9 tokens): the check evaluates the mask past every number it holds."""
-    mcls, ccls, kw = {"mistral": ("MistralForCausalLM", "MistralConfig", {}),
-                      "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", dict(use_sliding_window=True, max_window_layers=0)),
-                      "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig", dict(head_dim=8))}[family]
+SLIDING = {"mistral": ("MistralForCausalLM", "MistralConfig", {}),
+           "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", dict(use_sliding_window=True, max_window_layers=0)),
+           "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig", dict(head_dim=8, num_hidden_layers=3,
+                                                                    sliding_window_pattern=2))}
+# deep enough that the window cuts every path, with branches below and above the window's reach
+DEEP_PATHS = [list(range(1, 15)), [1, 2, 3, 4, 5, 6, 20, 21, 22, 23, 24], [1, 2, 30, 31, 32, 33, 34, 35, 36],
+              [1, 2, 3, 4, 5, 6, 20, 21, 25], [9, 8]]
+
+
+def _sliding_model(family, window):
+    mcls, ccls, kw = SLIDING[family]
     if not hasattr(transformers, mcls):
         pytest.skip(f"transformers has no {mcls}")
     torch.manual_seed(0)
-    model = getattr(transformers, mcls)(getattr(transformers, ccls)(**dict(COMMON, sliding_window=window, **kw)))
+    return getattr(transformers, mcls)(getattr(transformers, ccls)(**{**COMMON, "sliding_window": window, **kw}))
+
+
+@pytest.mark.parametrize("family, window", [("mistral", 3), ("mistral", 4096), ("qwen2", 4), ("gemma3", 5)])
+def test_hf_sliding_window_on_a_tree(family, window):
+    """A sliding window of W tokens: each token sees the W - 1 tokens above it on its own path, as in the per-path
+    run (``tree_attention_windowed``, the window read off the model's mask and checked past it)."""
+    model = _sliding_model(family, window).double()
+    tmodel = treecompile.compile(model)
+    layers = model.config.num_hidden_layers
+    types = getattr(model.config, "layer_types", None) or ["sliding_attention"] * layers
+    info = tmodel.pass_results["rewrite_attention"]
+    assert info.count == layers and info.info["windowed"] == types.count("sliding_attention") > 0
+    assert_tree_equals_per_path(model, tmodel, DEEP_PATHS)
+
+
+@pytest.mark.parametrize("family, window, message", [
+    ("mistral", 100_000, r"holds the number 100000 .*at most 8192"),  # too large to check past: refused by name
+])
+def test_hf_sliding_window_past_the_check_is_refused(family, window, message):
+    """A sliding window is causal at every length up to the window, so a mask checked at short lengths alone would
+    pass it as causal (it did, for any window over 9 tokens): the check evaluates the mask past every number it
+    holds, and refuses by name a number too large to check past."""
     with pytest.raises(PassError, match=message):
-        treecompile.compile(model.double())
+        treecompile.compile(_sliding_model(family, window).double())
+
+
+def assert_tree_equals_per_path(model, tmodel, paths):
+    """Loss and every gradient within 10x the reference's own rounding (``helpers.reference_noise``)."""
+    batch = Tree.from_paths(paths).to_batch()
+    params = [p for p in model.parameters() if p.requires_grad]
+    out = tmodel(batch)
+    ref = reference.run(model, paths)
+    g_tree, g_ref = flat_grads(out.loss, params), flat_grads(ref.loss, params, retain_graph=True)
+    g_err, loss_err = rel(g_tree, g_ref), abs(float(out.loss - ref.loss))
+
+    def within(g_noise, loss_noise):
+        return g_err <= 10 * g_noise + 1e-12 and loss_err <= 10 * loss_noise + 1e-12 * abs(float(ref.loss))
+
+    g_noise, loss_noise = reference_noise(model, paths, None, None, batch, ref, params, g_ref, enough=within)
+    assert within(g_noise, loss_noise), (g_err, loss_err, g_noise, loss_noise)
 
 
 MOE = dict(vocab_size=37, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
            num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
 
-MLA = dict(num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, head_dim=4, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, n_routed_experts=4,
-           num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1, n_group=1, topk_group=1,
-           first_k_dense_replace=1)
+MLA = dict(num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, head_dim=4, qk_rope_head_dim=4, qk_nope_head_dim=4,
+           v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1,
+           n_group=1, topk_group=1, first_k_dense_replace=1)
 
 
 @pytest.mark.parametrize("mcls, ccls, kw", [
@@ -156,15 +192,4 @@ def test_hf_models_found_by_the_zoo_sweep(mcls, ccls, kw):
     use_cache = model.config.use_cache
     tmodel = treecompile.compile(model)
     assert model.config.use_cache == use_cache  # set for the capture only
-    batch = Tree.from_paths(PATHS).to_batch()
-    params = [p for p in model.parameters() if p.requires_grad]
-    out = tmodel(batch)
-    ref = reference.run(model, PATHS)
-    g_tree, g_ref = flat_grads(out.loss, params), flat_grads(ref.loss, params, retain_graph=True)
-    g_err, loss_err = rel(g_tree, g_ref), abs(float(out.loss - ref.loss))
-
-    def within(g_noise, loss_noise):
-        return g_err <= 10 * g_noise + 1e-12 and loss_err <= 10 * loss_noise + 1e-12 * abs(float(ref.loss))
-
-    g_noise, loss_noise = reference_noise(model, PATHS, None, None, batch, ref, params, g_ref, enough=within)
-    assert within(g_noise, loss_noise), (g_err, loss_err, g_noise, loss_noise)
+    assert_tree_equals_per_path(model, tmodel, PATHS)

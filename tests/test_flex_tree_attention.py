@@ -24,7 +24,9 @@ from treecompile.ops.flex_tree_attention import (
     tree_block_classes,
     tree_block_mask,
     tree_mask_mod,
+    tree_window_block_mask,
 )
+from treecompile.ops.tree_attention import tree_attention_windowed, tree_window_mask
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -205,6 +207,39 @@ def test_block_mask_rejects_bad_input():
         tree_block_mask(torch.tensor([1]), block_size=(48, 64))
 
 
+@settings(max_examples=40, deadline=None)
+@given(paths=long_node_trees(max_len=40), block=st.sampled_from(BLOCKS), pad=st.sampled_from([None, 16]),
+       window=st.integers(1, 90))
+def test_window_block_mask_is_the_windowed_tree_mask(paths, block, pad, window):
+    """Sliding windows along each path: the tiles it lists, with its mask_mod, are exactly the windowed tree
+    mask (a key's depth within ``window - 1`` of the query's, on the query's path), and the tiles it prunes hold
+    no visible entry."""
+    b = tree_batch(paths, pad)
+    T = b.seq_len
+    bm = tree_window_block_mask(b.subtree_end, b.position_ids, window, block_size=block)
+    dense = ancestor_mask(b.pred_index) & (b.position_ids[:, None] - b.position_ids[None, :] < window)
+    assert torch.equal(tree_window_mask(b.subtree_end, b.position_ids, window), dense)
+    assert torch.equal(expand(bm, T), dense)
+    assert int(bm.full_kv_num_blocks.sum()) == 0  # every listed tile applies the window
+
+
+def test_window_block_mask_prunes_tiles_past_the_window():
+    """One path of 200 tokens, 16-token tiles, a window of 16: query tile i lists key tiles i - 1 and i only."""
+    b = tree_batch([list(range(200))])
+    bm = tree_window_block_mask(b.subtree_end, b.position_ids, 16, block_size=(16, 16))
+    for i in range(bm.kv_num_blocks.shape[-1]):
+        listed = sorted(bm.kv_indices[0, 0, i, : int(bm.kv_num_blocks[0, 0, i])].tolist())
+        assert listed == list(range(max(i - 1, 0), i + 1))
+
+
+def test_window_block_mask_rejects_bad_input():
+    b = tree_batch([[1, 2, 3]])
+    with pytest.raises(ValueError, match="window"):
+        tree_window_block_mask(b.subtree_end, b.position_ids, 0)
+    with pytest.raises(ValueError, match="position_ids"):
+        tree_window_block_mask(b.subtree_end, b.position_ids[:2], 2)
+
+
 def test_mask_mod_is_the_tree_rule():
     se = torch.tensor([3, 2, 3, 4])
     mm = tree_mask_mod(se)
@@ -269,6 +304,31 @@ def test_tree_attention_flex_vs_fp64_oracle(T, pad_to, dtype, H, Hkv, D):
         ef, er = rel_err(f, o), rel_err(r, o)
         # budget: twice the same-dtype dense SDPA's own error, plus one rounding of the result
         assert ef <= 2 * er + u, f"{name}: flex error {ef:.3g} > 2 * dense {dtype} error {er:.3g} + {u:.1g}"
+
+
+@pytest.mark.skipif(not CUDA, reason="FlexAttention backward needs a CUDA device")
+@pytest.mark.parametrize("T,window,dtype", [(1000, 64, torch.bfloat16), (3000, 300, torch.bfloat16),
+                                            (500, 7, torch.float32)])
+def test_tree_attention_windowed_flex_vs_fp64_oracle(T, window, dtype):
+    """``treecompile::tree_attention_windowed`` on CUDA (FlexAttention, tiles past the window skipped) against
+    the dense windowed mask in float64: within twice the same-dtype dense SDPA's error."""
+    b = tree_batch(random_paths(T, seed=T + window)).to("cuda")
+    L, H, Hkv, D = b.seq_len, 4, 2, 128
+    dense = tree_window_mask(b.subtree_end, b.position_ids, window)
+    g = torch.Generator(device="cuda").manual_seed(T)
+    q, k, v = (torch.randn(1, h, L, D, device="cuda", generator=g).to(dtype) for h in (H, Hkv, Hkv))
+    do = torch.randn(1, H, L, D, device="cuda", generator=g).to(dtype)
+    scale = D ** -0.5
+    oracle = out_and_grads(lambda a, b_, c: dense_sdpa(a, b_, c, dense, scale), q, k, v, do, torch.float64)
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        ref = out_and_grads(lambda a, b_, c: dense_sdpa(a, b_, c, dense, scale), q, k, v, do, dtype)
+    got = out_and_grads(lambda a, b_, c: tree_attention_windowed(a, b_, c, b.subtree_end, b.position_ids, window,
+                                                                 scale), q, k, v, do, dtype)
+    u = torch.finfo(dtype).eps / 2
+    for name, f, r, o in zip(("out", "dq", "dk", "dv"), got, ref, oracle):
+        assert torch.isfinite(f).all(), name
+        ef, er = rel_err(f, o), rel_err(r, o)
+        assert ef <= 2 * er + u, f"{name}: windowed error {ef:.3g} > 2 * dense {dtype} error {er:.3g} + {u:.1g}"
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")

@@ -446,3 +446,23 @@ def test_save_refuses_what_load_would_refuse_and_leaves_nothing(saved_models, tm
     with pytest.raises(saved.SavedProgramError, match=r"cannot be saved as data only .*calls 'torch\.ops\.aten\."):
         saved.save(tm, tmp_path / "out")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_sliding_window_program_saves_and_loads(tmp_path):
+    """A program holding ``treecompile::tree_attention_windowed`` (HF Mistral with a 3-token window) loads and
+    computes what the compiled model computes, bit for bit."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(3)
+    model = transformers.MistralForCausalLM(transformers.MistralConfig(
+        vocab_size=11, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=4, sliding_window=3)).double()
+    tm = treecompile.compile(model)
+    assert tm.pass_results["rewrite_attention"].info["windowed"] == 2
+    saved.save(tm, tmp_path / "mistral")
+    manifest = saved.read_manifest(tmp_path / "mistral")
+    assert "tree_attention_windowed" in json.dumps(manifest)
+    loaded = saved.load(tmp_path / "mistral")
+    batch = make_batch()
+    want, got = tm(batch), loaded(batch)
+    assert torch.equal(want.loss.detach(), got.loss.detach())
+    assert torch.equal(want.logprobs.detach(), got.logprobs.detach())

@@ -54,6 +54,7 @@ PROGRAM, WEIGHTS, MANIFEST = "program.pt2", "model.safetensors", "manifest.json"
 # which pass (or capture step) puts each tree op into the graph, for the manifest and `inspect`
 OP_ORIGIN = {
     "tree_attention": ("rewrite_attention", "causal scaled_dot_product_attention"),
+    "tree_attention_windowed": ("rewrite_attention", "sliding-window causal scaled_dot_product_attention"),
     "tree_gated_delta_rule": ("capture swap + route_gdn_states", "chunk_gated_delta_rule"),
     "tree_causal_conv1d": ("capture swap + route_gdn_states", "causal_conv1d"),
     "linear_logprobs": ("rewrite_loss", "lm_head + log_softmax + gather"),

@@ -1,6 +1,7 @@
 """Kernels the rewritten graphs call, each a registered ``torch.library`` op with a CPU reference.
 
-Importing this package registers every op (``treecompile::tree_attention``, ``::linear_logprobs``,
+Importing this package registers every op (``treecompile::tree_attention``, ``::tree_attention_windowed``,
+``::linear_logprobs``,
 ``::gather_logprobs``, ``::tree_gated_delta_rule``, ``::tree_causal_conv1d``, ``::moe_experts``, the
 sequence mixers ``::tree_shift``, ``::tree_scan``, ``::tree_ancestors``, ``::tree_attention_biased`` and
 the partition-boundary variants ``::tree_attention_boundary``, ``::tree_gated_delta_rule_boundary``,

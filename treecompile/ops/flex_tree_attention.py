@@ -47,6 +47,8 @@ __all__ = [
     "tree_block_mask",
     "tree_block_classes",
     "tree_mask_mod",
+    "tree_window_block_mask",
+    "tree_window_mask_mod",
     "tree_attention_flex",
 ]
 
@@ -170,6 +172,46 @@ def tree_block_mask(subtree_end: torch.Tensor, *, block_size=DEFAULT_BLOCK_SIZE,
     mask_se = F.pad(subtree_end.to(torch.int64), (0, partial.shape[1] * kb - T))
     return block_mask_from_classes(partial, full, seq_lengths=(T, T), block_size=(qb, kb),
                                    mask_mod=tree_mask_mod(mask_se))
+
+
+def tree_window_mask_mod(subtree_end: torch.Tensor, position_ids: torch.Tensor, window: int):
+    """mask_mod of the tree under a sliding window of ``window`` tokens along each path: query q sees key k iff
+    ``k <= q < subtree_end[k]`` and ``position_ids[q] - position_ids[k] < window`` (both padded past T)."""
+
+    def tree_window_mask(b, h, q_idx, kv_idx):
+        return ((kv_idx <= q_idx) & (q_idx < subtree_end[kv_idx])
+                & (position_ids[q_idx] - position_ids[kv_idx] < window))
+
+    return tree_window_mask
+
+
+def tree_window_block_mask(subtree_end: torch.Tensor, position_ids: torch.Tensor, window: int, *,
+                           block_size=DEFAULT_BLOCK_SIZE, validate: bool = True) -> BlockMask:
+    """BlockMask of a DFS-serialised tree under a sliding window along each path (see
+    :func:`tree_window_mask_mod`; ``position_ids [T]`` the tokens' depths).  The tree's non-empty tiles, less those
+    whose every query is at least ``window`` deeper than every key; none is full (each evaluates the mask_mod,
+    which applies the window), so it costs what the tree's tiles cost, less the pruned ones."""
+    qb, kb = block_pair(block_size)
+    if window < 1:
+        raise ValueError(f"window: expected a positive number of tokens, got {window}")
+    T = subtree_end.numel()
+    if position_ids.shape != subtree_end.shape:
+        raise ValueError(f"position_ids: expected shape {tuple(subtree_end.shape)} like subtree_end, got "
+                         f"{tuple(position_ids.shape)}")
+    if validate and T:
+        check_subtree_end(subtree_end)
+    partial, full = tree_block_classes(subtree_end, block_size=(qb, kb))
+    nq, nk = partial.shape
+    pos = position_ids.to(torch.int64)
+    # pad with the extremes that never prune: the deepest query at least, the shallowest key at most
+    q_min = F.pad(pos, (0, nq * qb - T), value=2 ** 40).view(nq, qb).amin(1)
+    k_max = F.pad(pos, (0, nk * kb - T), value=-2 ** 40).view(nk, kb).amax(1)
+    reach = (q_min[:, None] - k_max[None, :]) < window
+    n = max(nq * qb, nk * kb)
+    mask_se = F.pad(subtree_end.to(torch.int64), (0, n - T))
+    mask_pos = F.pad(pos, (0, n - T))
+    return block_mask_from_classes((partial | full) & reach, torch.zeros_like(full), seq_lengths=(T, T),
+                                   block_size=(qb, kb), mask_mod=tree_window_mask_mod(mask_se, mask_pos, window))
 
 
 def block_mask_from_classes(partial: torch.Tensor, full: torch.Tensor, *, seq_lengths: tuple[int, int],

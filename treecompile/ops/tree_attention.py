@@ -5,6 +5,11 @@ iff ``k <= q < subtree_end[k]``.  Shapes: ``q [1, H, T, D]``, ``k``/``v`` ``[1, 
 ``H % Hkv == 0`` (query head ``h`` reads kv head ``h // (H // Hkv)``, as SDPA's ``enable_gqa``),
 ``subtree_end [T]`` int64; returns ``[1, H, T, D]``.
 
+``treecompile::tree_attention_windowed`` adds a sliding window along each path (HF's sliding-window layers:
+Mistral, Gemma 2/3, Cohere 2, ...): ``k`` also less than ``window`` tokens above ``q``, read from the depths
+``position_ids``.  It runs FlexAttention itself on CUDA (a BlockMask that skips the tiles past the window), the
+dense reference elsewhere; the CUDA lowering leaves it as it is.
+
 ``treecompile::tree_attention_biased`` is the sibling for hand-written attention (matmul, mask,
 softmax, matmul) with an additive score bias (ALiBi and other position biases, computed by the
 model's own ops from the tree's depth positions) and the softmax dtype the model asked for; it runs
@@ -21,8 +26,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["tree_attention", "tree_mask", "tree_attention_reference", "tree_attention_biased",
-           "tree_attention_biased_reference"]
+__all__ = ["tree_attention", "tree_mask", "tree_attention_reference", "tree_attention_windowed", "tree_window_mask",
+           "tree_attention_windowed_reference", "tree_attention_biased", "tree_attention_biased_reference"]
 
 
 def tree_mask(subtree_end: torch.Tensor) -> torch.Tensor:
@@ -88,6 +93,65 @@ def _backward(ctx, grad):
 
 
 tree_attention.register_autograd(_backward, setup_context=_setup)
+
+
+# --------------------------------------------------------------------------- sliding window along each path
+def tree_window_mask(subtree_end: torch.Tensor, position_ids: torch.Tensor, window: int) -> torch.Tensor:
+    """Dense ``[T, T]`` bool: :func:`tree_mask` and ``position_ids[q] - position_ids[k] < window``."""
+    pos = position_ids.to(torch.int64)
+    return tree_mask(subtree_end) & ((pos[:, None] - pos[None, :]) < window)
+
+
+def tree_attention_windowed_reference(q, k, v, subtree_end, position_ids, window: int, scale=None):
+    """Differentiable dense-mask implementation of :func:`tree_attention_windowed` (any device)."""
+    enable_gqa = int(q.shape[1]) != int(k.shape[1])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=tree_window_mask(subtree_end, position_ids, window),
+                                          scale=scale, enable_gqa=enable_gqa)
+
+
+def _windowed(q, k, v, subtree_end, position_ids, window, scale):
+    """Differentiable: FlexAttention under :func:`~treecompile.ops.flex_tree_attention.tree_window_block_mask` on
+    CUDA (tiles past the window skipped), the dense reference elsewhere."""
+    if not q.is_cuda:
+        return tree_attention_windowed_reference(q, k, v, subtree_end, position_ids, window, scale)
+    from treecompile.ops.flex_tree_attention import tree_attention_flex, tree_window_block_mask
+    block_mask = tree_window_block_mask(subtree_end, position_ids, window, validate=False)
+    return tree_attention_flex(q, k, v, block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+
+@torch.library.custom_op("treecompile::tree_attention_windowed", mutates_args=())
+def tree_attention_windowed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, subtree_end: torch.Tensor,
+                            position_ids: torch.Tensor, window: int, scale: float | None = None) -> torch.Tensor:
+    """Sliding-window attention on the tree: :func:`tree_attention` where query ``q`` also needs key ``k`` less
+    than ``window`` tokens above it on its path (``position_ids``: the depths; ``k`` is on ``q``'s path, so the
+    depth difference is their distance along it).  The per-path run's ``q - k < window`` of HF's sliding
+    layers."""
+    _check(q, k, v, subtree_end)
+    with torch.no_grad():
+        return _sdpa_layout(q, v).copy_(_windowed(q, k, v, subtree_end, position_ids, window, scale))
+
+
+@tree_attention_windowed.register_fake
+def _(q, k, v, subtree_end, position_ids, window, scale=None):
+    return _sdpa_layout(q, v)
+
+
+def _windowed_setup(ctx, inputs, output):
+    q, k, v, subtree_end, position_ids, window, scale = inputs
+    ctx.save_for_backward(q, k, v, subtree_end, position_ids)
+    ctx.window, ctx.scale = window, scale
+
+
+def _windowed_backward(ctx, grad):
+    q, k, v, subtree_end, position_ids = ctx.saved_tensors
+    with torch.enable_grad():
+        qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+        out = _windowed(qq, kk, vv, subtree_end, position_ids, ctx.window, ctx.scale)
+        gq, gk, gv = torch.autograd.grad(out, (qq, kk, vv), grad)
+    return gq, gk, gv, None, None, None, None
+
+
+tree_attention_windowed.register_autograd(_windowed_backward, setup_context=_windowed_setup)
 
 
 # --------------------------------------------------------------------------- biased (hand-written attention)

@@ -103,7 +103,7 @@ def _loss_rows(ctx: PassContext) -> fx.Node:
 
 
 # mixer rewrites (rewrite_token_shifts/_causal_convs/_scans/_causal_attention) with no boundary form yet
-_NO_BOUNDARY_FORM = ("tree_shift", "tree_scan", "tree_ancestors", "tree_attention_biased")
+_NO_BOUNDARY_FORM = ("tree_shift", "tree_scan", "tree_ancestors", "tree_attention_biased", "tree_attention_windowed")
 
 
 def expose_boundary(gm: fx.GraphModule, ctx: PassContext) -> BoundaryResult:

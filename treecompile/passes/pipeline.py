@@ -2,7 +2,8 @@
 
 Passes, in order (one module each in this package):
 - ``check_dropout`` (check_dropout.py): refuses active dropout (changes nothing).
-- ``rewrite_attention`` (rewrite_attention.py): causal SDPA -> ``treecompile::tree_attention``.
+- ``rewrite_attention`` (rewrite_attention.py): causal SDPA -> ``treecompile::tree_attention``; under a
+  sliding window -> ``treecompile::tree_attention_windowed`` (the window along each token's path).
 - ``route_gdn_states`` (route_gdn_states.py): Gated DeltaNet node states and conv context from the
   parent node (the captured tree ops are re-pointed at the batch's node tensors / conv_index).
 - ``rewrite_positions`` (rewrite_positions.py): sequence ``arange`` -> the tree's depth positions.

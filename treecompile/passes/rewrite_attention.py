@@ -1,4 +1,4 @@
-"""rewrite_attention: every causal SDPA becomes ``treecompile::tree_attention``.
+"""rewrite_attention: every causal SDPA becomes ``treecompile::tree_attention`` (``_windowed`` under a sliding window).
 
 Two forms are accepted:
 - ``is_causal=True`` with no mask (plain PyTorch models);
@@ -6,11 +6,14 @@ Two forms are accepted:
   from ``cache_position``/``position_ids`` under export).  The mask subgraph is extracted and
   evaluated at a few lengths and at one past every number it holds (a sliding window of W tokens is
   causal up to length W: sampled at short lengths alone it would pass): it must depend on no input
-  *values* and equal the causal mask, else the attention is refused (and a number too large to check
-  past is refused by name).  After the rewrite the mask subgraph is dead and is removed.
+  *values* and equal the causal mask, or the causal mask under a sliding window of W tokens (``q - W < k <= q``,
+  W read off the mask and checked at every length), else the attention is refused (and a number too large to
+  check past is refused by name).  A window becomes ``tree_attention_windowed`` with the batch's depth
+  positions: on a path the depth difference is the distance, so each token sees the W - 1 tokens above it on
+  its own path, as the per-path run does.  After the rewrite the mask subgraph is dead and is removed.
 A ``repeat_kv`` (unsqueeze -> expand -> reshape of K/V) feeding SDPA is folded into native GQA.
 Anything else (no mask and ``is_causal=False``: a bidirectional encoder; a mask that reads user
-inputs; sliding windows; dropout) raises ``UnsupportedModelError`` naming the node and source line.
+inputs; chunked attention; dropout) raises ``UnsupportedModelError`` naming the node and source line.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from treecompile.passes.base import (PassContext, PassResult, UnsupportedModelEr
 
 aten = torch.ops.aten
 SDPA = aten.scaled_dot_product_attention.default
+TREE_ATTENTION = torch.ops.treecompile.tree_attention.default
+TREE_ATTENTION_WINDOWED = torch.ops.treecompile.tree_attention_windowed.default
 _SHAPE_ONLY = {aten.sym_size.int, aten.sym_numel.default, aten.sym_stride.int}
 _VIEWS = {aten.reshape.default, aten.view.default, aten._unsafe_view.default}
 _COPIES = {aten.clone.default, aten.contiguous.default}
@@ -48,66 +53,76 @@ def _ancestors(node: fx.Node) -> list[fx.Node]:
     return [n for n in node.graph.nodes if n in seen]  # topological order
 
 
-def _check_mask(mask: fx.Node, sdpa: fx.Node, ctx: PassContext, cache: dict) -> None:
-    """The mask must be the causal mask, computed from the input's shape alone."""
-    if mask in cache:
-        if cache[mask] is not None:
-            raise cache[mask]
-        return
+def _check_mask(mask: fx.Node, sdpa: fx.Node, ctx: PassContext, cache: dict) -> int | None:
+    """The mask must be computed from the input's shape alone and be the causal mask (returns None) or the causal
+    mask under a sliding window of W tokens, ``q - W < k <= q`` (returns W)."""
+    if mask not in cache:
+        try:
+            cache[mask] = _mask_window(mask, sdpa, ctx)
+        except UnsupportedModelError as e:
+            cache[mask] = e
+    if isinstance(cache[mask], UnsupportedModelError):
+        raise cache[mask]
+    return cache[mask]
+
+
+def _mask_window(mask: fx.Node, sdpa: fx.Node, ctx: PassContext) -> int | None:
     nodes = _ancestors(mask)
-    err = None
     for n in nodes:
         if n.op == "placeholder":
             data_users = [u for u in n.users if u in nodes and u.target not in _SHAPE_ONLY]
             if data_users:
-                err = UnsupportedModelError(
+                raise UnsupportedModelError(
                     f"{where(sdpa)}: the attention mask reads the values of input '{n.name}' "
                     f"(e.g. a padding mask); tree attention replaces only causal masks")
-                break
-    if err is None:
-        # evaluate the mask subgraph alone at a few lengths
-        g = fx.Graph()
-        env = {}
-        for n in nodes:
-            env[n] = g.node_copy(n, lambda a: env[a])
-        g.output(env[mask])
-        sub = fx.GraphModule(ctx.gm, g)
-        phs = [n for n in nodes if n.op == "placeholder"]
-        bound = largest_index_literal(nodes)
-        past = int(bound) + 2  # a pattern at offset c shows at length c + 2 (where q - k > c exists)
-        lengths = MASK_CHECK_LENGTHS + ((past,) if past > max(MASK_CHECK_LENGTHS) else ())
-        if past > MASK_CHECK_MAX_LEN:
-            err = UnsupportedModelError(
-                f"{where(sdpa)}: the attention mask subgraph holds the number {bound:g} (a sliding window or an "
-                f"offset?): checking that the mask is causal past it would take a [{past}, {past}] mask (at most "
-                f"{MASK_CHECK_MAX_LEN}); tree attention replaces only causal masks")
-            lengths = ()
-        for T in lengths:
-            args = []
-            for p in phs:
-                v = p.meta["val"]
-                shape = [T if isinstance(s, torch.SymInt) else int(s) for s in v.shape]
-                # on the device the model was captured on: the subgraph may hold constants made there
-                # (e.g. ``arange(..., device=cuda)``), and mixing devices would fail the evaluation
-                args.append(torch.zeros(shape, dtype=v.dtype, device=v.device))
-            try:
-                with torch.no_grad():
-                    m = sub(*args)
-            except Exception as e:  # noqa: BLE001 - report, do not guess
-                err = UnsupportedModelError(f"{where(sdpa)}: cannot evaluate the attention mask subgraph "
-                                            f"to check that it is causal ({type(e).__name__}: {e})")
-                break
-            allowed = (m if m.dtype == torch.bool else (m == 0)).cpu()
-            causal = torch.ones(T, T, dtype=torch.bool).tril()
-            if allowed.shape[-2:] != (T, T) or not bool((allowed == causal).all()):
-                err = UnsupportedModelError(
-                    f"{where(sdpa)}: the attention mask is not the causal mask (checked at length {T}: "
-                    f"e.g. bidirectional, sliding-window or padding); tree attention replaces only causal "
-                    f"attention")
-                break
-    cache[mask] = err
-    if err is not None:
-        raise err
+    # evaluate the mask subgraph alone at a few lengths
+    g = fx.Graph()
+    env = {}
+    for n in nodes:
+        env[n] = g.node_copy(n, lambda a: env[a])
+    g.output(env[mask])
+    sub = fx.GraphModule(ctx.gm, g)
+    phs = [n for n in nodes if n.op == "placeholder"]
+    bound = largest_index_literal(nodes)
+    past = int(bound) + 2  # a pattern at offset c shows at length c + 2 (where q - k > c exists)
+    if past > MASK_CHECK_MAX_LEN:
+        raise UnsupportedModelError(
+            f"{where(sdpa)}: the attention mask subgraph holds the number {bound:g} (a sliding window or an "
+            f"offset?): checking what the mask is past it would take a [{past}, {past}] mask (at most "
+            f"{MASK_CHECK_MAX_LEN}); tree attention replaces causal masks and sliding windows up to "
+            f"{MASK_CHECK_MAX_LEN - 2} tokens")
+    allowed = {}
+    for T in MASK_CHECK_LENGTHS + ((past,) if past > max(MASK_CHECK_LENGTHS) else ()):
+        args = []
+        for p in phs:
+            v = p.meta["val"]
+            shape = [T if isinstance(s, torch.SymInt) else int(s) for s in v.shape]
+            # on the device the model was captured on: the subgraph may hold constants made there
+            # (e.g. ``arange(..., device=cuda)``), and mixing devices would fail the evaluation
+            args.append(torch.zeros(shape, dtype=v.dtype, device=v.device))
+        try:
+            with torch.no_grad():
+                m = sub(*args)
+        except Exception as e:  # noqa: BLE001 - report, do not guess
+            raise UnsupportedModelError(f"{where(sdpa)}: cannot evaluate the attention mask subgraph "
+                                        f"to check that it is causal ({type(e).__name__}: {e})") from e
+        allowed[T] = (m if m.dtype == torch.bool else (m == 0)).cpu()
+        if allowed[T].shape[-2:] != (T, T):
+            raise UnsupportedModelError(f"{where(sdpa)}: the attention mask has shape {tuple(allowed[T].shape)} at "
+                                        f"length {T}, not [.., {T}, {T}]")
+    # the window the last row of the longest probe shows (every row of a causal mask sees all T keys there)
+    T = max(allowed)
+    last = allowed[T].reshape(-1, T, T)[0, T - 1]
+    window = T - int(last.nonzero()[0]) if bool(last.any()) else 0
+    for T, a in allowed.items():
+        i = torch.arange(T)
+        want = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < window)
+        if not bool((a == want).all()):
+            raise UnsupportedModelError(
+                f"{where(sdpa)}: the attention mask is neither the causal mask nor a sliding window over it "
+                f"(checked at length {T}: e.g. bidirectional, chunked or padding); tree attention replaces causal "
+                f"attention and sliding windows over it")
+    return None if window >= max(allowed) else window
 
 
 def _fold_repeat_kv(x: fx.Node, num_q_heads: int):
@@ -133,7 +148,7 @@ def _fold_repeat_kv(x: fx.Node, num_q_heads: int):
 
 
 def rewrite_attention(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
-    count, folded = 0, 0
+    count, folded, windowed = 0, 0, 0
     mask_cache: dict = {}
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target != SDPA:
@@ -145,10 +160,11 @@ def rewrite_attention(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         if mask is None and not is_causal:
             raise UnsupportedModelError(f"{where(node)}: attention is not causal (no mask and is_causal=False, "
                                         f"as in a bidirectional encoder); treecompile rewrites causal LMs only")
+        window = None
         if mask is not None:
             if is_causal:
                 raise UnsupportedModelError(f"{where(node)}: SDPA with both a mask and is_causal=True")
-            _check_mask(mask, node, ctx, mask_cache)
+            window = _check_mask(mask, node, ctx, mask_cache)
         H = q.meta["val"].shape[1]
         k2, v2 = _fold_repeat_kv(k, H), _fold_repeat_kv(v, H)
         if k2 is not k and v2 is not v:
@@ -157,12 +173,17 @@ def rewrite_attention(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         if q.meta["val"].shape[0] != 1:
             raise UnsupportedModelError(f"{where(node)}: attention batch size must be 1 on a tree batch")
         with gm.graph.inserting_before(node):
-            new = ctx.call(torch.ops.treecompile.tree_attention.default, (q, k, v, ctx.tree_input("subtree_end"), scale), like=node)
+            if window is None:
+                new = ctx.call(TREE_ATTENTION, (q, k, v, ctx.tree_input("subtree_end"), scale), like=node)
+            else:
+                new = ctx.call(TREE_ATTENTION_WINDOWED, (q, k, v, ctx.tree_input("subtree_end"),
+                                                         ctx.tree_input("position_ids"), window, scale), like=node)
+                windowed += 1
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
         count += 1
     if count:
         remove_dead_code(gm)
-    return PassResult(count, {"repeat_kv_folded": folded})
+    return PassResult(count, {"repeat_kv_folded": folded, "windowed": windowed})
 
 
