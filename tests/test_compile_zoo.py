@@ -193,3 +193,36 @@ def test_hf_models_found_by_the_zoo_sweep(mcls, ccls, kw):
     tmodel = treecompile.compile(model)
     assert model.config.use_cache == use_cache  # set for the capture only
     assert_tree_equals_per_path(model, tmodel, PATHS)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("window", [16, 100])
+def test_hf_sliding_window_on_cuda(window):
+    """HF Mistral (float32, CUDA) with a sliding window, compiled and lowered for CUDA: its windowed tree
+    attention runs FlexAttention under the pruned window BlockMask.  Loss and gradients against the float64
+    per-path oracle within 2x the float32 per-path run's own error (plus one float32 rounding)."""
+    import copy
+    torch.manual_seed(0)
+    cfg = transformers.MistralConfig(vocab_size=97, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                     max_position_embeddings=4096, sliding_window=window)
+    oracle = transformers.MistralForCausalLM(cfg).double()
+    model = copy.deepcopy(oracle).float().cuda()
+    g = torch.Generator().manual_seed(window)
+    trunk = torch.randint(1, 97, (150,), generator=g).tolist()
+    paths = [trunk[:n] + torch.randint(1, 97, (m,), generator=g).tolist()
+             for n, m in [(150, 60), (40, 120), (120, 30), (0, 50), (149, 1)]]
+    tm = treecompile.compile(model)
+    assert tm.pass_results["rewrite_attention"].info["windowed"] == 2
+    out = tm(Tree.from_paths(paths).to_batch(device="cuda"))
+    ref32 = reference.run(model, paths)
+    ref64 = reference.run(oracle, paths)
+    params32, params64 = list(model.parameters()), list(oracle.parameters())
+    g_tree, g_ref = flat_grads(out.loss, params32), flat_grads(ref32.loss, params32)
+    g_oracle = flat_grads(ref64.loss, params64)
+    u = torch.finfo(torch.float32).eps / 2
+    for name, got, ref, want in (("loss", out.loss, ref32.loss, ref64.loss), ("grad", g_tree, g_ref, g_oracle)):
+        e_tree = rel(got.detach().double().cpu(), want.detach().double())
+        e_ref = rel(ref.detach().double().cpu(), want.detach().double())
+        assert e_tree <= 2 * e_ref + u, f"{name}: tree error {e_tree:.3g} > 2 * per-path float32 {e_ref:.3g} + {u:.1g}"
