@@ -116,7 +116,10 @@ def _windowed(q, k, v, subtree_end, position_ids, window, scale):
         return tree_attention_windowed_reference(q, k, v, subtree_end, position_ids, window, scale)
     from treecompile.ops.flex_tree_attention import tree_attention_flex, tree_window_block_mask
     block_mask = tree_window_block_mask(subtree_end, position_ids, window, validate=False)
-    return tree_attention_flex(q, k, v, block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    # torch's kernel configs: the Hopper ones tuned for the tree mask need more shared memory than an H100 has
+    # once the mask_mod also reads the depths (233,472 of 232,448 bytes)
+    return tree_attention_flex(q, k, v, block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
+                               kernel_options={})
 
 
 @torch.library.custom_op("treecompile::tree_attention_windowed", mutates_args=())
