@@ -232,6 +232,23 @@ def test_window_block_mask_prunes_tiles_past_the_window():
         assert listed == list(range(max(i - 1, 0), i + 1))
 
 
+def test_windowed_ops_pass_opcheck():
+    """The windowed op and its backward op: fakes that match the real results' shapes and strides (q/k/v arrive
+    as transposed views of [B, T, H, D]), registered autograd, and the dense reference's gradients."""
+    from treecompile.ops.tree_attention import tree_attention_windowed_backward, tree_attention_windowed_reference
+    b = tree_batch([[1, 2, 3, 4, 5, 6], [1, 2, 7], [8]])
+    T = b.seq_len
+    q, k, v = (torch.randn(1, T, h, 8, dtype=torch.float64).transpose(1, 2).requires_grad_() for h in (4, 2, 2))
+    args = (q, k, v, b.subtree_end, b.position_ids, 2, None)
+    torch.library.opcheck(tree_attention_windowed, args)
+    g = torch.randn(1, 4, T, 8, dtype=torch.float64)
+    torch.library.opcheck(tree_attention_windowed_backward, (g, *args))
+    got = torch.autograd.grad(tree_attention_windowed(*args), (q, k, v), g)
+    want = torch.autograd.grad(tree_attention_windowed_reference(*args), (q, k, v), g)
+    for a, w in zip(got, want):
+        torch.testing.assert_close(a, w, rtol=1e-12, atol=1e-12)
+
+
 def test_window_block_mask_rejects_bad_input():
     b = tree_batch([[1, 2, 3]])
     with pytest.raises(ValueError, match="window"):

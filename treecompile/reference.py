@@ -23,7 +23,10 @@ def logits_of(out) -> torch.Tensor:
 
 
 def path_logprobs(model: torch.nn.Module, path: Sequence[int], device=None) -> torch.Tensor:
-    """log p(token i | tokens < i) of one path, shape [|p|]; entry 0 is 0 (nothing predicts it)."""
+    """log p(token i | tokens < i) of one path, shape [|p|]; entry 0 is 0 (nothing predicts it).  ``device``: where
+    the ids go; None: the model's (its first parameter's or buffer's device, else the CPU)."""
+    if device is None:
+        device = next((t.device for t in (*model.parameters(), *model.buffers())), None)
     ids = torch.as_tensor(list(path), dtype=torch.long, device=device)[None]
     logits = logits_of(model(ids))[0]
     lp = torch.log_softmax(logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits, -1)

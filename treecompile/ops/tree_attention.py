@@ -165,7 +165,9 @@ def tree_attention_windowed_backward(grad: torch.Tensor, q: torch.Tensor, k: tor
     with _autograd_inside_op(), torch.enable_grad():
         qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
         out = _windowed(qq, kk, vv, subtree_end, position_ids, window, scale)
-        return tuple(g.contiguous() for g in torch.autograd.grad(out, (qq, kk, vv), grad))
+        grads = torch.autograd.grad(out, (qq, kk, vv), grad)
+    # laid out as the inputs (the fake's empty_like): q/k/v are often transposed views of [B, T, H, D]
+    return tuple(torch.empty_like(t).copy_(g) for t, g in zip((q, k, v), grads))
 
 
 @tree_attention_windowed_backward.register_fake
