@@ -143,18 +143,24 @@ class CumsumFeatures(MixerLM):  # near miss: a cumsum over features mixes no tok
 
 
 class HandAttention(MixerLM):
-    """q @ k^T * scale, triu mask by masked_fill(-inf), optional ALiBi, softmax, @ v."""
+    """q @ k^T * scale, optional soft-capping (Gemma 2), triu mask by masked_fill(-inf), optional ALiBi, optional
+    sliding window, optional attention sinks (a learned logit per head in the softmax, its probability dropped),
+    softmax, @ v."""
 
-    def __init__(self, heads=2, alibi=None, causal=True, window=None):
+    def __init__(self, heads=2, alibi=None, causal=True, window=None, softcap=None, sinks=False, hide_self=False):
         super().__init__()
         self.H, self.alibi, self.causal, self.window = heads, alibi, causal, window
+        self.softcap, self.hide_self = softcap, hide_self
         self.qkv = nn.Linear(C, 3 * C)
         self.register_buffer("slopes", torch.tensor([0.5 ** (i + 1) for i in range(heads)]), persistent=False)
+        self.sinks = nn.Parameter(torch.randn(heads)) if sinks else None
 
     def mix(self, h):
         T, H, D = h.shape[1], self.H, C // self.H
         q, k, v = self.qkv(h).view(1, T, 3, H, D).permute(2, 0, 3, 1, 4)
         s = (q @ k.transpose(-1, -2)) / math.sqrt(D)
+        if self.softcap:
+            s = torch.tanh(s / self.softcap) * self.softcap
         pos = torch.arange(T)
         if self.alibi == "relative":  # slope * (k_pos - q_pos)
             s = s + self.slopes[:, None, None] * (pos[None, :] - pos[:, None])
@@ -164,9 +170,15 @@ class HandAttention(MixerLM):
             s = s + self.slopes[:, None, None] * pos[None, None, :] / T
         if self.causal:
             s = s.masked_fill(torch.triu(torch.ones(T, T, dtype=torch.bool), 1), float("-inf"))
-        if self.window:  # near miss: a sliding window is not the causal mask
+        if self.window:  # keys less than `window` tokens back
             s = s.masked_fill(torch.tril(torch.ones(T, T, dtype=torch.bool), -self.window), float("-inf"))
-        o = torch.softmax(s, -1) @ v
+        if self.hide_self:  # near miss: a query does not see itself (neither causal nor a window)
+            s = s.masked_fill(torch.eye(T, dtype=torch.bool), float("-inf"))
+        if self.sinks is not None:
+            p = torch.softmax(torch.cat([s, self.sinks.view(1, H, 1, 1).expand(1, H, T, 1)], -1), -1)[..., :-1]
+            o = p @ v
+        else:
+            o = torch.softmax(s, -1) @ v
         return o.transpose(1, 2).reshape(1, T, C)
 
 

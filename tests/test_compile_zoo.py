@@ -105,7 +105,9 @@ def test_dropout_in_eval_mode_or_allowed():
 SLIDING = {"mistral": ("MistralForCausalLM", "MistralConfig", {}),
            "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", dict(use_sliding_window=True, max_window_layers=0)),
            "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig", dict(head_dim=8, num_hidden_layers=3,
-                                                                    sliding_window_pattern=2))}
+                                                                    sliding_window_pattern=2)),
+           # eager attention (no SDPA path): soft-capped scores, sliding layers between global ones
+           "gemma2": ("Gemma2ForCausalLM", "Gemma2Config", dict(head_dim=8, num_hidden_layers=3))}
 # deep enough that the window cuts every path, with branches below and above the window's reach
 DEEP_PATHS = [list(range(1, 15)), [1, 2, 3, 4, 5, 6, 20, 21, 22, 23, 24], [1, 2, 30, 31, 32, 33, 34, 35, 36],
               [1, 2, 3, 4, 5, 6, 20, 21, 25], [9, 8]]
@@ -119,16 +121,21 @@ def _sliding_model(family, window):
     return getattr(transformers, mcls)(getattr(transformers, ccls)(**{**COMMON, "sliding_window": window, **kw}))
 
 
-@pytest.mark.parametrize("family, window", [("mistral", 3), ("mistral", 4096), ("qwen2", 4), ("gemma3", 5)])
+@pytest.mark.parametrize("family, window", [("mistral", 3), ("mistral", 4096), ("qwen2", 4), ("gemma3", 5),
+                                            ("gemma2", 4)])
 def test_hf_sliding_window_on_a_tree(family, window):
     """A sliding window of W tokens: each token sees the W - 1 tokens above it on its own path, as in the per-path
-    run (``tree_attention_windowed``, the window read off the model's mask and checked past it)."""
+    run (SDPA: ``tree_attention_windowed``; eager attention: ``tree_attention_biased`` with a window; the window
+    read off the model's mask and checked past it)."""
     model = _sliding_model(family, window).double()
     tmodel = treecompile.compile(model)
     layers = model.config.num_hidden_layers
     types = getattr(model.config, "layer_types", None) or ["sliding_attention"] * layers
-    info = tmodel.pass_results["rewrite_attention"]
+    eager = family == "gemma2"
+    info = tmodel.pass_results["rewrite_causal_attention" if eager else "rewrite_attention"]
     assert info.count == layers and info.info["windowed"] == types.count("sliding_attention") > 0
+    if eager:
+        assert info.info["softcapped"] == layers
     assert_tree_equals_per_path(model, tmodel, DEEP_PATHS)
 
 

@@ -43,6 +43,13 @@ REWRITES = [
     ("attention_alibi_relative", lambda: mm.HandAttention(alibi="relative"), "rewrite_causal_attention", 1),
     ("attention_alibi_key", lambda: mm.HandAttention(alibi="key"), "rewrite_causal_attention", 1),
     ("attention_additive_mask", mm.AdditiveMaskAttention, "rewrite_causal_attention", 1),
+    ("attention_sliding_window", lambda: mm.HandAttention(window=2), "rewrite_causal_attention", 1),
+    ("attention_softcap", lambda: mm.HandAttention(softcap=0.3), "rewrite_causal_attention", 1),
+    ("attention_sinks", lambda: mm.HandAttention(sinks=True), "rewrite_causal_attention", 1),
+    ("attention_softcap_window_sinks", lambda: mm.HandAttention(softcap=0.5, window=3, sinks=True),
+     "rewrite_causal_attention", 1),
+    ("attention_softcap_sinks_alibi", lambda: mm.HandAttention(softcap=0.5, sinks=True, alibi="relative"),
+     "rewrite_causal_attention", 1),
 ]
 
 NEAR_MISSES = [
@@ -52,7 +59,7 @@ NEAR_MISSES = [
     ("conv_centred_padding", mm.ConvCentred, "rewrite_causal_convs"),
     ("cumsum_over_features", mm.CumsumFeatures, "rewrite_scans"),
     ("attention_without_mask", lambda: mm.HandAttention(causal=False), "rewrite_causal_attention"),
-    ("attention_sliding_window", lambda: mm.HandAttention(window=2), "rewrite_causal_attention"),
+    ("attention_hiding_the_query", lambda: mm.HandAttention(hide_self=True), "rewrite_causal_attention"),
     ("attention_bias_per_length", lambda: mm.HandAttention(alibi="per_length"), "rewrite_causal_attention"),
 ]
 

@@ -191,53 +191,76 @@ tree_attention_windowed.register_autograd(_windowed_backward, setup_context=_win
 
 
 # --------------------------------------------------------------------------- biased (hand-written attention)
-def tree_attention_biased_reference(q, k, v, subtree_end, bias=None, *, scale: float = 1.0, softmax_dtype=None):
+def tree_attention_biased_reference(q, k, v, subtree_end, bias=None, *, scale: float = 1.0, softmax_dtype=None,
+                                    position_ids=None, window: int | None = None, softcap: float | None = None,
+                                    sinks=None):
     """``softmax(scale * q @ k^T + bias, masked to the tree) @ v``, dense and differentiable.
 
     ``q [*, T, D]``, ``k [*, T, D]``, ``v [*, T, Dv]`` (leading dims broadcast as ``torch.matmul``),
     ``bias`` broadcastable to ``[*, T, T]`` or None, ``softmax_dtype`` the dtype the softmax runs in
-    (its result is cast back to ``v.dtype``).  Returns ``[*, T, Dv]``.
+    (its result is cast back to ``v.dtype``).  Returns ``[*, T, Dv]``.  Options, as models write them:
+    ``softcap``: the scores are ``softcap * tanh(scale * q @ k^T / softcap)`` before the bias (Gemma 2);
+    ``window`` (with ``position_ids``, the depths): keys less than ``window`` above the query on its path;
+    ``sinks`` broadcastable to ``[*, T, 1]``: one more logit per query row in the softmax's denominator, whose
+    probability is dropped (gpt-oss-style attention sinks).
     """
     s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
     if bias is not None:
         s = s + bias
-    s = s.masked_fill(~tree_mask(subtree_end), float("-inf"))
-    p = torch.softmax(s, -1, dtype=softmax_dtype).to(v.dtype)
-    return torch.matmul(p, v)
+    mask = tree_mask(subtree_end) if window is None else tree_window_mask(subtree_end, position_ids, window)
+    s = s.masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        s = torch.cat([s, sinks.expand(*s.shape[:-1], 1).to(s.dtype)], -1)
+    p = torch.softmax(s, -1, dtype=softmax_dtype)
+    if sinks is not None:
+        p = p[..., :-1]
+    return torch.matmul(p.to(v.dtype), v)
 
 
 @torch.library.custom_op("treecompile::tree_attention_biased", mutates_args=())
 def tree_attention_biased(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, subtree_end: torch.Tensor,
-                          bias: torch.Tensor | None, scale: float, softmax_dtype: torch.dtype | None = None
-                          ) -> torch.Tensor:
+                          bias: torch.Tensor | None, scale: float, softmax_dtype: torch.dtype | None = None,
+                          position_ids: torch.Tensor | None = None, window: int | None = None,
+                          softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Hand-written causal attention on the tree (see :func:`tree_attention_biased_reference`)."""
     with torch.no_grad():
-        return tree_attention_biased_reference(q, k, v, subtree_end, bias, scale=scale,
-                                               softmax_dtype=softmax_dtype).contiguous()
+        return tree_attention_biased_reference(q, k, v, subtree_end, bias, scale=scale, softmax_dtype=softmax_dtype,
+                                               position_ids=position_ids, window=window, softcap=softcap,
+                                               sinks=sinks).contiguous()
 
 
 @tree_attention_biased.register_fake
-def _(q, k, v, subtree_end, bias, scale, softmax_dtype=None):
+def _(q, k, v, subtree_end, bias, scale, softmax_dtype=None, position_ids=None, window=None, softcap=None,
+      sinks=None):
     lead = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
     return q.new_empty(tuple(lead) + (q.shape[-2], v.shape[-1]), dtype=v.dtype)
 
 
 def _biased_setup(ctx, inputs, output):
-    q, k, v, subtree_end, bias, scale, softmax_dtype = inputs
-    ctx.save_for_backward(q, k, v, subtree_end, bias)
-    ctx.scale, ctx.softmax_dtype = scale, softmax_dtype
+    q, k, v, subtree_end, bias, scale, softmax_dtype, position_ids, window, softcap, sinks = inputs
+    ctx.save_for_backward(q, k, v, subtree_end, bias, position_ids, sinks)
+    ctx.scale, ctx.softmax_dtype, ctx.window, ctx.softcap = scale, softmax_dtype, window, softcap
 
 
 def _biased_backward(ctx, grad):
-    q, k, v, subtree_end, bias = ctx.saved_tensors
+    q, k, v, subtree_end, bias, position_ids, sinks = ctx.saved_tensors
     bias_grad = bias is not None and ctx.needs_input_grad[4]
+    sinks_grad = sinks is not None and ctx.needs_input_grad[10]
     with torch.enable_grad():
         ins = [t.detach().requires_grad_() for t in (q, k, v)]
         bb = bias.detach().requires_grad_() if bias_grad else bias
-        out = tree_attention_biased_reference(*ins, subtree_end, bb, scale=ctx.scale,
-                                              softmax_dtype=ctx.softmax_dtype)
-        grads = torch.autograd.grad(out, ins + ([bb] if bias_grad else []), grad)
-    return grads[0], grads[1], grads[2], None, (grads[3] if bias_grad else None), None, None
+        ss = sinks.detach().requires_grad_() if sinks_grad else sinks
+        out = tree_attention_biased_reference(*ins, subtree_end, bb, scale=ctx.scale, softmax_dtype=ctx.softmax_dtype,
+                                              position_ids=position_ids, window=ctx.window, softcap=ctx.softcap,
+                                              sinks=ss)
+        grads = list(torch.autograd.grad(out, ins + ([bb] if bias_grad else []) + ([ss] if sinks_grad else []),
+                                         grad))
+    gq, gk, gv = grads[:3]
+    gb = grads.pop(3) if bias_grad else None
+    gs = grads[3] if sinks_grad else None
+    return gq, gk, gv, None, gb, None, None, None, None, None, gs
 
 
 tree_attention_biased.register_autograd(_biased_backward, setup_context=_biased_setup)

@@ -14,7 +14,8 @@ Passes, in order (one module each in this package):
 - ``rewrite_token_shifts`` (rewrite_token_shifts.py): a shift by k tokens toward the past (pad+slice,
   cat, roll+mask, found by evaluating it) -> ``treecompile::tree_shift`` (the k-th path ancestor).
 - ``rewrite_causal_attention`` (rewrite_causal_attention.py): hand-written causal attention (matmul,
-  mask, optional position bias such as ALiBi, softmax, matmul) -> ``treecompile::tree_attention_biased``;
+  optional soft-capping, causal or sliding-window mask, optional position bias such as ALiBi, softmax with
+  optional sinks, matmul) -> ``treecompile::tree_attention_biased``;
   runs after the position and scan rewrites, so that the bias is computed from depth positions.
 - ``rewrite_router_loss`` (rewrite_router_loss.py): a MoE model's own router aux loss is refused or
   dropped, its router logits kept as outputs (compile option ``router_aux``).

@@ -1,8 +1,9 @@
 """rewrite_causal_attention: hand-written causal attention becomes ``tree_attention_biased``.
 
-Eager attention written out (``q @ k^T``, a scale, a causal mask from ``triu``/``tril``/``masked_fill``/
-an additive ``-inf``/``finfo.min``, an additive position bias such as ALiBi, ``softmax``, ``@ v``;
-HF BLOOM's ``baddbmm`` form) mixes every token with every earlier DFS token.  The site is found
+Eager attention written out (``q @ k^T``, a scale, optionally soft-capped by ``c * tanh(s / c)`` (Gemma 2), a
+causal mask from ``triu``/``tril``/``masked_fill``/an additive ``-inf``/``finfo.min``, optionally a sliding window,
+an additive position bias such as ALiBi, ``softmax`` (optionally over one more sink column per row, dropped
+after: attention sinks), ``@ v``; HF BLOOM's ``baddbmm`` form) mixes every token with every earlier DFS token.  The site is found
 from the softmax: a softmax over the last dim of a ``[*, T, T]`` score tensor whose result, through
 casts / a zero-probability dropout / views, is the left operand of a matmul with ``v``.  Walking back
 from the scores through views, scalar scales, additions and masking (whose other operands must not
@@ -10,17 +11,20 @@ depend on the input ids) reaches the ``q @ k^T`` matmul.  The score subgraph ``g
 function of the product ``X = q @ k^T``) is then *evaluated* (``token_probe.Probe``):
 
 1. on plain sequences of a few lengths, and of one past the largest number the mask and bias operands
-   hold (a sliding window of W tokens is causal up to length W): ``g(X) - g(0) == c * X`` on the entries
-   that ``g(0)`` does not mask, where ``c`` is the product of the scalar scales on the path, and the
-   unmasked entries are exactly the causal lower triangle;
+   hold (a sliding window of W tokens is causal up to length W): ``g(X) - g(0) == c * X`` (soft-capped:
+   ``softcap * tanh(c * X / softcap)``) on the entries that ``g(0)`` does not mask, where ``c`` is the product of
+   the scalar scales on the path, and the unmasked entries are exactly the causal lower triangle, or that
+   triangle under a window of W tokens (W read off the longest probe);
 2. on a small tree: the bias ``g(0)`` that the graph computes from the tree's depth positions
    (``rewrite_positions``/``rewrite_scans`` ran before) equals, for every pair of tokens on one path,
    what the per-path run computes for that pair.
 
-Then ``out = tree_attention_biased(q, k, v, subtree_end, g(0), c, softmax_dtype)`` (``g(0)``
-recomputed in the graph from the side operands; None when it is zero on every allowed entry).
-Anything that fails a check is left alone (a bidirectional or sliding-window mask, a bias that reads
-the input ids or that depends on the sequence length): the verifier refuses it.
+Then ``out = tree_attention_biased(q, k, v, subtree_end, g(0), c, softmax_dtype, position_ids, window, softcap,
+sinks)`` (``g(0)`` recomputed in the graph from the side operands, None when it is zero on every allowed entry;
+the window applied to depth differences; the sink column as the model computes it, which the verifier then
+judges on its own).  Anything that fails a check is left alone (a bidirectional mask, a bias that reads the
+input ids or that depends on the sequence length, a bias that the probe tree shows differs from the path's
+(masks built from DFS indices included), a sink column the probs keep): the verifier refuses it.
 """
 
 from __future__ import annotations
@@ -65,8 +69,19 @@ def _softmax_dtype(sm: fx.Node):
     return sm.args[2] if len(sm.args) > 2 else sm.kwargs.get("dtype")
 
 
-def _probs_to_pv(sm: fx.Node):
-    """From the softmax forward to the ``probs @ v`` matmul: (matmul, [softmax, ..., matmul]) or None."""
+def _drops_last_column(n: fx.Node) -> bool:
+    """``x[..., :-1]``: a slice of the last dim from 0 that keeps all but its last entry."""
+    a = n.args
+    if n.target != aten.slice.Tensor or len(a) < 4 or a[2] != 0:
+        return False
+    x, out = a[0].meta["val"], n.meta["val"]
+    return a[1] % x.dim() == x.dim() - 1 and str(out.shape[-1]) == str(x.shape[-1] - 1) \
+        and str(out.shape[:-1]) == str(x.shape[:-1])
+
+
+def _probs_to_pv(sm: fx.Node, sinks: bool = False):
+    """From the softmax forward to the ``probs @ v`` matmul: (matmul, [softmax, ..., matmul]) or None.  ``sinks``:
+    the softmax ran over the scores and a sink column, which ``[..., :-1]`` drops (once) before ``@ v``."""
     cur, chain = sm, [sm]
     while True:
         us = _users(cur)
@@ -75,12 +90,14 @@ def _probs_to_pv(sm: fx.Node):
         u = us[0]
         chain.append(u)
         if u.target in PRODUCTS and u.args[0] is cur:
-            return u, chain
+            return (u, chain) if not sinks else None
         if u.target in CASTS or u.target in COPIES:
             pass
         elif u.target == aten.dropout.default:
             if u.args[1] != 0 and u.args[2]:
                 return None
+        elif sinks and _drops_last_column(u):
+            sinks = False
         elif u.target in VIEWS:
             if not _keeps_last2(u):
                 return None
@@ -90,18 +107,23 @@ def _probs_to_pv(sm: fx.Node):
 
 
 def _scores_to_qk(s: fx.Node, inputs: set):
-    """Walk back from the scores to the ``q @ k^T`` product: (product node, chain, scale) or None.
-    ``chain``: the nodes between them, product side first."""
+    """Walk back from the scores to the ``q @ k^T`` product: (product node, chain, scale, softcap) or None.
+    ``chain``: the nodes between them, product side first.  The scores are ``scale * X`` (+ masks and biases),
+    or with one ``tanh`` on the way, ``softcap * tanh(scale * X / softcap)`` (+ masks and biases after it):
+    Gemma 2's soft-capping; no addition may come before the ``tanh``."""
     chain, scale, cur = [], 1.0, s
+    post = None  # the scale after the tanh (the softcap), once one was passed
     while True:
         t = cur.target
         if t in PRODUCTS or t == aten.baddbmm.default:
             if t == aten.baddbmm.default:
                 alpha = cur.kwargs.get("alpha", 1)
-                if not isinstance(alpha, (int, float)):
+                if not isinstance(alpha, (int, float)) or post is not None:
                     return None
                 scale *= alpha
-            return cur, chain[::-1], scale
+            if post is None:
+                return cur, chain[::-1], scale, None
+            return cur, chain[::-1], scale * post, post
         if cur.op != "call_function":
             return None
         ins = [a for a in cur.args if isinstance(a, fx.Node)]
@@ -116,6 +138,12 @@ def _scores_to_qk(s: fx.Node, inputs: set):
             if len(other) != 1 or not isinstance(other[0], (int, float)):
                 return None
             scale = scale * other[0] if t == aten.mul.Tensor else scale / other[0]
+        elif t == aten.tanh.default:
+            if post is not None or scale == 0:
+                return None
+            post, scale = scale, 1.0
+        elif post is not None:  # an addition (a bias or a mask) inside the tanh
+            return None
         elif t == aten.sub.Tensor:
             if cur.args[0] is not main[0]:
                 return None
@@ -129,20 +157,21 @@ def rewrite_causal_attention(gm: fx.GraphModule, ctx: PassContext) -> PassResult
     inputs = value_nodes(gm.graph, {ctx.input_node})
     probe = Probe(ctx)
     count, biased = 0, 0
+    features = {"windowed": 0, "softcapped": 0, "with_sinks": 0}
     for sm in list(gm.graph.nodes):
         if sm.op != "call_function" or sm.target not in SOFTMAX:
             continue
-        s = sm.args[0]
+        s, sinks = _split_sinks(sm.args[0])
         sv = s.meta["val"]
         if sv.dim() < 2 or sm.args[1] % sv.dim() != sv.dim() - 1 or not {sv.dim() - 2, sv.dim() - 1} <= set(
                 token_dims(sv, ctx)):
             continue
-        probs_chain = _probs_to_pv(sm)
+        probs_chain = _probs_to_pv(sm, sinks is not None)
         found = _scores_to_qk(s, inputs) if probs_chain is not None else None
         if found is None:
             continue
         pv, probs_chain = probs_chain
-        qk, chain, scale = found
+        qk, chain, scale, softcap = found
         if qk.target == aten.baddbmm.default:
             qk, chain = _split_baddbmm(gm, ctx, qk, chain)
         q, kt, v = qk.args[0], qk.args[1], pv.args[1]
@@ -153,14 +182,16 @@ def rewrite_causal_attention(gm: fx.GraphModule, ctx: PassContext) -> PassResult
                 or str(probs.meta["val"].shape) != str(qkv.shape)):
             continue  # the input batch is [1, T]: leading dims are batch 1 times heads
         lengths = lengths_past_literals(PROBE_LENGTHS, s, [qk], ctx)  # the mask/bias operands' numbers
-        has_bias = _check_scores(probe, ctx, qk, s, scale, lengths) if lengths is not None else None
-        if has_bias is None:
+        checked = _check_scores(probe, ctx, qk, s, scale, softcap, lengths) if lengths is not None else None
+        if checked is None:
             continue
+        has_bias, window = checked
         with gm.graph.inserting_before(pv):
             k = ctx.call(aten.transpose.int, (kt, -1, -2), like=qk)
             bias = _bias_nodes(ctx, probe, qk, chain, s, lengths) if has_bias else None
-            new = ctx.call(BIASED, (q, k, v, ctx.tree_input("subtree_end"), bias, float(scale),
-                                    _softmax_dtype(sm)), like=sm)
+            pos = ctx.tree_input("position_ids") if window is not None else None
+            new = ctx.call(BIASED, (q, k, v, ctx.tree_input("subtree_end"), bias, float(scale), _softmax_dtype(sm),
+                                    pos, window, None if softcap is None else float(softcap), sinks), like=sm)
         if str(new.meta["val"].shape) != str(pv.meta["val"].shape):
             gm.graph.erase_node(new)
             continue
@@ -168,9 +199,28 @@ def rewrite_causal_attention(gm: fx.GraphModule, ctx: PassContext) -> PassResult
         _erase_dead(gm, probs_chain)  # dead-code elimination keeps dropout (an impure op) alive
         count += 1
         biased += bool(has_bias)
+        features["windowed"] += window is not None
+        features["softcapped"] += softcap is not None
+        features["with_sinks"] += sinks is not None
     if count:
         remove_dead_code(gm)
-    return PassResult(count, {"with_bias": biased} if count else {})
+    return PassResult(count, {"with_bias": biased, **features} if count else {})
+
+
+def _split_sinks(s: fx.Node):
+    """``cat([scores, sink], -1)`` with a one-column ``sink`` (attention sinks: one more logit per query row, its
+    probability dropped after the softmax) -> (scores, sink); anything else -> (s, None)."""
+    if s.target not in (aten.cat.default, aten.concat.default):
+        return s, None
+    xs = s.args[0]
+    dim = s.args[1] if len(s.args) > 1 else s.kwargs.get("dim", 0)
+    if len(xs) != 2 or not all(isinstance(x, fx.Node) for x in xs):
+        return s, None
+    scores, sink = xs
+    nd = scores.meta["val"].dim()
+    if dim % nd != nd - 1 or sink.meta["val"].dim() != nd or sink.meta["val"].shape[-1] != 1:
+        return s, None
+    return scores, sink
 
 
 def _erase_dead(gm: fx.GraphModule, chain: list[fx.Node]) -> None:
@@ -197,13 +247,14 @@ def _split_baddbmm(gm, ctx, node, chain):
     return prod, ([scaled] if scaled is not prod else []) + [new] + chain
 
 
-def _check_scores(probe: Probe, ctx: PassContext, qk: fx.Node, s: fx.Node, scale: float, lengths):
-    """True/False (bias or none) if the scores are ``scale * X + bias`` under a causal mask with a
-    bias that is exact on trees at the probe ``lengths`` (:func:`token_probe.lengths_past_literals`); None otherwise (see the module
-    docstring)."""
+def _check_scores(probe: Probe, ctx: PassContext, qk: fx.Node, s: fx.Node, scale: float, softcap, lengths):
+    """(has bias, window) if the scores are ``scale * X + bias`` (``softcap * tanh(scale * X / softcap) + bias``)
+    under the causal mask, or under the causal mask and a sliding window of W tokens (``q - W < k``, W read off
+    the longest probe), with a bias that is exact on trees at the probe ``lengths``
+    (:func:`token_probe.lengths_past_literals`); None otherwise (see the module docstring)."""
     gen = torch.Generator().manual_seed(0)
-    has_bias = False
-    for T in lengths:
+    has_bias, window = False, None
+    for T in sorted(lengths, reverse=True):  # the longest first: it shows the window
         x = probe.random(qk, T, gen)
         zero = torch.zeros_like(x)
         outs = [probe.run([s], chain_batch(T), {qk: v}) for v in (zero, x)]
@@ -214,17 +265,24 @@ def _check_scores(probe: Probe, ctx: PassContext, qk: fx.Node, s: fx.Node, scale
             return None
         s0, sx = s0.reshape(x.shape), sx.reshape(x.shape)
         allowed = _allowed(s0)
-        causal = torch.ones(T, T, dtype=torch.bool).tril().expand(x.shape)
-        if not torch.equal(allowed, causal) or not torch.equal(_allowed(sx), causal):
+        if window is None:
+            last = allowed.reshape(-1, T, T)[0, T - 1]
+            window = T - int(last.nonzero()[0]) if bool(last.any()) else 0
+        i = torch.arange(T)
+        visible = ((i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < window)).expand(x.shape)
+        if not torch.equal(allowed, visible) or not torch.equal(_allowed(sx), visible):
             return None
         tol = 1e-9 if s0.dtype == torch.float64 else 1e3 * torch.finfo(s0.dtype).eps
-        d, want = (sx - s0)[causal].double(), scale * x[causal].double()
+        xs = scale * x[visible].double()
+        want = xs if softcap is None else softcap * torch.tanh(xs / softcap)
+        d = (sx - s0)[visible].double()
         if not torch.allclose(d, want, rtol=tol, atol=tol * float(want.abs().max())):
             return None
-        has_bias = has_bias or bool((s0[causal] != 0).any())
+        has_bias = has_bias or bool((s0[visible] != 0).any())
+    window = None if window >= max(lengths) else window
     if not has_bias:
-        return False
-    return True if _bias_exact_on_tree(probe, ctx, qk, s, max(lengths)) else None
+        return False, window
+    return (True, window) if _bias_exact_on_tree(probe, ctx, qk, s, max(lengths)) else None
 
 
 def _allowed(s: torch.Tensor) -> torch.Tensor:
