@@ -147,9 +147,10 @@ class HandAttention(MixerLM):
     sliding window, optional attention sinks (a learned logit per head in the softmax, its probability dropped),
     softmax, @ v."""
 
-    def __init__(self, heads=2, alibi=None, causal=True, window=None, softcap=None, sinks=False, hide_self=False):
+    def __init__(self, heads=2, alibi=None, causal=True, window=None, softcap=None, sinks=False, hide_self=False,
+                 row_max=False):
         super().__init__()
-        self.H, self.alibi, self.causal, self.window = heads, alibi, causal, window
+        self.H, self.alibi, self.causal, self.window, self.row_max = heads, alibi, causal, window, row_max
         self.softcap, self.hide_self = softcap, hide_self
         self.qkv = nn.Linear(C, 3 * C)
         self.register_buffer("slopes", torch.tensor([0.5 ** (i + 1) for i in range(heads)]), persistent=False)
@@ -175,8 +176,10 @@ class HandAttention(MixerLM):
         if self.hide_self:  # near miss: a query does not see itself (neither causal nor a window)
             s = s.masked_fill(torch.eye(T, dtype=torch.bool), float("-inf"))
         if self.sinks is not None:
-            p = torch.softmax(torch.cat([s, self.sinks.view(1, H, 1, 1).expand(1, H, T, 1)], -1), -1)[..., :-1]
-            o = p @ v
+            s = torch.cat([s, self.sinks.view(1, H, 1, 1).expand(1, H, T, 1)], -1)
+            if self.row_max:  # gpt-oss: the row maximum subtracted before the softmax
+                s = s - s.max(dim=-1, keepdim=True).values
+            o = torch.softmax(s, -1)[..., :-1] @ v
         else:
             o = torch.softmax(s, -1) @ v
         return o.transpose(1, 2).reshape(1, T, C)

@@ -438,15 +438,22 @@ def test_hf_moe_lowering_on_the_captured_graph(hf, monkeypatch):
     assert OPS.moe_experts.default not in targets
 
 
-def test_unsupported_experts_are_left_alone():
-    """An experts module the op would not compute exactly (here: a non-SiLU activation) is not swapped."""
+def test_unsupported_experts_run_their_own_forward():
+    """An experts module the op would not compute exactly (here: a GELU activation) is swapped for
+    ``treecompile::experts_module``, one opaque call running the module's own eager forward: within the
+    reference's own rounding on a tree, gradients reaching its parameters through the op's backward."""
     model = hf_model("qwen3_next_moe")
     experts = next(m for m in model.modules() if type(m).__name__ == "Qwen3NextExperts")
     experts.act_fn = torch.nn.GELU()
     assert "activation GELU" in hf_adapters.hf_experts_supported(experts)
     from treecompile.frontend import kernel_swaps
     n_gdn_swaps = len(kernel_swaps(hf_model("qwen3_next")))
-    assert len(kernel_swaps(model)) == n_gdn_swaps + model.config.num_hidden_layers - 1
+    assert len(kernel_swaps(model)) == n_gdn_swaps + model.config.num_hidden_layers
+    tmodel = treecompile.compile(model)
+    targets = [n.target for n in tmodel.graph_module.graph.nodes if n.op == "call_function"]
+    assert targets.count(OPS.experts_module.default) == 1
+    assert targets.count(OPS.moe_experts.default) == model.config.num_hidden_layers - 1
+    check_hf(model, tmodel, FIXED["deep_chain"], None, None)
 
 
 def check_conv_as_shifts(model, tm):

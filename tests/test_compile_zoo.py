@@ -233,3 +233,55 @@ def test_hf_sliding_window_on_cuda(window):
         e_tree = rel(got.detach().double().cpu(), want.detach().double())
         e_ref = rel(ref.detach().double().cpu(), want.detach().double())
         assert e_tree <= 2 * e_ref + u, f"{name}: tree error {e_tree:.3g} > 2 * per-path float32 {e_ref:.3g} + {u:.1g}"
+
+
+def test_hf_experts_without_a_treecompile_op_run_their_own_forward(tmp_path):
+    """gpt-oss: experts with biases, interleaved [gate, up] and a clamped SwiGLU (no ``moe_experts`` layout) run
+    as ``treecompile::experts_module`` (their own eager forward, one opaque call); its eager attention has sinks
+    and subtracts the row maximum, and every other layer slides a window.  Exact on a deep tree; saving the
+    program is refused by name (the op names a module of this process)."""
+    if not hasattr(transformers, "GptOssForCausalLM"):
+        pytest.skip("transformers has no GptOssForCausalLM")
+    torch.manual_seed(0)
+    cfg = transformers.GptOssConfig(**{**MOE, "head_dim": 8, "num_local_experts": 4, "num_experts_per_tok": 2,
+                                       "sliding_window": 4, "num_hidden_layers": 2,
+                                       "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}})
+    model = transformers.GptOssForCausalLM(cfg).double().train()
+    model.set_experts_implementation("eager")
+    tmodel = treecompile.compile(model)
+    info = tmodel.pass_results["rewrite_causal_attention"].info
+    assert tmodel.pass_results["rewrite_causal_attention"].count == 2
+    assert info["with_sinks"] == 2 and info["windowed"] == 1
+    ops = [n.target for n in tmodel.graph_module.graph.nodes if n.op == "call_function"]
+    assert ops.count(torch.ops.treecompile.experts_module.default) == 2
+    assert_tree_equals_per_path(model, tmodel, DEEP_PATHS)
+    with pytest.raises(ValueError, match=r"experts_module.*GptOssExperts.*cannot be saved"):
+        treecompile.save(tmodel, tmp_path / "gpt_oss")
+    assert not (tmp_path / "gpt_oss").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_hf_gpt_oss_on_cuda():
+    """gpt-oss (float32, CUDA) compiled and lowered for CUDA: ``experts_module`` (its own eager experts loop), the
+    dense eager attention with sinks and a sliding window.  Loss and gradients against the float64 per-path
+    oracle within 2x the float32 per-path run's own error (plus one float32 rounding)."""
+    import copy
+    torch.manual_seed(0)
+    cfg = transformers.GptOssConfig(**{**MOE, "vocab_size": 97, "hidden_size": 64, "head_dim": 16,
+                                       "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8,
+                                       "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}})
+    oracle = transformers.GptOssForCausalLM(cfg).double()
+    oracle.set_experts_implementation("eager")
+    model = copy.deepcopy(oracle).float().cuda()
+    tm = treecompile.compile(model)
+    out = tm(Tree.from_paths(DEEP_PATHS).to_batch(device="cuda"))
+    ref32, ref64 = reference.run(model, DEEP_PATHS), reference.run(oracle, DEEP_PATHS)
+    params32, params64 = list(model.parameters()), list(oracle.parameters())
+    g_tree, g_ref = flat_grads(out.loss, params32), flat_grads(ref32.loss, params32)
+    g_oracle = flat_grads(ref64.loss, params64)
+    u = torch.finfo(torch.float32).eps / 2
+    for name, got, ref, want in (("loss", out.loss, ref32.loss, ref64.loss), ("grad", g_tree, g_ref, g_oracle)):
+        e_tree = rel(got.detach().double().cpu(), want.detach().double())
+        e_ref = rel(ref.detach().double().cpu(), want.detach().double())
+        assert e_tree <= 2 * e_ref + u, f"{name}: tree error {e_tree:.3g} > 2 * per-path float32 {e_ref:.3g} + {u:.1g}"

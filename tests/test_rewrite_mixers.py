@@ -48,6 +48,8 @@ REWRITES = [
     ("attention_sinks", lambda: mm.HandAttention(sinks=True), "rewrite_causal_attention", 1),
     ("attention_softcap_window_sinks", lambda: mm.HandAttention(softcap=0.5, window=3, sinks=True),
      "rewrite_causal_attention", 1),
+    ("attention_sinks_row_max_window", lambda: mm.HandAttention(sinks=True, row_max=True, window=4),
+     "rewrite_causal_attention", 1),
     ("attention_softcap_sinks_alibi", lambda: mm.HandAttention(softcap=0.5, sinks=True, alibi="relative"),
      "rewrite_causal_attention", 1),
 ]

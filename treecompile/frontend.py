@@ -72,20 +72,28 @@ def kernel_swaps(model: torch.nn.Module) -> list:
     ``GDN_HOOKS`` and one of ``CONV_HOOKS`` as callables (:func:`gdn_hook_owners`).  HF experts modules
     (classes decorated with ``use_experts_implementation``: their eager loop is data-dependent,
     ``grouped_mm`` refuses float64) get their instance ``forward`` swapped for ``treecompile::moe_experts``
-    when :func:`treecompile.hf_adapters.hf_experts_supported` says it computes them exactly; others are
-    left as they are.  Returns [] for models without such layers.
+    when :func:`treecompile.hf_adapters.hf_experts_supported` says it computes them exactly, else for
+    ``treecompile::experts_module`` (the module's own eager forward as one opaque call, ``ops.experts_module``).
+    Returns [] for models without such layers.
     """
     import types
 
     from treecompile.hf_adapters import hf_causal_conv1d_fn, hf_chunk_gated_delta_rule
-    from treecompile.hf_adapters import hf_experts_forward, hf_experts_supported
+    from treecompile.hf_adapters import hf_experts_forward, hf_experts_module_forward, hf_experts_supported
 
-    swaps = [_patched(m, "forward", types.MethodType(hf_experts_forward, m)) for m in model.modules()
-             if hasattr(m, "is_concatenated") and hasattr(m, "gate_up_proj") and hf_experts_supported(m) is None]
+    swaps = [_patched(m, "forward", types.MethodType(
+        hf_experts_forward if hf_experts_supported(m) is None else hf_experts_module_forward, m))
+        for m in model.modules() if _is_hf_experts(m)]
     for owner, gdn, conv in gdn_hook_owners(model):
         swaps += [_patched(owner, n, hf_chunk_gated_delta_rule) for n in gdn]
         swaps += [_patched(owner, n, hf_causal_conv1d_fn) for n in conv]
     return swaps
+
+
+def _is_hf_experts(m: torch.nn.Module) -> bool:
+    """An instance of a class decorated with HF's ``use_experts_implementation`` (its ``__init__`` sets these)."""
+    return all(hasattr(m, a) for a in ("is_concatenated", "has_gate", "has_bias", "is_transposed")) \
+        and hasattr(type(m).forward, "__wrapped__")
 
 
 class CaptureError(RuntimeError):

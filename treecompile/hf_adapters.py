@@ -5,7 +5,8 @@ DeltaNet layer becomes one ``treecompile::tree_gated_delta_rule`` node and each 
 one ``treecompile::tree_causal_conv1d`` node with a dynamic length; the passes then re-point their
 node/context inputs at the batch's (``passes.route_gdn_states``).  HF experts modules get their
 instance ``forward`` swapped for :func:`hf_experts_forward` (one ``treecompile::moe_experts`` node per
-MoE layer) where :func:`hf_experts_supported` says it computes them exactly.  They run one plain sequence per
+MoE layer) where :func:`hf_experts_supported` says it computes them exactly, else for
+:func:`hf_experts_module_forward` (one ``treecompile::experts_module`` node running the module's own eager forward).  They run one plain sequence per
 batch row ("a tree of root nodes"): outside a capture they compute what HF's functions compute.
 """
 
@@ -14,11 +15,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from treecompile.ops.experts_module import experts_module, register_experts_module
 from treecompile.ops.moe import moe_experts
 from treecompile.ops.tree_conv import chain_conv_index, tree_causal_conv1d
 from treecompile.ops.tree_gdn import sequence_nodes, tree_gated_delta_rule
 
-__all__ = ["hf_chunk_gated_delta_rule", "hf_causal_conv1d_fn", "hf_experts_forward", "hf_experts_supported"]
+__all__ = ["hf_chunk_gated_delta_rule", "hf_causal_conv1d_fn", "hf_experts_forward", "hf_experts_module_forward",
+           "hf_experts_supported"]
 
 
 def hf_chunk_gated_delta_rule(query, key, value, g, beta, chunk_size: int = 64, initial_state=None,
@@ -78,6 +81,14 @@ def hf_experts_supported(module: torch.nn.Module) -> str | None:
     if not isinstance(act, (torch.nn.SiLU, SiLUActivation)):
         return f"activation {type(act).__name__} (supported: SiLU)"
     return None
+
+
+def hf_experts_module_forward(module: torch.nn.Module, hidden_states: Tensor, top_k_index: Tensor,
+                              top_k_weights: Tensor) -> Tensor:
+    """An HF experts module :func:`hf_experts_supported` refuses, as one ``treecompile::experts_module`` call that
+    runs the module's own eager forward (``ops.experts_module``)."""
+    key = register_experts_module(module)
+    return experts_module(key, hidden_states, top_k_index, top_k_weights, list(module.parameters()))
 
 
 def hf_experts_forward(module: torch.nn.Module, hidden_states: Tensor, top_k_index: Tensor,

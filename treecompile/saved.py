@@ -240,6 +240,14 @@ def save(tmodel, directory: str | os.PathLike, *, manifest_extra: dict | None = 
     if not parent.is_dir():
         raise FileNotFoundError(f"{parent}: no such directory")
 
+    import treecompile.ops.experts_module  # noqa: F401  (registers the op the check below names)
+
+    held = [n for n in tmodel.exported_program.graph.nodes
+             if n.op == "call_function" and n.target is torch.ops.treecompile.experts_module.default]
+    if held:
+        raise ValueError(f"save: the program calls {len(held)} HF experts module(s) that treecompile has no op for "
+                         f"(treecompile::experts_module, e.g. {held[0].args[0]!r}), which run the module's own code "
+                         f"in the process that compiled it; such a program cannot be saved")
     sig = tmodel.exported_program.graph_signature
     non_persistent = set(sig.non_persistent_buffers if hasattr(sig, "non_persistent_buffers") else ())
     tensors, kinds = {}, {}

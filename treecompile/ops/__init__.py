@@ -2,7 +2,8 @@
 
 Importing this package registers every op (``treecompile::tree_attention``, ``::tree_attention_windowed``,
 ``::linear_logprobs``,
-``::gather_logprobs``, ``::tree_gated_delta_rule``, ``::tree_causal_conv1d``, ``::moe_experts``, the
+``::gather_logprobs``, ``::tree_gated_delta_rule``, ``::tree_causal_conv1d``, ``::moe_experts``,
+``::experts_module`` (an HF experts module run as one opaque call), the
 sequence mixers ``::tree_shift``, ``::tree_scan``, ``::tree_ancestors``, ``::tree_attention_biased`` and
 the partition-boundary variants ``::tree_attention_boundary``, ``::tree_gated_delta_rule_boundary``,
 ``::tree_causal_conv1d_boundary``), so that saved programs that name them load; also
@@ -15,7 +16,7 @@ and what ``"auto"`` takes where FA4 runs).  The CUDA attention paths (``flex_tre
 """
 
 from treecompile.ops import (  # noqa: F401
-    materialize, moe, moe_grouped, tree_attention_boundary, tree_conv, tree_conv_boundary, tree_gdn,
+    experts_module, materialize, moe, moe_grouped, tree_attention_boundary, tree_conv, tree_conv_boundary, tree_gdn,
     tree_gdn_boundary, tree_mixers, varlen_tree_attention)
 from treecompile.ops.logprobs import gather_logprobs, linear_logprobs
 from treecompile.ops.tree_attention import tree_attention, tree_attention_reference, tree_mask

@@ -23,10 +23,10 @@ op: ``treecompile.compile`` lowers it to FlexAttention with a BlockMask built fr
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.nn.functional as F
+
+from treecompile.ops.op_autograd import autograd_inside_op
 
 __all__ = ["tree_attention", "tree_mask", "tree_attention_reference", "tree_attention_windowed", "tree_window_mask",
            "tree_attention_windowed_reference", "tree_attention_biased", "tree_attention_biased_reference"]
@@ -141,20 +141,6 @@ def _(q, k, v, subtree_end, position_ids, window, scale=None):
     return _sdpa_layout(q, v)
 
 
-@contextlib.contextmanager
-def _autograd_inside_op():
-    """Record autograd inside a custom op's implementation, which the dispatcher runs with the autograd keys
-    excluded (its tensors would not require grad): the keys are re-included for the block, the rest of the
-    thread-local dispatch state kept."""
-    include, exclude = torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set()
-    for key in (torch._C.DispatchKey.AutogradFunctionality, torch._C.DispatchKey.ADInplaceOrView,
-                torch._C.DispatchKey.AutogradOther, torch._C.DispatchKey.AutogradCPU,
-                torch._C.DispatchKey.AutogradCUDA):
-        exclude = exclude.remove(key)
-    with torch._C._ForceDispatchKeyGuard(include, exclude):
-        yield
-
-
 @torch.library.custom_op("treecompile::tree_attention_windowed_backward", mutates_args=())
 def tree_attention_windowed_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                      subtree_end: torch.Tensor, position_ids: torch.Tensor, window: int,
@@ -162,7 +148,7 @@ def tree_attention_windowed_backward(grad: torch.Tensor, q: torch.Tensor, k: tor
     """``(dq, dk, dv)`` of :func:`tree_attention_windowed`: the forward recomputed with autograd, then its
     backward.  An op of its own, so that a graph compiled around the forward (AOTAutograd traces the backward)
     sees one opaque call, not the compiled FlexAttention inside it."""
-    with _autograd_inside_op(), torch.enable_grad():
+    with autograd_inside_op():
         qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
         out = _windowed(qq, kk, vv, subtree_end, position_ids, window, scale)
         grads = torch.autograd.grad(out, (qq, kk, vv), grad)

@@ -29,6 +29,8 @@ input ids or that depends on the sequence length, a bias that the probe tree sho
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch import fx
 
@@ -161,7 +163,7 @@ def rewrite_causal_attention(gm: fx.GraphModule, ctx: PassContext) -> PassResult
     for sm in list(gm.graph.nodes):
         if sm.op != "call_function" or sm.target not in SOFTMAX:
             continue
-        s, sinks = _split_sinks(sm.args[0])
+        s, sinks = _split_sinks(_without_row_max(sm.args[0]))
         sv = s.meta["val"]
         if sv.dim() < 2 or sm.args[1] % sv.dim() != sv.dim() - 1 or not {sv.dim() - 2, sv.dim() - 1} <= set(
                 token_dims(sv, ctx)):
@@ -205,6 +207,26 @@ def rewrite_causal_attention(gm: fx.GraphModule, ctx: PassContext) -> PassResult
     if count:
         remove_dead_code(gm)
     return PassResult(count, {"with_bias": biased, **features} if count else {})
+
+
+def _without_row_max(x: fx.Node) -> fx.Node:
+    """``y - y.max(-1, keepdim=True).values`` (or ``amax``) -> ``y``: the softmax subtracts its row maximum
+    itself, so the result is the same function of ``y`` (gpt-oss writes it out against bf16 overflow)."""
+    if x.target != aten.sub.Tensor or len(x.args) != 2 or not isinstance(x.args[1], fx.Node):
+        return x
+    y, m = x.args
+    if m.target is operator.getitem and m.args[1] == 0:
+        m = m.args[0]
+        ok = m.target == aten.max.dim
+    else:
+        ok = m.target == aten.amax.default
+    if not ok or m.args[0] is not y:
+        return x
+    nd = y.meta["val"].dim()
+    dims = m.args[1] if len(m.args) > 1 else m.kwargs.get("dim")
+    dims = [dims] if isinstance(dims, int) else list(dims or [])
+    keep = m.args[2] if len(m.args) > 2 else m.kwargs.get("keepdim", False)
+    return y if [d % nd for d in dims] == [nd - 1] and keep else x
 
 
 def _split_sinks(s: fx.Node):
