@@ -266,6 +266,18 @@ class ChunkedCausal(Bidirectional):
         return self.head(x[:, 0])
 
 
+class HidesTheLastQuery(Bidirectional):
+    """Causal except that the last query sees no key: neither causal nor a window (a window read off the last row
+    would be 0 tokens)."""
+
+    def forward(self, ids):
+        x = self.emb(ids)[:, None]
+        i = torch.arange(ids.shape[1])
+        mask = (i[None, :] <= i[:, None]) & (i[:, None] < ids.shape[1] - 1)
+        x = torch.nn.functional.scaled_dot_product_attention(x, x, x, attn_mask=mask)
+        return self.head(x[:, 0])
+
+
 class WideSlidingWindow(SlidingWindow):
     """A window of 64 tokens: causal at every length up to 64."""
 
@@ -288,6 +300,7 @@ class EagerWideSlidingWindow(Bidirectional):
     (Bidirectional, r"test_compile.py:\d+ in forward.*not causal"),
     (PaddingMasked, "reads the values of input"),
     (ChunkedCausal, r"neither the causal mask nor a sliding window over it \(checked at length \d+"),
+    (HidesTheLastQuery, r"hides every key from the last query"),
 ])
 def test_non_causal_attention_is_refused(cls, message):
     with pytest.raises(treecompile.passes.PassError, match=message) as info:

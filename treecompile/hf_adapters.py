@@ -12,6 +12,8 @@ batch row ("a tree of root nodes"): outside a capture they compute what HF's fun
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import Tensor
 
@@ -83,12 +85,19 @@ def hf_experts_supported(module: torch.nn.Module) -> str | None:
     return None
 
 
-def hf_experts_module_forward(module: torch.nn.Module, hidden_states: Tensor, top_k_index: Tensor,
-                              top_k_weights: Tensor) -> Tensor:
+def hf_experts_module_forward(module: torch.nn.Module, *args, **kwargs) -> Tensor:
     """An HF experts module :func:`hf_experts_supported` refuses, as one ``treecompile::experts_module`` call that
-    runs the module's own eager forward (``ops.experts_module``)."""
+    runs the module's own eager forward (``ops.experts_module``).  Takes the arguments as that forward does
+    (``hidden_states, top_k_index, top_k_weights`` or the module's own names, by position or keyword)."""
+    forward = type(module).forward
+    forward = getattr(forward, "__wrapped__", forward)
+    bound = inspect.signature(forward).bind(module, *args, **kwargs)
+    values = list(bound.arguments.values())[1:]
+    if len(values) != 3 or not all(isinstance(v, Tensor) for v in values):
+        raise ValueError(f"{type(module).__name__}: expected the experts call (hidden_states, top_k_index, "
+                         f"top_k_weights), got {len(values)} argument(s)")
     key = register_experts_module(module)
-    return experts_module(key, hidden_states, top_k_index, top_k_weights, list(module.parameters()))
+    return experts_module(key, *values, list(module.parameters()))
 
 
 def hf_experts_forward(module: torch.nn.Module, hidden_states: Tensor, top_k_index: Tensor,

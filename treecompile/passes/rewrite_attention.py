@@ -115,6 +115,10 @@ def _mask_window(mask: fx.Node, sdpa: fx.Node, ctx: PassContext) -> int | None:
     last = allowed[T].reshape(-1, T, T)[0, T - 1]
     window = T - int(last.nonzero()[0]) if bool(last.any()) else 0
     for T, a in allowed.items():
+        if window < 1:  # the last row sees nothing: not a window over the causal mask
+            raise UnsupportedModelError(f"{where(sdpa)}: the attention mask hides every key from the last query "
+                                        f"(checked at length {T}); tree attention replaces causal attention and "
+                                        f"sliding windows over it")
         i = torch.arange(T)
         want = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < window)
         if not bool((a == want).all()):

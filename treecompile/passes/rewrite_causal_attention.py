@@ -289,7 +289,9 @@ def _check_scores(probe: Probe, ctx: PassContext, qk: fx.Node, s: fx.Node, scale
         allowed = _allowed(s0)
         if window is None:
             last = allowed.reshape(-1, T, T)[0, T - 1]
-            window = T - int(last.nonzero()[0]) if bool(last.any()) else 0
+            if not bool(last.any()):  # the last query sees nothing: neither causal nor a window
+                return None
+            window = T - int(last.nonzero()[0])
         i = torch.arange(T)
         visible = ((i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < window)).expand(x.shape)
         if not torch.equal(allowed, visible) or not torch.equal(_allowed(sx), visible):
