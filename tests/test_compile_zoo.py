@@ -141,6 +141,8 @@ def test_hf_sliding_window_on_a_tree(family, window):
 
 @pytest.mark.parametrize("family, window, message", [
     ("mistral", 100_000, r"holds the number 100000 .*at most 8192"),  # too large to check past: refused by name
+    # eager attention probes [1, H, T, T] scores: Gemma 2's 4,096-token window is past what it may hold
+    ("gemma2", 4096, r"hand-written attention whose mask or bias holds the number 4096 .*\[\.\., 4098, 4098\] probe"),
 ])
 def test_hf_sliding_window_past_the_check_is_refused(family, window, message):
     """A sliding window is causal at every length up to the window, so a mask checked at short lengths alone would

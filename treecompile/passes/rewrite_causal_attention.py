@@ -35,9 +35,10 @@ import torch
 from torch import fx
 
 import treecompile.ops.tree_attention  # noqa: F401  (registers treecompile::tree_attention_biased)
-from treecompile.passes.base import METADATA_ASSERTS, PassContext, PassResult, remove_dead_code
-from treecompile.passes.token_probe import (Probe, chain_batch, concrete_shape, lengths_past_literals, probe_tree,
-                                           token_dims, value_nodes)
+from treecompile.passes.base import (METADATA_ASSERTS, PassContext, PassResult, UnsupportedModelError, ancestors,
+                                     largest_index_literal, remove_dead_code, where)
+from treecompile.passes.token_probe import (PROBE_MAX_ENTRIES, Probe, chain_batch, concrete_shape,
+                                           lengths_past_literals, probe_tree, token_dims, value_nodes)
 from treecompile.tree import Tree
 
 aten = torch.ops.aten
@@ -53,7 +54,7 @@ SCALES = {aten.mul.Tensor, aten.div.Tensor}
 PROBE_LENGTHS = (5, 11)
 # the scores are also probed at one past the largest number their mask/bias operands hold (a sliding window of W
 # tokens is causal at every length up to W; token_probe.lengths_past_literals) while that probe's [*, T, T] scores
-# hold at most token_probe.PROBE_MAX_ENTRIES entries; past it the site is left alone (the verifier then refuses it)
+# hold at most token_probe.PROBE_MAX_ENTRIES entries; past it the site is refused naming the number
 
 
 def _users(n: fx.Node) -> list[fx.Node]:
@@ -184,7 +185,14 @@ def rewrite_causal_attention(gm: fx.GraphModule, ctx: PassContext) -> PassResult
                 or str(probs.meta["val"].shape) != str(qkv.shape)):
             continue  # the input batch is [1, T]: leading dims are batch 1 times heads
         lengths = lengths_past_literals(PROBE_LENGTHS, s, [qk], ctx)  # the mask/bias operands' numbers
-        checked = _check_scores(probe, ctx, qk, s, scale, softcap, lengths) if lengths is not None else None
+        if lengths is None:
+            bound = int(largest_index_literal(ancestors(s) - ancestors(qk)))
+            raise UnsupportedModelError(
+                f"{where(sm)}: hand-written attention whose mask or bias holds the number {bound} (a sliding "
+                f"window?): checking the scores past it takes a [.., {bound + 2}, {bound + 2}] probe, over the "
+                f"{PROBE_MAX_ENTRIES:,} entries it may hold; tree attention replaces the causal masks and sliding "
+                f"windows it can check (an SDPA path, where the model has one, checks windows up to 8,190 tokens)")
+        checked = _check_scores(probe, ctx, qk, s, scale, softcap, lengths)
         if checked is None:
             continue
         has_bias, window = checked
