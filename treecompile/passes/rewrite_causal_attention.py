@@ -37,8 +37,8 @@ from torch import fx
 import treecompile.ops.tree_attention  # noqa: F401  (registers treecompile::tree_attention_biased)
 from treecompile.passes.base import (METADATA_ASSERTS, PassContext, PassResult, UnsupportedModelError, ancestors,
                                      largest_index_literal, remove_dead_code, where)
-from treecompile.passes.token_probe import (PROBE_MAX_ENTRIES, Probe, chain_batch, concrete_shape,
-                                           lengths_past_literals, probe_tree, token_dims, value_nodes)
+from treecompile.passes.token_probe import (PROBE_MAX_ENTRIES, Probe, chain_batch, concrete_shape, probe_tree,
+                                           token_dims, value_nodes)
 from treecompile.tree import Tree
 
 aten = torch.ops.aten
@@ -53,8 +53,10 @@ ADDS = {aten.add.Tensor, aten.sub.Tensor, aten.masked_fill.Scalar, aten.masked_f
 SCALES = {aten.mul.Tensor, aten.div.Tensor}
 PROBE_LENGTHS = (5, 11)
 # the scores are also probed at one past the largest number their mask/bias operands hold (a sliding window of W
-# tokens is causal at every length up to W; token_probe.lengths_past_literals) while that probe's [*, T, T] scores
-# hold at most token_probe.PROBE_MAX_ENTRIES entries; past it the site is refused naming the number
+# tokens is causal at every length up to W) up to PROBE_MAX_LEN tokens, as rewrite_attention checks SDPA masks; past
+# it the site is refused naming the number.  Scores [*, T, T] over token_probe.PROBE_MAX_ENTRIES entries are probed
+# for the first of the leading (batch, head) dims only (_probe_value): the masks and biases broadcast over them
+PROBE_MAX_LEN = 8192
 
 
 def _users(n: fx.Node) -> list[fx.Node]:
@@ -184,14 +186,15 @@ def rewrite_causal_attention(gm: fx.GraphModule, ctx: PassContext) -> PassResult
                 or token_dims(v.meta["val"], ctx)[-1:] != [v.meta["val"].dim() - 2]
                 or str(probs.meta["val"].shape) != str(qkv.shape)):
             continue  # the input batch is [1, T]: leading dims are batch 1 times heads
-        lengths = lengths_past_literals(PROBE_LENGTHS, s, [qk], ctx)  # the mask/bias operands' numbers
-        if lengths is None:
-            bound = int(largest_index_literal(ancestors(s) - ancestors(qk)))
+        # the mask/bias operands' numbers: probed one past the largest (a window of W tokens shows at W + 2)
+        past = int(largest_index_literal(ancestors(s) - ancestors(qk))) + 2
+        if past > PROBE_MAX_LEN:
             raise UnsupportedModelError(
-                f"{where(sm)}: hand-written attention whose mask or bias holds the number {bound} (a sliding "
-                f"window?): checking the scores past it takes a [.., {bound + 2}, {bound + 2}] probe, over the "
-                f"{PROBE_MAX_ENTRIES:,} entries it may hold; tree attention replaces the causal masks and sliding "
-                f"windows it can check (an SDPA path, where the model has one, checks windows up to 8,190 tokens)")
+                f"{where(sm)}: hand-written attention whose mask or bias holds the number {past - 2} (a sliding "
+                f"window?): checking the scores past it takes [{past}, {past}] scores, more than the "
+                f"[{PROBE_MAX_LEN}, {PROBE_MAX_LEN}] it may probe; tree attention replaces the causal masks and "
+                f"sliding windows it can check")
+        lengths = PROBE_LENGTHS + ((past,) if past > max(PROBE_LENGTHS) else ())
         checked = _check_scores(probe, ctx, qk, s, scale, softcap, lengths)
         if checked is None:
             continue
@@ -281,11 +284,12 @@ def _check_scores(probe: Probe, ctx: PassContext, qk: fx.Node, s: fx.Node, scale
     """(has bias, window) if the scores are ``scale * X + bias`` (``softcap * tanh(scale * X / softcap) + bias``)
     under the causal mask, or under the causal mask and a sliding window of W tokens (``q - W < k``, W read off
     the longest probe), with a bias that is exact on trees at the probe ``lengths``
-    (:func:`token_probe.lengths_past_literals`); None otherwise (see the module docstring)."""
+    (the sample lengths and one past every number the scores' operands hold); None otherwise (see the module
+    docstring)."""
     gen = torch.Generator().manual_seed(0)
     has_bias, window = False, None
     for T in sorted(lengths, reverse=True):  # the longest first: it shows the window
-        x = probe.random(qk, T, gen)
+        x = _probe_value(probe.random(qk, T, gen))
         zero = torch.zeros_like(x)
         outs = [probe.run([s], chain_batch(T), {qk: v}) for v in (zero, x)]
         if any(o is None for o in outs):
@@ -317,6 +321,15 @@ def _check_scores(probe: Probe, ctx: PassContext, qk: fx.Node, s: fx.Node, scale
     return (True, window) if _bias_exact_on_tree(probe, ctx, qk, s, max(lengths)) else None
 
 
+def _probe_value(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (the product's value), or over :data:`~treecompile.passes.token_probe.PROBE_MAX_ENTRIES` entries its
+    first entry of every leading dim (``[1, .., 1, T, T]``): the score ops broadcast it against their operands (a
+    ``[1, 1, T, T]`` mask); an op that needs the full shape fails the probe, and the site is refused."""
+    if x.numel() <= PROBE_MAX_ENTRIES:
+        return x
+    return x[(slice(0, 1),) * (x.dim() - 2)]
+
+
 def _allowed(s: torch.Tensor) -> torch.Tensor:
     return ~(torch.isneginf(s) | (s <= torch.finfo(s.dtype).min / 2))
 
@@ -327,19 +340,19 @@ def _bias_exact_on_tree(probe: Probe, ctx: PassContext, qk: fx.Node, s: fx.Node,
     past every number the bias holds) while their path distance does not."""
     tree = Tree.from_paths(probe_tree(reach))
     batch = tree.to_batch()
-    shape = concrete_shape(qk.meta["val"], ctx, batch.seq_len)
-    out = probe.run([s], batch, {qk: torch.zeros(shape, dtype=qk.meta["val"].dtype)})
-    if out is None:
+    zero = _probe_value(torch.zeros(concrete_shape(qk.meta["val"], ctx, batch.seq_len), dtype=qk.meta["val"].dtype))
+    out = probe.run([s], batch, {qk: zero})
+    if out is None or out[0].numel() != zero.numel():
         return False
-    b_tree = out[0].reshape(shape)
+    b_tree = out[0].reshape(zero.shape)
     starts = torch.cumsum(tree.path_lengths, 0) - tree.path_lengths
     for p, L in enumerate(tree.path_lengths.tolist()):
         idx = tree.path_index[int(starts[p]):int(starts[p]) + L]
-        pshape = concrete_shape(qk.meta["val"], ctx, L)
-        ref = probe.run([s], chain_batch(L), {qk: torch.zeros(pshape, dtype=qk.meta["val"].dtype)})
-        if ref is None:
+        pzero = _probe_value(torch.zeros(concrete_shape(qk.meta["val"], ctx, L), dtype=qk.meta["val"].dtype))
+        ref = probe.run([s], chain_batch(L), {qk: pzero})
+        if ref is None or ref[0].numel() != pzero.numel():
             return False
-        b_path = ref[0].reshape(pshape)
+        b_path = ref[0].reshape(pzero.shape)
         low = torch.ones(L, L, dtype=torch.bool).tril()
         got = b_tree[..., idx[:, None], idx[None, :]]
         if not torch.allclose(got[..., low], b_path[..., low], rtol=1e-12, atol=0):
@@ -353,7 +366,8 @@ def _is_mask_value(x) -> bool:
 
 def _masks_only(probe: Probe, side: fx.Node, lengths) -> bool:
     """An additive operand whose values are only 0 and -inf/finfo.min (a mask, not a bias) at every probe length
-    (those of :func:`token_probe.lengths_past_literals`: a bias that starts past some distance is zero at short lengths)."""
+    (the sample lengths and one past every number the scores' operands hold: a bias that starts past some distance is
+    zero at short lengths)."""
     for T in lengths:
         out = probe.run([side], chain_batch(T), {})
         if out is None or not out[0].dtype.is_floating_point:
