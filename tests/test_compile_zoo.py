@@ -188,6 +188,9 @@ MLA = dict(num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, head_dim=4, q
     ("DeepseekV3ForCausalLM", "DeepseekV3Config", {**MOE, **MLA}),
     # and DeepSeek-V2's RoPE: torch.polar + view_as_complex / view_as_real
     ("DeepseekV2ForCausalLM", "DeepseekV2Config", {**MOE, **MLA}),
+    # eager attention: float32 scores plus a float64 mask (the softmax runs in float64, as the model's does)
+    ("GPTJForCausalLM", "GPTJConfig", dict(vocab_size=37, n_embd=32, n_layer=2, n_head=4, rotary_dim=4,
+                                           n_positions=256, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)),
 ])
 def test_hf_models_found_by_the_zoo_sweep(mcls, ccls, kw):
     """Families a sweep over transformers' causal LMs found refused by treecompile's own bugs or by token rules

@@ -68,10 +68,17 @@ def _keeps_last2(n: fx.Node) -> bool:
     return len(a) >= 2 and len(b) >= 2 and str(a[-2:]) == str(b[-2:])
 
 
-def _softmax_dtype(sm: fx.Node):
+def _softmax_dtype(sm: fx.Node, qk: fx.Node):
+    """The dtype the model's softmax runs in: its ``dtype`` argument, else its input's where that is wider than
+    the product's (float32 scores plus a float64 mask, GPT-J: the op would otherwise run the softmax in float32)."""
     if sm.target == aten._softmax.default:
-        return torch.float32 if sm.args[2] else None
-    return sm.args[2] if len(sm.args) > 2 else sm.kwargs.get("dtype")
+        asked = torch.float32 if sm.args[2] else None
+    else:
+        asked = sm.args[2] if len(sm.args) > 2 else sm.kwargs.get("dtype")
+    scores, product = sm.args[0].meta["val"].dtype, qk.meta["val"].dtype
+    if asked is None and scores != product and torch.finfo(scores).eps < torch.finfo(product).eps:
+        return scores
+    return asked
 
 
 def _drops_last_column(n: fx.Node) -> bool:
@@ -203,7 +210,7 @@ def rewrite_causal_attention(gm: fx.GraphModule, ctx: PassContext) -> PassResult
             k = ctx.call(aten.transpose.int, (kt, -1, -2), like=qk)
             bias = _bias_nodes(ctx, probe, qk, chain, s, lengths) if has_bias else None
             pos = ctx.tree_input("position_ids") if window is not None else None
-            new = ctx.call(BIASED, (q, k, v, ctx.tree_input("subtree_end"), bias, float(scale), _softmax_dtype(sm),
+            new = ctx.call(BIASED, (q, k, v, ctx.tree_input("subtree_end"), bias, float(scale), _softmax_dtype(sm, qk),
                                     pos, window, None if softcap is None else float(softcap), sinks), like=sm)
         if str(new.meta["val"].shape) != str(pv.meta["val"].shape):
             gm.graph.erase_node(new)
@@ -308,7 +315,9 @@ def _check_scores(probe: Probe, ctx: PassContext, qk: fx.Node, s: fx.Node, scale
         visible = ((i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < window)).expand(x.shape)
         if not torch.equal(allowed, visible) or not torch.equal(_allowed(sx), visible):
             return None
-        tol = 1e-9 if s0.dtype == torch.float64 else 1e3 * torch.finfo(s0.dtype).eps
+        # the product's dtype too: float32 scores added to a float64 mask (GPT-J) are float64 but round as float32
+        eps = max(torch.finfo(s0.dtype).eps, torch.finfo(x.dtype).eps)
+        tol = 1e-9 if eps <= torch.finfo(torch.float64).eps else 1e3 * eps
         xs = scale * x[visible].double()
         want = xs if softcap is None else softcap * torch.tanh(xs / softcap)
         d = (sx - s0)[visible].double()
