@@ -286,3 +286,16 @@ def test_hf_gpt_oss_on_cuda():
     oracle.set_experts_implementation("eager")
     model = copy.deepcopy(oracle).float().cuda()
     assert_cuda_float32_within_per_path_error(treecompile.compile(model), model, oracle, DEEP_PATHS)
+
+
+def test_windowed_layers_keep_flex_under_an_fa4_request():
+    """``attention_kernel="fa4"`` lowers the causal tree layers; the sliding-window ones run FlexAttention inside
+    their op, and the lowering says so once."""
+    import treecompile.passes.lower_cuda as tc_cuda
+    tmodel = treecompile.compile(_sliding_model("gemma3", 5).double())
+    tc_cuda._WARNED.clear()  # warned once per process: another test may have seen it
+    with pytest.warns(UserWarning, match=r"the 2 sliding-window layer\(s\) run FlexAttention"):
+        low = tc_cuda.lower_cuda(tmodel.graph_module, tc_cuda.CudaOptions(attention_kernel="fa4",
+                                                                         gdn_kernel="reference"))
+    targets = [n.target for n in low.graph_module.graph.nodes if n.op == "call_function"]
+    assert targets.count(torch.ops.treecompile.tree_attention_windowed.default) == 2 and low.attention == 1

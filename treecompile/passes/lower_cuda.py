@@ -97,6 +97,7 @@ __all__ = ["CudaOptions", "CudaLowering", "lower_cuda", "attention_inputs", "res
            "head_keeps", "warn_once"]
 
 TREE_ATTENTION = torch.ops.treecompile.tree_attention.default
+TREE_ATTENTION_WINDOWED = torch.ops.treecompile.tree_attention_windowed.default
 TREE_ATTENTION_BOUNDARY = torch.ops.treecompile.tree_attention_boundary.default
 TREE_GDN = torch.ops.treecompile.tree_gated_delta_rule.default
 TREE_CONV = torch.ops.treecompile.tree_causal_conv1d.default
@@ -500,6 +501,7 @@ def lower_cuda(gm: fx.GraphModule, options: CudaOptions, *, boundary: bool = Fal
         with graph.inserting_after(mask):
             order = graph.placeholder("tree_attention_order")
     attention = gdn_fla = triton_head = conv_fla = conv_shifts = moe_grouped = attention_varlen = segments_only = 0
+    windowed = 0
     head_kept_max = None
     conv_kernel = resolve_conv_kernel(options.conv_kernel, gdn_kernel, compiled)
     if gdn_kernel == "fla":  # levelled or whole fla calls (ops/fla_gdn_levels.py): decided once, not per layer call
@@ -526,6 +528,8 @@ def lower_cuda(gm: fx.GraphModule, options: CudaOptions, *, boundary: bool = Fal
                      (q, k, v, boundary_k, boundary_v, mask, scale, _boundary_kernel(options.attention_kernel),
                       setup_reason))
             attention += 1
+        elif n.op == "call_function" and n.target == TREE_ATTENTION_WINDOWED:
+            windowed += 1  # runs FlexAttention itself (ops/tree_attention.py): nothing to lower
         elif n.op == "call_function" and n.target == TREE_GDN and gdn_kernel == "fla":
             _replace(graph, n, _gdn_fla, n.args, {**n.kwargs, **gdn_kwargs})
             gdn_fla += 1
@@ -550,6 +554,9 @@ def lower_cuda(gm: fx.GraphModule, options: CudaOptions, *, boundary: bool = Fal
         elif n.op == "call_function" and n.target == MOE_EXPERTS and moe_grouped_ok and _moe_grouped(n):
             _replace(graph, n, MOE_EXPERTS_GROUPED, n.args, n.kwargs)
             moe_grouped += 1
+    if windowed and options.attention_kernel in ("fa4", "fa4_varlen"):
+        warn_once(f"attention_kernel={options.attention_kernel!r} runs the causal tree attention layers; the "
+                  f"{windowed} sliding-window layer(s) run FlexAttention (tree_attention_windowed has no FA4 form)")
     graph.eliminate_dead_code()
     materialized = materialize_position_values(graph, constants, gm) if compiled else 0
     return CudaLowering(graph_module=fx.GraphModule(gm, graph), attention=attention, materialized=materialized,
