@@ -288,12 +288,12 @@ def test_hf_gpt_oss_on_cuda():
     assert_cuda_float32_within_per_path_error(treecompile.compile(model), model, oracle, DEEP_PATHS)
 
 
-def test_windowed_layers_keep_flex_under_an_fa4_request():
+def test_windowed_layers_keep_flex_under_an_fa4_request(monkeypatch):
     """``attention_kernel="fa4"`` lowers the causal tree layers; the sliding-window ones run FlexAttention inside
     their op, and the lowering says so once."""
     import treecompile.passes.lower_cuda as tc_cuda
     tmodel = treecompile.compile(_sliding_model("gemma3", 5).double())
-    tc_cuda._WARNED.clear()  # warned once per process: another test may have seen it
+    monkeypatch.setattr(tc_cuda, "_WARNED", set())  # warned once per process: another test may have seen it
     with pytest.warns(UserWarning, match=r"the 2 sliding-window layer\(s\) run FlexAttention"):
         low = tc_cuda.lower_cuda(tmodel.graph_module, tc_cuda.CudaOptions(attention_kernel="fa4",
                                                                          gdn_kernel="reference"))
