@@ -37,8 +37,8 @@ from torch import fx
 import treecompile.ops.tree_attention  # noqa: F401  (registers treecompile::tree_attention_biased)
 from treecompile.passes.base import (METADATA_ASSERTS, PassContext, PassResult, UnsupportedModelError, ancestors,
                                      largest_index_literal, remove_dead_code, where)
-from treecompile.passes.token_probe import (PROBE_MAX_ENTRIES, Probe, chain_batch, concrete_shape, probe_tree,
-                                           token_dims, value_nodes)
+from treecompile.passes.token_probe import (PROBE_MAX_ENTRIES, Probe, NotProbeable, chain_batch, concrete_shape,
+                                           probe_tree, token_dims, value_nodes)
 from treecompile.tree import Tree
 
 aten = torch.ops.aten
@@ -202,7 +202,10 @@ def rewrite_causal_attention(gm: fx.GraphModule, ctx: PassContext) -> PassResult
                 f"[{PROBE_MAX_LEN}, {PROBE_MAX_LEN}] it may probe; tree attention replaces the causal masks and "
                 f"sliding windows it can check")
         lengths = PROBE_LENGTHS + ((past,) if past > max(PROBE_LENGTHS) else ())
-        checked = _check_scores(probe, ctx, qk, s, scale, softcap, lengths)
+        try:
+            checked = _check_scores(probe, ctx, qk, s, scale, softcap, lengths)
+        except NotProbeable:  # a size that is not a function of the length: left for the verifier
+            checked = None
         if checked is None:
             continue
         has_bias, window = checked

@@ -26,8 +26,8 @@ import math
 from treecompile.passes.base import TREE_INPUTS, PassContext, ancestors, largest_index_literal
 from treecompile.tree import Tree, TreeBatch, ancestor_index
 
-__all__ = ["PROBE_MAX_ENTRIES", "PROBE_TREE", "Probe", "chain_batch", "concrete_shape", "involves_tokens",
-           "lengths_past_literals", "probe_tree", "token_dims", "value_nodes"]
+__all__ = ["NotProbeable", "PROBE_MAX_ENTRIES", "PROBE_TREE", "Probe", "chain_batch", "concrete_shape",
+           "involves_tokens", "lengths_past_literals", "probe_tree", "token_dims", "value_nodes"]
 
 aten = torch.ops.aten
 _SHAPE_ONLY = {aten.sym_size.int, aten.sym_numel.default, aten.sym_stride.int}
@@ -96,14 +96,14 @@ def concrete_shape(val, ctx: PassContext, T: int) -> list[int]:
         if isinstance(s, torch.SymInt):
             expr = s.node.expr
             if expr.free_symbols - {sym}:
-                raise _NotProbeable(f"a size {expr} that is not a function of the sequence length")
+                raise NotProbeable(f"a size {expr} that is not a function of the sequence length")
             out.append(int(expr.subs(sym, T)))
         else:
             out.append(int(s))
     return out
 
 
-class _NotProbeable(Exception):
+class NotProbeable(Exception):
     pass
 
 
@@ -124,7 +124,7 @@ def lengths_past_literals(lengths: tuple[int, ...], out: fx.Node, inputs, ctx: P
         return lengths
     try:
         size = max(math.prod(concrete_shape(n.meta["val"], ctx, past)) for n in (*inputs, out))
-    except _NotProbeable:
+    except NotProbeable:
         return None
     return lengths + (past,) if size <= PROBE_MAX_ENTRIES else None
 
@@ -180,7 +180,7 @@ class Probe:
             with torch.no_grad():
                 outs = fx.GraphModule(self.ctx.gm, g)(*[f.to(dev) for f in feeds])
             return [o.cpu() for o in outs]
-        except _NotProbeable:
+        except NotProbeable:
             return None
         except Exception:  # noqa: BLE001 - a piece that does not run at this length is not proven
             return None
