@@ -220,16 +220,27 @@ def test_window_block_mask_is_the_windowed_tree_mask(paths, block, pad, window):
     dense = ancestor_mask(b.pred_index) & (b.position_ids[:, None] - b.position_ids[None, :] < window)
     assert torch.equal(tree_window_mask(b.subtree_end, b.position_ids, window), dense)
     assert torch.equal(expand(bm, T), dense)
-    assert int(bm.full_kv_num_blocks.sum()) == 0  # every listed tile applies the window
+
+
+def _listed(num, idx, i):
+    return sorted(idx[0, 0, i, : int(num[0, 0, i])].tolist())
 
 
 def test_window_block_mask_prunes_tiles_past_the_window():
-    """One path of 200 tokens, 16-token tiles, a window of 16: query tile i lists key tiles i - 1 and i only."""
+    """One path of 200 tokens, 16-token tiles.  A window of 16: query tile i lists key tiles i - 1 and i only, both
+    partial.  A window of 64: tiles i - 3 .. i - 1 are full (the window cuts none of their pairs), i - 4 and i
+    partial, the rest pruned (the last, ragged query tile: all partial)."""
     b = tree_batch([list(range(200))])
     bm = tree_window_block_mask(b.subtree_end, b.position_ids, 16, block_size=(16, 16))
     for i in range(bm.kv_num_blocks.shape[-1]):
-        listed = sorted(bm.kv_indices[0, 0, i, : int(bm.kv_num_blocks[0, 0, i])].tolist())
-        assert listed == list(range(max(i - 1, 0), i + 1))
+        assert _listed(bm.kv_num_blocks, bm.kv_indices, i) == list(range(max(i - 1, 0), i + 1))
+        assert _listed(bm.full_kv_num_blocks, bm.full_kv_indices, i) == []
+    bm = tree_window_block_mask(b.subtree_end, b.position_ids, 64, block_size=(16, 16))
+    for i in range(12):  # the 13th query tile holds padding: its tiles stay partial
+        assert _listed(bm.full_kv_num_blocks, bm.full_kv_indices, i) == list(range(max(i - 3, 0), i))
+        assert _listed(bm.kv_num_blocks, bm.kv_indices, i) == ([i - 4] if i >= 4 else []) + [i]
+    assert _listed(bm.full_kv_num_blocks, bm.full_kv_indices, 12) == []
+    assert _listed(bm.kv_num_blocks, bm.kv_indices, 12) == [8, 9, 10, 11, 12]
 
 
 def test_windowed_ops_pass_opcheck():

@@ -189,8 +189,9 @@ def tree_window_block_mask(subtree_end: torch.Tensor, position_ids: torch.Tensor
                            block_size=DEFAULT_BLOCK_SIZE, validate: bool = True) -> BlockMask:
     """BlockMask of a DFS-serialised tree under a sliding window along each path (see
     :func:`tree_window_mask_mod`; ``position_ids [T]`` the tokens' depths).  The tree's non-empty tiles, less those
-    whose every query is at least ``window`` deeper than every key; none is full (each evaluates the mask_mod,
-    which applies the window), so it costs what the tree's tiles cost, less the pruned ones."""
+    whose every query is at least ``window`` deeper than every key; full are the tree's full tiles whose deepest
+    query is less than ``window`` deeper than their shallowest key (the window cuts no pair), the others evaluate
+    the mask_mod."""
     qb, kb = block_pair(block_size)
     if window < 1:
         raise ValueError(f"window: expected a positive number of tokens, got {window}")
@@ -204,13 +205,15 @@ def tree_window_block_mask(subtree_end: torch.Tensor, position_ids: torch.Tensor
     nq, nk = partial.shape
     pos = position_ids.to(torch.int64)
     # pad with the extremes that never prune: the deepest query at least, the shallowest key at most
-    q_min = F.pad(pos, (0, nq * qb - T), value=2 ** 40).view(nq, qb).amin(1)
-    k_max = F.pad(pos, (0, nk * kb - T), value=-2 ** 40).view(nk, kb).amax(1)
-    reach = (q_min[:, None] - k_max[None, :]) < window
+    q_pos = F.pad(pos, (0, nq * qb - T), value=2 ** 40).view(nq, qb)  # padding never prunes a tile
+    k_pos = F.pad(pos, (0, nk * kb - T), value=-2 ** 40).view(nk, kb)
+    reach = (q_pos.amin(1)[:, None] - k_pos.amax(1)[None, :]) < window
+    # padding in a tile makes it not `within` (its pad values are the extremes): such a tile stays partial
+    within = (q_pos.amax(1)[:, None] - k_pos.amin(1)[None, :]) < window
     n = max(nq * qb, nk * kb)
     mask_se = F.pad(subtree_end.to(torch.int64), (0, n - T))
     mask_pos = F.pad(pos, (0, n - T))
-    return block_mask_from_classes((partial | full) & reach, torch.zeros_like(full), seq_lengths=(T, T),
+    return block_mask_from_classes((partial | (full & ~within)) & reach, full & within, seq_lengths=(T, T),
                                    block_size=(qb, kb), mask_mod=tree_window_mask_mod(mask_se, mask_pos, window))
 
 
