@@ -191,6 +191,9 @@ MLA = dict(num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, head_dim=4, q
     # eager attention: float32 scores plus a float64 mask (the softmax runs in float64, as the model's does)
     ("GPTJForCausalLM", "GPTJConfig", dict(vocab_size=37, n_embd=32, n_layer=2, n_head=4, rotary_dim=4,
                                            n_positions=256, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)),
+    # and the mask added before the scale: finfo.min / sqrt(d) still masks
+    ("CodeGenForCausalLM", "CodeGenConfig", dict(vocab_size=37, n_embd=32, n_layer=2, n_head=4, rotary_dim=4,
+                                                 n_positions=256, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)),
 ])
 def test_hf_models_found_by_the_zoo_sweep(mcls, ccls, kw):
     """Families a sweep over transformers' causal LMs found refused by treecompile's own bugs or by token rules

@@ -343,7 +343,9 @@ def _probe_value(x: torch.Tensor) -> torch.Tensor:
 
 
 def _allowed(s: torch.Tensor) -> torch.Tensor:
-    return ~(torch.isneginf(s) | (s <= torch.finfo(s.dtype).min / 2))
+    """Entries the softmax gives a nonzero weight: not -inf, not a dtype-min mask value, also after a scale
+    (CodeGen adds ``finfo.min`` and then divides by sqrt(d): -1.2e38 in float32, whose exp is 0 all the same)."""
+    return ~(torch.isneginf(s) | (s <= torch.finfo(s.dtype).min / 1e4))
 
 
 def _bias_exact_on_tree(probe: Probe, ctx: PassContext, qk: fx.Node, s: fx.Node, reach: int) -> bool:
