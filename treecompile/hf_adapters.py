@@ -6,8 +6,9 @@ one ``treecompile::tree_causal_conv1d`` node with a dynamic length; the passes t
 node/context inputs at the batch's (``passes.route_gdn_states``).  HF experts modules get their
 instance ``forward`` swapped for :func:`hf_experts_forward` (one ``treecompile::moe_experts`` node per
 MoE layer) where :func:`hf_experts_supported` says it computes them exactly, else for
-:func:`hf_experts_module_forward` (one ``treecompile::experts_module`` node running the module's own eager forward).  They run one plain sequence per
-batch row ("a tree of root nodes"): outside a capture they compute what HF's functions compute.
+:func:`hf_experts_module_forward` (one ``treecompile::experts_module`` node running the module's own eager
+forward).  They run one plain sequence per batch row ("a tree of root nodes"): outside a capture they compute
+what HF's functions compute.
 """
 
 from __future__ import annotations
