@@ -18,7 +18,7 @@ import inspect
 import torch
 from torch import Tensor
 
-from treecompile.ops.experts_module import experts_module, register_experts_module
+from treecompile.ops.experts_module import eager_forward, experts_module, register_experts_module
 from treecompile.ops.moe import moe_experts
 from treecompile.ops.tree_conv import chain_conv_index, tree_causal_conv1d
 from treecompile.ops.tree_gdn import sequence_nodes, tree_gated_delta_rule
@@ -90,9 +90,7 @@ def hf_experts_module_forward(module: torch.nn.Module, *args, **kwargs) -> Tenso
     """An HF experts module :func:`hf_experts_supported` refuses, as one ``treecompile::experts_module`` call that
     runs the module's own eager forward (``ops.experts_module``).  Takes the arguments as that forward does
     (``hidden_states, top_k_index, top_k_weights`` or the module's own names, by position or keyword)."""
-    forward = type(module).forward
-    forward = getattr(forward, "__wrapped__", forward)
-    bound = inspect.signature(forward).bind(module, *args, **kwargs)
+    bound = inspect.signature(eager_forward(module)).bind(module, *args, **kwargs)
     values = list(bound.arguments.values())[1:]
     if len(values) != 3 or not all(isinstance(v, Tensor) for v in values):
         raise ValueError(f"{type(module).__name__}: expected the experts call (hidden_states, top_k_index, "

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from treecompile.ops.op_autograd import autograd_inside_op
 
-__all__ = ["experts_module", "register_experts_module"]
+__all__ = ["eager_forward", "experts_module", "register_experts_module"]
 
 _REGISTRY: dict[str, tuple[weakref.ref, tuple[str, ...]]] = {}
 
@@ -35,6 +35,13 @@ def register_experts_module(module: torch.nn.Module) -> str:
     key = f"{type(module).__qualname__}@{id(module):x}"
     _REGISTRY[key] = (weakref.ref(module), tuple(n for n, _ in module.named_parameters()))
     return key
+
+
+def eager_forward(module: torch.nn.Module):
+    """The eager forward of ``module``'s class: the one ``use_experts_implementation`` wraps (``__wrapped__``),
+    not the dispatcher to grouped/batched kernels, nor an instance ``forward`` a capture swapped in."""
+    forward = type(module).forward
+    return getattr(forward, "__wrapped__", forward)
 
 
 def _lookup(key: str):
@@ -52,10 +59,8 @@ def _run(key: str, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, p
     if len(params) != len(names):
         raise ValueError(f"treecompile::experts_module {key!r}: {len(params)} parameters given, the module has "
                          f"{len(names)}")
-    forward = type(module).forward
-    forward = getattr(forward, "__wrapped__", forward)  # the eager forward use_experts_implementation wraps
     with torch.nn.utils.stateless._reparametrize_module(module, dict(zip(names, params))):
-        out = forward(module, hidden, top_k_index, top_k_weights)
+        out = eager_forward(module)(module, hidden, top_k_index, top_k_weights)
     if not isinstance(out, Tensor) or out.shape != hidden.shape:
         raise ValueError(f"treecompile::experts_module {key!r}: the module returned "
                          f"{getattr(out, 'shape', type(out).__name__)}, expected hidden's shape {tuple(hidden.shape)}")

@@ -209,6 +209,20 @@ THRESHOLD_OPS = frozenset({"lt", "le", "gt", "ge", "eq", "ne", "clamp", "clamp_m
 FLOAT_LITERAL_LIMIT = 8192.0
 
 
+def last_row_window(allowed: torch.Tensor) -> int:
+    """The keys the last query row of a ``[.., T, T]`` bool mask sees, counted back from its diagonal: T for the
+    causal mask, W under a sliding window of W tokens, 0 when it sees nothing (read off the first leading slice)."""
+    T = allowed.shape[-1]
+    last = allowed.reshape(-1, T, T)[0, T - 1]
+    return T - int(last.nonzero()[0]) if bool(last.any()) else 0
+
+
+def causal_window_mask(T: int, window: int) -> torch.Tensor:
+    """``[T, T]`` bool: query ``i`` sees key ``j`` iff ``i - window < j <= i`` (the causal mask when window >= T)."""
+    i = torch.arange(T)
+    return (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < window)
+
+
 def ancestors(node: fx.Node) -> set:
     """``node`` and every node it reads, transitively."""
     seen, stack = {node}, [node]

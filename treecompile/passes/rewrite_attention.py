@@ -23,7 +23,8 @@ import torch
 from torch import fx
 
 import treecompile.ops.tree_attention  # noqa: F401  (registers treecompile::tree_attention)
-from treecompile.passes.base import (PassContext, PassResult, UnsupportedModelError, ancestors,
+from treecompile.passes.base import (PassContext, PassResult, UnsupportedModelError, ancestors, causal_window_mask,
+                                     last_row_window,
                                      largest_index_literal, remove_dead_code, where)
 
 aten = torch.ops.aten
@@ -111,17 +112,13 @@ def _mask_window(mask: fx.Node, sdpa: fx.Node, ctx: PassContext) -> int | None:
             raise UnsupportedModelError(f"{where(sdpa)}: the attention mask has shape {tuple(allowed[T].shape)} at "
                                         f"length {T}, not [.., {T}, {T}]")
     # the window the last row of the longest probe shows (every row of a causal mask sees all T keys there)
-    T = max(allowed)
-    last = allowed[T].reshape(-1, T, T)[0, T - 1]
-    window = T - int(last.nonzero()[0]) if bool(last.any()) else 0
+    window = last_row_window(allowed[max(allowed)])
     for T, a in allowed.items():
         if window < 1:  # the last row sees nothing: not a window over the causal mask
             raise UnsupportedModelError(f"{where(sdpa)}: the attention mask hides every key from the last query "
                                         f"(checked at length {T}); tree attention replaces causal attention and "
                                         f"sliding windows over it")
-        i = torch.arange(T)
-        want = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < window)
-        if not bool((a == want).all()):
+        if not bool((a == causal_window_mask(T, window)).all()):
             raise UnsupportedModelError(
                 f"{where(sdpa)}: the attention mask is neither the causal mask nor a sliding window over it "
                 f"(checked at length {T}: e.g. bidirectional, chunked or padding); tree attention replaces causal "

@@ -36,7 +36,8 @@ from torch import fx
 
 import treecompile.ops.tree_attention  # noqa: F401  (registers treecompile::tree_attention_biased)
 from treecompile.passes.base import (METADATA_ASSERTS, PassContext, PassResult, UnsupportedModelError, ancestors,
-                                     largest_index_literal, remove_dead_code, where)
+                                     causal_window_mask, largest_index_literal, last_row_window, remove_dead_code,
+                                     where)
 from treecompile.passes.token_probe import (PROBE_MAX_ENTRIES, Probe, NotProbeable, chain_batch, concrete_shape,
                                            probe_tree, token_dims, value_nodes)
 from treecompile.tree import Tree
@@ -310,12 +311,10 @@ def _check_scores(probe: Probe, ctx: PassContext, qk: fx.Node, s: fx.Node, scale
         s0, sx = s0.reshape(x.shape), sx.reshape(x.shape)
         allowed = _allowed(s0)
         if window is None:
-            last = allowed.reshape(-1, T, T)[0, T - 1]
-            if not bool(last.any()):  # the last query sees nothing: neither causal nor a window
+            window = last_row_window(allowed)
+            if window < 1:  # the last query sees nothing: neither causal nor a window
                 return None
-            window = T - int(last.nonzero()[0])
-        i = torch.arange(T)
-        visible = ((i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < window)).expand(x.shape)
+        visible = causal_window_mask(T, window).expand(x.shape)
         if not torch.equal(allowed, visible) or not torch.equal(_allowed(sx), visible):
             return None
         # the product's dtype too: float32 scores added to a float64 mask (GPT-J) are float64 but round as float32
@@ -344,8 +343,12 @@ def _probe_value(x: torch.Tensor) -> torch.Tensor:
 
 def _allowed(s: torch.Tensor) -> torch.Tensor:
     """Entries the softmax gives a nonzero weight: not -inf, not a dtype-min mask value, also after a scale
-    (CodeGen adds ``finfo.min`` and then divides by sqrt(d): -1.2e38 in float32, whose exp is 0 all the same)."""
-    return ~(torch.isneginf(s) | (s <= torch.finfo(s.dtype).min / 1e4))
+    (CodeGen adds ``finfo.min`` and then divides by sqrt(d): -1.2e38 in float32, whose exp is 0 all the same).
+    Past -1e30 only: a float16 ``finfo.min / 1e4`` is -6.55, a score a visible entry may have; float16 keeps
+    ``finfo.min / 2``."""
+    lowest = torch.finfo(s.dtype).min
+    limit = lowest / 1e4 if lowest / 1e4 <= -1e30 else lowest / 2
+    return ~(torch.isneginf(s) | (s <= limit))
 
 
 def _bias_exact_on_tree(probe: Probe, ctx: PassContext, qk: fx.Node, s: fx.Node, reach: int) -> bool:
