@@ -291,14 +291,36 @@ def test_hf_gpt_oss_on_cuda():
     assert_cuda_float32_within_per_path_error(treecompile.compile(model), model, oracle, DEEP_PATHS)
 
 
-def test_windowed_layers_keep_flex_under_an_fa4_request(monkeypatch):
-    """``attention_kernel="fa4"`` lowers the causal tree layers; the sliding-window ones run FlexAttention inside
-    their op, and the lowering says so once."""
+def test_windowed_layers_lowered_to_flex_under_their_window_mask(monkeypatch):
+    """Gemma 3's sliding layers (W = 5) are lowered to FlexAttention under one window block mask input shared by
+    both (its kernel resolved at trace time as the causal layers'); the causal layers keep their own.  Under
+    ``attention_kernel="fa4_varlen"`` the causal layers take the varlen op and the lowering says once that the
+    windowed ones stay on flex."""
     import treecompile.passes.lower_cuda as tc_cuda
+    from treecompile.ops.flex_tree_attention import tree_window_block_mask
     tmodel = treecompile.compile(_sliding_model("gemma3", 5).double())
-    monkeypatch.setattr(tc_cuda, "_WARNED", set())  # warned once per process: another test may have seen it
-    with pytest.warns(UserWarning, match=r"the 2 sliding-window layer\(s\) run FlexAttention"):
-        low = tc_cuda.lower_cuda(tmodel.graph_module, tc_cuda.CudaOptions(attention_kernel="fa4",
+    for compiled, fn in ((True, tc_cuda._flex_windowed), (False, tc_cuda._flex_windowed_eager)):
+        low = tc_cuda.lower_cuda(tmodel.graph_module, tc_cuda.CudaOptions(compile_cuda=compiled,
                                                                          gdn_kernel="reference"))
-    targets = [n.target for n in low.graph_module.graph.nodes if n.op == "call_function"]
-    assert targets.count(torch.ops.treecompile.tree_attention_windowed.default) == 2 and low.attention == 1
+        targets = [n.target for n in low.graph_module.graph.nodes if n.op == "call_function"]
+        assert targets.count(fn) == 2 and torch.ops.treecompile.tree_attention_windowed.default not in targets
+        assert low.attention == 1 and low.windows == (5,)
+        phs = [p for p in low.graph_module.graph.nodes if p.op == "placeholder"]
+        assert [p.name for p in phs[-2:]] == ["tree_block_mask", "tree_window_block_mask_5"]
+        assert len(phs[-1].users) == 2 and all(u.target is fn for u in phs[-1].users)
+    batch = Tree.from_paths(DEEP_PATHS).to_batch()
+    with pytest.raises(TypeError, match=r"sliding-window attention \(windows \[5\]\): pass the batch's position_ids"):
+        tc_cuda.attention_inputs(batch.subtree_end, low)
+    tree_mask, window_mask = tc_cuda.attention_inputs(batch.subtree_end, low, position_ids=batch.position_ids)
+    want = tree_window_block_mask(batch.subtree_end, batch.position_ids, 5)
+    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks"):
+        assert torch.equal(getattr(window_mask, name), getattr(want, name)), name
+    assert tuple(tree_mask.seq_lengths) == (batch.seq_len,) * 2
+    monkeypatch.setattr(tc_cuda, "_WARNED", set())  # warned once per process: another test may have seen it
+    monkeypatch.setattr(tc_cuda, "fa4_unusable_reason", lambda q=None: None)  # as on a Hopper with FA4
+    with pytest.warns(UserWarning, match=r"the 2 sliding-window layer\(s\) run FlexAttention under a window"):
+        low = tc_cuda.lower_cuda(tmodel.graph_module, tc_cuda.CudaOptions(attention_kernel="fa4_varlen",
+                                                                         gdn_kernel="reference"))
+    assert low.windows == (5,) and low.attention == 0
+    calls = [n for n in low.graph_module.graph.nodes if n.target is tc_cuda._flex_windowed]
+    assert len(calls) == 2 and all(n.args[5] == "auto" for n in calls)  # FA4 through flex where it runs

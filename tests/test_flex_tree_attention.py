@@ -336,11 +336,19 @@ def test_tree_attention_flex_vs_fp64_oracle(T, pad_to, dtype, H, Hkv, D):
 
 
 @pytest.mark.skipif(not CUDA, reason="FlexAttention backward needs a CUDA device")
+@pytest.mark.parametrize("how", ["op", "flex", "fa4"])
 @pytest.mark.parametrize("T,window,dtype", [(1000, 64, torch.bfloat16), (3000, 300, torch.bfloat16),
                                             (500, 7, torch.float32)])
-def test_tree_attention_windowed_flex_vs_fp64_oracle(T, window, dtype):
-    """``treecompile::tree_attention_windowed`` on CUDA (FlexAttention, tiles past the window skipped) against
-    the dense windowed mask in float64: within twice the same-dtype dense SDPA's error."""
+def test_tree_attention_windowed_flex_vs_fp64_oracle(T, window, dtype, how):
+    """Sliding-window tree attention on CUDA against the dense windowed mask in float64: within twice the
+    same-dtype dense SDPA's error.  ``op``: ``treecompile::tree_attention_windowed`` called as it is (FlexAttention
+    inside, its backward recomputes the forward); ``flex`` and ``fa4``: what the CUDA lowering runs (compiled
+    FlexAttention under the window block mask with flex's own backward; the Triton kernel with
+    ``window_kernel_options_for``, or FA4 through the FLASH backend where it runs)."""
+    from treecompile.ops.fa4_tree_attention import fa4_unusable_reason, tree_attention_fa4
+    from treecompile.ops.flex_tree_attention import tree_window_block_mask, window_kernel_options_for
+    if how == "fa4" and (dtype != torch.bfloat16 or fa4_unusable_reason() is not None):
+        pytest.skip(f"FA4: {fa4_unusable_reason() or 'bfloat16 inputs only here'}")
     b = tree_batch(random_paths(T, seed=T + window)).to("cuda")
     L, H, Hkv, D = b.seq_len, 4, 2, 128
     dense = tree_window_mask(b.subtree_end, b.position_ids, window)
@@ -351,8 +359,15 @@ def test_tree_attention_windowed_flex_vs_fp64_oracle(T, window, dtype):
     oracle = out_and_grads(lambda a, b_, c: dense_sdpa(a, b_, c, dense, scale), q, k, v, do, torch.float64)
     with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
         ref = out_and_grads(lambda a, b_, c: dense_sdpa(a, b_, c, dense, scale), q, k, v, do, dtype)
-    got = out_and_grads(lambda a, b_, c: tree_attention_windowed(a, b_, c, b.subtree_end, b.position_ids, window,
-                                                                 scale), q, k, v, do, dtype)
+    if how == "op":
+        fn = lambda a, b_, c: tree_attention_windowed(a, b_, c, b.subtree_end, b.position_ids, window,  # noqa: E731
+                                                      scale)
+    else:
+        bm = tree_window_block_mask(b.subtree_end, b.position_ids, window)
+        fn = (lambda a, b_, c: tree_attention_fa4(a, b_, c, bm, scale=scale, enable_gqa=True)) if how == "fa4" \
+            else (lambda a, b_, c: tree_attention_flex(a, b_, c, bm, scale=scale, enable_gqa=True,
+                                                       kernel_options=window_kernel_options_for(a)))
+    got = out_and_grads(fn, q, k, v, do, dtype)
     u = torch.finfo(dtype).eps / 2
     for name, f, r, o in zip(("out", "dq", "dk", "dv"), got, ref, oracle):
         assert torch.isfinite(f).all(), name

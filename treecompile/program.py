@@ -274,7 +274,8 @@ class TreeProgram:
         args = self.batch_args(batch) + boundary_inputs
         if state.lowering.conv_shifts and "conv_index" in self.tree_inputs:  # its host-side table, before the graph
             tree_conv_shifts.prepare(args[len(self.user_inputs) + self.tree_inputs.index("conv_index")])
-        args += attention_inputs(batch.subtree_end, state.lowering, **self._boundary_mask_args(boundary_inputs))
+        args += attention_inputs(batch.subtree_end, state.lowering, position_ids=batch.position_ids,
+                                 **self._boundary_mask_args(boundary_inputs))
         # compiled flex kernels (the graph's, or the separately compiled one of an eager graph) compile once
         # per shape: room for one per bucket
         limit = max(torch._dynamo.config.recompile_limit, self.options.recompile_limit)

@@ -50,6 +50,7 @@ __all__ = [
     "tree_window_block_mask",
     "tree_window_mask_mod",
     "tree_attention_flex",
+    "window_kernel_options_for",
 ]
 
 DEFAULT_BLOCK_SIZE = (128, 128)  # (q block, kv block) of the sparse block mask
@@ -248,6 +249,18 @@ def kernel_options_for(q: torch.Tensor) -> dict | None:
             and torch.cuda.get_device_capability(q.device) == (9, 0)):
         return dict(HOPPER_KERNEL_OPTIONS)
     return None
+
+
+# Kernel options of the windowed tree mask (tree_window_mask_mod) on Hopper, bf16/fp16, head_dim 128: the
+# HOPPER_KERNEL_OPTIONS need 233,472 bytes of shared memory once the mask_mod also reads the depths (an H100 has
+# 232,448).  Chosen by benchmarks/bench_window_attention.py --configs (benchmarks/RESULTS.md).
+WINDOW_KERNEL_OPTIONS: dict = {}
+
+
+def window_kernel_options_for(q: torch.Tensor) -> dict:
+    """Kernel options for the windowed tree mask and ``q``: :data:`WINDOW_KERNEL_OPTIONS` where
+    :func:`kernel_options_for` tunes the plain tree mask, else torch's defaults (``{}``)."""
+    return dict(WINDOW_KERNEL_OPTIONS) if kernel_options_for(q) is not None else {}
 
 
 def check_tree_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask, *,

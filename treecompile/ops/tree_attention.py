@@ -7,8 +7,9 @@ iff ``k <= q < subtree_end[k]``.  Shapes: ``q [1, H, T, D]``, ``k``/``v`` ``[1, 
 
 ``treecompile::tree_attention_windowed`` adds a sliding window along each path (HF's sliding-window layers:
 Mistral, Gemma 2/3, Cohere 2, ...): ``k`` also less than ``window`` tokens above ``q``, read from the depths
-``position_ids``.  It runs FlexAttention itself on CUDA (a BlockMask that skips the tiles past the window), the
-dense reference elsewhere; the CUDA lowering leaves it as it is.
+``position_ids``.  The CUDA lowering turns it into FlexAttention under a window BlockMask fed with the batch
+(``passes.lower_cuda``); called as an op on CUDA it runs FlexAttention itself (the same BlockMask, built per call,
+and a backward that recomputes the forward), the dense reference elsewhere.
 
 ``treecompile::tree_attention_biased`` is the sibling for hand-written attention (matmul, mask,
 softmax, matmul) with an additive score bias (ALiBi and other position biases, computed by the
@@ -116,12 +117,11 @@ def _windowed(q, k, v, subtree_end, position_ids, window, scale):
     CUDA (tiles past the window skipped), the dense reference elsewhere."""
     if not q.is_cuda:
         return tree_attention_windowed_reference(q, k, v, subtree_end, position_ids, window, scale)
-    from treecompile.ops.flex_tree_attention import tree_attention_flex, tree_window_block_mask
+    from treecompile.ops.flex_tree_attention import (tree_attention_flex, tree_window_block_mask,
+                                                     window_kernel_options_for)
     block_mask = tree_window_block_mask(subtree_end, position_ids, window, validate=False)
-    # torch's kernel configs: the Hopper ones tuned for the tree mask need more shared memory than an H100 has
-    # once the mask_mod also reads the depths (233,472 of 232,448 bytes)
     return tree_attention_flex(q, k, v, block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
-                               kernel_options={})
+                               kernel_options=window_kernel_options_for(q))
 
 
 @torch.library.custom_op("treecompile::tree_attention_windowed", mutates_args=())

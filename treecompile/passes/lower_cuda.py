@@ -46,6 +46,15 @@ the offsets on the host, so they keep the reference op.
 BlockMask of the partition (``ops.flex_tree_attention_boundary``); "auto" takes flex's Triton kernel there
 (FA4 is exact there but measured slower: :func:`_boundary_kernel`; only ``attention_kernel="fa4"`` asks).
 
+``treecompile::tree_attention_windowed`` (a sliding window of W tokens along each path) is lowered to
+FlexAttention under a window BlockMask of its own (``ops.flex_tree_attention.tree_window_block_mask``: the tree's
+tiles less those past the window), one placeholder ``tree_window_block_mask_<W>`` per distinct window after the
+others, built per batch from ``subtree_end`` and the depths ``position_ids`` (:func:`attention_inputs`), so that
+inductor compiles the kernel and flex's own backward with the graph (the op alone recomputes its forward in its
+backward).  Its kernel: FA4 through the FLASH backend where it runs (every kernel choice but ``"flex"``: the
+varlen op has no window), else flex's Triton kernel with :func:`~treecompile.ops.flex_tree_attention.
+window_kernel_options_for`.  In DFS order whatever ``attention_layout`` says (the window mask is the batch's).
+
 The lowering also decides how the copy runs (:class:`CudaLowering`): under ``torch.compile`` with
 static shapes and sequence lengths padded to buckets (``program.bucket_length``: at most one compile
 per bucket), or eagerly.  A *boundary* program is compiled and bucketed like any other:
@@ -84,7 +93,8 @@ import treecompile.ops.moe_grouped  # noqa: F401
 import treecompile.ops.materialize  # noqa: F401
 from treecompile.ops.fa4_tree_attention import (FA4_HEAD_DIMS, FA4_KERNEL_OPTIONS, fa4_input_reason,
                                                 fa4_unusable_reason, tree_attention_fa4)
-from treecompile.ops.flex_tree_attention import kernel_options_for, tree_attention_flex, tree_block_mask
+from treecompile.ops.flex_tree_attention import (kernel_options_for, tree_attention_flex, tree_block_mask,
+                                                 tree_window_block_mask, window_kernel_options_for)
 from treecompile.ops.varlen_tree_attention import tree_attention_varlen
 from treecompile.ops.tree_conv_shifts import tree_causal_conv1d_shifts, tree_causal_conv1d_shifts_inductor
 from treecompile.ops.flex_tree_attention_boundary import boundary_block_mask, tree_attention_boundary_flex
@@ -210,6 +220,9 @@ class CudaLowering:
     # fused heads that keep their logits for the backward when a call's logits take at most this many bytes
     # (None: no head may keep them; options.head_logits, _fused_head)
     head_kept_max_bytes: int | None = None
+    # the distinct windows of the tree_attention_windowed calls lowered to flex, in the order of their block mask
+    # placeholders (``tree_window_block_mask_<W>``, after the others)
+    windows: tuple[int, ...] = ()
 
 
 @torch._dynamo.disable  # a host-side level schedule and fla's autograd Functions: kept out of dynamo
@@ -308,6 +321,29 @@ def _flex_eager(q, k, v, block_mask, scale, kernel="flex", setup_reason=None, or
     fn = tree_attention_fa4 if resolve_attention_kernel(kernel, q, setup_reason) == "fa4" else tree_attention_flex
     attend = functools.partial(fn, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     return attend(q, k, v) if order is None else reordered_attention(attend, q, k, v, order)
+
+
+def _window_kernel(kernel: str) -> str:
+    """The flex kernel of windowed tree attention under ``attention_kernel=kernel``: the varlen op has no window,
+    so "fa4_varlen" takes what "auto" takes (FA4 through flex where it runs, else flex's Triton kernel)."""
+    return "auto" if kernel == "fa4_varlen" else kernel
+
+
+def _flex_windowed(q, k, v, block_mask, scale, kernel="flex", setup_reason=None):
+    """``tree_attention_windowed`` inside a compiled graph (as :func:`_flex`), under its window's block mask."""
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    fa4 = resolve_attention_kernel(kernel, q, setup_reason) == "fa4"
+    return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
+                          kernel_options=dict(FA4_KERNEL_OPTIONS) if fa4 else window_kernel_options_for(q))
+
+
+def _flex_windowed_eager(q, k, v, block_mask, scale, kernel="flex", setup_reason=None):
+    """``tree_attention_windowed`` in a graph that runs eagerly: the separately compiled kernel."""
+    fa4 = resolve_attention_kernel(kernel, q, setup_reason) == "fa4"
+    fn = tree_attention_fa4 if fa4 else functools.partial(tree_attention_flex,
+                                                          kernel_options=window_kernel_options_for(q))
+    return fn(q, k, v, block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
 def varlen_input_reason(q) -> str | None:
@@ -462,21 +498,30 @@ def _replace(graph: fx.Graph, n: fx.Node, target, args, kwargs=None) -> None:
 
 
 def attention_inputs(subtree_end: torch.Tensor, lowering: CudaLowering, *, boundary_visible: torch.Tensor | None = None,
-                     num_boundary: int = 0) -> list:
+                     num_boundary: int = 0, position_ids: torch.Tensor | None = None) -> list:
     """The graph inputs after the batch's (and boundary) inputs, for one batch of ``subtree_end [T]``:
     ``[block_mask]``, or ``[block_mask, order]`` with a non-"dfs" layout (the mask then of that order);
     None for each when the graph has no tree attention.  A boundary program's block mask is
     ``boundary_block_mask(subtree_end, boundary_visible, num_boundary)`` (``num_boundary``: the rows of
-    the boundary K/V fed)."""
+    the boundary K/V fed).  Then one window block mask per ``lowering.windows`` entry, built from the batch's
+    depths ``position_ids [T]`` (required then)."""
     reorder = lowering.layout != "dfs"
+    windows = _window_masks(subtree_end, position_ids, lowering.windows)
     if not lowering.attention:
-        return [None, None] if reorder else [None]
+        return ([None, None] if reorder else [None]) + windows
     if lowering.boundary:
-        return [boundary_block_mask(subtree_end, boundary_visible, num_boundary, validate=False)]
+        return [boundary_block_mask(subtree_end, boundary_visible, num_boundary, validate=False)] + windows
     if not reorder:
-        return [tree_block_mask(subtree_end, validate=False)]
+        return [tree_block_mask(subtree_end, validate=False)] + windows
     order = heavy_first_order(subtree_end)
-    return [tree_block_mask(permuted_subtree_end(subtree_end, order), validate=False), order]
+    return [tree_block_mask(permuted_subtree_end(subtree_end, order), validate=False), order] + windows
+
+
+def _window_masks(subtree_end: torch.Tensor, position_ids: torch.Tensor | None, windows: tuple[int, ...]) -> list:
+    if windows and position_ids is None:
+        raise TypeError(f"attention_inputs: the graph has sliding-window attention (windows {list(windows)}): "
+                        "pass the batch's position_ids")
+    return [tree_window_block_mask(subtree_end, position_ids, w, validate=False) for w in windows]
 
 
 def lower_cuda(gm: fx.GraphModule, options: CudaOptions, *, boundary: bool = False,
@@ -502,6 +547,7 @@ def lower_cuda(gm: fx.GraphModule, options: CudaOptions, *, boundary: bool = Fal
             order = graph.placeholder("tree_attention_order")
     attention = gdn_fla = triton_head = conv_fla = conv_shifts = moe_grouped = attention_varlen = segments_only = 0
     windowed = 0
+    window_masks: dict[int, fx.Node] = {}  # one block mask placeholder per distinct window, after the others
     head_kept_max = None
     conv_kernel = resolve_conv_kernel(options.conv_kernel, gdn_kernel, compiled)
     if gdn_kernel == "fla":  # levelled or whole fla calls (ops/fla_gdn_levels.py): decided once, not per layer call
@@ -528,8 +574,16 @@ def lower_cuda(gm: fx.GraphModule, options: CudaOptions, *, boundary: bool = Fal
                      (q, k, v, boundary_k, boundary_v, mask, scale, _boundary_kernel(options.attention_kernel),
                       setup_reason))
             attention += 1
-        elif n.op == "call_function" and n.target == TREE_ATTENTION_WINDOWED:
-            windowed += 1  # runs FlexAttention itself (ops/tree_attention.py): nothing to lower
+        elif n.op == "call_function" and n.target == TREE_ATTENTION_WINDOWED and _reads_batch_depths(n):
+            q, k, v, _subtree_end, _positions, window = n.args[:6]
+            scale = n.args[6] if len(n.args) > 6 else n.kwargs.get("scale")
+            if window not in window_masks:
+                last = [p for p in graph.nodes if p.op == "placeholder"][-1]
+                with graph.inserting_after(last):
+                    window_masks[window] = graph.placeholder(f"tree_window_block_mask_{window}")
+            _replace(graph, n, _flex_windowed if compiled else _flex_windowed_eager,
+                     (q, k, v, window_masks[window], scale, _window_kernel(options.attention_kernel), setup_reason))
+            windowed += 1
         elif n.op == "call_function" and n.target == TREE_GDN and gdn_kernel == "fla":
             _replace(graph, n, _gdn_fla, n.args, {**n.kwargs, **gdn_kwargs})
             gdn_fla += 1
@@ -554,16 +608,27 @@ def lower_cuda(gm: fx.GraphModule, options: CudaOptions, *, boundary: bool = Fal
         elif n.op == "call_function" and n.target == MOE_EXPERTS and moe_grouped_ok and _moe_grouped(n):
             _replace(graph, n, MOE_EXPERTS_GROUPED, n.args, n.kwargs)
             moe_grouped += 1
-    if windowed and options.attention_kernel in ("fa4", "fa4_varlen"):
-        warn_once(f"attention_kernel={options.attention_kernel!r} runs the causal tree attention layers; the "
-                  f"{windowed} sliding-window layer(s) run FlexAttention (tree_attention_windowed has no FA4 form)")
+    if windowed and options.attention_kernel == "fa4_varlen":
+        warn_once(f"attention_kernel='fa4_varlen' runs the causal tree attention layers; the {windowed} "
+                  "sliding-window layer(s) run FlexAttention under a window block mask (FA4 through it where it "
+                  "runs: the varlen op has no window)")
     graph.eliminate_dead_code()
     materialized = materialize_position_values(graph, constants, gm) if compiled else 0
     return CudaLowering(graph_module=fx.GraphModule(gm, graph), attention=attention, materialized=materialized,
                         layout=layout, boundary=boundary, gdn_fla=gdn_fla, triton_head=triton_head,
                         compiled=compiled, bucket=options.bucket, conv_fla=conv_fla, conv_shifts=conv_shifts,
                         moe_grouped=moe_grouped, attention_varlen=attention_varlen,
-                        attention_segments_only=segments_only, head_kept_max_bytes=head_kept_max)
+                        attention_segments_only=segments_only, head_kept_max_bytes=head_kept_max,
+                        windows=tuple(window_masks))
+
+
+def _reads_batch_depths(n: fx.Node) -> bool:
+    """Whether windowed attention ``n`` reads the batch's own ``position_ids`` and ``subtree_end`` (the placeholders
+    ``rewrite_attention`` gives it), from which :func:`attention_inputs` builds its block mask; another call
+    keeps the op (FlexAttention inside it, its mask built per call)."""
+    se, pos = n.args[3:5]
+    return all(isinstance(a, fx.Node) and a.op == "placeholder" and a.name == name
+               for a, name in ((se, "tree_subtree_end"), (pos, "tree_position_ids")))
 
 
 MATERIALIZE = torch.ops.treecompile.materialize.default
