@@ -253,8 +253,9 @@ def kernel_options_for(q: torch.Tensor) -> dict | None:
 
 # Kernel options of the windowed tree mask (tree_window_mask_mod) on Hopper, bf16/fp16, head_dim 128: the
 # HOPPER_KERNEL_OPTIONS need 233,472 bytes of shared memory once the mask_mod also reads the depths (an H100 has
-# 232,448).  Chosen by benchmarks/bench_window_attention.py --configs (benchmarks/RESULTS.md).
-WINDOW_KERNEL_OPTIONS: dict = {}
+# 232,448).  Two stages instead of three: benchmarks/bench_window_attention.py --configs on an H100 (session 30,
+# benchmarks/RESULTS.md) put it 1-4 % ahead of torch's defaults forward (fwd+bwd within 1 %) on 16k and 32k trees.
+WINDOW_KERNEL_OPTIONS: dict = {"fwd_BLOCK_M": 128, "fwd_BLOCK_N": 128, "fwd_num_stages": 2, "fwd_num_warps": 8}
 
 
 def window_kernel_options_for(q: torch.Tensor) -> dict:
