@@ -296,7 +296,71 @@ class EagerWideSlidingWindow(Bidirectional):
         return self.head(torch.softmax(scores, -1) @ x)
 
 
+class EagerWindowInABuffer(Bidirectional):
+    """Attention written out with a window width held in a buffer: the probe fed buffers random values, read a window
+    of 2 tokens off them and rewrote the layer with it (silently wrong: the model's window is 4)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("width", torch.tensor(4))
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        i = torch.arange(ids.shape[1])
+        ok = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - self.width)
+        scores = (x @ x.transpose(-1, -2) / 8 ** 0.5).masked_fill(~ok, float("-inf"))
+        return self.head(torch.softmax(scores, -1) @ x)
+
+
+class SdpaBiasInTheMask(Bidirectional):
+    """A float SDPA mask that carries an ALiBi-style bias besides -inf: its non-zero entries were read as masked
+    (each token attended to itself alone)."""
+
+    def forward(self, ids):
+        x = self.emb(ids)[:, None]
+        i = torch.arange(ids.shape[1])
+        mask = (0.5 * (i[None, :] - i[:, None])).to(x.dtype).masked_fill(i[None, :] > i[:, None], float("-inf"))
+        x = torch.nn.functional.scaled_dot_product_attention(x, x, x, attn_mask=mask)
+        return self.head(x[:, 0])
+
+
+class SdpaSoftMask(Bidirectional):
+    """A float causal mask whose masked value is a finite -3 (the future keeps a small weight): it passed as
+    causal."""
+
+    def forward(self, ids):
+        x = self.emb(ids)[:, None]
+        T = ids.shape[1]
+        mask = torch.zeros(T, T, dtype=x.dtype).masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), -3.0)
+        x = torch.nn.functional.scaled_dot_product_attention(x, x, x, attn_mask=mask)
+        return self.head(x[:, 0])
+
+
+class SdpaFiniteMaskValue(Bidirectional):
+    """A float causal mask of -1e9 (a common written-out mask value): exact, the masked weights are 0."""
+
+    def forward(self, ids):
+        x = self.emb(ids)[:, None]
+        T = ids.shape[1]
+        mask = torch.zeros(T, T, dtype=x.dtype).masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), -1e9)
+        x = torch.nn.functional.scaled_dot_product_attention(x, x, x, attn_mask=mask)
+        return self.head(x[:, 0])
+
+
+def test_float_mask_values_are_exact():
+    torch.manual_seed(0)
+    model = SdpaFiniteMaskValue().double()
+    tm = treecompile.compile(model)
+    paths = [[1, 2, 3, 4], [1, 2, 5], [1, 6, 7, 8, 9]]
+    out, ref = tm(Tree.from_paths(paths).to_batch()), reference.run(model, paths)
+    assert abs(float(out.loss - ref.loss)) <= 1e-12 * abs(float(ref.loss))
+
+
 @pytest.mark.parametrize("cls, message", [
+    (EagerWindowInABuffer, r"mask moves with the values of the model's tensors .*a window of 2 tokens with one set "
+                           r"of values, a window of 4 tokens with another"),
+    (SdpaBiasInTheMask, r"the float attention mask holds -0.5 .*additive bias"),
+    (SdpaSoftMask, r"the float attention mask holds -3 .*additive bias"),
     (Bidirectional, r"test_compile.py:\d+ in forward.*not causal"),
     (PaddingMasked, "reads the values of input"),
     (ChunkedCausal, r"neither the causal mask nor a sliding window over it \(checked at length \d+"),
@@ -306,7 +370,7 @@ def test_non_causal_attention_is_refused(cls, message):
     with pytest.raises(treecompile.passes.PassError, match=message) as info:
         treecompile.compile(cls())
     assert isinstance(info.value.__cause__, UnsupportedModelError)
-    assert "rewrite_attention" in str(info.value)
+    assert ("rewrite_causal_attention" if cls is EagerWindowInABuffer else "rewrite_attention") in str(info.value)
 
 
 @pytest.mark.parametrize("cls", [SlidingWindow, WideSlidingWindow, EagerWideSlidingWindow])

@@ -6,7 +6,8 @@ Two forms are accepted:
   from ``cache_position``/``position_ids`` under export).  The mask subgraph is extracted and
   evaluated at a few lengths and at one past every number it holds (a sliding window of W tokens is
   causal up to length W: sampled at short lengths alone it would pass): it must depend on no input
-  *values* and equal the causal mask, or the causal mask under a sliding window of W tokens (``q - W < k <= q``,
+  *values*, hold only 0 and mask values if it is a float mask (-inf or at most ``FLOAT_MASKED_MAX``: no additive
+  bias), and equal the causal mask, or the causal mask under a sliding window of W tokens (``q - W < k <= q``,
   W read off the mask and checked at every length), else the attention is refused (and a number too large to
   check past is refused by name).  A window becomes ``tree_attention_windowed`` with the batch's depth
   positions: on a path the depth difference is the distance, so each token sees the W - 1 tokens above it on
@@ -39,6 +40,10 @@ _COPIES = {aten.clone.default, aten.contiguous.default}
 # are materialized)
 MASK_CHECK_LENGTHS = (1, 5, 11)
 MASK_CHECK_MAX_LEN = 8192
+# a float mask's entries are 0 (attend) or at most this (masked: the softmax weight exp(value + score gap) is exactly
+# 0 in every float dtype unless a visible score exceeds the masked one by thousands); anything between is an
+# additive bias (ALiBi folded into the mask, a finite "soft" mask), which tree attention does not add
+FLOAT_MASKED_MAX = -1e4
 
 
 def _sdpa_args(node: fx.Node):
@@ -107,7 +112,16 @@ def _mask_window(mask: fx.Node, sdpa: fx.Node, ctx: PassContext) -> int | None:
         except Exception as e:  # noqa: BLE001 - report, do not guess
             raise UnsupportedModelError(f"{where(sdpa)}: cannot evaluate the attention mask subgraph "
                                         f"to check that it is causal ({type(e).__name__}: {e})") from e
-        allowed[T] = (m if m.dtype == torch.bool else (m == 0)).cpu()
+        if m.dtype != torch.bool:
+            biased = ~((m == 0) | (m <= FLOAT_MASKED_MAX))  # NaN too
+            if bool(biased.any()):
+                value = float(m[biased].flatten()[0])
+                raise UnsupportedModelError(
+                    f"{where(sdpa)}: the float attention mask holds {value:g} (checked at length {T}): its entries "
+                    f"must be 0 (attend) or a mask value (-inf, or at most {FLOAT_MASKED_MAX:g}); other values are an "
+                    f"additive bias (e.g. ALiBi or a finite soft mask), which tree attention does not apply")
+            m = m == 0
+        allowed[T] = m.cpu()
         if allowed[T].shape[-2:] != (T, T):
             raise UnsupportedModelError(f"{where(sdpa)}: the attention mask has shape {tuple(allowed[T].shape)} at "
                                         f"length {T}, not [.., {T}, {T}]")

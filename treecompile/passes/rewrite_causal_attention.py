@@ -169,6 +169,9 @@ def _scores_to_qk(s: fx.Node, inputs: set):
 def rewrite_causal_attention(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     inputs = value_nodes(gm.graph, {ctx.input_node})
     probe = Probe(ctx)
+    # other values for every tensor the graph reads besides the tree's (parameters, buffers, constants): the mask
+    # and window must not move with them (a window held in a buffer was read off the first probe's random value)
+    other = Probe(ctx, seed=1, int_low=3)
     count, biased = 0, 0
     features = {"windowed": 0, "softcapped": 0, "with_sinks": 0}
     for sm in list(gm.graph.nodes):
@@ -205,11 +208,18 @@ def rewrite_causal_attention(gm: fx.GraphModule, ctx: PassContext) -> PassResult
         lengths = PROBE_LENGTHS + ((past,) if past > max(PROBE_LENGTHS) else ())
         try:
             checked = _check_scores(probe, ctx, qk, s, scale, softcap, lengths)
+            again = _check_scores(other, ctx, qk, s, scale, softcap, lengths) if checked is not None else None
         except NotProbeable:  # a size that is not a function of the length: left for the verifier
             checked = None
         if checked is None:
             continue
-        has_bias, window = checked
+        if again is None or again[1] != checked[1]:
+            raise UnsupportedModelError(
+                f"{where(sm)}: hand-written attention whose mask moves with the values of the model's tensors "
+                f"(parameters, buffers or constants: e.g. a window width held in a tensor; "
+                f"{_window_text(checked[1])} with one set of values, {_window_text(again and again[1], again)} with "
+                f"another); tree attention replaces masks computed from positions alone")
+        has_bias, window = checked[0] or again[0], checked[1]
         with gm.graph.inserting_before(pv):
             k = ctx.call(aten.transpose.int, (kt, -1, -2), like=qk)
             bias = _bias_nodes(ctx, probe, qk, chain, s, lengths) if has_bias else None
@@ -229,6 +239,12 @@ def rewrite_causal_attention(gm: fx.GraphModule, ctx: PassContext) -> PassResult
     if count:
         remove_dead_code(gm)
     return PassResult(count, {"with_bias": biased, **features} if count else {})
+
+
+def _window_text(window: int | None, checked=True) -> str:
+    if checked is None:
+        return "no causal mask"
+    return "a causal mask" if window is None else f"a window of {window} tokens"
 
 
 def _without_row_max(x: fx.Node) -> fx.Node:

@@ -137,9 +137,10 @@ def chain_batch(T: int) -> TreeBatch:
 class Probe:
     """Runs pieces of ``ctx.gm``'s graph on concrete tensors (see the module docstring)."""
 
-    def __init__(self, ctx: PassContext, *, seed: int = 0):
+    def __init__(self, ctx: PassContext, *, seed: int = 0, int_low: int = 0):
         self.ctx = ctx
         self.seed = seed
+        self.int_low = int_low  # integer feeds are drawn from [int_low, int_low + 3)
 
     def random(self, node: fx.Node, T: int, gen: torch.Generator) -> torch.Tensor:
         """A seeded random tensor shaped and typed like ``node``'s value at length ``T`` (CPU)."""
@@ -149,7 +150,7 @@ class Probe:
             return torch.randn(shape, generator=gen, dtype=torch.float64).to(val.dtype)
         if val.dtype == torch.bool:
             return torch.randint(0, 2, shape, generator=gen).bool()
-        return torch.randint(0, 3, shape, generator=gen).to(val.dtype)
+        return torch.randint(self.int_low, self.int_low + 3, shape, generator=gen).to(val.dtype)
 
     def run(self, outputs: list[fx.Node], batch: TreeBatch, given: dict[fx.Node, torch.Tensor]
             ) -> list[torch.Tensor] | None:
