@@ -560,3 +560,14 @@ def test_demo_runs_and_matches_the_per_path_reference(capsys, shared):
     assert grad_diff < 1e-9
     losses = [float(line.split("loss ")[1]) for line in out.splitlines() if line.startswith("step ")]
     assert len(losses) == 2 and losses[1] < losses[0]
+
+
+def test_stats_refuses_shared_tokens_whose_logprobs_disagree(tmp_path, capsys):
+    """Two paths give one shared trained token different old log-probs: training refuses that tree, so stats does
+    too (it accepted the file)."""
+    data = tmp_path / "old.jsonl"
+    data.write_text('{"tree_id": 0, "input_ids": [1, 2, 3], "old_logprobs": [0, -1.0, -2.0]}\n'
+                    '{"tree_id": 0, "input_ids": [1, 2, 4], "old_logprobs": [0, -1.5, -2.0]}\n')
+    rc, out, err = run_cli(["stats", str(data)], capsys)
+    assert rc == 1 and out == ""
+    one_line_error(err, "old_logprobs: the token at depth 1 (id 2) is shared by", f"{data}:2")

@@ -136,6 +136,13 @@ MALFORMED = {
     "bad_json": ([GOOD, '{"tree_id": 0, "input_ids": [1, 2'], 2, "bad JSON (Expecting ',' delimiter at column 34)"),
     "bad_json_giant_int": (['{"tree_id": 0, "input_ids": [1, 2' + "0" * 5000 + "]}"], 1, "bad JSON (Exceeds the limit"),
     "not_an_object": ([GOOD, "[1, 2, 3]"], 2, "expected a JSON object, got list"),
+    # JSON keeps the last of two equal keys: the path trained would have been [1, 2], not the one written first
+    "duplicate_key": ([GOOD, '{"tree_id": 0, "input_ids": [1, 2, 3, 4], "input_ids": [1, 2]}'], 2,
+                      "key 'input_ids' appears twice in one object"),
+    "duplicate_key_in_meta": (['{"tree_id": 0, "input_ids": [1, 2], "meta": {"a": 1, "a": 2}}'], 1,
+                              "key 'a' appears twice"),
+    "loss_mask_null": ([{"tree_id": 0, "input_ids": [1, 2], "loss_mask": None}], 1, "'loss_mask' is null; omit "
+                       "the key"),
     "missing_tree_id": ([GOOD, {"input_ids": [1, 2]}], 2, "missing 'tree_id'"),
     "tree_id_float": ([{"tree_id": 1.5, "input_ids": [1, 2]}], 1, "'tree_id' must be a string or an integer"),
     "tree_id_null": ([{"tree_id": None, "input_ids": [1, 2]}], 1, "'tree_id' must be a string or an integer"),

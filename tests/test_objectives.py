@@ -314,3 +314,38 @@ def test_linear_objectives_say_their_token_weights_and_take_a_typed_norm(model):
         SFT().loss(lp, tree.to_batch(), norm="sum")
     with pytest.raises(ValueError, match="advantages: not given"):
         PolicyGradient().token_weights(tree, GlobalNorm.of_tree(tree, "sum"), {})
+
+
+def test_objectives_without_norm_take_the_batch_own():
+    """A batch built with a step's normalization (``tree_batch(tree, step)``): every objective called without
+    ``norm=`` normalizes by that step, as SFT's ``loss_weight`` does (PolicyGradient took the tree alone: 3x here,
+    and a PPO + KL sum was mis-weighted)."""
+    t1 = Tree.from_paths([[1, 2, 3], [1, 2, 4]])
+    t2 = Tree.from_paths([[5, 6, 7], [5, 8], [9, 9, 9], [3, 3]])
+    step = GlobalNorm.from_trees([t1, t2], "sum")
+    b = tree_batch(t1, step)
+    lp = -torch.arange(1.0, b.seq_len + 1, dtype=torch.float64) / 7
+    ones = torch.ones(2, dtype=torch.float64)
+    sft = SFT().loss(lp, b)
+    assert torch.allclose(sft, SFT().loss(lp, b, norm=step), rtol=1e-15)
+    assert torch.allclose(PolicyGradient().loss(lp, b, advantages=ones), sft, rtol=1e-15)
+    alone = t1.to_batch()  # no step: the tree alone, as before
+    assert torch.allclose(PolicyGradient().loss(lp, alone, advantages=ones), SFT().loss(lp, alone), rtol=1e-15)
+    assert not torch.allclose(SFT().loss(lp, alone), sft)
+
+
+def test_ambiguous_per_token_values_of_a_padded_partition_are_refused():
+    """A partition padded to as many tokens as the whole tree: values of that length could be either; they were
+    read as the whole tree's (a PPO loss of 0.39 instead of -0.14)."""
+    from treecompile.runtime.partition import pack
+
+    tree = Tree.from_paths([[1, 2, 3, 4], [1, 5, 6, 7], [1, 5, 8]])
+    plan = pack(tree, 4)
+    step = GlobalNorm.of_tree(tree, "sum")
+    b = plan.batch(1, normalize="sum", weights=step.token_weights(tree), pad_to_multiple=tree.num_tokens)
+    assert b.seq_len == tree.num_tokens and b.num_tokens < b.seq_len
+    lp = torch.zeros(b.seq_len, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"old_logprobs: 8 values are as many as the whole tree's tokens and as "
+                                         r"this partition's padded length"):
+        PPOClip().loss(lp, b, advantages=torch.ones(3), old_logprobs=torch.zeros(tree.num_tokens))
+    PPOClip().loss(lp, b, advantages=torch.ones(3), old_logprobs=torch.zeros(b.num_tokens))  # the partition's own

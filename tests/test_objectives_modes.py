@@ -130,3 +130,36 @@ def test_sequence_clip_redundancy_free_checks_the_linearization_point(model, bou
     monkeypatch.setattr(train_mod, "linearize", shifted)
     with pytest.raises(LogprobMismatchError, match="whole-tree token 5 .*not deterministic"):
         train_step(boundary_model, trajectory(mixed_case(model)), OBJECTIVES["gspo"], **MODES["redundancy_free"])
+
+
+def test_a_redundancy_free_partition_is_refused_by_a_whole_tree_program(model, tmodel):
+    """A partition of a redundancy-free plan reads context from the partitions above it: a whole-tree program ran
+    it without that context (its losses summed to 5.96 against the tree's 14.0), now it refuses it by name."""
+    from treecompile import Tree
+    from treecompile.runtime.partition import partition_redundancy_free
+
+    tree = Tree.from_paths([[1, 2, 3, 4, 5, 6], [1, 2, 3, 7, 8], [1, 9, 10]])
+    plan = partition_redundancy_free(tree, 4)
+    fed = [i for i in range(len(plan)) if len(plan.batch(i).extras.get("boundary_index", ()))]
+    assert fed, "the plan has no partition below another: the test proves nothing"
+    with pytest.raises(ValueError, match="redundancy-free partition whose tokens read context"):
+        tmodel(plan.batch(fed[0]))
+
+
+def test_train_step_takes_a_logprob_tolerance(model, tmodel):
+    """Paths that share a trained token give old log-probs 1e-5 apart: refused at the default tolerance, naming
+    the option; accepted with ``logprob_atol`` (the first path's value), as ``TrajectoryTree.to_batch`` already
+    allowed."""
+    from treecompile import Tree
+    from treecompile.runtime.objectives import PPOClip
+
+    tree = Tree.from_paths([[1, 2, 3], [1, 2, 4]])
+    old = torch.tensor([0, -1.0, -2.0, 0, -1.00001, -2.0], dtype=torch.float64)
+    traj = TrajectoryTree(tree_id=0, tree=tree, source="t.jsonl", lines=[1, 2],
+                          advantages=torch.ones(2, dtype=torch.float64), old_logprobs=old)
+    with pytest.raises(ValueError, match=r"differ by 1e-05 > atol 1e-06"):
+        train_step(tmodel, traj, PPOClip())
+    res = train_step(tmodel, traj, PPOClip(), logprob_atol=1e-4)
+    assert math.isfinite(float(res.loss))
+    for p in model.parameters():
+        p.grad = None

@@ -399,17 +399,69 @@ def _set_expr(g):
     raise AssertionError("no symbolic size in the program")
 
 
+def _set_power(g):
+    for v in g["graph_module"]["graph"]["sym_int_values"].values():
+        if v.get("as_expr"):
+            v["as_expr"]["expr_str"] = f"Add({v['as_expr']['expr_str']}, Integer(9)**Integer(9)**Integer(9))"
+            return
+    raise AssertionError("no symbolic size in the program")
+
+
+_INJECTED = "__import__('os').makedirs('{marker}', exist_ok=True)"
+
+
+def _rename_last_input(marker):
+    """The last graph input renamed to ``tree_loss_weight=<code>``, everywhere its name appears: FX wrote the name
+    into the ``def forward(...)`` it execs, so the code ran as a default argument inside ``torch.export.load``."""
+    def change(g):
+        text = json.dumps(g)
+        new = "tree_loss_weight=" + _INJECTED.format(marker=marker)
+        g.clear()
+        g.update(json.loads(text.replace('"tree_loss_weight"', json.dumps(new))))
+    return change
+
+
 @pytest.mark.parametrize("change, message", [
     (_set_target("torch.os.system"), r"calls 'torch\.os\.system': only torch\.ops\.aten"),
     (_set_target("torch.ops.aten.save.default"), r"calls 'torch\.ops\.aten\.save\.default'"),
     (_set_expr, r"symbolic expression 'Integer\(1\)\.__class__'"),
+    (_set_power, r"symbolic expression .* has '\*\*Integer\(9\)"),  # sympy evaluated 9**9**9 for minutes
     (lambda g: g.__setitem__("guards_code", ["__import__('os').mkdir('x')"]), r"guard"),
-], ids=["python-function", "file-writing-op", "sympify-eval", "guard-code"])
+], ids=["python-function", "file-writing-op", "sympify-eval", "power-tower", "guard-code"])
 def test_load_refuses_code_in_the_graph(saved_models, tmp_path, change, message):
     src, _, _ = saved_models["dense"]
     d = _tamper(src, tmp_path / "evil", _graph_edit(change))
     with pytest.raises(saved.SavedProgramError, match=r"program\.pt2: refused: entry 'models/model\.json': .*" + message):
         saved.load(d)
+
+
+def test_load_refuses_code_in_a_graph_name(saved_models, tmp_path):
+    src, _, _ = saved_models["dense"]
+    marker = tmp_path / "payload_ran"
+    d = _tamper(src, tmp_path / "evil", _graph_edit(_rename_last_input(marker)))
+    # control: torch.export.load itself runs the name as code (so this archive is a live attack)
+    try:
+        torch.export.load(d / saved.PROGRAM)
+    except Exception:
+        pass
+    assert marker.is_dir(), "the crafted name did not run under torch.export.load: the test proves nothing"
+    marker.rmdir()
+    with pytest.raises(saved.SavedProgramError, match=r"program\.pt2: refused: entry 'models/model\.json': name "
+                                                      r"\"tree_loss_weight=__import__.* is not a name treecompile"):
+        saved.load(d)
+    assert not marker.exists()
+
+
+def test_verify_and_inspect_need_no_import_of_the_ops(saved_models):
+    """``treecompile inspect`` in a fresh process checks a valid program (the archive check looked the tree ops up
+    before anything had registered them, and refused every program)."""
+    import subprocess
+    import sys
+
+    d = saved_models["dense"][0]
+    code = f"from treecompile import saved; print(sorted(saved.verify({str(d)!r})))"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
 
 
 def test_saved_program_is_data_only_and_hashes_are_checked(saved_models, tmp_path, capsys):
@@ -466,3 +518,110 @@ def test_sliding_window_program_saves_and_loads(tmp_path):
     want, got = tm(batch), loaded(batch)
     assert torch.equal(want.loss.detach(), got.loss.detach())
     assert torch.equal(want.logprobs.detach(), got.logprobs.detach())
+
+
+# ---------------------------------------------------------------------------------------------- manifest and weights
+def _manifest_edit(d: Path, change) -> None:
+    m = json.loads((d / saved.MANIFEST).read_text())
+    change(m)
+    (d / saved.MANIFEST).write_text(json.dumps(m))
+
+
+def _first_two(m, kind="parameter"):
+    names = [k for k, s in m["tensors"].items() if s["kind"] == kind and len(s["shape"]) == 2]
+    return names[0], names[1]
+
+
+@pytest.mark.parametrize("change, message", [
+    # an alias that names a stored tensor re-pointed it at another weight: the program computed something else
+    (lambda m: m.__setitem__("tied", {_first_two(m)[1]: _first_two(m)[0]}), r"but \S+ is stored in model"),
+    (lambda m: m["tensors"][_first_two(m)[0]].__setitem__("kind", "buffer"), r"is a buffer, the program reads a "
+                                                                             r"parameter"),
+    (lambda m: m["tensors"][_first_two(m)[0]].pop("shape"), r"\.shape: expected a list of sizes, got None"),
+    (lambda m: m.__setitem__("tied", ["x"]), r"tied: expected a mapping"),
+    (lambda m: m.__setitem__("tied", {"__class__": _first_two(m)[0]}), r"cannot register the tensors"),
+    (lambda m: m.__setitem__("passes", []), r"passes: expected a mapping"),
+    (lambda m: m.__setitem__("conv_width", "3"), r"conv_width: expected null or a positive int"),
+], ids=["alias-of-a-stored-weight", "kind", "shape-missing", "tied-list", "alias-name", "passes-list", "conv-width"])
+def test_load_refuses_a_manifest_that_disagrees_with_the_program(saved_models, tmp_path, change, message):
+    """The manifest is not hashed (it holds the hashes): every field ``load`` reads is checked, against the program
+    where the program says the same thing, and refused naming the manifest; nothing loads half-checked."""
+    src, _, _ = saved_models["dense"]
+    d = shutil.copytree(src, tmp_path / "edited")
+    _manifest_edit(d, change)
+    with pytest.raises(saved.SavedProgramError, match=message):
+        saved.load(d)
+
+
+def test_load_refuses_weights_the_program_does_not_read(saved_models, tmp_path):
+    """Weights of another dtype or shape than the program's parameters (all re-hashed, manifest updated to match
+    them) are refused at load, naming the tensor, not at the first forward inside an op."""
+    import safetensors.torch
+
+    src, _, _ = saved_models["dense"]
+    d = shutil.copytree(src, tmp_path / "f32")
+    w = safetensors.torch.load_file(str(d / saved.WEIGHTS))
+    w = {k: v.float() for k, v in w.items()}
+    safetensors.torch.save_file(w, str(d / saved.WEIGHTS), metadata={"format": "pt"})
+    _manifest_edit(d, lambda m: [s.__setitem__("dtype", "float32") for s in m["tensors"].values()])
+    _rehash(d, saved.WEIGHTS)
+    with pytest.raises(saved.SavedProgramError, match=r"model\.safetensors: \S+ is float32\[.*the program reads "
+                                                      r"float64"):
+        saved.load(d)
+
+
+@pytest.mark.parametrize("device, message", [("bogus", "is not a device"), ("meta", "holds no data"),
+                                             ("cpu:3", "one CPU device")])
+def test_load_refuses_a_device_it_cannot_use(saved_models, device, message):
+    with pytest.raises(ValueError, match=rf"load: device '{device}'.*{message}"):
+        saved.load(saved_models["dense"][0], device=device)
+
+
+def test_damaged_zip_headers_are_named(saved_models, tmp_path):
+    """A damaged central directory (a file name byte, the version field) is "cannot load the archive", naming the
+    file, not zipfile's own exception."""
+    src, _, _ = saved_models["dense"]
+    d = shutil.copytree(src, tmp_path / "damaged")
+    data = bytearray((d / saved.PROGRAM).read_bytes())
+    cd = data.rfind(b"PK\x01\x02")  # the last central directory record
+    data[cd + 46] = 0xFF  # the first byte of its file name: not UTF-8
+    data[cd + 9] |= 0x08  # and the UTF-8 flag set
+    (d / saved.PROGRAM).write_bytes(bytes(data))
+    _rehash(d, saved.PROGRAM)
+    with pytest.raises(saved.SavedProgramError, match=r"program\.pt2: (cannot load the archive|refused)"):
+        saved.load(d)
+
+
+def test_save_refuses_what_it_cannot_keep(saved_models, tmp_path):
+    """A partition graph, a directory of someone else's files under ``overwrite=True``, a symbolic link: refused by
+    name, nothing written or removed."""
+    src, _, tm = saved_models["dense"]
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    with pytest.raises(FileExistsError, match="replaces only a directory written by save"):
+        saved.save(tm, mine, overwrite=True)
+    assert (mine / "notes.txt").read_text() == "keep me"
+    link = tmp_path / "link"
+    link.symlink_to(mine)
+    with pytest.raises(FileExistsError, match="is a symbolic link"):
+        saved.save(tm, link, overwrite=True)
+    boundary = cached_compile(cached_model("dense-tiny-v11", lambda: tiny_dense(11)), boundary=True)
+    with pytest.raises(ValueError, match=r"save: this is a partition graph"):
+        saved.save(boundary, tmp_path / "rf")
+    assert not (tmp_path / "rf").exists()
+    saved.save(tm, tmp_path / "again")  # a saved program may be replaced
+    saved.save(tm, tmp_path / "again", overwrite=True)
+
+
+def test_save_refuses_a_program_with_a_router_loss(tmp_path):
+    """``router_aux=`` adds the router loss from the graph's router logits through a spec the saved program does
+    not hold: save refuses (a loaded program refused every forward instead)."""
+    torch.manual_seed(0)
+    model = HybridForCausalLM(HybridConfig.tiny(vocab_size=11, num_hidden_layers=2, num_experts=4,
+                                                output_router_logits=True,
+                                                layer_types=("linear_attention", "full_attention"))).double()
+    tm = treecompile.compile(model, router_aux="batch")
+    with pytest.raises(ValueError, match=r"save: the program returns router logits"):
+        saved.save(tm, tmp_path / "moe")
+    assert not (tmp_path / "moe").exists()

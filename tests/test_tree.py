@@ -319,3 +319,25 @@ def test_bad_normalize_and_pad():
         tree.to_batch(normalize="mean")
     with pytest.raises(ValueError, match="pad_to_multiple"):
         tree.to_batch(pad_to_multiple=0)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(loss_masks=[None, [0, 1]]), r"path 0: loss mask must be a sequence of 0/1 or bools, got NoneType"),
+    (dict(loss_masks=["011", [0, 1]]), r"path 0: loss mask must be a sequence of 0/1 or bools, got str"),
+    (dict(loss_masks=[[[0, 1, 1]], [0, 1]]), r"path 0: loss mask must be one flat sequence, got shape \(1, 3\)"),
+    (dict(path_weights=[10 ** 400, 1]), r"path_weights: expected finite numbers.*OverflowError"),
+    (dict(path_weights=[True, False]), r"path 0: path weight True is a bool"),
+])
+def test_bad_masks_and_weights_are_named(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Tree.from_paths([[1, 2, 3], [1, 4]], **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(pad_to_multiple=2.5), r"pad_to_multiple: expected a positive integer, got 2.5"),
+    (dict(conv_kernel=-3), r"conv_kernel: expected a positive integer"),
+    (dict(weights=torch.tensor([0.5, float("nan"), 0.5, 0.5])), r"weights: batch token 1: not finite \(nan\)"),
+])
+def test_bad_batch_options_are_named(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Tree.from_paths([[1, 2, 3], [1, 4]]).to_batch(**kwargs)

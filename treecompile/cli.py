@@ -88,6 +88,8 @@ def load_model(spec: str, *, dtype: str = "float32", seed: int = 0):
         from treecompile.models import DenseForCausalLM, HybridForCausalLM
 
         family, cfg = refs[spec]
+        if not 0 <= seed < 2 ** 63:
+            raise UserError(f"--seed {seed}: expected an integer in [0, 2**63)")
         torch.manual_seed(seed)
         cls = DenseForCausalLM if family == "dense" else HybridForCausalLM
         return cls(cfg()).to(torch_dtype), {"source": spec, "seed": seed, "dtype": DTYPES[dtype]}
@@ -111,7 +113,8 @@ def load_model(spec: str, *, dtype: str = "float32", seed: int = 0):
         # mismatched shapes are refused below with their names and shapes (transformers' own refusal
         # points at a report that the silenced logger never printed)
         model, info = transformers.AutoModelForCausalLM.from_pretrained(
-            str(d), dtype=torch_dtype, output_loading_info=True, ignore_mismatched_sizes=True)
+            str(d), dtype=torch_dtype, output_loading_info=True, ignore_mismatched_sizes=True,
+            use_safetensors=True)  # never a pickled pytorch_model.bin lying beside them
     except Exception as e:
         raise UserError(f"{d}: transformers could not load the model ({type(e).__name__}: "
                         f"{str(e).strip().splitlines()[0] if str(e).strip() else ''})") from None
@@ -242,6 +245,16 @@ def cmd_inspect(args) -> int:
     if args.json:
         print(json.dumps(m, indent=2))
         return 0
+    try:
+        _print_manifest(d, m)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise UserError(f"{d / saved.MANIFEST}: a field inspect shows is malformed ({type(e).__name__}: {e}); "
+                        f"`treecompile inspect --json` prints the manifest as it is") from None
+    return 0
+
+
+def _print_manifest(d: Path, m: dict) -> None:
+    from tabulate import tabulate
     extra = m.get("extra", {})
     print(f"{d}: {m['format']}")
     print(f"  model      {m.get('model_class')}  ({extra.get('source', '?')})")
@@ -267,7 +280,6 @@ def cmd_inspect(args) -> int:
             for r in m.get("inputs", [])]
     print(tabulate(rows, headers=["input", "dtype", "shape", "TreeBatch field"], tablefmt="github"))
     print("outputs: " + ", ".join(f"{o['name']} [{', '.join(o['shape'])}]" for o in m.get("outputs", [])))
-    return 0
 
 
 def _modules(paths: list[str], show: int = 2) -> str:
@@ -294,6 +306,9 @@ def cmd_stats(args) -> int:
     rows = []
     try:  # the reader training uses: what stats accepts, training accepts
         for t in read_trajectories(path, vocab_size=args.vocab_size, progress=True):
+            for key in ("old_logprobs", "ref_logprobs"):  # shared tokens agree across paths, as training checks
+                if getattr(t, key) is not None:
+                    t.dfs(key)
             rows.append({"tree_id": t.tree_id, **tree_stats(t.tree, args.budget)})
     except ValueError as e:
         raise UserError(str(e)) from None

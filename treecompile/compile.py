@@ -189,6 +189,12 @@ class TreeModel(nn.Module):
         if self.program.boundary is not None:
             raise TypeError("this TreeModel was compiled with boundary=True (partition graph); run it through "
                             "treecompile.runtime.redundancy_free.run_redundancy_free")
+        boundary = batch.extras.get("boundary_index")
+        if boundary is not None and len(boundary):
+            raise ValueError("this batch is a redundancy-free partition whose tokens read context from the partitions "
+                             f"above it ({len(boundary)} boundary tokens): a whole-tree program would run it without "
+                             "that context; run the plan through treecompile.runtime.redundancy_free."
+                             "run_redundancy_free (or train_step(..., mode='redundancy_free'))")
         batch.check_ids(self.vocab_size)  # an id >= vocab is named here, not as an IndexError in the graph
         return self.tree_output(self.program.run(batch), batch)
 

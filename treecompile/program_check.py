@@ -18,11 +18,15 @@ handed to ``torch.export.load``, and accepts only what is data (an allowlist, no
   ``.data/serialization_id``), ``models/model.json``, the two payload configs (JSON), raw tensor bytes
   ``data/weights/weight_<i>`` / ``data/constants/tensor_<i>``, and an *empty* ``data/sample_inputs/model.pt``;
 - payload configs: every entry ``use_pickle: false`` with tensor metadata, naming an existing raw entry;
+- names: every graph value, node, input, output and argument name is a Python identifier, every parameter/buffer
+  /constant name a dotted path of identifier characters (FX writes placeholder names into the ``forward`` it
+  ``exec``s: a name holding code ran at load); no string holds a carriage return, and only stack traces a newline;
 - graph: node targets and operator arguments are ``torch.ops.aten`` / ``torch.ops.treecompile`` ops (ops
   with string arguments only where the string is a mode: ``aten.save`` and ``aten.from_file`` are
   refused), a few ``_operator`` / ``math`` / ``torch.sym_*`` functions, the grad-mode/autocast wrappers
   (their subgraphs checked the same way); no custom objects; symbolic
-  expressions and guards match a small grammar (sympy constructors, symbol names, integers).
+  expressions and guards match a small grammar (sympy constructors, symbol names, integers of at most 19 digits;
+  no powers or shifts, whose evaluation by sympy at load can take forever).
 
 Anything else raises :class:`UnsafeProgramError` naming the entry (and node) that was refused
 ("refused: ..."), or saying that the archive cannot be read at all ("cannot load the archive ...").
@@ -64,16 +68,28 @@ PY_FUNCTIONS = {f"_operator.{n}" for n in ("getitem", "add", "sub", "mul", "floo
 HIGHER_ORDER = {"torch.ops.higher_order.wrap_with_set_grad_enabled", "torch.ops.higher_order.wrap_with_autocast"}
 
 # sympy's srepr, as torch writes expr_str: Mul(Integer(16), Symbol('s34', positive=True, integer=True))
-SYMPY_NAMES = {"Symbol", "Integer", "Rational", "Float", "Add", "Mul", "Pow", "Max", "Min", "Mod", "Eq", "Ne",
+SYMPY_NAMES = {"Symbol", "Integer", "Rational", "Float", "Add", "Mul", "Pow", "PowByNatural", "Max", "Min", "Mod",
+               "Eq", "Ne",
                "Lt", "Le", "Gt", "Ge", "StrictLessThan", "StrictGreaterThan", "LessThan", "GreaterThan",
                "Equality", "Unequality", "And", "Or", "Not", "Abs", "floor", "ceiling", "oo", "zoo", "nan",
                "true", "false", "True", "False", "BooleanTrue", "BooleanFalse", "Infinity", "NegativeInfinity",
                "IntInfinity", "NegativeIntInfinity", "FloorDiv", "ModularIndexing", "Where", "PythonMod",
-               "CleanDiv", "CeilToInt", "FloorToInt", "CeilDiv", "LShift", "RShift", "PowByNatural", "FloatPow",
+               "CleanDiv", "CeilToInt", "FloorToInt", "CeilDiv", "RShift",
                "FloatTrueDiv", "IntTrueDiv", "IsNonOverlappingAndDenseIndicator", "TruncToFloat", "TruncToInt",
                "RoundToInt", "RoundDecimal", "ToFloat", "Identity"}
+# (``**``, FloatPow and LShift are left out and Pow/PowByNatural take a literal exponent of at most MAX_EXPONENT
+# with no power inside them (:func:`_check_powers`): sympy evaluates powers when it reads the expression, and
+# ``Integer(9)**Integer(9)**Integer(9)`` held load for minutes; integers are capped at 19 digits)
 EXPR_TOKEN = re.compile(r"\s+|[A-Za-z][A-Za-z0-9_]*\s*=(?!=)|[A-Za-z][A-Za-z0-9]*|'[A-Za-z_][A-Za-z0-9_]*'"
-                        r"|\d+(?:\.\d+)?(?:[eE][+-]?\d+)?|\*\*|[-+*/(),]")
+                        r"|\d{1,19}(?:\.\d{1,19})?(?:[eE][+-]?\d{1,3})?(?![0-9.])|\*(?!\*)|[-+/(),]")
+POWERS = ("Pow", "PowByNatural")
+MAX_EXPONENT = 64  # T**2 of a flattened [T, T] mask is what torch writes
+POWER_CALL = re.compile(r"\b(Pow|PowByNatural)\(")
+LITERAL_EXPONENT = re.compile(r"\s*Integer\(\s*(\d{1,19})\s*\)\s*")
+IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+DOTTED = re.compile(r"[A-Za-z0-9_]+(?:\.[A-Za-z0-9_]+)*")  # parameter/buffer FQNs (``layers.0.weight``)
+NAME_KEYS = ("name", "as_name")  # graph value, node and argument names
+VALUE_TABLES = ("tensor_values", "sym_int_values", "sym_bool_values", "sym_float_values", "custom_obj_values")
 # guards: L['input_ids'].size()[1] == L['tree']['position_ids'].size()[0]
 GUARD_TOKEN = re.compile(r"\s+|L(?:\['[A-Za-z_][A-Za-z0-9_]*'\]|\[\d+\])+(?:\.(?:size|stride)\(\)\[\d+\]"
                          r"|\.storage_offset\(\))?|\d+|==|!=|<=|>=|<|>|//|[-+*%()]|and\b|or\b|not\b")
@@ -84,7 +100,18 @@ class UnsafeProgramError(ValueError):
 
 
 def check_program(data: bytes) -> None:
-    """Raise :class:`UnsafeProgramError` unless the .pt2 archive ``data`` holds only data (see module doc)."""
+    """Raise :class:`UnsafeProgramError` unless the .pt2 archive ``data`` holds only data (see module doc).
+    A damaged archive (zip headers, encrypted or unsupported entries) is "cannot load the archive (...)"."""
+    try:
+        _check_program(data)
+    except UnsafeProgramError:
+        raise
+    except Exception as e:  # zipfile's and torch's readers raise their own types on damaged headers
+        raise UnsafeProgramError(f"cannot load the archive ({type(e).__name__}: "
+                                 f"{str(e).splitlines()[0] if str(e) else ''})") from None
+
+
+def _check_program(data: bytes) -> None:
     import torch
 
     names = _zip_names(data)
@@ -162,14 +189,55 @@ def _check_graph(program) -> None:
     graph = gm.get("graph")
     if not isinstance(graph, dict) or graph.get("custom_obj_values"):
         raise UnsafeProgramError(f"entry {GRAPH!r}: custom objects are not data")
+    _check_names(program, graph)
     _check_nodes(graph)
     for expr in _values(program, "expr_str"):
         _check_tokens(expr, EXPR_TOKEN, "symbolic expression", ident_ok=_sympy_ident)
+        _check_powers(expr)
     guards = program.get("guards_code") or []
     if not isinstance(guards, list):
         raise UnsafeProgramError(f"entry {GRAPH!r}: guards_code is not a list")
     for g in guards:
         _check_tokens(g, GUARD_TOKEN, "guard", ident_ok=lambda t: True)
+
+
+def _check_names(program: dict, graph: dict) -> None:
+    """Names are identifiers (FX writes them into code it executes), FQNs dotted identifier characters, and no
+    string breaks a line of that code (a carriage return ends a Python line; newlines only in stack traces)."""
+    def bad(what, value):
+        raise UnsafeProgramError(f"entry {GRAPH!r}: {what} {str(value)[:80]!r} is not a name treecompile writes")
+
+    for key in NAME_KEYS:
+        for v in _values(program, key):
+            # (a higher-order op's positional inputs are named "")
+            if not isinstance(v, str) or not (IDENTIFIER.fullmatch(v) or (key == "name" and v == "")):
+                bad(f"{key}", v)
+    for table in VALUE_TABLES:
+        values = graph.get(table) or {}
+        if not isinstance(values, dict):
+            raise UnsafeProgramError(f"entry {GRAPH!r}: {table} is not a mapping")
+        for v in values:
+            if not IDENTIFIER.fullmatch(v):
+                bad(f"{table} key", v)
+    for key, v in _items(program):
+        if key.endswith("_name") or key == "fqn":
+            if not isinstance(v, str) or not (DOTTED.fullmatch(v) or (key == "fqn" and v == "")):
+                bad(key, v)
+        if isinstance(v, str) and ("\r" in v or ("\n" in v and key != "stack_trace")):
+            bad(f"{key} (a line break)", v)
+
+
+def _items(obj):
+    """Every ``(key, value)`` pair anywhere in a JSON tree (list entries under their list's key)."""
+    stack = [("", obj)]
+    while stack:
+        key, x = stack.pop()
+        if isinstance(x, dict):
+            stack.extend(x.items())
+        elif isinstance(x, list):
+            stack.extend((key, v) for v in x)
+        else:
+            yield key, x
 
 
 def _check_nodes(graph: dict) -> None:
@@ -189,6 +257,8 @@ def _check_nodes(graph: dict) -> None:
 
 def _check_target(target, node: str) -> None:
     import torch
+
+    import treecompile.ops  # noqa: F401 - registers the tree ops a program names (inspect/verify read no model)
 
     bad = f"entry {GRAPH!r}: node {node} calls {target!r}"
     if not isinstance(target, str):
@@ -210,6 +280,23 @@ def _check_target(target, node: str) -> None:
             isinstance(a.type, torch.StringType) for a in schema.arguments):
         raise UnsafeProgramError(f"{bad}: an operator with string arguments (file names, messages) is "
                                  f"not allowed in a saved program")
+
+
+def _check_powers(text: str) -> None:
+    """Every ``Pow(base, Integer(k))`` has a literal exponent ``0 <= k <= MAX_EXPONENT`` and no power in its base."""
+    for m in POWER_CALL.finditer(text):
+        depth, i, comma = 1, m.end(), None
+        while i < len(text) and depth:
+            c = text[i]
+            depth += (c == "(") - (c == ")")
+            if c == "," and depth == 1 and comma is None:
+                comma = i
+            i += 1
+        exponent = LITERAL_EXPONENT.fullmatch(text[comma + 1:i - 1]) if comma is not None and not depth else None
+        if exponent is None or int(exponent.group(1)) > MAX_EXPONENT or POWER_CALL.search(text, m.end(), comma):
+            raise UnsafeProgramError(f"entry {GRAPH!r}: symbolic expression {text[:80]!r}: a power whose exponent is "
+                                     f"not a literal integer of at most {MAX_EXPONENT} over a base without powers "
+                                     f"(sympy would evaluate it when reading the program)")
 
 
 def _sympy_ident(tok: str) -> bool:

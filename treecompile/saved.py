@@ -33,6 +33,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import shutil
 import tempfile
 import warnings
@@ -234,11 +235,29 @@ def save(tmodel, directory: str | os.PathLike, *, manifest_extra: dict | None = 
     if not isinstance(tmodel, TreeModel):
         raise TypeError(f"save expects a treecompile.TreeModel, got {type(tmodel).__name__}")
     out = Path(directory)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
-        raise FileExistsError(f"{out}: exists and is not an empty directory (pass overwrite=True to replace it)")
+    if out.is_symlink():
+        raise FileExistsError(f"{out}: is a symbolic link (saving would replace the link, not fill what it points "
+                              f"to); pass the directory itself")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        if not overwrite:
+            raise FileExistsError(f"{out}: exists and is not an empty directory (pass overwrite=True to replace a "
+                                  f"saved program)")
+        try:
+            read_manifest(out)
+        except SavedProgramError:
+            raise FileExistsError(f"{out}: overwrite=True replaces only a directory written by save, and {out} "
+                                  f"holds no treecompile {MANIFEST}; left as it is") from None
     parent = out.parent if str(out.parent) else Path(".")
     if not parent.is_dir():
         raise FileNotFoundError(f"{parent}: no such directory")
+    if tmodel.program.boundary is not None:
+        raise ValueError("save: this is a partition graph (compile(..., boundary=True)), which takes boundary "
+                         "tensors from the partitions before it; save the whole-tree program (boundary=False) and "
+                         "build partition graphs where they run")
+    if getattr(tmodel, "router_aux", None) is not None:
+        raise ValueError("save: the program returns router logits for a router auxiliary loss "
+                         "(compile(..., router_aux=...)), whose spec a saved program does not hold: a loaded "
+                         "program would drop that loss; compile with router_aux=None to save it")
 
     import treecompile.ops.experts_module  # noqa: F401  (registers the op the check below names)
 
@@ -351,6 +370,79 @@ def read_manifest(directory: str | os.PathLike) -> dict:
     return m
 
 
+def _register(module: nn.Module, specs: dict, tied: dict, weights: dict, d: Path, wpath: Path) -> None:
+    """The stored tensors, then the tied aliases, on ``module`` under their dotted names."""
+    for k, s in specs.items():
+        _set_tensor(module, k, weights[k], kind=s["kind"], persistent=s.get("persistent", True))
+    for alias, k in tied.items():
+        if k not in specs:
+            raise SavedProgramError(f"{d / MANIFEST}: tied weight {alias} -> {k}, which {wpath.name} lacks")
+        if alias in specs:  # an alias would replace a stored tensor
+            raise SavedProgramError(f"{d / MANIFEST}: tied weight {alias} -> {k}, but {alias} is stored in "
+                                    f"{wpath.name} itself")
+        src = module.get_parameter(k) if specs[k]["kind"] == "parameter" else module.get_buffer(k)
+        _set_tensor(module, alias, src, kind=specs[k]["kind"], persistent=specs[k].get("persistent", True))
+
+
+def _load_device(device) -> torch.device:
+    """The device ``load`` puts the weights on (default CPU): ValueError naming ``device`` when it is not one."""
+    if device is None:
+        return torch.device("cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"load: device {device!r} is not a device ({e})") from None
+    if dev.type == "meta":
+        raise ValueError("load: device 'meta' holds no data; load onto 'cpu' or 'cuda'")
+    if dev.type == "cuda" and (not torch.cuda.is_available()
+                               or (dev.index is not None and dev.index >= torch.cuda.device_count())):
+        raise ValueError(f"load: device {device!r} is not available here ({torch.cuda.device_count()} CUDA "
+                         f"device(s))")
+    if dev.type == "cpu" and dev.index not in (None, 0):
+        raise ValueError(f"load: device {device!r}: there is one CPU device ('cpu')")
+    return dev
+
+
+_FQN = re.compile(r"[A-Za-z0-9_]+(?:\.[A-Za-z0-9_]+)*")
+_DTYPES = {"float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool",
+           "complex64", "complex128", "float8_e4m3fn", "float8_e5m2"}
+
+
+def _check_manifest(m: dict, path: Path) -> None:
+    """The manifest fields ``load`` reads, typed as ``save`` writes them; SavedProgramError naming the field."""
+    def bad(field, why):
+        raise SavedProgramError(f"{path}: {field}: {why}")
+
+    tensors = m.get("tensors", {})
+    if not isinstance(tensors, dict):
+        bad("tensors", f"expected a mapping of tensor names, got {type(tensors).__name__}")
+    for k, spec in tensors.items():
+        if not _FQN.fullmatch(k):
+            bad(f"tensors[{k!r}]", "not a dotted parameter/buffer name")
+        if not isinstance(spec, dict):
+            bad(f"tensors[{k!r}]", f"expected a mapping, got {type(spec).__name__}")
+        if spec.get("kind") not in ("parameter", "buffer"):
+            bad(f"tensors[{k!r}].kind", f"expected 'parameter' or 'buffer', got {spec.get('kind')!r}")
+        if spec.get("dtype") not in _DTYPES:
+            bad(f"tensors[{k!r}].dtype", f"{spec.get('dtype')!r} is not a dtype a saved program holds")
+        shape = spec.get("shape")
+        if not isinstance(shape, list) or not all(type(x) is int and x >= 0 for x in shape):
+            bad(f"tensors[{k!r}].shape", f"expected a list of sizes, got {shape!r}")
+        if type(spec.get("persistent", True)) is not bool:
+            bad(f"tensors[{k!r}].persistent", f"expected true or false, got {spec.get('persistent')!r}")
+    tied = m.get("tied", {})
+    if not isinstance(tied, dict) or not all(isinstance(a, str) and isinstance(b, str) and _FQN.fullmatch(a)
+                                             and _FQN.fullmatch(b) for a, b in tied.items()):
+        bad("tied", "expected a mapping of dotted tensor names to dotted tensor names")
+    passes = m.get("passes", {})
+    if not isinstance(passes, dict) or not all(isinstance(v, dict) and type(v.get("count")) is int
+                                               and isinstance(v.get("info", {}), dict) for v in passes.values()):
+        bad("passes", "expected a mapping of pass names to {count: int, info: {...}}")
+    conv = m.get("conv_width")
+    if conv is not None and (type(conv) is not int or conv < 1):
+        bad("conv_width", f"expected null or a positive int, got {conv!r}")
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -366,7 +458,9 @@ def verify(directory: str | os.PathLike) -> dict:
     records; the program archive holds no pickle and no code (:func:`treecompile.program_check.check_program`).
     Raises :class:`SavedProgramError` naming the file (and the archive entry).
     """
-    return _verified(Path(directory))[0]
+    manifest = _verified(Path(directory))[0]
+    _check_manifest(manifest, Path(directory) / MANIFEST)
+    return manifest
 
 
 def _check_written(path: Path) -> None:
@@ -421,10 +515,12 @@ def load(directory: str | os.PathLike, *, device=None, compile_cuda: bool = True
     from treecompile.passes.lower_cuda import CudaOptions
 
     d = Path(directory)
+    target = _load_device(device)
     manifest, program = _verified(d)  # hashes match and the archive holds no pickle: torch may read it
     wpath, ppath = d / WEIGHTS, d / PROGRAM
+    _check_manifest(manifest, d / MANIFEST)
     try:
-        weights = safetensors.torch.load_file(str(wpath), device=str(device or "cpu"))
+        weights = safetensors.torch.load_file(str(wpath), device=str(target))
     except Exception as e:  # safetensors raises its own error types on corrupt headers
         raise SavedProgramError(f"{wpath}: cannot read safetensors ({str(e).splitlines()[0]})") from None
     specs = manifest.get("tensors", {})
@@ -445,19 +541,34 @@ def load(directory: str | os.PathLike, *, device=None, compile_cuda: bool = True
                                 f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
 
     module = nn.Module()
-    for k, s in specs.items():
-        _set_tensor(module, k, weights[k], kind=s["kind"], persistent=s.get("persistent", True))
     tied = manifest.get("tied", {})
-    for alias, k in tied.items():
-        if k not in specs:
-            raise SavedProgramError(f"{d / MANIFEST}: tied weight {alias} -> {k}, which {wpath.name} lacks")
-        src = module.get_parameter(k) if specs[k]["kind"] == "parameter" else module.get_buffer(k)
-        _set_tensor(module, alias, src, kind=specs[k]["kind"], persistent=specs[k].get("persistent", True))
+    try:
+        _register(module, specs, tied, weights, d, wpath)
+    except (KeyError, AttributeError, TypeError) as e:  # a name nn.Module refuses ('__class__', 'a.forward', ...)
+        raise SavedProgramError(f"{d / MANIFEST}: cannot register the tensors under their names ({e})") from None
     sig = ep.graph_signature
+
     lifted = [(s.kind, s.target) for s in sig.input_specs if s.kind != InputKind.USER_INPUT]
-    for kind, target in lifted:
-        if kind in (InputKind.PARAMETER, InputKind.BUFFER) and target not in specs and target not in tied:
-            raise SavedProgramError(f"{ppath}: the program reads {target}, which {wpath.name} lacks")
+    vals = {n.name: n.meta.get("val") for n in ep.graph.nodes if n.op == "placeholder"}
+    for spec in sig.input_specs:
+        kind, fqn = spec.kind, spec.target
+        if kind not in (InputKind.PARAMETER, InputKind.BUFFER):
+            continue
+        if fqn not in specs and fqn not in tied:
+            raise SavedProgramError(f"{ppath}: the program reads {fqn}, which {wpath.name} lacks")
+        stored = specs[tied.get(fqn, fqn)]
+        want = "parameter" if kind == InputKind.PARAMETER else "buffer"
+        if stored["kind"] != want:
+            raise SavedProgramError(f"{d / MANIFEST}: {fqn} is a {stored['kind']}, the program reads a {want}")
+        val = vals.get(spec.arg.name)
+        if isinstance(val, torch.Tensor) and (list(val.shape) != stored["shape"]
+                                               or str(val.dtype).removeprefix("torch.") != stored["dtype"]):
+            raise SavedProgramError(f"{wpath}: {fqn} is {stored['dtype']}{stored['shape']}, the program reads "
+                                    f"{str(val.dtype).removeprefix('torch.')}{list(val.shape)}")
+    conv = vals.get("tree_conv_index")
+    if isinstance(conv, torch.Tensor) and manifest.get("conv_width") != conv.shape[1]:
+        raise SavedProgramError(f"{d / MANIFEST}: conv_width {manifest.get('conv_width')!r}, the program's conv "
+                                f"context is {conv.shape[1]} tokens wide")
     user = [s.arg.name for s in sig.input_specs if s.kind == InputKind.USER_INPUT]
     if not user or user[0] != "input_ids" or not all(u.startswith("tree_") for u in user[1:]):
         raise SavedProgramError(f"{ppath}: unexpected program inputs {user}")

@@ -299,8 +299,15 @@ class Tree:
             raise ValueError(f"loss_masks: expected {P} masks (one per path), got {len(loss_masks)}")
         parts = []
         for i, (mk, n) in enumerate(zip(loss_masks, lengths_list)):
-            t = torch.as_tensor(mk)
-            if t.dim() != 1 or t.numel() != n:
+            if mk is None or isinstance(mk, (str, bytes)):
+                raise ValueError(f"path {i}: loss mask must be a sequence of 0/1 or bools, got {type(mk).__name__}")
+            try:
+                t = torch.as_tensor(mk)
+            except (TypeError, ValueError, RuntimeError) as e:
+                raise ValueError(f"path {i}: loss mask must be a sequence of 0/1 or bools ({e})") from None
+            if t.dim() != 1:
+                raise ValueError(f"path {i}: loss mask must be one flat sequence, got shape {tuple(t.shape)}")
+            if t.numel() != n:
                 raise ValueError(f"path {i}: loss mask has {t.numel()} entries, the path has {n} tokens")
             if t.dtype.is_floating_point or t.dtype.is_complex:
                 raise ValueError(f"path {i}: loss mask must be 0/1 or bool, got dtype {t.dtype}")
@@ -319,10 +326,13 @@ class Tree:
             return torch.ones(P, dtype=torch.float64)
         if len(path_weights) != P:
             raise ValueError(f"path_weights: expected {P} weights (one per path), got {len(path_weights)}")
+        for i, x in enumerate(path_weights):
+            if isinstance(x, bool) or (isinstance(x, torch.Tensor) and x.dtype == torch.bool):
+                raise ValueError(f"path {i}: path weight {x!r} is a bool, not a number")
         try:
             w = torch.as_tensor(path_weights, dtype=torch.float64).flatten()
-        except (TypeError, ValueError, RuntimeError) as e:
-            raise ValueError(f"path_weights: expected numbers ({e})") from None
+        except (TypeError, ValueError, RuntimeError, OverflowError) as e:
+            raise ValueError(f"path_weights: expected finite numbers, one per path ({type(e).__name__}: {e})") from None
         bad = torch.nonzero(~torch.isfinite(w)).flatten()
         if bad.numel():
             i = int(bad[0])
@@ -422,6 +432,15 @@ class Tree:
         """
         return TreeBatch.from_tokens(self, None, weights=weights, normalize=normalize,
                                      pad_to_multiple=pad_to_multiple, device=device, conv_kernel=conv_kernel)
+
+
+def _is_integer(x) -> bool:
+    """An int of any kind (Python, numpy, a 0-d integer tensor), not a float that happens to be whole."""
+    import numbers
+
+    if isinstance(x, torch.Tensor):
+        return x.dim() == 0 and not x.dtype.is_floating_point and not x.dtype.is_complex and x.dtype != torch.bool
+    return isinstance(x, numbers.Integral)
 
 
 def path_coefficients(normalize: str, path_weights: torch.Tensor, *, num_paths: int,
@@ -559,8 +578,12 @@ class TreeBatch:
         whole paths; ``extras["tokens"]`` maps back) and ``num_paths`` is the caller's count.
         Padding: :meth:`padded`.
         """
-        if pad_to_multiple is not None and (isinstance(pad_to_multiple, bool) or int(pad_to_multiple) < 1):
-            raise ValueError(f"pad_to_multiple: expected a positive integer, got {pad_to_multiple}")
+        if pad_to_multiple is not None and (isinstance(pad_to_multiple, bool) or not _is_integer(pad_to_multiple)
+                                            or int(pad_to_multiple) < 1):
+            raise ValueError(f"pad_to_multiple: expected a positive integer, got {pad_to_multiple!r}")
+        if isinstance(conv_kernel, bool) or not _is_integer(conv_kernel) or int(conv_kernel) < 1:
+            raise ValueError(f"conv_kernel: expected a positive integer (the causal conv's width), got "
+                             f"{conv_kernel!r}")
         if tokens is not None and (tokens.dim() != 1 or tokens.numel() == 0 or tokens.dtype != torch.long
                                    or bool((tokens[1:] <= tokens[:-1]).any()) or int(tokens[0]) < 0
                                    or int(tokens[-1]) >= tree.num_tokens):
@@ -575,6 +598,9 @@ class TreeBatch:
         weights = torch.as_tensor(weights, dtype=torch.float64)
         if weights.dim() != 1 or weights.numel() != n:
             raise ValueError(f"weights: expected shape [{n}] (one per batch token), got {tuple(weights.shape)}")
+        if not bool(torch.isfinite(weights).all()):
+            i = int(torch.nonzero(~torch.isfinite(weights))[0])
+            raise ValueError(f"weights: batch token {i}: not finite ({weights[i].item()})")
         if tokens is None:
             batch = cls(input_ids=tree.input_ids, position_ids=tree.depth, pred_index=tree.pred, loss_weight=weights,
                         subtree_end=tree.subtree_end, node_id=tree.node_id, node_start=tree.node_start,

@@ -22,6 +22,8 @@ Rules (each violation is a ValueError ``"<file>:<line>: <what>"``; nothing is dr
 
 - Any other key is an error (a typo such as ``loss_masks`` would otherwise train every token).
   ``group_id`` is not an alias of ``tree_id`` (one name for one thing); its error says to rename it.
+  A key given twice in one object is an error (JSON parsers keep the last one silently).  ``null`` is an
+  error for every key but entries of ``old_logprobs``/``ref_logprobs`` (omit a key to take its default).
 - ``NaN``/``Infinity`` literals and numbers that overflow to infinity are errors; so are bools
   where numbers or ids are expected, and floats in ``input_ids``.
 - Per-token lists must have exactly ``len(input_ids)`` entries.  ``old_logprobs`` and
@@ -99,6 +101,20 @@ def _to_float(x) -> tuple[float, bool]:
     return f, math.isfinite(f)
 
 
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _unique_keys(pairs: list) -> dict:
+    """``json.loads``'s object hook: a dict, refusing a key that appears twice (meta's objects included)."""
+    out = {}
+    for k, v in pairs:
+        if k in out:
+            raise _DuplicateKey(k)
+        out[k] = v
+    return out
+
+
 def _is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
@@ -110,7 +126,10 @@ def parse_line(text: str, *, source: str, line: int, vocab_size: int | None = No
         raise ValueError(f"{source}:{line}: {msg}")
 
     try:
-        obj = json.loads(text.strip(), parse_constant=_reject_constant)
+        obj = json.loads(text.strip(), parse_constant=_reject_constant, object_pairs_hook=_unique_keys)
+    except _DuplicateKey as e:
+        fail(f"key {e.args[0]!r} appears twice in one object (JSON keeps the last silently; which one is meant "
+             f"is not known)")
     except _NonFinite as e:
         fail(f"non-finite number {e.args[0]} (JSON has no NaN/Infinity; every number must be finite)")
     except json.JSONDecodeError as e:
@@ -150,6 +169,8 @@ def parse_line(text: str, *, source: str, line: int, vocab_size: int | None = No
     n = len(ids)
 
     mask = obj.get("loss_mask")
+    if mask is None and "loss_mask" in obj:
+        fail("'loss_mask' is null; omit the key to train every token but the first, or give the 0/1 list")
     if mask is not None:
         if not isinstance(mask, list):
             fail(f"'loss_mask' must be a list of 0/1, got {type(mask).__name__}")

@@ -127,13 +127,19 @@ def token_coefficients(tree: Tree, normalize: str, per_path: torch.Tensor | None
 
 def tree_batch(tree: Tree, norm: GlobalNorm, *, pad_to_multiple: int | None = None, device=None,
                conv_kernel: int = DEFAULT_CONV_KERNEL) -> TreeBatch:
-    """``tree`` as one TreeBatch whose weights are its share of the step's loss."""
-    return tree.to_batch(normalize=norm.normalize, weights=norm.token_weights(tree),
-                         pad_to_multiple=pad_to_multiple, device=device, conv_kernel=conv_kernel)
+    """``tree`` as one TreeBatch whose weights are its share of the step's loss; ``extras["norm"]`` keeps ``norm``
+    (what an objective called without ``norm=`` normalizes by)."""
+    batch = tree.to_batch(normalize=norm.normalize, weights=norm.token_weights(tree),
+                          pad_to_multiple=pad_to_multiple, device=device, conv_kernel=conv_kernel)
+    batch.extras["norm"] = norm
+    return batch
 
 
 def partition_batch(plan: "PackedPlan", i: int, norm: GlobalNorm, *, pad_to_multiple: int | None = None,
                     device=None, conv_kernel: int = DEFAULT_CONV_KERNEL) -> TreeBatch:
-    """Packed partition ``i`` of ``plan``: the step's weight on the tokens it owns, 0 elsewhere."""
-    return plan.batch(i, normalize=norm.normalize, weights=norm.token_weights(plan.tree),
-                      pad_to_multiple=pad_to_multiple, device=device, conv_kernel=conv_kernel)
+    """Packed partition ``i`` of ``plan``: the step's weight on the tokens it owns, 0 elsewhere (``extras["norm"]``:
+    ``norm``)."""
+    batch = plan.batch(i, normalize=norm.normalize, weights=norm.token_weights(plan.tree),
+                       pad_to_multiple=pad_to_multiple, device=device, conv_kernel=conv_kernel)
+    batch.extras["norm"] = norm
+    return batch

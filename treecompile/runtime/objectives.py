@@ -4,7 +4,8 @@ Notation: paths ``p``, their tokens ``t``; ``lp[t]`` = log p(token t | path pref
 per-token DFS output (``out.logprobs``), which is the same number on every path through ``t``;
 ``m[p,t]`` the loss mask; ``c_p`` = path weight times the normalization (``sum`` 1/N, ``path_mean``
 1/(N * trained tokens of p), ``token_mean`` 1/(all trained tokens); N and the token count are the
-step's: :class:`~treecompile.runtime.normalization.GlobalNorm`, by default the batch's tree alone,
+step's: :class:`~treecompile.runtime.normalization.GlobalNorm`, by default the one the batch was built with
+(``extras["norm"]``), else the batch's tree alone,
 ``tree.path_coefficients(normalize)``).  A per-path loss ``sum_p c_p sum_t m[p,t] f(lp[t], A_p, data[t])`` becomes a sum
 over *unique* tokens once the per-path factors are aggregated over the paths through each token
 (``tree.aggregate``): that is all every token-level objective here does.
@@ -25,8 +26,9 @@ objective           per-path loss (what the tree loss equals)
 
 Each objective is a frozen dataclass whose method ``loss(logprobs, batch, *, norm=None, ...)`` returns
 the scalar loss (float64; add several objectives' losses to combine them); ``norm`` is the step's
-:class:`~treecompile.runtime.normalization.GlobalNorm` (None: the batch's tree alone, with the
-objective's ``normalize`` or else the batch's).  Objectives *linear* in the log-probs (``SFT``,
+:class:`~treecompile.runtime.normalization.GlobalNorm` (None: the batch's own, ``extras["norm"]`` of
+``normalization.tree_batch``/``partition_batch``, else the batch's tree alone; with the objective's ``normalize``
+or else the batch's).  Objectives *linear* in the log-probs (``SFT``,
 ``PolicyGradient``) also say their token weights, ``token_weights(tree, norm, data) -> w [T]``
 (whole-tree DFS, loss ``-sum_t w(t) lp[t]``), which is what ``train_step``'s redundancy-free mode
 runs.  Per-path advantages and
@@ -87,7 +89,11 @@ def _is_partition(batch: TreeBatch) -> bool:
 
 
 def _step_norm(batch: TreeBatch, normalize: str, norm: GlobalNorm | None) -> GlobalNorm:
-    """The step's normalization under ``normalize``: ``norm`` if given, else the batch's tree alone."""
+    """The step's normalization under ``normalize``: ``norm`` if given, else the one the batch was built with
+    (``extras["norm"]``: ``normalization.tree_batch`` / ``partition_batch``), else the batch's tree alone.  (SFT
+    weights read off a batch's ``loss_weight`` are that same normalization's: every objective agrees.)"""
+    if norm is None:
+        norm = batch.extras.get("norm")
     if norm is None:
         return GlobalNorm.of_tree(_whole(batch), normalize)
     if not isinstance(norm, GlobalNorm):
@@ -163,7 +169,14 @@ def _per_token(value, batch: TreeBatch, name: str, like: torch.Tensor) -> torch.
         value = batch.extras[name]
     v = torch.as_tensor(value)
     if _is_partition(batch) and v.dim() == 1 and v.numel() == _whole(batch).num_tokens:
-        v = v[batch.extras["tokens"].to(v.device)]  # whole-tree DFS values -> the partition's tokens
+        tok = batch.extras["tokens"].to(v.device)
+        own = v.numel() in (batch.num_tokens, batch.seq_len)
+        if own and not torch.equal(tok, torch.arange(tok.numel(), device=v.device)):
+            raise ValueError(f"{name}: {v.numel()} values are as many as the whole tree's tokens and as this "
+                             f"partition's {'padded ' if v.numel() != batch.num_tokens else ''}length: which "
+                             f"tokens they belong to is not known; give the partition's {batch.num_tokens} tokens "
+                             f"in its DFS order (or build it without padding)")
+        v = v[tok]  # whole-tree DFS values -> the partition's tokens
     if v.dim() != 1 or v.numel() not in (batch.num_tokens, batch.seq_len):
         raise ValueError(f"{name}: expected DFS order, shape [{batch.num_tokens}] or [{batch.seq_len}], got "
                          f"{tuple(v.shape)} (scatter per-path values with data.scatter_to_dfs)")

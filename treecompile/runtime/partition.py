@@ -103,9 +103,15 @@ class TreeShape:
 
 
 def check_capacity(capacity) -> int:
-    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+    """``capacity`` as a Python int (numpy and 0-d tensor integers accepted); ValueError unless a positive integer."""
+    import numbers
+
+    ok = isinstance(capacity, numbers.Integral) or (isinstance(capacity, torch.Tensor) and capacity.dim() == 0
+                                                   and not capacity.dtype.is_floating_point
+                                                   and capacity.dtype != torch.bool)
+    if isinstance(capacity, bool) or not ok or int(capacity) < 1:
         raise ValueError(f"capacity: expected a positive integer token budget, got {capacity!r}")
-    return capacity
+    return int(capacity)
 
 
 def _ranges_to_index(starts: list[int], ends: list[int]) -> torch.Tensor:

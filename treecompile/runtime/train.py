@@ -59,7 +59,7 @@ from typing import Sequence
 
 import torch
 
-from treecompile.runtime.data import TrajectoryTree
+from treecompile.runtime.data import DEFAULT_LOGPROB_ATOL, TrajectoryTree
 from treecompile.runtime.metrics import Reuse, dataset_reuse
 from treecompile.runtime.normalization import GlobalNorm, partition_batch, tree_batch
 from treecompile.runtime.objectives import SFT, trained_counts
@@ -98,7 +98,7 @@ class _Item:
     label: str  # how errors name the tree
 
 
-def _items(tree_or_trees) -> list[_Item]:
+def _items(tree_or_trees, logprob_atol: float = DEFAULT_LOGPROB_ATOL) -> list[_Item]:
     trees = [tree_or_trees] if isinstance(tree_or_trees, (Tree, TrajectoryTree)) else list(tree_or_trees)
     if not trees:
         raise ValueError("train_step: no trees given")
@@ -112,7 +112,7 @@ def _items(tree_or_trees) -> list[_Item]:
                 ex["advantages"] = t.advantages
             for key in ("old_logprobs", "ref_logprobs"):
                 if getattr(t, key) is not None:
-                    ex[key] = t.dfs(key)
+                    ex[key] = t.dfs(key, atol=logprob_atol)
             out.append(_Item(t.tree, ex, f"tree {t.tree_id!r} ({t.source}, lines {t.lines[0]}-{t.lines[-1]})"))
         else:
             raise TypeError(f"train_step: tree {k}: expected a treecompile.Tree or a data.TrajectoryTree, "
@@ -155,7 +155,8 @@ def _router_scale(tmodel, tree: Tree, norm: GlobalNorm) -> float:
 
 def train_step(tmodel, tree_or_trees: Tree | TrajectoryTree | Sequence[Tree | TrajectoryTree], objective=None,
                optimizer: torch.optim.Optimizer | None = None, *, budget: int | None = None,
-               mode: str | None = None, normalize: str = "sum", progress: bool = False) -> StepResult:
+               mode: str | None = None, normalize: str = "sum", progress: bool = False,
+               logprob_atol: float = DEFAULT_LOGPROB_ATOL) -> StepResult:
     """One optimizer step over ``tree_or_trees`` (see the module docstring).
 
     ``tmodel``: ``treecompile.compile(model)`` (``compile(model, boundary=True)`` for
@@ -166,7 +167,9 @@ def train_step(tmodel, tree_or_trees: Tree | TrajectoryTree | Sequence[Tree | Tr
     :class:`~treecompile.runtime.normalization.GlobalNorm`.  ``budget``: tokens per partition (None: each
     tree whole).  ``mode``: ``"packed"`` (default with a budget) or ``"redundancy_free"``.
     ``normalize``: the step's normalization (an objective's own ``normalize`` wins).  ``progress``:
-    a progress bar on stderr.
+    a progress bar on stderr.  ``logprob_atol``: how far the ``old_logprobs``/``ref_logprobs`` that paths
+    sharing a token give for it may differ (``data.TrajectoryTree.dfs``; beyond it the step refuses, naming both
+    lines).
     """
     if normalize not in NORMALIZATIONS:
         raise ValueError(f"normalize: expected one of {NORMALIZATIONS}, got {normalize!r}")
@@ -187,7 +190,7 @@ def train_step(tmodel, tree_or_trees: Tree | TrajectoryTree | Sequence[Tree | Tr
     elif tmodel.program.boundary is not None:
         raise ValueError(f"this model was compiled with boundary=True: use mode='redundancy_free' (got mode={mode!r})")
 
-    items = _items(tree_or_trees)
+    items = _items(tree_or_trees, logprob_atol)
     norm = GlobalNorm.from_trees([it.tree for it in items], normalize)
     t0 = time.perf_counter()
     # plan every tree first (cheap), so that the progress bar knows the total
@@ -273,7 +276,10 @@ def train_step(tmodel, tree_or_trees: Tree | TrajectoryTree | Sequence[Tree | Tr
                     batch.extras[ROUTER_WEIGHTS] = rw.take(batch.extras.get("tokens"), batch.extras.get("owned"),
                                                            batch.num_tokens)
                 out = tmodel(batch)
-                loss = _objective_loss(objectives, out, batch, norm)
+                try:
+                    loss = _objective_loss(objectives, out, batch, norm)
+                except ValueError as e:  # missing or malformed objective data: name the tree (file and lines)
+                    raise ValueError(f"{it.label}: {e}") from None
                 if out.aux_loss is not None:  # the MoE router losses (compile(router_aux=...)), as out.loss has them
                     scale = 1.0 if rw is not None else _router_scale(tmodel, tree, norm)
                     aux = out.aux_loss * scale
