@@ -447,9 +447,22 @@ def test_capture_refusal_names_the_model_line(tmp_path, capsys, monkeypatch):
         def forward(self, ids):
             return self.head(self.emb(ids) + self.table[: ids.shape[1]])
 
+    class Unfolds(BoundedTable):  # needs at least 3 tokens: a lower bound (it was called "bounds the length")
+        def forward(self, ids):
+            h = self.emb(ids)
+            return self.head((h.unfold(1, 3, 1) * torch.tensor([0.2, 0.3, 0.5])).sum(-1))
+
+    class CatShift(BoundedTable):  # a shift by concatenation: torch guards the length against 2
+        def forward(self, ids):
+            h = self.emb(ids)
+            return self.head(h + torch.cat([torch.zeros_like(h[:, :1]), h[:, :-1]], 1))
+
     for model, needles in ((LoopOverLength(), ["fixes the length to the example's 16 tokens",
                                                "test_cli.py", "for i in range(1, ids.shape[1]):"]),
-                           (BoundedTable(), ["bounds the length", "test_cli.py", "self.table"])):
+                           (BoundedTable(), ["bounds the length", "test_cli.py", "self.table"]),
+                           (Unfolds(), ["needs at least 5 tokens", "test_cli.py"]),
+                           (CatShift(), ["behaves differently at some particular length", "test_cli.py",
+                                         "torch.cat([torch.zeros_like"])):
         monkeypatch.setattr(cli, "load_model", lambda *a, m=model, **k: (m, {"source": "x", "dtype": "float32"}))
         rc, _, err = run_cli(["rewrite", "whatever", "--out", str(tmp_path / "out")], capsys)
         assert rc == 1

@@ -747,3 +747,35 @@ def test_outputs_other_than_the_logits_are_named_when_dropped():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert treecompile.compile(ConstantArangeOfExampleLength().double()).pass_results["rewrite_loss"].info["dropped"] == []
+
+
+class OffsetPositions(torch.nn.Module):
+    """Positions from ``arange(2, T + 2)`` and ``arange(0, 2 * T, 2)`` (OPT-style offsets, a stride): refused before
+    ("does not count from 0 by 1"); they are the depths times the step plus the start."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(11, 8)
+        self.pos = torch.nn.Embedding(200, 8)
+        self.head = torch.nn.Linear(8, 11)
+
+    def forward(self, ids):
+        T = ids.shape[1]
+        x = self.emb(ids) + self.pos(torch.arange(2, T + 2))[None]
+        freq = torch.arange(0, 2 * T, 2).to(x.dtype)[None, :, None] * torch.linspace(0.01, 0.5, 8, dtype=x.dtype)
+        x = x + torch.sin(freq)
+        i = torch.arange(T)
+        x = torch.nn.functional.scaled_dot_product_attention(x[:, None], x[:, None], x[:, None], is_causal=True)[:, 0]
+        return self.head(x + (i[:, None] >= 0))
+
+
+def test_positions_with_an_offset_and_a_step_are_exact():
+    torch.manual_seed(0)
+    model = OffsetPositions().double()
+    tm = treecompile.compile(model)
+    assert tm.pass_results["rewrite_positions"].count == 3
+    paths = [[1, 2, 3, 4, 5], [1, 2, 6], [1, 7, 8, 9], [3, 3]]
+    out, ref = tm(Tree.from_paths(paths).to_batch()), reference.run(model, paths)
+    assert abs(float(out.loss - ref.loss)) <= 1e-12 * abs(float(ref.loss))
+    params = list(model.parameters())
+    assert rel(flat_grads(out.loss, params), flat_grads(ref.loss, params)) <= 1e-12

@@ -133,8 +133,19 @@ def explain_capture_error(err: BaseException, guards: list[Guard] | tuple = ()) 
         g = next((g for g in guards if "<" in g.expr and any(n in g.expr for n in nums)), None)
         g = g or next((g for g in guards if "<" in g.expr or "Ne(" in g.expr), None)
         limit = f" (guard {g.expr})" if g else ""
-        return (f"{model}: torch.export cannot capture it at every sequence length: the code bounds the "
-                f"length{limit}{_at(g)}, e.g. a fixed-size position table or attention-mask buffer; "
-                f"a tree serialised as one sequence may be longer: refused (torch: {bound.group(1).strip()})")
+        said = bound.group(1).strip()
+        lower = [int(n) for n in re.findall(r"(?<![\w.\]])(\d+) <= L\[", said)]
+        upper = [int(n) for n in re.findall(r"<= (\d+)(?![\w\[])", said)]
+        if any(n > 2 for n in lower) and not any(n < (1 << 20) for n in upper):
+            what = (f"the code needs at least {max(lower)} tokens{limit}{_at(g)} (e.g. a window or unfold of "
+                    f"that size), and a tree batch may be shorter")
+        elif g is not None and g.expr.startswith("Ne(") and not any(n < (1 << 20) for n in upper):
+            what = (f"the code behaves differently at some particular length{limit}{_at(g)} (a guard that a size "
+                    f"derived from the length is not some value, e.g. a concatenation or broadcast that a length of "
+                    f"1 or 2 would change); a tree serialised as one sequence may have any length")
+        else:
+            what = (f"the code bounds the length{limit}{_at(g)}, e.g. a fixed-size position table or "
+                    f"attention-mask buffer; a tree serialised as one sequence may be longer")
+        return f"{model}: torch.export cannot capture it at every sequence length: {what}: refused (torch: {said})"
     first = next((line.strip() for line in text.splitlines()[1:] if line.strip().startswith("- ")), "")
     return f"{head} {first}".strip()

@@ -62,13 +62,19 @@ def rewrite_positions(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         if val is None or val.dim() != 1 or not same(val.shape[0], T):
             continue
         start, end, step = _arange_bounds(node)
-        if not (isinstance(start, int) and start == 0 and isinstance(step, int) and step == 1):
-            raise UnsupportedModelError(f"{where(node)}: a sequence-length arange that does not count from 0 "
-                                        f"by 1 (start={start}, step={step}); cannot map it to tree positions")
+        if not (type(start) is int and type(step) is int and step != 0):
+            raise UnsupportedModelError(f"{where(node)}: a sequence-length arange whose start and step are not "
+                                        f"integer constants (start={start}, step={step}); cannot map it to tree "
+                                        f"positions")
         rope += _reaches_trig(node, gm)
         pos = ctx.tree_input("position_ids")
         with gm.graph.inserting_before(node):
             new = pos
+            if (start, step) != (0, 1):  # arange(start, start + step * T, step): token k holds start + step * k
+                if step != 1:
+                    new = ctx.call(aten.mul.Tensor, (new, step), like=node)
+                if start != 0:
+                    new = ctx.call(aten.add.Tensor, (new, start), like=node)
             if val.dtype != torch.long or val.device != pos.meta["val"].device:
                 new = ctx.call(aten._to_copy.default, (pos,), {"dtype": val.dtype, "device": val.device},
                                like=node)
