@@ -779,3 +779,28 @@ def test_positions_with_an_offset_and_a_step_are_exact():
     assert abs(float(out.loss - ref.loss)) <= 1e-12 * abs(float(ref.loss))
     params = list(model.parameters())
     assert rel(flat_grads(out.loss, params), flat_grads(ref.loss, params)) <= 1e-12
+
+
+def _pooled(h):
+    return h.mean(1, keepdim=True)  # HELPER-LINE: mixes every token of the sequence
+
+
+class MixesInAHelper(Bidirectional):
+    """The refused op sits in a module-level helper called from a method: torch.export keeps only ``forward``
+    frames, so the refusal named the ``forward`` line that called the method."""
+
+    def mix(self, x):
+        return _pooled(x) * 2
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        return self.head(x + self.mix(x))
+
+
+def test_a_refusal_names_the_line_inside_the_model_helpers():
+    import inspect
+
+    line = next(i for i, text in enumerate(inspect.getsource(inspect.getmodule(_pooled)).splitlines(), 1)
+                if "HELPER-LINE" in text and "return" in text)
+    with pytest.raises(treecompile.passes.PassError, match=rf"test_compile.py:{line} in _pooled: return h.mean"):
+        treecompile.compile(MixesInAHelper())

@@ -145,6 +145,7 @@ def capture(model: torch.nn.Module, *, example_len: int = 16, max_len: int = 1 <
     if swaps is None:
         swaps = kernel_swaps(model)
     with contextlib.ExitStack() as stack:
+        stack.enter_context(_user_frames(model))
         if is_hf:
             stack.enter_context(_hf_capture_settings(model))
         for s in swaps:
@@ -173,6 +174,50 @@ def capture(model: torch.nn.Module, *, example_len: int = 16, max_len: int = 1 <
     user = [s.arg.name for s in sig.input_specs if s.kind == torch.export.graph_signature.InputKind.USER_INPUT
             and s.arg.name == "input_ids"] or sig.user_inputs[:1]
     return Captured(program=ep, input_name=user[0])
+
+
+@contextlib.contextmanager
+def _user_frames(model: torch.nn.Module):
+    """Stack traces that reach into the model's own helpers.  torch.export keeps only ``forward`` frames in a
+    node's stack trace (torch >= 2.12: ``_record_forward_stack_traces_only``), so an op in a helper method or
+    function was reported at the ``forward`` line that called it.  The functions and methods of the Python modules
+    the model's classes come from (HF's ``modeling_*.py``: ``apply_rotary_pos_emb``, ``eager_attention_forward``)
+    are registered as anchors for the capture only, and every refusal names the innermost of them.  A torch
+    without the anchor set (2.11) keeps its forward frames."""
+    import sys
+    import torch.fx.proxy as proxy
+
+    anchors = getattr(proxy, "_STACK_TRACE_ANCHORS", None)
+    if not isinstance(anchors, set):
+        yield
+        return
+    names = {c.__module__ for m in model.modules() for c in type(m).__mro__}
+    added = set()
+    for name in names:
+        mod = sys.modules.get(name)
+        if mod is None or name.split(".", 1)[0] in ("torch", "builtins", "treecompile"):
+            continue
+        for fn in _own_functions(mod):
+            key = (fn.__code__.co_filename, fn.__code__.co_name)
+            if key not in anchors:
+                anchors.add(key)
+                added.add(key)
+    try:
+        yield
+    finally:
+        anchors.difference_update(added)
+
+
+def _own_functions(mod):
+    """Functions defined in module ``mod``, and the methods of the classes defined there."""
+    for obj in list(vars(mod).values()):
+        if inspect.isfunction(obj) and obj.__module__ == mod.__name__:
+            yield obj
+        elif inspect.isclass(obj) and obj.__module__ == mod.__name__:
+            for attr in list(vars(obj).values()):
+                fn = getattr(attr, "__func__", attr)
+                if inspect.isfunction(fn):
+                    yield fn
 
 
 def _export(model, ids, seq, is_hf: bool, *, deferred: bool) -> ExportedProgram:
