@@ -798,7 +798,7 @@ class MixesInAHelper(Bidirectional):
 
 
 @pytest.mark.skipif(not hasattr(torch.fx.proxy, "_STACK_TRACE_ANCHORS"),
-                    reason="this torch has no stack-trace anchors (torch < 2.12 records the helpers' frames itself)")
+                    reason="this torch has no stack-trace anchors (torch.fx.proxy._STACK_TRACE_ANCHORS)")
 def test_a_refusal_names_the_line_inside_the_model_helpers():
     import inspect
 
