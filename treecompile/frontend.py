@@ -179,11 +179,11 @@ def capture(model: torch.nn.Module, *, example_len: int = 16, max_len: int = 1 <
 @contextlib.contextmanager
 def _user_frames(model: torch.nn.Module):
     """Stack traces that reach into the model's own helpers.  torch.export keeps only ``forward`` frames in a
-    node's stack trace (torch >= 2.12: ``_record_forward_stack_traces_only``), so an op in a helper method or
+    node's stack trace (torch 2.13's ``_record_forward_stack_traces_only``), so an op in a helper method or
     function was reported at the ``forward`` line that called it.  The functions and methods of the Python modules
     the model's classes come from (HF's ``modeling_*.py``: ``apply_rotary_pos_emb``, ``eager_attention_forward``)
     are registered as anchors for the capture only, and every refusal names the innermost of them.  A torch
-    without the anchor set (2.11) keeps its forward frames."""
+    without ``torch.fx.proxy._STACK_TRACE_ANCHORS`` records what it records."""
     import sys
     import torch.fx.proxy as proxy
 
