@@ -806,3 +806,29 @@ def test_a_refusal_names_the_line_inside_the_model_helpers():
                 if "HELPER-LINE" in text and "return" in text)
     with pytest.raises(treecompile.passes.PassError, match=rf"test_compile.py:{line} in _pooled: return h.mean"):
         treecompile.compile(MixesInAHelper())
+
+
+class EagerWrittenOutMaskValue(Bidirectional):
+    """Attention written out with the classic finite mask values: ``masked_fill(future, -1e9)`` and an additive
+    ``-1e4 * (1 - tril)`` (refused before: only -inf and a dtype's min counted as masked)."""
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        T = ids.shape[1]
+        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        s = (x @ x.transpose(-1, -2) / 8 ** 0.5).masked_fill(~causal, -1e9)
+        y = torch.softmax(s, -1) @ x
+        s2 = y @ y.transpose(-1, -2) / 8 ** 0.5 - 1e4 * (1 - causal.to(x.dtype))
+        return self.head(torch.softmax(s2, -1) @ y)
+
+
+def test_written_out_mask_values_are_exact():
+    torch.manual_seed(0)
+    model = EagerWrittenOutMaskValue().double()
+    tm = treecompile.compile(model)
+    assert tm.pass_results["rewrite_causal_attention"].count == 2
+    paths = [[1, 2, 3, 4, 5], [1, 2, 6], [1, 7, 8, 9], [3, 3]]
+    out, ref = tm(Tree.from_paths(paths).to_batch()), reference.run(model, paths)
+    assert abs(float(out.loss - ref.loss)) <= 1e-12 * abs(float(ref.loss))
+    params = list(model.parameters())
+    assert rel(flat_grads(out.loss, params), flat_grads(ref.loss, params)) <= 1e-12

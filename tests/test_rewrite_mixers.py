@@ -255,10 +255,11 @@ def test_bloom_alibi_attention_equals_per_path():
 
 
 def test_masked_scores_are_mask_values_only():
-    """A score counts as masked at -inf or a dtype-min mask value, also scaled after it was added (CodeGen:
-    float32 ``finfo.min / sqrt(d)``); never at a float16 value a visible entry may have (-7)."""
+    """A score counts as masked at -inf or a mask value at most -1e4 (a dtype's min, also scaled after it was
+    added: CodeGen's float32 ``finfo.min / sqrt(d)``; a written-out -1e9 or -1e4); never at a float16 value a
+    visible entry may have (-7)."""
     from treecompile.passes.rewrite_causal_attention import _allowed
-    f32 = torch.tensor([torch.finfo(torch.float32).min / 8 ** 0.5, -1e4, float("-inf")])
-    assert _allowed(f32).tolist() == [False, True, False]
+    f32 = torch.tensor([torch.finfo(torch.float32).min / 8 ** 0.5, -1e4 + 3, -1e9, -999.0, float("-inf")])
+    assert _allowed(f32).tolist() == [False, False, False, True, False]
     f16 = torch.tensor([-7.0, torch.finfo(torch.float16).min], dtype=torch.float16)
     assert _allowed(f16).tolist() == [True, False]

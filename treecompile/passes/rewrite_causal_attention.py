@@ -241,6 +241,11 @@ def rewrite_causal_attention(gm: fx.GraphModule, ctx: PassContext) -> PassResult
     return PassResult(count, {"with_bias": biased, **features} if count else {})
 
 
+# a score at most this is masked (its softmax weight is 0): _allowed.  Below a written-out -1e4 mask value, so that
+# the probe's scores added to it (-1e4 + s) still count as masked; exp(-1e3) is 0 in float32 and float64 alike
+MASKED_MAX = -1e3
+
+
 def _window_text(window: int | None, checked=True) -> str:
     if checked is None:
         return "no causal mask"
@@ -358,13 +363,12 @@ def _probe_value(x: torch.Tensor) -> torch.Tensor:
 
 
 def _allowed(s: torch.Tensor) -> torch.Tensor:
-    """Entries the softmax gives a nonzero weight: not -inf, not a dtype-min mask value, also after a scale
-    (CodeGen adds ``finfo.min`` and then divides by sqrt(d): -1.2e38 in float32, whose exp is 0 all the same).
-    Past -1e30 only: a float16 ``finfo.min / 1e4`` is -6.55, a score a visible entry may have; float16 keeps
-    ``finfo.min / 2``."""
-    lowest = torch.finfo(s.dtype).min
-    limit = lowest / 1e4 if lowest / 1e4 <= -1e30 else lowest / 2
-    return ~(torch.isneginf(s) | (s <= limit))
+    """Entries the softmax gives a nonzero weight: not -inf and not a mask value, at most ``MASKED_MAX`` (-1e3):
+    a dtype's min, also after a scale (CodeGen adds ``finfo.min`` and then divides by sqrt(d)), or a written-out
+    ``-1e9`` / ``-1e4`` plus the score (exp of such a score is exactly 0 in every float dtype unless a visible score
+    of its row exceeds it by a thousand).  Never a score a visible entry may have (a float16 ``finfo.min / 1e4``
+    is -6.55)."""
+    return ~(torch.isneginf(s) | (s <= MASKED_MAX))
 
 
 def _bias_exact_on_tree(probe: Probe, ctx: PassContext, qk: fx.Node, s: fx.Node, reach: int) -> bool:
@@ -394,7 +398,7 @@ def _bias_exact_on_tree(probe: Probe, ctx: PassContext, qk: fx.Node, s: fx.Node,
 
 
 def _is_mask_value(x) -> bool:
-    return isinstance(x, (int, float)) and x < 0 and (x == float("-inf") or x <= -1e30)
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x <= MASKED_MAX
 
 
 def _masks_only(probe: Probe, side: fx.Node, lengths) -> bool:
