@@ -832,3 +832,40 @@ def test_written_out_mask_values_are_exact():
     assert abs(float(out.loss - ref.loss)) <= 1e-12 * abs(float(ref.loss))
     params = list(model.parameters())
     assert rel(flat_grads(out.loss, params), flat_grads(ref.loss, params)) <= 1e-12
+
+
+class LogitsAndHidden(Bidirectional):
+    """``return logits, hidden``: two [1, T, *] outputs; the logits are the one as wide as the embedding's rows."""
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        return self.head(h), h
+
+
+class TwoLogits(Bidirectional):
+    def forward(self, ids):
+        h = self.emb(ids)
+        return self.head(h), self.head(h * 2)
+
+
+class _FirstOutput(torch.nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids):
+        return self.model(ids)[0]
+
+
+def test_the_logits_among_several_outputs():
+    torch.manual_seed(0)
+    model = LogitsAndHidden().double()
+    with pytest.warns(UserWarning, match="other outputs .* are not computed"):
+        tm = treecompile.compile(model)
+    paths = [[1, 2, 3], [1, 4]]
+    out = tm(Tree.from_paths(paths).to_batch())
+    ref = reference.run(_FirstOutput(model), paths)  # the per-path oracle reads the logits output
+    assert abs(float(out.loss - ref.loss)) <= 1e-12 * abs(float(ref.loss))
+    with pytest.raises(treecompile.passes.PassError, match=r"expected exactly one \[1, T, V\] logits output, found 2 "
+                                                          r".*the embedding has 11 rows.*return the logits alone"):
+        treecompile.compile(TwoLogits())

@@ -33,15 +33,32 @@ _PASS_THROUGH = {aten.to.dtype, aten._to_copy.default, aten.alias.default, aten.
                  aten.contiguous.default, aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 
 
-def _find_logits(out_nodes, T):
+def _find_logits(out_nodes, T, vocab: int | None = None):
+    """The one ``[1, T, V]`` output; among several (``(logits, hidden_states)``), the one named ``logits``
+    (HF's output), else the one whose width is ``vocab`` (the rows of the embedding the input ids read), when
+    exactly one is; the others are dropped with :func:`rewrite_loss`'s warning."""
     cands = [n for n in out_nodes if isinstance(n, fx.Node) and "val" in n.meta
              and isinstance(n.meta["val"], torch.Tensor) and n.meta["val"].dim() == 3
              and n.meta["val"].shape[0] == 1 and same(n.meta["val"].shape[1], T)]
+    if len(cands) > 1:
+        named = [n for n in cands if n.meta.get(OUTPUT_NAME) == "logits"]
+        wide = [n for n in cands if vocab is not None and n.meta["val"].shape[2] == vocab]
+        cands = named if len(named) == 1 else wide if len(wide) == 1 else cands
     if len(cands) != 1:
         shapes = [tuple(n.meta["val"].shape) for n in out_nodes if isinstance(n, fx.Node) and "val" in n.meta]
-        raise UnsupportedModelError(f"expected exactly one [1, T, V] logits output, found {len(cands)} "
-                                    f"(outputs: {shapes})")
+        raise UnsupportedModelError(
+            f"expected exactly one [1, T, V] logits output, found {len(cands)} (outputs: {shapes}"
+            + (f"; the embedding has {vocab} rows" if vocab is not None else "") + "): return the logits alone, "
+            "or first in an output named 'logits' (HF's CausalLMOutput)")
     return cands[0]
+
+
+def _input_vocab(graph: fx.Graph, input_node: fx.Node) -> int | None:
+    """Rows of the embedding that reads the input ids (None unless exactly one width)."""
+    rows = {int(n.args[0].meta["val"].shape[0]) for n in graph.nodes
+            if n.op == "call_function" and n.target == aten.embedding.default and n.args[1] is input_node
+            and "val" in n.args[0].meta}
+    return rows.pop() if len(rows) == 1 else None
 
 
 def _lm_head(logits: fx.Node):
@@ -66,7 +83,7 @@ def rewrite_loss(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     graph = gm.graph
     out = graph.output_node()
     flat = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
-    logits = _find_logits(flat, ctx.seq_len)
+    logits = _find_logits(flat, ctx.seq_len, _input_vocab(graph, ctx.input_node))
     V = int(logits.meta["val"].shape[-1])
     chunk = int(ctx.options.logits_chunk or 0)  # 0: the head op picks its chunk at run time
     entropy = bool(ctx.options.entropy)
