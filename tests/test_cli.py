@@ -457,7 +457,14 @@ def test_capture_refusal_names_the_model_line(tmp_path, capsys, monkeypatch):
             h = self.emb(ids)
             return self.head(h + torch.cat([torch.zeros_like(h[:, :1]), h[:, :-1]], 1))
 
-    for model, needles in ((LoopOverLength(), ["fixes the length to the example's 16 tokens",
+    class IntOfABuffer(BoundedTable):  # int(tensor): a data-dependent guard (the message named no line)
+        def forward(self, ids):
+            h = self.emb(ids)
+            return self.head(h + torch.roll(h, int(self.table.shape[0] * 0 + self.table[0, 0] > 9), 1))
+
+    for model, needles in ((IntOfABuffer(), ["turns a tensor's value into a Python number", "test_cli.py",
+                                             "torch.roll(h, int("]),
+                           (LoopOverLength(), ["fixes the length to the example's 16 tokens",
                                                "test_cli.py", "for i in range(1, ids.shape[1]):"]),
                            (BoundedTable(), ["bounds the length", "test_cli.py", "self.table"]),
                            (Unfolds(), ["needs at least 5 tokens", "test_cli.py"]),

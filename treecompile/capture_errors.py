@@ -79,10 +79,17 @@ class _Listener(logging.Handler):
             pass
 
 
+def _drop_unfound_user_code(record: logging.LogRecord) -> bool:
+    """torch's "Unable to find user code corresponding to {u0}" warning (with a dump of the graph) on a
+    data-dependent value: :func:`explain_capture_error` names the model's line itself, in one line."""
+    return not str(record.msg).startswith("Unable to find user code")
+
+
 @contextlib.contextmanager
 def record_guards():
     """Collect the guards added on symbolic sizes while the block runs (a list, filled in place);
-    torch's own log output is unchanged."""
+    torch's own log output is unchanged but for its graph dump on a data-dependent value
+    (:func:`_drop_unfound_user_code`)."""
     guards: list[Guard] = []
     log = logging.getLogger(_LOGGER)
     handler = _Listener(guards)
@@ -94,9 +101,11 @@ def record_guards():
         log.propagate = False
         log.setLevel(logging.INFO)
     log.addHandler(handler)
+    log.addFilter(_drop_unfound_user_code)
     try:
         yield guards
     finally:
+        log.removeFilter(_drop_unfound_user_code)
         log.removeHandler(handler)
         log.setLevel(level)
         log.propagate = propagate
@@ -117,6 +126,14 @@ def explain_capture_error(err: BaseException, guards: list[Guard] | tuple = ()) 
     cause = err.__cause__
     text = str(cause) if cause is not None else str(err)
     model = head.split("capture ", 1)[1].split(" ", 1)[0] if "could not capture " in head else "the model"
+    if "data-dependent" in text or "GuardOnDataDependentSymNode" in text:
+        call = re.search(r'The following call raised this error:\s*File "([^"]+)", line (\d+), in (\S+)\n'
+                         r'(?:[ \t]+(\S[^\n]*))?', text)
+        code = f" (`{call.group(4).strip()}`)" if call and call.group(4) else ""
+        at = f" at {call.group(1)}:{call.group(2)} in {call.group(3)}{code}" if call else ""
+        return (f"{model}: torch.export cannot capture it{at}: the code turns a tensor's value into a Python number "
+                f"or branch (int(t), t.item(), `if t:`, a size read from data), which a captured program cannot keep "
+                f"for every input; compute it from shapes or Python constants instead ({head.split(': ', 2)[-1]})")
     if "Constraints violated" not in text:
         return head
     const = re.search(r"specialized it to be a constant \((\d+)\)", text)

@@ -221,6 +221,26 @@ def _own_functions(mod):
 
 
 def _export(model, ids, seq, is_hf: bool, *, deferred: bool) -> ExportedProgram:
+    """torch.export.export of ``model`` on ``ids``; what it prints on stderr passes through, except the partial
+    graph it dumps there when it fails (the refusal names the model's line in one line of its own)."""
+    import io
+    import sys
+
+    buffer = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(buffer):
+            return _export_quiet(model, ids, seq, is_hf, deferred=deferred)
+    except Exception:
+        text = buffer.getvalue()  # torch prints the partial graph (``def forward(self, ...``) last, then raises
+        cut = text.find("def forward(self")
+        buffer = io.StringIO(text[:cut].rstrip("\n") if cut >= 0 else text)
+        raise
+    finally:
+        if buffer.getvalue():
+            sys.stderr.write(buffer.getvalue())
+
+
+def _export_quiet(model, ids, seq, is_hf: bool, *, deferred: bool) -> ExportedProgram:
     with export_settings():  # the graph is the same, the capture faster (treecompile/tracing.py)
         if is_hf:
             kwargs, shapes = _hf_inputs(model, ids, seq)
