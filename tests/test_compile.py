@@ -869,3 +869,34 @@ def test_the_logits_among_several_outputs():
     with pytest.raises(treecompile.passes.PassError, match=r"expected exactly one \[1, T, V\] logits output, found 2 "
                                                           r".*the embedding has 11 rows.*return the logits alone"):
         treecompile.compile(TwoLogits())
+
+
+class MultiheadAttentionBoolMask(torch.nn.Module):
+    """``nn.MultiheadAttention`` with the usual bool causal mask: it turns the mask into a float one with
+    ``zeros_like(mask).masked_fill_(mask, -inf)``, and that dead in-place write kept the ``[T, T]`` mask alive after
+    the rewrite (refused as "aten.ones pairs every token")."""
+
+    def __init__(self, need_weights: bool):
+        super().__init__()
+        self.emb = torch.nn.Embedding(11, 8)
+        self.mha = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+        self.head = torch.nn.Linear(8, 11)
+        self.need_weights = need_weights
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        T = ids.shape[1]
+        mask = torch.triu(torch.ones(T, T, dtype=torch.bool), 1)
+        return self.head(h + self.mha(h, h, h, attn_mask=mask, need_weights=self.need_weights)[0])
+
+
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_multihead_attention_with_a_bool_mask_is_exact(need_weights):
+    torch.manual_seed(0)
+    model = MultiheadAttentionBoolMask(need_weights).double()
+    tm = treecompile.compile(model)
+    paths = [[1, 2, 3, 4, 5], [1, 2, 6], [1, 7, 8, 9], [3, 3]]
+    out, ref = tm(Tree.from_paths(paths).to_batch()), reference.run(model, paths)
+    assert abs(float(out.loss - ref.loss)) <= 1e-12 * abs(float(ref.loss))
+    params = list(model.parameters())
+    assert rel(flat_grads(out.loss, params), flat_grads(ref.loss, params)) <= 1e-12

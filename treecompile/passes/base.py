@@ -20,21 +20,45 @@ __all__ = ["METADATA_ASSERTS", "CompileOptions", "PassContext", "PassResult", "U
 METADATA_ASSERTS = {torch.ops.aten._assert_tensor_metadata.default}
 
 
+_FRESH = {torch.ops.aten.zeros_like.default, torch.ops.aten.ones_like.default, torch.ops.aten.empty_like.default,
+          torch.ops.aten.full_like.default, torch.ops.aten.zeros.default, torch.ops.aten.ones.default,
+          torch.ops.aten.full.default, torch.ops.aten.empty.memory_format, torch.ops.aten.clone.default,
+          torch.ops.aten.new_zeros.default, torch.ops.aten.new_ones.default, torch.ops.aten.new_full.default,
+          torch.ops.aten.new_empty.default}
+
+
+def _writes_only_dead_fresh(n: fx.Node) -> bool:
+    """An in-place aten op (``masked_fill_``, ``fill_``, ...) whose result nobody reads, writing into a tensor this
+    graph allocated (``zeros_like`` ...) that nothing but such writes reads: the write is dead (nn.MultiheadAttention
+    turns a bool mask into a float one with ``zeros_like(mask).masked_fill_(mask, -inf)``)."""
+    if n.op != "call_function" or n.users or not isinstance(n.target, torch._ops.OpOverload):
+        return False
+    if not n.target._schema.name.endswith("_") or not n.args or not isinstance(n.args[0], fx.Node):
+        return False
+    buf = n.args[0]
+    return buf.target in _FRESH and all(u.op == "call_function" and not u.users and u.args and u.args[0] is buf
+                                        and isinstance(u.target, torch._ops.OpOverload)
+                                        and u.target._schema.name.endswith("_") for u in buf.users)
+
+
 def remove_dead_code(gm: fx.GraphModule) -> None:
     """Dead-code elimination that also drops export's tensor-metadata asserts on dead values
-    (they would otherwise keep a replaced subgraph, e.g. the causal mask, alive)."""
-    gm.graph.eliminate_dead_code(
-        is_impure_node=lambda n: n.target not in METADATA_ASSERTS and n.is_impure())
+    (they would otherwise keep a replaced subgraph, e.g. the causal mask, alive), and in-place writes into a
+    dead tensor the graph allocated (:func:`_writes_only_dead_fresh`)."""
+    def impure(n):
+        return n.target not in METADATA_ASSERTS and n.is_impure() and not _writes_only_dead_fresh(n)
+
+    gm.graph.eliminate_dead_code(is_impure_node=impure)
     # an assert whose checked value has no other user checks a dead value: drop it, then repeat
     while True:
         dead = [n for n in gm.graph.nodes if n.target in METADATA_ASSERTS
                 and isinstance(n.args[0], fx.Node) and len(n.args[0].users) == 1]
+        dead += [n for n in gm.graph.nodes if _writes_only_dead_fresh(n)]
         if not dead:
             break
-        for n in dead:
+        for n in dict.fromkeys(dead):
             gm.graph.erase_node(n)
-        gm.graph.eliminate_dead_code(
-            is_impure_node=lambda n: n.target not in METADATA_ASSERTS and n.is_impure())
+        gm.graph.eliminate_dead_code(is_impure_node=impure)
 
 # name -> (dtype, shape in units of the sequence length T: "T", or ("T", k) for [T, k], or "N" nodes)
 TREE_INPUTS = {

@@ -167,6 +167,7 @@ def _scores_to_qk(s: fx.Node, inputs: set):
 
 
 def rewrite_causal_attention(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+    remove_dead_code(gm)  # e.g. nn.MultiheadAttention's head-averaged weights nobody reads: a second user of probs
     inputs = value_nodes(gm.graph, {ctx.input_node})
     probe = Probe(ctx)
     # other values for every tensor the graph reads besides the tree's (parameters, buffers, constants): the mask
@@ -189,7 +190,10 @@ def rewrite_causal_attention(gm: fx.GraphModule, ctx: PassContext) -> PassResult
         pv, probs_chain = probs_chain
         qk, chain, scale, softcap = found
         if qk.target == aten.baddbmm.default:
+            fused = qk
             qk, chain = _split_baddbmm(gm, ctx, qk, chain)
+            if s is fused:  # the softmax read the baddbmm itself (nn.MultiheadAttention): now its replacement
+                s = chain[-1]
         q, kt, v = qk.args[0], qk.args[1], pv.args[1]
         qkv, probs = qk.meta["val"], pv.args[0]
         if (token_dims(q.meta["val"], ctx)[-1:] != [q.meta["val"].dim() - 2]
