@@ -312,6 +312,22 @@ class EagerWindowInABuffer(Bidirectional):
         return self.head(torch.softmax(scores, -1) @ x)
 
 
+class EagerWindowClampedFromABuffer(EagerWindowInABuffer):
+    """A window ``width.clamp(min=6)`` with ``width = 8``: both small probe feeds gave 6 (compiled as a window of 6,
+    silently wrong); a third probe feeds large values."""
+
+    def __init__(self):
+        super().__init__()
+        self.width = torch.tensor(8)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        i = torch.arange(ids.shape[1])
+        ok = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - self.width.clamp(min=6))
+        scores = (x @ x.transpose(-1, -2) / 8 ** 0.5).masked_fill(~ok, float("-inf"))
+        return self.head(torch.softmax(scores, -1) @ x)
+
+
 class SdpaBiasInTheMask(Bidirectional):
     """A float SDPA mask that carries an ALiBi-style bias besides -inf: its non-zero entries were read as masked
     (each token attended to itself alone)."""
@@ -359,6 +375,7 @@ def test_float_mask_values_are_exact():
 @pytest.mark.parametrize("cls, message", [
     (EagerWindowInABuffer, r"mask moves with the values of the model's tensors .*a window of 2 tokens with one set "
                            r"of values, a window of 4 tokens with another"),
+    (EagerWindowClampedFromABuffer, r"mask moves with the values of the model's tensors"),
     (SdpaBiasInTheMask, r"the float attention mask holds -0.5 .*additive bias"),
     (SdpaSoftMask, r"the float attention mask holds -3 .*additive bias"),
     (Bidirectional, r"test_compile.py:\d+ in forward.*not causal"),
@@ -370,7 +387,8 @@ def test_non_causal_attention_is_refused(cls, message):
     with pytest.raises(treecompile.passes.PassError, match=message) as info:
         treecompile.compile(cls())
     assert isinstance(info.value.__cause__, UnsupportedModelError)
-    assert ("rewrite_causal_attention" if cls is EagerWindowInABuffer else "rewrite_attention") in str(info.value)
+    eager = cls in (EagerWindowInABuffer, EagerWindowClampedFromABuffer)
+    assert ("rewrite_causal_attention" if eager else "rewrite_attention") in str(info.value)
 
 
 @pytest.mark.parametrize("cls", [SlidingWindow, WideSlidingWindow, EagerWideSlidingWindow])

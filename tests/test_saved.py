@@ -407,6 +407,15 @@ def _set_power(g):
     raise AssertionError("no symbolic size in the program")
 
 
+def _set_expr_to(g, template):
+    """The first symbolic size's expression ``e`` replaced by ``template.format(e)``."""
+    for v in g["graph_module"]["graph"]["sym_int_values"].values():
+        if v.get("as_expr"):
+            v["as_expr"]["expr_str"] = template.format(v["as_expr"]["expr_str"])
+            return
+    raise AssertionError("no symbolic size in the program")
+
+
 _INJECTED = "__import__('os').makedirs('{marker}', exist_ok=True)"
 
 
@@ -426,8 +435,9 @@ def _rename_last_input(marker):
     (_set_target("torch.ops.aten.save.default"), r"calls 'torch\.ops\.aten\.save\.default'"),
     (_set_expr, r"symbolic expression 'Integer\(1\)\.__class__'"),
     (_set_power, r"symbolic expression .* has '\*\*Integer\(9\)"),  # sympy evaluated 9**9**9 for minutes
+    (lambda g: _set_expr_to(g, "Mul(Float(Integer(8), Integer(100000000)), {})"), r"a Float with a precision"),
     (lambda g: g.__setitem__("guards_code", ["__import__('os').mkdir('x')"]), r"guard"),
-], ids=["python-function", "file-writing-op", "sympify-eval", "power-tower", "guard-code"])
+], ids=["python-function", "file-writing-op", "sympify-eval", "power-tower", "float-precision", "guard-code"])
 def test_load_refuses_code_in_the_graph(saved_models, tmp_path, change, message):
     src, _, _ = saved_models["dense"]
     d = _tamper(src, tmp_path / "evil", _graph_edit(change))

@@ -194,6 +194,7 @@ def _check_graph(program) -> None:
     for expr in _values(program, "expr_str"):
         _check_tokens(expr, EXPR_TOKEN, "symbolic expression", ident_ok=_sympy_ident)
         _check_powers(expr)
+        _check_floats(expr)
     guards = program.get("guards_code") or []
     if not isinstance(guards, list):
         raise UnsafeProgramError(f"entry {GRAPH!r}: guards_code is not a list")
@@ -280,6 +281,19 @@ def _check_target(target, node: str) -> None:
             isinstance(a.type, torch.StringType) for a in schema.arguments):
         raise UnsafeProgramError(f"{bad}: an operator with string arguments (file names, messages) is "
                                  f"not allowed in a saved program")
+
+
+def _check_floats(text: str) -> None:
+    """``Float(x)`` takes one argument: a second one is a decimal precision, and ``str`` of a Float of 10^8 digits
+    (torch prints every expression it reads) held load for minutes."""
+    for m in re.finditer(r"\bFloat\(", text):
+        depth, i = 1, m.end()
+        while i < len(text) and depth:
+            depth += (text[i] == "(") - (text[i] == ")")
+            if text[i] == "," and depth == 1:
+                raise UnsafeProgramError(f"entry {GRAPH!r}: symbolic expression {text[:80]!r}: a Float with a "
+                                         f"precision argument is not an expression treecompile writes")
+            i += 1
 
 
 def _check_powers(text: str) -> None:

@@ -172,7 +172,7 @@ def rewrite_causal_attention(gm: fx.GraphModule, ctx: PassContext) -> PassResult
     probe = Probe(ctx)
     # other values for every tensor the graph reads besides the tree's (parameters, buffers, constants): the mask
     # and window must not move with them (a window held in a buffer was read off the first probe's random value)
-    other = Probe(ctx, seed=1, int_low=3)
+    others = (Probe(ctx, seed=1, int_low=3), Probe(ctx, seed=2, int_low=100, float_scale=100.0))
     count, biased = 0, 0
     features = {"windowed": 0, "softcapped": 0, "with_sinks": 0}
     for sm in list(gm.graph.nodes):
@@ -212,18 +212,20 @@ def rewrite_causal_attention(gm: fx.GraphModule, ctx: PassContext) -> PassResult
         lengths = PROBE_LENGTHS + ((past,) if past > max(PROBE_LENGTHS) else ())
         try:
             checked = _check_scores(probe, ctx, qk, s, scale, softcap, lengths)
-            again = _check_scores(other, ctx, qk, s, scale, softcap, lengths) if checked is not None else None
+            agains = [_check_scores(o, ctx, qk, s, scale, softcap, lengths) for o in others] \
+                if checked is not None else []
         except NotProbeable:  # a size that is not a function of the length: left for the verifier
             checked = None
         if checked is None:
             continue
+        again = next((a for a in agains if a is None or a[1] != checked[1]), agains[0])
         if again is None or again[1] != checked[1]:
             raise UnsupportedModelError(
                 f"{where(sm)}: hand-written attention whose mask moves with the values of the model's tensors "
                 f"(parameters, buffers or constants: e.g. a window width held in a tensor; "
                 f"{_window_text(checked[1])} with one set of values, {_window_text(again and again[1], again)} with "
                 f"another); tree attention replaces masks computed from positions alone")
-        has_bias, window = checked[0] or again[0], checked[1]
+        has_bias, window = checked[0] or any(a[0] for a in agains), checked[1]
         with gm.graph.inserting_before(pv):
             k = ctx.call(aten.transpose.int, (kt, -1, -2), like=qk)
             bias = _bias_nodes(ctx, probe, qk, chain, s, lengths) if has_bias else None
@@ -369,9 +371,10 @@ def _probe_value(x: torch.Tensor) -> torch.Tensor:
 def _allowed(s: torch.Tensor) -> torch.Tensor:
     """Entries the softmax gives a nonzero weight: not -inf and not a mask value, at most ``MASKED_MAX`` (-1e3):
     a dtype's min, also after a scale (CodeGen adds ``finfo.min`` and then divides by sqrt(d)), or a written-out
-    ``-1e9`` / ``-1e4`` plus the score (exp of such a score is exactly 0 in every float dtype unless a visible score
-    of its row exceeds it by a thousand).  Never a score a visible entry may have (a float16 ``finfo.min / 1e4``
-    is -6.55)."""
+    ``-1e9`` / ``-1e4`` plus the score.  Its softmax weight exp(score - row max) is exactly 0 where the row's
+    largest visible score is more than ~745 (float64; ~104 in float32) above it: true of every model seen, but an
+    assumption (scores near -995 under a -1000 mask would leave e^-5 and pass as masked).  Never a score a visible
+    entry may have (a float16 ``finfo.min / 1e4`` is -6.55)."""
     return ~(torch.isneginf(s) | (s <= MASKED_MAX))
 
 

@@ -137,10 +137,11 @@ def chain_batch(T: int) -> TreeBatch:
 class Probe:
     """Runs pieces of ``ctx.gm``'s graph on concrete tensors (see the module docstring)."""
 
-    def __init__(self, ctx: PassContext, *, seed: int = 0, int_low: int = 0):
+    def __init__(self, ctx: PassContext, *, seed: int = 0, int_low: int = 0, float_scale: float = 1.0):
         self.ctx = ctx
         self.seed = seed
         self.int_low = int_low  # integer feeds are drawn from [int_low, int_low + 3)
+        self.float_scale = float_scale  # float placeholder feeds (not given values) are float_scale * N(0, 1)
 
     def random(self, node: fx.Node, T: int, gen: torch.Generator) -> torch.Tensor:
         """A seeded random tensor shaped and typed like ``node``'s value at length ``T`` (CPU)."""
@@ -194,4 +195,5 @@ class Probe:
             return getattr(batch, name)
         if n is self.ctx.input_node:
             return torch.zeros(concrete_shape(n.meta["val"], self.ctx, T), dtype=n.meta["val"].dtype)
-        return self.random(n, T, gen)
+        x = self.random(n, T, gen)
+        return x * self.float_scale if x.dtype.is_floating_point and self.float_scale != 1.0 else x
