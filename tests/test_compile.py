@@ -767,6 +767,15 @@ def test_outputs_other_than_the_logits_are_named_when_dropped():
         assert treecompile.compile(ConstantArangeOfExampleLength().double()).pass_results["rewrite_loss"].info["dropped"] == []
 
 
+def _assert_exact_on_a_small_tree(model, tm):
+    """Loss and every gradient of ``tm`` (compiled from ``model``, float64) equal the per-path run to 1e-12."""
+    paths = [[1, 2, 3, 4, 5], [1, 2, 6], [1, 7, 8, 9], [3, 3]]
+    out, ref = tm(Tree.from_paths(paths).to_batch()), reference.run(model, paths)
+    assert abs(float(out.loss - ref.loss)) <= 1e-12 * abs(float(ref.loss))
+    params = list(model.parameters())
+    assert rel(flat_grads(out.loss, params), flat_grads(ref.loss, params)) <= 1e-12
+
+
 class OffsetPositions(torch.nn.Module):
     """Positions from ``arange(2, T + 2)`` and ``arange(0, 2 * T, 2)`` (OPT-style offsets, a stride): refused before
     ("does not count from 0 by 1"); they are the depths times the step plus the start."""
@@ -792,11 +801,7 @@ def test_positions_with_an_offset_and_a_step_are_exact():
     model = OffsetPositions().double()
     tm = treecompile.compile(model)
     assert tm.pass_results["rewrite_positions"].count == 3
-    paths = [[1, 2, 3, 4, 5], [1, 2, 6], [1, 7, 8, 9], [3, 3]]
-    out, ref = tm(Tree.from_paths(paths).to_batch()), reference.run(model, paths)
-    assert abs(float(out.loss - ref.loss)) <= 1e-12 * abs(float(ref.loss))
-    params = list(model.parameters())
-    assert rel(flat_grads(out.loss, params), flat_grads(ref.loss, params)) <= 1e-12
+    _assert_exact_on_a_small_tree(model, tm)
 
 
 def _pooled(h):
@@ -845,11 +850,7 @@ def test_written_out_mask_values_are_exact():
     model = EagerWrittenOutMaskValue().double()
     tm = treecompile.compile(model)
     assert tm.pass_results["rewrite_causal_attention"].count == 2
-    paths = [[1, 2, 3, 4, 5], [1, 2, 6], [1, 7, 8, 9], [3, 3]]
-    out, ref = tm(Tree.from_paths(paths).to_batch()), reference.run(model, paths)
-    assert abs(float(out.loss - ref.loss)) <= 1e-12 * abs(float(ref.loss))
-    params = list(model.parameters())
-    assert rel(flat_grads(out.loss, params), flat_grads(ref.loss, params)) <= 1e-12
+    _assert_exact_on_a_small_tree(model, tm)
 
 
 class LogitsAndHidden(Bidirectional):
@@ -913,8 +914,4 @@ def test_multihead_attention_with_a_bool_mask_is_exact(need_weights):
     torch.manual_seed(0)
     model = MultiheadAttentionBoolMask(need_weights).double()
     tm = treecompile.compile(model)
-    paths = [[1, 2, 3, 4, 5], [1, 2, 6], [1, 7, 8, 9], [3, 3]]
-    out, ref = tm(Tree.from_paths(paths).to_batch()), reference.run(model, paths)
-    assert abs(float(out.loss - ref.loss)) <= 1e-12 * abs(float(ref.loss))
-    params = list(model.parameters())
-    assert rel(flat_grads(out.loss, params), flat_grads(ref.loss, params)) <= 1e-12
+    _assert_exact_on_a_small_tree(model, tm)
