@@ -286,9 +286,7 @@ def test_load_errors_name_the_file(saved_models, tmp_path):
     with pytest.raises(saved.SavedProgramError, match=r"manifest\.json: missing"):
         saved.load(d)
     d = shutil.copytree(src, tmp_path / "c")
-    m = json.loads((d / saved.MANIFEST).read_text())
-    m["tensors"]["model.norm.weight"]["shape"] = [3]
-    (d / saved.MANIFEST).write_text(json.dumps(m))
+    _manifest_edit(d, lambda m: m["tensors"]["model.norm.weight"].__setitem__("shape", [3]))
     with pytest.raises(saved.SavedProgramError, match=r"model\.norm\.weight"):
         saved.load(d)
     d = shutil.copytree(src, tmp_path / "d")
@@ -532,9 +530,23 @@ def test_sliding_window_program_saves_and_loads(tmp_path):
 
 # ---------------------------------------------------------------------------------------------- manifest and weights
 def _manifest_edit(d: Path, change) -> None:
+    """``change`` the manifest's fields and record their digest again (as an attacker would)."""
     m = json.loads((d / saved.MANIFEST).read_text())
     change(m)
+    m["sha256"][saved.MANIFEST] = saved.manifest_digest(m)
     (d / saved.MANIFEST).write_text(json.dumps(m))
+
+
+def test_a_manifest_edited_alone_is_refused(saved_models, tmp_path):
+    """A tied alias re-pointed at another parameter of the same shape and kind loaded and computed something else
+    (no hashed file changed): the manifest's fields carry a digest."""
+    src, _, _ = saved_models["dense"]
+    d = shutil.copytree(src, tmp_path / "edited")
+    m = json.loads((d / saved.MANIFEST).read_text())
+    m["model_class"] = "SomethingElse"
+    (d / saved.MANIFEST).write_text(json.dumps(m))
+    with pytest.raises(saved.SavedProgramError, match=r"manifest\.json: its fields changed after it was saved"):
+        saved.load(d)
 
 
 def _first_two(m, kind="parameter"):

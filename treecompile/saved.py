@@ -323,6 +323,7 @@ def save(tmodel, directory: str | os.PathLike, *, manifest_extra: dict | None = 
         safetensors.torch.save_file(weights, str(tmp / WEIGHTS), metadata={"format": "pt"})
         _check_written(tmp / PROGRAM)  # what load would refuse is not saved
         manifest["sha256"] = {f: _sha256(tmp / f) for f in (PROGRAM, WEIGHTS)}
+        manifest["sha256"][MANIFEST] = manifest_digest(manifest)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         umask = os.umask(0)
         os.umask(umask)  # mkdtemp makes 0700 and some writers 0600: give the usual modes
@@ -443,6 +444,14 @@ def _check_manifest(m: dict, path: Path) -> None:
         bad("conv_width", f"expected null or a positive int, got {conv!r}")
 
 
+def manifest_digest(manifest: dict) -> str:
+    """SHA-256 of the manifest's fields but its ``sha256`` map (canonical JSON): a tied alias or a tensor's kind edited
+    in the manifest alone changes what a loaded program computes, and the manifest holds the files' hashes itself.
+    It detects edits, not attackers (who would recompute it, as they would the files')."""
+    body = {k: v for k, v in manifest.items() if k != "sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -485,6 +494,9 @@ def _verified(d: Path) -> tuple[dict, bytes]:
         if not isinstance(sums, dict) or not isinstance(sums.get(f), str):
             raise SavedProgramError(f"{d / MANIFEST}: no SHA-256 recorded for {f} (written by an older "
                                     f"treecompile: rewrite it)")
+    if MANIFEST in sums and manifest_digest(manifest) != sums[MANIFEST]:  # older programs hold no digest
+        raise SavedProgramError(f"{d / MANIFEST}: its fields changed after it was saved (their SHA-256 "
+                                f"{manifest_digest(manifest)[:16]}... is not the recorded {str(sums[MANIFEST])[:16]}...)")
     program = (d / PROGRAM).read_bytes()
     for f, digest in ((PROGRAM, hashlib.sha256(program).hexdigest()), (WEIGHTS, _sha256(d / WEIGHTS))):
         if digest != sums[f]:
