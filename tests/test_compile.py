@@ -363,15 +363,6 @@ class SdpaFiniteMaskValue(Bidirectional):
         return self.head(x[:, 0])
 
 
-def test_float_mask_values_are_exact():
-    torch.manual_seed(0)
-    model = SdpaFiniteMaskValue().double()
-    tm = treecompile.compile(model)
-    paths = [[1, 2, 3, 4], [1, 2, 5], [1, 6, 7, 8, 9]]
-    out, ref = tm(Tree.from_paths(paths).to_batch()), reference.run(model, paths)
-    assert abs(float(out.loss - ref.loss)) <= 1e-12 * abs(float(ref.loss))
-
-
 @pytest.mark.parametrize("cls, message", [
     (EagerWindowInABuffer, r"mask moves with the values of the model's tensors .*a window of 2 tokens with one set "
                            r"of values, a window of 4 tokens with another"),
@@ -796,14 +787,6 @@ class OffsetPositions(torch.nn.Module):
         return self.head(x + (i[:, None] >= 0))
 
 
-def test_positions_with_an_offset_and_a_step_are_exact():
-    torch.manual_seed(0)
-    model = OffsetPositions().double()
-    tm = treecompile.compile(model)
-    assert tm.pass_results["rewrite_positions"].count == 3
-    _assert_exact_on_a_small_tree(model, tm)
-
-
 def _pooled(h):
     return h.mean(1, keepdim=True)  # HELPER-LINE: mixes every token of the sequence
 
@@ -843,14 +826,6 @@ class EagerWrittenOutMaskValue(Bidirectional):
         y = torch.softmax(s, -1) @ x
         s2 = y @ y.transpose(-1, -2) / 8 ** 0.5 - 1e4 * (1 - causal.to(x.dtype))
         return self.head(torch.softmax(s2, -1) @ y)
-
-
-def test_written_out_mask_values_are_exact():
-    torch.manual_seed(0)
-    model = EagerWrittenOutMaskValue().double()
-    tm = treecompile.compile(model)
-    assert tm.pass_results["rewrite_causal_attention"].count == 2
-    _assert_exact_on_a_small_tree(model, tm)
 
 
 class LogitsAndHidden(Bidirectional):
@@ -909,9 +884,18 @@ class MultiheadAttentionBoolMask(torch.nn.Module):
         return self.head(h + self.mha(h, h, h, attn_mask=mask, need_weights=self.need_weights)[0])
 
 
-@pytest.mark.parametrize("need_weights", [False, True])
-def test_multihead_attention_with_a_bool_mask_is_exact(need_weights):
+@pytest.mark.parametrize("make, rewrites", [
+    (SdpaFiniteMaskValue, {"rewrite_attention": 1}),
+    (OffsetPositions, {"rewrite_positions": 3}),
+    (EagerWrittenOutMaskValue, {"rewrite_causal_attention": 2}),
+    (lambda: MultiheadAttentionBoolMask(need_weights=False), {"rewrite_attention": 1}),
+    (lambda: MultiheadAttentionBoolMask(need_weights=True), {"rewrite_causal_attention": 1}),
+], ids=["sdpa-mask-1e9", "offset-positions", "written-out-mask-values", "mha-bool-mask", "mha-bool-mask-weights"])
+def test_models_once_refused_are_exact(make, rewrites):
+    """Models that used to be refused and are now rewritten: each rewrite fires, and loss and every gradient equal
+    the per-path run (1e-12)."""
     torch.manual_seed(0)
-    model = MultiheadAttentionBoolMask(need_weights).double()
+    model = make().double()
     tm = treecompile.compile(model)
+    assert {k: tm.pass_results[k].count for k in rewrites} == rewrites
     _assert_exact_on_a_small_tree(model, tm)

@@ -389,31 +389,6 @@ def _set_target(target):
     return change
 
 
-def _set_expr(g):
-    for v in g["graph_module"]["graph"]["sym_int_values"].values():
-        if v.get("as_expr"):
-            v["as_expr"]["expr_str"] = "Integer(1).__class__"
-            return
-    raise AssertionError("no symbolic size in the program")
-
-
-def _set_power(g):
-    for v in g["graph_module"]["graph"]["sym_int_values"].values():
-        if v.get("as_expr"):
-            v["as_expr"]["expr_str"] = f"Add({v['as_expr']['expr_str']}, Integer(9)**Integer(9)**Integer(9))"
-            return
-    raise AssertionError("no symbolic size in the program")
-
-
-def _set_expr_to(g, template):
-    """The first symbolic size's expression ``e`` replaced by ``template.format(e)``."""
-    for v in g["graph_module"]["graph"]["sym_int_values"].values():
-        if v.get("as_expr"):
-            v["as_expr"]["expr_str"] = template.format(v["as_expr"]["expr_str"])
-            return
-    raise AssertionError("no symbolic size in the program")
-
-
 _INJECTED = "__import__('os').makedirs('{marker}', exist_ok=True)"
 
 
@@ -428,11 +403,22 @@ def _rename_last_input(marker):
     return change
 
 
+def _set_expr_to(g, template):
+    """The first symbolic size's expression ``e`` replaced by ``template.format(e)``."""
+    for v in g["graph_module"]["graph"]["sym_int_values"].values():
+        if v.get("as_expr"):
+            v["as_expr"]["expr_str"] = template.format(v["as_expr"]["expr_str"])
+            return
+    raise AssertionError("no symbolic size in the program")
+
+
 @pytest.mark.parametrize("change, message", [
     (_set_target("torch.os.system"), r"calls 'torch\.os\.system': only torch\.ops\.aten"),
     (_set_target("torch.ops.aten.save.default"), r"calls 'torch\.ops\.aten\.save\.default'"),
-    (_set_expr, r"symbolic expression 'Integer\(1\)\.__class__'"),
-    (_set_power, r"symbolic expression .* has '\*\*Integer\(9\)"),  # sympy evaluated 9**9**9 for minutes
+    (lambda g: _set_expr_to(g, "Integer(1).__class__"), r"symbolic expression 'Integer\(1\)\.__class__'"),
+    # 9**9**9: sympy evaluated it for minutes
+    (lambda g: _set_expr_to(g, "Add({}, Integer(9)**Integer(9)**Integer(9))"),
+     r"symbolic expression .* has '\*\*Integer\(9\)"),
     (lambda g: _set_expr_to(g, "Mul(Float(Integer(8), Integer(100000000)), {})"), r"a Float with a precision"),
     (lambda g: g.__setitem__("guards_code", ["__import__('os').mkdir('x')"]), r"guard"),
 ], ids=["python-function", "file-writing-op", "sympify-eval", "power-tower", "float-precision", "guard-code"])

@@ -82,7 +82,6 @@ SYMPY_NAMES = {"Symbol", "Integer", "Rational", "Float", "Add", "Mul", "Pow", "P
 # ``Integer(9)**Integer(9)**Integer(9)`` held load for minutes; integers are capped at 19 digits)
 EXPR_TOKEN = re.compile(r"\s+|[A-Za-z][A-Za-z0-9_]*\s*=(?!=)|[A-Za-z][A-Za-z0-9]*|'[A-Za-z_][A-Za-z0-9_]*'"
                         r"|\d{1,19}(?:\.\d{1,19})?(?:[eE][+-]?\d{1,3})?(?![0-9.])|\*(?!\*)|[-+/(),]")
-POWERS = ("Pow", "PowByNatural")
 MAX_EXPONENT = 64  # T**2 of a flattened [T, T] mask is what torch writes
 POWER_CALL = re.compile(r"\b(Pow|PowByNatural)\(")
 LITERAL_EXPONENT = re.compile(r"\s*Integer\(\s*(\d{1,19})\s*\)\s*")
@@ -283,31 +282,35 @@ def _check_target(target, node: str) -> None:
                                  f"not allowed in a saved program")
 
 
+def _call_args(text: str, start: int) -> list[str] | None:
+    """The top-level arguments of the call whose ``(`` ends at ``start`` in ``text`` (None if it never closes)."""
+    depth, i, args, begin = 1, start, [], start
+    while i < len(text) and depth:
+        c = text[i]
+        depth += (c == "(") - (c == ")")
+        if (c == "," and depth == 1) or not depth:
+            args.append(text[begin:i])
+            begin = i + 1
+        i += 1
+    return None if depth else args
+
+
 def _check_floats(text: str) -> None:
     """``Float(x)`` takes one argument: a second one is a decimal precision, and ``str`` of a Float of 10^8 digits
     (torch prints every expression it reads) held load for minutes."""
     for m in re.finditer(r"\bFloat\(", text):
-        depth, i = 1, m.end()
-        while i < len(text) and depth:
-            depth += (text[i] == "(") - (text[i] == ")")
-            if text[i] == "," and depth == 1:
-                raise UnsafeProgramError(f"entry {GRAPH!r}: symbolic expression {text[:80]!r}: a Float with a "
-                                         f"precision argument is not an expression treecompile writes")
-            i += 1
+        args = _call_args(text, m.end())
+        if args is None or len(args) != 1:
+            raise UnsafeProgramError(f"entry {GRAPH!r}: symbolic expression {text[:80]!r}: a Float with a "
+                                     f"precision argument is not an expression treecompile writes")
 
 
 def _check_powers(text: str) -> None:
     """Every ``Pow(base, Integer(k))`` has a literal exponent ``0 <= k <= MAX_EXPONENT`` and no power in its base."""
     for m in POWER_CALL.finditer(text):
-        depth, i, comma = 1, m.end(), None
-        while i < len(text) and depth:
-            c = text[i]
-            depth += (c == "(") - (c == ")")
-            if c == "," and depth == 1 and comma is None:
-                comma = i
-            i += 1
-        exponent = LITERAL_EXPONENT.fullmatch(text[comma + 1:i - 1]) if comma is not None and not depth else None
-        if exponent is None or int(exponent.group(1)) > MAX_EXPONENT or POWER_CALL.search(text, m.end(), comma):
+        args = _call_args(text, m.end())
+        exponent = LITERAL_EXPONENT.fullmatch(args[1]) if args is not None and len(args) == 2 else None
+        if exponent is None or int(exponent.group(1)) > MAX_EXPONENT or POWER_CALL.search(args[0]):
             raise UnsafeProgramError(f"entry {GRAPH!r}: symbolic expression {text[:80]!r}: a power whose exponent is "
                                      f"not a literal integer of at most {MAX_EXPONENT} over a base without powers "
                                      f"(sympy would evaluate it when reading the program)")

@@ -434,7 +434,7 @@ class Tree:
                                      pad_to_multiple=pad_to_multiple, device=device, conv_kernel=conv_kernel)
 
 
-def _is_integer(x) -> bool:
+def is_integer(x) -> bool:
     """An int of any kind (Python, numpy, a 0-d integer tensor), not a float that happens to be whole."""
     import numbers
 
@@ -578,10 +578,10 @@ class TreeBatch:
         whole paths; ``extras["tokens"]`` maps back) and ``num_paths`` is the caller's count.
         Padding: :meth:`padded`.
         """
-        if pad_to_multiple is not None and (isinstance(pad_to_multiple, bool) or not _is_integer(pad_to_multiple)
+        if pad_to_multiple is not None and (isinstance(pad_to_multiple, bool) or not is_integer(pad_to_multiple)
                                             or int(pad_to_multiple) < 1):
             raise ValueError(f"pad_to_multiple: expected a positive integer, got {pad_to_multiple!r}")
-        if isinstance(conv_kernel, bool) or not _is_integer(conv_kernel) or int(conv_kernel) < 1:
+        if isinstance(conv_kernel, bool) or not is_integer(conv_kernel) or int(conv_kernel) < 1:
             raise ValueError(f"conv_kernel: expected a positive integer (the causal conv's width), got "
                              f"{conv_kernel!r}")
         if tokens is not None and (tokens.dim() != 1 or tokens.numel() == 0 or tokens.dtype != torch.long

@@ -218,13 +218,13 @@ def rewrite_causal_attention(gm: fx.GraphModule, ctx: PassContext) -> PassResult
             checked = None
         if checked is None:
             continue
-        again = next((a for a in agains if a is None or a[1] != checked[1]), agains[0])
-        if again is None or again[1] != checked[1]:
+        moved = next((a for a in agains if a is None or a[1] != checked[1]), False)
+        if moved is not False:
             raise UnsupportedModelError(
                 f"{where(sm)}: hand-written attention whose mask moves with the values of the model's tensors "
                 f"(parameters, buffers or constants: e.g. a window width held in a tensor; "
-                f"{_window_text(checked[1])} with one set of values, {_window_text(again and again[1], again)} with "
-                f"another); tree attention replaces masks computed from positions alone")
+                f"{_mask_text(checked)} with one set of values, {_mask_text(moved)} with another); tree attention "
+                f"replaces masks computed from positions alone")
         has_bias, window = checked[0] or any(a[0] for a in agains), checked[1]
         with gm.graph.inserting_before(pv):
             k = ctx.call(aten.transpose.int, (kt, -1, -2), like=qk)
@@ -252,10 +252,11 @@ def rewrite_causal_attention(gm: fx.GraphModule, ctx: PassContext) -> PassResult
 MASKED_MAX = -1e3
 
 
-def _window_text(window: int | None, checked=True) -> str:
+def _mask_text(checked: tuple | None) -> str:
+    """What :func:`_check_scores`' result ``(has bias, window)`` (None: neither) says the mask is."""
     if checked is None:
         return "no causal mask"
-    return "a causal mask" if window is None else f"a window of {window} tokens"
+    return "a causal mask" if checked[1] is None else f"a window of {checked[1]} tokens"
 
 
 def _without_row_max(x: fx.Node) -> fx.Node:

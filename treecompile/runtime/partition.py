@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 import torch
 
 from treecompile.runtime.metrics import Reuse, reuse
-from treecompile.tree import DEFAULT_CONV_KERNEL, NORMALIZATIONS, Tree, TreeBatch, ancestor_index
+from treecompile.tree import DEFAULT_CONV_KERNEL, NORMALIZATIONS, Tree, TreeBatch, ancestor_index, is_integer
 
 __all__ = ["MODES", "PackedPartition", "PackedPlan", "pack", "RedundancyFreePartition", "RedundancyFreePlan",
            "partition_redundancy_free", "TreeShape", "check_capacity", "leaf_order", "first_fit_decreasing"]
@@ -104,12 +104,7 @@ class TreeShape:
 
 def check_capacity(capacity) -> int:
     """``capacity`` as a Python int (numpy and 0-d tensor integers accepted); ValueError unless a positive integer."""
-    import numbers
-
-    ok = isinstance(capacity, numbers.Integral) or (isinstance(capacity, torch.Tensor) and capacity.dim() == 0
-                                                   and not capacity.dtype.is_floating_point
-                                                   and capacity.dtype != torch.bool)
-    if isinstance(capacity, bool) or not ok or int(capacity) < 1:
+    if isinstance(capacity, bool) or not is_integer(capacity) or int(capacity) < 1:
         raise ValueError(f"capacity: expected a positive integer token budget, got {capacity!r}")
     return int(capacity)
 
