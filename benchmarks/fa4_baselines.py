@@ -30,52 +30,62 @@ def fa4_ops():
 
     @torch.library.custom_op("tcbench::fa4_fwd", mutates_args=())
     def fa4_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Optional[Tensor], max_seqlen: int,
-                scale: float) -> tuple[Tensor, Tensor]:
+                scale: float, window: int) -> tuple[Tensor, Tensor]:
         from flash_attn.cute.interface import _flash_attn_fwd
 
         kw = {} if cu_seqlens is None else dict(cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
                                                  max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen)
-        out, lse = _flash_attn_fwd(q, k, v, softmax_scale=scale, causal=True, return_lse=True, **kw)[:2]
+        out, lse = _flash_attn_fwd(q, k, v, softmax_scale=scale, causal=True, return_lse=True,
+                                   **_window_kw(window), **kw)[:2]
         # the fakes promise contiguous outputs (inductor asserts strides); FA4 may hand back other layouts
         return out.contiguous(), lse.contiguous()
 
     @fa4_fwd.register_fake
-    def _(q, k, v, cu_seqlens, max_seqlen, scale):
+    def _(q, k, v, cu_seqlens, max_seqlen, scale, window):
         if cu_seqlens is None:  # q [B, T, H, D] -> lse [B, H, T]
             return q.new_empty(q.shape), q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
         return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)  # [H, total]
 
     @torch.library.custom_op("tcbench::fa4_bwd", mutates_args=())
     def fa4_bwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, dout: Tensor, lse: Tensor, cu_seqlens: Optional[Tensor],
-                max_seqlen: int, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+                max_seqlen: int, scale: float, window: int) -> tuple[Tensor, Tensor, Tensor]:
         from flash_attn.cute.interface import _flash_attn_bwd
 
         kw = {} if cu_seqlens is None else dict(cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
                                                  max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen)
-        dq, dk, dv = _flash_attn_bwd(q, k, v, out, dout.contiguous(), lse, scale, True, **kw)[:3]
+        dq, dk, dv = _flash_attn_bwd(q, k, v, out, dout.contiguous(), lse, scale, True, **_window_kw(window),
+                                     **kw)[:3]
         # contiguous as the fake says: on an H100 the hybrid baseline (head_dim 256, 2 KV heads) failed
         # inductor's stride assertion on a [8192, 2, 256] tensor with strides (256, 8192*256, 1), i.e. a
         # KV-head-shaped output (dk/dv) in head-major storage (not re-run on a GPU since this change)
         return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
     @fa4_bwd.register_fake
-    def _(q, k, v, out, dout, lse, cu_seqlens, max_seqlen, scale):
+    def _(q, k, v, out, dout, lse, cu_seqlens, max_seqlen, scale, window):
         return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
     def setup(ctx, inputs, output):
-        q, k, v, cu, max_seqlen, scale = inputs
+        q, k, v, cu, max_seqlen, scale, window = inputs
         out, lse = output
         ctx.save_for_backward(q, k, v, out, lse, cu)
-        ctx.max_seqlen, ctx.scale = max_seqlen, scale
+        ctx.max_seqlen, ctx.scale, ctx.window = max_seqlen, scale, window
 
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse, cu = ctx.saved_tensors
-        dq, dk, dv = fa4_bwd(q, k, v, out, dout, lse, cu, ctx.max_seqlen, ctx.scale)
-        return dq, dk, dv, None, None, None
+        dq, dk, dv = fa4_bwd(q, k, v, out, dout, lse, cu, ctx.max_seqlen, ctx.scale, ctx.window)
+        return dq, dk, dv, None, None, None, None
 
     fa4_fwd.register_autograd(backward, setup_context=setup)
     _OPS = (fa4_fwd, fa4_bwd)
     return _OPS
+
+
+def _window_kw(window: int) -> dict:
+    """FA4's arguments for causal attention within ``window`` (query ``q`` sees key ``k`` iff ``0 <= q - k <
+    window``: ``window_size_left = window - 1``, right 0 from ``causal``); ``window`` 0: plain causal."""
+    if window < 0:
+        raise ValueError(f"window: expected >= 0 (0: none), got {window}")
+    return dict(window_size_left=window - 1) if window else {}
 
 
 class Varlen:
@@ -85,19 +95,23 @@ class Varlen:
     max_seqlen: int = 0
 
 
-def fa4_causal_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    """SDPA replacement (causal, [B, H, T, D]) through FA4 (GQA native)."""
+def fa4_causal_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
+                    window=None):
+    """SDPA replacement (causal, [B, H, T, D]) through FA4 (GQA native); ``window``: causal within that many
+    keys (``hf_models.windowed_sdpa`` passes it: ``takes_window``)."""
     if attn_mask is not None or dropout_p or not is_causal:
         raise NotImplementedError("the FA4 baseline serves causal SDPA without mask or dropout only")
     fwd, _ = fa4_ops()
     s = q.shape[-1] ** -0.5 if scale is None else scale
-    out, _lse = fwd(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, 0, s)
+    out, _lse = fwd(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, 0, s, window or 0)
     return out.transpose(1, 2)
 
 
-def fa4_varlen_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+def fa4_varlen_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
+                    window=None):
     """SDPA replacement for one packed sequence ([1, H, n, D]) of a causal call (no mask or dropout: anything
-    else is refused, never ignored): FA4 varlen causal over ``Varlen.cu_seqlens``."""
+    else is refused, never ignored): FA4 varlen causal over ``Varlen.cu_seqlens``, within ``window`` keys of the
+    same sequence where given."""
     if attn_mask is not None or dropout_p or not is_causal:
         raise NotImplementedError("the FA4 varlen baseline replaces causal SDPA without mask or dropout only")
     if q.shape[0] != 1:
@@ -105,8 +119,11 @@ def fa4_varlen_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
     fwd, _ = fa4_ops()
     s = q.shape[-1] ** -0.5 if scale is None else scale
     out, _lse = fwd(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), Varlen.cu_seqlens,
-                    Varlen.max_seqlen, s)
+                    Varlen.max_seqlen, s, window or 0)
     return out.transpose(0, 1)[None]
+
+
+fa4_causal_sdpa.takes_window = fa4_varlen_sdpa.takes_window = True
 
 
 class patched_sdpa:
@@ -144,7 +161,7 @@ def packed_fa4_varlen(steps, capacity: int):
     except ImportError:
         from harness import pack_plan
 
-    refusal = steps.spec.packing_refusal(steps.model)
+    refusal = steps.spec.packing_refusal(steps.model, windows=True)
     if refusal:
         raise RuntimeError(refusal)
     if steps.dev.type != "cuda":

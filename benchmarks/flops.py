@@ -16,7 +16,7 @@ Dv`` per token (state read and rank-1 update, fwd + 2x bwd); short convs, norms,
 softmax/loss and RoPE are left out (memory-bound, a few % of the total, equal per token in both).
 
 Entries: a path of L tokens has ``L (L + 1) / 2`` (causal); a tree token at depth d sees its d
-ancestors and itself, so a tree has ``sum_t (depth_t + 1)`` — the same entries the per-path runs
+ancestors and itself, so a tree has ``sum_t (depth_t + 1)`` (a sliding layer of window W: ``min(., W)`` per token) — the same entries the per-path runs
 compute once per path, counted once.  Packed baselines with a document mask compute the per-path
 entries; their FLOPs equal the per-path ones.
 """
@@ -35,13 +35,20 @@ LINEAR_TRAIN = 3.0  # fwd + bwd (dX and dW)
 ATTENTION_TRAIN = 3.5  # fwd + 2.5x bwd
 
 
-def path_attention_entries(lengths: Sequence[int]) -> int:
-    return sum(L * (L + 1) // 2 for L in lengths)
+def path_attention_entries(lengths: Sequence[int], window: int | None = None) -> int:
+    """Unmasked entries of causal attention over each path alone; within a sliding ``window`` (query ``q`` sees
+    key ``k`` iff ``0 <= q - k < window``) a token sees at most ``window`` keys."""
+    if window is None:
+        return sum(L * (L + 1) // 2 for L in lengths)
+    w = int(window)
+    return sum(L * (L + 1) // 2 if L <= w else w * (w + 1) // 2 + (L - w) * w for L in lengths)
 
 
-def tree_attention_entries(position_ids: torch.Tensor) -> int:
-    """``position_ids``: depths of the tree's tokens (no padding)."""
-    return int((position_ids.to(torch.int64) + 1).sum())
+def tree_attention_entries(position_ids: torch.Tensor, window: int | None = None) -> int:
+    """``position_ids``: depths of the tree's tokens (no padding); a token sees its ancestors and itself, within a
+    sliding ``window`` the nearest ``window`` of them."""
+    seen = position_ids.to(torch.int64) + 1
+    return int((seen if window is None else seen.clamp(max=int(window))).sum())
 
 
 def _expert_modules(model: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
@@ -99,21 +106,42 @@ class FlopModel:
     linear_per_token: float  # forward FLOPs of all nn.Linear per token
     attention_per_entry: float  # forward FLOPs per unmasked entry, summed over full-attention layers
     recurrent_per_token: float  # forward FLOPs of the GDN recurrences per token
+    # (window, forward FLOPs per unmasked entry summed over the sliding layers of that window), by window
+    windowed: tuple[tuple[int, float], ...] = ()
 
     @classmethod
     def of(cls, model: nn.Module) -> "FlopModel":
         cfg = model.config
         lin = 2.0 * (linear_macs(model) + active_expert_macs(model))
         types = getattr(cfg, "layer_types", None) or ("full_attention",) * cfg.num_hidden_layers
-        n_attn = sum(t == "full_attention" for t in types)
         n_gdn = sum(t == "linear_attention" for t in types)
-        attn = 4.0 * cfg.num_attention_heads * cfg.head_dim * n_attn
+        per_layer = 4.0 * cfg.num_attention_heads * cfg.head_dim
+        windows = _model_windows(model)
+        n_attn = sum(w is None for w in windows)
+        windowed = tuple((w, per_layer * sum(x == w for x in windows)) for w in sorted({w for w in windows if w}))
         rec = 0.0
         if n_gdn:
             rec = 4.0 * cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * n_gdn
-        return cls(lin, attn, rec)
+        return cls(lin, per_layer * n_attn, rec, windowed)
 
-    def train(self, tokens: int, entries: int) -> float:
-        """FLOPs of one training step (fwd + bwd) over ``tokens`` tokens and ``entries`` unmasked entries."""
+    def train(self, tokens: int, entries) -> float:
+        """FLOPs of one training step (fwd + bwd) over ``tokens`` tokens; ``entries``: the unmasked entries of
+        causal attention, or ``entries(window)`` giving them for a sliding ``window`` (None: full causal), which a
+        model with sliding layers needs."""
+        if callable(entries):
+            attn = self.attention_per_entry * entries(None) + sum(f * entries(w) for w, f in self.windowed)
+        elif self.windowed:
+            raise ValueError("FlopModel.train: this model has sliding-window layers; give entries(window)")
+        else:
+            attn = self.attention_per_entry * entries
         return (LINEAR_TRAIN * (self.linear_per_token + self.recurrent_per_token) * tokens
-                + ATTENTION_TRAIN * self.attention_per_entry * entries)
+                + ATTENTION_TRAIN * attn)
+
+
+def _model_windows(model: nn.Module) -> list:
+    """Each attention layer's sliding window, None for full causal (``hf_models.model_windows``)."""
+    try:
+        from benchmarks.hf_models import model_windows
+    except ImportError:
+        from hf_models import model_windows
+    return model_windows(model)

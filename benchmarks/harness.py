@@ -145,15 +145,19 @@ class ModelSpec:
         computed once per step (:func:`materialized_rope`), as the tree's CUDA lowering does."""
         return hf_models.causal_attention(model) if self.kind == "hf" else materialized_rope(model)
 
-    def packing_refusal(self, model) -> str | None:
-        """Why the packed baselines (document mask over global positions) cannot run this model, or None:
-        GDN layers carry state across documents; HF layers other than full causal attention are refused."""
+    def packing_refusal(self, model, *, windows: bool = False) -> str | None:
+        """Why a packed baseline (document mask over global positions) cannot run this model, or None:
+        GDN layers carry state across documents; HF layers other than causal attention are refused, and
+        sliding-window layers unless the baseline applies each layer's window within its documents
+        (``windows``: FA4 varlen does, through ``cu_seqlens``; the flex document mask does not)."""
         if self.kind == "hybrid":
             return "dense models only (a GDN layer would carry its state across documents)"
         if self.kind == "hf":
-            types = set(getattr(model.config, "layer_types", None) or ["full_attention"])
-            if types != {"full_attention"} or getattr(model.config, "use_sliding_window", False):
-                return f"HF layer types {sorted(types)}: only full causal attention packs by a document mask"
+            windowed = hf_models.model_windows(model)  # refuses layer types other than full / sliding / linear
+            if any(w is not None for w in windowed) and not windows:
+                return "sliding-window layers: this packed baseline's document mask has no window"
+            if "linear_attention" in (getattr(model.config, "layer_types", None) or ()):
+                return "GDN layers carry their state across documents"
         return None
 
 
@@ -224,6 +228,19 @@ def model_specs() -> dict[str, ModelSpec]:
         "qwen3.5-35b-a3b-8l": ModelSpec("qwen3.5-35b-a3b-8l", "hf", hf_models.qwen3_5_35b_a3b_config(8)),
         "qwen3.5-35b-a3b-4l": ModelSpec("qwen3.5-35b-a3b-4l", "hf", hf_models.qwen3_5_35b_a3b_config(4)),
         "hf-qwen3-0.6b": ModelSpec("hf-qwen3-0.6b", "hf", hf_models.HFConfig.of("Qwen3Config", **hf_models.QWEN3_0_6B)),
+        # HF Mistral at qwen3-0.6b's shape (no q/k norms), every layer sliding with a window of 512 (the
+        # windowed rows of issue 16: FA4 varlen's local window is the packed baseline)
+        "hf-mistral-0.6b-w512": ModelSpec("hf-mistral-0.6b-w512", "hf", hf_models.HFConfig.of(
+            "MistralConfig", sliding_window=512, **hf_models.MISTRAL_0_6B)),
+        # HF Qwen3 at the 0.6B shape with Gemma 3's layer mix: five sliding layers (window 512) to one full
+        "hf-qwen3-0.6b-swa": ModelSpec("hf-qwen3-0.6b-swa", "hf", hf_models.HFConfig.of(
+            "Qwen3Config", use_sliding_window=True, sliding_window=512, layer_types=tuple(
+                "full_attention" if i % 6 == 5 else "sliding_attention" for i in range(28)),
+            **hf_models.QWEN3_0_6B)),
+        # HF Mistral, tiny (CPU tests): 2 layers, window 5
+        "hf-mistral-tiny-w5": ModelSpec("hf-mistral-tiny-w5", "hf", hf_models.HFConfig.of(
+            "MistralConfig", vocab_size=512, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=5)),
         "dense-tiny": ModelSpec("dense-tiny", "dense", DenseConfig.tiny(vocab_size=512)),
         # flex attention needs head_dim >= 16 (the recompile stream on CUDA)
         "dense-tiny16": ModelSpec("dense-tiny16", "dense", DenseConfig.tiny(vocab_size=512, hidden_size=64,
@@ -632,7 +649,7 @@ class Steps:
             import fa4_baselines
         from treecompile.ops.fa4_tree_attention import fa4_unusable_reason
 
-        refusal = self.spec.packing_refusal(self.model) if name == "packed_fa4_varlen" else None
+        refusal = self.spec.packing_refusal(self.model, windows=True) if name == "packed_fa4_varlen" else None
         if refusal:
             raise _Skip(refusal)
         reason = fa4_unusable_reason() if self.dev.type == "cuda" else "FA4 runs on CUDA only"
@@ -712,7 +729,7 @@ class Steps:
         tm = self._tree_model(layout=layout, kernel=kernel, conv=conv, head=head)
         batch = self.tree.to_batch(normalize=self.cfg.normalize, device=self.dev)
         step = batches_step(tm, [batch], self.zero)
-        return step, self.tree.num_tokens, tree_attention_entries(batch.position_ids[:self.tree.num_tokens])
+        return step, self.tree.num_tokens, _tree_entries([batch.position_ids[:self.tree.num_tokens]])
 
     def tree_packed(self):
         from treecompile.runtime.partition import pack
@@ -721,9 +738,7 @@ class Steps:
         plan = pack(self.tree, self.cfg.capacity)
         batches = plan.batches(normalize=self.cfg.normalize, device=self.dev)
         tokens = sum(p.num_tokens for p in plan.partitions)
-        entries = 0
-        for p, b in zip(plan.partitions, batches):
-            entries += tree_attention_entries(b.position_ids[:p.num_tokens])
+        entries = _tree_entries([b.position_ids[:p.num_tokens] for p, b in zip(plan.partitions, batches)])
         return batches_step(tm, batches, self.zero), tokens, entries
 
     def tree_rf(self):
@@ -739,7 +754,12 @@ class Steps:
             self.zero()
             return run_redundancy_free(bm, plan, normalize=self.cfg.normalize).loss
         batch = self.tree.to_batch(normalize=self.cfg.normalize)
-        return step, self.tree.num_tokens, tree_attention_entries(batch.position_ids[:self.tree.num_tokens])
+        return step, self.tree.num_tokens, _tree_entries([batch.position_ids[:self.tree.num_tokens]])
+
+
+def _tree_entries(depths: list[torch.Tensor]):
+    """``entries(window)`` of batches whose tokens (padding cut) sit at ``depths`` (``FlopModel.train``)."""
+    return lambda window: sum(tree_attention_entries(d, window) for d in depths)
 
 
 def cuda_steps(model_name: str, *, agentic: str | None = None, agentic_scale: float = 1.0, por: float = 0.5,
@@ -832,7 +852,7 @@ def run_contenders(model, spec: ModelSpec, case: TreeCase, cfg: BenchConfig, con
     tree = steps.tree
     fm = FlopModel.of(model)
     lens = [len(p) for p in case.paths]
-    base_flops = fm.train(sum(lens), path_attention_entries(lens))
+    base_flops = fm.train(sum(lens), lambda w: path_attention_entries(lens, w))
     dev = steps.dev
     rows: list[Result] = []
     for name in contenders:
@@ -1196,7 +1216,8 @@ def build_parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", action="append", help="repeatable; default qwen3-0.6b (tiny: dense-tiny, hybrid-tiny; "
                     "HF transformers models: qwen3-30b-a3b-4l, qwen3.5-35b-a3b-8l, hf-qwen3-0.6b, hf-qwen3-moe-tiny, "
-                    "hf-qwen3.5-moe-tiny)")
+                    "hf-qwen3.5-moe-tiny; sliding windows: hf-mistral-0.6b-w512, hf-qwen3-0.6b-swa, "
+                    "hf-mistral-tiny-w5)")
     ap.add_argument("--suite", action="append", choices=["sweep", "agentic"], help="repeatable; default both")
     ap.add_argument("--por", type=float, nargs="+", default=[0.2, 0.5, 0.7, 0.85, 0.92])
     ap.add_argument("--paths", type=int, default=16, help="paths per synthetic tree")

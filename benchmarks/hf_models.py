@@ -13,7 +13,8 @@
   CPU (``grouped_mm`` refuses float64), HF's default (``grouped_mm``) elsewhere.
 - :func:`causal_attention`: a context manager under which the model's attention layers call
   ``F.scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=True, enable_gqa=True)`` (no mask
-  built): what HF does itself outside tracing for one unpadded sequence, but under ``torch.compile``
+  built; a sliding layer calls :func:`windowed_sdpa`, which hands its window to an SDPA replacement that takes
+  one, else applies a window mask): what HF does itself outside tracing for one unpadded sequence, but under ``torch.compile``
   with torch < 2.14 HF builds an explicit bool causal mask and repeats K/V instead, which keeps the
   causal kernels (cuDNN, flash, FA4) off and would hand the packed baselines' SDPA replacements a
   mask they must not ignore.  The baselines run HF models under it; the tree compiles the stock model.
@@ -26,8 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["HFConfig", "QWEN3_30B_A3B_LAYER", "QWEN3_5_35B_A3B_LAYER", "build_hf", "causal_attention",
-           "qwen3_30b_a3b_config", "qwen3_5_35b_a3b_config", "require_transformers"]
+__all__ = ["HFConfig", "QWEN3_30B_A3B_LAYER", "QWEN3_5_35B_A3B_LAYER", "attention_window", "build_hf",
+           "causal_attention", "model_windows", "qwen3_30b_a3b_config", "qwen3_5_35b_a3b_config",
+           "require_transformers", "window_mask", "windowed_sdpa"]
 
 # Qwen3-30B-A3B's layer shape (config.json of Qwen/Qwen3-30B-A3B); the layer count is the spec's
 QWEN3_30B_A3B_LAYER = dict(
@@ -47,6 +49,9 @@ QWEN3_5_35B_A3B_LAYER = dict(
 QWEN3_0_6B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                   num_attention_heads=16, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1e6,
                   tie_word_embeddings=True, max_position_embeddings=40960)
+
+# the same shape as an HF MistralConfig (Mistral has no q/k norms; the rest is Qwen3-0.6B's)
+MISTRAL_0_6B = {k: v for k, v in QWEN3_0_6B.items() if k != "rope_theta"}
 
 _ATTENTION = "treecompile_bench_causal_sdpa"
 
@@ -79,8 +84,9 @@ class HFConfig:
             return kw[name]
         raise AttributeError(name)
 
-    def build(self):
-        return getattr(require_transformers(), self.config_class)(**dict(self.kwargs))
+    def build(self):  # tuples (hashable here) are lists to transformers' configs (layer_types)
+        kw = {k: list(v) if isinstance(v, tuple) else v for k, v in self.kwargs}
+        return getattr(require_transformers(), self.config_class)(**kw)
 
 
 def qwen3_5_35b_a3b_config(num_layers: int = 8) -> HFConfig:
@@ -121,18 +127,84 @@ def _has_experts(model) -> bool:
     return any(hasattr(m, "gate_up_proj") and hasattr(m, "down_proj") for m in model.modules())
 
 
-def _causal_sdpa(module, query, key, value, attention_mask, **kwargs):
-    """HF attention function: HF's own SDPA path with no mask (so ``is_causal=True``); refuses a layer
-    that needs more than a causal mask (a sliding window, a non-causal layer) rather than drop it."""
+# keyword arguments of HF's attention interface that change the scores: refused by the baselines' attention
+# rather than dropped (HF's sdpa_attention_forward ignores some of them)
+_SCORE_CHANGING = ("softcap", "s_aux", "sinks", "position_bias")
+
+
+def attention_window(module, sliding_window=None) -> int | None:
+    """The sliding window of an HF attention call (``sliding_window`` as the layer passes it to the attention
+    interface, else the module's attribute), or None for full causal attention.  HF's convention: query ``q``
+    sees key ``k`` iff ``0 <= q - k < window``."""
+    w = sliding_window if sliding_window is not None else getattr(module, "sliding_window", None)
+    if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
+        raise ValueError(f"{type(module).__name__}: sliding_window must be a positive int, got {w!r}")
+    return w
+
+
+def window_mask(n: int, window: int, device) -> torch.Tensor:
+    """``[n, n]`` bool: query ``q`` sees key ``k`` iff ``0 <= q - k < window``."""
+    i = torch.arange(n, device=device)
+    d = i[:, None] - i[None, :]
+    return (d >= 0) & (d < window)
+
+
+def windowed_sdpa(query, key, value, window: int, scale):
+    """Causal attention within ``window`` (``[B, H, T, D]``, GQA through ``enable_gqa``): the SDPA in force when it
+    takes a window itself (its ``takes_window`` attribute: the FA4 baselines' replacements, whose kernels skip the
+    tiles outside it), else SDPA under an explicit window mask (what HF's own SDPA path builds)."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    if getattr(sdpa, "takes_window", False):
+        return sdpa(query, key, value, is_causal=True, scale=scale, enable_gqa=True, window=window)
+    return sdpa(query, key, value, attn_mask=window_mask(query.shape[2], window, query.device), scale=scale,
+                enable_gqa=True)
+
+
+def _causal_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
+                 **kwargs):
+    """HF attention function: HF's own SDPA path with no mask (so ``is_causal=True``), or, for a sliding layer,
+    :func:`windowed_sdpa`; refuses what it would otherwise drop (a mask, a non-causal layer, dropout in a
+    windowed layer, keyword arguments that change the scores: softcapping, sinks, position biases)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if attention_mask is not None:
         raise NotImplementedError("causal_attention: the model built a mask (expected none)")
-    if getattr(module, "sliding_window", None) is not None or not getattr(module, "is_causal", True):
-        raise NotImplementedError(f"causal_attention: {type(module).__name__} is not plain causal attention "
-                                  f"(sliding_window={getattr(module, 'sliding_window', None)}, "
-                                  f"is_causal={getattr(module, 'is_causal', True)})")
-    return sdpa_attention_forward(module, query, key, value, None, **kwargs)
+    if not getattr(module, "is_causal", True) or kwargs.get("is_causal") is False:
+        raise NotImplementedError(f"causal_attention: {type(module).__name__} is not causal attention")
+    changing = sorted(k for k in _SCORE_CHANGING if kwargs.get(k) is not None)
+    if changing:
+        raise NotImplementedError(f"causal_attention: {type(module).__name__} passes {changing} to its attention: "
+                                  "the baselines run plain (windowed) causal attention only")
+    window = attention_window(module, sliding_window)
+    if window is None:
+        return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling, **kwargs)
+    if dropout:
+        raise NotImplementedError(f"causal_attention: dropout {dropout} in a windowed layer")
+    return windowed_sdpa(query, key, value, window, scaling).transpose(1, 2).contiguous(), None
+
+
+def model_windows(model) -> list[int | None]:
+    """Each attention layer's sliding window (None: full causal) from ``model.config``: ``layer_types``
+    (``"sliding_attention"`` takes ``config.sliding_window``), else every layer windowed when the config sets a
+    ``sliding_window`` (and does not turn it off with ``use_sliding_window``); GDN layers are left out.  Other
+    layer types are refused by name."""
+    cfg = model.config
+    types = getattr(cfg, "layer_types", None)
+    w = getattr(cfg, "sliding_window", None)
+    if types is None:
+        on = w is not None and getattr(cfg, "use_sliding_window", True)
+        return [w if on else None] * cfg.num_hidden_layers
+    out = []
+    for i, t in enumerate(types):
+        if t == "full_attention":
+            out.append(None)
+        elif t == "sliding_attention":
+            if w is None:
+                raise ValueError(f"layer {i} is sliding_attention but the config sets no sliding_window")
+            out.append(w)
+        elif t != "linear_attention":
+            raise NotImplementedError(f"layer {i}: layer type {t!r} (only full, sliding and linear attention)")
+    return out
 
 
 @contextlib.contextmanager

@@ -200,7 +200,7 @@ def _fa4_probe(model, dev) -> str | None:
         mk = lambda h: torch.randn(256, h, cfg.head_dim, device=dev, dtype=dt, requires_grad=True)
         q, k, v = mk(cfg.num_attention_heads), mk(cfg.num_key_value_heads), mk(cfg.num_key_value_heads)
         cu = torch.tensor([0, 100, 256], device=dev, dtype=torch.int32)
-        out, _ = fwd(q, k, v, cu, 156, cfg.head_dim ** -0.5)
+        out, _ = fwd(q, k, v, cu, 156, cfg.head_dim ** -0.5, 0)
         out.float().sum().backward()
         torch.cuda.synchronize()
     except Exception as e:  # noqa: BLE001 (any failure means: use flex)

@@ -87,8 +87,8 @@ def test_hf_causal_attention_passes_no_mask_and_refuses_more():
     """Under ``causal_attention`` an HF model calls SDPA with no mask, ``is_causal=True`` and GQA through
     ``enable_gqa`` even where stock HF builds an explicit bool mask and repeats K/V (as it does under
     ``torch.compile`` with torch < 2.14: its mask-skip check returns False while tracing; patched to here),
-    with the stock model's logits; the attention implementation is restored after; a sliding-window layer
-    is refused; the packed baselines' SDPA replacement refuses a mask it would otherwise ignore."""
+    with the stock model's logits; the attention implementation is restored after; the packed baselines' SDPA
+    replacement refuses a mask it would otherwise ignore."""
     from unittest import mock
 
     from benchmarks import harness
@@ -117,12 +117,6 @@ def test_hf_causal_attention_passes_no_mask_and_refuses_more():
     assert seen and all(s == (True, True, True, 1) for s in seen), seen
     assert torch.equal(got, ref) and torch.allclose(stock, ref, rtol=0, atol=1e-12)
     assert model.config._attn_implementation == "sdpa"
-    sliding = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
-        vocab_size=31, hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=8, use_sliding_window=True, sliding_window=4, max_window_layers=0))
-    with pytest.raises(NotImplementedError, match="sliding_window=4"), causal_attention(sliding):
-        sliding(ids, use_cache=False)
-    assert sliding.config._attn_implementation == "sdpa"
     q = torch.zeros(1, 2, 4, 8)
     with pytest.raises(NotImplementedError, match="causal SDPA without mask"):
         harness.document_sdpa(harness._Packed)(q, q, q, attn_mask=torch.ones(4, 4, dtype=torch.bool))
@@ -174,3 +168,190 @@ def test_hf_moe_hybrid_spec_has_the_qwen3_5_35b_a3b_layer_shape():
     assert fm.linear_per_token - 2 * experts == 2 * sum(
         m.in_features * m.out_features for n, m in model.named_modules()
         if isinstance(m, torch.nn.Linear) and ".mlp." not in n)
+
+
+def tiny_sliding(family: str, window: int = 4):
+    """A tiny float64 HF model with sliding-window layers: Mistral (every layer), Qwen3 (layer types mixed)."""
+    common = dict(vocab_size=31, hidden_size=16, intermediate_size=24, num_attention_heads=2, num_key_value_heads=1,
+                  head_dim=8, sliding_window=window, attention_dropout=0.0)
+    torch.manual_seed(0)
+    if family == "mistral":
+        return transformers.MistralForCausalLM(transformers.MistralConfig(num_hidden_layers=2, **common)).double()
+    return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        num_hidden_layers=3, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        use_sliding_window=True, **common)).double()
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen3"])
+def test_hf_causal_attention_applies_each_layers_window(family):
+    """Under ``causal_attention`` a sliding layer gets no mask from HF (a custom attention function has no mask
+    function) and applies its own window: the stock model's logits (HF's sliding mask) on 12 tokens with a window
+    of 4, through plain SDPA under a window mask and through an SDPA replacement that ``takes_window``; the
+    windows the FLOP model and the packing refusal read are the ones applied."""
+    from benchmarks import hf_models
+    from benchmarks.hf_models import causal_attention, model_windows, window_mask
+
+    model = tiny_sliding(family)
+    ids = torch.arange(1, 13)[None]
+    with torch.no_grad():
+        ref = model(ids, use_cache=False).logits
+        with causal_attention(model):
+            got = model(ids, use_cache=False).logits
+        orig, windows = torch.nn.functional.scaled_dot_product_attention, []
+
+        def takes(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
+                  window=None):
+            assert attn_mask is None and is_causal
+            windows.append(window)
+            mask = None if window is None else window_mask(q.shape[2], window, q.device)
+            return orig(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=enable_gqa)
+
+        def ignores(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
+                    window=None):  # the control: a replacement that dropped the window
+            return orig(q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa)
+
+        takes.takes_window = ignores.takes_window = True
+        outs = []
+        for fn in (takes, ignores):
+            torch.nn.functional.scaled_dot_product_attention = fn
+            try:
+                with causal_attention(model):
+                    outs.append(model(ids, use_cache=False).logits)
+            finally:
+                torch.nn.functional.scaled_dot_product_attention = orig
+    assert torch.allclose(got, ref, rtol=0, atol=1e-12) and torch.allclose(outs[0], ref, rtol=0, atol=1e-12)
+    assert (outs[1] - ref).abs().max() > 1e-3  # the window matters on these 12 tokens
+    expected = [4, 4] if family == "mistral" else [4, None, 4]
+    assert [w for w in windows if w is not None] == [w for w in expected if w is not None]
+    assert model_windows(model) == expected
+    from benchmarks.harness import ModelSpec  # the packing refusal: windows only where the baseline applies them
+
+    s = ModelSpec("t", "hf", hf_models.HFConfig.of("MistralConfig"))
+    assert "no window" in s.packing_refusal(model)
+    assert s.packing_refusal(model, windows=True) is None
+
+
+def test_hf_causal_attention_refuses_what_it_would_drop():
+    """Softcapping, sinks and position biases reach the attention function as keyword arguments that HF's SDPA
+    path ignores: refused by name; a non-positive window is refused."""
+    from benchmarks.hf_models import _causal_sdpa, attention_window
+
+    q = torch.zeros(1, 2, 4, 8)
+    mod = torch.nn.Module()
+    for kw in (dict(softcap=50.0), dict(s_aux=torch.zeros(2)), dict(position_bias=torch.zeros(1, 2, 4, 4))):
+        with pytest.raises(NotImplementedError, match=next(iter(kw))):
+            _causal_sdpa(mod, q, q, q, None, **kw)
+    with pytest.raises(NotImplementedError, match="dropout"):
+        _causal_sdpa(mod, q, q, q, None, dropout=0.1, sliding_window=2)
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="sliding_window must be a positive int"):
+            attention_window(mod, bad)
+
+
+def test_flops_count_each_windows_entries():
+    """Entries within a sliding window: a path of L tokens and a tree counted against a dense window mask; the FLOP
+    model charges each layer its own window's entries and refuses a bare count for a model with windows."""
+    from benchmarks.flops import path_attention_entries, tree_attention_entries
+    from benchmarks.hf_models import window_mask
+    from treecompile import Tree
+
+    for L in (1, 3, 4, 5, 11):
+        for w in (1, 2, 4, 7):
+            assert path_attention_entries([L], w) == int(window_mask(L, w, "cpu").sum())
+    paths = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 7], [1, 8, 9, 10, 11, 12, 13], [14]]
+    tree = Tree.from_paths(paths)
+    depth = tree.to_batch().position_ids[:tree.num_tokens]
+    for w in (None, 1, 2, 3, 5):
+        by_token = {}
+        for p in paths:  # each tree token (its prefix) once: it sees min(depth + 1, w) keys
+            for i in range(len(p)):
+                by_token[tuple(p[:i + 1])] = min(i + 1, w or i + 1)
+        assert tree_attention_entries(depth, w) == sum(by_token.values()), w
+    model = tiny_sliding("qwen3")
+    fm = FlopModel.of(model)
+    per_layer = 4.0 * 2 * 8
+    assert fm.attention_per_entry == per_layer and fm.windowed == ((4, 2 * per_layer),)
+    lens = [12, 3]
+    want = 3.0 * fm.linear_per_token * 15 + 3.5 * per_layer * (path_attention_entries(lens)
+                                                               + 2 * path_attention_entries(lens, 4))
+    assert fm.train(15, lambda w: path_attention_entries(lens, w)) == pytest.approx(want, rel=1e-12)
+    with pytest.raises(ValueError, match="sliding-window layers"):
+        fm.train(15, path_attention_entries(lens))
+
+
+def test_harness_sliding_window_model_tree_equals_per_path(tmp_path):
+    """HF Mistral with a window of 5 on paths of 24 tokens: the per-path baselines apply the window (their loss is
+    the stock model's), the packed flex baseline is skipped naming why, and the tree equals per path."""
+    from benchmarks import harness
+    from treecompile import Tree
+
+    rc = harness.main(["--device", "cpu", "--tiny", "--model", "hf-mistral-tiny-w5", "--dtype", "float64",
+                       "--suite", "sweep", "--por", "0.7", "--paths", "4", "--path-len", "24", "--contenders",
+                       "eager_per_path", "compiled_per_path", "packed_flex", "tree", "--out", str(tmp_path)])
+    assert rc == 0
+    rows = {r["contender"]: r for r in csv.DictReader(open(tmp_path / "results.csv"))}
+    assert rows["packed_flex"]["status"] == "skipped: sliding-window layers: this packed baseline's document mask " \
+                                            "has no window"
+    for name in ("eager_per_path", "compiled_per_path(eager: CPU)", "tree"):
+        assert rows[name]["status"] == "ok", rows[name]
+    tree = rows["tree"]
+    assert float(tree["loss_rel_dev"]) < 1e-9 and float(tree["grad_cos"]) > 1 - 1e-9, tree
+    # the per-path loss is the stock model's (HF's own sliding mask): the harness's reference applied the window
+    spec = harness.model_specs()["hf-mistral-tiny-w5"]
+    model = spec.build("cpu", torch.float64)
+    case = harness.bench_cases(harness.build_parser().parse_args(
+        ["--tiny", "--suite", "sweep", "--por", "0.7", "--paths", "4", "--path-len", "24"]), 512)[0]
+    coef = Tree.from_paths([list(p) for p in case.paths]).path_coefficients("sum").tolist()
+    with torch.no_grad():
+        want = sum(float(harness._path_loss(model(torch.tensor([p]), use_cache=False).logits, torch.tensor(p), c))
+                   for p, c in zip(case.paths, coef))
+    assert float(rows["eager_per_path"]["loss"]) == pytest.approx(want, rel=1e-12)
+    assert 1.0 < float(tree["bound"]) < float(tree["path_tokens"]) / float(tree["tree_tokens"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("varlen", [False, True])
+def test_fa4_baseline_window_equals_masked_sdpa(varlen):
+    """The FA4 baselines' window (``window_size_left = W - 1``): output and q/k/v gradients of a window of 8 (one
+    key more or less moves a row by ~1/8, far above bf16's error; GQA 4:2, head dim 128, bf16) within 2x bf16
+    SDPA's error against a float32 SDPA under the window mask; varlen: three sequences packed, the window cut at
+    each sequence start."""
+    from benchmarks import fa4_baselines
+    from benchmarks.hf_models import window_mask
+    from treecompile.ops.fa4_tree_attention import fa4_unusable_reason
+
+    if fa4_unusable_reason():
+        pytest.skip(fa4_unusable_reason())
+    W, lens = 8, [300, 5, 400]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    n = sum(lens)
+    q, k, v = (torch.randn(1, h, n, 128, device="cuda", generator=gen) for h in (4, 2, 2))
+    mask = torch.zeros(n, n, dtype=torch.bool, device="cuda")
+    starts = [0]
+    for L in lens:
+        s = starts[-1]
+        mask[s:s + L, s:s + L] = window_mask(L, W, "cuda")
+        starts.append(s + L)
+    if not varlen:  # one sequence
+        mask = window_mask(n, W, "cuda")
+
+    def run(fn, dtype, **kw):
+        xs = [x.to(dtype).requires_grad_() for x in (q, k, v)]
+        out = fn(*xs, **kw)
+        g = torch.randn(out.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
+        out.backward(g.to(dtype))
+        return [out.float()] + [x.grad.float() for x in xs]
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    ref = run(sdpa, torch.float32, attn_mask=mask, enable_gqa=True)
+    low = run(sdpa, torch.bfloat16, attn_mask=mask, enable_gqa=True)
+    if varlen:
+        fa4_baselines.Varlen.cu_seqlens = torch.tensor(starts, device="cuda", dtype=torch.int32)
+        fa4_baselines.Varlen.max_seqlen = max(lens)
+        got = run(fa4_baselines.fa4_varlen_sdpa, torch.bfloat16, is_causal=True, window=W)
+    else:
+        got = run(fa4_baselines.fa4_causal_sdpa, torch.bfloat16, is_causal=True, window=W)
+    for name, r, lo, g in zip(("out", "dq", "dk", "dv"), ref, low, got):
+        err, base = float((g - r).abs().max()), float((lo - r).abs().max())
+        assert err <= 2 * base, (name, err, base)
