@@ -337,7 +337,7 @@ def test_fa4_baseline_window_equals_masked_sdpa(varlen):
         mask = window_mask(n, W, "cuda")
 
     def run(fn, dtype, **kw):
-        xs = [x.to(dtype).requires_grad_() for x in (q, k, v)]
+        xs = [x.detach().to(dtype).requires_grad_() for x in (q, k, v)]
         out = fn(*xs, **kw)
         g = torch.randn(out.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
         out.backward(g.to(dtype))
