@@ -76,7 +76,7 @@ def rewrite_positions(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                 if start != 0:
                     new = ctx.call(aten.add.Tensor, (new, start), like=node)
             if val.dtype != torch.long or val.device != pos.meta["val"].device:
-                new = ctx.call(aten._to_copy.default, (pos,), {"dtype": val.dtype, "device": val.device},
+                new = ctx.call(aten._to_copy.default, (new,), {"dtype": val.dtype, "device": val.device},
                                like=node)
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
