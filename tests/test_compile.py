@@ -363,7 +363,95 @@ class SdpaFiniteMaskValue(Bidirectional):
         return self.head(x[:, 0])
 
 
+class ShiftOffBelowSixTokens(Bidirectional):
+    """A previous-token feature switched off for sequences of at most 5 tokens: the probes (13 tokens and more)
+    saw a plain shift, and the condition vanished into the tree's shift (loss off by 1.4e-3)."""
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        long_enough = torch.ones(ids.shape[1], dtype=x.dtype).sum() > 5
+        return self.head(x + torch.nn.functional.pad(x, (0, 0, 1, 0))[:, :-1] * long_enough)
+
+
+class SdpaBidirectionalBelowFourTokens(Bidirectional):
+    """A causal mask made bidirectional for sequences under 4 tokens: checked at 1, 5 and 11 tokens only, where the
+    1-token mask is causal too."""
+
+    def forward(self, ids):
+        x = self.emb(ids)[:, None]
+        T = ids.shape[1]
+        mask = torch.ones(T, T, dtype=torch.bool).tril() | (torch.scalar_tensor(T) < 4)
+        return self.head(torch.nn.functional.scaled_dot_product_attention(x, x, x, attn_mask=mask)[:, 0])
+
+
 @pytest.mark.parametrize("cls, message", [
+    (ShiftOffBelowSixTokens, r"rewrite_token_shifts would absorb aten.sum, which reduces a tensor of the sequence's "
+                             r"length .*test_compile.py:\d+ in forward|test_compile.py:\d+ in forward.*"
+                             r"rewrite_token_shifts would absorb aten.sum"),
+    (SdpaBidirectionalBelowFourTokens, r"rewrite_attention would absorb aten.scalar_tensor, which uses the sequence "
+                                       r"length as a value"),
+])
+def test_a_condition_on_the_sequence_length_is_refused(cls, message):
+    with pytest.raises(treecompile.passes.PassError, match=message) as info:
+        treecompile.compile(cls())
+    assert isinstance(info.value.__cause__, UnsupportedModelError)
+
+
+class ScaledWindow(Bidirectional):
+    """A window of 90 tokens written through a scale, ``0.01 * (q - k) < 0.9``, in SDPA's mask, in hand-written
+    attention and on a shift's multiplier (``0.1 * position < 9``): probed one past the largest number (0.9, 9),
+    each passed as plain causal attention or a plain shift.  ``how="sqrt"``: ``sqrt(q - k) < 9.5``, a threshold no
+    literal bounds."""
+
+    def __init__(self, how="scale"):
+        super().__init__()
+        self.how = how
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        T = ids.shape[1]
+        i = torch.arange(T)
+        d = (i[:, None] - i[None, :]).to(x.dtype)
+        near = (d.clamp(min=0).sqrt() < 9.5) if self.how == "sqrt" else (d * 0.01 < 0.9)
+        mask = (i[None, :] <= i[:, None]) & near
+        y = torch.nn.functional.scaled_dot_product_attention(x[:, None], x[:, None], x[:, None], attn_mask=mask)[:, 0]
+        s = (y @ y.transpose(-1, -2) / 8 ** 0.5).masked_fill(~mask, float("-inf"))
+        y = torch.softmax(s, -1) @ y
+        pos = torch.arange(T, dtype=x.dtype)
+        y = y + torch.where((pos * 0.1 < 9.0)[None, :, None], torch.nn.functional.pad(y, (0, 0, 1, 0))[:, :-1], 0.0)
+        return self.head(y)
+
+
+def test_a_threshold_written_through_a_scale_is_probed_past():
+    """Numbers in a mask or multiplier count scaled back through the arithmetic on the positions (``pos * 0.1 < 9``
+    is ``pos < 90``): the window and the shift's cut at 90 are found and exact on paths of 120 and 93 tokens (they
+    were silently dropped: log-probs off by 0.6); a square root before the comparison bounds nothing: refused."""
+    torch.manual_seed(0)
+    model = ScaledWindow().double()
+    tm = treecompile.compile(model)
+    assert tm.pass_results["rewrite_attention"].info["windowed"] == 1
+    assert tm.pass_results["rewrite_causal_attention"].info["windowed"] == 1
+    paths = [[j % 10 + 1 for j in range(120)], [j % 10 + 1 for j in range(90)] + [5, 6, 7], [1, 2, 3, 9]]
+    out, ref = tm(Tree.from_paths(paths).to_batch()), reference.run(model, paths)
+    assert abs(float(out.loss - ref.loss)) <= 1e-12 * abs(float(ref.loss))
+    params = list(model.parameters())
+    assert rel(flat_grads(out.loss, params), flat_grads(ref.loss, params)) <= 1e-12
+    with pytest.raises(treecompile.passes.PassError, match=r"compares positions with 2\.1\d*e\+09 .*square root"):
+        treecompile.compile(ScaledWindow("sqrt"))
+
+
+class SdpaOverTheHeads(Bidirectional):
+    """SDPA on ``[1, T, heads, head_dim]`` (no transpose): it attends over the heads of each token alone.  It was
+    rewritten as tree attention: a run-time failure, or silently wrong on a tree of exactly ``heads`` tokens."""
+
+    def forward(self, ids):
+        T = ids.shape[1]
+        x = self.emb(ids).view(1, T, 2, 4)
+        return self.head(torch.nn.functional.scaled_dot_product_attention(x, x, x, is_causal=True).reshape(1, T, 8))
+
+
+@pytest.mark.parametrize("cls, message", [
+    (SdpaOverTheHeads, r"SDPA's q has shape \[1, s\d+, 2, 4\].*tokens on dim 2 alone"),
     (EagerWindowInABuffer, r"mask moves with the values of the model's tensors .*a window of 2 tokens with one set "
                            r"of values, a window of 4 tokens with another"),
     (EagerWindowClampedFromABuffer, r"mask moves with the values of the model's tensors"),

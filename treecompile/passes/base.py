@@ -8,6 +8,7 @@ appended after the program's own, created on first use through ``ctx.tree_input(
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -59,6 +60,95 @@ def remove_dead_code(gm: fx.GraphModule) -> None:
         for n in dict.fromkeys(dead):
             gm.graph.erase_node(n)
         gm.graph.eliminate_dead_code(is_impure_node=impure)
+
+def length_values(nodes, seq_len) -> dict:
+    """Those of ``nodes`` that turn the sequence length ``T`` into a value: {node: what it does}.  On a tree ``T``
+    counts the tokens of every path, so a value computed from it (``torch.scalar_tensor(T)``, ``T`` as a
+    comparison's or a fill's operand, a reduction of a tensor of length ``T`` to a scalar: ``ones(T).sum() > 5``)
+    differs from every path's.  The token-locality verifier refuses such nodes where they stay in the graph; a
+    rewrite that absorbs them into a tree op would hide them (:func:`check_absorbed`).  ``arange`` over ``T`` (the
+    positions) and sizes (``int`` arguments: views, slices, pads) are not values."""
+    sym = None
+    if isinstance(seq_len, torch.SymInt):
+        free = seq_len.node.expr.free_symbols
+        sym = next(iter(free)) if len(free) == 1 else None
+    if sym is None:
+        return {}
+
+    def involves(v) -> bool:
+        if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            return sym in v.node.expr.free_symbols
+        return False
+
+    def t_sized(v) -> bool:
+        return isinstance(v, torch.Tensor) and any(involves(d) for d in v.shape)
+
+    aten = torch.ops.aten
+    found: dict = {}
+    for n in nodes:
+        if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
+            continue
+        if n.target.overloadpacket in (aten.arange, aten.sym_size, aten.sym_numel, aten.sym_stride):
+            continue
+        for i, a in enumerate(n.target._schema.arguments):
+            arg = n.args[i] if i < len(n.args) else n.kwargs.get(a.name)
+            if arg is None or "int" in str(a.type):
+                continue
+            read = []
+            fx.node.map_arg(arg, read.append)
+            hit = next((x for x in read if involves(x.meta.get("val"))), None)
+            if hit is not None:
+                found[n] = f"uses the sequence length as a value ({a.name}={hit.name})"
+                break
+        if n in found:
+            continue
+        packet = n.target.overloadpacket
+        if packet in (aten.slice, aten.select, aten.narrow):  # fixed tokens: from the start, or from the end
+            x = n.args[0]
+            dim = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", 0)
+            start = n.args[2] if len(n.args) > 2 else n.kwargs.get("start", n.kwargs.get("index"))
+            xv = x.meta.get("val") if isinstance(x, fx.Node) else None
+            if (isinstance(xv, torch.Tensor) and isinstance(dim, int) and xv.dim() and involves(xv.shape[dim])
+                    and ((isinstance(start, int) and start < 0)
+                         or (isinstance(start, fx.Node) and involves(start.meta.get("val"))))):
+                found[n] = "reads tokens counted from the end of the sequence"
+            continue
+        if packet.__name__ not in _REDUCTIONS:
+            continue
+        val = n.meta.get("val")
+        outs = val if isinstance(val, (tuple, list)) else (val,)
+        if (any(t_sized(x.meta.get("val")) for x in n.all_input_nodes) and
+                any(isinstance(o, torch.Tensor) for o in outs) and not any(t_sized(o) for o in outs)):
+            found[n] = "reduces a tensor of the sequence's length to a value without a token axis"
+    return found
+
+
+# reductions (aten packet names): over a token axis they make a value of the whole sequence
+_REDUCTIONS = frozenset({"sum", "mean", "amax", "amin", "max", "min", "prod", "any", "all", "norm",
+                         "linalg_vector_norm", "var", "std", "var_mean", "std_mean", "logsumexp", "count_nonzero",
+                         "argmax", "argmin", "median", "nanmedian", "nansum", "kthvalue", "mode", "aminmax"})
+
+
+def check_absorbed(candidates: dict, gm: fx.GraphModule, pass_name: str) -> None:
+    """Refuse when a rewrite erased (absorbed into its tree op) one of ``candidates`` (:func:`length_values` of the
+    graph before it): the rewrite's probes evaluate its region at a few lengths, so a condition on the length
+    that changes only below them (``shift(x) * (ones(T).sum() > 5)``, a mask made bidirectional for ``T < 4``)
+    would vanish from the tree graph.  Left in the graph, the verifier would have refused it."""
+    if not candidates:
+        return
+    now = set(gm.graph.nodes)
+    for node, what in candidates.items():
+        if node not in now:
+            raise UnsupportedModelError(
+                f"{where(node)}: {pass_name} would absorb {_op_text(node)}, which {what}; on a tree T counts the "
+                f"tokens of all paths, and the rewrite's checks at a few sample lengths cannot show that this value "
+                f"never matters (a condition on the sequence length)")
+
+
+def _op_text(node: fx.Node) -> str:
+    t = node.target
+    return f"{t.namespace}.{t._schema.name.split('::')[-1]}" if isinstance(t, torch._ops.OpOverload) else str(t)
+
 
 # name -> (dtype, shape in units of the sequence length T: "T", or ("T", k) for [T, k], or "N" nodes)
 TREE_INPUTS = {
@@ -217,12 +307,60 @@ def largest_index_literal(nodes) -> float:
             for x in a:
                 visit(x, threshold)
 
-    for n in nodes:
+    region = set(nodes)
+    memo: dict = {}
+    for n in region:
         name = getattr(getattr(n.target, "_schema", None), "name", "")
         threshold = name.removeprefix("aten::") in THRESHOLD_OPS
+        before, largest = largest, 0.0
         for a in (*n.args, *n.kwargs.values()):
             visit(a, threshold)
+        if threshold and largest > 0:  # this node's number, as a threshold on the unscaled positions
+            largest = min(largest * max((_shrink(a, region, memo) for a in n.all_input_nodes), default=1.0),
+                          INDEX_BOUND_CAP)
+        largest = max(before, largest)
     return largest
+
+
+# what largest_index_literal's bound is, for refusals that quote it
+SCALED_NOTE = ("; a number in it times what the arithmetic on the positions before it divides by, unbounded after "
+               "a square root or a logarithm")
+# the bound largest_index_literal reports for a threshold it cannot scale back (a square root or a logarithm of
+# positions before a comparison): past every probe length, so its callers refuse the region
+INDEX_BOUND_CAP = float(2 ** 31)
+# ops that compress numbers by an amount no literal shows (a threshold after them stands for a larger one)
+_UNBOUNDED_SHRINK = frozenset({"sqrt", "rsqrt", "log", "log2", "log10", "log1p", "reciprocal", "atan", "atan2",
+                               "tanh", "sigmoid", "erf", "asinh", "cbrt", "special_expit"})
+
+
+def _literals(n: fx.Node) -> list[float]:
+    return [a for a in (*n.args, *n.kwargs.values()) if isinstance(a, (int, float)) and not isinstance(a, bool)]
+
+
+def _shrink(n, region: set, memo: dict) -> float:
+    """How much the arithmetic making ``n`` inside ``region`` compresses the numbers it starts from: a threshold c
+    on ``n`` stands for one up to ``c`` times this on those numbers (``pos * 0.1 < 9`` is ``pos < 90``: 10;
+    ``pos // 10``, ``pos / 10``: 10; a square root or logarithm: unbounded).  Products over the chain, the largest
+    over the inputs."""
+    if not isinstance(n, fx.Node) or n not in region:
+        return 1.0
+    if n in memo:
+        return memo[n]
+    memo[n] = 1.0  # (a graph has no cycles; this only bounds the recursion's work)
+    name = getattr(getattr(n.target, "_schema", None), "name", "").removeprefix("aten::").rstrip("_")
+    own = 1.0
+    lits = [abs(float(a)) for a in _literals(n)]
+    if name == "mul":
+        own = max([1.0 / a for a in lits if 0 < a < 1], default=1.0)
+    elif name in ("div", "divide", "true_divide", "floor_divide"):
+        own = max([a for a in lits if a > 1], default=1.0)
+    elif name == "pow":
+        own = math.inf if any(a < 1 for a in lits) or not lits else 1.0
+    elif name in _UNBOUNDED_SHRINK:
+        own = math.inf
+    inner = max((_shrink(a, region, memo) for a in n.all_input_nodes), default=1.0)
+    memo[n] = own * inner
+    return memo[n]
 
 
 # ops whose scalar operand places an index pattern (a threshold or an offset) whatever its size

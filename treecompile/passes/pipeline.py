@@ -45,7 +45,7 @@ from typing import Callable
 
 from torch import fx
 
-from treecompile.passes.base import PassContext, PassResult
+from treecompile.passes.base import PassContext, PassResult, check_absorbed, length_values, remove_dead_code
 from treecompile.passes.expose_boundary import expose_boundary
 from treecompile.passes.check_dropout import check_dropout
 from treecompile.passes.rewrite_attention import rewrite_attention
@@ -77,6 +77,10 @@ PASSES: list[tuple[str, PassFn]] = [
     ("verify_token_locality", verify_token_locality),
 ]
 BOUNDARY_PASSES: list[tuple[str, PassFn]] = PASSES[:-1] + [("expose_boundary", expose_boundary), PASSES[-1]]
+# the rewrites that replace a region they checked by evaluating it at sample lengths (masks, shift and conv
+# operands, scan inputs): nothing they erase may compute a value from the sequence length (base.check_absorbed)
+ABSORBING = frozenset({"rewrite_attention", "rewrite_positions", "rewrite_scans", "rewrite_causal_convs",
+                       "rewrite_token_shifts", "rewrite_causal_attention"})
 VERIFIER = "verify_token_locality"
 
 
@@ -113,8 +117,12 @@ def run_passes(gm: fx.GraphModule, ctx: PassContext, *, disable: tuple[str, ...]
             continue
         t0 = time.perf_counter()
         existing = set(gm.graph.nodes)
+        lengths = length_values(gm.graph.nodes, ctx.seq_len) if name in ABSORBING else {}
         try:
             res = fn(gm, ctx)
+            if lengths and res.count:
+                remove_dead_code(gm)  # what the rewrite left dead is what it absorbed
+                check_absorbed(lengths, gm, name)
         except Exception as e:
             before = ", ".join(ran) or "none"
             raise PassError(f"pass {name} failed (passes run before it: {before}): {e}") from e

@@ -26,7 +26,8 @@ from torch import fx
 import treecompile.ops.tree_attention  # noqa: F401  (registers treecompile::tree_attention)
 from treecompile.passes.base import (PassContext, PassResult, UnsupportedModelError, ancestors, causal_window_mask,
                                      last_row_window,
-                                     largest_index_literal, remove_dead_code, where)
+                                     SCALED_NOTE, largest_index_literal, remove_dead_code, where)
+from treecompile.passes.token_axis import same
 
 aten = torch.ops.aten
 SDPA = aten.scaled_dot_product_attention.default
@@ -93,8 +94,8 @@ def _mask_window(mask: fx.Node, sdpa: fx.Node, ctx: PassContext) -> int | None:
     past = int(bound) + 2  # a pattern at offset c shows at length c + 2 (where q - k > c exists)
     if past > MASK_CHECK_MAX_LEN:
         raise UnsupportedModelError(
-            f"{where(sdpa)}: the attention mask subgraph holds the number {bound:g} (a sliding window or an "
-            f"offset?): checking what the mask is past it would take a [{past}, {past}] mask (at most "
+            f"{where(sdpa)}: the attention mask subgraph compares positions with {bound:g} (a sliding window or an "
+            f"offset?{SCALED_NOTE}): checking what the mask is past it would take a [{past}, {past}] mask (at most "
             f"{MASK_CHECK_MAX_LEN}); tree attention replaces causal masks and sliding windows up to "
             f"{MASK_CHECK_MAX_LEN - 2} tokens")
     allowed = {}
@@ -162,6 +163,19 @@ def _fold_repeat_kv(x: fx.Node, num_q_heads: int):
     return src
 
 
+def _check_token_axis(node: fx.Node, ctx: PassContext, **qkv: fx.Node) -> None:
+    """SDPA attends over dim -2: tree attention needs the T tokens there, ``[1, heads, T, head_dim]``, and nowhere
+    else.  SDPA on ``[1, T, heads, head_dim]`` (no transpose) attends over the heads of each token alone: rewritten
+    as tree attention it failed at run time, or ran silently wrong on a tree of exactly ``heads`` tokens."""
+    for name, x in qkv.items():
+        shape = tuple(x.meta["val"].shape)
+        if len(shape) != 4 or not same(shape[2], ctx.seq_len) or any(same(d, ctx.seq_len) for d in shape[:2] + shape[3:]):
+            raise UnsupportedModelError(
+                f"{where(node)}: SDPA's {name} has shape {list(shape)} (T = {ctx.seq_len} tokens); tree attention "
+                f"needs [1, heads, T, head_dim] with the tokens on dim 2 alone: SDPA attends over dim -2, so "
+                f"attention over another axis mixes the tokens differently (transpose the heads and tokens first)")
+
+
 def rewrite_attention(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     count, folded, windowed = 0, 0, 0
     mask_cache: dict = {}
@@ -187,6 +201,7 @@ def rewrite_attention(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             folded += 1
         if q.meta["val"].shape[0] != 1:
             raise UnsupportedModelError(f"{where(node)}: attention batch size must be 1 on a tree batch")
+        _check_token_axis(node, ctx, q=q, k=k, v=v)
         with gm.graph.inserting_before(node):
             if window is None:
                 new = ctx.call(TREE_ATTENTION, (q, k, v, ctx.tree_input("subtree_end"), scale), like=node)
