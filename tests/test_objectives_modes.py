@@ -163,3 +163,27 @@ def test_train_step_takes_a_logprob_tolerance(model, tmodel):
     assert math.isfinite(float(res.loss))
     for p in model.parameters():
         p.grad = None
+
+
+def test_nan_old_or_ref_logprob_at_a_trained_token_is_refused(model, tmodel):
+    """NaN means "not given", which only an untrained token may be: a ``TrajectoryTree`` built in code with NaN at
+    a trained token read it as 0 (PPO trained against old log-probs of 0, KL against ref 0) with no error."""
+    from treecompile import Tree
+    from treecompile.runtime.objectives import KLPenalty, PPOClip
+
+    tree = Tree.from_paths([[1, 2, 3, 4], [1, 2, 5]])
+    nan = float("nan")
+    good = torch.tensor([nan, -1.0, -2.0, -2.5, nan, -1.0, -3.0], dtype=torch.float64)  # the first tokens untrained
+    bad = good.clone()
+    bad[2] = nan
+    for key, objective in (("old_logprobs", PPOClip()), ("ref_logprobs", KLPenalty(0.1))):
+        ok = TrajectoryTree(tree_id=7, tree=tree, source="t.jsonl", lines=[1, 2],
+                            advantages=torch.ones(2, dtype=torch.float64), **{key: good})
+        assert math.isfinite(float(train_step(tmodel, ok, objective).loss))
+        traj = TrajectoryTree(tree_id=7, tree=tree, source="t.jsonl", lines=[1, 2],
+                              advantages=torch.ones(2, dtype=torch.float64), **{key: bad})
+        with pytest.raises(ValueError, match=rf"tree 7 \(t.jsonl\): '{key}': .*token 2 is trained \(loss mask 1\) "
+                                             rf"but has no value \(NaN\)"):
+            train_step(tmodel, traj, objective)
+    for p in model.parameters():
+        p.grad = None

@@ -252,6 +252,17 @@ def test_errors(model, tmodel, bmodel):
         train_step(tmodel, [case.paths])
     with pytest.raises(ValueError, match="no trees given"):
         train_step(tmodel, [])
+    with pytest.raises(TypeError, match=r"got the class SFT, not an objective: pass SFT\(...\)"):
+        train_step(tmodel, tt, SFT)
+    # an id outside the vocabulary: the tree, and the path and position in it, in every mode (a partition's own
+    # token index named a different token of the whole tree)
+    V = tmodel.vocab_size
+    bad = TrajectoryTree(tree_id="t7", tree=Tree.from_paths([[1, 3], [1, 2, 5, 6], [1, 2, V]]), source="f.jsonl",
+                         lines=[4, 5, 6])
+    where = rf"tree 't7' \(f.jsonl, lines 4-6\): .*path 2, position 2.*token id {V} is outside"
+    for m, kw in ((tmodel, {}), (tmodel, dict(budget=4)), (bmodel, dict(budget=1, mode="redundancy_free"))):
+        with pytest.raises(ValueError, match=where):
+            train_step(m, bad, **kw)
     # a path-level objective on a partition that does not hold the path whole
     plan = pack(case.tree, 9)
     b = plan.batch(0)

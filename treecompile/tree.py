@@ -697,11 +697,15 @@ class TreeBatch:
             return
         t = int(torch.nonzero((ids < 0) | (ids >= vocab_size))[0])
         what = f"token id {int(ids[t])} is outside the model's vocabulary [0, {vocab_size})"
-        if self.tree is None:
-            raise ValueError(f"DFS token {t}: {what}")
-        j = int(torch.nonzero(self.tree.path_index == t)[0])
-        p = int(torch.searchsorted(self.tree.path_offsets, j, right=True)) - 1
-        raise ValueError(f"path {p}, position {j - int(self.tree.path_offsets[p])}: {what}")
+        tree, part = self.tree, ""
+        if tree is None:  # a partition: its token t is the whole tree's DFS token tokens[t]
+            whole, tokens = self.extras.get("whole_tree"), self.extras.get("tokens")
+            if whole is None or tokens is None or t >= len(tokens):
+                raise ValueError(f"DFS token {t} of this partition batch: {what}")
+            tree, part, t = whole, f" (token {t} of this partition)", int(tokens[t])
+        j = int(torch.nonzero(tree.path_index == t)[0])
+        p = int(torch.searchsorted(tree.path_offsets, j, right=True)) - 1
+        raise ValueError(f"path {p}, position {j - int(tree.path_offsets[p])}{part}: {what}")
 
     def path_logprobs(self, logprobs: torch.Tensor) -> list[torch.Tensor]:
         """Per-token DFS tensor ``[T]`` -> one tensor per path (path order); differentiable."""

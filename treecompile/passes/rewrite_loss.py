@@ -73,10 +73,21 @@ def _lm_head(logits: fx.Node):
                 return None
             n = n.args[0]
             continue
-        if n.target in _PASS_THROUGH and n.meta["val"].shape == n.args[0].meta["val"].shape:
+        if (n.target in _PASS_THROUGH and n.meta["val"].shape == n.args[0].meta["val"].shape
+                and not _narrows(n.args[0].meta["val"].dtype, n.meta["val"].dtype)):
             n = n.args[0]
             continue
         return None
+
+
+def _narrows(src: torch.dtype, dst: torch.dtype) -> bool:
+    """A cast that rounds (to fewer mantissa bits, or float to integer): a fused head computing in the head's dtype
+    would skip it (``head(h).bfloat16().double()``: log-probs off by 1e-3), so the loss reads the logits as cast."""
+    if not src.is_floating_point:
+        return False
+    if not dst.is_floating_point:
+        return True
+    return torch.finfo(dst).eps > torch.finfo(src).eps or torch.finfo(dst).max < torch.finfo(src).max
 
 
 def rewrite_loss(gm: fx.GraphModule, ctx: PassContext) -> PassResult:

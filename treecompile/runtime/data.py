@@ -311,7 +311,20 @@ class TrajectoryTree:
         v = getattr(self, key)
         if key not in PER_TOKEN or v is None:
             raise ValueError(f"tree {self.tree_id!r} ({self.source}): has no per-token '{key}'")
-        given = self.tree.loss_mask & ~torch.isnan(v)
+        v = torch.as_tensor(v, dtype=torch.float64).flatten()
+        mask = torch.as_tensor(self.tree.loss_mask, dtype=torch.bool).flatten()
+        if v.numel() == mask.numel():
+            # NaN means "not given", which only an untrained token may be: read as 0 it trained PPO against
+            # old log-probs of 0 (a TrajectoryTree built in code; the JSONL reader refuses null there itself)
+            missing = torch.nonzero(mask & torch.isnan(v)).flatten()
+            if missing.numel():
+                j = int(missing[0])
+                p = int(torch.searchsorted(self.tree.path_offsets, j, right=True)) - 1
+                label = self.path_labels[p] if self.path_labels is not None else f"path {p}"
+                raise ValueError(f"tree {self.tree_id!r} ({self.source}): '{key}': {label}: token "
+                                 f"{j - int(self.tree.path_offsets[p])} is trained (loss mask 1) but has no value "
+                                 f"(NaN); {missing.numel()} such token(s)")
+        given = mask & ~torch.isnan(v) if v.numel() == mask.numel() else None
         return scatter_to_dfs(self.tree, torch.nan_to_num(v, nan=0.0), given=given, atol=atol, name=key,
                               path_labels=self.path_labels)
 

@@ -204,8 +204,8 @@ class _Executor:
         if self.width:
             kw["conv_kernel"] = self.width + 1
         batch = plan.batch(i, **kw)
-        try:  # as TreeModel.forward does: a bad id is named here, not an IndexError inside the graph
-            batch.check_ids(self.tm.vocab_size)
+        try:  # as TreeModel.forward does: a bad id is named here (its path and position in the whole tree)
+            dataclasses.replace(batch, extras={**batch.extras, "whole_tree": plan.tree}).check_ids(self.tm.vocab_size)
         except ValueError as e:
             raise ValueError(f"redundancy-free partition {i}: {e}") from None
         ex = batch.extras

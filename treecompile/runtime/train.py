@@ -51,6 +51,7 @@ accumulate into ``.grad`` (zero them yourself).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -126,6 +127,8 @@ def _objectives(objective) -> tuple:
     if not objs:
         raise ValueError("objective: an empty list of objectives")
     for o in objs:
+        if isinstance(o, type):
+            raise TypeError(f"objective: got the class {o.__name__}, not an objective: pass {o.__name__}(...)")
         if not hasattr(o, "loss"):
             raise TypeError(f"objective: expected an objective with .loss(logprobs, batch), got {type(o).__name__}")
     return objs
@@ -152,6 +155,15 @@ def _router_scale(tmodel, tree: Tree, norm: GlobalNorm) -> float:
         return norm.grad_scale
     return tree.num_paths * norm.grad_scale / norm.num_paths
 
+
+
+@contextlib.contextmanager
+def _named(it):
+    """A ValueError raised within names the tree it concerns (``it.label``: its id, file and lines)."""
+    try:
+        yield
+    except ValueError as e:
+        raise ValueError(f"{it.label}: {e}") from None
 
 def train_step(tmodel, tree_or_trees: Tree | TrajectoryTree | Sequence[Tree | TrajectoryTree], objective=None,
                optimizer: torch.optim.Optimizer | None = None, *, budget: int | None = None,
@@ -228,28 +240,29 @@ def train_step(tmodel, tree_or_trees: Tree | TrajectoryTree | Sequence[Tree | Tr
         # pre-passes (forwards without gradient) for what no batch has before its backward
         pre = [None] * len(items)
         if mode == "redundancy_free" and (path_level or router is not None):
-            pre = [prepass_redundancy_free(tmodel, plan) for plan in plans]
+            for j, (it, plan) in enumerate(zip(items, plans)):
+                with _named(it):
+                    pre[j] = prepass_redundancy_free(tmodel, plan)
         if needs_counts(router, mode, len(items)):
             counts = []
             for it, plan, pp in zip(items, plans, pre):
-                try:
+                with _named(it):
                     counts.append(pp.counts if pp is not None else
                                   count_routes(tmodel, it.tree, plan, conv_kernel=conv_kernel))
-                except ValueError as e:
-                    raise ValueError(f"{it.label}: {e}") from None
             router_weights = step_router_weights(router, [it.tree for it in items], counts, norm)
         for j, (it, plan) in enumerate(zip(items, plans)):
             tree = it.tree
             rw = None if router_weights is None else router_weights[j]
             if mode == "redundancy_free":
-                lin = linearize(path_level, tree, pre[j].logprobs, norm, data=it.extras) if path_level else None
-                if linear:
-                    res = run_redundancy_free(tmodel, plan, normalize=normalize, router=rw)
-                else:
-                    res = run_redundancy_free(
-                        tmodel, plan, normalize=normalize, data=it.extras, router=rw,
-                        loss_fn=lambda out, b: (_objective_loss(token_level, out, b, norm) if token_level else 0)
-                        + (lin.loss(out.logprobs, b) if lin is not None else 0))
+                with _named(it):  # missing objective data, bad ids: name the tree (file and lines)
+                    lin = linearize(path_level, tree, pre[j].logprobs, norm, data=it.extras) if path_level else None
+                    if linear:
+                        res = run_redundancy_free(tmodel, plan, normalize=normalize, router=rw)
+                    else:
+                        res = run_redundancy_free(
+                            tmodel, plan, normalize=normalize, data=it.extras, router=rw,
+                            loss_fn=lambda out, b: (_objective_loss(token_level, out, b, norm) if token_level else 0)
+                            + (lin.loss(out.logprobs, b) if lin is not None else 0))
                 if lin is not None:
                     loss_sum += lin.value
                 if res.aux_loss is not None:
@@ -275,11 +288,9 @@ def train_step(tmodel, tree_or_trees: Tree | TrajectoryTree | Sequence[Tree | Tr
                 if rw is not None:  # this batch's coefficients in the step's router losses
                     batch.extras[ROUTER_WEIGHTS] = rw.take(batch.extras.get("tokens"), batch.extras.get("owned"),
                                                            batch.num_tokens)
-                out = tmodel(batch)
-                try:
+                with _named(it):  # missing or malformed objective data, bad ids: name the tree (file and lines)
+                    out = tmodel(batch)
                     loss = _objective_loss(objectives, out, batch, norm)
-                except ValueError as e:  # missing or malformed objective data: name the tree (file and lines)
-                    raise ValueError(f"{it.label}: {e}") from None
                 if out.aux_loss is not None:  # the MoE router losses (compile(router_aux=...)), as out.loss has them
                     scale = 1.0 if rw is not None else _router_scale(tmodel, tree, norm)
                     aux = out.aux_loss * scale
