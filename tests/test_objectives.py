@@ -252,6 +252,9 @@ def test_argument_errors(model):
         SFT(normalize="mean").loss(lp, batch)
     with pytest.raises(ValueError, match="KLPenalty.estimator"):
         KLPenalty(0.1, estimator="k4")
+    for beta in (True, "0.1", float("nan")):
+        with pytest.raises(ValueError, match="KLPenalty.beta: expected a finite number"):
+            KLPenalty(beta)
     with pytest.raises(ValueError, match="PPOClip: need"):
         PPOClip(clip_low=1.0)
 

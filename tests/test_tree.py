@@ -293,6 +293,8 @@ def test_large_random_tree_matches_bruteforce_counts():
     ([[1, 2], [3, -4]], "path 1: token ids must be non-negative"),
     ([[1], torch.tensor([1.0, 2.0])], "path 1: token ids must be integers"),
     ([[1], "abc"], "path 1: expected a sequence"),
+    ([[1], {1: 2, 3: 4}], "path 1: expected a sequence of token ids, got dict"),  # its values were dropped
+    ([{5, 1, 3}], "path 0: expected a sequence of token ids, got set"),  # in its hash's order
 ])
 def test_bad_paths(bad, message):
     with pytest.raises(ValueError, match=message):
@@ -331,6 +333,12 @@ def test_bad_normalize_and_pad():
 def test_bad_masks_and_weights_are_named(kwargs, message):
     with pytest.raises(ValueError, match=message):
         Tree.from_paths([[1, 2, 3], [1, 4]], **kwargs)
+
+
+def test_a_numpy_bool_path_weight_is_refused():
+    np = pytest.importorskip("numpy")
+    with pytest.raises(ValueError, match=r"path 1: path weight .*False_? is a bool"):
+        Tree.from_paths([[1, 2, 3], [1, 4]], path_weights=[1.0, np.bool_(False)])
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -45,7 +45,8 @@ def _as_int_array(p, i: int) -> array:
         if p.dtype.is_floating_point or p.dtype.is_complex or p.dtype == torch.bool:
             raise ValueError(f"path {i}: token ids must be integers, got dtype {p.dtype}")
         p = p.tolist()
-    elif isinstance(p, (str, bytes)):
+    elif isinstance(p, (str, bytes, dict, set, frozenset)) or type(p).__name__ in ("dict_keys", "dict_values"):
+        # a mapping or a set is not an ordered path (a dict's values were dropped, a set's order is its hash's)
         raise ValueError(f"path {i}: expected a sequence of token ids, got {type(p).__name__}")
     if isinstance(p, (list, tuple)) and bool in map(type, p):  # bool is an int: array('q') would take it
         _refuse_non_int(p, i)
@@ -327,7 +328,8 @@ class Tree:
         if len(path_weights) != P:
             raise ValueError(f"path_weights: expected {P} weights (one per path), got {len(path_weights)}")
         for i, x in enumerate(path_weights):
-            if isinstance(x, bool) or (isinstance(x, torch.Tensor) and x.dtype == torch.bool):
+            if (isinstance(x, bool) or (isinstance(x, torch.Tensor) and x.dtype == torch.bool)
+                    or (type(x).__module__ == "numpy" and type(x).__name__ in ("bool", "bool_"))):  # numpy's too
                 raise ValueError(f"path {i}: path weight {x!r} is a bool, not a number")
         try:
             w = torch.as_tensor(path_weights, dtype=torch.float64).flatten()

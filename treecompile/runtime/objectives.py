@@ -60,6 +60,7 @@ Its loss takes ``entropy=`` (``train_step`` passes ``out.entropy`` to objectives
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -269,8 +270,8 @@ class KLPenalty:
     def __post_init__(self):
         if self.estimator not in KL_ESTIMATORS:
             raise ValueError(f"KLPenalty.estimator: expected one of {KL_ESTIMATORS}, got {self.estimator!r}")
-        if not math.isfinite(self.beta):
-            raise ValueError(f"KLPenalty.beta: expected a finite number, got {self.beta}")
+        if isinstance(self.beta, bool) or not isinstance(self.beta, numbers.Real) or not math.isfinite(self.beta):
+            raise ValueError(f"KLPenalty.beta: expected a finite number, got {self.beta!r}")
 
     def loss(self, logprobs: torch.Tensor, batch: TreeBatch, *, norm: GlobalNorm | None = None,
              ref_logprobs=None) -> torch.Tensor:
