@@ -291,8 +291,10 @@ def largest_index_literal(nodes) -> float:
     subgraph, 0 if none: integers below ``2**31`` (``INT64_MAX`` slice ends bound nothing), finite floats below
     ``FLOAT_LITERAL_LIMIT`` (larger floats are mostly fill values and scales: -1e4, -1e9, a dtype's min), and floats
     below ``2**31`` where they are a threshold or an offset (an operand of a comparison, a clamp, an add or
-    subtract, a remainder or floor division: ``position < 9000.0``).  A pattern at offset c first shows at
-    length c + 2."""
+    subtract, a remainder or floor division: ``position < 9000.0``).  A threshold's number counts scaled back
+    through the arithmetic inside ``nodes`` that makes its operand (:func:`_shrinks`: ``position * 0.1 < 9`` is
+    ``position < 90``), up to ``INDEX_BOUND_CAP`` where nothing bounds it (a square root, a logarithm).  A pattern
+    at offset c first shows at length c + 2."""
     largest = 0.0
 
     def visit(a, threshold: bool):
@@ -307,17 +309,16 @@ def largest_index_literal(nodes) -> float:
             for x in a:
                 visit(x, threshold)
 
-    region = set(nodes)
-    memo: dict = {}
-    for n in region:
+    shrink = _shrinks(nodes)
+    for n in shrink:
         name = getattr(getattr(n.target, "_schema", None), "name", "")
         threshold = name.removeprefix("aten::") in THRESHOLD_OPS
         before, largest = largest, 0.0
         for a in (*n.args, *n.kwargs.values()):
             visit(a, threshold)
         if threshold and largest > 0:  # this node's number, as a threshold on the unscaled positions
-            largest = min(largest * max((_shrink(a, region, memo) for a in n.all_input_nodes), default=1.0),
-                          INDEX_BOUND_CAP)
+            scale = max((shrink.get(a, 1.0) for a in n.all_input_nodes), default=1.0)
+            largest = min(largest * scale, INDEX_BOUND_CAP)
         largest = max(before, largest)
     return largest
 
@@ -337,30 +338,32 @@ def _literals(n: fx.Node) -> list[float]:
     return [a for a in (*n.args, *n.kwargs.values()) if isinstance(a, (int, float)) and not isinstance(a, bool)]
 
 
-def _shrink(n, region: set, memo: dict) -> float:
-    """How much the arithmetic making ``n`` inside ``region`` compresses the numbers it starts from: a threshold c
-    on ``n`` stands for one up to ``c`` times this on those numbers (``pos * 0.1 < 9`` is ``pos < 90``: 10;
-    ``pos // 10``, ``pos / 10``: 10; a square root or logarithm: unbounded).  Products over the chain, the largest
-    over the inputs."""
-    if not isinstance(n, fx.Node) or n not in region:
-        return 1.0
-    if n in memo:
-        return memo[n]
-    memo[n] = 1.0  # (a graph has no cycles; this only bounds the recursion's work)
-    name = getattr(getattr(n.target, "_schema", None), "name", "").removeprefix("aten::").rstrip("_")
-    own = 1.0
-    lits = [abs(float(a)) for a in _literals(n)]
-    if name == "mul":
-        own = max([1.0 / a for a in lits if 0 < a < 1], default=1.0)
-    elif name in ("div", "divide", "true_divide", "floor_divide"):
-        own = max([a for a in lits if a > 1], default=1.0)
-    elif name == "pow":
-        own = math.inf if any(a < 1 for a in lits) or not lits else 1.0
-    elif name in _UNBOUNDED_SHRINK:
-        own = math.inf
-    inner = max((_shrink(a, region, memo) for a in n.all_input_nodes), default=1.0)
-    memo[n] = own * inner
-    return memo[n]
+def _shrinks(nodes) -> dict:
+    """{node: how much the arithmetic making it inside ``nodes`` compresses the numbers it starts from}: a threshold
+    c on the node stands for one up to c times this on those numbers (``pos * 0.1 < 9`` is ``pos < 90``: 10;
+    ``pos // 10``, ``pos / 10``: 10; a square root or logarithm: unbounded).  Products along a chain, the largest
+    over a node's inputs; nodes in graph order, so inputs come first."""
+    region = set(nodes)
+    if not region:
+        return {}
+    graph = next(iter(region)).graph
+    out: dict = {}
+    for n in graph.nodes:
+        if n not in region:
+            continue
+        name = getattr(getattr(n.target, "_schema", None), "name", "").removeprefix("aten::").rstrip("_")
+        lits = [abs(float(a)) for a in _literals(n)]
+        own = 1.0
+        if name == "mul":
+            own = max([1.0 / a for a in lits if 0 < a < 1], default=1.0)
+        elif name in ("div", "divide", "true_divide", "floor_divide"):
+            own = max([a for a in lits if a > 1], default=1.0)
+        elif name == "pow":
+            own = math.inf if any(a < 1 for a in lits) or not lits else 1.0
+        elif name in _UNBOUNDED_SHRINK:
+            own = math.inf
+        out[n] = own * max((out.get(a, 1.0) for a in n.all_input_nodes), default=1.0)
+    return out
 
 
 # ops whose scalar operand places an index pattern (a threshold or an offset) whatever its size

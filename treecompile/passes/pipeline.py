@@ -116,8 +116,11 @@ def run_passes(gm: fx.GraphModule, ctx: PassContext, *, disable: tuple[str, ...]
         if name in disable:
             continue
         t0 = time.perf_counter()
+        lengths = {}
+        if name in ABSORBING:  # the live nodes that make a value of the length, before the rewrite
+            remove_dead_code(gm)
+            lengths = length_values(gm.graph.nodes, ctx.seq_len)
         existing = set(gm.graph.nodes)
-        lengths = length_values(gm.graph.nodes, ctx.seq_len) if name in ABSORBING else {}
         try:
             res = fn(gm, ctx)
             if lengths and res.count:
