@@ -16,7 +16,8 @@ Dv`` per token (state read and rank-1 update, fwd + 2x bwd); short convs, norms,
 softmax/loss and RoPE are left out (memory-bound, a few % of the total, equal per token in both).
 
 Entries: a path of L tokens has ``L (L + 1) / 2`` (causal); a tree token at depth d sees its d
-ancestors and itself, so a tree has ``sum_t (depth_t + 1)`` (a sliding layer of window W: ``min(., W)`` per token) — the same entries the per-path runs
+ancestors and itself, so a tree has ``sum_t (depth_t + 1)`` (a sliding layer of window W: ``min(., W)``
+per token) — the same entries the per-path runs
 compute once per path, counted once.  Packed baselines with a document mask compute the per-path
 entries; their FLOPs equal the per-path ones.
 """

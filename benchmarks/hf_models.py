@@ -14,8 +14,8 @@
 - :func:`causal_attention`: a context manager under which the model's attention layers call
   ``F.scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=True, enable_gqa=True)`` (no mask
   built; a sliding layer calls :func:`windowed_sdpa`, which hands its window to an SDPA replacement that takes
-  one, else applies a window mask): what HF does itself outside tracing for one unpadded sequence, but under ``torch.compile``
-  with torch < 2.14 HF builds an explicit bool causal mask and repeats K/V instead, which keeps the
+  one, else applies a window mask): what HF does itself outside tracing for one unpadded sequence, but under
+  ``torch.compile`` with torch < 2.14 HF builds an explicit bool causal mask and repeats K/V instead, which keeps the
   causal kernels (cuDNN, flash, FA4) off and would hand the packed baselines' SDPA replacements a
   mask they must not ignore.  The baselines run HF models under it; the tree compiles the stock model.
 """

@@ -24,9 +24,9 @@ import torch
 from torch import fx
 
 import treecompile.ops.tree_attention  # noqa: F401  (registers treecompile::tree_attention)
-from treecompile.passes.base import (PassContext, PassResult, UnsupportedModelError, ancestors, causal_window_mask,
-                                     last_row_window,
-                                     SCALED_NOTE, largest_index_literal, remove_dead_code, where)
+from treecompile.passes.base import (SCALED_NOTE, PassContext, PassResult, UnsupportedModelError, ancestors,
+                                     causal_window_mask, largest_index_literal, last_row_window, remove_dead_code,
+                                     where)
 from treecompile.passes.token_axis import same
 
 aten = torch.ops.aten
@@ -169,7 +169,8 @@ def _check_token_axis(node: fx.Node, ctx: PassContext, **qkv: fx.Node) -> None:
     as tree attention it failed at run time, or ran silently wrong on a tree of exactly ``heads`` tokens."""
     for name, x in qkv.items():
         shape = tuple(x.meta["val"].shape)
-        if len(shape) != 4 or not same(shape[2], ctx.seq_len) or any(same(d, ctx.seq_len) for d in shape[:2] + shape[3:]):
+        elsewhere = any(same(d, ctx.seq_len) for d in shape[:2] + shape[3:])
+        if len(shape) != 4 or not same(shape[2], ctx.seq_len) or elsewhere:
             raise UnsupportedModelError(
                 f"{where(node)}: SDPA's {name} has shape {list(shape)} (T = {ctx.seq_len} tokens); tree attention "
                 f"needs [1, heads, T, head_dim] with the tokens on dim 2 alone: SDPA attends over dim -2, so "

@@ -36,8 +36,8 @@ from torch import fx
 
 import treecompile.ops.tree_attention  # noqa: F401  (registers treecompile::tree_attention_biased)
 from treecompile.passes.base import (METADATA_ASSERTS, SCALED_NOTE, PassContext, PassResult, UnsupportedModelError,
-                                     ancestors, causal_window_mask, largest_index_literal, last_row_window, remove_dead_code,
-                                     where)
+                                     ancestors, causal_window_mask, largest_index_literal, last_row_window,
+                                     remove_dead_code, where)
 from treecompile.passes.token_probe import (PROBE_MAX_ENTRIES, Probe, NotProbeable, chain_batch, concrete_shape,
                                            probe_tree, token_dims, value_nodes)
 from treecompile.tree import Tree
@@ -206,7 +206,8 @@ def rewrite_causal_attention(gm: fx.GraphModule, ctx: PassContext) -> PassResult
         if past > PROBE_MAX_LEN:
             raise UnsupportedModelError(
                 f"{where(sm)}: hand-written attention whose mask or bias compares positions with {past - 2} (a "
-                f"sliding window?{SCALED_NOTE}): checking the scores past it takes [{past}, {past}] scores, more than the "
+                f"sliding window?{SCALED_NOTE}): checking the scores past it takes [{past}, {past}] scores, more "
+                f"than the "
                 f"[{PROBE_MAX_LEN}, {PROBE_MAX_LEN}] it may probe; tree attention replaces the causal masks and "
                 f"sliding windows it can check")
         lengths = PROBE_LENGTHS + ((past,) if past > max(PROBE_LENGTHS) else ())

@@ -156,7 +156,6 @@ def _router_scale(tmodel, tree: Tree, norm: GlobalNorm) -> float:
     return tree.num_paths * norm.grad_scale / norm.num_paths
 
 
-
 @contextlib.contextmanager
 def _named(it):
     """A ValueError raised within names the tree it concerns (``it.label``: its id, file and lines)."""
@@ -164,6 +163,7 @@ def _named(it):
         yield
     except ValueError as e:
         raise ValueError(f"{it.label}: {e}") from None
+
 
 def train_step(tmodel, tree_or_trees: Tree | TrajectoryTree | Sequence[Tree | TrajectoryTree], objective=None,
                optimizer: torch.optim.Optimizer | None = None, *, budget: int | None = None,
