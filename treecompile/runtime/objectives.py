@@ -179,7 +179,8 @@ def _per_token(value, batch: TreeBatch, name: str, like: torch.Tensor) -> torch.
                              f"in its DFS order (or build it without padding)")
         v = v[tok]  # whole-tree DFS values -> the partition's tokens
     if v.dim() != 1 or v.numel() not in (batch.num_tokens, batch.seq_len):
-        raise ValueError(f"{name}: expected DFS order, shape [{batch.num_tokens}] or [{batch.seq_len}], got "
+        shapes = f"[{batch.num_tokens}]" + (f" or [{batch.seq_len}]" if batch.seq_len != batch.num_tokens else "")
+        raise ValueError(f"{name}: expected DFS order, shape {shapes}, got "
                          f"{tuple(v.shape)} (scatter per-path values with data.scatter_to_dfs)")
     v = _pad(v, batch, like)
     if not bool(torch.isfinite(v).all()):
