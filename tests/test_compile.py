@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 
@@ -384,17 +385,67 @@ class SdpaBidirectionalBelowFourTokens(Bidirectional):
         return self.head(torch.nn.functional.scaled_dot_product_attention(x, x, x, attn_mask=mask)[:, 0])
 
 
+class ShiftGatedByLength(Bidirectional):
+    """The shift of :class:`ShiftOffBelowSixTokens` gated by other spellings of the length: the last position
+    (``arange(T).flip(0)[0]``, ``arange(T)[-1]``, ``arange(T).sort(descending=True)``), a normalized entry
+    (``softmax(zeros(T))[0]`` is ``1 / T``), a product (``ones(T) @ ones(T)``).  Each read a value of the whole
+    sequence that the old check (reductions by name) did not list."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        T = ids.shape[1]
+        pos = torch.arange(T, dtype=x.dtype)
+        gate = {"flip": lambda: pos.flip(0)[0] > 5,
+                "last": lambda: pos[-1] > 5,
+                "sort": lambda: pos.sort(descending=True).values[0] > 5,
+                "softmax": lambda: torch.softmax(torch.zeros(T, dtype=x.dtype), 0)[0] < 0.2,
+                "dot": lambda: torch.ones(T, dtype=x.dtype) @ torch.ones(T, dtype=x.dtype) > 5}[self.how]()
+        return self.head(x + torch.nn.functional.pad(x, (0, 0, 1, 0))[:, :-1] * gate)
+
+
 @pytest.mark.parametrize("cls, message", [
-    (ShiftOffBelowSixTokens, r"rewrite_token_shifts would absorb aten.sum, which reduces a tensor of the sequence's "
-                             r"length .*test_compile.py:\d+ in forward|test_compile.py:\d+ in forward.*"
-                             r"rewrite_token_shifts would absorb aten.sum"),
+    (ShiftOffBelowSixTokens, r"rewrite_token_shifts would absorb aten.sum, which reads a tensor of the sequence's "
+                             r"length and makes a value without a token axis"),
     (SdpaBidirectionalBelowFourTokens, r"rewrite_attention would absorb aten.scalar_tensor, which uses the sequence "
                                        r"length as a value"),
-])
+    (functools.partial(ShiftGatedByLength, "flip"), r"would absorb aten.select, which reads entries of a tensor "
+                                                    r"reordered along the sequence"),
+    (functools.partial(ShiftGatedByLength, "last"), r"would absorb aten.select, which reads tokens counted from the "
+                                                    r"end"),
+    (functools.partial(ShiftGatedByLength, "sort"), r"would absorb aten.select, which reads entries of a tensor "
+                                                    r"reordered along the sequence"),
+    (functools.partial(ShiftGatedByLength, "softmax"), r"would absorb aten.select, which reads entries of a tensor "
+                                                       r"normalized along the sequence"),
+    (functools.partial(ShiftGatedByLength, "dot"), r"would absorb aten.(dot|mm|matmul), which reads a tensor of the "
+                                                   r"sequence's length and makes a value without a token axis"),
+], ids=["sum", "scalar_tensor", "flip", "last", "sort", "softmax", "dot"])
 def test_a_condition_on_the_sequence_length_is_refused(cls, message):
     with pytest.raises(treecompile.passes.PassError, match=message) as info:
         treecompile.compile(cls())
     assert isinstance(info.value.__cause__, UnsupportedModelError)
+    assert "test_compile.py" in str(info.value)  # the user's source line
+
+
+class ReorderedAlongFeatures(Bidirectional):
+    """Near misses of :class:`ShiftGatedByLength`: ``topk``/``flip`` over the features and ``softmax`` over the
+    features of each token, then an entry picked, then a shift (a router's ``topk`` over experts is this).  No
+    length in sight: compiled, and exact on a tree."""
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        top = x.topk(2, dim=-1).values[..., 0:1] + x.flip(-1)[..., :1] + torch.softmax(x, -1)[..., 0:1]
+        return self.head(x + torch.nn.functional.pad(x * top, (0, 0, 1, 0))[:, :-1])
+
+
+def test_reordering_along_features_is_not_a_length_value():
+    torch.manual_seed(0)
+    model = ReorderedAlongFeatures().double()
+    assert treecompile.compile(model).pass_results["rewrite_token_shifts"].count == 1
+    _assert_tree_equals_per_path(model, [[1, 2, 3, 4], [1, 2, 5], [1, 6]])
 
 
 class ScaledWindow(Bidirectional):
@@ -438,6 +489,65 @@ def test_a_threshold_written_through_a_scale_is_probed_past():
     assert rel(flat_grads(out.loss, params), flat_grads(ref.loss, params)) <= 1e-12
     with pytest.raises(treecompile.passes.PassError, match=r"compares positions with 2\.1\d*e\+09 .*square root"):
         treecompile.compile(ScaledWindow("sqrt"))
+
+
+class ShiftCutAt90(Bidirectional):
+    """A shift switched off from position 90 on, its threshold spelled through arithmetic the old scaling did not
+    read: a bit shift (``pos >> 3 < 11``), ``lerp``/``addcmul`` weights, a scale held in a tensor
+    (``full_like(pos, 0.1)``, ``scalar_tensor(0.1)``, ``torch.tensor(0.1)``), a threshold in a tensor; and maps no
+    number bounds (``exp(-pos) > 1e-39``, ``cos(0.0157 * pos) > 0``, ``2 ** pos < 2 ** 90``).  Each was absorbed
+    into a plain shift (log-probs off by 0.5 on paths of 120 tokens)."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        pos = torch.arange(ids.shape[1], dtype=x.dtype)
+        keep = {"rshift": lambda: (pos.long() >> 3) < 11,
+                "lerp": lambda: torch.lerp(torch.zeros_like(pos), pos, 0.1) < 9.0,
+                "addcmul": lambda: torch.addcmul(torch.zeros_like(pos), pos, torch.ones_like(pos), value=0.1) < 9.0,
+                "full_like": lambda: pos * torch.full_like(pos, 0.1) < 9.0,
+                "scalar_tensor": lambda: pos * torch.scalar_tensor(0.1, dtype=pos.dtype) < 9.0,
+                "constant": lambda: pos * torch.tensor(0.1, dtype=pos.dtype) < 9.0,
+                "threshold_tensor": lambda: pos * 0.1 < torch.full_like(pos, 9.0),
+                "exp": lambda: torch.exp(-pos) > 1e-39,
+                "cos": lambda: torch.cos(pos * 0.0157) > 0,
+                "pow2": lambda: 2.0 ** pos < 2.0 ** 90}[self.how]()
+        return self.head(x + torch.where(keep[None, :, None], torch.nn.functional.pad(x, (0, 0, 1, 0))[:, :-1], 0.0))
+
+
+@pytest.mark.parametrize("how", ["rshift", "lerp", "addcmul", "full_like", "scalar_tensor", "constant",
+                                 "threshold_tensor", "exp", "cos", "pow2"])
+def test_a_threshold_through_any_arithmetic_is_probed_past(how):
+    """Exact on paths of 120 and 93 tokens: the cut is probed past (scaled back: 88, 90), or where no number bounds
+    it the shift's rewrite leaves the condition in the graph, on the tree's positions."""
+    torch.manual_seed(0)
+    model = ShiftCutAt90(how).double()
+    paths = [[j % 10 + 1 for j in range(120)], [j % 10 + 1 for j in range(93)], [1, 2, 3, 9]]
+    _assert_tree_equals_per_path(model, paths)
+
+
+class SoftCappedScoresPlusOne(Bidirectional):
+    """Hand-written causal attention with soft-capped scores and a constant bias, ``tanh(s / 30) * 30 + 1.0``: the
+    bias's 1.0 after a ``tanh`` read as a threshold no number bounds (refused as a window of 2**31 tokens), then as
+    a mask operand (a crash on the number).  Arithmetic on the scores is no position's: exact."""
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        T = ids.shape[1]
+        s = torch.tanh(x @ x.transpose(-1, -2) / 30.0) * 30.0 + 1.0
+        i = torch.arange(T)
+        s = s.masked_fill(i[None, :] > i[:, None], float("-inf"))
+        return self.head(torch.softmax(s, -1) @ x)
+
+
+def test_soft_capped_scores_with_a_constant_bias_are_exact():
+    torch.manual_seed(0)
+    model = SoftCappedScoresPlusOne().double()
+    assert treecompile.compile(model).pass_results["rewrite_causal_attention"].count == 1
+    _assert_tree_equals_per_path(model, [[1, 2, 3, 4, 5], [1, 2, 6], [7, 8]])
 
 
 class SdpaOverTheHeads(Bidirectional):

@@ -9,6 +9,7 @@ appended after the program's own, created on first use through ``ctx.tree_input(
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -63,11 +64,18 @@ def remove_dead_code(gm: fx.GraphModule) -> None:
 
 def length_values(nodes, seq_len) -> dict:
     """Those of ``nodes`` that turn the sequence length ``T`` into a value: {node: what it does}.  On a tree ``T``
-    counts the tokens of every path, so a value computed from it (``torch.scalar_tensor(T)``, ``T`` as a
-    comparison's or a fill's operand, a reduction of a tensor of length ``T`` to a scalar: ``ones(T).sum() > 5``)
-    differs from every path's.  The token-locality verifier refuses such nodes where they stay in the graph; a
-    rewrite that absorbs them into a tree op would hide them (:func:`check_absorbed`).  ``arange`` over ``T`` (the
-    positions) and sizes (``int`` arguments: views, slices, pads) are not values."""
+    counts the tokens of every path, so a value computed from it differs from every path's:
+    - ``T`` as an operand that is not a size (``scalar_tensor(T)``, a comparison's, a fill's), or in an
+      ``arange``'s start or step;
+    - an op that reads the values of a tensor with a dim of length ``T`` and returns none (``ones(T).sum()``,
+      ``dot``, ``ones(1, T) @ ones(T, 1)``, a pool to one entry), except a slice or select counted from the start;
+    - a slice or select counted from the end (``x[-1]``), or of a tensor reordered along ``T`` (``flip``, ``roll``,
+      ``sort``, ``topk``: ``arange(T).flip(0)[0]`` is ``T - 1``).
+    The token-locality verifier refuses such nodes where they stay in the graph; a rewrite that absorbs them into a
+    tree op would hide them (:func:`check_absorbed`).  Sizes (``int`` arguments: views, slices, pads, factories)
+    and ``arange``'s end are not values."""
+    from treecompile.passes.token_axis import SHAPE_ARGS, SHAPE_ONLY
+
     sym = None
     if isinstance(seq_len, torch.SymInt):
         free = seq_len.node.expr.free_symbols
@@ -85,48 +93,111 @@ def length_values(nodes, seq_len) -> dict:
 
     aten = torch.ops.aten
     found: dict = {}
+    reordered: set = set()  # tensors whose entries along T are counted from the end (after flip, sort, ...)
+    normalized: set = set()  # tensors whose every entry along T depends on all of them (softmax, layer_norm)
     for n in nodes:
+        if n.op == "call_function" and n.target is operator.getitem:  # one output of sort/topk/layer_norm
+            for taint in (reordered, normalized):
+                if n.args[0] in taint:
+                    taint.add(n)
+            continue
         if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
             continue
-        if n.target.overloadpacket in (aten.arange, aten.sym_size, aten.sym_numel, aten.sym_stride):
+        packet = n.target.overloadpacket
+        if packet in SHAPE_ONLY:
             continue
+        shape_only = SHAPE_ARGS.get(packet, ())
+        read: list = []  # the nodes whose values the op reads
         for i, a in enumerate(n.target._schema.arguments):
             arg = n.args[i] if i < len(n.args) else n.kwargs.get(a.name)
-            if arg is None or "int" in str(a.type):
+            if arg is None or a.name in shape_only:
                 continue
-            read = []
-            fx.node.map_arg(arg, read.append)
-            hit = next((x for x in read if involves(x.meta.get("val"))), None)
-            if hit is not None:
+            here: list = []
+            fx.node.map_arg(arg, here.append)
+            read += here
+            if (packet == aten.arange and a.name == "end") or ("int" in str(a.type) and packet != aten.arange):
+                continue
+            hit = next((x for x in here if involves(x.meta.get("val"))), None)
+            if hit is not None and n not in found:
                 found[n] = f"uses the sequence length as a value ({a.name}={hit.name})"
-                break
         if n in found:
             continue
-        packet = n.target.overloadpacket
-        if packet in (aten.slice, aten.select, aten.narrow):  # fixed tokens: from the start, or from the end
+        val = n.meta.get("val")
+        outs = [o for o in (val if isinstance(val, (tuple, list)) else (val,)) if isinstance(o, torch.Tensor)]
+        if packet in _REORDERS and _acts_along(n, involves):
+            reordered.add(n)
+        elif any(x in reordered for x in read):
+            if packet in _INDEXING or not any(t_sized(o) for o in outs):
+                found[n] = "reads entries of a tensor reordered along the sequence (counted from its end)"
+                continue
+            reordered.add(n)
+        if packet in _NORMALIZERS and _acts_along(n, involves):
+            normalized.add(n)
+        elif any(x in normalized for x in read) and packet not in _CONTRACTIONS:
+            # a contraction (``probs @ v``) ends the taint: over a causal mask each row depends on its prefix only,
+            # and an unmasked one is non-causal (the verifier's), or leaves no T-dim (refused below)
+            # a slice keeps a T-long dim (attention sinks drop their column so); picking entries does not
+            if (packet in _INDEXING and packet not in (aten.slice, aten.narrow)) or not any(t_sized(o) for o in outs):
+                found[n] = "reads entries of a tensor normalized along the sequence (each depends on its length)"
+                continue
+            normalized.add(n)
+        if packet in _INDEXING:
             x = n.args[0]
             dim = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", 0)
             start = n.args[2] if len(n.args) > 2 else n.kwargs.get("start", n.kwargs.get("index"))
             xv = x.meta.get("val") if isinstance(x, fx.Node) else None
-            if (isinstance(xv, torch.Tensor) and isinstance(dim, int) and xv.dim() and involves(xv.shape[dim])
+            if (packet in (aten.slice, aten.select, aten.narrow) and isinstance(xv, torch.Tensor)
+                    and isinstance(dim, int) and xv.dim() and involves(xv.shape[dim])
                     and ((isinstance(start, int) and start < 0)
                          or (isinstance(start, fx.Node) and involves(start.meta.get("val"))))):
                 found[n] = "reads tokens counted from the end of the sequence"
             continue
-        if packet.__name__ not in _REDUCTIONS:
-            continue
-        val = n.meta.get("val")
-        outs = val if isinstance(val, (tuple, list)) else (val,)
-        if (any(t_sized(x.meta.get("val")) for x in n.all_input_nodes) and
-                any(isinstance(o, torch.Tensor) for o in outs) and not any(t_sized(o) for o in outs)):
-            found[n] = "reduces a tensor of the sequence's length to a value without a token axis"
+        if outs and any(t_sized(x.meta.get("val")) for x in read) and not any(t_sized(o) for o in outs):
+            found[n] = "reads a tensor of the sequence's length and makes a value without a token axis"
     return found
 
 
-# reductions (aten packet names): over a token axis they make a value of the whole sequence
-_REDUCTIONS = frozenset({"sum", "mean", "amax", "amin", "max", "min", "prod", "any", "all", "norm",
-                         "linalg_vector_norm", "var", "std", "var_mean", "std_mean", "logsumexp", "count_nonzero",
-                         "argmax", "argmin", "median", "nanmedian", "nansum", "kthvalue", "mode", "aminmax"})
+# ops that reorder entries along a dim: after them, entry 0 of a T-long dim depends on T
+_REORDERS = frozenset(getattr(torch.ops.aten, n) for n in ("flip", "roll", "sort", "argsort", "topk", "msort"))
+# ops whose every output entry along a dim depends on the whole dim (over a T-long dim: on T)
+_NORMALIZERS = frozenset(getattr(torch.ops.aten, n) for n in (
+    "softmax", "_softmax", "log_softmax", "_log_softmax", "layer_norm", "native_layer_norm", "group_norm",
+    "native_group_norm", "instance_norm", "rms_norm", "_fused_rms_norm"))
+# matrix products: a normalized T-dim contracted with another tensor's (attention's ``probs @ v``)
+_CONTRACTIONS = frozenset(getattr(torch.ops.aten, n) for n in (
+    "mm", "bmm", "matmul", "addmm", "baddbmm", "addbmm", "einsum", "linear", "dot", "vdot", "mv", "tensordot"))
+# ops that pick entries by index: from the start of a position-made tensor they read no length
+_INDEXING = frozenset(getattr(torch.ops.aten, n) for n in ("slice", "select", "narrow", "index", "index_select",
+                                                            "gather", "take", "take_along_dim"))
+
+
+def _acts_along(n: fx.Node, involves) -> bool:
+    """Whether the reordering or normalizing op ``n`` acts along a dim of its input whose length involves ``T``
+    (``topk`` over the experts of each token does not; ``flip(0)`` of an ``arange(T)`` does)."""
+    x = n.args[0] if n.args else n.kwargs.get("self", n.kwargs.get("input"))
+    xv = x.meta.get("val") if isinstance(x, fx.Node) else None
+    if not isinstance(xv, torch.Tensor) or xv.dim() == 0:
+        return False
+    schema = n.target._schema.arguments
+    args = {a.name: (n.args[i] if i < len(n.args) else n.kwargs.get(a.name, a.default_value))
+            for i, a in enumerate(schema)}
+    name = n.target.overloadpacket.__name__
+    rank = xv.dim()
+    if name == "msort":
+        dims = [0]
+    elif name in ("flip", "roll"):
+        dims = list(args.get("dims") or ()) or list(range(rank))  # roll without dims rolls the flattened tensor
+    elif "normalized_shape" in args:  # layer_norm, rms_norm: the last len(normalized_shape) dims
+        dims = list(range(rank - len(args["normalized_shape"]), rank))
+    elif name in ("group_norm", "native_group_norm"):
+        dims = list(range(1, rank))
+    elif name == "instance_norm":
+        dims = list(range(2, rank))
+    else:  # sort, argsort, topk, softmax and log_softmax: one dim
+        dims = [args.get("dim", -1)]
+    if not all(isinstance(d, int) for d in dims):
+        return True  # a dim the graph computes: assume the worst
+    return any(involves(xv.shape[d % rank]) for d in dims)
 
 
 def check_absorbed(candidates: dict, gm: fx.GraphModule, pass_name: str) -> None:
@@ -285,7 +356,7 @@ class PassContext:
         return self.set_val(node)
 
 
-def largest_index_literal(nodes) -> float:
+def largest_index_literal(nodes, data=()) -> float:
     """The largest absolute number among the arguments (lists and tuples walked, bools not counted) of ``nodes``
     that may bound an index pattern (a window, an offset, a distance where a bias starts) in a mask or score
     subgraph, 0 if none: integers below ``2**31`` (``INT64_MAX`` slice ends bound nothing), finite floats below
@@ -294,7 +365,9 @@ def largest_index_literal(nodes) -> float:
     subtract, a remainder or floor division: ``position < 9000.0``).  A threshold's number counts scaled back
     through the arithmetic inside ``nodes`` that makes its operand (:func:`_shrinks`: ``position * 0.1 < 9`` is
     ``position < 90``), up to ``INDEX_BOUND_CAP`` where nothing bounds it (a square root, a logarithm).  A pattern
-    at offset c first shows at length c + 2."""
+    at offset c first shows at length c + 2.  ``data``: nodes outside ``nodes`` that hold data, not positions (the
+    scores ``q @ k^T``, a shift's input); arithmetic on them and on parameters alone scales nothing
+    (``tanh(scores / 30) * 30 + 1.0`` is a soft cap and a bias, not a window)."""
     largest = 0.0
 
     def visit(a, threshold: bool):
@@ -309,57 +382,122 @@ def largest_index_literal(nodes) -> float:
             for x in a:
                 visit(x, threshold)
 
-    shrink = _shrinks(nodes)
+    shrink = _shrinks(nodes, data)
     for n in shrink:
         name = getattr(getattr(n.target, "_schema", None), "name", "")
         threshold = name.removeprefix("aten::") in THRESHOLD_OPS
         before, largest = largest, 0.0
-        for a in (*n.args, *n.kwargs.values()):
+        numbers = [*n.args, *n.kwargs.values()]
+        if threshold:  # a threshold held in a tensor: full_like(pos, 9.0), torch.tensor(9.0)
+            numbers += [c for c in map(_constant, n.all_input_nodes) if c is not None]
+        for a in numbers:
             visit(a, threshold)
+        scale = max((shrink.get(a, 1.0) for a in n.all_input_nodes), default=1.0)
         if threshold and largest > 0:  # this node's number, as a threshold on the unscaled positions
-            scale = max((shrink.get(a, 1.0) for a in n.all_input_nodes), default=1.0)
             largest = min(largest * scale, INDEX_BOUND_CAP)
+        elif threshold and math.isinf(scale) and any(_numeric(a) for a in numbers):
+            largest = INDEX_BOUND_CAP  # cos(0.01 * pos) > 0: a zero after an unbounded map stands for any number
         largest = max(before, largest)
     return largest
 
 
+def _numeric(a) -> bool:
+    return isinstance(a, (int, float)) and not isinstance(a, bool)
+
+
+def _constant(n: fx.Node):
+    """The one number every entry of ``n`` holds where the graph says so without running it: a factory's fill
+    (``full``, ``full_like``, ``scalar_tensor``, ``new_full``), a tensor constant or buffer of equal entries
+    (``torch.tensor(0.1)``), through copies and casts; else None."""
+    for _ in range(8):
+        if n.op == "get_attr":
+            try:
+                t = _attr(n)
+            except AttributeError:
+                return None
+            if isinstance(t, torch.Tensor) and 0 < t.numel() <= 4096 and not t.is_meta:
+                flat = t.detach().reshape(-1)
+                if bool((flat == flat[0]).all()):
+                    return float(flat[0])
+            return None
+        if n.op != "call_function":
+            return None
+        name = getattr(getattr(n.target, "_schema", None), "name", "").removeprefix("aten::")
+        if name in ("full", "scalar_tensor", "fill"):
+            a = n.args[1] if name == "fill" else n.args[0 if name == "scalar_tensor" else 1]
+            return float(a) if _numeric(a) else None
+        if name in ("full_like", "new_full"):
+            a = n.args[1] if len(n.args) > 1 else None
+            return float(a) if _numeric(a) else None
+        if name in ("lift_fresh_copy", "clone", "_to_copy", "to", "alias", "detach", "expand", "view", "reshape",
+                    "unsqueeze", "squeeze") and n.args and isinstance(n.args[0], fx.Node):
+            n = n.args[0]
+            continue
+        return None
+    return None
+
+
+def _attr(n: fx.Node):
+    obj = n.graph.owning_module
+    for part in str(n.target).split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
 # what largest_index_literal's bound is, for refusals that quote it
 SCALED_NOTE = ("; a number in it times what the arithmetic on the positions before it divides by, unbounded after "
-               "a square root or a logarithm")
-# the bound largest_index_literal reports for a threshold it cannot scale back (a square root or a logarithm of
-# positions before a comparison): past every probe length, so its callers refuse the region
+               "a square root, a logarithm, an exponential or a periodic function")
+# the bound largest_index_literal reports for a threshold it cannot scale back (a square root, a logarithm, an
+# exponential of positions before a comparison): past every probe length, so its callers refuse the region
 INDEX_BOUND_CAP = float(2 ** 31)
 # ops that compress numbers by an amount no literal shows (a threshold after them stands for a larger one)
+# (the exponentials too: exp(-pos) > 1e-40 is pos < 92), or whose value repeats (sin, cos: a zero stands for any
+# number)
 _UNBOUNDED_SHRINK = frozenset({"sqrt", "rsqrt", "log", "log2", "log10", "log1p", "reciprocal", "atan", "atan2",
-                               "tanh", "sigmoid", "erf", "asinh", "cbrt", "special_expit"})
+                               "tanh", "sigmoid", "erf", "erfc", "erfinv", "asinh", "acosh", "atanh", "asin", "acos",
+                               "cbrt", "special_expit", "exp", "exp2", "expm1", "special_exp2", "special_expm1",
+                               "special_erfc", "special_erfcx", "cos", "sin", "tan", "cosh", "sinh", "sinc",
+                               "special_sinc", "softplus", "logit", "special_logit"})
 
 
 def _literals(n: fx.Node) -> list[float]:
-    return [a for a in (*n.args, *n.kwargs.values()) if isinstance(a, (int, float)) and not isinstance(a, bool)]
+    """``n``'s number arguments, and the numbers its constant tensor operands hold (``pos * full_like(pos, 0.1)``)."""
+    own = [a for a in (*n.args, *n.kwargs.values()) if _numeric(a)]
+    return own + [c for c in map(_constant, n.all_input_nodes) if c is not None]
 
 
-def _shrinks(nodes) -> dict:
+def _shrinks(nodes, data=()) -> dict:
     """{node: how much the arithmetic making it inside ``nodes`` compresses the numbers it starts from}: a threshold
     c on the node stands for one up to c times this on those numbers (``pos * 0.1 < 9`` is ``pos < 90``: 10;
     ``pos // 10``, ``pos / 10``: 10; a square root or logarithm: unbounded).  Products along a chain, the largest
-    over a node's inputs; nodes in graph order, so inputs come first."""
+    over a node's inputs; nodes in graph order, so inputs come first.  A node made from ``data`` and parameters
+    alone compresses nothing (1): no position reaches it."""
     region = set(nodes)
     if not region:
         return {}
     graph = next(iter(region)).graph
     out: dict = {}
+    data = set(data)
     for n in graph.nodes:
         if n not in region:
+            continue
+        if n.all_input_nodes and all(a in data or a.op == "get_attr" for a in n.all_input_nodes):
+            data.add(n)
+            out[n] = 1.0
             continue
         name = getattr(getattr(n.target, "_schema", None), "name", "").removeprefix("aten::").rstrip("_")
         lits = [abs(float(a)) for a in _literals(n)]
         own = 1.0
-        if name == "mul":
+        if name in ("mul", "multiply", "lerp", "addcmul"):  # lerp's weight, addcmul's value scale a term
             own = max([1.0 / a for a in lits if 0 < a < 1], default=1.0)
-        elif name in ("div", "divide", "true_divide", "floor_divide"):
-            own = max([a for a in lits if a > 1], default=1.0)
-        elif name == "pow":
-            own = math.inf if any(a < 1 for a in lits) or not lits else 1.0
+        elif name in ("div", "divide", "true_divide", "floor_divide", "addcdiv"):
+            own = max([a for a in lits if a > 1] + [1.0 / a for a in lits if name == "addcdiv" and 0 < a < 1],
+                      default=1.0)
+        elif name.lstrip("_") in ("rshift", "bitwise_right_shift"):  # pos >> 3 is pos // 8
+            shifts = [a for a in lits if a >= 0]
+            own = 2.0 ** min(max(shifts), 64) if shifts else math.inf
+        elif name in ("pow", "float_power"):  # a root, a power of unknown exponent, or 2 ** pos: unbounded
+            own = math.inf if any(a < 1 for a in lits) or not lits or _numeric(n.args[0]) else 1.0
         elif name in _UNBOUNDED_SHRINK:
             own = math.inf
         out[n] = own * max((out.get(a, 1.0) for a in n.all_input_nodes), default=1.0)

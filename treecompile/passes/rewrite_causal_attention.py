@@ -202,7 +202,7 @@ def rewrite_causal_attention(gm: fx.GraphModule, ctx: PassContext) -> PassResult
                 or str(probs.meta["val"].shape) != str(qkv.shape)):
             continue  # the input batch is [1, T]: leading dims are batch 1 times heads
         # the mask/bias operands' numbers: probed one past the largest (a window of W tokens shows at W + 2)
-        past = int(largest_index_literal(ancestors(s) - ancestors(qk))) + 2
+        past = int(largest_index_literal(ancestors(s) - ancestors(qk), data=(qk,))) + 2
         if past > PROBE_MAX_LEN:
             raise UnsupportedModelError(
                 f"{where(sm)}: hand-written attention whose mask or bias compares positions with {past - 2} (a "
@@ -457,7 +457,8 @@ def _bias_nodes(ctx: PassContext, probe: Probe, qk: fx.Node, chain: list[fx.Node
                 or (t == aten.where.ScalarOther and a[1] is prev and _is_mask_value(a[2]))
                 or (t == aten.where.ScalarSelf and a[2] is prev and _is_mask_value(a[1]))
                 or (t == aten.add.Tensor and len(a) == 2 and not n.kwargs
-                    and _masks_only(probe, a[1] if a[0] is prev else a[0], lengths)))
+                    and isinstance(side := a[1] if a[0] is prev else a[0], fx.Node)  # not a number: + 1.0
+                    and _masks_only(probe, side, lengths)))
         if skip:
             env[n] = env[prev]
         else:

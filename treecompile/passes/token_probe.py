@@ -119,7 +119,7 @@ def lengths_past_literals(lengths: tuple[int, ...], out: fx.Node, inputs, ctx: P
     take ``shift(x) * (position < 100)`` for a plain shift.  None when a probe at that length would exceed
     :data:`PROBE_MAX_ENTRIES` entries (the caller then leaves the site alone, for the verifier to refuse)."""
     below = set().union(*(ancestors(i) for i in inputs))
-    past = int(largest_index_literal(ancestors(out) - below)) + 2
+    past = int(largest_index_literal(ancestors(out) - below, data=inputs)) + 2
     if past <= max(lengths):
         return lengths
     try:
