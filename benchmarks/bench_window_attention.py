@@ -2,11 +2,12 @@
 ``tree_window_block_mask``) against full tree attention (``tree_block_mask``) and SDPA causal over the same T.
 
 Cases per window: ``op`` (the registered op called eagerly: FlexAttention inside it, a backward that recomputes the
-forward), ``lowered`` (what ``lower_cuda`` makes of it: compiled FlexAttention under the window block mask with
-flex's own backward) with each ``--configs`` kernel-option set of flex's Triton kernel (``default`` = the committed
-``WINDOW_KERNEL_OPTIONS``), and ``fa4`` (the FLASH backend, where flash-attn-4 runs).
+forward), ``lowered`` (compiled FlexAttention under the window block mask with flex's own backward) with each
+``--configs`` kernel-option set of flex's Triton kernel (``default`` = the committed ``WINDOW_KERNEL_OPTIONS``),
+``fa4`` (the FLASH backend, where flash-attn-4 runs) and ``fa4_varlen`` (what ``lower_cuda`` makes of it under
+``"auto"`` where FA4 runs: FA4's varlen kernel with its own window over the windowed segments).
 
-For each tree (``trees.synthetic_paths``: 16 paths, POR 0.5) and window W: fwd and fwd+bwd median ms
+For each tree (``trees.synthetic_paths``: 16 paths, POR 0.5; ``--agentic`` adds agentic trees) and window W: fwd and fwd+bwd median ms
 (``triton.testing.do_bench``), the visible entries of each mask (TF/s counted over them: 4 * D * entries per
 head forward, 2.5x that fwd+bwd), the listed tiles, and the output's error on 128 sampled query rows against a
 float64 dense reference.  bf16, H=16, Hkv=8, D=128.  Usage: ``python benchmarks/bench_window_attention.py
@@ -23,13 +24,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from trees import synthetic_paths  # noqa: E402
+from trees import agentic_paths, agentic_specs, synthetic_paths  # noqa: E402
 
 from treecompile import Tree  # noqa: E402
 from treecompile.ops.fa4_tree_attention import FA4_KERNEL_OPTIONS, fa4_unusable_reason  # noqa: E402
 from treecompile.ops.flex_tree_attention import (WINDOW_KERNEL_OPTIONS, tree_attention_flex, tree_block_mask,  # noqa: E402
                                                  tree_window_block_mask)
 from treecompile.ops.tree_attention import tree_attention_windowed, tree_window_mask  # noqa: E402
+from treecompile.ops.varlen_tree_attention import tree_attention_varlen_windowed, windowed_plan  # noqa: E402
 
 H, HKV, D = 16, 8, 128
 # flex Triton kernel options tried for the windowed mask (--configs picks by name)
@@ -72,22 +74,28 @@ def main() -> None:
     ap.add_argument("--windows", type=int, nargs="+", default=[512, 4096])
     ap.add_argument("--configs", nargs="+", default=["default"], choices=sorted(CONFIGS))
     ap.add_argument("--no-op", action="store_true", help="skip the op called eagerly")
+    ap.add_argument("--agentic", nargs="*", default=[], help="agentic_specs names to add (e.g. deep-agent)")
+    ap.add_argument("--no-lowered", action="store_true", help="skip flex's Triton kernel under the window mask")
     args = ap.parse_args()
     fa4 = fa4_unusable_reason() is None
     print(f"fa4: {fa4_unusable_reason() or 'usable'}", flush=True)
     rows = []
-    for L in args.path_len:
-        batch = Tree.from_paths(synthetic_paths(16, L, 0.5, seed=L)).to_batch(device="cuda")
+    specs = {s.name: s for s in agentic_specs()}
+    trees = [(L, synthetic_paths(16, L, 0.5, seed=L)) for L in args.path_len]
+    trees += [(name, agentic_paths(specs[name])) for name in args.agentic]
+    for L, paths in trees:
+        batch = Tree.from_paths(paths).to_batch(device="cuda")
         se, pos, T = batch.subtree_end, batch.position_ids, batch.seq_len
-        g = torch.Generator(device="cuda").manual_seed(L)
+        g = torch.Generator(device="cuda").manual_seed(T)
         q, k, v = (torch.randn(1, h, T, D, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()
                    for h in (H, HKV, HKV))
         do = torch.randn(1, H, T, D, device="cuda", generator=g, dtype=torch.bfloat16)
         cases = [("tree (no window)", None, "flex", None)] + ([("tree (no window)", None, "fa4", None)] if fa4 else [])
         for w in args.windows:
             cases += [] if args.no_op else [(f"tree, window {w}", w, "op", None)]
-            cases += [(f"tree, window {w}", w, f"lowered {c}", CONFIGS[c]) for c in args.configs]
-            cases += [(f"tree, window {w}", w, "fa4", None)] if fa4 else []
+            cases += [] if args.no_lowered else [(f"tree, window {w}", w, f"lowered {c}", CONFIGS[c])
+                                                 for c in args.configs]
+            cases += [(f"tree, window {w}", w, how, None) for how in ("fa4", "fa4_varlen")] if fa4 else []
         for name, w, how, opts in cases:
             if w is None:
                 bm = tree_block_mask(se)
@@ -100,6 +108,11 @@ def main() -> None:
                 mask = tree_window_mask(se, pos, w)
                 if how == "op":
                     fn = lambda a, b, c, w=w: tree_attention_windowed(a, b, c, se, pos, w)  # noqa: E731
+                elif how == "fa4_varlen":  # FA4's varlen kernel with its window over the windowed segments
+                    plan = windowed_plan(se, pos, w)
+                    print(json.dumps(dict(T=T, window=w, gathered=None if plan is None else plan.gathered,
+                                          segments=None if plan is None else plan.segments)), flush=True)
+                    fn = lambda a, b, c, w=w: tree_attention_varlen_windowed(a, b, c, se, pos, w)  # noqa: E731
                 else:
                     ko = dict(FA4_KERNEL_OPTIONS) if how == "fa4" else dict(opts)
                     fn = lambda a, b, c, bm=bm, ko=ko: tree_attention_flex(a, b, c, bm, enable_gqa=True,  # noqa: E731

@@ -295,8 +295,8 @@ def test_hf_gpt_oss_on_cuda():
 def test_windowed_layers_lowered_to_flex_under_their_window_mask(monkeypatch):
     """Gemma 3's sliding layers (W = 5) are lowered to FlexAttention under one window block mask input shared by
     both (its kernel resolved at trace time as the causal layers'); the causal layers keep their own.  Under
-    ``attention_kernel="fa4_varlen"`` the causal layers take the varlen op and the lowering says once that the
-    windowed ones stay on flex."""
+    ``attention_kernel="fa4_varlen"`` both kinds take the varlen ops (the sliding ones FA4's own window over the
+    segments), with no block mask; ``"auto"`` keeps flex for a float64 record (FA4 takes half precision)."""
     import treecompile.passes.lower_cuda as tc_cuda
     from treecompile.ops.flex_tree_attention import tree_window_block_mask
     tmodel = treecompile.compile(_sliding_model("gemma3", 5).double())
@@ -317,11 +317,12 @@ def test_windowed_layers_lowered_to_flex_under_their_window_mask(monkeypatch):
     for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks"):
         assert torch.equal(getattr(window_mask, name), getattr(want, name)), name
     assert tuple(tree_mask.seq_lengths) == (batch.seq_len,) * 2
-    monkeypatch.setattr(tc_cuda, "_WARNED", set())  # warned once per process: another test may have seen it
     monkeypatch.setattr(tc_cuda, "fa4_unusable_reason", lambda q=None: None)  # as on a Hopper with FA4
-    with pytest.warns(UserWarning, match=r"the 2 sliding-window layer\(s\) run FlexAttention under a window"):
-        low = tc_cuda.lower_cuda(tmodel.graph_module, tc_cuda.CudaOptions(attention_kernel="fa4_varlen",
-                                                                         gdn_kernel="reference"))
-    assert low.windows == (5,) and low.attention == 0
-    calls = [n for n in low.graph_module.graph.nodes if n.target is tc_cuda._flex_windowed]
-    assert len(calls) == 2 and all(n.args[5] == "auto" for n in calls)  # FA4 through flex where it runs
+    low = tc_cuda.lower_cuda(tmodel.graph_module, tc_cuda.CudaOptions(attention_kernel="fa4_varlen",
+                                                                     gdn_kernel="reference"))
+    assert low.windows == () and low.attention == 0 and low.attention_varlen == 1 and low.windowed_varlen == 2
+    calls = [n for n in low.graph_module.graph.nodes if n.target is tc_cuda._varlen_windowed]
+    assert len(calls) == 2 and all(n.args[3].name == "tree_subtree_end" and n.args[4].name == "tree_position_ids"
+                                   and n.args[5] == 5 for n in calls)
+    low = tc_cuda.lower_cuda(tmodel.graph_module, tc_cuda.CudaOptions(attention_kernel="auto", gdn_kernel="reference"))
+    assert low.windows == (5,) and low.windowed_varlen == 0

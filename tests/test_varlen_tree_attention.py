@@ -624,3 +624,136 @@ def test_op_lse_is_every_querys_log_sum_exp(pad_to, H, Hkv):
     torch.testing.assert_close(lse, want.float(), rtol=1e-6, atol=1e-6)
     ref = tree_attention_reference(q, k, v, b.subtree_end, scale=0.3)
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+
+
+# ---------------------------------------------------------------------------- a sliding window along each path
+def window_plan_mask(plan, T: int) -> torch.Tensor:
+    """:func:`plan_mask` under the plan's window: segment j's query i sees its keys ``(prefix + i - W, prefix + i]``."""
+    m = plan_mask(plan, T)
+    cq, ck = plan.cu_seqlens_q_host, plan.cu_seqlens_k_host
+    idx = plan.key_index.cpu()
+    for j in range(plan.segments):
+        n, keys = cq[j + 1] - cq[j], idx[ck[j]:ck[j + 1]]
+        for i in range(n):
+            m[cq[j] + i, keys[:max(keys.numel() - n + i + 1 - plan.window, 0)]] = False
+    return m
+
+
+@settings(max_examples=60, deadline=None)
+@given(path_sets(max_paths=8, max_len=12), st.integers(1, 14), st.sampled_from([None, 8, 13]))
+def test_windowed_plan_is_the_window_mask_hypothesis(paths, window, pad_to):
+    """The windowed segments (each prefix cut to its last ``window - 1`` rows, the kernel's own window over the
+    rest) expand to exactly the dense ``tree_window_mask``; the gather is at most ``T + segments * (W - 1)``."""
+    from treecompile.ops.tree_attention import tree_window_mask
+    from treecompile.ops.varlen_tree_attention import windowed_plan
+
+    b = _batch(paths, pad_to)
+    se = b.subtree_end.clone()
+    plan = windowed_plan(se, b.position_ids, window)
+    assert torch.equal(window_plan_mask(plan, b.seq_len), tree_window_mask(se, b.position_ids, window))
+    assert plan.gathered <= plan.tail + plan.segments * (window - 1)
+    assert plan.gathered <= segment_plan(se).gathered
+
+
+@pytest.mark.parametrize("paths_name,window,limit", [("one_token_nodes", 2, float("inf")),
+                                                     ("deep", 5, float("inf")), ("deep", 40, float("inf")),
+                                                     ("deep", 5, 0.0), ("forest", 7, float("inf"))],
+                         ids=["short", "deep_w5", "deep_w40", "deep_w5_block_mask", "forest"])
+@pytest.mark.parametrize("H,Hkv", [(4, 2), (3, 3)])
+def test_windowed_op_equals_the_dense_reference_float64(paths_name, window, limit, H, Hkv, monkeypatch):
+    """Out and q/k/v gradients of the windowed op against the dense window mask, float64; ``limit`` 0: every batch
+    runs the window block mask inside the op (the dense reference off CUDA), forward and recomputed backward."""
+    from treecompile.ops import varlen_tree_attention as vta
+    from treecompile.ops.tree_attention import tree_attention_windowed_reference
+
+    monkeypatch.setattr(vta, "VARLEN_GATHER_LIMIT", limit)
+    paths = {"deep": _deep_paths(levels=12), "forest": forest_paths(200, 3, seed=1)}.get(paths_name)
+    b = _batch(paths or ODD_TREES[paths_name], 16)
+    se, pos = b.subtree_end.clone(), b.position_ids
+    assert (vta.windowed_plan(se, pos, window) is None) == (limit == 0.0)
+    q, k, v = _qkv(b.seq_len, H, Hkv, 8, seed=H)
+    do = torch.randn(1, H, b.seq_len, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    got = out_and_grads(lambda a, b_, c: vta.tree_attention_varlen_windowed(a, b_, c, se, pos, window, 0.3),
+                        q, k, v, do, torch.float64)
+    ref = out_and_grads(lambda a, b_, c: tree_attention_windowed_reference(a, b_, c, se, pos, window, 0.3),
+                        q, k, v, do, torch.float64)
+    for name, x, r in zip(("out", "dq", "dk", "dv"), got, ref):
+        torch.testing.assert_close(x, r, rtol=1e-12, atol=1e-12, msg=name)
+
+
+def test_windowed_op_opcheck_and_aot_autograd():
+    from treecompile.ops.tree_attention import tree_attention_windowed_reference
+    from treecompile.ops.varlen_tree_attention import tree_attention_varlen_windowed
+
+    b = _batch(forest_paths(60, 2, seed=3), 8)
+    q, k, v = (x.detach() for x in _qkv(b.seq_len, 4, 2, 8, seed=0))
+    torch.library.opcheck(torch.ops.treecompile.tree_attention_varlen_windowed_fwd.default,
+                          (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), b.subtree_end,
+                           b.position_ids, 6, 0.35))
+    f = torch.compile(lambda q, k, v: (tree_attention_varlen_windowed(q, k, v, b.subtree_end, b.position_ids, 6)
+                                       * 1.5).sum(), backend="aot_eager", fullgraph=True)
+    got = torch.autograd.grad(f(q, k, v), (q, k, v))
+    ref = torch.autograd.grad((tree_attention_windowed_reference(q, k, v, b.subtree_end, b.position_ids, 6)
+                               * 1.5).sum(), (q, k, v))
+    for x, r in zip(got, ref):
+        torch.testing.assert_close(x, r, rtol=1e-12, atol=1e-12)
+
+
+def test_windowed_plan_refuses_what_its_rows_cannot_count():
+    """Positions that are not the depths (the window counts positions, the segments rows), a non-nested
+    ``subtree_end``, a bad window: each refused naming the token or the value; a plan per window is kept."""
+    from treecompile.ops import varlen_tree_attention as vta
+
+    b = _batch([[1, 2, 3, 4], [1, 2, 5]])
+    se, pos = b.subtree_end, b.position_ids
+    gapped = pos.clone()
+    gapped[..., 2:] += 3  # token 2 jumps from position 1 to 5
+    with pytest.raises(ValueError, match=r"not the depths .* token 2 \(position 5\) follows token 1 \(position 1\)"):
+        vta.windowed_plan(se, gapped, 8)
+    with pytest.raises(ValueError, match=r"not the DFS layout of a forest at token 1"):
+        vta.windowed_plan(torch.tensor([2, 4, 4, 4]), torch.arange(4), 3)
+    for bad in (0, -2, 2.5, True):
+        with pytest.raises(ValueError, match="window: expected a positive number of tokens"):
+            vta.windowed_plan(se, pos, bad)
+    with pytest.raises(ValueError, match="position_ids: expected 5 entries"):
+        vta.windowed_plan(se, pos[..., :3], 4)
+    p4 = vta._window_plan(se, pos, 4)
+    p2 = vta._window_plan(se, pos, 2)
+    assert vta._window_plan(se, pos, 4) is p4 and vta._window_plan(se, pos, 2) is p2 and p2.window == 2
+
+
+WINDOW_CASES = [(2900, 1, 3072, 16, 8, 128, 512), (1000, 3, 1024, 4, 2, 128, 64), (1500, 2, None, 4, 4, 64, 100),
+                (900, 2, None, 8, 2, 256, 300)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpu_reason() is not None, reason=str(_gpu_reason()))
+@pytest.mark.parametrize("T,roots,pad_to,H,Hkv,D,W", WINDOW_CASES,
+                         ids=[f"T{c[0]}_r{c[1]}_pad{c[2]}_H{c[3]}kv{c[4]}_D{c[5]}_W{c[6]}" for c in WINDOW_CASES])
+@pytest.mark.parametrize("limit", [float("inf"), 0.0], ids=["segments", "block_mask"])
+def test_fa4_varlen_windowed_vs_fp64_oracle(T, roots, pad_to, H, Hkv, D, W, limit, monkeypatch):
+    """FA4's varlen kernel with its own window over the windowed segments (and, limit 0, the window block mask
+    the op falls back to): bf16 output and q/k/v gradients within 2x the bf16 dense kernel's error against a
+    float64 oracle under the dense window mask."""
+    from tests.test_flex_tree_attention import dense_sdpa, rel_err
+    from treecompile.ops import varlen_tree_attention as vta
+    from treecompile.ops.tree_attention import tree_window_mask
+
+    monkeypatch.setattr(vta, "VARLEN_GATHER_LIMIT", limit)
+    b = Tree.from_paths(forest_paths(T, roots, seed=T + D)).to_batch(pad_to_multiple=pad_to, device="cuda")
+    L, scale = b.seq_len, D ** -0.5
+    dense = tree_window_mask(b.subtree_end, b.position_ids, W)
+    assert (vta._window_plan(b.subtree_end, b.position_ids, W) is None) == (limit == 0.0)
+    g = torch.Generator(device="cuda").manual_seed(T)
+    q, k, v = (torch.randn(1, L, h, D, device="cuda", generator=g).transpose(1, 2) for h in (H, Hkv, Hkv))
+    do = torch.randn(1, H, L, D, device="cuda", generator=g)
+    oracle = out_and_grads(lambda a, b_, c: dense_sdpa(a, b_, c, dense, scale), q, k, v, do, torch.float64)
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        ref = out_and_grads(lambda a, b_, c: dense_sdpa(a, b_, c, dense, scale), q, k, v, do, torch.bfloat16)
+    got = out_and_grads(lambda a, b_, c: vta.tree_attention_varlen_windowed(a, b_, c, b.subtree_end, b.position_ids,
+                                                                            W, scale), q, k, v, do, torch.bfloat16)
+    u = torch.finfo(torch.bfloat16).eps / 2
+    for name, f, r, o in zip(("out", "dq", "dk", "dv"), got, ref, oracle):
+        assert torch.isfinite(f).all(), name
+        ef, er = rel_err(f, o), rel_err(r, o)
+        assert ef <= 2 * er + u, f"{name}: windowed kernel error {ef:.3g} > 2 * dense bf16 error {er:.3g} + {u:.1g}"

@@ -52,7 +52,7 @@ from .tree_attention import tree_mask
 
 __all__ = ["SegmentPlan", "BlockSparsePlan", "segment_plan", "segments_fit", "tree_attention_plan",
            "tree_attention_varlen", "varlen_attention_reference", "varlen_attention_reference_bwd",
-           "VARLEN_GATHER_LIMIT"]
+           "VARLEN_GATHER_LIMIT", "windowed_plan", "tree_attention_varlen_windowed"]
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,7 @@ class SegmentPlan:
     max_seqlen_k: int
     tail: int  # the segments cover queries [0, tail); [tail, T) are tokens that see only themselves (padding)
     copies: CopyRuns  # the gathered rows as runs of tokens with the same copies: the backward's per-token sums
+    window: int = 0  # a sliding window of this many tokens along each path (0: none; :func:`windowed_plan`)
 
     @property
     def segments(self) -> int:
@@ -87,7 +88,10 @@ class SegmentPlan:
         cq, ck = self.cu_seqlens_q_host, self.cu_seqlens_k_host
         for j in range(self.segments):
             n, m = cq[j + 1] - cq[j], ck[j + 1] - ck[j]
-            visible = torch.arange(m, device=device)[None, :] <= torch.arange(n, device=device)[:, None] + (m - n)
+            diag = torch.arange(n, device=device)[:, None] + (m - n)  # query i's own row among the keys
+            visible = torch.arange(m, device=device)[None, :] <= diag
+            if self.window:
+                visible &= torch.arange(m, device=device)[None, :] > diag - self.window
             yield slice(cq[j], cq[j + 1]), slice(ck[j], ck[j + 1]), visible
 
 
@@ -254,6 +258,81 @@ def tree_attention_plan(subtree_end: Tensor, *, block_sparse: bool) -> SegmentPl
         tail=w.tail)
 
 
+def windowed_plan(subtree_end: Tensor, position_ids: Tensor, window: int) -> SegmentPlan | None:
+    """The segments of ``subtree_end`` under a sliding window of ``window`` tokens along each path: each segment's
+    keys are the last ``window - 1`` rows of its path prefix and itself, and the kernel's own window
+    (``window_size_left = window - 1``, bottom-right aligned as its causal mask) drops the rest per query: the
+    window of ``tree_attention_windowed``, whose distances are ``position_ids`` differences, equal to row
+    distances when the positions are the depths (consecutive along every path: checked, else ValueError naming
+    the token).  G is at most ``T + segments * (window - 1)``, whatever the depth.  None when that is more than
+    ``VARLEN_GATHER_LIMIT * T`` rows (deep trees of short nodes): the op then runs the window block mask instead.
+    ``subtree_end`` is checked as :func:`segment_plan` checks it (bounds, nested subtrees), without laying out the
+    unwindowed plan."""
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise ValueError(f"window: expected a positive number of tokens, got {window!r}")
+    w = _last_walk(subtree_end)
+    T, n_main = w.se.numel(), w.n_main
+    pos = host_copy(position_ids).reshape(-1).to(torch.int64)
+    if pos.numel() != T:
+        raise ValueError(f"position_ids: expected {T} entries (one per token of subtree_end), got {pos.numel()}")
+    _check_nested(w)
+    keep = [min(w.prefix_len[j], window - 1) for j in range(n_main)]
+    G = sum(keep) + w.tail
+    if G > VARLEN_GATHER_LIMIT * T:
+        return None
+    intervals = []
+    for j in range(n_main):  # segment j's keys: the last keep[j] rows of its ancestors' visible runs, then itself
+        run, i, need = [(w.starts[j], w.ends[j])], j, keep[j]
+        while need > 0:
+            i, p = w.parents[i]
+            take = min(need, p - w.starts[i])
+            run.append((p - take, p))
+            need -= take
+        intervals += run[::-1]
+    if not intervals:
+        intervals = [(0, 0)]
+    lo, hi = torch.tensor(intervals, dtype=torch.int64).unbind(1)
+    lengths = hi - lo
+    first = torch.cumsum(lengths, 0) - lengths
+    key_index = torch.repeat_interleave(lo - first, lengths) + torch.arange(G)
+    cu_k = torch.tensor([0] + [keep[j] + w.ends[j] - w.starts[j] for j in range(n_main)], dtype=torch.int64).cumsum(0)
+    cu_q = torch.tensor([0] + w.ends[:n_main], dtype=torch.int64)
+    # the window counts positions: one per row along each segment's keys, or the rows are not its distances
+    step = pos[key_index].diff()
+    inside = torch.ones(max(G - 1, 0), dtype=torch.bool)
+    inside[(cu_k[1:-1] - 1).clamp(max=max(G - 2, 0))] = False  # across two segments' rows
+    bad = torch.nonzero(inside & (step != 1)).flatten()
+    if bad.numel():
+        r = int(bad[0])
+        a, b = int(key_index[r]), int(key_index[r + 1])
+        raise ValueError(f"position_ids are not the depths along the tree's paths: token {b} (position {int(pos[b])}) "
+                         f"follows token {a} (position {int(pos[a])}) on its path; the sliding window counts "
+                         "positions, the segments count tokens (give the depths, or attention_kernel='flex')")
+    dev = subtree_end.device
+    cu_q32, cu_k32 = (to_device_async(c.to(torch.int32), dev) for c in (cu_q, cu_k))
+    return SegmentPlan(copies=copy_runs(lo, hi, first, dev), key_index=to_device_async(key_index, dev),
+        cu_seqlens_q=cu_q32, cu_seqlens_k=cu_k32,
+        cu_seqlens_q_host=tuple(cu_q.tolist()), cu_seqlens_k_host=tuple(cu_k.tolist()),
+        max_seqlen_q=int(cu_q.diff().max()) if n_main else 0, max_seqlen_k=int(cu_k.diff().max()) if n_main else 0,
+        tail=w.tail, window=window)
+
+
+def _check_nested(w: _Walk) -> None:
+    """Raise ValueError naming the first token where ``subtree_end`` is not nested, read off the walk: inside a
+    segment each token's subtree ends no later than the previous token's, and a segment's first token's ends no
+    later than that of the last token above it that sees it (with those, every token that sees a segment's start
+    is on its chain of parents, which is what the segments' keys are)."""
+    se = w.se
+    inner = torch.ones(se.numel(), dtype=torch.bool)
+    inner[torch.tensor(w.starts, dtype=torch.int64)] = False
+    bad = torch.nonzero(inner[1:] & (se[1:] > se[:-1])).flatten() + 1
+    heads = [a for a, par in zip(w.starts, w.parents) if par is not None and int(se[a]) > int(se[par[1] - 1])]
+    t = min(([int(bad[0])] if bad.numel() else []) + heads[:1], default=None)
+    if t is not None:
+        raise ValueError(f"subtree_end is not the DFS layout of a forest at token {t} (subtree_end[{t}] = {int(se[t])}:"
+                         f" its subtree is not nested in its ancestors' subtrees)")
+
+
 def _block_sparse_plan(subtree_end: Tensor, gathered: int) -> BlockSparsePlan:
     T = subtree_end.numel()
     if subtree_end.device.type != "cuda":
@@ -377,7 +456,7 @@ def _fwd(q_t, kg, vg, plan, scale, out=None, lse=None):
     out, lse = _flash_attn_fwd(q_t, kg, vg, softmax_scale=scale, causal=True, return_lse=True,
                                cu_seqlens_q=plan.cu_seqlens_q, cu_seqlens_k=plan.cu_seqlens_k,
                                max_seqlen_q=plan.max_seqlen_q, max_seqlen_k=plan.max_seqlen_k, out=out,
-                               lse=lse)[:2]
+                               lse=lse, **_window_kw(plan))[:2]
     return out, lse
 
 
@@ -400,7 +479,14 @@ def _bwd(q_t, kg, vg, out_t, dout_t, lse, plan, scale, dq=None):
         return tuple(g[0] for g in grads)
     return _flash_attn_bwd(q_t, kg, vg, out_t, dout_t, lse, scale, True,
                            cu_seqlens_q=plan.cu_seqlens_q, cu_seqlens_k=plan.cu_seqlens_k,
-                           max_seqlen_q=plan.max_seqlen_q, max_seqlen_k=plan.max_seqlen_k, dq=dq)[:3]
+                           max_seqlen_q=plan.max_seqlen_q, max_seqlen_k=plan.max_seqlen_k, dq=dq,
+                           **_window_kw(plan))[:3]
+
+
+def _window_kw(plan: SegmentPlan) -> dict:
+    """FA4's arguments for the plan's sliding window: query row i of a segment sees key rows
+    ``(i - window, i]`` (counted bottom-right, as its causal mask); none without a window."""
+    return dict(window_size_left=plan.window - 1, window_size_right=0) if plan.window else {}
 
 
 def _check(q, k, v, subtree_end):
@@ -430,7 +516,11 @@ def tree_attention_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, subtree_end: Tens
                               scale: float) -> tuple[Tensor, Tensor]:
     """(out ``[1, H, T, Dv]`` as a view of ``[T, H, Dv]`` storage, lse ``[H, T]`` float32)."""
     _check(q, k, v, subtree_end)
-    plan = _plan(subtree_end, q)
+    return _forward(q, k, v, _plan(subtree_end, q), scale)
+
+
+def _forward(q: Tensor, k: Tensor, v: Tensor, plan, scale: float) -> tuple[Tensor, Tensor]:
+    """The forward ops' work under ``plan`` (a segment plan, windowed or not, or a block-sparse plan)."""
     n = plan.tail
     q_t, k_t, v_t = _tokens_major(q), _tokens_major(k), _tokens_major(v)
     T, H, Hkv = q_t.shape[0], q_t.shape[1], k_t.shape[1]
@@ -462,7 +552,11 @@ def tree_attention_varlen_bwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse:
     """(dq, dk, dv) in the layouts of :func:`_heads_major`; key/value gradients summed over their gathered
     copies in float32.  K/V are gathered again here rather than saved by the forward (G rows per layer, ~2x T
     on wide trees: kept over the whole backward of every layer it would cost more than the gather)."""
-    plan = _plan(subtree_end, q)
+    return _backward_grads(q, k, v, out, lse, dout, _plan(subtree_end, q), scale)
+
+
+def _backward_grads(q, k, v, out, lse, dout, plan, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """The backward ops' work under ``plan``."""
     n = plan.tail
     q_t, k_t, v_t, dout_t = _tokens_major(q), _tokens_major(k), _tokens_major(v), _tokens_major(dout)
     if isinstance(plan, BlockSparsePlan):  # every key once (no copies to sum), every query the kernel's
@@ -514,3 +608,93 @@ def tree_attention_varlen(q: Tensor, k: Tensor, v: Tensor, subtree_end: Tensor, 
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     return torch.ops.treecompile.tree_attention_varlen_fwd(q, k, v, subtree_end, float(scale))[0]
+
+
+# --------------------------------------------------------------------------- a sliding window along each path
+_WINDOW_PLANS: dict = {}  # window -> LastBatch: a model's causal and sliding layers alternate; each keeps its plan
+
+
+def _window_plan(subtree_end: Tensor, position_ids: Tensor, window: int) -> SegmentPlan | None:
+    last = _WINDOW_PLANS.setdefault(window, LastBatch())
+    return last.get((subtree_end, position_ids), None, lambda: windowed_plan(subtree_end, position_ids, window))
+
+
+def _flex_window(q, k, v, subtree_end, position_ids, window, scale):
+    """The window block mask's attention (``tree_attention_windowed``'s own CUDA path, the dense reference off
+    CUDA): the batches whose windowed segments would gather too many rows."""
+    from .tree_attention import _windowed
+
+    return _windowed(q, k, v, subtree_end, position_ids, window, scale)
+
+
+@torch.library.custom_op("treecompile::tree_attention_varlen_windowed_fwd", mutates_args=())
+def tree_attention_varlen_windowed_fwd(q: Tensor, k: Tensor, v: Tensor, subtree_end: Tensor, position_ids: Tensor,
+                                       window: int, scale: float) -> tuple[Tensor, Tensor]:
+    """``tree_attention_windowed`` through the segments (:func:`windowed_plan`): (out as
+    :func:`tree_attention_varlen_fwd`'s, lse ``[H, T]`` float32; unset where the batch ran the window block mask
+    instead: its backward recomputes)."""
+    _check(q, k, v, subtree_end)
+    plan = _window_plan(subtree_end, position_ids, window)
+    if plan is None:
+        with torch.no_grad():
+            out = _flex_window(q, k, v, subtree_end, position_ids, window, scale)
+        lse = torch.empty((q.shape[1], q.shape[2]), dtype=torch.float32, device=q.device)
+        return _heads_major(out[0].transpose(0, 1).contiguous()), lse
+    return _forward(q, k, v, plan, scale)
+
+
+@tree_attention_varlen_windowed_fwd.register_fake
+def _(q, k, v, subtree_end, position_ids, window, scale):
+    T, H = q.shape[2], q.shape[1]
+    return (_heads_major(q.new_empty((T, H, v.shape[-1]))),
+            q.new_empty((H, T), dtype=torch.float32))
+
+
+@torch.library.custom_op("treecompile::tree_attention_varlen_windowed_bwd", mutates_args=())
+def tree_attention_varlen_windowed_bwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor,
+                                       subtree_end: Tensor, position_ids: Tensor, window: int,
+                                       scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of :func:`tree_attention_varlen_windowed_fwd`, laid out as its inputs' :func:`_heads_major`."""
+    plan = _window_plan(subtree_end, position_ids, window)
+    if plan is None:  # the forward ran the window block mask: recomputed here with autograd
+        from .op_autograd import autograd_inside_op
+
+        with autograd_inside_op():
+            qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+            grads = torch.autograd.grad(_flex_window(qq, kk, vv, subtree_end, position_ids, window, scale),
+                                        (qq, kk, vv), dout)
+        return tuple(_heads_major(g[0].transpose(0, 1).contiguous()) for g in grads)
+    return _backward_grads(q, k, v, out, lse, dout, plan, scale)
+
+
+@tree_attention_varlen_windowed_bwd.register_fake
+def _(q, k, v, out, lse, dout, subtree_end, position_ids, window, scale):
+    return tuple(_heads_major(x.new_empty((x.shape[2], x.shape[1], x.shape[3]))) for x in (q, k, v))
+
+
+def _setup_windowed(ctx, inputs, output):
+    q, k, v, subtree_end, position_ids, window, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, subtree_end, position_ids)
+    ctx.window, ctx.scale = window, scale
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward_windowed(ctx, dout, _dlse):
+    q, k, v, out, lse, subtree_end, position_ids = ctx.saved_tensors
+    dq, dk, dv = torch.ops.treecompile.tree_attention_varlen_windowed_bwd(q, k, v, out, lse, dout, subtree_end,
+                                                                          position_ids, ctx.window, ctx.scale)
+    return dq, dk, dv, None, None, None, None
+
+
+tree_attention_varlen_windowed_fwd.register_autograd(_backward_windowed, setup_context=_setup_windowed)
+
+
+def tree_attention_varlen_windowed(q: Tensor, k: Tensor, v: Tensor, subtree_end: Tensor, position_ids: Tensor,
+                                   window: int, scale: float | None = None) -> Tensor:
+    """``tree_attention_windowed`` (a sliding window of ``window`` tokens along each path, ``position_ids`` the
+    depths) through FA4's varlen kernel with its own window over the segments (:func:`windowed_plan`)."""
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    return torch.ops.treecompile.tree_attention_varlen_windowed_fwd(q, k, v, subtree_end, position_ids, int(window),
+                                                                    float(scale))[0]

@@ -51,9 +51,13 @@ FlexAttention under a window BlockMask of its own (``ops.flex_tree_attention.tre
 tiles less those past the window), one placeholder ``tree_window_block_mask_<W>`` per distinct window after the
 others, built per batch from ``subtree_end`` and the depths ``position_ids`` (:func:`attention_inputs`), so that
 inductor compiles the kernel and flex's own backward with the graph (the op alone recomputes its forward in its
-backward).  Its kernel: FA4 through the FLASH backend where it runs (every kernel choice but ``"flex"``: the
-varlen op has no window), else flex's Triton kernel with :func:`~treecompile.ops.flex_tree_attention.
-window_kernel_options_for`.  In DFS order whatever ``attention_layout`` says (the window mask is the batch's).
+backward).  Its kernel: FA4 through the FLASH backend where it runs, else flex's Triton kernel with
+:func:`~treecompile.ops.flex_tree_attention.window_kernel_options_for`.  Under ``"fa4_varlen"``, and ``"auto"`` where
+it takes the varlen op, it becomes ``treecompile::tree_attention_varlen_windowed_fwd`` instead: FA4's varlen kernel
+with its own window over the segments, each gathering at most ``W - 1`` rows of its path prefix
+(``ops.varlen_tree_attention.windowed_plan``; a batch whose segments would still gather more than
+``VARLEN_GATHER_LIMIT`` x T rows runs the window block mask inside the op).  In DFS order whatever
+``attention_layout`` says (the window is the batch's).
 
 The lowering also decides how the copy runs (:class:`CudaLowering`): under ``torch.compile`` with
 static shapes and sequence lengths padded to buckets (``program.bucket_length``: at most one compile
@@ -95,7 +99,7 @@ from treecompile.ops.fa4_tree_attention import (FA4_HEAD_DIMS, FA4_KERNEL_OPTION
                                                 fa4_unusable_reason, tree_attention_fa4)
 from treecompile.ops.flex_tree_attention import (kernel_options_for, tree_attention_flex, tree_block_mask,
                                                  tree_window_block_mask, window_kernel_options_for)
-from treecompile.ops.varlen_tree_attention import tree_attention_varlen
+from treecompile.ops.varlen_tree_attention import tree_attention_varlen, tree_attention_varlen_windowed
 from treecompile.ops.tree_conv_shifts import tree_causal_conv1d_shifts, tree_causal_conv1d_shifts_inductor
 from treecompile.ops.flex_tree_attention_boundary import boundary_block_mask, tree_attention_boundary_flex
 from treecompile.ops.tree_layout import heavy_first_order, permuted_subtree_end, reordered_attention
@@ -223,6 +227,9 @@ class CudaLowering:
     # the distinct windows of the tree_attention_windowed calls lowered to flex, in the order of their block mask
     # placeholders (``tree_window_block_mask_<W>``, after the others)
     windows: tuple[int, ...] = ()
+    # tree_attention_windowed calls lowered to tree_attention_varlen_windowed_fwd (FA4's window over the segments;
+    # no block mask: a batch its segments do not suit runs the window block mask inside the op)
+    windowed_varlen: int = 0
 
 
 @torch._dynamo.disable  # a host-side level schedule and fla's autograd Functions: kept out of dynamo
@@ -324,8 +331,9 @@ def _flex_eager(q, k, v, block_mask, scale, kernel="flex", setup_reason=None, or
 
 
 def _window_kernel(kernel: str) -> str:
-    """The flex kernel of windowed tree attention under ``attention_kernel=kernel``: the varlen op has no window,
-    so "fa4_varlen" takes what "auto" takes (FA4 through flex where it runs, else flex's Triton kernel)."""
+    """The flex kernel of windowed tree attention under ``attention_kernel=kernel`` where the varlen op does not
+    take it ("auto" where FA4 cannot run, or the flex graph of ``varlen=False``): FA4 through flex where it runs,
+    else flex's Triton kernel."""
     return "auto" if kernel == "fa4_varlen" else kernel
 
 
@@ -362,6 +370,17 @@ def _varlen(q, k, v, subtree_end, scale, setup_reason=None, kernel="fa4_varlen")
     if reason is not None:
         raise RuntimeError(f"attention_kernel={kernel!r}: {reason}")
     return tree_attention_varlen(q, k, v, subtree_end, scale)
+
+
+def _varlen_windowed(q, k, v, subtree_end, position_ids, window, scale, setup_reason=None, kernel="fa4_varlen"):
+    """``tree_attention_windowed`` under ``attention_kernel="fa4_varlen"`` or ``"auto"``:
+    ``treecompile::tree_attention_varlen_windowed_fwd`` (FA4's varlen kernel with its own window over the
+    segments, each gathering at most ``window - 1`` rows of its path prefix; a batch whose segments would gather
+    too many rows runs the window block mask inside the op).  Checked as :func:`_varlen`."""
+    reason = setup_reason or varlen_input_reason(q)
+    if reason is not None:
+        raise RuntimeError(f"attention_kernel={kernel!r}: {reason}")
+    return tree_attention_varlen_windowed(q, k, v, subtree_end, position_ids, window, scale)
 
 
 # head dims "auto" runs through the varlen op's segments alone (FA4's block-sparse tiles do not take them): measured
@@ -546,7 +565,7 @@ def lower_cuda(gm: fx.GraphModule, options: CudaOptions, *, boundary: bool = Fal
         with graph.inserting_after(mask):
             order = graph.placeholder("tree_attention_order")
     attention = gdn_fla = triton_head = conv_fla = conv_shifts = moe_grouped = attention_varlen = segments_only = 0
-    windowed = 0
+    windowed = windowed_varlen = 0
     window_masks: dict[int, fx.Node] = {}  # one block mask placeholder per distinct window, after the others
     head_kept_max = None
     conv_kernel = resolve_conv_kernel(options.conv_kernel, gdn_kernel, compiled)
@@ -575,8 +594,15 @@ def lower_cuda(gm: fx.GraphModule, options: CudaOptions, *, boundary: bool = Fal
                       setup_reason))
             attention += 1
         elif n.op == "call_function" and n.target == TREE_ATTENTION_WINDOWED and _reads_batch_depths(n):
-            q, k, v, _subtree_end, _positions, window = n.args[:6]
+            q, k, v, subtree_end, positions, window = n.args[:6]
             scale = n.args[6] if len(n.args) > 6 else n.kwargs.get("scale")
+            # the varlen op reads the batch's DFS tensors whatever the layout (as the window block mask does)
+            auto = _auto_varlen(q, "dfs", setup_reason) if options.attention_kernel == "auto" and varlen else None
+            if options.attention_kernel == "fa4_varlen" or auto:
+                _replace(graph, n, _varlen_windowed, (q, k, v, subtree_end, positions, window, scale, setup_reason,
+                                                      options.attention_kernel))
+                windowed_varlen += 1
+                continue
             if window not in window_masks:
                 last = [p for p in graph.nodes if p.op == "placeholder"][-1]
                 with graph.inserting_after(last):
@@ -608,10 +634,6 @@ def lower_cuda(gm: fx.GraphModule, options: CudaOptions, *, boundary: bool = Fal
         elif n.op == "call_function" and n.target == MOE_EXPERTS and moe_grouped_ok and _moe_grouped(n):
             _replace(graph, n, MOE_EXPERTS_GROUPED, n.args, n.kwargs)
             moe_grouped += 1
-    if windowed and options.attention_kernel == "fa4_varlen":
-        warn_once(f"attention_kernel='fa4_varlen' runs the causal tree attention layers; the {windowed} "
-                  "sliding-window layer(s) run FlexAttention under a window block mask (FA4 through it where it "
-                  "runs: the varlen op has no window)")
     graph.eliminate_dead_code()
     materialized = materialize_position_values(graph, constants, gm) if compiled else 0
     return CudaLowering(graph_module=fx.GraphModule(gm, graph), attention=attention, materialized=materialized,
@@ -619,7 +641,7 @@ def lower_cuda(gm: fx.GraphModule, options: CudaOptions, *, boundary: bool = Fal
                         compiled=compiled, bucket=options.bucket, conv_fla=conv_fla, conv_shifts=conv_shifts,
                         moe_grouped=moe_grouped, attention_varlen=attention_varlen,
                         attention_segments_only=segments_only, head_kept_max_bytes=head_kept_max,
-                        windows=tuple(window_masks))
+                        windows=tuple(window_masks), windowed_varlen=windowed_varlen)
 
 
 def _reads_batch_depths(n: fx.Node) -> bool:
