@@ -416,9 +416,12 @@ def _constant(n: fx.Node):
             except AttributeError:
                 return None
             if isinstance(t, torch.Tensor) and 0 < t.numel() <= 4096 and not t.is_meta:
-                flat = t.detach().reshape(-1)
-                if bool((flat == flat[0]).all()):
-                    return float(flat[0])
+                try:
+                    flat = t.detach().reshape(-1)
+                    if bool((flat == flat[0]).all()):
+                        return float(flat[0])
+                except RuntimeError:  # a fake or otherwise unreadable constant: no number known
+                    return None
             return None
         if n.op != "call_function":
             return None
