@@ -238,24 +238,35 @@ def tree_attention_plan(subtree_end: Tensor, *, block_sparse: bool) -> SegmentPl
             i, p = w.parents[i]
             run.append((w.starts[i], p))
         intervals += run[::-1]
+    lo, hi, first, key_index = _rows(intervals, G)
+    cu_k = torch.tensor([0] + [w.prefix_len[j] + w.ends[j] - w.starts[j] for j in range(n_main)],
+                        dtype=torch.int64).cumsum(0)
+    cu_q = torch.tensor([0] + w.ends[:n_main], dtype=torch.int64)
+    _check_plan(w.se, key_index, cu_q, cu_k, w.tail)
+    return _segment_plan(lo, hi, first, key_index, cu_q, cu_k, w.tail, subtree_end.device)
+
+
+def _rows(intervals: list, G: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(lo, hi, first row, key_index) of the gathered rows: the ``[lo, hi)`` intervals one after the other."""
     if not intervals:
         intervals = [(0, 0)]  # no segment for the kernel: an empty plan
     lo, hi = torch.tensor(intervals, dtype=torch.int64).unbind(1)
     lengths = hi - lo
     # concatenated ranges: row r of interval m reads lo[m] + (r - first row of m)
     first = torch.cumsum(lengths, 0) - lengths
-    key_index = torch.repeat_interleave(lo - first, lengths) + torch.arange(G)
-    cu_k = torch.tensor([0] + [w.prefix_len[j] + w.ends[j] - w.starts[j] for j in range(n_main)],
-                        dtype=torch.int64).cumsum(0)
-    cu_q = torch.tensor([0] + w.ends[:n_main], dtype=torch.int64)
-    _check_plan(w.se, key_index, cu_q, cu_k, w.tail)
-    dev = subtree_end.device
+    return lo, hi, first, torch.repeat_interleave(lo - first, lengths) + torch.arange(G)
+
+
+def _segment_plan(lo, hi, first, key_index, cu_q: Tensor, cu_k: Tensor, tail: int, dev,
+                  window: int = 0) -> SegmentPlan:
+    """The :class:`SegmentPlan` of laid-out rows, its index tensors sent to ``dev`` (asynchronously)."""
+    segments = cu_q.numel() - 1
     cu_q32, cu_k32 = (to_device_async(c.to(torch.int32), dev) for c in (cu_q, cu_k))
     return SegmentPlan(copies=copy_runs(lo, hi, first, dev), key_index=to_device_async(key_index, dev),
         cu_seqlens_q=cu_q32, cu_seqlens_k=cu_k32,
         cu_seqlens_q_host=tuple(cu_q.tolist()), cu_seqlens_k_host=tuple(cu_k.tolist()),
-        max_seqlen_q=int(cu_q.diff().max()) if n_main else 0, max_seqlen_k=int(cu_k.diff().max()) if n_main else 0,
-        tail=w.tail)
+        max_seqlen_q=int(cu_q.diff().max()) if segments else 0, max_seqlen_k=int(cu_k.diff().max()) if segments else 0,
+        tail=tail, window=window)
 
 
 def windowed_plan(subtree_end: Tensor, position_ids: Tensor, window: int) -> SegmentPlan | None:
@@ -289,12 +300,7 @@ def windowed_plan(subtree_end: Tensor, position_ids: Tensor, window: int) -> Seg
             run.append((p - take, p))
             need -= take
         intervals += run[::-1]
-    if not intervals:
-        intervals = [(0, 0)]
-    lo, hi = torch.tensor(intervals, dtype=torch.int64).unbind(1)
-    lengths = hi - lo
-    first = torch.cumsum(lengths, 0) - lengths
-    key_index = torch.repeat_interleave(lo - first, lengths) + torch.arange(G)
+    lo, hi, first, key_index = _rows(intervals, G)
     cu_k = torch.tensor([0] + [keep[j] + w.ends[j] - w.starts[j] for j in range(n_main)], dtype=torch.int64).cumsum(0)
     cu_q = torch.tensor([0] + w.ends[:n_main], dtype=torch.int64)
     # the window counts positions: one per row along each segment's keys, or the rows are not its distances
@@ -308,13 +314,7 @@ def windowed_plan(subtree_end: Tensor, position_ids: Tensor, window: int) -> Seg
         raise ValueError(f"position_ids are not the depths along the tree's paths: token {b} (position {int(pos[b])}) "
                          f"follows token {a} (position {int(pos[a])}) on its path; the sliding window counts "
                          "positions, the segments count tokens (give the depths, or attention_kernel='flex')")
-    dev = subtree_end.device
-    cu_q32, cu_k32 = (to_device_async(c.to(torch.int32), dev) for c in (cu_q, cu_k))
-    return SegmentPlan(copies=copy_runs(lo, hi, first, dev), key_index=to_device_async(key_index, dev),
-        cu_seqlens_q=cu_q32, cu_seqlens_k=cu_k32,
-        cu_seqlens_q_host=tuple(cu_q.tolist()), cu_seqlens_k_host=tuple(cu_k.tolist()),
-        max_seqlen_q=int(cu_q.diff().max()) if n_main else 0, max_seqlen_k=int(cu_k.diff().max()) if n_main else 0,
-        tail=w.tail, window=window)
+    return _segment_plan(lo, hi, first, key_index, cu_q, cu_k, w.tail, subtree_end.device, window)
 
 
 def _check_nested(w: _Walk) -> None:
