@@ -112,14 +112,16 @@ def tree_attention_windowed_reference(q, k, v, subtree_end, position_ids, window
                                           scale=scale, enable_gqa=enable_gqa)
 
 
-def _windowed(q, k, v, subtree_end, position_ids, window, scale):
+def _windowed(q, k, v, subtree_end, position_ids, window, scale, block_mask=None):
     """Differentiable: FlexAttention under :func:`~treecompile.ops.flex_tree_attention.tree_window_block_mask` on
-    CUDA (tiles past the window skipped), the dense reference elsewhere."""
+    CUDA (tiles past the window skipped; ``block_mask``: that mask, built once by a caller that keeps it), the
+    dense reference elsewhere."""
     if not q.is_cuda:
         return tree_attention_windowed_reference(q, k, v, subtree_end, position_ids, window, scale)
     from treecompile.ops.flex_tree_attention import (tree_attention_flex, tree_window_block_mask,
                                                      window_kernel_options_for)
-    block_mask = tree_window_block_mask(subtree_end, position_ids, window, validate=False)
+    if block_mask is None:
+        block_mask = tree_window_block_mask(subtree_end, position_ids, window, validate=False)
     return tree_attention_flex(q, k, v, block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
                                kernel_options=window_kernel_options_for(q))
 

@@ -619,12 +619,22 @@ def _window_plan(subtree_end: Tensor, position_ids: Tensor, window: int) -> Segm
     return last.get((subtree_end, position_ids), None, lambda: windowed_plan(subtree_end, position_ids, window))
 
 
+_WINDOW_MASKS: dict = {}  # window -> LastBatch: the fallback's block mask, built once per batch, not per layer
+
+
 def _flex_window(q, k, v, subtree_end, position_ids, window, scale):
     """The window block mask's attention (``tree_attention_windowed``'s own CUDA path, the dense reference off
     CUDA): the batches whose windowed segments would gather too many rows."""
     from .tree_attention import _windowed
 
-    return _windowed(q, k, v, subtree_end, position_ids, window, scale)
+    mask = None
+    if q.is_cuda:
+        from .flex_tree_attention import tree_window_block_mask
+
+        mask = _WINDOW_MASKS.setdefault(window, LastBatch()).get(
+            (subtree_end, position_ids), None,
+            lambda: tree_window_block_mask(subtree_end, position_ids, window, validate=False))
+    return _windowed(q, k, v, subtree_end, position_ids, window, scale, block_mask=mask)
 
 
 @torch.library.custom_op("treecompile::tree_attention_varlen_windowed_fwd", mutates_args=())
