@@ -757,3 +757,36 @@ def test_fa4_varlen_windowed_vs_fp64_oracle(T, roots, pad_to, H, Hkv, D, W, limi
         assert torch.isfinite(f).all(), name
         ef, er = rel_err(f, o), rel_err(r, o)
         assert ef <= 2 * er + u, f"{name}: windowed kernel error {ef:.3g} > 2 * dense bf16 error {er:.3g} + {u:.1g}"
+
+
+def test_lowered_sliding_model_with_windowed_varlen_equals_the_rewritten_graph(monkeypatch):
+    """Gemma 3's sliding layers (W = 5) and its causal ones under ``attention_kernel="fa4_varlen"``: the windowed
+    varlen op's wiring (q, k, v, the batch's subtree_end and depths, the window, the scale) on CPU in float64,
+    the ops' reference kernels; loss, log-probs and every gradient as the rewritten graph's on a tree whose paths
+    the window cuts."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "Gemma3ForCausalLM"):
+        pytest.skip("transformers has no Gemma3ForCausalLM")
+    import treecompile
+    from helpers import run_program_graph
+    from treecompile.passes import lower_cuda as lc
+
+    torch.manual_seed(0)
+    cfg = transformers.Gemma3TextConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=5,
+                                        layer_types=["sliding_attention", "full_attention"],
+                                        max_position_embeddings=256)
+    prog = treecompile.compile(transformers.Gemma3ForCausalLM(cfg).double()).program
+    monkeypatch.setattr(lc, "fa4_unusable_reason", lambda q=None: None)  # the setup probe: as where FA4 runs
+    monkeypatch.setattr(lc, "varlen_input_reason", lambda q: None)
+    low = lc.lower_cuda(prog.graph_module, lc.CudaOptions(compile_cuda=False, gdn_kernel="reference",
+                                                          attention_kernel="fa4_varlen"))
+    assert (low.attention_varlen, low.windowed_varlen, low.windows) == (1, 1, ())
+    batch = Tree.from_paths([[t % 97 for t in p] for p in forest_paths(60, 2, seed=4)]).to_batch(pad_to_multiple=16)
+    l0, lp0, g0 = run_program_graph(prog, prog.graph_module, batch)
+    l1, lp1, g1 = run_program_graph(prog, low.graph_module, batch, None)  # no block mask for varlen
+    torch.testing.assert_close(l1, l0, rtol=1e-12, atol=0)
+    torch.testing.assert_close(lp1, lp0, rtol=1e-12, atol=1e-12)
+    assert len(g0) == len(g1) > 0
+    for a, b in zip(g1, g0):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
