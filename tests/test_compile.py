@@ -512,6 +512,7 @@ class ShiftCutAt90(Bidirectional):
                 "scalar_tensor": lambda: pos * torch.scalar_tensor(0.1, dtype=pos.dtype) < 9.0,
                 "constant": lambda: pos * torch.tensor(0.1, dtype=pos.dtype) < 9.0,
                 "threshold_tensor": lambda: pos * 0.1 < torch.full_like(pos, 9.0),
+                "new_full": lambda: pos * pos.new_full((ids.shape[1],), 0.1) < 9.0,
                 "exp": lambda: torch.exp(-pos) > 1e-39,
                 "cos": lambda: torch.cos(pos * 0.0157) > 0,
                 "pow2": lambda: 2.0 ** pos < 2.0 ** 90}[self.how]()
@@ -519,7 +520,7 @@ class ShiftCutAt90(Bidirectional):
 
 
 @pytest.mark.parametrize("how", ["rshift", "lerp", "addcmul", "full_like", "scalar_tensor", "constant",
-                                 "threshold_tensor", "exp", "cos", "pow2"])
+                                 "threshold_tensor", "new_full", "exp", "cos", "pow2"])
 def test_a_threshold_through_any_arithmetic_is_probed_past(how):
     """Exact on paths of 120 and 93 tokens: the cut is probed past (scaled back: 88, 90), or where no number bounds
     it the shift's rewrite leaves the condition in the graph, on the tree's positions."""

@@ -429,8 +429,9 @@ def _constant(n: fx.Node):
         if name in ("full", "scalar_tensor", "fill"):
             a = n.args[1] if name == "fill" else n.args[0 if name == "scalar_tensor" else 1]
             return float(a) if _numeric(a) else None
-        if name in ("full_like", "new_full"):
-            a = n.args[1] if len(n.args) > 1 else None
+        if name in ("full_like", "new_full"):  # full_like(self, fill_value), new_full(self, size, fill_value)
+            i = 1 if name == "full_like" else 2
+            a = n.args[i] if len(n.args) > i else None
             return float(a) if _numeric(a) else None
         if name in ("lift_fresh_copy", "clone", "_to_copy", "to", "alias", "detach", "expand", "view", "reshape",
                     "unsqueeze", "squeeze") and n.args and isinstance(n.args[0], fx.Node):
