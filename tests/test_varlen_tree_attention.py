@@ -710,6 +710,13 @@ def test_windowed_plan_refuses_what_its_rows_cannot_count():
     gapped[..., 2:] += 3  # token 2 jumps from position 1 to 5
     with pytest.raises(ValueError, match=r"not the depths .* token 2 \(position 5\) follows token 1 \(position 1\)"):
         vta.windowed_plan(se, gapped, 8)
+    # a branch whose first token repeats its parent's position: under a window of 1 the segment keeps no row above
+    # itself, yet the dense mask lets it see its parent (distance 0)
+    fork = _batch([list(range(1, 13)), list(range(1, 11)) + [50, 51]])  # the branch starts at token 12, depth 10
+    se_fork, pos_fork = fork.subtree_end, fork.position_ids.clone()
+    pos_fork[..., 12:] -= 1
+    with pytest.raises(ValueError, match=r"token 12 \(position 9\) follows token 9 \(position 9\)"):
+        vta.windowed_plan(se_fork, pos_fork, 1)
     with pytest.raises(ValueError, match=r"not the DFS layout of a forest at token 1"):
         vta.windowed_plan(torch.tensor([2, 4, 4, 4]), torch.arange(4), 3)
     for bad in (0, -2, 2.5, True):

@@ -303,18 +303,26 @@ def windowed_plan(subtree_end: Tensor, position_ids: Tensor, window: int) -> Seg
     lo, hi, first, key_index = _rows(intervals, G)
     cu_k = torch.tensor([0] + [keep[j] + w.ends[j] - w.starts[j] for j in range(n_main)], dtype=torch.int64).cumsum(0)
     cu_q = torch.tensor([0] + w.ends[:n_main], dtype=torch.int64)
-    # the window counts positions: one per row along each segment's keys, or the rows are not its distances
-    step = pos[key_index].diff()
-    inside = torch.ones(max(G - 1, 0), dtype=torch.bool)
-    inside[(cu_k[1:-1] - 1).clamp(max=max(G - 2, 0))] = False  # across two segments' rows
-    bad = torch.nonzero(inside & (step != 1)).flatten()
-    if bad.numel():
-        r = int(bad[0])
-        a, b = int(key_index[r]), int(key_index[r + 1])
+    _check_depths(w, pos)
+    return _segment_plan(lo, hi, first, key_index, cu_q, cu_k, w.tail, subtree_end.device, window)
+
+
+def _check_depths(w: _Walk, pos: Tensor) -> None:
+    """The window counts positions, the segments count rows: they agree (for every key, the kept ones and those
+    cut) when each token's position is its parent's plus one, which is checked here on the whole tree (inside a
+    segment the parent is the previous token; a segment's first token's is the last token above it that sees it;
+    a root may start anywhere).  Else ValueError naming the token."""
+    inner = torch.ones(pos.numel(), dtype=torch.bool)
+    inner[torch.tensor(w.starts, dtype=torch.int64)] = False
+    bad = torch.nonzero(inner[1:] & (pos[1:] != pos[:-1] + 1)).flatten() + 1
+    pairs = [(int(bad[0]) - 1, int(bad[0]))] if bad.numel() else []
+    pairs += [(par[1] - 1, a) for a, par in zip(w.starts, w.parents)
+              if par is not None and int(pos[a]) != int(pos[par[1] - 1]) + 1][:1]
+    if pairs:
+        a, b = min(pairs, key=lambda x: x[1])
         raise ValueError(f"position_ids are not the depths along the tree's paths: token {b} (position {int(pos[b])}) "
                          f"follows token {a} (position {int(pos[a])}) on its path; the sliding window counts "
                          "positions, the segments count tokens (give the depths, or attention_kernel='flex')")
-    return _segment_plan(lo, hi, first, key_index, cu_q, cu_k, w.tail, subtree_end.device, window)
 
 
 def _check_nested(w: _Walk) -> None:
