@@ -32,6 +32,13 @@ varlen kernel up to ``MAX_GATHER_FACTOR`` (:func:`segments_fit`: past it the op 
 ``"auto"`` runs such a batch through flex instead).  Off CUDA both plans run float64-exact reference kernels, so
 the CPU tests cover the choice and the wiring of both.
 
+``treecompile::tree_attention_varlen_windowed_fwd`` is the same op under a sliding window of W tokens along each
+path (``tree_attention_windowed``'s): each segment keeps only the last ``W - 1`` rows of its path prefix and the
+kernel's own window (``window_size_left = W - 1``) drops the rest per query (:func:`windowed_plan`; the positions
+must be the depths, checked), so the gather stays under ``T + segments * (W - 1)`` however deep the tree.  A batch
+whose windowed segments would still gather more than ``VARLEN_GATHER_LIMIT * T`` rows runs the window block mask
+(FlexAttention) inside the op.
+
 Shapes as ``treecompile::tree_attention``: ``q [1, H, T, D]``, ``k``/``v`` ``[1, Hkv, T, D]`` (GQA when
 ``H > Hkv``), ``subtree_end [T]`` int64; returns ``[1, H, T, Dv]``.
 """
