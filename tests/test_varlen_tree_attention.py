@@ -172,6 +172,24 @@ def _qkv(T, H, Hkv, D, seed, dtype=torch.float64):
     return [torch.randn(1, T, h, D, generator=g, dtype=dtype).transpose(1, 2).requires_grad_() for h in (H, Hkv, Hkv)]
 
 
+def assert_same_as(fn, ref_fn, q, k, v, do):
+    """Out and q/k/v gradients of ``fn(q, k, v)`` equal ``ref_fn``'s in float64 (O(1) values; a 1-token segment's
+    dq is 0)."""
+    got, ref = (out_and_grads(f, q, k, v, do, torch.float64) for f in (fn, ref_fn))
+    for name, x, r in zip(("out", "dq", "dk", "dv"), got, ref):
+        torch.testing.assert_close(x, r, rtol=1e-12, atol=1e-12, msg=name)
+
+
+def assert_traced_same_as(fn, ref_fn, q, k, v, *tree):
+    """dynamo (fullgraph) and AOT autograd through ``fn(q, k, v, *tree)`` (an op and its backward op, as inductor's
+    front end sees them; the tree tensors as graph inputs): q/k/v gradients as ``ref_fn``'s."""
+    f = torch.compile(lambda q, k, v, *t: (fn(q, k, v, *t) * 1.5).sum(), backend="aot_eager", fullgraph=True)
+    got = torch.autograd.grad(f(q, k, v, *tree), (q, k, v))
+    ref = torch.autograd.grad((ref_fn(q, k, v, *tree) * 1.5).sum(), (q, k, v))
+    for x, r in zip(got, ref):
+        torch.testing.assert_close(x, r, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("paths_name,H,Hkv", [("one_token_nodes", 4, 2), ("prefix_of_other", 2, 2),
                                                ("forest", 6, 2), ("single_token", 2, 1)])
 def test_op_equals_the_dense_reference_float64(paths_name, H, Hkv):
@@ -180,12 +198,8 @@ def test_op_equals_the_dense_reference_float64(paths_name, H, Hkv):
     D = 8
     q, k, v = _qkv(b.seq_len, H, Hkv, D, seed=H)
     do = torch.randn(1, H, b.seq_len, D, dtype=torch.float64)
-    got = out_and_grads(lambda a, b_, c: tree_attention_varlen(a, b_, c, b.subtree_end, scale=0.3), q, k, v, do,
-                        torch.float64)
-    ref = out_and_grads(lambda a, b_, c: tree_attention_reference(a, b_, c, b.subtree_end, scale=0.3), q, k, v, do,
-                        torch.float64)
-    for name, x, r in zip(("out", "dq", "dk", "dv"), got, ref):  # O(1) values; a 1-token segment's dq is 0
-        torch.testing.assert_close(x, r, rtol=1e-12, atol=1e-12, msg=name)
+    assert_same_as(lambda a, b_, c: tree_attention_varlen(a, b_, c, b.subtree_end, scale=0.3),
+                   lambda a, b_, c: tree_attention_reference(a, b_, c, b.subtree_end, scale=0.3), q, k, v, do)
 
 
 def test_padding_is_the_tail_not_segments():
@@ -197,10 +211,8 @@ def test_padding_is_the_tail_not_segments():
     q, k, v = _qkv(5, 2, 1, 4, seed=1)
     do = torch.randn(1, 2, 5, 4, dtype=torch.float64)
     se = torch.arange(1, 6)
-    got = out_and_grads(lambda a, b_, c: tree_attention_varlen(a, b_, c, se), q, k, v, do, torch.float64)
-    ref = out_and_grads(lambda a, b_, c: tree_attention_reference(a, b_, c, se), q, k, v, do, torch.float64)
-    for name, x, r in zip(("out", "dq", "dk", "dv"), got, ref):
-        torch.testing.assert_close(x, r, rtol=1e-12, atol=1e-12, msg=name)
+    assert_same_as(lambda a, b_, c: tree_attention_varlen(a, b_, c, se),
+                   lambda a, b_, c: tree_attention_reference(a, b_, c, se), q, k, v, do)
 
 
 def test_opcheck():
@@ -214,12 +226,7 @@ def test_traced_fullgraph_under_aot_autograd():
     """dynamo (fullgraph) and AOT autograd through the op and its backward op, as inductor's front end sees them."""
     b = _batch(forest_paths(80, 2, seed=1), 32)
     q, k, v = _qkv(b.seq_len, 4, 2, 16, seed=2)
-    f = torch.compile(lambda q, k, v, se: (tree_attention_varlen(q, k, v, se) * 1.5).sum(), backend="aot_eager",
-                      fullgraph=True)
-    got = torch.autograd.grad(f(q, k, v, b.subtree_end), (q, k, v))
-    ref = torch.autograd.grad((tree_attention_reference(q, k, v, b.subtree_end) * 1.5).sum(), (q, k, v))
-    for x, r in zip(got, ref):
-        torch.testing.assert_close(x, r, rtol=1e-12, atol=1e-12)
+    assert_traced_same_as(tree_attention_varlen, tree_attention_reference, q, k, v, b.subtree_end)
 
 
 def test_bad_subtree_end_is_named():
@@ -297,14 +304,10 @@ def test_op_equals_the_dense_reference_hypothesis(paths, limit, pad_to):
         se = _batch(paths, pad_to).subtree_end.clone()  # a tensor of its own per example: one plan each
         q, k, v = _qkv(se.numel(), 4, 2, 4, seed=se.numel())
         do = torch.randn(1, 4, se.numel(), 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-        got = out_and_grads(lambda a, b_, c: tree_attention_varlen(a, b_, c, se, scale=0.5), q, k, v, do,
-                            torch.float64)
-        ref = out_and_grads(lambda a, b_, c: tree_attention_reference(a, b_, c, se, scale=0.5), q, k, v, do,
-                            torch.float64)
+        assert_same_as(lambda a, b_, c: tree_attention_varlen(a, b_, c, se, scale=0.5),
+                       lambda a, b_, c: tree_attention_reference(a, b_, c, se, scale=0.5), q, k, v, do)
     finally:
         vta.VARLEN_GATHER_LIMIT = old
-    for name, x, r in zip(("out", "dq", "dk", "dv"), got, ref):
-        torch.testing.assert_close(x, r, rtol=1e-12, atol=1e-12, msg=name)
 
 
 @pytest.mark.parametrize("limit", [0.0, float("inf")], ids=["block_sparse", "segments"])
@@ -318,11 +321,8 @@ def test_op_on_a_deep_tree_equals_the_dense_reference_both_plans(limit, H, Hkv, 
     se = b.subtree_end.clone()  # a tensor of its own: the per-batch plan is not the other parametrization's
     assert isinstance(vta._plan(se, q), vta.BlockSparsePlan if limit == 0 else vta.SegmentPlan)
     do = torch.randn(1, H, b.seq_len, 8, dtype=torch.float64)
-    got = out_and_grads(lambda a, b_, c: tree_attention_varlen(a, b_, c, se, scale=0.4), q, k, v, do, torch.float64)
-    ref = out_and_grads(lambda a, b_, c: tree_attention_reference(a, b_, c, se, scale=0.4), q, k, v, do,
-                        torch.float64)
-    for name, x, r in zip(("out", "dq", "dk", "dv"), got, ref):
-        torch.testing.assert_close(x, r, rtol=1e-12, atol=1e-12, msg=name)
+    assert_same_as(lambda a, b_, c: tree_attention_varlen(a, b_, c, se, scale=0.4),
+                   lambda a, b_, c: tree_attention_reference(a, b_, c, se, scale=0.4), q, k, v, do)
     torch.library.opcheck(torch.ops.treecompile.tree_attention_varlen_fwd.default,
                           (q.detach().requires_grad_(), k.detach().requires_grad_(), v.detach().requires_grad_(),
                            se, 0.4))
@@ -673,12 +673,8 @@ def test_windowed_op_equals_the_dense_reference_float64(paths_name, window, limi
     assert (vta.windowed_plan(se, pos, window) is None) == (limit == 0.0)
     q, k, v = _qkv(b.seq_len, H, Hkv, 8, seed=H)
     do = torch.randn(1, H, b.seq_len, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
-    got = out_and_grads(lambda a, b_, c: vta.tree_attention_varlen_windowed(a, b_, c, se, pos, window, 0.3),
-                        q, k, v, do, torch.float64)
-    ref = out_and_grads(lambda a, b_, c: tree_attention_windowed_reference(a, b_, c, se, pos, window, 0.3),
-                        q, k, v, do, torch.float64)
-    for name, x, r in zip(("out", "dq", "dk", "dv"), got, ref):
-        torch.testing.assert_close(x, r, rtol=1e-12, atol=1e-12, msg=name)
+    assert_same_as(lambda a, b_, c: vta.tree_attention_varlen_windowed(a, b_, c, se, pos, window, 0.3),
+                   lambda a, b_, c: tree_attention_windowed_reference(a, b_, c, se, pos, window, 0.3), q, k, v, do)
 
 
 def test_windowed_op_opcheck_and_aot_autograd():
@@ -690,13 +686,8 @@ def test_windowed_op_opcheck_and_aot_autograd():
     torch.library.opcheck(torch.ops.treecompile.tree_attention_varlen_windowed_fwd.default,
                           (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), b.subtree_end,
                            b.position_ids, 6, 0.35))
-    f = torch.compile(lambda q, k, v: (tree_attention_varlen_windowed(q, k, v, b.subtree_end, b.position_ids, 6)
-                                       * 1.5).sum(), backend="aot_eager", fullgraph=True)
-    got = torch.autograd.grad(f(q, k, v), (q, k, v))
-    ref = torch.autograd.grad((tree_attention_windowed_reference(q, k, v, b.subtree_end, b.position_ids, 6)
-                               * 1.5).sum(), (q, k, v))
-    for x, r in zip(got, ref):
-        torch.testing.assert_close(x, r, rtol=1e-12, atol=1e-12)
+    assert_traced_same_as(lambda *a: tree_attention_varlen_windowed(*a, 6),
+                          lambda *a: tree_attention_windowed_reference(*a, 6), q, k, v, b.subtree_end, b.position_ids)
 
 
 def test_windowed_plan_refuses_what_its_rows_cannot_count():

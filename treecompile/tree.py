@@ -356,6 +356,11 @@ class Tree:
         s, e = int(self.path_offsets[p]), int(self.path_offsets[p + 1])
         return self.input_ids[self.path_index[s:e]].tolist()
 
+    def locate(self, j: int) -> tuple[int, int]:
+        """Path token ``j`` (an index into the paths laid end to end, as ``path_index``) -> (path, position)."""
+        p = int(torch.searchsorted(self.path_offsets, j, right=True)) - 1
+        return p, j - int(self.path_offsets[p])
+
     def __repr__(self) -> str:
         return (f"Tree(num_paths={self.num_paths}, num_tokens={self.num_tokens}, "
                 f"num_path_tokens={self.num_path_tokens}, num_nodes={self.num_nodes}, por={self.por:.3f})")
@@ -705,9 +710,8 @@ class TreeBatch:
             if whole is None or tokens is None or t >= len(tokens):
                 raise ValueError(f"DFS token {t} of this partition batch: {what}")
             tree, part, t = whole, f" (token {t} of this partition)", int(tokens[t])
-        j = int(torch.nonzero(tree.path_index == t)[0])
-        p = int(torch.searchsorted(tree.path_offsets, j, right=True)) - 1
-        raise ValueError(f"path {p}, position {j - int(tree.path_offsets[p])}{part}: {what}")
+        p, i = tree.locate(int(torch.nonzero(tree.path_index == t)[0]))
+        raise ValueError(f"path {p}, position {i}{part}: {what}")
 
     def path_logprobs(self, logprobs: torch.Tensor) -> list[torch.Tensor]:
         """Per-token DFS tensor ``[T]`` -> one tensor per path (path order); differentiable."""

@@ -157,6 +157,13 @@ class _Walk:
     gathered: int  # G: the key rows the segments gather
 
     @property
+    def inner(self) -> Tensor:
+        """[T] bool: the tokens whose parent is the previous token (every token but a segment's first)."""
+        inner = torch.ones(self.se.numel(), dtype=torch.bool)
+        inner[torch.tensor(self.starts, dtype=torch.int64)] = False
+        return inner
+
+    @property
     def fits(self) -> bool:
         """Whether the segments gather at most ``MAX_GATHER_FACTOR * T + MAX_GATHER_ROWS`` key rows."""
         return self.gathered <= MAX_GATHER_FACTOR * self.se.numel() + MAX_GATHER_ROWS
@@ -319,9 +326,7 @@ def _check_depths(w: _Walk, pos: Tensor) -> None:
     cut) when each token's position is its parent's plus one, which is checked here on the whole tree (inside a
     segment the parent is the previous token; a segment's first token's is the last token above it that sees it;
     a root may start anywhere).  Else ValueError naming the token."""
-    inner = torch.ones(pos.numel(), dtype=torch.bool)
-    inner[torch.tensor(w.starts, dtype=torch.int64)] = False
-    bad = torch.nonzero(inner[1:] & (pos[1:] != pos[:-1] + 1)).flatten() + 1
+    bad = torch.nonzero(w.inner[1:] & (pos[1:] != pos[:-1] + 1)).flatten() + 1
     pairs = [(int(bad[0]) - 1, int(bad[0]))] if bad.numel() else []
     pairs += [(par[1] - 1, a) for a, par in zip(w.starts, w.parents)
               if par is not None and int(pos[a]) != int(pos[par[1] - 1]) + 1][:1]
@@ -338,9 +343,7 @@ def _check_nested(w: _Walk) -> None:
     later than that of the last token above it that sees it (with those, every token that sees a segment's start
     is on its chain of parents, which is what the segments' keys are)."""
     se = w.se
-    inner = torch.ones(se.numel(), dtype=torch.bool)
-    inner[torch.tensor(w.starts, dtype=torch.int64)] = False
-    bad = torch.nonzero(inner[1:] & (se[1:] > se[:-1])).flatten() + 1
+    bad = torch.nonzero(w.inner[1:] & (se[1:] > se[:-1])).flatten() + 1
     heads = [a for a, par in zip(w.starts, w.parents) if par is not None and int(se[a]) > int(se[par[1] - 1])]
     t = min(([int(bad[0])] if bad.numel() else []) + heads[:1], default=None)
     if t is not None:

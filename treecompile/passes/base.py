@@ -124,23 +124,23 @@ def length_values(nodes, seq_len) -> dict:
             continue
         val = n.meta.get("val")
         outs = [o for o in (val if isinstance(val, (tuple, list)) else (val,)) if isinstance(o, torch.Tensor)]
-        if packet in _REORDERS and _acts_along(n, involves):
-            reordered.add(n)
-        elif any(x in reordered for x in read):
-            if packet in _INDEXING or not any(t_sized(o) for o in outs):
-                found[n] = "reads entries of a tensor reordered along the sequence (counted from its end)"
-                continue
-            reordered.add(n)
-        if packet in _NORMALIZERS and _acts_along(n, involves):
-            normalized.add(n)
-        elif any(x in normalized for x in read) and packet not in _CONTRACTIONS:
-            # a contraction (``probs @ v``) ends the taint: over a causal mask each row depends on its prefix only,
-            # and an unmasked one is non-causal (the verifier's), or leaves no T-dim (refused below)
-            # a slice keeps a T-long dim (attention sinks drop their column so); picking entries does not
-            if (packet in _INDEXING and packet not in (aten.slice, aten.narrow)) or not any(t_sized(o) for o in outs):
-                found[n] = "reads entries of a tensor normalized along the sequence (each depends on its length)"
-                continue
-            normalized.add(n)
+        keeps_t = any(t_sized(o) for o in outs)
+        for taint, sources, picks, ends, what in (
+                (reordered, _REORDERS, _INDEXING, (), "reordered along the sequence (counted from its end)"),
+                # a slice keeps a T-long dim (attention sinks drop their column so); picking entries does not.  A
+                # contraction (``probs @ v``) ends the taint: over a causal mask each row depends on its prefix
+                # only, and an unmasked one is non-causal (the verifier's), or leaves no T-dim (refused below)
+                (normalized, _NORMALIZERS, _INDEXING - {aten.slice, aten.narrow}, _CONTRACTIONS,
+                 "normalized along the sequence (each depends on its length)")):
+            if packet in sources and _acts_along(n, involves):
+                taint.add(n)
+            elif packet not in ends and any(x in taint for x in read):
+                if packet in picks or not keeps_t:
+                    found[n] = f"reads entries of a tensor {what}"
+                    break
+                taint.add(n)
+        if n in found:
+            continue
         if packet in _INDEXING:
             x = n.args[0]
             dim = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", 0)
@@ -152,7 +152,7 @@ def length_values(nodes, seq_len) -> dict:
                          or (isinstance(start, fx.Node) and involves(start.meta.get("val"))))):
                 found[n] = "reads tokens counted from the end of the sequence"
             continue
-        if outs and any(t_sized(x.meta.get("val")) for x in read) and not any(t_sized(o) for o in outs):
+        if outs and any(t_sized(x.meta.get("val")) for x in read) and not keeps_t:
             found[n] = "reads a tensor of the sequence's length and makes a value without a token axis"
     return found
 

@@ -366,10 +366,14 @@ def _varlen(q, k, v, subtree_end, scale, setup_reason=None, kernel="fa4_varlen")
     ``treecompile::tree_attention_varlen_fwd`` (an opaque op in the compiled graph, with its own backward op).
     Checked when the graph is traced: FA4 installed on sm_90+ (the lowering's probe) and half-precision CUDA
     inputs, else RuntimeError naming the reason."""
+    _check_varlen(q, setup_reason, kernel)
+    return tree_attention_varlen(q, k, v, subtree_end, scale)
+
+
+def _check_varlen(q, setup_reason, kernel: str) -> None:
     reason = setup_reason or varlen_input_reason(q)
     if reason is not None:
         raise RuntimeError(f"attention_kernel={kernel!r}: {reason}")
-    return tree_attention_varlen(q, k, v, subtree_end, scale)
 
 
 def _varlen_windowed(q, k, v, subtree_end, position_ids, window, scale, setup_reason=None, kernel="fa4_varlen"):
@@ -377,9 +381,7 @@ def _varlen_windowed(q, k, v, subtree_end, position_ids, window, scale, setup_re
     ``treecompile::tree_attention_varlen_windowed_fwd`` (FA4's varlen kernel with its own window over the
     segments, each gathering at most ``window - 1`` rows of its path prefix; a batch whose segments would gather
     too many rows runs the window block mask inside the op).  Checked as :func:`_varlen`."""
-    reason = setup_reason or varlen_input_reason(q)
-    if reason is not None:
-        raise RuntimeError(f"attention_kernel={kernel!r}: {reason}")
+    _check_varlen(q, setup_reason, kernel)
     return tree_attention_varlen_windowed(q, k, v, subtree_end, position_ids, window, scale)
 
 

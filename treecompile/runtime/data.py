@@ -251,13 +251,9 @@ def scatter_to_dfs(tree: Tree, values: torch.Tensor, *, given: torch.Tensor | No
         raise ValueError(f"atol: expected a non-negative number, got {atol}")
     label = (lambda p: path_labels[p]) if path_labels is not None else (lambda p: f"path {p}")
 
-    def locate(j: int) -> tuple[int, int]:
-        p = int(torch.searchsorted(tree.path_offsets, j, right=True)) - 1
-        return p, j - int(tree.path_offsets[p])
-
     bad = torch.nonzero(given & ~torch.isfinite(values)).flatten()
     if bad.numel():
-        p, i = locate(int(bad[0]))
+        p, i = tree.locate(int(bad[0]))
         raise ValueError(f"{name}: {label(p)}: entry {i} is not finite ({values[int(bad[0])].item()})")
 
     T = tree.num_tokens
@@ -277,7 +273,7 @@ def scatter_to_dfs(tree: Tree, values: torch.Tensor, *, given: torch.Tensor | No
         at = gpos[gidx == t]
         ja = int(at[torch.argmin(values[at])])
         jb = int(at[torch.argmax(values[at])])
-        (pa, ia), (pb, _) = locate(ja), locate(jb)
+        (pa, ia), (pb, _) = tree.locate(ja), tree.locate(jb)
         raise ValueError(
             f"{name}: the token at depth {ia} (id {int(tree.input_ids[t])}) is shared by {label(pa)} and "
             f"{label(pb)}, which give {values[ja].item()!r} and {values[jb].item()!r} (differ by "
@@ -318,12 +314,10 @@ class TrajectoryTree:
             # old log-probs of 0 (a TrajectoryTree built in code; the JSONL reader refuses null there itself)
             missing = torch.nonzero(mask & torch.isnan(v)).flatten()
             if missing.numel():
-                j = int(missing[0])
-                p = int(torch.searchsorted(self.tree.path_offsets, j, right=True)) - 1
+                p, i = self.tree.locate(int(missing[0]))
                 label = self.path_labels[p] if self.path_labels is not None else f"path {p}"
-                raise ValueError(f"tree {self.tree_id!r} ({self.source}): '{key}': {label}: token "
-                                 f"{j - int(self.tree.path_offsets[p])} is trained (loss mask 1) but has no value "
-                                 f"(NaN); {missing.numel()} such token(s)")
+                raise ValueError(f"tree {self.tree_id!r} ({self.source}): '{key}': {label}: token {i} is trained "
+                                 f"(loss mask 1) but has no value (NaN); {missing.numel()} such token(s)")
         given = mask & ~torch.isnan(v) if v.numel() == mask.numel() else None
         return scatter_to_dfs(self.tree, torch.nan_to_num(v, nan=0.0), given=given, atol=atol, name=key,
                               path_labels=self.path_labels)
