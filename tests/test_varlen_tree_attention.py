@@ -429,19 +429,23 @@ def test_auto_runs_batches_the_segments_cannot_take_through_the_flex_lowering(mo
     assert len([w for w in caught if "runs tree attention through flex" in str(w.message)]) == 1  # once
 
 
-def test_lowered_model_with_varlen_attention_equals_the_rewritten_graph(monkeypatch):
-    """The lowering's wiring (arguments, scale, the unused block-mask input) on CPU in float64: the input check
-    let through, the op runs its reference kernel; loss, log-probs and every gradient as the rewritten graph's."""
-    from helpers import cached_compile, cached_model, run_program_graph, tiny_dense
+def _lower_fa4_varlen(prog, monkeypatch):
+    """``prog``'s graph lowered under ``attention_kernel="fa4_varlen"`` as where FA4 runs, for the CPU (eager, the
+    ops' reference kernels)."""
     from treecompile.passes import lower_cuda as lc
 
-    tm = cached_compile(cached_model("dense-tiny", tiny_dense))
-    prog = tm.program
     monkeypatch.setattr(lc, "fa4_unusable_reason", lambda q=None: None)  # the setup probe: as where FA4 runs
     monkeypatch.setattr(lc, "varlen_input_reason", lambda q: None)
     low = lc.lower_cuda(prog.graph_module, lc.CudaOptions(compile_cuda=False, gdn_kernel="reference",
                                                           attention_kernel="fa4_varlen"))
-    assert low.attention_varlen == 2
+    return low
+
+
+def _assert_lowered_equals_rewritten(prog, low):
+    """Loss, log-probs and every gradient of the lowered graph as the rewritten graph's, float64, on a padded forest
+    of two paths of up to 60 tokens (cut by any window under that)."""
+    from helpers import run_program_graph
+
     batch = Tree.from_paths([[t % 97 for t in p] for p in forest_paths(60, 2, seed=4)]).to_batch(pad_to_multiple=16)
     l0, lp0, g0 = run_program_graph(prog, prog.graph_module, batch)
     l1, lp1, g1 = run_program_graph(prog, low.graph_module, batch, None)  # no block mask for varlen
@@ -450,6 +454,17 @@ def test_lowered_model_with_varlen_attention_equals_the_rewritten_graph(monkeypa
     assert len(g0) == len(g1) > 0
     for a, b in zip(g1, g0):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_lowered_model_with_varlen_attention_equals_the_rewritten_graph(monkeypatch):
+    """The lowering's wiring (arguments, scale, the unused block-mask input) on CPU in float64: the input check
+    let through, the op runs its reference kernel; loss, log-probs and every gradient as the rewritten graph's."""
+    from helpers import cached_compile, cached_model, tiny_dense
+
+    prog = cached_compile(cached_model("dense-tiny", tiny_dense)).program
+    low = _lower_fa4_varlen(prog, monkeypatch)
+    assert low.attention_varlen == 2
+    _assert_lowered_equals_rewritten(prog, low)
 
 
 def test_split_program_with_varlen_attention_equals_the_rewritten_graph(monkeypatch):
@@ -766,8 +781,6 @@ def test_lowered_sliding_model_with_windowed_varlen_equals_the_rewritten_graph(m
     if not hasattr(transformers, "Gemma3ForCausalLM"):
         pytest.skip("transformers has no Gemma3ForCausalLM")
     import treecompile
-    from helpers import run_program_graph
-    from treecompile.passes import lower_cuda as lc
 
     torch.manual_seed(0)
     cfg = transformers.Gemma3TextConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
@@ -775,16 +788,6 @@ def test_lowered_sliding_model_with_windowed_varlen_equals_the_rewritten_graph(m
                                         layer_types=["sliding_attention", "full_attention"],
                                         max_position_embeddings=256)
     prog = treecompile.compile(transformers.Gemma3ForCausalLM(cfg).double()).program
-    monkeypatch.setattr(lc, "fa4_unusable_reason", lambda q=None: None)  # the setup probe: as where FA4 runs
-    monkeypatch.setattr(lc, "varlen_input_reason", lambda q: None)
-    low = lc.lower_cuda(prog.graph_module, lc.CudaOptions(compile_cuda=False, gdn_kernel="reference",
-                                                          attention_kernel="fa4_varlen"))
+    low = _lower_fa4_varlen(prog, monkeypatch)
     assert (low.attention_varlen, low.windowed_varlen, low.windows) == (1, 1, ())
-    batch = Tree.from_paths([[t % 97 for t in p] for p in forest_paths(60, 2, seed=4)]).to_batch(pad_to_multiple=16)
-    l0, lp0, g0 = run_program_graph(prog, prog.graph_module, batch)
-    l1, lp1, g1 = run_program_graph(prog, low.graph_module, batch, None)  # no block mask for varlen
-    torch.testing.assert_close(l1, l0, rtol=1e-12, atol=0)
-    torch.testing.assert_close(lp1, lp0, rtol=1e-12, atol=1e-12)
-    assert len(g0) == len(g1) > 0
-    for a, b in zip(g1, g0):
-        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    _assert_lowered_equals_rewritten(prog, low)
