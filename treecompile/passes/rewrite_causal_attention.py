@@ -410,10 +410,12 @@ def _is_mask_value(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and x <= MASKED_MAX
 
 
-def _masks_only(probe: Probe, side: fx.Node, lengths) -> bool:
+def _masks_only(probe: Probe, side, lengths) -> bool:
     """An additive operand whose values are only 0 and -inf/finfo.min (a mask, not a bias) at every probe length
     (the sample lengths and one past every number the scores' operands hold: a bias that starts past some distance is
-    zero at short lengths)."""
+    zero at short lengths).  A number (``+ 1.0``) is a bias."""
+    if not isinstance(side, fx.Node):
+        return False
     for T in lengths:
         out = probe.run([side], chain_batch(T), {})
         if out is None or not out[0].dtype.is_floating_point:
@@ -457,8 +459,7 @@ def _bias_nodes(ctx: PassContext, probe: Probe, qk: fx.Node, chain: list[fx.Node
                 or (t == aten.where.ScalarOther and a[1] is prev and _is_mask_value(a[2]))
                 or (t == aten.where.ScalarSelf and a[2] is prev and _is_mask_value(a[1]))
                 or (t == aten.add.Tensor and len(a) == 2 and not n.kwargs
-                    and isinstance(side := a[1] if a[0] is prev else a[0], fx.Node)  # not a number: + 1.0
-                    and _masks_only(probe, side, lengths)))
+                    and _masks_only(probe, a[1] if a[0] is prev else a[0], lengths)))
         if skip:
             env[n] = env[prev]
         else:
