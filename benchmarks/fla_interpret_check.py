@@ -2,7 +2,8 @@
 
     python benchmarks/fla_interpret_check.py [--seeds 0 1 2]
 
-Runs ``tree_gated_delta_rule_fla`` in float32 on small random trees (long and 1-3-token nodes, fan-out) three
+Runs ``tree_gated_delta_rule_fla`` in float32 on small random trees (long and 1-3-token nodes, fan-out; a prompt
+and its sampled completions padded to a bucket, whose padding root runs in a later call) three
 ways: whole fla calls (``levels=False``), levelled with the recurrence kernels launched directly, and levelled
 through fla's functions (``fla_gdn_levels.DIRECT = False``), at replay budgets 0 and 8, with a root initial
 state.  Checks that the levelled outputs and every input gradient (q, k, v, g, beta, initial state) equal whole
@@ -41,14 +42,30 @@ def _no_bench():
     at.Autotuner._bench = lambda self, *a, config=None, **k: [0.0, 0.0, 0.0]
 
 
+def sampled_completions(seed: int) -> list[list[int]]:
+    """A prompt and its sampled completions (a GRPO group): padded to a bucket, the plan is already in DFS order
+    (no gather) and the padding's root runs in the completions' call."""
+    import random
+
+    rnd = random.Random(seed)
+    prompt = [rnd.randrange(2, 50) for _ in range(70)]
+    return [prompt + [60 + i] + [rnd.randrange(2, 50) for _ in range(rnd.randint(5, 90))] for i in range(5)]
+
+
 def check(seed: int) -> bool:
     from benchmarks.trees import short_node_paths
     from treecompile import Tree
+
+    deep = Tree.from_paths(short_node_paths(seed, root_len=90, branches=6, tails=(1, 2, 3, 20, 70))).to_batch()
+    group = Tree.from_paths(sampled_completions(seed)).to_batch(pad_to_multiple=128)
+    return check_batch(seed, "deep", deep) & check_batch(seed, "group", group)
+
+
+def check_batch(seed: int, name: str, b) -> bool:
     from treecompile.ops import fla_gdn_levels
     from treecompile.ops.fla_gdn import plan_calls, tree_gated_delta_rule_fla
     from treecompile.ops.tree_gdn import tree_gated_delta_rule
 
-    b = Tree.from_paths(short_node_paths(seed, root_len=90, branches=6, tails=(1, 2, 3, 20, 70))).to_batch()
     T, H, Hv, K, V = b.seq_len, 1, 2, 16, 16
     gen = torch.Generator().manual_seed(seed)
     mk = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
@@ -73,8 +90,9 @@ def check(seed: int) -> bool:
             got = run(tree_gated_delta_rule_fla, torch.float32, levels=True, replay_max=replay)
             same = all(torch.equal(a, w) for a, w in zip(got, whole))
             err = max(float((a - r).abs().max() / r.abs().max()) for a, r in zip(got, ref))
-            calls = plan_calls(*nodes[:3], replay_max=replay).calls
-            print(f"seed {seed} replay {replay} ({calls} calls, {T} tokens) direct={direct}: "
+            plan = plan_calls(*nodes[:3], replay_max=replay)
+            print(f"{name} seed {seed} replay {replay} ({plan.calls} calls, {T} tokens, in DFS order: "
+                  f"{plan.identity}) direct={direct}: "
                   f"equal to whole calls {same}, max rel err vs float64 {err:.1e}")
             ok &= same and err < 1e-5
     fla_gdn_levels.DIRECT = True

@@ -67,7 +67,10 @@ def agentic_like_paths(seed):
 
 
 TREES = {**ODD_TREES, "agentic_like_0": agentic_like_paths(0), "agentic_like_1": agentic_like_paths(1),
-         "chains": [[1, 2, 3], [1, 2, 3, 4, 5], [1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 8], [1, 9]]}
+         "chains": [[1, 2, 3], [1, 2, 3, 4, 5], [1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 8], [1, 9]],
+         # a prompt and its sampled completions (a GRPO group): with a bucket's padding, still in DFS order
+         "prompt_and_samples": [[3, 1, 4, 1, 5, 9, 2] + [10 + i] + list(range(20, 20 + n))
+                                for i, n in enumerate((5, 1, 9, 3))]}
 
 
 @pytest.mark.parametrize("replay_max", [0, 3, 64, None])  # None: cheapest_plan (here: every ancestor replayed)
@@ -136,9 +139,8 @@ def test_chains_merge_and_replay_cut_calls():
     assert capped.replayed_tokens <= 0.25 * deep.seq_len and capped.calls > 1
     for p in (p0, p1, p3):  # each token's output row is its own token
         assert torch.equal(p.index[p.out_rows], torch.arange(deep.seq_len))
-    big = fla_gdn.plan_calls(deep.node_start, deep.node_end, deep.node_parent, replay_max=0)
-    assert not big.identity and fla_gdn.plan_calls(*(x[:1] for x in (deep.node_start, deep.node_end)),
-                                                   deep.node_parent[:1]).identity
+    assert p0.identity  # one node per level, levels in DFS order: the rows need no gather
+    assert not p1.identity and not p3.identity  # replayed rows
 
 
 def test_full_replay_runs_the_per_path_rows_in_one_call():
@@ -223,6 +225,53 @@ def test_identity_plan_has_no_gather():
     b = Tree.from_paths([[1, 2, 3, 4, 5]]).to_batch()
     plan = fla_gdn.plan_calls(b.node_start, b.node_end, b.node_parent)
     assert plan.identity and plan.occurrences == ()
+
+
+@pytest.mark.parametrize("pad", [None, 8, 32])
+def test_identity_means_the_rows_are_the_tokens_in_dfs_order(pad):
+    """``identity`` (no gather) exactly where the plan's rows are ``arange(T)``, over every tree and budget."""
+    seen = set()
+    for name, paths in TREES.items():
+        b = Tree.from_paths(paths).to_batch(pad_to_multiple=pad)
+        nodes = (b.node_start, b.node_end, b.node_parent)
+        for plan in [fla_gdn.plan_calls(*nodes, replay_max=r) for r in (0, 1, 3, 64)] + [fla_gdn.cheapest_plan(*nodes)]:
+            arange = torch.arange(b.seq_len)
+            in_order = len(plan.index) == b.seq_len and torch.equal(plan.index, arange)
+            assert plan.identity == in_order, name
+            if plan.identity:
+                assert torch.equal(plan.out_rows, arange) and plan.occurrences == ()
+            seen.add(plan.identity)
+    assert seen == {True, False}
+
+
+def test_a_padded_group_runs_in_dfs_order():
+    """A prompt, its samples and a bucket's padding: the padding is a root, but it feeds nothing, so it runs in
+    the samples' call (starting from the root state) and the rows stay in DFS order; the cheapest plan takes
+    that over replaying the prompt, which would need the gather."""
+    b = Tree.from_paths(TREES["prompt_and_samples"]).to_batch(pad_to_multiple=32)
+    plan = fla_gdn.cheapest_plan(b.node_start, b.node_end, b.node_parent, call_cost_rows=8)
+    assert plan.identity and plan.calls == 2
+    first, last = plan.waves
+    assert first.roots is None and last.roots.tolist() == [len(last.lengths) - 1]  # the padding, last in DFS order
+    assert last.lengths[-1] == b.seq_len - int(b.node_start[-1])
+    unpadded = Tree.from_paths(TREES["prompt_and_samples"]).to_batch()
+    assert fla_gdn.plan_calls(unpadded.node_start, unpadded.node_end, unpadded.node_parent).waves[-1].roots is None
+
+
+def test_gather_cost_tips_the_cheapest_plan_to_dfs_order():
+    """Replaying a 7-token prompt in front of 4 samples saves a call for 21 rows: cheaper at 32 rows per call
+    without the gather's price, dearer with it."""
+    b = Tree.from_paths(TREES["prompt_and_samples"]).to_batch()
+    nodes = (b.node_start, b.node_end, b.node_parent)
+    old = fla_gdn.GATHER_COST_PER_ROW
+    try:
+        fla_gdn.GATHER_COST_PER_ROW = 0.0
+        assert fla_gdn.cheapest_plan(*nodes, call_cost_rows=32).calls == 1
+        fla_gdn.GATHER_COST_PER_ROW = 0.5
+        plan = fla_gdn.cheapest_plan(*nodes, call_cost_rows=32)
+        assert plan.calls == 2 and plan.identity
+    finally:
+        fla_gdn.GATHER_COST_PER_ROW = old
 
 
 @pytest.mark.parametrize("chunk_size", [2, 4, 64])

@@ -41,6 +41,7 @@ __all__ = [
     "CALL_COST_WIDTH",
     "REPLAY_FRACTION",
     "FlaPlan",
+    "GATHER_COST_PER_ROW",
     "LEVEL_COST_ROWS",
     "LEVELS",
     "LastBatch",
@@ -83,6 +84,10 @@ CALL_COST_WIDTH = 16 * 128 * 128  # Hv * Dk * Dv of the layer CALL_COST_ROWS was
 # parallel-tools trees, against 10.0 / 6.6 at a replay budget of 64 rows and 10.1 / 6.9 without replay (machine 1);
 # 7.85 / 6.11 against 9.3 / 6.45 and 11.5 / 6.12 on machine 2: the fastest or within 3 %.
 LEVEL_COST_ROWS = 512
+# What gathering the rows into call order costs, per row, in GDN rows (:func:`cheapest_plan` adds it to plans
+# that are not in DFS order): the five input gathers, the output's, and their backward were 0.4 ms of the 3.6 ms
+# of kernels of one levelled layer over ~15k rows (results/h100_s17, agentic parallel-tools, same layer as above).
+GATHER_COST_PER_ROW = 0.11
 # the levelled path by default where fla's chunk-level functions import (tree_gated_delta_rule_fla's ``levels``;
 # a compiled program reads it when it is lowered for CUDA, at its first CUDA step)
 LEVELS = True
@@ -149,6 +154,10 @@ class Wave:
     cu_seqlens: Tensor  # [k + 1] int64, relative to lo
     source: Tensor | None  # [k] row of the previous call's final states each segment starts from; None: roots
     lengths: tuple[int, ...]  # the k segment lengths, on the host (for :meth:`FlaPlan.chunk_indices`)
+    # [r] the segments of a later call that are roots (a root that feeds no segment, such as a length bucket's
+    # padding, runs in the last call so that the rows stay in DFS order): they start from the root state, and their
+    # ``source`` entries are 0 and unread.  None: no root after the first call.
+    roots: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -158,8 +167,8 @@ class FlaPlan:
     ``index [R]``: the DFS token behind every row fed to fla, call after call (a replayed ancestor's
     tokens appear once more, in front of the segment that replays them); ``out_rows [T]``: the row whose
     output is token t's (its own segment's, or for a segment that does not run, the first child's replay
-    of it); ``identity``: index and out_rows are
-    ``arange(T)`` (one call, no replay) and the gathers are skipped."""
+    of it); ``identity``: index and out_rows are ``arange(T)`` (no replay, and the calls' rows already in DFS
+    order: one call, or e.g. a prompt and its sampled completions) and the gathers are skipped."""
 
     index: Tensor
     out_rows: Tensor
@@ -323,7 +332,47 @@ def _schedule(segs: _Segments, replay_max: int) -> _Schedule:
                                                     for c in children[s]):
             wave[s] = -1
     rows = sum(length[s] + sum(length[a] for a in replays[s]) for s in range(S) if wave[s] >= 0)
+    if rows == segs.tokens and (in_order := _roots_delayed(wave, source, is_source)) is not None:
+        wave = in_order
     return _Schedule(source, replays, wave, calls=max(wave) + 1 if S else 0, rows=rows)
+
+
+def _roots_delayed(wave: list[int], source: list[int], is_source: list[bool]) -> list[int] | None:
+    """``wave`` with every root segment that feeds no segment (a length bucket's padding, a lone path) moved to
+    the call of the segment before it in DFS order, where that makes the calls go forward in DFS order throughout
+    (then the rows need no gather); None where it does not.  Such a root starts from the root state in any call."""
+    out, top = [], 0
+    for s, w in enumerate(wave):
+        if w < top:
+            if source[s] >= 0 or is_source[s]:
+                return None
+            w = top
+        out.append(w)
+        top = w
+    return out
+
+
+def start_states(source: Tensor | None, roots: Tensor | None, prev: Tensor | None, root_state: Tensor | None,
+                 segments: int, shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """The states ``[segments, Hv, Dk, Dv]`` a call's segments start from: rows ``source`` of the previous call's
+    final states ``prev``, and at ``roots`` (every segment where ``source`` is None) ``root_state [Hv, Dk, Dv]``
+    (zeros where None).  Differentiable in ``prev`` and ``root_state``."""
+    if source is None or roots is not None:
+        n = segments if source is None else len(roots)
+        root = (root_state.to(dtype).expand(n, *shape) if root_state is not None
+                else torch.zeros(n, *shape, dtype=dtype, device=device))
+        if source is None:
+            return root.contiguous()
+    init = prev.index_select(0, source)
+    return init if roots is None else init.index_copy(0, roots, root)
+
+
+def _in_dfs_order(sched: _Schedule, tokens: int) -> bool:
+    """Whether the schedule's rows are the tokens in DFS order (``index == arange(T)``): no replayed rows, every
+    segment runs, and the calls never go back in DFS order (segments are numbered in DFS order and laid out call
+    after call, in increasing number within a call).  Then :func:`tree_gated_delta_rule_fla` gathers nothing."""
+    wave = sched.wave
+    return sched.rows == tokens and all(w >= 0 for w in wave) and all(a <= b for a, b in zip(wave, wave[1:]))
 
 
 def _materialize(segs: _Segments, sched: _Schedule, dev: torch.device) -> FlaPlan:
@@ -359,11 +408,15 @@ def _materialize(segs: _Segments, sched: _Schedule, dev: torch.device) -> FlaPla
                 run(a, sched.wave[a] < 0 and not has_out[a])
             run(s, True)
             cu.append(rows - lo)
-        src = (None if w == 0 else
-               to_device_async(torch.tensor([row_in_wave[sched.source[s]] for s in members], dtype=torch.long), dev))
+        src = roots = None
+        if w:
+            src = to_device_async(torch.tensor([row_in_wave[sched.source[s]] if sched.source[s] >= 0 else 0
+                                                for s in members], dtype=torch.long), dev)
+            if r := [i for i, s in enumerate(members) if sched.source[s] < 0]:
+                roots = to_device_async(torch.tensor(r, dtype=torch.long), dev)
         waves.append(Wave(lo, rows, to_device_async(torch.tensor(cu, dtype=torch.long), dev), src,
-                          tuple(b - a for a, b in zip(cu, cu[1:]))))
-    identity = len(waves) == 1 and rows == T
+                          tuple(b - a for a, b in zip(cu, cu[1:])), roots))
+    identity = _in_dfs_order(sched, T)
     host_index = (torch.cat([torch.arange(a, b) for a, b in pieces]) if pieces
                   else torch.zeros(0, dtype=torch.long))
     return FlaPlan(index=to_device_async(host_index, dev), out_rows=to_device_async(out_rows, dev),
@@ -421,14 +474,16 @@ def gather_rows(x: Tensor, index: Tensor, groups: tuple[tuple[Tensor, Tensor], .
 
 def cheapest_plan(node_start: Tensor, node_end: Tensor, node_parent: Tensor, *,
                   call_cost_rows: int = CALL_COST_ROWS) -> FlaPlan:
-    """The :func:`plan_calls` plan of least ``calls * call_cost_rows + rows`` over ``replay_max`` in
+    """The :func:`plan_calls` plan of least ``calls * call_cost_rows + rows`` (plus
+    :data:`GATHER_COST_PER_ROW` per row where the rows are not the tokens in DFS order) over ``replay_max`` in
     0, 1, 2, 4, ... up to the tokens (all replayed: one call, the per-path rows), no fraction cap.  The
     candidates are planned on the host; only the chosen one is copied to the nodes' device."""
     segs = _segments(node_start, node_end, node_parent)
     best, best_cost, r = None, None, 0
     while True:
         sched = _schedule(segs, r)
-        cost = sched.calls * call_cost_rows + sched.rows
+        gather = 0.0 if _in_dfs_order(sched, segs.tokens) else GATHER_COST_PER_ROW * sched.rows
+        cost = sched.calls * call_cost_rows + sched.rows + gather
         if best is None or cost < best_cost:
             best, best_cost = sched, cost
         if r >= segs.tokens or sched.calls <= 1:
@@ -508,11 +563,7 @@ def tree_gated_delta_rule_fla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: 
     for i, (w, xi) in enumerate(zip(plan.waves, per_call)):
         n = w.cu_seqlens.numel() - 1
         chunk_indices, cu_seqlens_cpu = plan.chunk_indices(i, chunk_size)
-        if w.source is None:
-            init = (initial_state.to(state_dtype).expand(n, Hv, Dk, Dv).contiguous() if initial_state is not None
-                    else q.new_zeros(n, Hv, Dk, Dv, dtype=state_dtype))
-        else:
-            init = states.index_select(0, w.source)
+        init = start_states(w.source, w.roots, states, initial_state, n, (Hv, Dk, Dv), state_dtype, q.device)
         oi, states = kernel(*xi, scale=scale, initial_state=init,
                             output_final_state=True, cu_seqlens=w.cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
                             chunk_indices=chunk_indices,

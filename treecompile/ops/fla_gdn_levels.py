@@ -33,6 +33,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from treecompile.ops.fla_gdn import start_states
+
 __all__ = ["LevelTensors", "TreeGDNLevels", "level_tensors", "levels_unusable_reason"]
 
 
@@ -147,6 +149,7 @@ class CallSlice:
     chunk_indices: Tensor  # [c_hi - c_lo, 2] (device)
     chunk_offsets: Tensor  # [k + 1] first chunk of each segment, relative to c_lo (device)
     source: Tensor | None  # [k] row of the previous call's final states; None: roots
+    roots: Tensor | None  # [r] the roots of a later call (:attr:`~treecompile.ops.fla_gdn.Wave.roots`)
 
 
 @dataclass(frozen=True)
@@ -176,7 +179,7 @@ def level_tensors(plan, chunk_size: int) -> LevelTensors:
         calls.append(CallSlice(
             lo=w.lo, hi=w.hi, c_lo=c_lo, c_hi=c_lo + offsets[-1], segments=len(w.lengths), cu_seqlens=w.cu_seqlens,
             chunk_indices=plan.chunk_indices(i, chunk_size)[0],
-            chunk_offsets=to_device_async(torch.tensor(offsets, dtype=torch.long), dev), source=w.source))
+            chunk_offsets=to_device_async(torch.tensor(offsets, dtype=torch.long), dev), source=w.source, roots=w.roots))
         c_lo += offsets[-1]
     lengths = [n for w in plan.waves for n in w.lengths]
     out = LevelTensors(
@@ -213,6 +216,10 @@ def _recurrence(f, k, w, u, g, inits, L: LevelTensors, *, final_states: bool):
     if not direct:
         h, v_new = _cat(hs), _cat(vs)
     return h, v_new, used
+
+
+def _add(a: Tensor | None, b: Tensor) -> Tensor:
+    return b if a is None else a + b
 
 
 def _cat(xs):
@@ -255,11 +262,8 @@ class TreeGDNLevels(torch.autograd.Function):
                                  chunk_size=cs)
 
         def inits(i, c, prev):
-            if c.source is not None:
-                return prev.index_select(0, c.source)
-            if initial_state is not None:
-                return initial_state.float().expand(c.segments, Hv, K, V).contiguous()
-            return k.new_zeros(c.segments, Hv, K, V, dtype=torch.float32)
+            return start_states(c.source, c.roots, prev, initial_state, c.segments, (Hv, K, V), torch.float32,
+                                k.device)
 
         h, v_new, used = _recurrence(f, k, w, u, g, inits, L, final_states=True)
         o = f["fwd_o"](q=q, k=k, v=v_new, h=h, g=g, scale=scale, cu_seqlens=L.cu_seqlens,
@@ -283,7 +287,7 @@ class TreeGDNLevels(torch.autograd.Function):
         direct = f["direct"]
         if direct:
             dh, dv2 = torch.empty_like(h), torch.empty_like(dv)
-        dhs, dv2s, dht = [None] * len(L.calls), [None] * len(L.calls), None
+        dhs, dv2s, dht, d_init = [None] * len(L.calls), [None] * len(L.calls), None, None
         for i in range(len(L.calls) - 1, -1, -1):
             c = L.calls[i]
             r = slice(c.lo, c.hi)
@@ -295,11 +299,14 @@ class TreeGDNLevels(torch.autograd.Function):
                     q=q[:, r], k=k[:, r], w=w[:, r], do=do[:, r], dv=dv[:, r], g=g[:, r], h0=inits[i], dht=dht,
                     scale=scale, cu_seqlens=c.cu_seqlens, chunk_size=cs, chunk_indices=c.chunk_indices,
                     chunk_offsets=c.chunk_offsets)
-            if c.source is not None:  # the previous call's final states feed these segments: their gradients
-                prev = L.calls[i - 1]
-                dht = dh0.new_zeros(prev.segments, *dh0.shape[1:]).index_add_(0, c.source, dh0)
-            else:
-                d_init = dh0
+            if c.source is None:
+                d_init = _add(d_init, dh0.sum(0))
+                continue
+            if c.roots is not None:  # these segments started from the root state: their gradients are its
+                d_init = _add(d_init, dh0.index_select(0, c.roots).sum(0))
+                dh0 = dh0.index_fill(0, c.roots, 0)
+            # the previous call's final states feed the other segments: their gradients
+            dht = dh0.new_zeros(L.calls[i - 1].segments, *dh0.shape[1:]).index_add_(0, c.source, dh0)
         if not direct:
             dh, dv2 = _cat(dhs), _cat(dv2s)
         dq, dk, dw, dg = f["bwd_dqkwg"](q=q, k=k, v=v_new, w=w, g=g, h=h, dv=dv2, do=do, dh=dh, scale=scale,
@@ -312,5 +319,5 @@ class TreeGDNLevels(torch.autograd.Function):
         if ctx.l2norm:
             dq = f["l2norm_bwd"](q, q_rstd, dq)
             dk = f["l2norm_bwd"](k, k_rstd, dk)
-        d_initial = d_init.sum(0).to(ctx.init_dtype) if ctx.needs_input_grad[5] else None
+        d_initial = d_init.to(ctx.init_dtype) if ctx.needs_input_grad[5] else None
         return dq.to(q), dk.to(k), dv.to(v), dg.to(ctx.g_dtype), db.to(beta), d_initial, None, None, None
