@@ -172,11 +172,12 @@ def gdn_layer_times(trees: dict[str, list[list[int]]], device: str = "cuda") -> 
     return rows
 
 
-def layer_inputs(paths: list[list[int]], device: str):
-    """One GDN layer's inputs on the tree of ``paths`` (seed 0): ``(batch, [q, k, v, g, beta] (leaves that
-    require grad), d_out)``; q, k ``[1, T, H, DK]``, v ``[1, T, HV, DV]``, g (log decay, float32) and beta
-    ``[1, T, HV]``; bf16 on CUDA, float32 elsewhere."""
-    b = Tree.from_paths(paths).to_batch(device=device)
+def layer_inputs(paths: list[list[int]], device: str, pad_to_multiple: int | None = None):
+    """One GDN layer's inputs on the tree of ``paths`` (seed 0), padded to ``pad_to_multiple`` tokens as a
+    length bucket would be: ``(batch, [q, k, v, g, beta] (leaves that require grad), d_out)``; q, k
+    ``[1, T, H, DK]``, v ``[1, T, HV, DV]``, g (log decay, float32) and beta ``[1, T, HV]``; bf16 on CUDA, float32
+    elsewhere."""
+    b = Tree.from_paths(paths).to_batch(device=device, pad_to_multiple=pad_to_multiple)
     T = b.seq_len
     gen = torch.Generator(device=device).manual_seed(0)
     lp = torch.bfloat16 if device == "cuda" else torch.float32

@@ -11,6 +11,11 @@ kernels; everywhere the top host ops.  ``--compare FILE``: another ``fla_gdn.py`
 REV:treecompile/ops/fla_gdn.py``) whose ``tree_gated_delta_rule_fla`` runs the same tree variants as
 ``<name>_compare`` rows, and whose outputs and input gradients are compared with this tree's (max abs diff).  One
 JSON row per variant, then its top ops.
+
+``--case group``: a prompt and its sampled completions (a GRPO group, :func:`group_paths`), padded to ``--pad``
+tokens as a length bucket would be: its plan's rows are the tokens in DFS order, so the layer gathers nothing;
+``tree_planned_gathered`` is the same layer with that detection off (what ran before session 33: the rows
+gathered into call order and the output gathered back).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import random
 import sys
 import time
 from unittest import mock
@@ -32,6 +38,7 @@ else:
 
 from treecompile import Tree
 from treecompile.ops import fla_gdn
+from treecompile.ops.last_batch import LastBatch
 
 # the default (levelled: fla's chunk kernels once, the recurrence per call), levelled without replay, whole calls
 TREE_VARIANTS = {"tree_planned": {}, "tree_levels_r0": {"replay_max": 0, "levels": True},
@@ -59,11 +66,30 @@ def _load(path: str):
     return mod
 
 
-def variants(paths, device: str, compare=None) -> tuple[dict, list, torch.Tensor]:
-    """``({name: fn() -> output}, inputs, d_out)`` on the layer inputs of ``paths``."""
+def group_paths(prompt: int = 2048, samples: int = 16, lo: int = 512, hi: int = 1536, vocab: int = 1000,
+                seed: int = 0) -> list[list[int]]:
+    """A prompt of ``prompt`` tokens and ``samples`` completions of ``lo``-``hi`` tokens (each its own first token)."""
+    rnd = random.Random(seed)
+    head = [rnd.randrange(samples, vocab) for _ in range(prompt)]
+    return [head + [i] + [rnd.randrange(vocab) for _ in range(rnd.randint(lo, hi) - 1)] for i in range(samples)]
+
+
+_GATHERED_PLANS = LastBatch()  # the gathered variant's plan, made once like the default's
+
+
+def _gathered(fn):
+    """``fn()`` with the plans' DFS-order detection off: rows gathered into call order whatever the plan."""
+    with mock.patch.object(fla_gdn, "_in_dfs_order", lambda *a: False), \
+            mock.patch.object(fla_gdn, "_roots_delayed", lambda *a: None), \
+            mock.patch.object(fla_gdn, "_PLANS", _GATHERED_PLANS):
+        return fn()
+
+
+def variants(paths, device: str, compare=None, pad: int | None = None) -> tuple[dict, list, torch.Tensor]:
+    """``({name: fn() -> output}, inputs, d_out)`` on the layer inputs of ``paths`` (padded to ``pad``)."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    b, xs, do = hb.layer_inputs(paths, device)
+    b, xs, do = hb.layer_inputs(paths, device, pad)
     nodes = (b.node_start, b.node_end, b.node_parent, b.node_level)
     one = torch.tensor([0, b.seq_len], device=device)
     h0 = torch.zeros(1, hb.HV, hb.DK, hb.DV, device=device)
@@ -75,6 +101,8 @@ def variants(paths, device: str, compare=None) -> tuple[dict, list, torch.Tensor
         for name, kw in tree_variants().items():
             fns[name + suffix] = (lambda f=mod.tree_gated_delta_rule_fla, kw=kw:
                                   f(*xs, *nodes, use_qk_l2norm_in_kernel=True, **kw))
+    fns["tree_planned_gathered"] = lambda: _gathered(lambda: fla_gdn.tree_gated_delta_rule_fla(
+        *xs, *nodes, use_qk_l2norm_in_kernel=True))
     if "tree_levels_r0" in tree_variants():  # levelled, default plan, every kernel through fla's own functions
         fns["tree_planned_via_fla"] = lambda: _via_fla(lambda: fla_gdn.tree_gated_delta_rule_fla(
             *xs, *nodes, use_qk_l2norm_in_kernel=True))
@@ -134,7 +162,10 @@ def max_diff(fa, fb, xs, do) -> float:
 
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--case", choices=("syn", "agentic"), default="syn")
+    ap.add_argument("--case", choices=("syn", "agentic", "group"), default="syn")
+    ap.add_argument("--pad", type=int, default=None, help="pad the tree to a multiple of this many tokens")
+    ap.add_argument("--group", type=int, nargs=4, default=(2048, 16, 512, 1536), metavar=("PROMPT", "SAMPLES", "LO", "HI"),
+                    help="--case group: prompt tokens, completions, their shortest and longest")
     ap.add_argument("--compare", metavar="FILE", help="another fla_gdn.py to run the same tree variants with")
     ap.add_argument("--vocab", type=int, default=1000)
     ap.add_argument("--scale", type=float, default=hb.AGENTIC_SCALE, help="agentic tree scale")
@@ -142,15 +173,17 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--iters", type=int, default=5, help="timed steps per variant (the median is reported)")
     a = ap.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    paths = next(iter(hb.bench_trees(a.case, a.vocab, scale=a.scale).values()))
-    nodes = Tree.from_paths(paths).to_batch()
+    paths = (group_paths(*a.group, vocab=a.vocab) if a.case == "group"
+             else next(iter(hb.bench_trees(a.case, a.vocab, scale=a.scale).values())))
+    nodes = Tree.from_paths(paths).to_batch(pad_to_multiple=a.pad)
     nodes = (nodes.node_start, nodes.node_end, nodes.node_parent)
-    for r in (None, 0, 256):  # the plans tree_gated_delta_rule_fla takes at these replay_max
-        p = (fla_gdn.cheapest_plan(*nodes, call_cost_rows=fla_gdn.call_cost_rows(hb.HV, hb.DK, hb.DV)) if r is None
+    for r in (None, 0, 256):  # the plans tree_gated_delta_rule_fla takes at these replay_max (None: its default)
+        cost = (fla_gdn.level_cost_rows if fla_gdn.default_levels() else fla_gdn.call_cost_rows)(hb.HV, hb.DK, hb.DV)
+        p = (fla_gdn.cheapest_plan(*nodes, call_cost_rows=cost) if r is None
              else fla_gdn.plan_calls(*nodes, replay_max=r, max_replay_fraction=fla_gdn.REPLAY_FRACTION))
         print(json.dumps({"plan replay_max": r, "calls": p.calls, "levels": p.levels,
-                          "replayed": p.replayed_tokens}), flush=True)
-    fns, xs, do = variants(paths, device, _load(a.compare) if a.compare else None)
+                          "replayed": p.replayed_tokens, "in DFS order": p.identity}), flush=True)
+    fns, xs, do = variants(paths, device, _load(a.compare) if a.compare else None, a.pad)
     rows = []
     for name, fn in fns.items():
         row = {"variant": name, **profile_variant(fn, xs, do, warmup=a.warmup, iters=a.iters)}
@@ -159,6 +192,9 @@ def main(argv=None) -> list[dict]:
         for key in ("top_kernels", "top_host"):
             for ms, n, op in row[key]:
                 print(f"   {key[4:]:8s} {ms:8.2f} ms  n={n:4d}  {op}")
+    d = max_diff(fns["tree_planned"], fns["tree_planned_gathered"], xs, do)
+    rows.append({"variant": "tree_planned vs tree_planned_gathered", "max_abs_diff": d})
+    print(json.dumps(rows[-1]), flush=True)
     for name in tree_variants():
         if name + "_compare" in fns:
             d = max_diff(fns[name], fns[name + "_compare"], xs, do)
