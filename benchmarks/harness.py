@@ -98,12 +98,12 @@ if __package__:
     from benchmarks import hf_models
     from benchmarks.child_process import run_child
     from benchmarks.flops import FlopModel, path_attention_entries, tree_attention_entries
-    from benchmarks.trees import agentic_paths, agentic_specs, max_por, synthetic_paths
+    from benchmarks.trees import agentic_paths, agentic_specs, group_paths, max_por, synthetic_paths
 else:  # run as a script: benchmarks/ is on sys.path
     import hf_models
     from child_process import run_child
     from flops import FlopModel, path_attention_entries, tree_attention_entries
-    from trees import agentic_paths, agentic_specs, max_por, synthetic_paths
+    from trees import agentic_paths, agentic_specs, group_paths, max_por, synthetic_paths
 
 BASELINES = ("eager_per_path", "compiled_per_path", "packed_flex", "compiled_per_path_fa4", "packed_fa4_varlen",
              "compiled_per_path_fla", "packed_fla_varlen", "packed_fla_varlen_conv")
@@ -324,6 +324,13 @@ def synthetic_cases(pors, num_paths, path_len, vocab) -> list[TreeCase]:
         paths = synthetic_paths(num_paths, path_len, por, vocab=vocab, seed=int(por * 1000))
         out.append(TreeCase(f"syn POR={por:.2f}", "synthetic", por, tuple(map(tuple, paths))))
     return out
+
+
+def group_cases(group, vocab) -> list[TreeCase]:
+    """``group`` = (prompt, samples, lo, hi): one GRPO group (:func:`benchmarks.trees.group_paths`)."""
+    prompt, samples, lo, hi = group
+    paths = group_paths(prompt, samples, lo, hi, vocab=vocab)
+    return [TreeCase(f"group {prompt} + {samples} x {lo}-{hi}", "group", None, tuple(map(tuple, paths)))]
 
 
 def agentic_cases(scale, vocab, names=None) -> list[TreeCase]:
@@ -972,7 +979,8 @@ def child_command(args, *, model: str, case_index: int, contender: str, out: str
     cmd = [sys.executable, "-m", "benchmarks.harness", "--no-isolate", "--device", args.device, "--dtype", args.dtype,
            "--model", model, "--contenders", contender, "--case-index", str(case_index), "--out", out,
            "--iters", str(args.iters), "--capacity", str(args.capacity), "--paths", str(args.paths),
-           "--path-len", str(args.path_len), "--agentic-scale", repr(args.agentic_scale), "--por", *map(repr, args.por)]
+           "--path-len", str(args.path_len), "--agentic-scale", repr(args.agentic_scale), "--por", *map(repr, args.por),
+           "--group", *map(str, args.group)]
     for suite in args.suite or ["sweep", "agentic"]:
         cmd += ["--suite", suite]
     if args.agentic:
@@ -1218,7 +1226,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "HF transformers models: qwen3-30b-a3b-4l, qwen3.5-35b-a3b-8l, hf-qwen3-0.6b, hf-qwen3-moe-tiny, "
                     "hf-qwen3.5-moe-tiny; sliding windows: hf-mistral-0.6b-w512, hf-qwen3-0.6b-swa, "
                     "hf-mistral-tiny-w5)")
-    ap.add_argument("--suite", action="append", choices=["sweep", "agentic"], help="repeatable; default both")
+    ap.add_argument("--suite", action="append", choices=["sweep", "agentic", "group"],
+                    help="repeatable; default sweep and agentic (group: one prompt and its samples, --group)")
+    ap.add_argument("--group", type=int, nargs=4, default=[2048, 16, 512, 1536], metavar=("PROMPT", "SAMPLES", "LO", "HI"),
+                    help="the group suite's tree: prompt tokens, completions, their shortest and longest")
     ap.add_argument("--por", type=float, nargs="+", default=[0.2, 0.5, 0.7, 0.85, 0.92])
     ap.add_argument("--paths", type=int, default=16, help="paths per synthetic tree")
     ap.add_argument("--path-len", type=int, default=2048, help="tokens per synthetic path")
@@ -1257,6 +1268,8 @@ def bench_cases(args, vocab: int) -> list[TreeCase]:
         cases += synthetic_cases(args.por, args.paths, args.path_len, vocab)
     if "agentic" in suites:
         cases += agentic_cases(args.agentic_scale, vocab, args.agentic)
+    if "group" in suites:
+        cases += group_cases(args.group, vocab)
     return cases
 
 

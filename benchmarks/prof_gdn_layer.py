@@ -12,7 +12,7 @@ REV:treecompile/ops/fla_gdn.py``) whose ``tree_gated_delta_rule_fla`` runs the s
 ``<name>_compare`` rows, and whose outputs and input gradients are compared with this tree's (max abs diff).  One
 JSON row per variant, then its top ops.
 
-``--case group``: a prompt and its sampled completions (a GRPO group, :func:`group_paths`), padded to ``--pad``
+``--case group``: a prompt and its sampled completions (a GRPO group, ``trees.group_paths``), padded to ``--pad``
 tokens as a length bucket would be: its plan's rows are the tokens in DFS order, so the layer gathers nothing;
 ``tree_planned_gathered`` is the same layer with that detection off (what ran before session 33: the rows
 gathered into call order and the output gathered back).
@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import random
 import sys
 import time
 from unittest import mock
@@ -33,8 +32,10 @@ from torch.profiler import ProfilerActivity, profile
 
 if __package__:
     from benchmarks import hybrid_bench as hb
+    from benchmarks.trees import group_paths
 else:
     import hybrid_bench as hb
+    from trees import group_paths
 
 from treecompile import Tree
 from treecompile.ops import fla_gdn
@@ -64,14 +65,6 @@ def _load(path: str):
     sys.modules[spec.name] = mod  # dataclasses look their module up while the file executes
     spec.loader.exec_module(mod)
     return mod
-
-
-def group_paths(prompt: int = 2048, samples: int = 16, lo: int = 512, hi: int = 1536, vocab: int = 1000,
-                seed: int = 0) -> list[list[int]]:
-    """A prompt of ``prompt`` tokens and ``samples`` completions of ``lo``-``hi`` tokens (each its own first token)."""
-    rnd = random.Random(seed)
-    head = [rnd.randrange(samples, vocab) for _ in range(prompt)]
-    return [head + [i] + [rnd.randrange(vocab) for _ in range(rnd.randint(lo, hi) - 1)] for i in range(samples)]
 
 
 _GATHERED_PLANS = LastBatch()  # the gathered variant's plan, made once like the default's

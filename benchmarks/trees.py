@@ -20,6 +20,9 @@ Two families:
 
 ``agentic_specs(scale)`` is a fixed suite of specs whose POR spans roughly 0.28-0.89 (the range of
 the paper's real trees); ``scale`` multiplies every segment length.
+
+- :func:`group_paths` — a GRPO group: one prompt and its sampled completions (a two-level tree, the most common
+  RL batch).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import dataclasses
 import random
 from dataclasses import dataclass
 
-__all__ = ["synthetic_paths", "max_por", "AgenticSpec", "agentic_paths", "agentic_specs"]
+__all__ = ["synthetic_paths", "max_por", "AgenticSpec", "agentic_paths", "agentic_specs", "group_paths"]
 
 
 class _Fresh:
@@ -183,3 +186,15 @@ def harness_tree_paths(item: str) -> list[list[int]]:
         return synthetic_paths(int(n), int(length), float(por))
     except ValueError as e:
         raise ValueError(f"{item!r}: expected PATHSxLEN@POR, e.g. 32x2048@0.5 ({e})") from None
+
+
+def group_paths(prompt: int = 2048, samples: int = 16, lo: int = 512, hi: int = 1536, *, vocab: int = 151_936,
+                seed: int = 0) -> list[list[int]]:
+    """A prompt of ``prompt`` tokens and ``samples`` completions of ``lo``-``hi`` tokens (uniform), each with its own
+    first token (so the tree is the prompt and ``samples`` children)."""
+    if prompt < 0 or samples < 1 or not 1 <= lo <= hi or vocab - samples < 1:
+        raise ValueError(f"group: need prompt >= 0, samples >= 1, 1 <= lo <= hi and vocab > samples, got "
+                         f"{prompt}, {samples}, {lo}-{hi}, vocab {vocab}")
+    rng = random.Random(seed)
+    head = _Fresh(rng, vocab, first=samples)(prompt)
+    return [head + [i] + _Fresh(rng, vocab)(rng.randint(lo, hi) - 1) for i in range(samples)]

@@ -307,3 +307,32 @@ def test_harness_flat_grads_and_oom_note():
     assert oom_note("gradient copy", e, "attention: FA4 varlen") == (
         "attention: FA4 varlen; OOM in gradient copy: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a "
         "total capacity of 79.19 GiB of which 1.02 GiB is free")
+
+
+def test_group_paths_are_a_prompt_and_its_samples():
+    from benchmarks.trees import group_paths
+
+    paths = group_paths(20, 5, 3, 9, vocab=50, seed=1)
+    tree = Tree.from_paths(paths)
+    assert tree.num_nodes == 6 and all(p[:20] == paths[0][:20] for p in paths)
+    assert sorted(p[20] for p in paths) == list(range(5)) and all(23 <= len(p) <= 29 for p in paths)
+    assert tree.num_tokens == 20 + sum(len(p) - 20 for p in paths)
+    assert group_paths(20, 5, 3, 9, vocab=50, seed=1) == paths  # seeded
+    for bad in ((-1, 2, 1, 2), (4, 0, 1, 2), (4, 2, 0, 2), (4, 2, 3, 2)):
+        with pytest.raises(ValueError, match="group"):
+            group_paths(*bad)
+
+
+def test_harness_group_suite_on_cpu(tmp_path):
+    """``--suite group``: one GRPO group, the tree exact against the per-path reference."""
+    import csv
+
+    from benchmarks import harness
+
+    rc = harness.main(["--device", "cpu", "--tiny", "--model", "dense-tiny", "--dtype", "float64", "--suite", "group",
+                       "--group", "12", "3", "4", "8", "--contenders", "eager_per_path", "tree", "--out", str(tmp_path)])
+    assert rc == 0
+    rows = {r["contender"]: r for r in csv.DictReader(open(tmp_path / "results.csv"))}
+    assert set(rows) == {"eager_per_path", "tree"} and rows["tree"]["tree"] == "group 12 + 3 x 4-8"
+    assert rows["tree"]["status"] == "ok" and float(rows["tree"]["loss_rel_dev"]) < 1e-9
+    assert int(rows["tree"]["paths"]) == 3 and float(rows["tree"]["bound"]) > 1
