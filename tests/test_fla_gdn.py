@@ -7,7 +7,7 @@ import functools
 import pytest
 import torch
 
-from benchmarks.trees import short_node_paths
+from benchmarks.trees import group_paths, short_node_paths
 from treecompile import Tree
 from treecompile.ops.fla_gdn import fla_available, fla_unusable_reason, tree_gated_delta_rule_fla
 from treecompile.ops.tree_gdn import sequence_nodes, tree_gated_delta_rule
@@ -60,18 +60,25 @@ def test_fla_tree_equals_per_path_oracle(dtype, seed, levels):
         assert err <= 4 * n + 1e-6, f"{name}: tree error {err:.2e} vs fla's own per-path error {n:.2e}"
 
 
+@pytest.mark.parametrize("tree", ["deep", "padded_group"])
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "dispatched"])
 @pytest.mark.parametrize("replay_max", [0, 8])
-def test_levels_equal_whole_calls_with_initial_state(replay_max, direct, monkeypatch):
+def test_levels_equal_whole_calls_with_initial_state(replay_max, direct, tree, monkeypatch):
     """The levelled path (fla's chunk kernels once, the recurrence per call; its kernels launched into one buffer
     or called through fla's functions) against whole fla calls on the same plan, with a root initial state and
-    its gradient, and both against the float64 oracle."""
+    its gradient, and both against the float64 oracle.  ``padded_group``: a prompt, its samples and a bucket's
+    padding, planned in DFS order (no gather; the padding's root in the samples' call)."""
     from treecompile.ops import fla_gdn_levels
+    from treecompile.ops.fla_gdn import plan_calls
 
     monkeypatch.setattr(fla_gdn_levels, "DIRECT", direct)
     assert (fla_gdn_levels._fla()["direct"] is not None) == direct  # no fla backend claims them on this GPU
-    paths = short_node_paths(2)
-    b = Tree.from_paths(paths).to_batch(device="cuda")
+    if tree == "deep":
+        b = Tree.from_paths(short_node_paths(2)).to_batch(device="cuda")
+    else:
+        b = Tree.from_paths(group_paths(150, 5, 20, 90, vocab=500)).to_batch(pad_to_multiple=256, device="cuda")
+        plan = plan_calls(b.node_start, b.node_end, b.node_parent, replay_max=replay_max)
+        assert plan.identity and plan.waves[-1].roots is not None
     T, H, Hv, Dk, Dv = b.seq_len, 2, 4, 64, 64
     gen = torch.Generator(device="cuda").manual_seed(3)
     xs = inputs(T, H, Hv, Dk, Dv, torch.float32, gen)
