@@ -85,9 +85,11 @@ CALL_COST_WIDTH = 16 * 128 * 128  # Hv * Dk * Dv of the layer CALL_COST_ROWS was
 # 7.85 / 6.11 against 9.3 / 6.45 and 11.5 / 6.12 on machine 2: the fastest or within 3 %.
 LEVEL_COST_ROWS = 512
 # What gathering the rows into call order costs, per row, in GDN rows (:func:`cheapest_plan` adds it to plans
-# that are not in DFS order): the five input gathers, the output's, and their backward were 0.4 ms of the 3.6 ms
-# of kernels of one levelled layer over ~15k rows (results/h100_s17, agentic parallel-tools, same layer as above).
-GATHER_COST_PER_ROW = 0.11
+# that are not in DFS order): the five input gathers, the output's, and their backward (`vectorized_gather`,
+# `index_copy_`) against the rest of one levelled layer's kernels, same layer as above (results/h100_s33,
+# prof_gdn_layer): 0.70 of 3.62 ms (agentic parallel-tools), 0.76 of 4.07 (16 x 2,048 POR 0.5), 0.92 of 4.59
+# (a prompt of 2,048 and 16 samples, gathered): 0.24-0.25 of a row's other kernels.
+GATHER_COST_PER_ROW = 0.25
 # the levelled path by default where fla's chunk-level functions import (tree_gated_delta_rule_fla's ``levels``;
 # a compiled program reads it when it is lowered for CUDA, at its first CUDA step)
 LEVELS = True
