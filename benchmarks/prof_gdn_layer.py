@@ -13,9 +13,9 @@ REV:treecompile/ops/fla_gdn.py``) whose ``tree_gated_delta_rule_fla`` runs the s
 JSON row per variant, then its top ops.
 
 ``--case group``: a prompt and its sampled completions (a GRPO group, ``trees.group_paths``), padded to ``--pad``
-tokens as a length bucket would be: its plan's rows are the tokens in DFS order, so the layer gathers nothing;
-``tree_planned_gathered`` is the same layer with that detection off (what ran before session 33: the rows
-gathered into call order and the output gathered back).
+tokens as a length bucket would be: its plan's rows are the tokens in DFS order, so the layer gathers nothing.
+``tree_planned_gathered`` (every case): the same layer with the rows gathered into call order whatever the plan
+(DFS-order detection and ``fla_gdn.IN_PLACE`` off: what ran before session 33).
 """
 
 from __future__ import annotations
@@ -71,8 +71,8 @@ _GATHERED_PLANS = LastBatch()  # the gathered variant's plan, made once like the
 
 
 def _gathered(fn):
-    """``fn()`` with the plans' DFS-order detection off: rows gathered into call order whatever the plan."""
-    with mock.patch.object(fla_gdn, "_in_dfs_order", lambda *a: False), \
+    """``fn()`` with the plans' DFS-order detection and in-place reads off: rows gathered into call order."""
+    with mock.patch.object(fla_gdn, "_in_dfs_order", lambda *a: False), mock.patch.object(fla_gdn, "IN_PLACE", False), \
             mock.patch.object(fla_gdn, "_roots_delayed", lambda *a: None), \
             mock.patch.object(fla_gdn, "_PLANS", _GATHERED_PLANS):
         return fn()

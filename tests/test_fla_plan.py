@@ -341,3 +341,71 @@ def test_padding_and_host_plans_do_not_wait_for_the_gpu():
     ref = fla_gdn._materialize(segs, fla_gdn._schedule(segs, 8), torch.device("cpu"))
     assert torch.equal(plan.index.cpu(), ref.index) and torch.equal(plan.out_rows.cpu(), ref.out_rows)
     assert runs.tiles.device.type == "cuda"
+
+
+def run_slots_in_torch(xs, h0, L):
+    """The levelled path's recurrence as its kernels read :class:`LevelTensors` (one program per slot: rows
+    ``[cu[j], cu[j + 1])``, none where that pair goes backwards, the final state then being the initial one), each
+    slot's segment through the float64 torch GDN from ``start_states``: the rows' layout, the slots' sources and
+    roots, checked without fla."""
+    from treecompile.ops.fla_gdn import start_states
+
+    q, k, v, g, beta = xs
+    Hv_, Dk, Dv_ = v.shape[2], k.shape[3], v.shape[3]
+    out, prev = torch.zeros_like(v), None
+    for c in L.calls:
+        init = start_states(c.source, c.roots, prev, h0, c.segments, (Hv_, Dk, Dv_), F64, q.device)
+        cu, finals = c.cu_seqlens.tolist(), []
+        for j in range(c.segments):
+            a, e = c.lo + cu[j], c.lo + cu[j + 1]
+            if e <= a:
+                finals.append(init[j])
+                continue
+            o, h = torch_chunk_gated_delta_rule(q[:, a:e], k[:, a:e], v[:, a:e], g[:, a:e], beta[:, a:e], chunk_size=4,
+                                                initial_state=init[j:j + 1], output_final_state=True,
+                                                use_qk_l2norm_in_kernel=True)
+            out = out.index_copy(1, torch.arange(a, e), o)
+            finals.append(h[0])
+        prev = torch.stack(finals)
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(TREES))
+def test_in_place_slots_read_each_segment_where_it_lies(name):
+    """``level_tensors(..., in_place=True)`` of a plan without replay: every segment's rows are its own DFS range
+    (no gather), gaps between slots go backwards, and run as the kernels read them (emulated in float64 torch) the
+    tree equals the reference op, forward and gradients, from a root initial state, padding included."""
+    from treecompile.ops.fla_gdn_levels import level_tensors
+
+    b = Tree.from_paths(TREES[name]).to_batch(pad_to_multiple=8)
+    nodes = (b.node_start, b.node_end, b.node_parent, b.node_level)
+    plan = fla_gdn.plan_calls(*nodes[:3], replay_max=0)
+    L = level_tensors(plan, 4, in_place=True)
+    assert L.in_place != plan.identity and level_tensors(plan, 4, in_place=True) is L
+    if plan.identity:
+        return
+    assert torch.equal(L.cu_seqlens, torch.tensor([0, *sorted(int(e) for w in plan.waves for e in
+                                                              torch.tensor(w.starts) + torch.tensor(w.lengths))]))
+    covered = []
+    for c in L.calls:
+        cu = c.cu_seqlens.tolist()
+        assert all(cu[j + 1] < cu[j + 2] for j in range(1, c.segments, 2))  # the gaps go backwards
+        covered += [t for j in range(0, c.segments, 2) for t in range(cu[j], cu[j + 1])]
+    assert sorted(covered) == list(range(b.seq_len))  # each token read once, by its own segment's slot
+    xs = gdn_inputs(b.seq_len, 0, with_init=True)
+    leaves = [x for x in xs if x is not None]
+    W = torch.randn(1, b.seq_len, Hv, Dv, dtype=F64, generator=torch.Generator().manual_seed(1))
+    ref = tree_gdn.tree_gated_delta_rule(*xs[:5], *nodes, xs[5], use_qk_l2norm_in_kernel=True, chunk_size=4)
+    got = run_slots_in_torch(xs[:5], xs[5], L)
+    torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+    for a, r in zip(torch.autograd.grad((got * W).sum(), leaves), torch.autograd.grad((ref * W).sum(), leaves)):
+        torch.testing.assert_close(a, r, rtol=1e-10, atol=1e-12)
+
+
+def test_in_place_refuses_replayed_rows():
+    from treecompile.ops.fla_gdn_levels import level_tensors
+
+    b = Tree.from_paths(ODD_TREES["one_token_nodes"]).to_batch()
+    plan = fla_gdn.plan_calls(b.node_start, b.node_end, b.node_parent, replay_max=3)
+    with pytest.raises(ValueError, match="without replayed rows"):
+        level_tensors(plan, 4, in_place=True)

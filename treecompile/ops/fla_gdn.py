@@ -10,7 +10,9 @@ the same call (ready sets), so a layer costs ``plan.calls`` fla calls forward an
 picks how much to replay: a call costs ~4.5 ms of host time on H100 whatever its size, a replayed row a
 fraction of a microsecond, so the plan of least ``calls * call_cost_rows + rows`` wins.  Each call gets
 its chunk indices from the plan (made on the host once per batch: fla would sync the host to derive them).  The inputs are gathered once per
-layer into call order (each call reads a contiguous slice), the outputs scattered back once; the
+layer into call order (each call reads a contiguous slice), the outputs scattered back once, unless the rows are
+the tokens in DFS order already (``FlaPlan.identity``: a prompt and its samples) or the levelled path reads them in
+place (:data:`IN_PLACE`, plans without replay); the
 starting states are gathered with ``index_select`` from the previous call's final states, so autograd
 (fla's own backward, which returns gradients for initial states and takes them for final states)
 carries gradients to every ancestor.
@@ -42,6 +44,7 @@ __all__ = [
     "REPLAY_FRACTION",
     "FlaPlan",
     "GATHER_COST_PER_ROW",
+    "IN_PLACE",
     "LEVEL_COST_ROWS",
     "LEVELS",
     "LastBatch",
@@ -106,6 +109,17 @@ def _levels_reason() -> str | None:
     return levels_unusable_reason()
 
 
+# The levelled path reads the rows of a plan without replay in place, in DFS order (no gather), where it launches
+# fla's recurrence kernels itself (fla_gdn_levels.DIRECT); see fla_gdn_levels.level_tensors.
+IN_PLACE = True
+
+
+def _in_place_usable() -> bool:
+    from treecompile.ops.fla_gdn_levels import direct_launches
+
+    return IN_PLACE and direct_launches()
+
+
 def default_levels() -> bool:
     """What ``levels=None`` means for fla's own kernels here: :data:`LEVELS` and fla's chunk functions import."""
     return LEVELS and _levels_reason() is None
@@ -160,6 +174,7 @@ class Wave:
     # padding, runs in the last call so that the rows stay in DFS order): they start from the root state, and their
     # ``source`` entries are 0 and unread.  None: no root after the first call.
     roots: Tensor | None = None
+    starts: tuple[int, ...] = ()  # the DFS token each segment's own rows start at (after its replayed rows), host
 
 
 @dataclass(frozen=True)
@@ -417,7 +432,7 @@ def _materialize(segs: _Segments, sched: _Schedule, dev: torch.device) -> FlaPla
             if r := [i for i, s in enumerate(members) if sched.source[s] < 0]:
                 roots = to_device_async(torch.tensor(r, dtype=torch.long), dev)
         waves.append(Wave(lo, rows, to_device_async(torch.tensor(cu, dtype=torch.long), dev), src,
-                          tuple(b - a for a, b in zip(cu, cu[1:])), roots))
+                          tuple(b - a for a, b in zip(cu, cu[1:])), roots, tuple(s_start[s] for s in members)))
     identity = _in_dfs_order(sched, T)
     host_index = (torch.cat([torch.arange(a, b) for a, b in pieces]) if pieces
                   else torch.zeros(0, dtype=torch.long))
@@ -475,16 +490,18 @@ def gather_rows(x: Tensor, index: Tensor, groups: tuple[tuple[Tensor, Tensor], .
 
 
 def cheapest_plan(node_start: Tensor, node_end: Tensor, node_parent: Tensor, *,
-                  call_cost_rows: int = CALL_COST_ROWS) -> FlaPlan:
+                  call_cost_rows: int = CALL_COST_ROWS, in_place: bool = False) -> FlaPlan:
     """The :func:`plan_calls` plan of least ``calls * call_cost_rows + rows`` (plus
-    :data:`GATHER_COST_PER_ROW` per row where the rows are not the tokens in DFS order) over ``replay_max`` in
+    :data:`GATHER_COST_PER_ROW` per row where the rows must be gathered: not the tokens in DFS order, or with
+    ``in_place`` (the levelled path reads plans without replay in place), replayed) over ``replay_max`` in
     0, 1, 2, 4, ... up to the tokens (all replayed: one call, the per-path rows), no fraction cap.  The
     candidates are planned on the host; only the chosen one is copied to the nodes' device."""
     segs = _segments(node_start, node_end, node_parent)
     best, best_cost, r = None, None, 0
     while True:
         sched = _schedule(segs, r)
-        gather = 0.0 if _in_dfs_order(sched, segs.tokens) else GATHER_COST_PER_ROW * sched.rows
+        free = sched.rows == segs.tokens if in_place else _in_dfs_order(sched, segs.tokens)
+        gather = 0.0 if free else GATHER_COST_PER_ROW * sched.rows
         cost = sched.calls * call_cost_rows + sched.rows + gather
         if best is None or cost < best_cost:
             best, best_cost = sched, cost
@@ -496,15 +513,15 @@ def cheapest_plan(node_start: Tensor, node_end: Tensor, node_parent: Tensor, *,
 _PLANS = LastBatch()  # the plan of the last batch
 
 
-def _cached_plan(node_start, node_end, node_parent, replay_max, cost_rows=CALL_COST_ROWS):
+def _cached_plan(node_start, node_end, node_parent, replay_max, cost_rows=CALL_COST_ROWS, in_place=False):
     """The plan of :func:`tree_gated_delta_rule_fla`, once per batch (:class:`LastBatch`)."""
     tensors = (node_start, node_end, node_parent)
 
     def build():
-        return (cheapest_plan(*tensors, call_cost_rows=cost_rows) if replay_max is None
+        return (cheapest_plan(*tensors, call_cost_rows=cost_rows, in_place=in_place) if replay_max is None
                 else plan_calls(*tensors, replay_max=replay_max, max_replay_fraction=REPLAY_FRACTION))
 
-    return _PLANS.get(tensors, (replay_max, cost_rows if replay_max is None else None), build)
+    return _PLANS.get(tensors, (replay_max, (cost_rows, in_place) if replay_max is None else None), build)
 
 
 def tree_gated_delta_rule_fla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, node_start: Tensor,
@@ -544,16 +561,19 @@ def tree_gated_delta_rule_fla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: 
     else:
         v_in = v
     cost = level_cost_rows(Hv, Dk, Dv) if levels else call_cost_rows(Hv, Dk, Dv)
-    plan = _cached_plan(node_start, node_end, node_parent, replay_max, cost)
+    in_place = levels and _in_place_usable()
+    plan = _cached_plan(node_start, node_end, node_parent, replay_max, cost, in_place)
     xs = (q, k, v_in, g, beta)
-    if not plan.identity:  # one gather per input for all calls; each call reads a contiguous block of rows
+    # rows in DFS order, or (levelled, no replayed rows) read in place: no gather
+    gathered = not plan.identity and not (in_place and plan.replayed_tokens == 0)
+    if gathered:  # one gather per input for all calls; each call reads a contiguous block of rows
         xs = tuple(gather_rows(x, plan.index, plan.occurrences) for x in xs)
     if levels:
         from treecompile.ops.fla_gdn_levels import TreeGDNLevels, level_tensors
 
-        o = TreeGDNLevels.apply(*xs, initial_state, level_tensors(plan, chunk_size),
+        o = TreeGDNLevels.apply(*xs, initial_state, level_tensors(plan, chunk_size, in_place=not gathered),
                                 scale if scale is not None else Dk ** -0.5, use_qk_l2norm_in_kernel)
-        if not plan.identity:
+        if gathered:
             o = o.index_select(1, plan.out_rows)
         return o.to(v.dtype)
     # each call's rows as one split of the gathered inputs: the backward is one cat per input (slices

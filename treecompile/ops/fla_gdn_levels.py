@@ -19,6 +19,13 @@ Triton's interpreter, and on Hopper in ``tests/test_fla_gdn.py``).  The two recu
 straight into slices of one buffer per layer (:data:`DIRECT`) unless a backend of fla's dispatch that is
 enabled here claims their functions.
 
+A plan without replayed rows is read in place (``level_tensors(..., in_place=True)``, chosen by
+``fla_gdn.IN_PLACE`` where the recurrence kernels are launched directly): the chunk-local kernels run over the
+segments in DFS order, and each call's recurrence over its segments where they lie, through slots whose
+``cu_seqlens`` pairs alternate a segment's range with a backwards gap (no chunk runs there; see
+:class:`CallSlice`).  No gather of the inputs, no scatter of the output, the same numbers (bit for bit under
+Triton's interpreter, ``benchmarks/fla_interpret_check.py``).
+
 Uses fla's internal (not exported) functions of flash-linear-attention 0.6; :func:`levels_unusable_reason`
 says when they are not importable, and the caller then falls back to whole calls.
 """
@@ -33,6 +40,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from treecompile.host_values import host_copy
 from treecompile.ops.fla_gdn import start_states
 
 __all__ = ["LevelTensors", "TreeGDNLevels", "level_tensors", "levels_unusable_reason"]
@@ -138,18 +146,24 @@ def _launch_bwd_dhu(kernel, q, k, w, do, dv, g, h0, dht, scale, c: CallSlice, dh
 
 @dataclass(frozen=True)
 class CallSlice:
-    """One call of the plan inside the laid-out rows: rows ``[lo, hi)``, chunks ``[c_lo, c_hi)``."""
+    """One call of the plan inside the laid-out rows: rows ``[lo, hi)``, chunks ``[c_lo, c_hi)``.  Its recurrence
+    kernels run one program per slot (and value block and head): ``segments`` slots, slot ``j`` the rows
+    ``[cu_seqlens[j], cu_seqlens[j + 1])``.  Gathered rows: a slot per segment of the call.  In place
+    (:func:`level_tensors` with ``in_place``): the call's segments in decreasing DFS order with a slot between
+    each two, whose ``cu_seqlens`` pair goes backwards (an empty recurrence: no chunk runs, its final state is its
+    initial state, and its state gradient, zero, passes through), so every segment reads its rows where they lie."""
 
     lo: int
     hi: int
     c_lo: int
     c_hi: int
-    segments: int
-    cu_seqlens: Tensor  # [k + 1], relative to lo (device)
-    chunk_indices: Tensor  # [c_hi - c_lo, 2] (device)
-    chunk_offsets: Tensor  # [k + 1] first chunk of each segment, relative to c_lo (device)
-    source: Tensor | None  # [k] row of the previous call's final states; None: roots
-    roots: Tensor | None  # [r] the roots of a later call (:attr:`~treecompile.ops.fla_gdn.Wave.roots`)
+    segments: int  # slots
+    cu_seqlens: Tensor  # [slots + 1], relative to lo (device)
+    chunk_indices: Tensor | None  # [c_hi - c_lo, 2] (device); None in place (only the direct launches read it)
+    chunk_offsets: Tensor  # [slots + 1] first chunk of each slot, relative to c_lo (device)
+    source: Tensor | None  # [slots] slot of the previous call's final states; None: roots
+    roots: Tensor | None  # [r] the slots of a later call's roots (:attr:`~treecompile.ops.fla_gdn.Wave.roots`)
+    members: Tensor | None = None  # [k] the slot of each segment, in the plan's order; None: slot = segment
 
 
 @dataclass(frozen=True)
@@ -157,20 +171,31 @@ class LevelTensors:
     """What :class:`TreeGDNLevels` needs of a :class:`~treecompile.ops.fla_gdn.FlaPlan` at one chunk size,
     made on the host once per plan (:func:`level_tensors`) and copied to the device without blocking."""
 
-    cu_seqlens: Tensor  # [S + 1] every segment of every call, laid end to end (device)
+    cu_seqlens: Tensor  # [S + 1] every segment of every call, laid end to end (in place: in DFS order) (device)
     chunk_indices: Tensor  # [NT, 2] fla's (segment, chunk) rows over all of them (device)
     calls: tuple[CallSlice, ...]
     chunk_size: int
+    in_place: bool = False  # the rows are the tokens in DFS order, read by the calls where they lie
 
 
-def level_tensors(plan, chunk_size: int) -> LevelTensors:
+def direct_launches() -> bool:
+    """Whether the levelled path launches fla's recurrence kernels itself (:data:`DIRECT` and no fla backend
+    claims them): what reading the rows in place needs."""
+    return _fla()["direct"] is not None
+
+
+def level_tensors(plan, chunk_size: int, *, in_place: bool = False) -> LevelTensors:
     """The :class:`LevelTensors` of ``plan`` (cached on the plan; each call's chunk indices are the plan's own,
-    :meth:`~treecompile.ops.fla_gdn.FlaPlan.chunk_indices`)."""
+    :meth:`~treecompile.ops.fla_gdn.FlaPlan.chunk_indices`).  ``in_place`` (a plan without replayed rows): the rows
+    are the tokens in DFS order, not gathered into call order (:func:`_in_place_tensors`)."""
     from treecompile.ops.fla_gdn import host_chunk_indices
     from treecompile.host_values import to_device_async
 
-    key = ("levels", chunk_size)
+    key = ("levels", chunk_size, in_place)
     if key in plan._cache:
+        return plan._cache[key]
+    if in_place and not plan.identity:
+        plan._cache[key] = _in_place_tensors(plan, chunk_size)
         return plan._cache[key]
     dev = plan.index.device
     calls, c_lo = [], 0
@@ -188,6 +213,58 @@ def level_tensors(plan, chunk_size: int) -> LevelTensors:
         calls=tuple(calls), chunk_size=chunk_size)
     plan._cache[key] = out
     return out
+
+
+def _in_place_tensors(plan, chunk_size: int) -> LevelTensors:
+    """:class:`LevelTensors` that read a plan's rows where they lie in DFS order.  Without replay each segment's rows
+    are one DFS range (``Wave.starts``, ``Wave.lengths``); the chunk-local kernels run over all segments in DFS order
+    (fla's chunks never cross a segment, so the order of the segments does not change a number), and each call's
+    recurrence over its segments through the slots of :class:`CallSlice`: its segments in decreasing DFS order, an
+    empty slot between two, so that ``cu_seqlens`` pairs name the segments' own ranges and the gaps go backwards.
+    Same kernels over the same chunks as the gathered rows: the same numbers."""
+    from treecompile.host_values import to_device_async
+    from treecompile.ops.fla_gdn import host_chunk_indices
+
+    if plan.replayed_tokens:
+        raise ValueError("rows read in place need a plan without replayed rows")
+    dev = plan.index.device
+    segs = sorted((a, n) for w in plan.waves for a, n in zip(w.starts, w.lengths))
+    first_chunk, c = {}, 0
+    for a, n in segs:
+        first_chunk[a] = c
+        c += -(-n // chunk_size)
+    R = sum(n for _, n in segs)
+
+    def device(xs):
+        return to_device_async(torch.tensor(xs, dtype=torch.long), dev)
+
+    calls, slot_of_prev = [], None
+    for w in plan.waves:
+        order = sorted(range(len(w.starts)), key=lambda j: -w.starts[j])  # members, in decreasing DFS order
+        slot = [0] * len(order)
+        cu, offsets = [], []
+        for m, j in enumerate(order):
+            slot[j] = 2 * m
+            cu += [w.starts[j], w.starts[j] + w.lengths[j]]
+            offsets += [first_chunk[w.starts[j]], 0]  # a gap's chunk offset is never read
+        slots = 2 * len(order) - 1
+        src = roots = None
+        if w.source is not None:
+            source = [0] * slots  # gaps: any valid slot (their gradient, zero, adds nothing)
+            for j, r in enumerate(host_copy(w.source).tolist()):
+                source[slot[j]] = slot_of_prev[r]
+            src = device(source)
+            if w.roots is not None:
+                roots = device([slot[j] for j in host_copy(w.roots).tolist()])
+        calls.append(CallSlice(lo=0, hi=R, c_lo=0, c_hi=c, segments=slots, cu_seqlens=device(cu),
+                               chunk_indices=None, chunk_offsets=device(offsets[:slots] + [0]), source=src,
+                               roots=roots, members=device(slot)))
+        slot_of_prev = slot
+    lengths = [n for _, n in segs]
+    return LevelTensors(
+        cu_seqlens=device([0, *itertools.accumulate(lengths)]),
+        chunk_indices=to_device_async(host_chunk_indices(lengths, chunk_size), dev),
+        calls=tuple(calls), chunk_size=chunk_size, in_place=True)
 
 
 def _recurrence(f, k, w, u, g, inits, L: LevelTensors, *, final_states: bool):
@@ -249,6 +326,8 @@ class TreeGDNLevels(torch.autograd.Function):
     @staticmethod
     def _forward(ctx, q, k, v, g, beta, initial_state, L: LevelTensors, scale: float, l2norm: bool):
         f = _fla()
+        if L.in_place and f["direct"] is None:
+            raise RuntimeError("rows read in place need fla's recurrence kernels launched directly (DIRECT)")
         q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
         q_rstd = k_rstd = None
         if l2norm:
@@ -299,8 +378,8 @@ class TreeGDNLevels(torch.autograd.Function):
                     q=q[:, r], k=k[:, r], w=w[:, r], do=do[:, r], dv=dv[:, r], g=g[:, r], h0=inits[i], dht=dht,
                     scale=scale, cu_seqlens=c.cu_seqlens, chunk_size=cs, chunk_indices=c.chunk_indices,
                     chunk_offsets=c.chunk_offsets)
-            if c.source is None:
-                d_init = _add(d_init, dh0.sum(0))
+            if c.source is None:  # (summed in the plan's order of the segments, as whole calls sum them)
+                d_init = _add(d_init, (dh0 if c.members is None else dh0.index_select(0, c.members)).sum(0))
                 continue
             if c.roots is not None:  # these segments started from the root state: their gradients are its
                 d_init = _add(d_init, dh0.index_select(0, c.roots).sum(0))
