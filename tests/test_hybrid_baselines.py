@@ -242,7 +242,7 @@ def test_prof_gdn_layer_group_case_is_in_dfs_order(stand_in_fla, capsys):
 
     rows = prof_gdn_layer.main(["--case", "group", "--group", "20", "3", "5", "12", "--pad", "16", "--warmup", "0",
                                 "--iters", "1"])
-    assert '{"plan replay_max": 0, "calls": 2, "levels": 2, "replayed": 0, "in DFS order": true' in capsys.readouterr().out
+    assert '{"plan replay_max": 0, "calls": 2, "levels": 2, "replayed": 0, "rows": "in DFS order"' in capsys.readouterr().out
     diffs = {r["variant"]: r["max_abs_diff"] for r in rows if "max_abs_diff" in r}
     assert diffs["tree_planned vs tree_planned_gathered"] < 1e-5
 
