@@ -2,7 +2,7 @@
 ``benchmarks/bench_attention.py --dense``.
 
 Measured slower than compiled FlexAttention with the tree BlockMask on an H200 (torch 2.11; numbers
-in benchmarks/RESULTS.md, "Dense decompositions"), so ``treecompile.compile`` does not use them.  They
+in benchmarks/results/HISTORY.md, "Dense decompositions"), so ``treecompile.compile`` does not use them.  They
 live in ``ops/`` (tensors and kernels only, like the other tree-attention ops) rather than in
 ``benchmarks/`` so that their tests (tests/test_dense_tree_attention.py) import library code and the
 comparison can be re-run when the kernels underneath change.

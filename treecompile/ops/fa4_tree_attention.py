@@ -15,7 +15,7 @@ Two ways to run the FA4 kernels under the tree's interval BlockMask (``flex_tree
   attention layer.
 
 Both reach the same FA4 kernels; benchmarks/bench_attention.py ``--fa4`` times them side by side
-(benchmarks/RESULTS.md), and the lowering takes flex FLASH because it matches the direct call's speed
+(benchmarks/results/HISTORY.md), and the lowering takes flex FLASH because it matches the direct call's speed
 and keeps attention inside inductor's graph.
 
 :func:`fa4_unusable_reason` says why FA4 cannot serve given inputs (None when it can): the lowering's

@@ -56,7 +56,7 @@ __all__ = [
 DEFAULT_BLOCK_SIZE = (128, 128)  # (q block, kv block) of the sparse block mask
 
 # Kernel options for Hopper (sm_90), bf16/fp16, head_dim 128.  Chosen by the sweep in
-# benchmarks/bench_attention.py (numbers in benchmarks/RESULTS.md).  Other dtypes, head sizes and
+# benchmarks/bench_attention.py (numbers in benchmarks/results/HISTORY.md).  Other dtypes, head sizes and
 # devices use torch's own defaults (None).
 # ROWS_GUARANTEED_SAFE is NOT set: the kernel then skips the -inf guard of its online softmax, which
 # needs every row to see something in the FIRST tile it visits, not merely somewhere; a padding token or
@@ -254,7 +254,7 @@ def kernel_options_for(q: torch.Tensor) -> dict | None:
 # Kernel options of the windowed tree mask (tree_window_mask_mod) on Hopper, bf16/fp16, head_dim 128: the
 # HOPPER_KERNEL_OPTIONS need 233,472 bytes of shared memory once the mask_mod also reads the depths (an H100 has
 # 232,448).  Two stages instead of three: benchmarks/bench_window_attention.py --configs on an H100 (session 30,
-# benchmarks/RESULTS.md) put it 1-4 % ahead of torch's defaults forward (fwd+bwd within 1 %) on 16k and 32k trees.
+# benchmarks/results/HISTORY.md) put it 1-4 % ahead of torch's defaults forward (fwd+bwd within 1 %) on 16k and 32k trees.
 WINDOW_KERNEL_OPTIONS: dict = {"fwd_BLOCK_M": 128, "fwd_BLOCK_N": 128, "fwd_num_stages": 2, "fwd_num_warps": 8}
 
 

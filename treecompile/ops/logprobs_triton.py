@@ -31,7 +31,7 @@ BLOCK = 4096
 # the torch head's, i.e. 512 MiB of bf16 logits.  The backward reads and writes the float32 dW [V, D] once
 # per chunk, so fewer, larger chunks pay: H100, 16,384 rows, fwd+bwd of this op: V 248,320 x D 1,024
 # 119 -> 66 ms (peak +2.5 GiB), V 151,936 x D 2,048 96 -> 69 ms (+1.0 GiB); Qwen3-1.7B tree step
-# 0.469 -> 0.448 s (benchmarks/RESULTS.md, session 7).
+# 0.469 -> 0.448 s (benchmarks/results/HISTORY.md, session 7).
 DEFAULT_BUDGET = 1 << 30
 
 

@@ -25,7 +25,7 @@ other rows and negative entries), not only for DFS trees.  H100, bf16, C = 6,144
 (benchmarks/bench_tree_conv.py): inductor's backward 3.9-4.2 ms, fla's varlen conv (``ops.fla_conv``, what ran before in
 compiled graphs) 3.3-3.6, the Triton backward 2.7-2.8.  In the hybrid model's compiled step the shifted products fuse
 with their neighbours and cost no host work per call: the agentic step 11.5 % faster than with fla's conv, a GPU-bound
-32k synthetic step 2 % slower (Session 18), and 1.4 % faster again with the Triton backward (RESULTS.md, Session 19).
+32k synthetic step 2 % slower (Session 18), and 1.4 % faster again with the Triton backward (benchmarks/results/HISTORY.md, Session 19).
 """
 
 from __future__ import annotations

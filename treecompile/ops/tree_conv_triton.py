@@ -21,7 +21,7 @@ The ``dw``/``dbias`` partial sums (one ``[K, C]`` row per program) are reduced b
 Why a kernel of our own: inductor's code for the same math (the session-18 backward, still
 ``tree_causal_conv1d_shifts_inductor``) recomputes the pre-activation gradient at every shifted position and
 fuses the weight-gradient reductions over T into it; fla's varlen conv (``ops.fla_conv``) is slow on few long
-segments and costs host work per call (benchmarks/RESULTS.md, Session 18).  Where Triton cannot run (CPU without
+segments and costs host work per call (benchmarks/results/HISTORY.md, Session 18).  Where Triton cannot run (CPU without
 ``TRITON_INTERPRET=1``) the op refuses; ``tree_conv_shifts`` then keeps the traced backward.
 """
 
