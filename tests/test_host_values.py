@@ -74,6 +74,11 @@ def test_plans_of_a_moved_batch_read_nothing_from_the_device():
     nodes = (dev.node_start, dev.node_end, dev.node_parent)
     assert fla_gdn._segments(*nodes) == fla_gdn._segments(host.node_start, host.node_end, host.node_parent)
     assert fla_gdn.plan_calls(*nodes).index.device.type == "meta"
+    from treecompile.ops.fla_gdn_levels import level_tensors
+
+    in_place = level_tensors(fla_gdn.plan_calls(*nodes, replay_max=0), 64, in_place=True)  # reads the sources
+    host_plan = fla_gdn.plan_calls(host.node_start, host.node_end, host.node_parent, replay_max=0)
+    assert in_place.in_place and len(in_place.calls) == host_plan.calls > 1
     assert tree_conv_shifts.context_exceptions(dev.conv_index).token.device.type == "meta"
     assert torch.equal(fla_conv.conv_segments(dev.conv_index, 2).cu_seqlens_cpu,
                        fla_conv.conv_segments(host.conv_index, 2).cu_seqlens_cpu)

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from treecompile.host_values import host_copy, to_device_async
+from treecompile.host_values import host_copy, to_device_async, to_device_with_host
 from treecompile.ops.last_batch import LastBatch
 
 __all__ = [
@@ -426,11 +426,11 @@ def _materialize(segs: _Segments, sched: _Schedule, dev: torch.device) -> FlaPla
             run(s, True)
             cu.append(rows - lo)
         src = roots = None
-        if w:
-            src = to_device_async(torch.tensor([row_in_wave[sched.source[s]] if sched.source[s] >= 0 else 0
-                                                for s in members], dtype=torch.long), dev)
+        if w:  # (their host values kept: the in-place layout reads them without waiting for the device)
+            src = to_device_with_host(torch.tensor([row_in_wave[sched.source[s]] if sched.source[s] >= 0 else 0
+                                                    for s in members], dtype=torch.long), dev)
             if r := [i for i, s in enumerate(members) if sched.source[s] < 0]:
-                roots = to_device_async(torch.tensor(r, dtype=torch.long), dev)
+                roots = to_device_with_host(torch.tensor(r, dtype=torch.long), dev)
         waves.append(Wave(lo, rows, to_device_async(torch.tensor(cu, dtype=torch.long), dev), src,
                           tuple(b - a for a, b in zip(cu, cu[1:])), roots, tuple(s_start[s] for s in members)))
     identity = _in_dfs_order(sched, T)
