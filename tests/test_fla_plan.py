@@ -375,15 +375,15 @@ def test_in_place_slots_read_each_segment_where_it_lies(name):
     """``level_tensors(..., in_place=True)`` of a plan without replay: every segment's rows are its own DFS range
     (no gather), gaps between slots go backwards, and run as the kernels read them (emulated in float64 torch) the
     tree equals the reference op, forward and gradients, from a root initial state, padding included."""
-    from treecompile.ops.fla_gdn_levels import level_tensors
+    from treecompile.ops.fla_gdn_levels import _in_place_tensors, level_tensors
 
     b = Tree.from_paths(TREES[name]).to_batch(pad_to_multiple=8)
     nodes = (b.node_start, b.node_end, b.node_parent, b.node_level)
     plan = fla_gdn.plan_calls(*nodes[:3], replay_max=0)
     L = level_tensors(plan, 4, in_place=True)
     assert L.in_place != plan.identity and level_tensors(plan, 4, in_place=True) is L
-    if plan.identity:
-        return
+    if plan.identity:  # the op runs these rows as they are; the slots must hold for them too (the padding's roots)
+        L = _in_place_tensors(plan, 4)
     assert torch.equal(L.cu_seqlens, torch.tensor([0, *sorted(int(e) for w in plan.waves for e in
                                                               torch.tensor(w.starts) + torch.tensor(w.lengths))]))
     covered = []
