@@ -91,8 +91,8 @@ def check_batch(seed: int, name: str, b) -> bool:
             same = all(torch.equal(a, w) for a, w in zip(got, whole))
             err = max(float((a - r).abs().max() / r.abs().max()) for a, r in zip(got, ref))
             plan = plan_calls(*nodes[:3], replay_max=replay)
-            read = "in DFS order" if plan.identity else "in place" if direct and not plan.replayed_tokens else "gathered"
-            print(f"{name} seed {seed} replay {replay} ({plan.calls} calls, {T} tokens, rows {read}) direct={direct}: "
+            print(f"{name} seed {seed} replay {replay} ({plan.calls} calls, {T} tokens, rows {plan.rows_read(direct)}) "
+                  f"direct={direct}: "
                   f"equal to whole calls {same}, max rel err vs float64 {err:.1e}")
             ok &= same and err < 1e-5
     fla_gdn_levels.DIRECT = True

@@ -172,13 +172,12 @@ def main(argv=None) -> list[dict]:
     nodes = (nodes.node_start, nodes.node_end, nodes.node_parent)
     for r in (None, 0, 256):  # the plans tree_gated_delta_rule_fla takes at these replay_max (None: its default)
         levels = fla_gdn.default_levels()
-        in_place = levels and fla_gdn._in_place_usable()
+        in_place = levels and fla_gdn.in_place_usable()
         cost = (fla_gdn.level_cost_rows if levels else fla_gdn.call_cost_rows)(hb.HV, hb.DK, hb.DV)
         p = (fla_gdn.cheapest_plan(*nodes, call_cost_rows=cost, in_place=in_place) if r is None
              else fla_gdn.plan_calls(*nodes, replay_max=r, max_replay_fraction=fla_gdn.REPLAY_FRACTION))
-        rows = ("in DFS order" if p.identity else "in place" if in_place and not p.replayed_tokens else "gathered")
         print(json.dumps({"plan replay_max": r, "calls": p.calls, "levels": p.levels,
-                          "replayed": p.replayed_tokens, "rows": rows}), flush=True)
+                          "replayed": p.replayed_tokens, "rows": p.rows_read(in_place)}), flush=True)
     fns, xs, do = variants(paths, device, _load(a.compare) if a.compare else None, a.pad)
     rows = []
     for name, fn in fns.items():

@@ -258,20 +258,16 @@ def test_a_padded_group_runs_in_dfs_order():
     assert fla_gdn.plan_calls(unpadded.node_start, unpadded.node_end, unpadded.node_parent).waves[-1].roots is None
 
 
-def test_gather_cost_tips_the_cheapest_plan_to_dfs_order():
+def test_gather_cost_tips_the_cheapest_plan_to_dfs_order(monkeypatch):
     """Replaying a 7-token prompt in front of 4 samples saves a call for 21 rows: cheaper at 32 rows per call
     without the gather's price, dearer with it."""
     b = Tree.from_paths(TREES["prompt_and_samples"]).to_batch()
     nodes = (b.node_start, b.node_end, b.node_parent)
-    old = fla_gdn.GATHER_COST_PER_ROW
-    try:
-        fla_gdn.GATHER_COST_PER_ROW = 0.0
-        assert fla_gdn.cheapest_plan(*nodes, call_cost_rows=32).calls == 1
-        fla_gdn.GATHER_COST_PER_ROW = 0.5
-        plan = fla_gdn.cheapest_plan(*nodes, call_cost_rows=32)
-        assert plan.calls == 2 and plan.identity
-    finally:
-        fla_gdn.GATHER_COST_PER_ROW = old
+    monkeypatch.setattr(fla_gdn, "GATHER_COST_PER_ROW", 0.0)
+    assert fla_gdn.cheapest_plan(*nodes, call_cost_rows=32).calls == 1
+    monkeypatch.setattr(fla_gdn, "GATHER_COST_PER_ROW", 0.5)
+    plan = fla_gdn.cheapest_plan(*nodes, call_cost_rows=32)
+    assert plan.calls == 2 and plan.identity and plan.rows_read(False) == "in DFS order"
 
 
 @pytest.mark.parametrize("chunk_size", [2, 4, 64])

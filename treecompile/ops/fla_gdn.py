@@ -51,6 +51,7 @@ __all__ = [
     "Wave",
     "fla_available",
     "fla_unusable_reason",
+    "in_place_usable",
     "call_cost_rows",
     "cheapest_plan",
     "default_levels",
@@ -114,7 +115,9 @@ def _levels_reason() -> str | None:
 IN_PLACE = True
 
 
-def _in_place_usable() -> bool:
+def in_place_usable() -> bool:
+    """Whether the levelled path reads plans without replay in place here: :data:`IN_PLACE` and fla's recurrence
+    kernels launched directly."""
     from treecompile.ops.fla_gdn_levels import direct_launches
 
     return IN_PLACE and direct_launches()
@@ -202,6 +205,11 @@ class FlaPlan:
     @property
     def calls(self) -> int:
         return len(self.waves)
+
+    def rows_read(self, in_place: bool) -> str:
+        """How a layer reads this plan's rows (:func:`_rows_read`); ``in_place``: the levelled path can read them
+        in place (:func:`in_place_usable`)."""
+        return _rows_read(self.identity, self.replayed_tokens > 0, in_place)
 
     def chunk_indices(self, wave: int, chunk_size: int) -> tuple[Tensor, Tensor]:
         """``(chunk_indices [NT, 2], cu_seqlens_cpu [k + 1])`` of call ``wave`` as fla's
@@ -384,6 +392,12 @@ def start_states(source: Tensor | None, roots: Tensor | None, prev: Tensor | Non
     return init if roots is None else init.index_copy(0, roots, root)
 
 
+def _rows_read(in_dfs_order: bool, replayed: bool, in_place: bool) -> str:
+    """``"in DFS order"`` (the rows are the tokens: nothing to gather), ``"in place"`` (the levelled path reads a plan
+    without replayed rows where they lie) or ``"gathered"`` (into call order, and the output gathered back)."""
+    return "in DFS order" if in_dfs_order else "in place" if in_place and not replayed else "gathered"
+
+
 def _in_dfs_order(sched: _Schedule, tokens: int) -> bool:
     """Whether the schedule's rows are the tokens in DFS order (``index == arange(T)``): no replayed rows, every
     segment runs, and the calls never go back in DFS order (segments are numbered in DFS order and laid out call
@@ -500,8 +514,8 @@ def cheapest_plan(node_start: Tensor, node_end: Tensor, node_parent: Tensor, *,
     best, best_cost, r = None, None, 0
     while True:
         sched = _schedule(segs, r)
-        free = sched.rows == segs.tokens if in_place else _in_dfs_order(sched, segs.tokens)
-        gather = 0.0 if free else GATHER_COST_PER_ROW * sched.rows
+        read = _rows_read(_in_dfs_order(sched, segs.tokens), sched.rows > segs.tokens, in_place)
+        gather = GATHER_COST_PER_ROW * sched.rows if read == "gathered" else 0.0
         cost = sched.calls * call_cost_rows + sched.rows + gather
         if best is None or cost < best_cost:
             best, best_cost = sched, cost
@@ -561,17 +575,17 @@ def tree_gated_delta_rule_fla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: 
     else:
         v_in = v
     cost = level_cost_rows(Hv, Dk, Dv) if levels else call_cost_rows(Hv, Dk, Dv)
-    in_place = levels and _in_place_usable()
+    in_place = levels and in_place_usable()
     plan = _cached_plan(node_start, node_end, node_parent, replay_max, cost, in_place)
     xs = (q, k, v_in, g, beta)
-    # rows in DFS order, or (levelled, no replayed rows) read in place: no gather
-    gathered = not plan.identity and not (in_place and plan.replayed_tokens == 0)
+    read = plan.rows_read(in_place)
+    gathered = read == "gathered"
     if gathered:  # one gather per input for all calls; each call reads a contiguous block of rows
         xs = tuple(gather_rows(x, plan.index, plan.occurrences) for x in xs)
     if levels:
         from treecompile.ops.fla_gdn_levels import TreeGDNLevels, level_tensors
 
-        o = TreeGDNLevels.apply(*xs, initial_state, level_tensors(plan, chunk_size, in_place=not gathered),
+        o = TreeGDNLevels.apply(*xs, initial_state, level_tensors(plan, chunk_size, in_place=read == "in place"),
                                 scale if scale is not None else Dk ** -0.5, use_qk_l2norm_in_kernel)
         if gathered:
             o = o.index_select(1, plan.out_rows)

@@ -40,8 +40,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from treecompile.host_values import host_copy
-from treecompile.ops.fla_gdn import start_states
+from treecompile.host_values import host_copy, to_device_async
+from treecompile.ops.fla_gdn import host_chunk_indices, start_states
 
 __all__ = ["LevelTensors", "TreeGDNLevels", "level_tensors", "levels_unusable_reason"]
 
@@ -188,31 +188,37 @@ def level_tensors(plan, chunk_size: int, *, in_place: bool = False) -> LevelTens
     """The :class:`LevelTensors` of ``plan`` (cached on the plan; each call's chunk indices are the plan's own,
     :meth:`~treecompile.ops.fla_gdn.FlaPlan.chunk_indices`).  ``in_place`` (a plan without replayed rows): the rows
     are the tokens in DFS order, not gathered into call order (:func:`_in_place_tensors`)."""
-    from treecompile.ops.fla_gdn import host_chunk_indices
-    from treecompile.host_values import to_device_async
-
+    in_place = in_place and not plan.identity  # rows in DFS order are read as they are either way
     key = ("levels", chunk_size, in_place)
-    if key in plan._cache:
-        return plan._cache[key]
-    if in_place and not plan.identity:
-        plan._cache[key] = _in_place_tensors(plan, chunk_size)
-        return plan._cache[key]
+    if key not in plan._cache:
+        plan._cache[key] = (_in_place_tensors if in_place else _gathered_tensors)(plan, chunk_size)
+    return plan._cache[key]
+
+
+def _longs(xs, dev: torch.device) -> Tensor:
+    """A host list of ints as an int64 tensor on ``dev``, copied without blocking."""
+    return to_device_async(torch.tensor(xs, dtype=torch.long), dev)
+
+
+def _level_tensors(lengths: list[int], calls: list[CallSlice], chunk_size: int, dev, in_place: bool) -> LevelTensors:
+    """:class:`LevelTensors` over segments of these ``lengths``, laid end to end in this order."""
+    return LevelTensors(cu_seqlens=_longs([0, *itertools.accumulate(lengths)], dev),
+                        chunk_indices=to_device_async(host_chunk_indices(lengths, chunk_size), dev),
+                        calls=tuple(calls), chunk_size=chunk_size, in_place=in_place)
+
+
+def _gathered_tensors(plan, chunk_size: int) -> LevelTensors:
+    """:class:`LevelTensors` over the plan's rows gathered into call order: each call a contiguous block."""
     dev = plan.index.device
     calls, c_lo = [], 0
     for i, w in enumerate(plan.waves):
         offsets = [0, *itertools.accumulate(-(-n // chunk_size) for n in w.lengths)]
         calls.append(CallSlice(
             lo=w.lo, hi=w.hi, c_lo=c_lo, c_hi=c_lo + offsets[-1], segments=len(w.lengths), cu_seqlens=w.cu_seqlens,
-            chunk_indices=plan.chunk_indices(i, chunk_size)[0],
-            chunk_offsets=to_device_async(torch.tensor(offsets, dtype=torch.long), dev), source=w.source, roots=w.roots))
+            chunk_indices=plan.chunk_indices(i, chunk_size)[0], chunk_offsets=_longs(offsets, dev), source=w.source,
+            roots=w.roots))
         c_lo += offsets[-1]
-    lengths = [n for w in plan.waves for n in w.lengths]
-    out = LevelTensors(
-        cu_seqlens=to_device_async(torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.long), dev),
-        chunk_indices=to_device_async(host_chunk_indices(lengths, chunk_size), dev),
-        calls=tuple(calls), chunk_size=chunk_size)
-    plan._cache[key] = out
-    return out
+    return _level_tensors([n for w in plan.waves for n in w.lengths], calls, chunk_size, dev, in_place=False)
 
 
 def _in_place_tensors(plan, chunk_size: int) -> LevelTensors:
@@ -222,9 +228,6 @@ def _in_place_tensors(plan, chunk_size: int) -> LevelTensors:
     recurrence over its segments through the slots of :class:`CallSlice`: its segments in decreasing DFS order, an
     empty slot between two, so that ``cu_seqlens`` pairs name the segments' own ranges and the gaps go backwards.
     Same kernels over the same chunks as the gathered rows: the same numbers."""
-    from treecompile.host_values import to_device_async
-    from treecompile.ops.fla_gdn import host_chunk_indices
-
     if plan.replayed_tokens:
         raise ValueError("rows read in place need a plan without replayed rows")
     dev = plan.index.device
@@ -234,10 +237,6 @@ def _in_place_tensors(plan, chunk_size: int) -> LevelTensors:
         first_chunk[a] = c
         c += -(-n // chunk_size)
     R = sum(n for _, n in segs)
-
-    def device(xs):
-        return to_device_async(torch.tensor(xs, dtype=torch.long), dev)
-
     calls, slot_of_prev = [], None
     for w in plan.waves:
         order = sorted(range(len(w.starts)), key=lambda j: -w.starts[j])  # members, in decreasing DFS order
@@ -253,18 +252,14 @@ def _in_place_tensors(plan, chunk_size: int) -> LevelTensors:
             source = [0] * slots  # gaps: any valid slot (their gradient, zero, adds nothing)
             for j, r in enumerate(host_copy(w.source).tolist()):
                 source[slot[j]] = slot_of_prev[r]
-            src = device(source)
+            src = _longs(source, dev)
             if w.roots is not None:
-                roots = device([slot[j] for j in host_copy(w.roots).tolist()])
-        calls.append(CallSlice(lo=0, hi=R, c_lo=0, c_hi=c, segments=slots, cu_seqlens=device(cu),
-                               chunk_indices=None, chunk_offsets=device(offsets[:slots] + [0]), source=src,
-                               roots=roots, members=device(slot)))
+                roots = _longs([slot[j] for j in host_copy(w.roots).tolist()], dev)
+        calls.append(CallSlice(lo=0, hi=R, c_lo=0, c_hi=c, segments=slots, cu_seqlens=_longs(cu, dev),
+                               chunk_indices=None, chunk_offsets=_longs(offsets[:slots] + [0], dev), source=src,
+                               roots=roots, members=_longs(slot, dev)))
         slot_of_prev = slot
-    lengths = [n for _, n in segs]
-    return LevelTensors(
-        cu_seqlens=device([0, *itertools.accumulate(lengths)]),
-        chunk_indices=to_device_async(host_chunk_indices(lengths, chunk_size), dev),
-        calls=tuple(calls), chunk_size=chunk_size, in_place=True)
+    return _level_tensors([n for _, n in segs], calls, chunk_size, dev, in_place=True)
 
 
 def _recurrence(f, k, w, u, g, inits, L: LevelTensors, *, final_states: bool):
