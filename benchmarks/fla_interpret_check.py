@@ -4,7 +4,8 @@
 
 Runs ``tree_gated_delta_rule_fla`` in float32 on small random trees (long and 1-3-token nodes, fan-out; a prompt
 and its sampled completions padded to a bucket, whose padding root runs in a later call) three
-ways: whole fla calls (``levels=False``), levelled with the recurrence kernels launched directly, and levelled
+ways: whole fla calls (``levels=False``), levelled with each recurrence one launch over the tree
+(``fla_gdn_levels.TREE``, replay budget 0), levelled with fla's recurrence kernels launched per call, and levelled
 through fla's functions (``fla_gdn_levels.DIRECT = False``), at replay budgets 0 and 8, with a root initial
 state.  Checks that the levelled outputs and every input gradient (q, k, v, g, beta, initial state) equal whole
 calls bit for bit, and that all of them are within 1e-5 of the float64 reference tree op
@@ -85,17 +86,19 @@ def check_batch(seed: int, name: str, b) -> bool:
     ok = True
     for replay in (0, 8):
         whole = run(tree_gated_delta_rule_fla, torch.float32, levels=False, replay_max=replay)
-        for direct in (True, False):
-            fla_gdn_levels.DIRECT = direct
+        # the recurrence as one launch over the tree (plans without replay), per call launched directly, per call
+        # through fla's functions
+        for mode in ("tree", "direct", "fla") if replay == 0 else ("direct", "fla"):
+            fla_gdn_levels.TREE, fla_gdn_levels.DIRECT = mode == "tree", mode != "fla"
             got = run(tree_gated_delta_rule_fla, torch.float32, levels=True, replay_max=replay)
             same = all(torch.equal(a, w) for a, w in zip(got, whole))
             err = max(float((a - r).abs().max() / r.abs().max()) for a, r in zip(got, ref))
             plan = plan_calls(*nodes[:3], replay_max=replay)
-            print(f"{name} seed {seed} replay {replay} ({plan.calls} calls, {T} tokens, rows {plan.rows_read(direct)}) "
-                  f"direct={direct}: "
+            print(f"{name} seed {seed} replay {replay} ({plan.calls} calls, {T} tokens, rows "
+                  f"{plan.rows_read(mode != 'fla')}) {mode}: "
                   f"equal to whole calls {same}, max rel err vs float64 {err:.1e}")
             ok &= same and err < 1e-5
-    fla_gdn_levels.DIRECT = True
+    fla_gdn_levels.TREE, fla_gdn_levels.DIRECT = True, True
     return ok
 
 

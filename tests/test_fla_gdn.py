@@ -61,18 +61,23 @@ def test_fla_tree_equals_per_path_oracle(dtype, seed, levels):
 
 
 @pytest.mark.parametrize("tree", ["deep", "padded_group"])
-@pytest.mark.parametrize("direct", [True, False], ids=["direct", "dispatched"])
+@pytest.mark.parametrize("mode", ["over_tree", "direct", "dispatched"])
 @pytest.mark.parametrize("replay_max", [0, 8])
-def test_levels_equal_whole_calls_with_initial_state(replay_max, direct, tree, monkeypatch):
-    """The levelled path (fla's chunk kernels once, the recurrence per call; its kernels launched into one buffer
-    or called through fla's functions) against whole fla calls on the same plan, with a root initial state and
-    its gradient, and both against the float64 oracle.  ``padded_group``: a prompt, its samples and a bucket's
-    padding, planned in DFS order (no gather; the padding's root in the samples' call)."""
+def test_levels_equal_whole_calls_with_initial_state(replay_max, mode, tree, monkeypatch):
+    """The levelled path (fla's chunk kernels once; the recurrence one launch over the tree, or per call with its
+    kernels launched into one buffer or called through fla's functions) against whole fla calls on the same plan,
+    with a root initial state and its gradient, and both against the float64 oracle.  ``padded_group``: a prompt,
+    its samples and a bucket's padding, planned in DFS order (no gather; the padding's root in the samples' call)."""
     from treecompile.ops import fla_gdn_levels
     from treecompile.ops.fla_gdn import plan_calls
 
-    monkeypatch.setattr(fla_gdn_levels, "DIRECT", direct)
-    assert (fla_gdn_levels._fla()["direct"] is not None) == direct  # no fla backend claims them on this GPU
+    if mode == "over_tree" and replay_max:
+        pytest.skip("the recurrence over the tree runs plans without replayed rows")
+    monkeypatch.setattr(fla_gdn_levels, "TREE", mode == "over_tree")
+    monkeypatch.setattr(fla_gdn_levels, "DIRECT", mode != "dispatched")
+    assert (fla_gdn_levels._fla()["direct"] is not None) == (mode != "dispatched")  # no fla backend claims them
+    launches, fwd_h = [], fla_gdn_levels.tree_fwd_h
+    monkeypatch.setattr(fla_gdn_levels, "tree_fwd_h", lambda *a: launches.append(1) or fwd_h(*a))
     if tree == "deep":
         b = Tree.from_paths(short_node_paths(2)).to_batch(device="cuda")
     else:
@@ -95,7 +100,41 @@ def test_levels_equal_whole_calls_with_initial_state(replay_max, direct, tree, m
     oracle = grads(tree_gated_delta_rule, torch.float64)
     whole = grads(tree_gated_delta_rule_fla, torch.float32, levels=False, replay_max=replay_max)
     levels = grads(tree_gated_delta_rule_fla, torch.float32, levels=True, replay_max=replay_max)
+    assert len(launches) == (2 if mode == "over_tree" else 0)  # forward, and again in the backward
     for name, a, w, o in zip(["o", "dq", "dk", "dv", "dg", "dbeta", "dh0"], levels, whole, oracle):
         err_levels = float((a - o).abs().max() / o.abs().max())
         err_whole = float((w - o).abs().max() / o.abs().max())
         assert err_levels <= 2 * err_whole + 1e-6, f"{name}: levels {err_levels:.2e} vs whole calls {err_whole:.2e}"
+
+
+@pytest.mark.parametrize("paths", ["agentic", "synthetic"])
+def test_recurrence_over_tree_at_model_width_is_deterministic(paths, monkeypatch):
+    """The recurrence over the tree at a model's width (16 v heads of 128: hundreds of programs waiting on their
+    parents' flags): the same bits on every run (a missed wait would read a state half written), within the
+    per-call path's error against the float64 oracle."""
+    from benchmarks.trees import synthetic_paths
+    from treecompile.ops import fla_gdn_levels
+
+    p = short_node_paths(5, root_len=300, branches=12) if paths == "agentic" else synthetic_paths(8, 512, 0.5, seed=1)
+    b = Tree.from_paths(p).to_batch(device="cuda")
+    T, H, Hv, Dk, Dv = b.seq_len, 16, 16, 128, 128
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    xs = inputs(T, H, Hv, Dk, Dv, torch.float32, gen)
+    grad_o = torch.randn(1, T, Hv, Dv, generator=gen, device="cuda", dtype=torch.float64)
+    nodes = (b.node_start, b.node_end, b.node_parent, b.node_level)
+
+    def grads(fn, dtype, **kw):
+        x = [t.detach().to(dtype).requires_grad_() for t in xs]
+        o = fn(*x, *nodes, use_qk_l2norm_in_kernel=True, **kw)
+        return [o.detach().double()] + [g.double() for g in torch.autograd.grad(o, x, grad_o.to(o.dtype))]
+
+    runs = [grads(tree_gated_delta_rule_fla, torch.bfloat16, levels=True) for _ in range(3)]
+    for again in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], again))
+    oracle = grads(tree_gated_delta_rule, torch.float64)
+    over_tree = grads(tree_gated_delta_rule_fla, torch.float32, levels=True)
+    monkeypatch.setattr(fla_gdn_levels, "TREE", False)
+    per_call = grads(tree_gated_delta_rule_fla, torch.float32, levels=True, replay_max=0)
+    for name, a, c, o in zip(["o", "dq", "dk", "dv", "dg", "dbeta"], over_tree, per_call, oracle):
+        err, err_calls = (float((x - o).abs().max() / o.abs().max()) for x in (a, c))
+        assert err <= 2 * err_calls + 1e-6, f"{name}: over the tree {err:.2e} vs per call {err_calls:.2e}"

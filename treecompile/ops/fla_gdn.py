@@ -52,6 +52,7 @@ __all__ = [
     "fla_available",
     "fla_unusable_reason",
     "in_place_usable",
+    "tree_usable",
     "call_cost_rows",
     "cheapest_plan",
     "default_levels",
@@ -102,6 +103,14 @@ LEVELS = True
 def level_cost_rows(Hv: int, Dk: int, Dv: int) -> int:
     """:data:`LEVEL_COST_ROWS` scaled to a layer of ``Hv`` value heads and head dims ``Dk``, ``Dv``."""
     return max(1, round(LEVEL_COST_ROWS * CALL_COST_WIDTH / max(1, Hv * Dk * Dv)))
+
+
+def tree_usable(device: torch.device) -> bool:
+    """Whether the levelled path runs each recurrence as one launch over the tree on ``device``
+    (:func:`treecompile.ops.fla_gdn_levels.tree_usable`)."""
+    from treecompile.ops import fla_gdn_levels
+
+    return fla_gdn_levels.tree_usable(device)
 
 
 def _levels_reason() -> str | None:
@@ -575,8 +584,12 @@ def tree_gated_delta_rule_fla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: 
     else:
         v_in = v
     cost = level_cost_rows(Hv, Dk, Dv) if levels else call_cost_rows(Hv, Dk, Dv)
-    in_place = levels and in_place_usable()
+    tree = levels and tree_usable(q.device)
+    if tree and replay_max is None:  # one recurrence launch over the tree: calls cost nothing, replay only rows
+        replay_max = 0
+    in_place = levels and (tree or in_place_usable())
     plan = _cached_plan(node_start, node_end, node_parent, replay_max, cost, in_place)
+    tree = tree and plan.replayed_tokens == 0
     xs = (q, k, v_in, g, beta)
     read = plan.rows_read(in_place)
     gathered = read == "gathered"
@@ -585,7 +598,8 @@ def tree_gated_delta_rule_fla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: 
     if levels:
         from treecompile.ops.fla_gdn_levels import TreeGDNLevels, level_tensors
 
-        o = TreeGDNLevels.apply(*xs, initial_state, level_tensors(plan, chunk_size, in_place=read == "in place"),
+        o = TreeGDNLevels.apply(*xs, initial_state, level_tensors(plan, chunk_size, in_place=read == "in place",
+                                                                  tree=tree),
                                 scale if scale is not None else Dk ** -0.5, use_qk_l2norm_in_kernel)
         if gathered:
             o = o.index_select(1, plan.out_rows)

@@ -26,6 +26,11 @@ segments in DFS order, and each call's recurrence over its segments where they l
 :class:`CallSlice`).  No gather of the inputs, no scatter of the output, the same numbers (bit for bit under
 Triton's interpreter, ``benchmarks/fla_interpret_check.py``).
 
+By default (:data:`TREE`, where Triton runs: CUDA, or its interpreter) a plan without replayed rows runs each
+recurrence as one launch over the whole tree instead of one per call
+(:mod:`treecompile.ops.fla_tree_recurrence`: a segment's programs wait for their parent's final state), so a layer
+costs the same host work whatever the tree's depth.
+
 Uses fla's internal (not exported) functions of flash-linear-attention 0.6; :func:`levels_unusable_reason`
 says when they are not importable, and the caller then falls back to whole calls.
 """
@@ -33,6 +38,7 @@ says when they are not importable, and the caller then falls back to whole calls
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import itertools
 from dataclasses import dataclass
@@ -42,8 +48,9 @@ from torch import Tensor
 
 from treecompile.host_values import host_copy, to_device_async
 from treecompile.ops.fla_gdn import host_chunk_indices, start_states
+from treecompile.ops.fla_tree_recurrence import TreeRecurrence, tree_bwd_dhu, tree_fwd_h, tree_recurrence, with_chunks
 
-__all__ = ["LevelTensors", "TreeGDNLevels", "level_tensors", "levels_unusable_reason"]
+__all__ = ["LevelTensors", "TREE", "TreeGDNLevels", "level_tensors", "levels_unusable_reason", "tree_usable"]
 
 
 def levels_unusable_reason() -> str | None:
@@ -92,6 +99,24 @@ def _import_fla_functions():
                 bwd_dqkwg=chunk_bwd_dqkwg, fwd_intra=chunk_gated_delta_rule_fwd_intra,
                 wy_bwd=prepare_wy_repr_bwd, recompute_w_u=recompute_w_u_fwd, cumsum=chunk_local_cumsum,
                 RCP_LN2=RCP_LN2)
+
+
+# Run a plan's recurrence as one launch over the whole tree each way (fla_tree_recurrence) where :func:`tree_usable`.
+TREE = True
+
+
+def tree_usable(device: torch.device) -> bool:
+    """Whether the layer's recurrence runs as one launch over the tree on ``device``: :data:`TREE`, and Triton runs
+    there (a CUDA device, or any device under Triton's interpreter)."""
+    from treecompile.ops.triton_support import interpreting
+
+    if not TREE:
+        return False
+    try:
+        import triton  # noqa: F401  (availability probe)
+    except ImportError:
+        return False
+    return device.type == "cuda" or interpreting()
 
 
 # Launch the recurrence kernels straight into slices of one buffer per layer (no per-call allocation, no cat, no
@@ -176,6 +201,7 @@ class LevelTensors:
     calls: tuple[CallSlice, ...]
     chunk_size: int
     in_place: bool = False  # the rows are the tokens in DFS order, read by the calls where they lie
+    tree: TreeRecurrence | None = None  # one recurrence launch over the tree (then ``calls`` is empty)
 
 
 def direct_launches() -> bool:
@@ -184,14 +210,17 @@ def direct_launches() -> bool:
     return _fla()["direct"] is not None
 
 
-def level_tensors(plan, chunk_size: int, *, in_place: bool = False) -> LevelTensors:
+def level_tensors(plan, chunk_size: int, *, in_place: bool = False, tree: bool = False) -> LevelTensors:
     """The :class:`LevelTensors` of ``plan`` (cached on the plan; each call's chunk indices are the plan's own,
     :meth:`~treecompile.ops.fla_gdn.FlaPlan.chunk_indices`).  ``in_place`` (a plan without replayed rows): the rows
-    are the tokens in DFS order, not gathered into call order (:func:`_in_place_tensors`)."""
+    are the tokens in DFS order, not gathered into call order (:func:`_in_place_tensors`).  ``tree`` (a plan without
+    replayed rows): the rows are the tokens in DFS order and each recurrence one launch over the tree
+    (:func:`_tree_tensors`)."""
     in_place = in_place and not plan.identity  # rows in DFS order are read as they are either way
-    key = ("levels", chunk_size, in_place)
+    key = ("levels", chunk_size, "tree" if tree else in_place)
     if key not in plan._cache:
-        plan._cache[key] = (_in_place_tensors if in_place else _gathered_tensors)(plan, chunk_size)
+        build = _tree_tensors if tree else _in_place_tensors if in_place else _gathered_tensors
+        plan._cache[key] = build(plan, chunk_size)
     return plan._cache[key]
 
 
@@ -262,6 +291,33 @@ def _in_place_tensors(plan, chunk_size: int) -> LevelTensors:
     return _level_tensors([n for _, n in segs], calls, chunk_size, dev, in_place=True)
 
 
+def _tree_tensors(plan, chunk_size: int) -> LevelTensors:
+    """:class:`LevelTensors` that run a plan without replayed rows as one recurrence over the tree: the rows are the
+    tokens in DFS order (each segment one DFS range), each segment's parent the segment its call's ``source`` names
+    in the previous call.  The roots' initial-state gradients are summed call by call from the last, as the calls
+    sum them."""
+    if plan.replayed_tokens:
+        raise ValueError("a recurrence over the tree needs a plan without replayed rows")
+    dev = plan.index.device
+    segs = sorted((a, n) for w in plan.waves for a, n in zip(w.starts, w.lengths))
+    seg_of = {a: i for i, (a, _) in enumerate(segs)}
+    parent, root_groups = [-1] * len(segs), []
+    for i, w in enumerate(plan.waves):
+        src = host_copy(w.source).tolist() if w.source is not None else None
+        roots = set(host_copy(w.roots).tolist()) if w.roots is not None else set()
+        group = []
+        for j, a in enumerate(w.starts):
+            if src is None or j in roots:
+                group.append(seg_of[a])
+            else:
+                parent[seg_of[a]] = seg_of[plan.waves[i - 1].starts[src[j]]]
+        root_groups.insert(0, group)
+    lengths = [n for _, n in segs]
+    tr = tree_recurrence([a for a, _ in segs], lengths, parent, dev, root_groups=root_groups)
+    return dataclasses.replace(_level_tensors(lengths, [], chunk_size, dev, in_place=True),
+                               tree=with_chunks(tr, lengths, chunk_size))
+
+
 def _recurrence(f, k, w, u, g, inits, L: LevelTensors, *, final_states: bool):
     """``fwd_h`` call after call: per call the chunk states ``h``, the new values and (with ``final_states``) its
     final states; call ``i`` starts from ``inits(i, call, previous call's final states)``.  Returns
@@ -321,7 +377,7 @@ class TreeGDNLevels(torch.autograd.Function):
     @staticmethod
     def _forward(ctx, q, k, v, g, beta, initial_state, L: LevelTensors, scale: float, l2norm: bool):
         f = _fla()
-        if L.in_place and f["direct"] is None:
+        if L.in_place and L.tree is None and f["direct"] is None:
             raise RuntimeError("rows read in place need fla's recurrence kernels launched directly (DIRECT)")
         q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
         q_rstd = k_rstd = None
@@ -339,7 +395,11 @@ class TreeGDNLevels(torch.autograd.Function):
             return start_states(c.source, c.roots, prev, initial_state, c.segments, (Hv, K, V), torch.float32,
                                 k.device)
 
-        h, v_new, used = _recurrence(f, k, w, u, g, inits, L, final_states=True)
+        if L.tree is not None:  # one launch over the tree; the backward runs it again from the root state
+            used = [] if initial_state is None else [initial_state.to(torch.float32).contiguous()]
+            h, v_new = tree_fwd_h(k, w, u, g, used[0] if used else None, L.tree, len(L.chunk_indices), cs)
+        else:
+            h, v_new, used = _recurrence(f, k, w, u, g, inits, L, final_states=True)
         o = f["fwd_o"](q=q, k=k, v=v_new, h=h, g=g, scale=scale, cu_seqlens=L.cu_seqlens,
                        chunk_indices=L.chunk_indices, chunk_size=cs)
         ctx.save_for_backward(q, q_rstd, k, k_rstd, v, g, beta, A, *used)
@@ -355,9 +415,20 @@ class TreeGDNLevels(torch.autograd.Function):
         do = do.contiguous()
         w, u = f["recompute_w_u"](k=k, v=v, beta=beta, A=A, g=g, cu_seqlens=L.cu_seqlens,
                                   chunk_indices=L.chunk_indices)
-        h, v_new, _ = _recurrence(f, k, w, u, g, lambda i, c, prev: inits[i], L, final_states=False)
+        if L.tree is not None:
+            h, v_new = tree_fwd_h(k, w, u, g, inits[0] if inits else None, L.tree, len(L.chunk_indices), cs)
+        else:
+            h, v_new, _ = _recurrence(f, k, w, u, g, lambda i, c, prev: inits[i], L, final_states=False)
         dv = f["bwd_dv_local"](q=q, k=k, g=g, do=do, scale=scale, cu_seqlens=L.cu_seqlens,
                                chunk_indices=L.chunk_indices, chunk_size=cs)
+        if L.tree is not None:
+            dh, dh0, dv2 = tree_bwd_dhu(q, k, w, do, dv, g, scale, L.tree, len(L.chunk_indices), cs)
+            d_init = None
+            if ctx.needs_input_grad[5]:
+                for group in L.tree.root_groups:
+                    d_init = _add(d_init, dh0.index_select(0, group).sum(0))
+            return TreeGDNLevels._local_backward(ctx, q, q_rstd, k, k_rstd, v, g, beta, A, w, v_new, h, dh, dv2, do,
+                                                 d_init)
         direct = f["direct"]
         if direct:
             dh, dv2 = torch.empty_like(h), torch.empty_like(dv)
@@ -383,6 +454,12 @@ class TreeGDNLevels(torch.autograd.Function):
             dht = dh0.new_zeros(L.calls[i - 1].segments, *dh0.shape[1:]).index_add_(0, c.source, dh0)
         if not direct:
             dh, dv2 = _cat(dhs), _cat(dv2s)
+        return TreeGDNLevels._local_backward(ctx, q, q_rstd, k, k_rstd, v, g, beta, A, w, v_new, h, dh, dv2, do, d_init)
+
+    @staticmethod
+    def _local_backward(ctx, q, q_rstd, k, k_rstd, v, g, beta, A, w, v_new, h, dh, dv2, do, d_init):
+        """The chunk-local rest of the backward, once over all rows, from the recurrence's ``dh`` and ``dv2``."""
+        f, L, scale, cs = ctx.f, ctx.L, ctx.scale, ctx.L.chunk_size
         dq, dk, dw, dg = f["bwd_dqkwg"](q=q, k=k, v=v_new, w=w, g=g, h=h, dv=dv2, do=do, dh=dh, scale=scale,
                                         cu_seqlens=L.cu_seqlens, chunk_indices=L.chunk_indices, chunk_size=cs)
         dk2, dv, db, dg2 = f["wy_bwd"](k=k, v=v, beta=beta, g=g, A=A, dw=dw, du=dv2, cu_seqlens=L.cu_seqlens,
