@@ -15,7 +15,10 @@ JSON row per variant, then its top ops.
 ``--case group``: a prompt and its sampled completions (a GRPO group, ``trees.group_paths``), padded to ``--pad``
 tokens as a length bucket would be: its plan's rows are the tokens in DFS order, so the layer gathers nothing.
 ``tree_planned_gathered`` (every case): the same layer with the rows gathered into call order whatever the plan
-(DFS-order detection and ``fla_gdn.IN_PLACE`` off: what ran before session 33).
+(DFS-order detection, ``fla_gdn.IN_PLACE`` and ``fla_gdn_levels.TREE`` off: what ran before session 33).
+``tree_per_call``: the default with ``fla_gdn_levels.TREE`` off (the recurrence one launch per call of the plan
+chosen for it: what ran before session 34).  ``--tree-config BV:WARPS:STAGES`` (repeatable) adds a
+``tree_bv<BV>_w<WARPS>_s<STAGES>`` variant: the recurrence over the tree at that kernel config.
 """
 
 from __future__ import annotations
@@ -71,14 +74,38 @@ _GATHERED_PLANS = LastBatch()  # the gathered variant's plan, made once like the
 
 
 def _gathered(fn):
-    """``fn()`` with the plans' DFS-order detection and in-place reads off: rows gathered into call order."""
+    """``fn()`` with the plans' DFS-order detection, in-place reads and the recurrence over the tree off: rows
+    gathered into call order."""
+    from treecompile.ops import fla_gdn_levels
+
     with mock.patch.object(fla_gdn, "_in_dfs_order", lambda *a: False), mock.patch.object(fla_gdn, "IN_PLACE", False), \
             mock.patch.object(fla_gdn, "_roots_delayed", lambda *a: None), \
-            mock.patch.object(fla_gdn, "_PLANS", _GATHERED_PLANS):
+            mock.patch.object(fla_gdn, "_PLANS", _GATHERED_PLANS), mock.patch.object(fla_gdn_levels, "TREE", False):
         return fn()
 
 
-def variants(paths, device: str, compare=None, pad: int | None = None) -> tuple[dict, list, torch.Tensor]:
+_PER_CALL_PLANS = LastBatch()
+
+
+def _per_call(fn):
+    """``fn()`` with ``fla_gdn_levels.TREE`` off: the recurrence one launch per call of the plan."""
+    from treecompile.ops import fla_gdn_levels
+
+    with mock.patch.object(fla_gdn_levels, "TREE", False), mock.patch.object(fla_gdn, "_PLANS", _PER_CALL_PLANS):
+        return fn()
+
+
+def _tree_config(config: str, fn):
+    """``fn()`` with the recurrence over the tree at kernel config ``BV:WARPS:STAGES``."""
+    from treecompile.ops import fla_tree_recurrence as ftr
+
+    bv, warps, stages = (int(x) for x in config.split(":"))
+    with mock.patch.object(ftr, "BV", bv), mock.patch.object(ftr, "NUM_WARPS", warps), \
+            mock.patch.object(ftr, "NUM_STAGES", stages):
+        return fn()
+
+
+def variants(paths, device: str, compare=None, pad: int | None = None, tree_configs=()) -> tuple[dict, list, torch.Tensor]:
     """``({name: fn() -> output}, inputs, d_out)`` on the layer inputs of ``paths`` (padded to ``pad``)."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
@@ -96,6 +123,11 @@ def variants(paths, device: str, compare=None, pad: int | None = None) -> tuple[
                                   f(*xs, *nodes, use_qk_l2norm_in_kernel=True, **kw))
     fns["tree_planned_gathered"] = lambda: _gathered(lambda: fla_gdn.tree_gated_delta_rule_fla(
         *xs, *nodes, use_qk_l2norm_in_kernel=True))
+    fns["tree_per_call"] = lambda: _per_call(lambda: fla_gdn.tree_gated_delta_rule_fla(
+        *xs, *nodes, use_qk_l2norm_in_kernel=True))
+    for c in tree_configs:
+        fns["tree_bv{}_w{}_s{}".format(*c.split(":"))] = lambda c=c: _tree_config(c, lambda: (
+            fla_gdn.tree_gated_delta_rule_fla(*xs, *nodes, use_qk_l2norm_in_kernel=True)))
     if "tree_levels_r0" in tree_variants():  # levelled, default plan, every kernel through fla's own functions
         fns["tree_planned_via_fla"] = lambda: _via_fla(lambda: fla_gdn.tree_gated_delta_rule_fla(
             *xs, *nodes, use_qk_l2norm_in_kernel=True))
@@ -160,6 +192,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--group", type=int, nargs=4, default=(2048, 16, 512, 1536), metavar=("PROMPT", "SAMPLES", "LO", "HI"),
                     help="--case group: prompt tokens, completions, their shortest and longest")
     ap.add_argument("--compare", metavar="FILE", help="another fla_gdn.py to run the same tree variants with")
+    ap.add_argument("--tree-config", action="append", default=[], metavar="BV:WARPS:STAGES",
+                    help="add a variant: the recurrence over the tree at this kernel config")
     ap.add_argument("--vocab", type=int, default=1000)
     ap.add_argument("--scale", type=float, default=hb.AGENTIC_SCALE, help="agentic tree scale")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps per variant")
@@ -170,15 +204,17 @@ def main(argv=None) -> list[dict]:
              else next(iter(hb.bench_trees(a.case, a.vocab, scale=a.scale).values())))
     nodes = Tree.from_paths(paths).to_batch(pad_to_multiple=a.pad)
     nodes = (nodes.node_start, nodes.node_end, nodes.node_parent)
+    levels = fla_gdn.default_levels()
+    tree = levels and fla_gdn.tree_usable(torch.device(device))
+    print(json.dumps({"recurrence": "one launch over the tree" if tree else "per call"}), flush=True)
     for r in (None, 0, 256):  # the plans tree_gated_delta_rule_fla takes at these replay_max (None: its default)
-        levels = fla_gdn.default_levels()
-        in_place = levels and fla_gdn.in_place_usable()
+        in_place = levels and (tree or fla_gdn.in_place_usable())
         cost = (fla_gdn.level_cost_rows if levels else fla_gdn.call_cost_rows)(hb.HV, hb.DK, hb.DV)
-        p = (fla_gdn.cheapest_plan(*nodes, call_cost_rows=cost, in_place=in_place) if r is None
-             else fla_gdn.plan_calls(*nodes, replay_max=r, max_replay_fraction=fla_gdn.REPLAY_FRACTION))
+        p = (fla_gdn.cheapest_plan(*nodes, call_cost_rows=cost, in_place=in_place) if r is None and not tree
+             else fla_gdn.plan_calls(*nodes, replay_max=r or 0, max_replay_fraction=fla_gdn.REPLAY_FRACTION))
         print(json.dumps({"plan replay_max": r, "calls": p.calls, "levels": p.levels,
                           "replayed": p.replayed_tokens, "rows": p.rows_read(in_place)}), flush=True)
-    fns, xs, do = variants(paths, device, _load(a.compare) if a.compare else None, a.pad)
+    fns, xs, do = variants(paths, device, _load(a.compare) if a.compare else None, a.pad, a.tree_config)
     rows = []
     for name, fn in fns.items():
         row = {"variant": name, **profile_variant(fn, xs, do, warmup=a.warmup, iters=a.iters)}
@@ -187,9 +223,10 @@ def main(argv=None) -> list[dict]:
         for key in ("top_kernels", "top_host"):
             for ms, n, op in row[key]:
                 print(f"   {key[4:]:8s} {ms:8.2f} ms  n={n:4d}  {op}")
-    d = max_diff(fns["tree_planned"], fns["tree_planned_gathered"], xs, do)
-    rows.append({"variant": "tree_planned vs tree_planned_gathered", "max_abs_diff": d})
-    print(json.dumps(rows[-1]), flush=True)
+    for other in ("tree_planned_gathered", "tree_per_call"):
+        d = max_diff(fns["tree_planned"], fns[other], xs, do)
+        rows.append({"variant": f"tree_planned vs {other}", "max_abs_diff": d})
+        print(json.dumps(rows[-1]), flush=True)
     for name in tree_variants():
         if name + "_compare" in fns:
             d = max_diff(fns[name], fns[name + "_compare"], xs, do)

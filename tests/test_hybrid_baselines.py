@@ -227,11 +227,13 @@ def test_prof_gdn_layer_runs_and_compares_with_a_stand_in_fla(stand_in_fla, tmp_
     timed = {r["variant"]: r for r in rows if "step_ms" in r}
     variants = prof_gdn_layer.tree_variants()
     assert set(variants) == {"tree_planned", "tree_calls"}  # the levelled ones need fla's own chunk functions
-    assert set(timed) == {"one_fla_call", "tree_planned_gathered", *variants, *(n + "_compare" for n in variants)}
+    assert set(timed) == {"one_fla_call", "tree_planned_gathered", "tree_per_call", *variants,
+                          *(n + "_compare" for n in variants)}
     assert all(r["step_ms"] > 0 and r["top_host"] for r in timed.values())
     diffs = {r["variant"]: r["max_abs_diff"] for r in rows if "max_abs_diff" in r}
     # on CPU (whole calls, nothing read in place) this tree's plans are gathered either way: the same plan, bit for bit
     assert diffs.pop("tree_planned vs tree_planned_gathered") == 0.0
+    assert diffs.pop("tree_planned vs tree_per_call") == 0.0  # no recurrence over the tree without Triton
     assert list(diffs.values()) == [0.0] * len(variants)
 
 
