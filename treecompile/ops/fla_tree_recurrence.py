@@ -41,14 +41,17 @@ from torch import Tensor
 
 from treecompile.host_values import to_device_async
 
-__all__ = ["BV", "NUM_STAGES", "NUM_WARPS", "TreeRecurrence", "tree_bwd_dhu", "tree_fwd_h", "tree_recurrence"]
+__all__ = ["BV", "FALLBACK_CONFIGS", "NUM_STAGES", "NUM_WARPS", "TreeRecurrence", "tree_bwd_dhu", "tree_fwd_h", "tree_recurrence"]
 
-# One config for both kernels (a kernel that waits on flags cannot be autotuned by re-running it): 32 values per
-# program gives 4 programs per head and segment at V = 128.  fla 0.6 autotunes BV in {32, 64}, 2 or 4 warps and 2-4
-# stages; these were picked on one H100 (benchmarks/prof_gdn_layer.py, see benchmarks/RESULTS.md).
+# The config both kernels try first (a kernel that waits on flags cannot be autotuned by re-running it): 32 values
+# per program gives 4 programs per head and segment at V = 128.  fla 0.6 autotunes BV in {32, 64}, 2 or 4 warps and
+# 2-4 stages; these were picked on one H100 (benchmarks/prof_gdn_layer.py, see benchmarks/RESULTS.md).  Where it
+# does not fit (shared memory: float32 inputs, K = 256) the launch steps down :data:`FALLBACK_CONFIGS`.
 BV = 32
 NUM_WARPS = 4
 NUM_STAGES = 2
+FALLBACK_CONFIGS = ((32, 4, 1), (32, 2, 1), (16, 2, 1))
+_FITS: dict = {}  # (kernel, shapes, dtype, first config) -> the first config that fit
 
 
 @dataclass(frozen=True)
@@ -136,20 +139,16 @@ def tree_fwd_h(k: Tensor, w: Tensor, u: Tensor, g: Tensor, initial_state: Tensor
     """fla's ``chunk_gated_delta_rule_fwd_h`` over the whole tree: ``k [1, R, H, K]``, ``w [1, R, Hv, K]``,
     ``u [1, R, Hv, V]``, ``g [1, R, Hv]`` (the chunk-local cumulative log2 decay), ``initial_state [Hv, K, V]``
     (float32) or None for the roots.  Returns ``(h [1, chunks, Hv, K, V], v_new [1, R, Hv, V])``."""
-    import triton
-
     H, K, Hv, V = k.shape[2], k.shape[3], u.shape[2], u.shape[3]
     if K > 256:
         raise ValueError(f"the GDN recurrence kernel takes key head dims up to 256, got {K}")
     h = k.new_empty(1, chunks, Hv, K, V)
     v_new = torch.empty_like(u)
-    nv = triton.cdiv(V, BV)
     states = torch.empty(max(tr.states, 1), Hv, K, V, dtype=torch.float32, device=k.device)
-    flags = torch.zeros(max(tr.states, 1) * Hv * nv, dtype=torch.int32, device=k.device)
-    _fwd_kernel()[(nv * tr.segments * Hv,)](
-        k, u, w, v_new, g, h, initial_state, states, flags, tr.cu_seqlens, tr.chunk_offsets, tr.fwd_order,
-        tr.parent_slot, tr.state_slot, k.shape[1], H=H, HV=Hv, K=K, V=V, BT=chunk_size, BV=BV,
-        USE_INITIAL_STATE=initial_state is not None, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    _launch(_fwd_kernel(), tr.segments * Hv, V, (K, Hv, H, chunk_size, k.dtype),
+            lambda bv: (k, u, w, v_new, g, h, initial_state, states, _flags(tr.states, Hv, V, bv, k.device),
+                        tr.cu_seqlens, tr.chunk_offsets, tr.fwd_order, tr.parent_slot, tr.state_slot, k.shape[1]),
+            dict(H=H, HV=Hv, K=K, V=V, BT=chunk_size, USE_INITIAL_STATE=initial_state is not None))
     return h, v_new
 
 
@@ -158,19 +157,41 @@ def tree_bwd_dhu(q: Tensor, k: Tensor, w: Tensor, do: Tensor, dv: Tensor, g: Ten
     """fla's ``chunk_gated_delta_rule_bwd_dhu`` over the whole tree (arguments as :func:`tree_fwd_h`, ``do`` / ``dv``
     ``[1, R, Hv, V]``).  Returns ``(dh [1, chunks, Hv, K, V], dh0 [S, Hv, K, V] float32, dv2 [1, R, Hv, V])``:
     ``dh0[s]`` the gradient of segment s's initial state."""
-    import triton
-
     H, K, Hv, V = q.shape[2], q.shape[3], do.shape[2], do.shape[3]
     dh = q.new_empty(1, chunks, Hv, K, V)
     dv2 = torch.empty_like(dv)
-    nv = triton.cdiv(V, BV)
     dh0 = torch.empty(tr.segments, Hv, K, V, dtype=torch.float32, device=q.device)
-    flags = torch.zeros(tr.segments * Hv * nv, dtype=torch.int32, device=q.device)
-    _bwd_kernel()[(nv * tr.segments * Hv,)](
-        q, k, w, g, dh0, do, dh, dv, dv2, flags, tr.cu_seqlens, tr.chunk_offsets, tr.bwd_order, tr.child_ptr,
-        tr.child_idx, scale, q.shape[1], H=H, HV=Hv, K=K, V=V, BT=chunk_size, BV=BV,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    _launch(_bwd_kernel(), tr.segments * Hv, V, (K, Hv, H, chunk_size, q.dtype),
+            lambda bv: (q, k, w, g, dh0, do, dh, dv, dv2, _flags(tr.segments, Hv, V, bv, q.device), tr.cu_seqlens,
+                        tr.chunk_offsets, tr.bwd_order, tr.child_ptr, tr.child_idx, scale, q.shape[1]),
+            dict(H=H, HV=Hv, K=K, V=V, BT=chunk_size))
     return dh, dh0, dv2
+
+
+def _flags(n: int, Hv: int, V: int, bv: int, device) -> Tensor:
+    """One zeroed int32 flag per state block a program publishes: ``n`` states x ``Hv`` heads x value blocks."""
+    return torch.zeros(max(n, 1) * Hv * -(-V // bv), dtype=torch.int32, device=device)
+
+
+def _launch(kernel, groups: int, V: int, key: tuple, args, meta: dict) -> None:
+    """``kernel`` over ``groups`` x value-block programs at the first config of (:data:`BV`, :data:`NUM_WARPS`,
+    :data:`NUM_STAGES`), then :data:`FALLBACK_CONFIGS`, that fits this GPU (Triton raises ``OutOfResources`` before
+    anything runs); the config that fit is remembered per kernel, shapes and dtype.  ``args(bv)``: the positional
+    arguments (the flags depend on the value block)."""
+    from triton.runtime.errors import OutOfResources
+
+    first = (BV, NUM_WARPS, NUM_STAGES)
+    cache_key = (kernel, key, first)
+    configs = [_FITS[cache_key]] if cache_key in _FITS else [first, *(c for c in FALLBACK_CONFIGS if c != first)]
+    for i, (bv, warps, stages) in enumerate(configs):
+        try:
+            kernel[(-(-V // bv) * groups,)](*args(bv), BV=bv, num_warps=warps, num_stages=stages, **meta)
+        except OutOfResources:
+            if i + 1 == len(configs):
+                raise
+            continue
+        _FITS[cache_key] = (bv, warps, stages)
+        return
 
 
 def _fwd_kernel():
