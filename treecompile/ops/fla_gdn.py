@@ -19,7 +19,9 @@ carries gradients to every ancestor.
 
 By default (:data:`LEVELS`) the calls are not whole fla calls: :mod:`treecompile.ops.fla_gdn_levels` runs fla's
 chunk-local kernels once over all the plan's rows and only the state recurrence per call (bit-equal to whole calls
-on the same plan), so a call costs far less (:data:`LEVEL_COST_ROWS`) and the plan replays fewer rows.
+on the same plan), so a call costs far less (:data:`LEVEL_COST_ROWS`) and the plan replays fewer rows.  Where Triton
+runs (:func:`tree_usable`) the recurrence is one launch over the whole tree each way
+(:mod:`treecompile.ops.fla_tree_recurrence`), the plan has no replay and the number of calls costs nothing.
 
 This is a plain differentiable function, not a registered op: fla's kernels are autograd Functions,
 which a registered op's implementation cannot call with autograd.  ``passes.lower_cuda`` calls it in
@@ -558,8 +560,9 @@ def tree_gated_delta_rule_fla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: 
     [Hv, Dk, Dv]`` for root nodes.  Returns ``[1, T, Hv, Dv]`` in v's dtype.  ``compute_dtype``: the
     dtype q, k, v, g, beta enter fla in (default :data:`COMPUTE_DTYPE`, None = as given); states between
     calls are float32 (float64 for float64 inputs) either way.  ``replay_max``: see :func:`plan_calls`, with
-    at most :data:`REPLAY_FRACTION` of the tokens replayed; None (default): :func:`cheapest_plan` at this
-    layer's :func:`level_cost_rows` (levelled) or :func:`call_cost_rows` (whole calls).
+    at most :data:`REPLAY_FRACTION` of the tokens replayed; None (default): no replay where the levelled path runs
+    the recurrence as one launch over the tree (:func:`tree_usable`: a call costs nothing there), else
+    :func:`cheapest_plan` at this layer's :func:`level_cost_rows` (levelled) or :func:`call_cost_rows` (whole calls).
     ``kernel``: a function with the signature of fla's ``chunk_gated_delta_rule`` (default: fla's; the
     CPU tests pass a torch one).
     ``levels``: run fla's chunk-local kernels once over all the plan's rows and only the state recurrence per
