@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.helpers import run_interpreted
-from treecompile.ops.fla_tree_recurrence import tree_recurrence, with_chunks
+from treecompile.ops.fla_tree_recurrence import tree_recurrence
 
 
 def random_segments(rng: random.Random, n: int, max_len: int = 40):
@@ -22,7 +22,7 @@ def random_segments(rng: random.Random, n: int, max_len: int = 40):
 def test_schedule_orders_every_wait_after_what_it_waits_for(seed):
     rng = random.Random(seed)
     starts, lengths, parents = random_segments(rng, rng.randint(1, 30))
-    tr = with_chunks(tree_recurrence(starts, lengths, parents, torch.device("cpu")), lengths, 16)
+    tr = tree_recurrence(starts, lengths, parents, torch.device("cpu"), chunk_size=16)
     S = len(starts)
     fwd, bwd = tr.fwd_order.tolist(), tr.bwd_order.tolist()
     assert sorted(fwd) == sorted(bwd) == list(range(S))
@@ -46,11 +46,11 @@ def test_schedule_orders_every_wait_after_what_it_waits_for(seed):
 def test_schedule_refuses_what_it_cannot_run():
     cpu = torch.device("cpu")
     with pytest.raises(ValueError, match="end to end"):
-        tree_recurrence([0, 5], [4, 3], [-1, 0], cpu)
+        tree_recurrence([0, 5], [4, 3], [-1, 0], cpu, chunk_size=16)
     with pytest.raises(ValueError, match="segment 1: parent 1"):
-        tree_recurrence([0, 4], [4, 3], [-1, 1], cpu)
+        tree_recurrence([0, 4], [4, 3], [-1, 1], cpu, chunk_size=16)
     with pytest.raises(ValueError, match="segment 0: parent -1 .* length 0"):
-        tree_recurrence([0, 0], [0, 3], [-1, 0], cpu)
+        tree_recurrence([0, 0], [0, 3], [-1, 0], cpu, chunk_size=16)
 
 
 _KERNELS_VS_FLOAT64 = r"""
@@ -58,7 +58,7 @@ import random, torch
 from tests.helpers import count_launches
 from tests.test_fla_tree_recurrence import random_segments, reference
 from treecompile.ops import fla_tree_recurrence_triton as kernels
-from treecompile.ops.fla_tree_recurrence import tree_bwd_dhu, tree_fwd_h, tree_recurrence, with_chunks
+from treecompile.ops.fla_tree_recurrence import tree_bwd_dhu, tree_fwd_h, tree_recurrence
 
 launched = [count_launches(kernels, "tree_fwd_h_kernel"), count_launches(kernels, "tree_bwd_dhu_kernel")]
 errs = {}
@@ -66,7 +66,7 @@ for seed, (H, HV, K, V) in enumerate([(1, 2, 64, 32), (2, 2, 128, 64), (1, 1, 16
     rng = random.Random(seed)
     starts, lengths, parents = random_segments(rng, 9)
     R, BT = sum(lengths), 16
-    tr = with_chunks(tree_recurrence(starts, lengths, parents, torch.device("cpu")), lengths, BT)
+    tr = tree_recurrence(starts, lengths, parents, torch.device("cpu"), chunk_size=BT)
     NT = int(tr.chunk_offsets[-1])
     gen = torch.Generator().manual_seed(seed)
     mk = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64) * 0.3

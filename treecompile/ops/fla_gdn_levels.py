@@ -48,7 +48,7 @@ from torch import Tensor
 
 from treecompile.host_values import host_copy, to_device_async
 from treecompile.ops.fla_gdn import host_chunk_indices, start_states
-from treecompile.ops.fla_tree_recurrence import TreeRecurrence, tree_bwd_dhu, tree_fwd_h, tree_recurrence, with_chunks
+from treecompile.ops.fla_tree_recurrence import TreeRecurrence, tree_bwd_dhu, tree_fwd_h, tree_recurrence
 
 __all__ = ["LevelTensors", "TREE", "TreeGDNLevels", "level_tensors", "levels_unusable_reason", "tree_usable"]
 
@@ -313,9 +313,8 @@ def _tree_tensors(plan, chunk_size: int) -> LevelTensors:
                 parent[seg_of[a]] = seg_of[plan.waves[i - 1].starts[src[j]]]
         root_groups.insert(0, group)
     lengths = [n for _, n in segs]
-    tr = tree_recurrence([a for a, _ in segs], lengths, parent, dev, root_groups=root_groups)
-    return dataclasses.replace(_level_tensors(lengths, [], chunk_size, dev, in_place=True),
-                               tree=with_chunks(tr, lengths, chunk_size))
+    tr = tree_recurrence([a for a, _ in segs], lengths, parent, dev, chunk_size=chunk_size, root_groups=root_groups)
+    return dataclasses.replace(_level_tensors(lengths, [], chunk_size, dev, in_place=True), tree=tr)
 
 
 def _recurrence(f, k, w, u, g, inits, L: LevelTensors, *, final_states: bool):

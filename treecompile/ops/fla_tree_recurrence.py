@@ -34,6 +34,7 @@ against fla's whole calls, bit for bit.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -41,7 +42,8 @@ from torch import Tensor
 
 from treecompile.host_values import to_device_async
 
-__all__ = ["BV", "FALLBACK_CONFIGS", "NUM_STAGES", "NUM_WARPS", "TreeRecurrence", "tree_bwd_dhu", "tree_fwd_h", "tree_recurrence"]
+__all__ = ["BV", "FALLBACK_CONFIGS", "NUM_STAGES", "NUM_WARPS", "TreeRecurrence", "tree_bwd_dhu", "tree_fwd_h",
+           "tree_recurrence"]
 
 # The config both kernels try first (a kernel that waits on flags cannot be autotuned by re-running it): 32 values
 # per program gives 4 programs per head and segment at V = 128.  fla 0.6 autotunes BV in {32, 64}, 2 or 4 warps and
@@ -57,8 +59,8 @@ _FITS: dict = {}  # (kernel, shapes, dtype, first config) -> the first config th
 @dataclass(frozen=True)
 class TreeRecurrence:
     """A tree of ``segments`` (each a contiguous row range ``cu_seqlens[s], cu_seqlens[s + 1]`` of the layer's rows,
-    whose chunks start at ``chunk_offsets[s]`` in the chunk-state buffer), as the two kernels read it (device int32
-    tensors, made on the host by :func:`tree_recurrence`)."""
+    whose chunks start at ``chunk_offsets[s]`` in the chunk-state buffer), as the two kernels read it: device tensors
+    (int64 offsets, int32 orders, slots and children), made on the host by :func:`tree_recurrence`."""
 
     segments: int
     states: int  # final-state slots: the segments with children
@@ -74,11 +76,11 @@ class TreeRecurrence:
 
 
 def tree_recurrence(starts: list[int], lengths: list[int], parents: list[int], device: torch.device, *,
-                    root_groups: list[list[int]] | None = None) -> TreeRecurrence:
+                    chunk_size: int, root_groups: list[list[int]] | None = None) -> TreeRecurrence:
     """The :class:`TreeRecurrence` of segments ``s`` = rows ``[starts[s], starts[s] + lengths[s])`` laid end to end
-    in this order (``starts`` increasing from 0, no gap), ``parents[s]`` < s or -1.  ``root_groups``: how the roots'
-    initial-state gradients are summed (default: one group, all roots in order).  Built on the host, copied without
-    blocking."""
+    in this order (``starts`` increasing from 0, no gap), ``parents[s]`` < s or -1, cut into ``chunk_size``-row
+    chunks (fla's: no chunk crosses a segment).  ``root_groups``: how the roots' initial-state gradients are summed
+    (default: one group, all roots in order).  Built on the host, copied without blocking."""
     S = len(starts)
     if any(b != a + n for a, n, b in zip(starts, lengths, starts[1:])) or (S and starts[0] != 0):
         raise ValueError("tree_recurrence: segments must lie end to end from row 0")
@@ -101,37 +103,20 @@ def tree_recurrence(starts: list[int], lengths: list[int], parents: list[int], d
     for s in range(S - 1, -1, -1):
         if parents[s] >= 0:
             below[parents[s]] = max(below[parents[s]], below[s] + lengths[s])
-    chunk_offsets = [0]
-    for n in lengths:
-        chunk_offsets.append(chunk_offsets[-1] + n)  # rows, turned into chunks by the caller's chunk size below
     groups = root_groups if root_groups is not None else [[s for s in range(S) if parents[s] < 0]]
 
     def dev(xs, dtype=torch.int32):
         return to_device_async(torch.tensor(xs, dtype=dtype), device)
 
     return TreeRecurrence(
-        segments=S, states=states, cu_seqlens=dev([0, *(a + n for a, n in zip(starts, lengths))], torch.long),
-        chunk_offsets=dev([0] * (S + 1), torch.long),  # replaced by with_chunks
+        segments=S, states=states, cu_seqlens=dev([0, *itertools.accumulate(lengths)], torch.long),
+        chunk_offsets=dev([0, *itertools.accumulate(-(-n // chunk_size) for n in lengths)], torch.long),
         fwd_order=dev(sorted(range(S), key=lambda s: (above[s], s))),
         bwd_order=dev(sorted(range(S), key=lambda s: (below[s], -s))),
         parent_slot=dev([slot[p] if p >= 0 else -1 for p in parents]), state_slot=dev(slot),
-        child_ptr=dev([0, *_accumulate(len(c) for c in children)]),
+        child_ptr=dev([0, *itertools.accumulate(len(c) for c in children)]),
         child_idx=dev([c for cs in children for c in cs] or [0]),
         root_groups=tuple(dev(g, torch.long) for g in groups if g))
-
-
-def with_chunks(tr: TreeRecurrence, lengths: list[int], chunk_size: int) -> TreeRecurrence:
-    """``tr`` with the chunk offsets of ``chunk_size``-row chunks (fla's: no chunk crosses a segment)."""
-    offsets = [0, *_accumulate(-(-n // chunk_size) for n in lengths)]
-    return TreeRecurrence(**{**tr.__dict__, "chunk_offsets": to_device_async(torch.tensor(offsets, dtype=torch.long),
-                                                                             tr.cu_seqlens.device)})
-
-
-def _accumulate(xs):
-    total = 0
-    for x in xs:
-        total += x
-        yield total
 
 
 def tree_fwd_h(k: Tensor, w: Tensor, u: Tensor, g: Tensor, initial_state: Tensor | None, tr: TreeRecurrence,

@@ -8,7 +8,7 @@ import time
 import torch
 
 from tests.test_fla_tree_recurrence import random_segments, reference
-from treecompile.ops.fla_tree_recurrence import tree_bwd_dhu, tree_fwd_h, tree_recurrence, with_chunks
+from treecompile.ops.fla_tree_recurrence import tree_bwd_dhu, tree_fwd_h, tree_recurrence
 
 dev = torch.device("cuda")
 worst = 0.0
@@ -17,7 +17,7 @@ for seed, (S, L, H, HV, K, V) in enumerate([(40, 300, 16, 16, 128, 128), (200, 8
     rng = random.Random(seed)
     starts, lengths, parents = random_segments(rng, S, L)
     R, BT = sum(lengths), 64
-    tr = with_chunks(tree_recurrence(starts, lengths, parents, dev), lengths, BT)
+    tr = tree_recurrence(starts, lengths, parents, dev, chunk_size=BT)
     NT = int(tr.chunk_offsets[-1])
     gen = torch.Generator(device=dev).manual_seed(seed)
     mk = lambda *s: torch.randn(*s, generator=gen, device=dev, dtype=torch.float64) * 0.1
