@@ -49,6 +49,7 @@ from torch import Tensor
 from treecompile.host_values import host_copy, to_device_async
 from treecompile.ops.fla_gdn import host_chunk_indices, start_states
 from treecompile.ops.fla_tree_recurrence import TreeRecurrence, tree_bwd_dhu, tree_fwd_h, tree_recurrence
+from treecompile.ops.triton_support import available, interpreting
 
 __all__ = ["LevelTensors", "TREE", "TreeGDNLevels", "level_tensors", "levels_unusable_reason", "tree_usable"]
 
@@ -108,15 +109,7 @@ TREE = True
 def tree_usable(device: torch.device) -> bool:
     """Whether the layer's recurrence runs as one launch over the tree on ``device``: :data:`TREE`, and Triton runs
     there (a CUDA device, or any device under Triton's interpreter)."""
-    from treecompile.ops.triton_support import interpreting
-
-    if not TREE:
-        return False
-    try:
-        import triton  # noqa: F401  (availability probe)
-    except ImportError:
-        return False
-    return device.type == "cuda" or interpreting()
+    return TREE and available() and (device.type == "cuda" or interpreting())
 
 
 # Launch the recurrence kernels straight into slices of one buffer per layer (no per-call allocation, no cat, no

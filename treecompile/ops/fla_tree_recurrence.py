@@ -41,6 +41,7 @@ import torch
 from torch import Tensor
 
 from treecompile.host_values import to_device_async
+from treecompile.ops import fla_tree_recurrence_triton as kernels
 
 __all__ = ["BV", "FALLBACK_CONFIGS", "NUM_STAGES", "NUM_WARPS", "TreeRecurrence", "tree_bwd_dhu", "tree_fwd_h",
            "tree_recurrence"]
@@ -130,7 +131,7 @@ def tree_fwd_h(k: Tensor, w: Tensor, u: Tensor, g: Tensor, initial_state: Tensor
     h = k.new_empty(1, chunks, Hv, K, V)
     v_new = torch.empty_like(u)
     states = torch.empty(max(tr.states, 1), Hv, K, V, dtype=torch.float32, device=k.device)
-    _launch(_fwd_kernel(), tr.segments * Hv, V, (K, Hv, H, chunk_size, k.dtype),
+    _launch(kernels.tree_fwd_h_kernel, tr.segments * Hv, V, (K, Hv, H, chunk_size, k.dtype),
             lambda bv: (k, u, w, v_new, g, h, initial_state, states, _flags(tr.states, Hv, V, bv, k.device),
                         tr.cu_seqlens, tr.chunk_offsets, tr.fwd_order, tr.parent_slot, tr.state_slot, k.shape[1]),
             dict(H=H, HV=Hv, K=K, V=V, BT=chunk_size, USE_INITIAL_STATE=initial_state is not None))
@@ -146,7 +147,7 @@ def tree_bwd_dhu(q: Tensor, k: Tensor, w: Tensor, do: Tensor, dv: Tensor, g: Ten
     dh = q.new_empty(1, chunks, Hv, K, V)
     dv2 = torch.empty_like(dv)
     dh0 = torch.empty(tr.segments, Hv, K, V, dtype=torch.float32, device=q.device)
-    _launch(_bwd_kernel(), tr.segments * Hv, V, (K, Hv, H, chunk_size, q.dtype),
+    _launch(kernels.tree_bwd_dhu_kernel, tr.segments * Hv, V, (K, Hv, H, chunk_size, q.dtype),
             lambda bv: (q, k, w, g, dh0, do, dh, dv, dv2, _flags(tr.segments, Hv, V, bv, q.device), tr.cu_seqlens,
                         tr.chunk_offsets, tr.bwd_order, tr.child_ptr, tr.child_idx, scale, q.shape[1]),
             dict(H=H, HV=Hv, K=K, V=V, BT=chunk_size))
@@ -177,15 +178,3 @@ def _launch(kernel, groups: int, V: int, key: tuple, args, meta: dict) -> None:
             continue
         _FITS[cache_key] = (bv, warps, stages)
         return
-
-
-def _fwd_kernel():
-    from treecompile.ops.fla_tree_recurrence_triton import tree_fwd_h_kernel
-
-    return tree_fwd_h_kernel
-
-
-def _bwd_kernel():
-    from treecompile.ops.fla_tree_recurrence_triton import tree_bwd_dhu_kernel
-
-    return tree_bwd_dhu_kernel
