@@ -29,10 +29,13 @@ def equal_per_path_computations(model, paths, masks, weights, batch, ref=None):
     (c) every path run with 5 more tokens after it, their loss masked out (exact in a causal model): the
         arrays are longer, so where a float32 kernel rounds by position (a vectorized body and a scalar tail, as
         in complex64 products of complex rotary embeddings) the same token rounds differently, as it does in
-        the tree's longer sequence.
+        the tree's longer sequence;
+    (d) every log-prob as ``logits - logsumexp(logits)`` in the logits' own dtype instead of ``log_softmax``: where a
+        model returns float32 logits (a float32 LM head or soft-capping, as beam, mllama and dory do) the log-softmax
+        rounds in float32, and another equal formula of it rounds otherwise, as the tree's loss does.
     ``ref``: a ``reference.run(model, paths, ...)`` whose graph is still alive (``retain_graph``): (a)
     reads its log-probs (the per-path runs are deterministic: a second run is bitwise the same forward).
-    Yields ``loss_a``, ``loss_b``, ``loss_c``, each computed when it is asked for ((b) runs every path twice).
+    Yields ``loss_a`` to ``loss_d``, each computed when it is asked for ((b) runs every path twice).
     """
     tree = batch.tree
     last = torch.empty(tree.num_tokens, dtype=torch.long)
@@ -47,6 +50,16 @@ def equal_per_path_computations(model, paths, masks, weights, batch, ref=None):
     long_masks = [([0.0] + [1.0] * (len(p) - 1) if masks is None else [float(x) for x in masks[i]])
                   + [0.0] * EXTRA_TOKENS for i, p in enumerate(paths)]
     yield reference.run(model, longer, loss_masks=long_masks, path_weights=weights, normalize="sum").loss
+    total, device = 0.0, next(model.parameters()).device
+    for i, p in enumerate(paths):
+        ids = torch.as_tensor(list(p), dtype=torch.long, device=device)[None]
+        logits = reference.logits_of(model(ids))[0]
+        logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits  # as reference.run
+        lp = (logits - torch.logsumexp(logits, -1, keepdim=True))[:-1].gather(-1, ids[0, 1:, None])[:, 0]
+        m = torch.ones(len(p) - 1, dtype=torch.float64) if masks is None else torch.as_tensor(masks[i][1:],
+                                                                                              dtype=torch.float64)
+        total = total - w[i] * (m.to(device) * lp.to(torch.float64)).sum()
+    yield total / len(paths)
 
 
 EXTRA_TOKENS = 5

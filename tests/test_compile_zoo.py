@@ -195,6 +195,12 @@ MLA = dict(num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, head_dim=4, q
     # and the mask added before the scale: finfo.min / sqrt(d) still masks
     ("CodeGenForCausalLM", "CodeGenConfig", dict(vocab_size=37, n_embd=32, n_layer=2, n_head=4, rotary_dim=4,
                                                  n_positions=256, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)),
+    # transformers 5.24 (session 35): recurrent depth, the middle layer called twice per forward (two attention
+    # sites per call of one module), unit-norm hidden states, float32 logits scaled per token
+    ("DoryForCausalLM", "DoryConfig", dict(MOE, head_dim=8, num_hidden_layers=3, n_input_layers=1,
+                                           n_recurrent_layers=1, n_output_layers=1, n_recurrent_loops=2,
+                                           sliding_window=4, layer_types=["sliding_attention", "full_attention",
+                                                                          "sliding_attention"])),
 ])
 def test_hf_models_found_by_the_zoo_sweep(mcls, ccls, kw):
     """Families a sweep over transformers' causal LMs found refused by treecompile's own bugs or by token rules
