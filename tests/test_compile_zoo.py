@@ -195,8 +195,8 @@ MLA = dict(num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, head_dim=4, q
     # and the mask added before the scale: finfo.min / sqrt(d) still masks
     ("CodeGenForCausalLM", "CodeGenConfig", dict(vocab_size=37, n_embd=32, n_layer=2, n_head=4, rotary_dim=4,
                                                  n_positions=256, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)),
-    # transformers 5.24 (session 35): recurrent depth, the middle layer called twice per forward (two attention
-    # sites per call of one module), unit-norm hidden states, float32 logits scaled per token
+    # transformers 5.24 (session 35): recurrent depth, the middle layer called twice per forward (one module, two
+    # attention sites), unit-norm hidden states, float32 logits scaled per token
     ("DoryForCausalLM", "DoryConfig", dict(MOE, head_dim=8, num_hidden_layers=3, n_input_layers=1,
                                            n_recurrent_layers=1, n_output_layers=1, n_recurrent_loops=2,
                                            sliding_window=4, layer_types=["sliding_attention", "full_attention",
@@ -204,7 +204,7 @@ MLA = dict(num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, head_dim=4, q
 ])
 def test_hf_models_found_by_the_zoo_sweep(mcls, ccls, kw):
     """Families a sweep over transformers' causal LMs found refused by treecompile's own bugs or by token rules
-    stricter than the ops (sessions 28, 29)."""
+    stricter than the ops (sessions 28, 29), and new families of a transformers release (session 35)."""
     if not hasattr(transformers, mcls):
         pytest.skip(f"transformers has no {mcls}")
     torch.manual_seed(0)
@@ -214,6 +214,8 @@ def test_hf_models_found_by_the_zoo_sweep(mcls, ccls, kw):
     use_cache = model.config.use_cache
     tmodel = treecompile.compile(model)
     assert model.config.use_cache == use_cache  # set for the capture only
+    if mcls == "DoryForCausalLM":  # 3 layers, the middle one looped twice: 4 attention sites
+        assert tmodel.pass_results["rewrite_attention"].count == 4
     assert_tree_equals_per_path(model, tmodel, PATHS)
 
 
