@@ -243,6 +243,14 @@ def _gathered_tensors(plan, chunk_size: int) -> LevelTensors:
     return _level_tensors([n for w in plan.waves for n in w.lengths], calls, chunk_size, dev, in_place=False)
 
 
+def _dfs_segments(plan, refusal: str) -> list[tuple[int, int]]:
+    """``(first DFS token, length)`` of every segment of a plan without replayed rows (each segment's rows are one DFS
+    range: ``Wave.starts``, ``Wave.lengths``), in DFS order; a plan with replayed rows raises ``refusal``."""
+    if plan.replayed_tokens:
+        raise ValueError(refusal)
+    return sorted((a, n) for w in plan.waves for a, n in zip(w.starts, w.lengths))
+
+
 def _in_place_tensors(plan, chunk_size: int) -> LevelTensors:
     """:class:`LevelTensors` that read a plan's rows where they lie in DFS order.  Without replay each segment's rows
     are one DFS range (``Wave.starts``, ``Wave.lengths``); the chunk-local kernels run over all segments in DFS order
@@ -250,10 +258,8 @@ def _in_place_tensors(plan, chunk_size: int) -> LevelTensors:
     recurrence over its segments through the slots of :class:`CallSlice`: its segments in decreasing DFS order, an
     empty slot between two, so that ``cu_seqlens`` pairs name the segments' own ranges and the gaps go backwards.
     Same kernels over the same chunks as the gathered rows: the same numbers."""
-    if plan.replayed_tokens:
-        raise ValueError("rows read in place need a plan without replayed rows")
+    segs = _dfs_segments(plan, "rows read in place need a plan without replayed rows")
     dev = plan.index.device
-    segs = sorted((a, n) for w in plan.waves for a, n in zip(w.starts, w.lengths))
     first_chunk, c = {}, 0
     for a, n in segs:
         first_chunk[a] = c
@@ -289,10 +295,8 @@ def _tree_tensors(plan, chunk_size: int) -> LevelTensors:
     tokens in DFS order (each segment one DFS range), each segment's parent the segment its call's ``source`` names
     in the previous call.  The roots' initial-state gradients are summed call by call from the last, as the calls
     sum them."""
-    if plan.replayed_tokens:
-        raise ValueError("a recurrence over the tree needs a plan without replayed rows")
+    segs = _dfs_segments(plan, "a recurrence over the tree needs a plan without replayed rows")
     dev = plan.index.device
-    segs = sorted((a, n) for w in plan.waves for a, n in zip(w.starts, w.lengths))
     seg_of = {a: i for i, (a, _) in enumerate(segs)}
     parent, root_groups = [-1] * len(segs), []
     for i, w in enumerate(plan.waves):
