@@ -341,6 +341,8 @@ def main() -> None:
                 del xs
             except Exception as e:  # a kernel that refuses is a row
                 r = dict(case=case, contender="paths_fa4_varlen", error=f"{type(e).__name__}: {str(e)[:160]}")
+            if ref and "fwdbwd_tfs" in r:  # FA4's own rate on the tree's rows, against its causal rate at T
+                r["pct_fa4_causal"] = round(100 * r["fwdbwd_tfs"] / ref, 1)
             for t in rows:  # x_paths: the tree contender's speed-up over the baselines' attention
                 if t["case"] == case and t is not r and "fwdbwd_ms" in t and "fwdbwd_ms" in r:
                     t["x_paths_fwd"] = round(r["fwd_ms"] / t["fwd_ms"], 3)
