@@ -1350,9 +1350,16 @@ def main(argv=None) -> int:
     where = ("each contender in its own process (--isolate: a fresh process per model, tree and contender; "
              "loss_rel_dev and grad_cos against the eager_per_path child's saved loss and fp32 gradient)" if isolate
              else "all contenders and trees of one model in one process, one after another (--no-isolate)")
+    suites = args.suite or ["sweep", "agentic"]
+    trees_ran = "; ".join(filter(None, [  # only the suites that ran (an agentic run named the synthetic trees' shape)
+        f"synthetic: {args.paths} paths x {args.path_len} tokens, POR {', '.join(map(str, args.por))}"
+        if "sweep" in suites else "",
+        f"agentic: {', '.join(args.agentic) if args.agentic else 'every spec'} @{args.agentic_scale}"
+        if "agentic" in suites else "",
+        f"group: {' '.join(map(str, args.group))}" if "group" in suites else ""]))
     conditions = (f"dtype={args.dtype}; step = fwd+bwd over all paths of one tree, optimizer excluded; median of "
                   f"{args.iters} after 1 warm-up (first_s, compile included); normalize={cfg.normalize}; "
-                  f"capacity={cfg.capacity}; synthetic: {args.paths} paths x {args.path_len} tokens; "
+                  f"capacity={cfg.capacity}; {trees_ran}; "
                   f"x_* = baseline step / contender step; bound = baseline FLOPs / contender FLOPs "
                   f"(benchmarks/flops.py); frac_bound = x_best / bound; loss_rel_dev and grad_cos vs eager_per_path "
                   f"in the same dtype; random HF-style init (std 0.02); {where}")
