@@ -108,7 +108,7 @@ else:  # run as a script: benchmarks/ is on sys.path
 BASELINES = ("eager_per_path", "compiled_per_path", "packed_flex", "compiled_per_path_fa4", "packed_fa4_varlen",
              "compiled_per_path_fla", "packed_fla_varlen", "packed_fla_varlen_conv")
 TREE_CONTENDERS = ("tree", "tree_heavy_first", "tree_fa4_varlen", "tree_fa4_flex", "tree_conv_fla",
-                   "tree_conv_shifts_inductor", "tree_head_chunked", "tree_packed", "tree_rf")
+                   "tree_conv_shifts_inductor", "tree_head_chunked", "tree_head_kept", "tree_packed", "tree_rf")
 CONTENDERS = BASELINES + TREE_CONTENDERS
 
 
@@ -725,6 +725,12 @@ class Steps:
         """``tree`` with ``head_logits="chunked"`` (the fused head recomputes its logits chunk by chunk in the
         backward: what every step ran before session 25; CUDA)."""
         return self._cuda_tree_step("head_logits", head="chunked")
+
+    def tree_head_kept(self):
+        """``tree`` with ``head_logits="kept"`` (the fused head keeps the logits of every row for its backward, whatever
+        they take: "auto" chunks a call whose logits exceed 1/8 of the GPU's memory, e.g. Qwen3-0.6B at 64k tree
+        tokens on an H200; CUDA)."""
+        return self._cuda_tree_step("head_logits", head="kept")
 
     def _cuda_tree_step(self, option: str, **kw):
         """``tree_step(**kw)`` on CUDA; elsewhere a skip naming ``option`` (a CUDA lowering option)."""
