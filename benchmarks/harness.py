@@ -979,6 +979,11 @@ def load_ref(path: str) -> dict:
     return {"loss": float(t["loss"]), "grad": t["grad"]}
 
 
+def suites_of(args) -> list[str]:
+    """The suites a run times: ``--suite`` as given, or sweep and agentic."""
+    return args.suite or ["sweep", "agentic"]
+
+
 def child_command(args, *, model: str, case_index: int, contender: str, out: str, ref_args=()) -> list[str]:
     """The command that times one contender on one case in a fresh process, with the parent's (resolved)
     options; its row goes to ``out``/results.jsonl."""
@@ -987,7 +992,7 @@ def child_command(args, *, model: str, case_index: int, contender: str, out: str
            "--iters", str(args.iters), "--capacity", str(args.capacity), "--paths", str(args.paths),
            "--path-len", str(args.path_len), "--agentic-scale", repr(args.agentic_scale), "--por", *map(repr, args.por),
            "--group", *map(str, args.group)]
-    for suite in args.suite or ["sweep", "agentic"]:
+    for suite in suites_of(args):
         cmd += ["--suite", suite]
     if args.agentic:
         cmd += ["--agentic", *args.agentic]
@@ -1268,7 +1273,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def bench_cases(args, vocab: int) -> list[TreeCase]:
     """The trees of one model, in order (parent and children build the same list: ``--case-index``)."""
-    suites = args.suite or ["sweep", "agentic"]
+    suites = suites_of(args)
     cases = []
     if "sweep" in suites:
         cases += synthetic_cases(args.por, args.paths, args.path_len, vocab)
@@ -1356,7 +1361,7 @@ def main(argv=None) -> int:
     where = ("each contender in its own process (--isolate: a fresh process per model, tree and contender; "
              "loss_rel_dev and grad_cos against the eager_per_path child's saved loss and fp32 gradient)" if isolate
              else "all contenders and trees of one model in one process, one after another (--no-isolate)")
-    suites = args.suite or ["sweep", "agentic"]
+    suites = suites_of(args)
     trees_ran = "; ".join(filter(None, [  # only the suites that ran (an agentic run named the synthetic trees' shape)
         f"synthetic: {args.paths} paths x {args.path_len} tokens, POR {', '.join(map(str, args.por))}"
         if "sweep" in suites else "",
