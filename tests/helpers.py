@@ -50,15 +50,12 @@ def equal_per_path_computations(model, paths, masks, weights, batch, ref=None):
     long_masks = [([0.0] + [1.0] * (len(p) - 1) if masks is None else [float(x) for x in masks[i]])
                   + [0.0] * EXTRA_TOKENS for i, p in enumerate(paths)]
     yield reference.run(model, longer, loss_masks=long_masks, path_weights=weights, normalize="sum").loss
-    total, device = 0.0, next(model.parameters()).device
+    total = 0.0
     for i, p in enumerate(paths):
-        ids = torch.as_tensor(list(p), dtype=torch.long, device=device)[None]
-        logits = reference.logits_of(model(ids))[0]
-        logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits  # as reference.run
-        lp = (logits - torch.logsumexp(logits, -1, keepdim=True))[:-1].gather(-1, ids[0, 1:, None])[:, 0]
+        lp = reference.path_logprobs(model, p, log_softmax=lambda x, d: x - torch.logsumexp(x, d, keepdim=True))[1:]
         m = torch.ones(len(p) - 1, dtype=torch.float64) if masks is None else torch.as_tensor(masks[i][1:],
                                                                                               dtype=torch.float64)
-        total = total - w[i] * (m.to(device) * lp.to(torch.float64)).sum()
+        total = total - w[i] * (m.to(lp.device) * lp.to(torch.float64)).sum()
     yield total / len(paths)
 
 

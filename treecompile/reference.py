@@ -22,14 +22,17 @@ def logits_of(out) -> torch.Tensor:
     return out if isinstance(out, torch.Tensor) else out.logits
 
 
-def path_logprobs(model: torch.nn.Module, path: Sequence[int], device=None) -> torch.Tensor:
+def path_logprobs(model: torch.nn.Module, path: Sequence[int], device=None, *,
+                  log_softmax=torch.log_softmax) -> torch.Tensor:
     """log p(token i | tokens < i) of one path, shape [|p|]; entry 0 is 0 (nothing predicts it).  ``device``: where
-    the ids go; None: the model's (its first parameter's or buffer's device, else the CPU)."""
+    the ids go; None: the model's (its first parameter's or buffer's device, else the CPU).  ``log_softmax``:
+    ``(logits, dim) -> log-probs`` over half-precision logits upcast to float32 (another equal formula rounds
+    otherwise: the tests' estimate of the reference's own rounding)."""
     if device is None:
         device = next((t.device for t in (*model.parameters(), *model.buffers())), None)
     ids = torch.as_tensor(list(path), dtype=torch.long, device=device)[None]
     logits = logits_of(model(ids))[0]
-    lp = torch.log_softmax(logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits, -1)
+    lp = log_softmax(logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits, -1)
     tok = lp[:-1].gather(-1, ids[0, 1:, None])[:, 0]
     return torch.cat([tok.new_zeros(1), tok])
 
