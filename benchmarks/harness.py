@@ -728,8 +728,9 @@ class Steps:
 
     def tree_head_kept(self):
         """``tree`` with ``head_logits="kept"`` (the fused head keeps the logits of every row for its backward, whatever
-        they take: "auto" chunks a call whose logits exceed 1/8 of the GPU's memory, e.g. Qwen3-0.6B at 64k tree
-        tokens on an H200; CUDA)."""
+        they take: "auto" keeps the rows that fit in the memory left when the head runs, and before session 37 chunked
+        every call whose logits exceeded 1/8 of the GPU's memory, e.g. Qwen3-0.6B at 64k tree tokens on an H200;
+        CUDA)."""
         return self._cuda_tree_step("head_logits", head="kept")
 
     def _cuda_tree_step(self, option: str, **kw):
@@ -801,6 +802,19 @@ def time_step(step: Callable, dev, iters: int):
     """(first step seconds, median step seconds, peak GiB, loss of the first step)."""
     first, ts, peak, loss = time_steps(step, dev, iters)
     return first, statistics.median(ts), peak, loss
+
+
+def _with_head_fit(note: str | None) -> str | None:
+    """``note`` and, where a fused head ran under ``head_logits="auto"`` in this process, how many of its rows kept
+    their logits the last time (``ops.logprobs_kept.last_fit``), which is then cleared for the next contender."""
+    from treecompile.ops import logprobs_kept
+
+    fit = dict(logprobs_kept.last_fit)
+    logprobs_kept.last_fit.clear()
+    if not fit:
+        return note
+    head = f"head kept {fit['kept']:,}/{fit['rows']:,} rows"
+    return head if not note else f"{note}; {head}"
 
 
 def time_steps(step: Callable, dev, iters: int):
@@ -896,6 +910,7 @@ def run_contenders(model, spec: ModelSpec, case: TreeCase, cfg: BenchConfig, con
             if name == "eager_per_path":
                 ref = {"loss": loss, "grad": g}
             r.step_s, r.first_s, r.peak_gib, r.loss = med, first, peak, loss
+            r.note = _with_head_fit(r.note)
             r.tokens_per_s = tree.num_path_tokens / med
             r.computed_tokens, r.flops = tokens, flops
             r.tflops = flops / med / 1e12

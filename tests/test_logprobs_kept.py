@@ -2,10 +2,13 @@
 lowering's ``head_logits`` choice.
 
 CPU float64: log-probs, log-sum-exps, entropies and every gradient equal the chunked reference op's to rounding,
-with and without bias and entropy, over several row blocks; a second backward through the same graph raises
-(eagerly and compiled) rather than reading gradients as logits.  The lowering keeps the logits only where
-``head_logits`` and the call allow it.  CUDA bf16: the op against an fp64 oracle, and a compiled step with kept
-logits against an fp32 run.
+with and without bias and entropy, over several row blocks, whether every row keeps its logits (``keep="all"``)
+or only the leading rows that fit (``keep="fit"``: none, some, all); a second backward through the same graph
+raises (eagerly and compiled) rather than reading gradients as logits.  ``fit_rows`` does the arithmetic its
+docstring states, and one compiled graph serves every kept-row count (the count is an unbacked size).  The
+lowering keeps the logits only where ``head_logits`` and the call allow it.  CUDA bf16: the op against an fp64
+oracle (all rows kept, and some under real memory pressure), and a compiled step with kept logits against an
+fp32 run.
 """
 
 from __future__ import annotations
@@ -40,15 +43,72 @@ def _all(outs, params, cot):
 
 @pytest.mark.parametrize("entropy", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
-def test_kept_head_equals_the_chunked_reference_float64(monkeypatch, bias, entropy):
+@pytest.mark.parametrize("kept", [None, 0, 17, 40], ids=["all", "fit0", "fit17", "fit40"])
+def test_kept_head_equals_the_chunked_reference_float64(monkeypatch, bias, entropy, kept):
+    """``kept`` None: ``keep="all"``; else ``keep="fit"`` with ``fit_rows`` saying ``kept`` of the 40 rows fit (the
+    rows past them run chunked inside the op, 7 at a time here)."""
     monkeypatch.setattr(logprobs_kept, "default_chunk", lambda vocab: 7)  # several row blocks, the last partial
+    if kept is not None:
+        monkeypatch.setattr(logprobs_kept, "fit_rows", lambda h, W, b: kept)
     h, W, b, t, cot = _inputs(40, 8, 50, torch.float64, bias)
     params = [x for x in (h, W, b) if x is not None]
-    got = _all(linear_logprobs_kept(h, W, b, t, entropy)[:3], params, cot)
+    out = linear_logprobs_kept(h, W, b, t, entropy, "all" if kept is None else "fit")
+    assert out[3].shape == (40 if kept is None else kept, 50)
+    got = _all(out[:3], params, cot)
     want = _all(linear_logprobs(h, W, b, t, 9, entropy), params, cot)
     assert len(got) == len(want) == 2 + entropy + len(params)
     for a, w in zip(got, want):
         assert torch.allclose(a, w, rtol=1e-12, atol=1e-13)
+
+
+def test_keep_is_checked():
+    h, W, b, t, _ = _inputs(3, 4, 5, torch.float64, False)
+    with pytest.raises(ValueError, match="keep must be one of"):
+        linear_logprobs_kept(h, W, b, t, False, "some")
+
+
+def test_fit_rows_arithmetic(monkeypatch):
+    """The rows whose logits fit: the headroom less the backward's buffers and the margin, in whole rows, clipped to
+    ``[0, N]``; every row off CUDA (the headroom is unknown there).  ``last_fit`` records the decision."""
+    h, W, b, t, _ = _inputs(100, 16, 30, torch.float64, True)
+    N, D, V = 100, 16, 30
+    assert logprobs_kept.fit_rows(h, W, b) == N  # CPU: not tracked
+    assert logprobs_kept.last_fit == {"rows": N, "kept": N, "headroom": -1}
+    total = 1 << 20
+    monkeypatch.setattr(logprobs_kept, "_device_total", lambda device: total)
+    need = logprobs_kept.head_backward_bytes(N, V, D, torch.float64, chunk_rows=min(N, logprobs_kept.default_chunk(V)),
+                                             bias=True)
+    # float64 acc: dh 100*16*8 + dW 30*16*16 + db 30*16 + chunk 100*30*16 + grads 4*100*8
+    assert need == 12800 + 7680 + 480 + 48000 + 3200
+    row = V * 8
+    margin = total // logprobs_kept.FIT_MARGIN_FRACTION
+    for headroom, want in [(need + margin + 37 * row + row - 1, 37), (need + margin - 1, 0), (0, 0),
+                           (need + margin + 10 * N * row, N)]:
+        monkeypatch.setattr(logprobs_kept, "headroom_bytes", lambda device, hr=headroom: hr)
+        assert logprobs_kept.fit_rows(h, W, b) == want, headroom
+        assert logprobs_kept.last_fit == {"rows": N, "kept": want, "headroom": headroom}
+
+
+def test_one_compiled_graph_serves_every_kept_row_count(monkeypatch):
+    """Under ``torch.compile`` (inductor, CPU) the kept rows' count is an unbacked size: the memory left changing
+    between calls changes how many rows keep their logits, never the graph (one compile), and every count gives the
+    reference's gradients."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    h, W, b, t, cot = _inputs(12, 8, 20, torch.float64, True)
+
+    def head(h, W, b):
+        lp, lse, _, _ = linear_logprobs_kept(torch.tanh(h), W, b, t, False, "fit")
+        return lp, lse
+
+    counter = CompileCounterWithBackend("inductor")
+    fn = torch.compile(head, backend=counter, fullgraph=True)
+    want = _all(linear_logprobs(torch.tanh(h), W, b, t, 5)[:2], [h, W, b], cot)
+    for kept in (12, 0, 5):
+        monkeypatch.setattr(logprobs_kept, "fit_rows", lambda h, W, b, k=kept: k)
+        got = _all(fn(h, W, b), [h, W, b], cot)
+        assert all(torch.allclose(a, w, rtol=1e-12, atol=1e-13) for a, w in zip(got, want)), kept
+    assert counter.frame_count == 1
 
 
 def test_kept_logits_are_the_heads_logits_and_take_no_gradient():
@@ -104,57 +164,61 @@ def _head_nodes(gm):
             and (n.target is lower_cuda._fused_head or "logprobs" in str(n.target))]
 
 
-@pytest.mark.parametrize("head_logits,chunk,memory,want", [
-    ("auto", None, 80 << 30, 10 << 30), ("auto", 64, 80 << 30, None), ("auto", None, None, None),
-    ("kept", 64, None, -1), ("chunked", None, 80 << 30, None)])
-def test_lowering_keeps_the_logits_only_where_asked(monkeypatch, head_logits, chunk, memory, want):
-    """"auto" keeps logits of at most 1/8 of the device's memory, and only where the user set no logits_chunk;
-    "kept" always; "chunked" never (the head stays the chunked op, as before this option)."""
+@pytest.mark.parametrize("head_logits,chunk,want", [
+    ("auto", None, "fit"), ("auto", 64, None), ("kept", 64, "all"), ("kept", None, "all"), ("chunked", None, None)])
+def test_lowering_keeps_the_logits_only_where_asked(head_logits, chunk, want):
+    """"auto" keeps the rows that fit at run time, and only where the user set no logits_chunk; "kept" every row
+    always; "chunked" never (the head stays the chunked op, as before this option)."""
     import treecompile
     from treecompile.models import DenseConfig, DenseForCausalLM
 
-    monkeypatch.setattr(lower_cuda, "device_memory", lambda: memory)
     tm = treecompile.compile(DenseForCausalLM(DenseConfig.tiny(num_hidden_layers=1)), logits_chunk=chunk)
     lowering = lower_cuda.lower_cuda(tm.graph_module, lower_cuda.CudaOptions(gdn_kernel="reference",
                                                                              head_logits=head_logits))
     (head,) = _head_nodes(lowering.graph_module)
-    assert lowering.head_kept_max_bytes == want
+    assert lowering.head_keep == want
     if want is None:
         assert head.target == torch.ops.treecompile.linear_logprobs.default  # float32: no Triton head
     else:
         assert head.target is lower_cuda._fused_head
-        assert head.kwargs["kept_max_bytes"] == want and head.kwargs["triton"] is False
+        assert head.kwargs["keep"] == want and head.kwargs["triton"] is False
     with pytest.raises(ValueError, match="head_logits: expected one of"):
         lower_cuda.CudaOptions(head_logits="keep")
 
 
-@pytest.mark.parametrize("head_logits,want", [("auto", None), ("kept", -1)])
-def test_partition_graphs_keep_no_logits_under_auto(monkeypatch, head_logits, want):
+@pytest.mark.parametrize("head_logits,want", [("auto", None), ("kept", "all")])
+def test_partition_graphs_keep_no_logits_under_auto(head_logits, want):
     """A redundancy-free partition's graph lives until the partitions below it ran: "auto" keeps nothing there
     (kept logits would add up along a chain); an explicit "kept" still does."""
     import treecompile
     from treecompile.models import DenseConfig, DenseForCausalLM
 
-    monkeypatch.setattr(lower_cuda, "device_memory", lambda: 80 << 30)
     tm = treecompile.compile(DenseForCausalLM(DenseConfig.tiny(num_hidden_layers=1)), boundary=True)
     lowering = lower_cuda.lower_cuda(tm.graph_module, lower_cuda.CudaOptions(gdn_kernel="reference",
                                                                              head_logits=head_logits), boundary=True)
-    assert len(_head_nodes(lowering.graph_module)) == 1 and lowering.head_kept_max_bytes == want
+    assert len(_head_nodes(lowering.graph_module)) == 1 and lowering.head_keep == want
 
 
-def test_fused_head_keeps_only_differentiated_calls_under_the_bound():
+def test_fused_head_keeps_only_differentiated_calls(monkeypatch):
     h, W, b, t, cot = _inputs(6, 4, 10, torch.float64, False)
-    nbytes = 6 * 10 * 8
-    assert lower_cuda.head_keeps(h, W, b, nbytes) and lower_cuda.head_keeps(h, W, b, -1)
-    assert not lower_cuda.head_keeps(h, W, b, nbytes - 1)
+    assert lower_cuda.head_keeps(h, W, b)
     with torch.no_grad():
-        assert not lower_cuda.head_keeps(h, W, b, -1)
-    assert not lower_cuda.head_keeps(h.detach(), W.detach(), None, -1)
-    assert lower_cuda.head_keeps(h.detach(), W, None, -1)  # a frozen trunk under a trained head
+        assert not lower_cuda.head_keeps(h, W, b)
+    assert not lower_cuda.head_keeps(h.detach(), W.detach(), None)
+    assert lower_cuda.head_keeps(h.detach(), W, None)  # a frozen trunk under a trained head
+    monkeypatch.setattr(logprobs_kept, "fit_rows", lambda h, W, b: 4)
     want = _all(linear_logprobs(h, W, b, t, 4), [h, W], cot)
-    for bound in (-1, nbytes - 1):  # kept, chunked
-        got = _all(lower_cuda._fused_head(h, W, b, t, 4, triton=False, kept_max_bytes=bound), [h, W], cot)
+    calls = []
+    kept_op = torch.ops.treecompile.linear_logprobs_kept
+    monkeypatch.setattr(torch.ops.treecompile, "linear_logprobs_kept",
+                        lambda *a: calls.append(a[-1]) or kept_op(*a), raising=False)
+    for keep in ("all", "fit"):
+        got = _all(lower_cuda._fused_head(h, W, b, t, 4, triton=False, keep=keep), [h, W], cot)
         assert all(torch.allclose(a, w, rtol=1e-12, atol=1e-13) for a, w in zip(got, want))
+    assert calls == ["all", "fit"]
+    with torch.no_grad():  # chunked: no logits kept for a backward that will not run
+        lower_cuda._fused_head(h, W, b, t, 4, triton=False, keep="all")
+    assert calls == ["all", "fit"]
 
 
 # ------------------------------------------------------------------ CUDA
@@ -183,6 +247,40 @@ def test_kept_head_bf16_vs_fp64_oracle(N, V, bias):
     for name, k, p, o in zip(("lp", "lse", "entropy", "dh", "dW", "db"), kept, plain, want):
         ek, ep = _rel(k, o), _rel(p, o)
         assert ek <= 2 * ep + u, f"{name}: kept error {ek:.3g} > 2 * torch-path error {ep:.3g} + {u:.1g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device (and triton)")
+def test_fit_keeps_what_the_headroom_holds_on_cuda(monkeypatch):
+    """``keep="fit"`` on CUDA bf16 with the headroom set to the backward's buffers plus the logits of 40 % of the
+    rows (no margin): it keeps 40 % of the rows, the rest run chunked inside the op, the op's real peak over what
+    was allocated before stays within that headroom (``head_backward_bytes`` does not under-count), and every
+    output and gradient is within the all-rows-kept op's own error against the fp64 oracle."""
+    N, D, V = 4096, 256, 151936
+    h, W, b, t, cot = _inputs(N, D, V, torch.bfloat16, True, device="cuda")
+    params = [h, W, b]
+    chunk = min(N, logprobs_kept._chunk(h, V))
+    need = logprobs_kept.head_backward_bytes(N, V, D, torch.bfloat16, chunk_rows=chunk, bias=True)
+    want_rows = int(0.4 * N)
+    headroom = need + want_rows * V * 2
+    monkeypatch.setattr(logprobs_kept, "headroom_bytes", lambda device: headroom)
+    monkeypatch.setattr(logprobs_kept, "FIT_MARGIN_FRACTION", 1 << 40)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fit = _all(linear_logprobs_kept(h, W, b, t, True, "fit")[:3], params, cot)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    assert logprobs_kept.last_fit["kept"] == want_rows and logprobs_kept.last_fit["rows"] == N
+    assert peak <= headroom, f"peak {peak / 2**20:.1f} MiB over the headroom {headroom / 2**20:.1f} MiB"
+    kept = _all(linear_logprobs_kept(h, W, b, t, True, "all")[:3], params, cot)
+    logits = h.double() @ W.double().t() + b.double()
+    lsm = torch.log_softmax(logits, -1)
+    want = _all((lsm.gather(-1, t[:, None])[:, 0], logits.logsumexp(-1), -(lsm.exp() * lsm).sum(-1)), params, cot)
+    u = torch.finfo(torch.bfloat16).eps / 2
+    for name, f, k, o in zip(("lp", "lse", "entropy", "dh", "dW", "db"), fit, kept, want):
+        ef, ek = _rel(f, o), _rel(k, o)
+        assert ef <= 2 * ek + u, f"{name}: fit error {ef:.3g} > 2 * all-kept error {ek:.3g} + {u:.1g}"
 
 
 @pytest.mark.gpu
@@ -228,7 +326,7 @@ def test_compiled_step_with_kept_logits_vs_fp32():
     errs = {}
     for head_logits in ("chunked", "kept"):
         lowering, loss, grads = step(torch.bfloat16, head_logits)
-        assert lowering.head_kept_max_bytes == (-1 if head_logits == "kept" else None)
+        assert lowering.head_keep == ("all" if head_logits == "kept" else None)
         errs[head_logits] = (abs(float(loss - loss32)) / abs(float(loss32)), _rel(grads, grads32))
     u = torch.finfo(torch.bfloat16).eps / 2
     assert errs["kept"][0] <= 1.25 * errs["chunked"][0] + u, errs

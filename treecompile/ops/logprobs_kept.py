@@ -1,23 +1,37 @@
 """``treecompile::linear_logprobs_kept``: the fused head that keeps its logits for the backward.
 
 Same arguments (but ``chunk``) and the same first three results as ``treecompile::linear_logprobs``
-(:mod:`treecompile.ops.logprobs`), plus a fourth: the logits ``h @ W.T (+ b)`` in the model's dtype,
-``[N, V]``.  The chunked heads bound their memory to one ``[chunk, V]`` block and pay for it in the backward:
-each chunk's logits are recomputed (a fourth head GEMM per token where a full-logits model runs three) and the
-float32 ``dW [V, D]`` is read and written once per chunk.  This op runs the head as the unmodified model does:
-one logits GEMM forward, and backward one ``dh = dL @ W`` and one ``dW = dL.T @ h`` GEMM over all rows,
-``dW`` accumulated in float32 and rounded once (as the chunked heads do).  It costs ``N x V`` elements of
-memory from the forward to the head's backward; the CUDA lowering chooses it (``head_logits``,
+(:mod:`treecompile.ops.logprobs`), plus a fourth: the logits ``h @ W.T (+ b)`` of the kept rows in the model's
+dtype, ``[M, V]``.  The chunked heads bound their memory to one ``[chunk, V]`` block and pay for it in the
+backward: each chunk's logits are recomputed (a fourth head GEMM per token where a full-logits model runs three)
+and the float32 ``dW [V, D]`` is read and written once per chunk.  This op runs the kept rows as the unmodified
+model does: one logits GEMM forward, and backward one ``dh = dL @ W`` and one ``dW = dL.T @ h`` GEMM over them,
+``dW`` accumulated in float32 and rounded once (as the chunked heads do).  It costs ``M x V`` elements of memory
+from the forward to the head's backward; the CUDA lowering chooses it (``head_logits``,
 :mod:`treecompile.passes.lower_cuda`), nothing in the rewritten graph does.
 
-The backward overwrites the saved logits with their gradient (no second ``[N, V]`` buffer) and bumps their
+Which rows are kept (``keep``):
+
+- ``"all"``: every row, ``M = N`` (``head_logits="kept"``).
+- ``"fit"``: the leading rows whose logits fit in the memory the device has left *when the forward runs*
+  (:func:`fit_rows`; ``head_logits="auto"``).  The head is the forward's last large op, so the step's
+  activations are already held; what fits is the device's free memory plus the caching allocator's cached,
+  unused bytes, less the head backward's own buffers (:func:`head_backward_bytes`) and a margin of
+  ``1 / FIT_MARGIN_FRACTION`` of the device's memory.  The rows past ``M`` run chunked in the same op
+  (their logits recomputed in the backward), so memory never decides between all or nothing: a tree whose
+  logits fit keeps them all, one that only just fits keeps what it can.  ``M`` is known only at run time: under
+  ``torch.compile`` the fourth result has an unbacked row count, so one compiled graph serves every ``M``
+  (no recompile when the memory left changes).  Off CUDA the device's memory is not tracked: every row is
+  kept.
+
+The backward overwrites the saved logits with their gradient (no second ``[M, V]`` buffer) and bumps their
 version counter, so a second backward through the same graph (``retain_graph=True``) raises autograd's
 "modified by an inplace operation" error instead of reading gradients as logits.
 
 The row statistics and the logits' gradient are the reference formulas (``chunk_stats``,
 ``chunk_dlogits``, upcast ``default_chunk(V)`` rows at a time, the reference head's own bound) on any
 device, and the Triton row kernels of :mod:`treecompile.ops.logprobs_triton` on CUDA half precision (one
-launch over all rows).
+launch over the kept rows, one per chunk of the others).
 """
 
 from __future__ import annotations
@@ -25,16 +39,27 @@ from __future__ import annotations
 import torch
 
 from treecompile.ops import logprobs_triton
-from treecompile.ops.logprobs import _acc_dtype, chunk_dlogits, chunk_logits, chunk_stats, default_chunk
+from treecompile.ops.logprobs import (_acc_dtype, accumulate_weight_grad, chunk_dlogits, chunk_stats, default_chunk,
+                                      resolve_chunk)
 from treecompile.ops.triton_support import usable
 
-__all__ = ["linear_logprobs_kept", "logits_bytes"]
+__all__ = ["linear_logprobs_kept", "logits_bytes", "fit_rows", "head_backward_bytes", "headroom_bytes", "KEEP",
+           "FIT_MARGIN_FRACTION", "last_fit"]
 
 HALF = (torch.bfloat16, torch.float16)
+KEEP = ("all", "fit")
+# "fit" leaves this fraction of the device's memory unclaimed (4.4 GiB on an H200, 2.5 GiB on an H100 80GB): for
+# the allocator's rounding and fragmentation, and what the step allocates between the head's forward and its
+# backward (the loss, objectives' [T] vectors, autograd's bookkeeping).
+FIT_MARGIN_FRACTION = 32
+# The last "fit" decision of this process, for benchmarks and logs: {"rows": N, "kept": M, "headroom": bytes}
+# (empty until a "fit" call ran).  Diagnostics only: nothing reads it to decide anything.
+last_fit: dict[str, int] = {}
 
 
 def logits_bytes(n: int, vocab: int, dtype: torch.dtype) -> int:
-    """The memory this op keeps from the forward to the backward: ``n x vocab`` logits of ``dtype``."""
+    """The memory this op keeps from the forward to the backward for ``n`` kept rows: ``n x vocab`` logits of
+    ``dtype``."""
     return n * vocab * dtype.itemsize
 
 
@@ -42,50 +67,124 @@ def _triton(h: torch.Tensor) -> bool:
     return h.dtype in HALF and usable(h)
 
 
-def _weight_grad(dl: torch.Tensor, h: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
-    """``dl.T @ h`` accumulated in float32 (float64 for a float64 model) and rounded once to ``W``'s dtype.
-
-    Not ``logprobs.accumulate_weight_grad`` into a zeroed float32 buffer: with one GEMM there is nothing to
-    accumulate into, and the zero fill and read of ``[V, D]`` float32 cost 1.8 ms of 24 on the MoE head (H100,
-    ``benchmarks/results/h100_s25/dw.jsonl``)."""
-    if dl.is_cuda and dl.dtype in HALF:
-        return torch.mm(dl.t(), h, out_dtype=torch.float32).to(W.dtype)
-    acc = _acc_dtype(dl.dtype)
-    return (dl.t().to(acc) @ h.to(acc)).to(W.dtype)
+def _chunk(h: torch.Tensor, vocab: int) -> int:
+    """Rows per chunk of the rows that are not kept: the chunked head's own default for this device/dtype."""
+    return resolve_chunk(0, vocab, logprobs_triton.DEFAULT_BUDGET) if _triton(h) else default_chunk(vocab)
 
 
-@torch.library.custom_op("treecompile::linear_logprobs_kept", mutates_args=())
-def linear_logprobs_kept(h: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None, targets: torch.Tensor,
-                         entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(logprobs [N], lse [N], entropy [N] if entropy else [0], logits [N, V])``; the first three as
-    ``treecompile::linear_logprobs`` returns them (float32, or float64 for a float64 model).  The logits are
-    the backward's working buffer: its backward overwrites them with their gradient, so a caller reads them
-    before the backward or not at all (``passes.lower_cuda._fused_head`` drops them)."""
-    N = h.shape[0]
-    acc = _acc_dtype(h.dtype)
-    logits = chunk_logits(h, W, b)
-    lp = torch.empty(N, dtype=acc, device=h.device)
-    lse = torch.empty(N, dtype=acc, device=h.device)
-    ent = torch.empty(N if entropy else 0, dtype=acc, device=h.device)
-    if _triton(h):
-        logprobs_triton.stats_(logits, targets.contiguous(), lp, lse, ent if entropy else None)
-        return lp, lse, ent, logits
-    rows = default_chunk(W.shape[0])
-    for s in range(0, N, rows):
+def head_backward_bytes(n: int, vocab: int, dim: int, dtype: torch.dtype, *, chunk_rows: int, bias: bool) -> int:
+    """What the head's backward allocates beside the kept logits: ``dh [n, D]`` in the model's dtype, ``dW`` in
+    the accumulation dtype and rounded (``[V, D]`` each), ``db`` likewise, one ``[chunk_rows, V]`` block of
+    recomputed logits (and its upcast off the Triton path) for the rows that are not kept, and the ``[n]``
+    gradient vectors."""
+    acc = _acc_dtype(dtype).itemsize
+    item = dtype.itemsize
+    return (n * dim * item + vocab * dim * (acc + item) + (vocab * (acc + item) if bias else 0)
+            + chunk_rows * vocab * (item + acc) + 4 * n * acc)
+
+
+def headroom_bytes(device: torch.device) -> int | None:
+    """Bytes that tensors on ``device`` could still take: the device's free memory plus what the caching
+    allocator holds unused (None off CUDA, where memory is not tracked)."""
+    if device.type != "cuda":
+        return None
+    free, _total = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+def _device_total(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).total_memory
+
+
+def fit_rows(h: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None) -> int:
+    """How many leading rows of ``h`` keep their logits under ``keep="fit"``: as many as the device's headroom
+    (:func:`headroom_bytes`) holds after the head backward's own buffers (:func:`head_backward_bytes`) and
+    ``1 / FIT_MARGIN_FRACTION`` of the device's memory; all of them off CUDA."""
+    N, D = h.shape
+    V = W.shape[0]
+    headroom = headroom_bytes(h.device)
+    if headroom is None:
+        rows = N
+    else:
+        need = head_backward_bytes(N, V, D, h.dtype, chunk_rows=min(N, _chunk(h, V)), bias=b is not None)
+        spare = headroom - need - _device_total(h.device) // FIT_MARGIN_FRACTION
+        rows = max(0, min(N, spare // max(1, V * h.dtype.itemsize)))
+    last_fit.clear()
+    last_fit.update(rows=N, kept=rows, headroom=-1 if headroom is None else headroom)
+    return rows
+
+
+def _logits(h: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """``h @ W.T (+ b)`` in the model's dtype, the bias added in the GEMM (one ``[n, V]`` buffer, not two)."""
+    return h @ W.t() if b is None else torch.addmm(b, h, W.t())
+
+
+def _stats_rows(logits, targets, lp, lse, ent, entropy: bool, acc) -> None:
+    """Fill ``lp``, ``lse`` (and ``ent``) of the rows of ``logits`` (model dtype, ``[n, V]``)."""
+    if _triton(logits):
+        logprobs_triton.stats_(logits, targets, lp, lse, ent if entropy else None)
+        return
+    rows = default_chunk(logits.shape[1])
+    for s in range(0, logits.shape[0], rows):
         sl = slice(s, s + rows)
         c_lp, c_lse, c_ent = chunk_stats(logits[sl].to(acc), targets[sl], entropy)
         lp[sl], lse[sl] = c_lp, c_lse
         if entropy:
             ent[sl] = c_ent
+
+
+def _check_keep(keep: str) -> None:
+    if keep not in KEEP:
+        raise ValueError(f"treecompile::linear_logprobs_kept: keep must be one of {KEEP}, got {keep!r}")
+
+
+@torch.library.custom_op("treecompile::linear_logprobs_kept", mutates_args=())
+def linear_logprobs_kept(h: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None, targets: torch.Tensor,
+                         entropy: bool = False, keep: str = "all"
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(logprobs [N], lse [N], entropy [N] if entropy else [0], logits [M, V])``; the first three as
+    ``treecompile::linear_logprobs`` returns them (float32, or float64 for a float64 model).  ``keep``: which
+    rows keep their logits (module docstring); ``M = N`` under ``"all"``.  The logits are the backward's working
+    buffer: its backward overwrites them with their gradient, so a caller reads them before the backward or not
+    at all (``passes.lower_cuda._fused_head`` drops them)."""
+    _check_keep(keep)
+    N, V = h.shape[0], W.shape[0]
+    M = N if keep == "all" else fit_rows(h, W, b)
+    acc = _acc_dtype(h.dtype)
+    targets = targets.contiguous()
+    lp = torch.empty(N, dtype=acc, device=h.device)
+    lse = torch.empty(N, dtype=acc, device=h.device)
+    ent = torch.empty(N if entropy else 0, dtype=acc, device=h.device)
+    logits = _logits(h[:M], W, b)
+    _stats_rows(logits, targets[:M], lp[:M], lse[:M], ent[:M], entropy, acc)
+    chunk = _chunk(h, V)
+    for s in range(M, N, chunk):  # the rows that are not kept: one [chunk, V] block at a time
+        sl = slice(s, s + chunk)
+        _stats_rows(_logits(h[sl], W, b), targets[sl], lp[sl], lse[sl], ent[sl], entropy, acc)
     return lp, lse, ent, logits
 
 
 @linear_logprobs_kept.register_fake
-def _(h, W, b, targets, entropy=False):
+def _(h, W, b, targets, entropy=False, keep="all"):
+    _check_keep(keep)
     N = h.shape[0]
+    M = N if keep == "all" else torch.library.get_ctx().new_dynamic_size()
     acc = _acc_dtype(h.dtype)
     return (h.new_empty(N, dtype=acc), h.new_empty(N, dtype=acc), h.new_empty(N if entropy else 0, dtype=acc),
-            h.new_empty(N, W.shape[0]))
+            h.new_empty(M, W.shape[0]))
+
+
+def _weight_grad(dl: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """``dl.T @ h`` in the accumulation dtype (float32, float64 for a float64 model), for the rows after it to
+    accumulate into and to round once.
+
+    Not ``accumulate_weight_grad`` into a zeroed float32 buffer when rows are kept: their one GEMM writes the
+    buffer, and the zero fill and read of ``[V, D]`` float32 cost 1.8 ms of 24 on the MoE head (H100,
+    ``benchmarks/results/h100_s25/dw.jsonl``)."""
+    if dl.is_cuda and dl.dtype in HALF:
+        return torch.mm(dl.t(), h, out_dtype=torch.float32)
+    acc = _acc_dtype(dl.dtype)
+    return dl.t().to(acc) @ h.to(acc)
 
 
 @torch.library.custom_op("treecompile::linear_logprobs_kept_backward", mutates_args=())
@@ -97,28 +196,44 @@ def linear_logprobs_kept_backward(h: torch.Tensor, W: torch.Tensor, b: torch.Ten
     """``(d h, d W, d b or [0])`` of :func:`linear_logprobs_kept`; ``grad_ent`` None: the entropy is not
     differentiated.
 
-    ``logits`` is the forward's own fourth result, which nothing but this backward reads: it is overwritten
-    with d(loss)/d(logits) in place (a mutation the schema does not declare: no other op reads the tensor) and
-    its version counter is bumped, so any later read through autograd raises."""
+    ``logits`` is the forward's own fourth result (the first ``M = logits.shape[0]`` rows), which nothing but
+    this backward reads: it is overwritten with d(loss)/d(logits) in place (a mutation the schema does not
+    declare: no other op reads the tensor) and its version counter is bumped, so any later read through autograd
+    raises.  The rows past ``M`` recompute their logits one chunk at a time, as the chunked heads do."""
     acc = _acc_dtype(h.dtype)
+    N, M, V = h.shape[0], logits.shape[0], W.shape[0]
     targets = targets.contiguous()
     g, gl = grad_lp.to(acc).contiguous(), grad_lse.to(acc).contiguous()
     ge = None if grad_ent is None else grad_ent.to(acc).contiguous()
     e = None if ge is None else ent
-    if _triton(h):
-        logprobs_triton.dlogits_(logits, targets, lse, g, gl, e, ge)
-    else:
-        rows = default_chunk(W.shape[0])
-        for s in range(0, h.shape[0], rows):
-            sl = slice(s, s + rows)
-            logits[sl] = chunk_dlogits(logits[sl].to(acc), targets[sl], lse[sl], g[sl], gl[sl],
-                                       None if e is None else e[sl], None if ge is None else ge[sl])
+
+    def dlogits_(x, sl):  # x [n, V] (model dtype) of rows sl, overwritten by its gradient
+        if _triton(x):
+            return logprobs_triton.dlogits_(x, targets[sl], lse[sl], g[sl], gl[sl], None if e is None else e[sl],
+                                            None if ge is None else ge[sl])
+        rows, n = default_chunk(V), x.shape[0]
+        for s in range(0, n, rows):
+            r = slice(sl.start + s, sl.start + min(s + rows, n))
+            x[s:s + rows] = chunk_dlogits(x[s:s + rows].to(acc), targets[r], lse[r], g[r], gl[r],
+                                          None if e is None else e[r], None if ge is None else ge[r])
+        return x
+
+    gh = torch.empty_like(h)
+    dl = dlogits_(logits, slice(0, M))
     torch.autograd.graph.increment_version(logits)
-    dl = logits
-    gh = dl @ W
-    gW = _weight_grad(dl, h, W)
-    gb = dl.sum(0, dtype=acc).to(b.dtype) if b is not None else W.new_empty(0)
-    return gh, gW, gb
+    torch.mm(dl, W, out=gh[:M])
+    gW = _weight_grad(dl, h[:M]) if M else torch.zeros(W.shape, dtype=acc, device=W.device)
+    gb = dl.sum(0, dtype=acc) if b is not None else None
+    chunk = _chunk(h, V)
+    for s in range(M, N, chunk):  # the rows that were not kept: their logits again, one chunk at a time
+        sl = slice(s, s + chunk)
+        hc = h[sl]
+        dc = dlogits_(_logits(hc, W, b), sl)
+        torch.mm(dc, W, out=gh[sl])
+        accumulate_weight_grad(gW, dc, hc)
+        if gb is not None:
+            gb += dc.sum(0, dtype=acc)
+    return gh, gW.to(W.dtype), (gb.to(b.dtype) if b is not None else W.new_empty(0))
 
 
 @linear_logprobs_kept_backward.register_fake
@@ -132,7 +247,7 @@ def _setup(ctx, inputs, output):
     ctx.has_bias = b is not None
     ctx.entropy = bool(rest[0]) if rest else False
     ctx.mark_non_differentiable(output[3])
-    # else autograd hands the backward a zero [N, V] "gradient" of the logits (and zeros for unused outputs):
+    # else autograd hands the backward a zero [M, V] "gradient" of the logits (and zeros for unused outputs):
     # as much memory as the kept logits, and a memset of it (H100, the MoE head: peak +7.1 GiB)
     ctx.set_materialize_grads(False)
 
@@ -143,7 +258,7 @@ def _backward(ctx, grad_lp, grad_lse, grad_ent, _grad_logits):
     grad_lse = torch.zeros_like(lse) if grad_lse is None else grad_lse
     gh, gW, gb = linear_logprobs_kept_backward(h, W, b, targets, lse, ent, logits, grad_lp, grad_lse,
                                                grad_ent if ctx.entropy else None)
-    return gh, gW, (gb if ctx.has_bias else None), None, None
+    return gh, gW, (gb if ctx.has_bias else None), None, None, None
 
 
 linear_logprobs_kept.register_autograd(_backward, setup_context=_setup)

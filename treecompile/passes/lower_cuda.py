@@ -33,9 +33,10 @@ faster than with fla's conv on an H100, a GPU-bound 32k synthetic one 2 % slower
 The fused head ``treecompile::linear_logprobs`` of a half-precision model becomes
 ``treecompile::linear_logprobs_triton`` (same arguments; Triton row kernels) when triton imports: the
 reference op never chooses it.  With ``head_logits`` (:data:`HEAD_LOGITS`) "kept", or "auto" where the user set no
-``logits_chunk``, the head becomes :func:`_fused_head`, which runs ``treecompile::linear_logprobs_kept`` (the
-logits kept for the backward: no recompute, ``ops.logprobs_kept``) on calls that differentiate the head with
-logits under the bound (:func:`head_kept_max_bytes`), and the chunked op on the others.
+``logits_chunk``, the head becomes :func:`_fused_head`, which runs ``treecompile::linear_logprobs_kept`` (logits
+kept for the backward: no recompute, ``ops.logprobs_kept``) on calls that differentiate the head: every row under
+"kept", under "auto" the leading rows whose logits fit in the memory the device has left when the head's forward
+runs (the rest chunked in the same op; :func:`head_keep`), and the chunked op on calls without gradients.
 The routed experts ``treecompile::moe_experts`` become ``treecompile::moe_experts_grouped`` (same arguments;
 ``torch._grouped_mm``, no host sync, ``ops.moe_grouped``) on Hopper for bfloat16 experts whose dims give
 16-byte strides (:func:`_moe_grouped`); other dtypes run ``_grouped_mm``'s per-group loop on CUDA, which reads
@@ -88,7 +89,6 @@ from torch.nn.attention.flex_attention import flex_attention
 import treecompile.ops.tree_attention  # noqa: F401  (registers the ops lowered here)
 import treecompile.ops.tree_attention_boundary  # noqa: F401
 import treecompile.ops.logprobs  # noqa: F401
-from treecompile.ops.logprobs_kept import logits_bytes
 import treecompile.ops.tree_gdn  # noqa: F401
 import treecompile.ops.tree_conv  # noqa: F401
 import treecompile.ops.fla_conv  # noqa: F401
@@ -107,8 +107,8 @@ from treecompile.passes.token_axis import same
 
 __all__ = ["CudaOptions", "CudaLowering", "lower_cuda", "attention_inputs", "resolve_gdn_kernel",
            "resolve_attention_kernel", "moe_grouped_unusable_reason", "GDN_KERNELS", "ATTENTION_KERNELS",
-           "ATTENTION_LAYOUTS", "AUTO_SEGMENTS_HEAD_DIMS", "HEAD_LOGITS", "KEPT_FRACTION", "head_kept_max_bytes",
-           "head_keeps", "warn_once"]
+           "ATTENTION_LAYOUTS", "AUTO_SEGMENTS_HEAD_DIMS", "HEAD_LOGITS", "head_keep", "head_keeps",
+           "warn_once"]
 
 TREE_ATTENTION = torch.ops.treecompile.tree_attention.default
 TREE_ATTENTION_WINDOWED = torch.ops.treecompile.tree_attention_windowed.default
@@ -149,11 +149,10 @@ CONV_KERNELS = ("auto", "shifts", "shifts_inductor", "fla", "reference")
 # What the fused head keeps for its backward on CUDA: "chunked" (one [chunk, V] block of logits at a time, forward
 # and backward: the backward recomputes them), "kept" (ops.logprobs_kept: the [N, V] logits in the model's dtype
 # from the forward to the head's backward, overwritten there by their gradient; one head GEMM per token less and
-# dW over all rows in one GEMM), "auto" ("kept" where the user set no logits_chunk and the logits take at most
-# KEPT_FRACTION of the device's memory in a whole-tree program, else "chunked").  A call without gradients runs
-# "chunked" whatever this says.
+# dW over all rows in one GEMM), "auto" (where the user set no logits_chunk, in a whole-tree program: the leading
+# rows whose logits fit in what the device has left when the head's forward runs, ops.logprobs_kept's keep="fit",
+# the others chunked; else "chunked").  A call without gradients runs "chunked" whatever this says.
 HEAD_LOGITS = ("auto", "kept", "chunked")
-KEPT_FRACTION = 8  # "auto" keeps logits of at most total_memory // KEPT_FRACTION bytes (9.9 GiB on an H100 80GB)
 
 
 @dataclass(frozen=True)
@@ -221,9 +220,9 @@ class CudaLowering:
     # of those, calls "auto" lowered at a head dim with the segments alone: a batch whose segments would gather
     # past the op's bound (varlen_tree_attention.segments_fit) runs a graph lowered with varlen=False instead
     attention_segments_only: int = 0
-    # fused heads that keep their logits for the backward when a call's logits take at most this many bytes
-    # (None: no head may keep them; options.head_logits, _fused_head)
-    head_kept_max_bytes: int | None = None
+    # which rows the fused heads keep logits of for the backward ("all", "fit": ops.logprobs_kept's keep), None:
+    # no head keeps any (options.head_logits, head_keep, _fused_head)
+    head_keep: str | None = None
     # the distinct windows of the tree_attention_windowed calls lowered to flex, in the order of their block mask
     # placeholders (``tree_window_block_mask_<W>``, after the others)
     windows: tuple[int, ...] = ()
@@ -443,45 +442,36 @@ def _triton_head(n: fx.Node) -> bool:
     return n.args[0].meta["val"].dtype in HALF and logprobs_triton.available()
 
 
-def head_keeps(h, W, b, kept_max_bytes: int) -> bool:
-    """Whether :func:`_fused_head` keeps this call's logits: it differentiates the head (grad mode on, an input
-    requires grad) and the ``N x V`` logits take at most ``kept_max_bytes`` (-1: any size)."""
-    needs_grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (h, W, b))
-    return needs_grad and (kept_max_bytes < 0 or logits_bytes(h.shape[0], W.shape[0], h.dtype) <= kept_max_bytes)
+def head_keeps(h, W, b) -> bool:
+    """Whether :func:`_fused_head` keeps logits of this call: it differentiates the head (grad mode on, an input
+    requires grad)."""
+    return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (h, W, b))
 
 
-def _fused_head(h, W, b, targets, chunk, entropy=False, *, triton: bool, kept_max_bytes: int):
-    """The fused head ``treecompile::linear_logprobs`` on CUDA: ``linear_logprobs_kept`` (the logits kept
-    for the backward) when this call differentiates the head and its ``N x V`` logits take at most
-    ``kept_max_bytes`` (-1: any size), else chunked: ``linear_logprobs_triton`` (``triton``) or the reference op.
-    Decided per call from shapes and grad mode alone: under ``torch.compile`` at trace time (dynamo guards on
-    both)."""
-    if head_keeps(h, W, b, kept_max_bytes):
-        lp, lse, ent, _logits = torch.ops.treecompile.linear_logprobs_kept(h, W, b, targets, entropy)
+def _fused_head(h, W, b, targets, chunk, entropy=False, *, triton: bool, keep: str):
+    """The fused head ``treecompile::linear_logprobs`` on CUDA: ``linear_logprobs_kept`` with ``keep`` ("all"
+    rows, or those that "fit" in the device's memory when it runs) when this call differentiates the head, else
+    chunked: ``linear_logprobs_triton`` (``triton``) or the reference op.  Decided per call from grad mode (under
+    ``torch.compile`` at trace time; dynamo guards on it) and, under "fit", inside the op at run time."""
+    if head_keeps(h, W, b):
+        lp, lse, ent, _logits = torch.ops.treecompile.linear_logprobs_kept(h, W, b, targets, entropy, keep)
         return lp, lse, ent
     chunked = torch.ops.treecompile.linear_logprobs_triton if triton else torch.ops.treecompile.linear_logprobs
     return chunked(h, W, b, targets, chunk, entropy)
 
 
-def device_memory() -> int | None:
-    """Bytes of memory of the current CUDA device (None without one)."""
-    return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory \
-        if torch.cuda.is_available() else None
-
-
-def head_kept_max_bytes(head_logits: str, chunk: int, *, boundary: bool = False) -> int | None:
-    """The most bytes of logits a fused head keeps under ``head_logits`` (:data:`HEAD_LOGITS`) with its
-    graph's ``chunk`` (0: the user set no ``logits_chunk``): None (never), -1 (any size: "kept") or
-    ``total_memory // KEPT_FRACTION`` of the current CUDA device ("auto" without a user chunk, in a whole-tree
-    program).  "auto" keeps nothing in a ``boundary`` program: a redundancy-free partition's graph stays alive
-    while the partitions below it run, so kept logits would add up along each chain of partitions, memory the
-    plan's budget does not count."""
+def head_keep(head_logits: str, chunk: int, *, boundary: bool = False) -> str | None:
+    """Which rows a fused head keeps logits of under ``head_logits`` (:data:`HEAD_LOGITS`) with its graph's
+    ``chunk`` (0: the user set no ``logits_chunk``): ``"all"`` ("kept"), ``"fit"`` ("auto" without a user chunk,
+    in a whole-tree program: ``ops.logprobs_kept.fit_rows`` at run time) or None (chunked).  "auto" keeps nothing
+    in a ``boundary`` program: a redundancy-free partition's graph stays alive while the partitions below it run,
+    so kept logits would add up along each chain of partitions, memory the plan's budget does not count and the
+    headroom seen by one partition's head does not know of."""
     if head_logits == "kept":
-        return -1
-    memory = device_memory()
-    if head_logits == "chunked" or chunk != 0 or boundary or memory is None:
+        return "all"
+    if head_logits == "chunked" or chunk != 0 or boundary:
         return None
-    return memory // KEPT_FRACTION
+    return "fit"
 
 
 def moe_grouped_unusable_reason() -> str | None:
@@ -569,7 +559,7 @@ def lower_cuda(gm: fx.GraphModule, options: CudaOptions, *, boundary: bool = Fal
     attention = gdn_fla = triton_head = conv_fla = conv_shifts = moe_grouped = attention_varlen = segments_only = 0
     windowed = windowed_varlen = 0
     window_masks: dict[int, fx.Node] = {}  # one block mask placeholder per distinct window, after the others
-    head_kept_max = None
+    head_kept = None
     conv_kernel = resolve_conv_kernel(options.conv_kernel, gdn_kernel, compiled)
     if gdn_kernel == "fla":  # levelled or whole fla calls (ops/fla_gdn_levels.py): decided once, not per layer call
         from treecompile.ops.fla_gdn import default_levels
@@ -626,11 +616,11 @@ def lower_cuda(gm: fx.GraphModule, options: CudaOptions, *, boundary: bool = Fal
         elif n.op == "call_function" and n.target == LINEAR_LOGPROBS:
             triton = _triton_head(n)
             triton_head += triton
-            kept_max = head_kept_max_bytes(options.head_logits, n.args[4] if len(n.args) > 4 else n.kwargs["chunk"],
-                                           boundary=boundary)
-            if kept_max is not None:
-                _replace(graph, n, _fused_head, n.args, {**n.kwargs, "triton": triton, "kept_max_bytes": kept_max})
-                head_kept_max = kept_max
+            keep = head_keep(options.head_logits, n.args[4] if len(n.args) > 4 else n.kwargs["chunk"],
+                             boundary=boundary)
+            if keep is not None:
+                _replace(graph, n, _fused_head, n.args, {**n.kwargs, "triton": triton, "keep": keep})
+                head_kept = keep
             elif triton:
                 _replace(graph, n, torch.ops.treecompile.linear_logprobs_triton.default, n.args, n.kwargs)
         elif n.op == "call_function" and n.target == MOE_EXPERTS and moe_grouped_ok and _moe_grouped(n):
@@ -642,7 +632,7 @@ def lower_cuda(gm: fx.GraphModule, options: CudaOptions, *, boundary: bool = Fal
                         layout=layout, boundary=boundary, gdn_fla=gdn_fla, triton_head=triton_head,
                         compiled=compiled, bucket=options.bucket, conv_fla=conv_fla, conv_shifts=conv_shifts,
                         moe_grouped=moe_grouped, attention_varlen=attention_varlen,
-                        attention_segments_only=segments_only, head_kept_max_bytes=head_kept_max,
+                        attention_segments_only=segments_only, head_keep=head_kept,
                         windows=tuple(window_masks), windowed_varlen=windowed_varlen)
 
 
