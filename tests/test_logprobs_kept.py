@@ -331,3 +331,15 @@ def test_compiled_step_with_kept_logits_vs_fp32():
     u = torch.finfo(torch.bfloat16).eps / 2
     assert errs["kept"][0] <= 1.25 * errs["chunked"][0] + u, errs
     assert errs["kept"][1] <= 1.25 * errs["chunked"][1], errs
+
+
+def test_the_lowering_registers_the_heads_it_lowers_to():
+    """In a fresh process, importing the CUDA lowering registers every head op ``_fused_head`` may call (a harness
+    child once failed with "no attribute 'linear_logprobs_kept'": nothing had imported the op's module)."""
+    import subprocess
+    import sys
+
+    code = ("import torch, treecompile.passes.lower_cuda\n"
+            "for op in ('linear_logprobs', 'linear_logprobs_kept', 'linear_logprobs_triton'):\n"
+            "    getattr(torch.ops.treecompile, op)\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)

@@ -89,6 +89,7 @@ from torch.nn.attention.flex_attention import flex_attention
 import treecompile.ops.tree_attention  # noqa: F401  (registers the ops lowered here)
 import treecompile.ops.tree_attention_boundary  # noqa: F401
 import treecompile.ops.logprobs  # noqa: F401
+import treecompile.ops.logprobs_kept  # noqa: F401  (and logprobs_triton: the CUDA heads)
 import treecompile.ops.tree_gdn  # noqa: F401
 import treecompile.ops.tree_conv  # noqa: F401
 import treecompile.ops.fla_conv  # noqa: F401
