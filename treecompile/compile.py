@@ -298,10 +298,12 @@ def compile(model=None, *, disable: tuple[str, ...] = (), debug: bool = False,  
             ``"chunked"``: at most ``logits_chunk`` rows of logits at a time, forward and backward (the backward
             recomputes them); ``"kept"``: the ``[tokens, vocab]`` logits in the model's dtype from the forward to
             the head's backward, which runs the head's GEMMs over all rows (``ops.logprobs_kept``: one head GEMM
-            per token less); ``"auto"``: ``"kept"`` when ``logits_chunk`` is not set and the logits of the call
-            take at most 1/8 of the GPU's memory (9.9 GiB on an H100 80GB), else ``"chunked"``; a partition graph
-            (``boundary=True``) runs chunked under "auto" (its graph stays alive while the partitions below it
-            run, so kept logits would add up along a chain).  Calls without gradients always run chunked.
+            per token less); ``"auto"``: when ``logits_chunk`` is not set, the logits of the leading rows that fit
+            in the GPU memory left when the head's forward runs are kept, the other rows run chunked in the same
+            op (``ops.logprobs_kept.fit_rows``, decided at run time: one compiled graph for every count); else
+            ``"chunked"``.  A partition graph (``boundary=True``) runs chunked under "auto" (its graph stays alive
+            while the partitions below it run, so kept logits would add up along a chain).  Calls without
+            gradients always run chunked.
         swaps: context managers entered during capture (default: ``frontend.kernel_swaps(model)``).
         allow_dropout: accept active dropout (one mask per shared token, so gradients equal the
             per-path ones only in expectation); by default it is refused.
