@@ -89,6 +89,24 @@ def test_fit_rows_arithmetic(monkeypatch):
         assert logprobs_kept.last_fit == {"rows": N, "kept": want, "headroom": headroom}
 
 
+@pytest.mark.parametrize("fraction,want", [(1.0, 12 << 30), (0.5, 6 << 30), (None, 12 << 30)])
+def test_headroom_is_free_plus_cached_within_the_process_cap(monkeypatch, fraction, want):
+    """CUDA's memory queries stood in for: 10 GiB free on a 20 GiB device, the allocator holding 6 GiB of which 4 are
+    allocated: 12 GiB can still be taken, unless the process's memory fraction caps the allocator lower (0.5: 10 GiB
+    in all, 4 of them allocated); a torch without the fraction query reads no cap."""
+    G = 1 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (10 * G, 20 * G))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 6 * G)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 4 * G)
+    monkeypatch.setattr(logprobs_kept, "_device_total", lambda device: 20 * G)
+    if fraction is None:
+        monkeypatch.delattr(torch.cuda, "get_per_process_memory_fraction", raising=False)
+    else:
+        monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: fraction, raising=False)
+    assert logprobs_kept.headroom_bytes(torch.device("cuda", 0)) == want
+    assert logprobs_kept.headroom_bytes(torch.device("cpu")) is None
+
+
 def test_one_compiled_graph_serves_every_kept_row_count(monkeypatch):
     """Under ``torch.compile`` (inductor, CPU) the kept rows' count is an unbacked size: the memory left changing
     between calls changes how many rows keep their logits, never the graph (one compile), and every count gives the

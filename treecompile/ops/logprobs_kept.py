@@ -85,11 +85,18 @@ def head_backward_bytes(n: int, vocab: int, dim: int, dtype: torch.dtype, *, chu
 
 def headroom_bytes(device: torch.device) -> int | None:
     """Bytes that tensors on ``device`` could still take: the device's free memory plus what the caching
-    allocator holds unused (None off CUDA, where memory is not tracked)."""
+    allocator holds unused, and no more than the process's cap (``torch.cuda.set_per_process_memory_fraction``)
+    leaves; None off CUDA, where memory is not tracked."""
     if device.type != "cuda":
         return None
     free, _total = torch.cuda.mem_get_info(device)
-    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    allocated = torch.cuda.memory_allocated(device)
+    headroom = free + torch.cuda.memory_reserved(device) - allocated
+    query = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # not in every torch
+    fraction = query(device) if query is not None else 1.0
+    if 0.0 < fraction < 1.0:  # 1.0: no cap was set
+        headroom = min(headroom, int(fraction * _device_total(device)) - allocated)
+    return headroom
 
 
 def _device_total(device: torch.device) -> int:
