@@ -13,6 +13,8 @@ fp32 run.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -59,6 +61,35 @@ def test_kept_head_equals_the_chunked_reference_float64(monkeypatch, bias, entro
     assert len(got) == len(want) == 2 + entropy + len(params)
     for a, w in zip(got, want):
         assert torch.allclose(a, w, rtol=1e-12, atol=1e-13)
+
+
+def test_fit_halves_the_kept_rows_where_the_allocator_cannot_serve_them(monkeypatch):
+    """The headroom counts cached blocks that may be too fragmented for one ``[M, V]`` buffer: under "fit" an
+    out-of-memory error on the kept logits halves the rows (40 -> 20 -> 10 here) with one warning, and the rest run
+    chunked, values and gradients unchanged; under "all" the error is the caller's."""
+    monkeypatch.setattr(logprobs_kept, "default_chunk", lambda vocab: 7)
+    monkeypatch.setattr(logprobs_kept, "fit_rows", lambda h, W, b: 40)
+    monkeypatch.setattr(logprobs_kept, "_WARNED_FRAGMENTED", [])
+    logits = logprobs_kept._logits
+
+    def tight(h, W, b):
+        if h.shape[0] > 10:
+            raise torch.OutOfMemoryError("CUDA out of memory (stood in for)")
+        return logits(h, W, b)
+
+    monkeypatch.setattr(logprobs_kept, "_logits", tight)
+    h, W, b, t, cot = _inputs(40, 8, 50, torch.float64, True)
+    with pytest.warns(UserWarning, match="fragmented cached blocks"):
+        out = linear_logprobs_kept(h, W, b, t, True, "fit")
+    assert out[3].shape == (10, 50) and logprobs_kept.last_fit["kept"] == 10
+    got = _all(out[:3], [h, W, b], cot)
+    want = _all(linear_logprobs(h, W, b, t, 9, True), [h, W, b], cot)
+    assert all(torch.allclose(a, w, rtol=1e-12, atol=1e-13) for a, w in zip(got, want))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per process
+        linear_logprobs_kept(h, W, b, t, True, "fit")
+    with pytest.raises(torch.OutOfMemoryError):
+        linear_logprobs_kept(h, W, b, t, True, "all")
 
 
 def test_keep_is_checked():

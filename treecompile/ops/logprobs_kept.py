@@ -22,7 +22,9 @@ Which rows are kept (``keep``):
   logits fit keeps them all, one that only just fits keeps what it can.  ``M`` is known only at run time: under
   ``torch.compile`` the fourth result has an unbacked row count, so one compiled graph serves every ``M``
   (no recompile when the memory left changes).  Off CUDA the device's memory is not tracked: every row is
-  kept.
+  kept.  The headroom counts cached blocks that may be split too finely for one ``[M, V]`` buffer; where the
+  allocator then cannot serve it, ``M`` is halved until it can (down to none), with one warning per process
+  (:func:`_kept_logits`).
 
 The backward overwrites the saved logits with their gradient (no second ``[M, V]`` buffer) and bumps their
 version counter, so a second backward through the same graph (``retain_graph=True``) raises autograd's
@@ -35,6 +37,8 @@ launch over the kept rows, one per chunk of the others).
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 
@@ -126,6 +130,31 @@ def _logits(h: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None) -> torch.T
     return h @ W.t() if b is None else torch.addmm(b, h, W.t())
 
 
+def _kept_logits(h, W, b, M: int, *, fit: bool) -> tuple[torch.Tensor, int]:
+    """The logits of the first ``M`` rows and ``M``.  Under ``fit``, an allocation the allocator cannot serve (its
+    cached memory split into blocks too small for one ``[M, V]`` buffer, which :func:`headroom_bytes` counts as
+    free) halves ``M`` until one can, down to none, with one warning per process: the rows left out run chunked
+    as under ``head_logits="chunked"``.  Under ``"all"`` an out-of-memory error is the caller's (they asked
+    for every row)."""
+    while True:
+        try:
+            return _logits(h[:M], W, b), M
+        except torch.OutOfMemoryError:
+            if not fit or M == 0:
+                raise
+            M //= 2
+            last_fit["kept"] = M
+            if not _WARNED_FRAGMENTED:
+                _WARNED_FRAGMENTED.append(True)
+                warnings.warn("treecompile: the fused head's kept logits did not fit in the memory the allocator "
+                              "reported as free (fragmented cached blocks); it keeps fewer rows and chunks the rest. "
+                              "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True avoids the fragmentation, "
+                              "head_logits='chunked' keeps no logits.", stacklevel=2)
+
+
+_WARNED_FRAGMENTED: list[bool] = []
+
+
 def _stats_rows(logits, targets, lp, lse, ent, entropy: bool, acc) -> None:
     """Fill ``lp``, ``lse`` (and ``ent``) of the rows of ``logits`` (model dtype, ``[n, V]``)."""
     if _triton(logits):
@@ -162,7 +191,7 @@ def linear_logprobs_kept(h: torch.Tensor, W: torch.Tensor, b: torch.Tensor | Non
     lp = torch.empty(N, dtype=acc, device=h.device)
     lse = torch.empty(N, dtype=acc, device=h.device)
     ent = torch.empty(N if entropy else 0, dtype=acc, device=h.device)
-    logits = _logits(h[:M], W, b)
+    logits, M = _kept_logits(h, W, b, M, fit=keep == "fit")
     _stats_rows(logits, targets[:M], lp[:M], lse[:M], ent[:M], entropy, acc)
     chunk = _chunk(h, V)
     for s in range(M, N, chunk):  # the rows that are not kept: one [chunk, V] block at a time
