@@ -889,6 +889,7 @@ def run_contenders(model, spec: ModelSpec, case: TreeCase, cfg: BenchConfig, con
             rows.append(r)
             continue
         r.pid = os.getpid()
+        _with_head_fit(None)  # drop what an earlier contender of this process left (one that failed, say)
         stage = "building the step"
         try:
             if name in BASELINES:
