@@ -119,7 +119,7 @@ def fit_rows(h: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None) -> int:
     else:
         need = head_backward_bytes(N, V, D, h.dtype, chunk_rows=min(N, _chunk(h, V)), bias=b is not None)
         spare = headroom - need - _device_total(h.device) // FIT_MARGIN_FRACTION
-        rows = max(0, min(N, spare // max(1, V * h.dtype.itemsize)))
+        rows = max(0, min(N, spare // max(1, logits_bytes(1, V, h.dtype))))
     last_fit.clear()
     last_fit.update(rows=N, kept=rows, headroom=-1 if headroom is None else headroom)
     return rows
