@@ -817,6 +817,20 @@ def _with_head_fit(note: str | None) -> str | None:
     return head if not note else f"{note}; {head}"
 
 
+def _with_attention_setup(note: str | None, dev) -> str | None:
+    """``note`` and, on CUDA where FA4 cannot run (flash-attn-4 missing, a device before sm_90), why: a tree row then
+    ran its attention on flex's Triton kernel, which its figures must say (a call on a machine without the FA4 wheels
+    once gave a 0.83 s 0.6B 64k row that read like any other)."""
+    if dev.type != "cuda":
+        return note
+    from treecompile.ops.fa4_tree_attention import fa4_unusable_reason
+
+    reason = fa4_unusable_reason()
+    if reason is None:
+        return note
+    return "; ".join(filter(None, [note, f"attention without FA4 ({reason})"]))
+
+
 def time_steps(step: Callable, dev, iters: int):
     """(first step seconds, every timed step's seconds, peak GiB, loss of the first step)."""
     _sync(dev)
@@ -912,6 +926,8 @@ def run_contenders(model, spec: ModelSpec, case: TreeCase, cfg: BenchConfig, con
                 ref = {"loss": loss, "grad": g}
             r.step_s, r.first_s, r.peak_gib, r.loss = med, first, peak, loss
             r.note = _with_head_fit(r.note)
+            if name not in BASELINES:
+                r.note = _with_attention_setup(r.note, dev)
             r.tokens_per_s = tree.num_path_tokens / med
             r.computed_tokens, r.flops = tokens, flops
             r.tflops = flops / med / 1e12

@@ -336,3 +336,25 @@ def test_harness_group_suite_on_cpu(tmp_path):
     assert set(rows) == {"eager_per_path", "tree"} and rows["tree"]["tree"] == "group 12 + 3 x 4-8"
     assert rows["tree"]["status"] == "ok" and float(rows["tree"]["loss_rel_dev"]) < 1e-9
     assert int(rows["tree"]["paths"]) == 3 and float(rows["tree"]["bound"]) > 1
+
+
+def test_harness_notes_what_a_tree_row_ran_with(monkeypatch):
+    """A row's note says how many head rows kept their logits under "fit" (then forgets it for the next contender),
+    and, on CUDA where FA4 cannot run, that the attention ran without it; nothing on CPU."""
+    import torch
+
+    from benchmarks import harness
+    from treecompile.ops import fa4_tree_attention, logprobs_kept
+
+    logprobs_kept.last_fit.clear()
+    assert harness._with_head_fit("x") == "x"
+    logprobs_kept.last_fit.update(rows=65536, kept=8204, headroom=1)
+    assert harness._with_head_fit(None) == "head kept 8,204/65,536 rows" and not logprobs_kept.last_fit
+    logprobs_kept.last_fit.update(rows=3, kept=3, headroom=1)
+    assert harness._with_head_fit("a") == "a; head kept 3/3 rows"
+    assert harness._with_attention_setup("a", torch.device("cpu")) == "a"
+    monkeypatch.setattr(fa4_tree_attention, "fa4_unusable_reason", lambda: "flash-attn-4 is not installed")
+    assert harness._with_attention_setup(None, torch.device("cuda")) == \
+        "attention without FA4 (flash-attn-4 is not installed)"
+    monkeypatch.setattr(fa4_tree_attention, "fa4_unusable_reason", lambda: None)
+    assert harness._with_attention_setup("a", torch.device("cuda")) == "a"
