@@ -805,16 +805,15 @@ def time_step(step: Callable, dev, iters: int):
 
 
 def _with_head_fit(note: str | None) -> str | None:
-    """``note`` and, where a fused head ran under ``head_logits="auto"`` in this process, how many of its rows kept
-    their logits the last time (``ops.logprobs_kept.last_fit``), which is then cleared for the next contender."""
-    from treecompile.ops import logprobs_kept
+    """``note`` and, where a fused head ran under ``head_logits="auto"`` in this process, how many rows of its last
+    call kept their logits (``ops.logprobs_kept.pop_last_fit``: then forgotten, for the next contender).  The last
+    call only: a step of several partitions (``tree_packed``) says its last partition's."""
+    from treecompile.ops.logprobs_kept import pop_last_fit
 
-    fit = dict(logprobs_kept.last_fit)
-    logprobs_kept.last_fit.clear()
+    fit = pop_last_fit()
     if not fit:
         return note
-    head = f"head kept {fit['kept']:,}/{fit['rows']:,} rows"
-    return head if not note else f"{note}; {head}"
+    return "; ".join(filter(None, [note, f"last head call kept {fit['kept']:,}/{fit['rows']:,} rows"]))
 
 
 def _with_attention_setup(note: str | None, dev) -> str | None:
@@ -940,7 +939,7 @@ def run_contenders(model, spec: ModelSpec, case: TreeCase, cfg: BenchConfig, con
             r.status = f"skipped: {e}"
         except torch.OutOfMemoryError as e:
             r.status = "OOM"
-            r.note = oom_note(stage, e, r.note)
+            r.note = _with_head_fit(oom_note(stage, e, r.note))
         except Exception as e:  # a failed contender is a row, not a crash
             msg = f"{type(e).__name__}: {e}".splitlines()[0][:160]
             r.status = f"error: {msg}"

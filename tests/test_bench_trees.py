@@ -346,12 +346,12 @@ def test_harness_notes_what_a_tree_row_ran_with(monkeypatch):
     from benchmarks import harness
     from treecompile.ops import fa4_tree_attention, logprobs_kept
 
-    logprobs_kept.last_fit.clear()
+    logprobs_kept.pop_last_fit()
     assert harness._with_head_fit("x") == "x"
-    logprobs_kept.last_fit.update(rows=65536, kept=8204, headroom=1)
-    assert harness._with_head_fit(None) == "head kept 8,204/65,536 rows" and not logprobs_kept.last_fit
-    logprobs_kept.last_fit.update(rows=3, kept=3, headroom=1)
-    assert harness._with_head_fit("a") == "a; head kept 3/3 rows"
+    logprobs_kept._record(rows=65536, kept=8204, headroom=1)
+    assert harness._with_head_fit(None) == "last head call kept 8,204/65,536 rows" and not logprobs_kept.last_fit
+    logprobs_kept._record(rows=3, kept=3, headroom=1)
+    assert harness._with_head_fit("a") == "a; last head call kept 3/3 rows"
     assert harness._with_attention_setup("a", torch.device("cpu")) == "a"
     monkeypatch.setattr(fa4_tree_attention, "fa4_unusable_reason", lambda: "flash-attn-4 is not installed")
     assert harness._with_attention_setup(None, torch.device("cuda")) == \

@@ -48,7 +48,7 @@ from treecompile.ops.logprobs import (_acc_dtype, accumulate_weight_grad, chunk_
 from treecompile.ops.triton_support import usable
 
 __all__ = ["linear_logprobs_kept", "logits_bytes", "fit_rows", "head_backward_bytes", "headroom_bytes", "KEEP",
-           "FIT_MARGIN_FRACTION", "last_fit"]
+           "FIT_MARGIN_FRACTION", "last_fit", "pop_last_fit"]
 
 HALF = (torch.bfloat16, torch.float16)
 KEEP = ("all", "fit")
@@ -57,7 +57,8 @@ KEEP = ("all", "fit")
 # backward (the loss, objectives' [T] vectors, autograd's bookkeeping).
 FIT_MARGIN_FRACTION = 32
 # The last "fit" decision of this process, for benchmarks and logs: {"rows": N, "kept": M, "headroom": bytes}
-# (empty until a "fit" call ran).  Diagnostics only: nothing reads it to decide anything.
+# (empty until a "fit" call ran).  Diagnostics only: nothing reads it to decide anything.  Replaced whole by each
+# decision (never mutated), so a reader sees one call's record even with heads running on several threads.
 last_fit: dict[str, int] = {}
 
 
@@ -76,15 +77,19 @@ def _chunk(h: torch.Tensor, vocab: int) -> int:
     return resolve_chunk(0, vocab, logprobs_triton.DEFAULT_BUDGET) if _triton(h) else default_chunk(vocab)
 
 
-def head_backward_bytes(n: int, vocab: int, dim: int, dtype: torch.dtype, *, chunk_rows: int, bias: bool) -> int:
+def head_backward_bytes(n: int, vocab: int, dim: int, dtype: torch.dtype, *, chunk_rows: int, bias: bool,
+                        triton: bool, entropy: bool = False) -> int:
     """What the head's backward allocates beside the kept logits: ``dh [n, D]`` in the model's dtype, ``dW`` in
-    the accumulation dtype and rounded (``[V, D]`` each), ``db`` likewise, one ``[chunk_rows, V]`` block of
-    recomputed logits (and its upcast off the Triton path) for the rows that are not kept, and the ``[n]``
-    gradient vectors."""
+    the accumulation dtype and rounded (``[V, D]`` each), ``db`` likewise, the ``[n]`` vectors (gradients and
+    their float copies), and per ``[chunk_rows, V]`` block: on the ``triton`` path one block of recomputed logits
+    in the model's dtype (the row kernels overwrite it with its gradient in place); on the torch path also the
+    float temporaries of ``chunk_dlogits`` (the upcast row block, ``x - lse``, ``p`` and the gradient: three live
+    at once, four with the entropy's gradient), which it makes for the kept rows too, one row block at a time."""
     acc = _acc_dtype(dtype).itemsize
     item = dtype.itemsize
+    per_element = item if triton else item + (4 if entropy else 3) * acc
     return (n * dim * item + vocab * dim * (acc + item) + (vocab * (acc + item) if bias else 0)
-            + chunk_rows * vocab * (item + acc) + 4 * n * acc)
+            + chunk_rows * vocab * per_element + 6 * n * acc)
 
 
 def headroom_bytes(device: torch.device) -> int | None:
@@ -107,7 +112,7 @@ def _device_total(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).total_memory
 
 
-def fit_rows(h: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None) -> int:
+def fit_rows(h: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None, entropy: bool = False) -> int:
     """How many leading rows of ``h`` keep their logits under ``keep="fit"``: as many as the device's headroom
     (:func:`headroom_bytes`) holds after the head backward's own buffers (:func:`head_backward_bytes`) and
     ``1 / FIT_MARGIN_FRACTION`` of the device's memory; all of them off CUDA."""
@@ -117,12 +122,24 @@ def fit_rows(h: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None) -> int:
     if headroom is None:
         rows = N
     else:
-        need = head_backward_bytes(N, V, D, h.dtype, chunk_rows=min(N, _chunk(h, V)), bias=b is not None)
+        need = head_backward_bytes(N, V, D, h.dtype, chunk_rows=min(N, _chunk(h, V)), bias=b is not None,
+                                   triton=_triton(h), entropy=entropy)
         spare = headroom - need - _device_total(h.device) // FIT_MARGIN_FRACTION
         rows = max(0, min(N, spare // max(1, logits_bytes(1, V, h.dtype))))
-    last_fit.clear()
-    last_fit.update(rows=N, kept=rows, headroom=-1 if headroom is None else headroom)
+    _record(rows=N, kept=rows, headroom=-1 if headroom is None else headroom)
     return rows
+
+
+def _record(**fit: int) -> None:
+    global last_fit
+    last_fit = fit
+
+
+def pop_last_fit() -> dict[str, int]:
+    """:data:`last_fit`, which is then empty until the next "fit" decision (benchmarks: one record per row)."""
+    global last_fit
+    fit, last_fit = last_fit, {}
+    return fit
 
 
 def _logits(h: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -143,7 +160,7 @@ def _kept_logits(h, W, b, M: int, *, fit: bool) -> tuple[torch.Tensor, int]:
             if not fit or M == 0:
                 raise
             M //= 2
-            last_fit["kept"] = M
+            _record(**{**last_fit, "kept": M})
             if not _WARNED_FRAGMENTED:
                 _WARNED_FRAGMENTED.append(True)
                 warnings.warn("treecompile: the fused head's kept logits did not fit in the memory the allocator "
@@ -169,6 +186,16 @@ def _stats_rows(logits, targets, lp, lse, ent, entropy: bool, acc) -> None:
             ent[sl] = c_ent
 
 
+def _check_dtypes(h, W, b) -> None:
+    """One dtype for ``h``, ``W`` and ``b``: the kept logits and their gradient are buffers of that dtype (the
+    reference op ``treecompile::linear_logprobs`` promotes mixed ones; ``passes.lower_cuda._fused_head`` sends
+    such calls there)."""
+    for name, t in (("W", W), ("b", b)):
+        if t is not None and t.dtype != h.dtype:
+            raise ValueError(f"treecompile::linear_logprobs_kept: {name} is {t.dtype}, h is {h.dtype} (one dtype "
+                             f"for all three; treecompile::linear_logprobs takes mixed ones)")
+
+
 def _check_keep(keep: str) -> None:
     if keep not in KEEP:
         raise ValueError(f"treecompile::linear_logprobs_kept: keep must be one of {KEEP}, got {keep!r}")
@@ -185,7 +212,8 @@ def linear_logprobs_kept(h: torch.Tensor, W: torch.Tensor, b: torch.Tensor | Non
     at all (``passes.lower_cuda._fused_head`` drops them)."""
     _check_keep(keep)
     N, V = h.shape[0], W.shape[0]
-    M = N if keep == "all" else fit_rows(h, W, b)
+    _check_dtypes(h, W, b)
+    M = N if keep == "all" else fit_rows(h, W, b, entropy)
     acc = _acc_dtype(h.dtype)
     targets = targets.contiguous()
     lp = torch.empty(N, dtype=acc, device=h.device)
@@ -269,6 +297,7 @@ def linear_logprobs_kept_backward(h: torch.Tensor, W: torch.Tensor, b: torch.Ten
         accumulate_weight_grad(gW, dc, hc)
         if gb is not None:
             gb += dc.sum(0, dtype=acc)
+        del dc  # else it lives on while the next chunk's logits are made: two blocks, not one
     return gh, gW.to(W.dtype), (gb.to(b.dtype) if b is not None else W.new_empty(0))
 
 

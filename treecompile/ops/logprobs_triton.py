@@ -184,6 +184,7 @@ def linear_logprobs_triton_backward(h: torch.Tensor, W: torch.Tensor, b: torch.T
         accumulate_weight_grad(gW, dl, hc)
         if b is not None:
             gb += dl.sum(0, dtype=torch.float32)
+        del dl  # else it lives on while the next chunk's logits are made: two [chunk, V] blocks, not one
     return gh, gW.to(W.dtype), gb.to(W.dtype)
 
 

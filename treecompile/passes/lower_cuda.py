@@ -436,17 +436,23 @@ def _flex_boundary_eager(q, k, v, boundary_k, boundary_v, block_mask, scale, ker
 
 
 def _triton_head(n: fx.Node) -> bool:
-    """Whether the fused head ``n`` runs the Triton row kernels: half-precision hidden states and
-    triton importable (else the reference op's torch ops)."""
+    """Whether the fused head ``n`` runs the Triton row kernels: half-precision hidden states, the weight and bias
+    of the same dtype, and triton importable (else the reference op's torch ops, which promote mixed dtypes)."""
     from treecompile.ops import logprobs_triton
 
-    return n.args[0].meta["val"].dtype in HALF and logprobs_triton.available()
+    h, W, b = (a.meta["val"] if isinstance(a, fx.Node) else a for a in n.args[:3])
+    return h.dtype in HALF and _one_dtype(h, W, b) and logprobs_triton.available()
 
 
 def head_keeps(h, W, b) -> bool:
     """Whether :func:`_fused_head` keeps logits of this call: it differentiates the head (grad mode on, an input
-    requires grad)."""
-    return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (h, W, b))
+    requires grad) and ``h``, ``W`` and ``b`` share one dtype (``linear_logprobs_kept``'s buffers are of it)."""
+    return (torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (h, W, b))
+            and _one_dtype(h, W, b))
+
+
+def _one_dtype(h, W, b) -> bool:
+    return W.dtype == h.dtype and (b is None or b.dtype == h.dtype)
 
 
 def _fused_head(h, W, b, targets, chunk, entropy=False, *, triton: bool, keep: str):
@@ -457,6 +463,7 @@ def _fused_head(h, W, b, targets, chunk, entropy=False, *, triton: bool, keep: s
     if head_keeps(h, W, b):
         lp, lse, ent, _logits = torch.ops.treecompile.linear_logprobs_kept(h, W, b, targets, entropy, keep)
         return lp, lse, ent
+    triton = triton and _one_dtype(h, W, b)  # the Triton head takes one dtype too; the reference op promotes
     chunked = torch.ops.treecompile.linear_logprobs_triton if triton else torch.ops.treecompile.linear_logprobs
     return chunked(h, W, b, targets, chunk, entropy)
 
