@@ -888,6 +888,8 @@ def run_contenders(model, spec: ModelSpec, case: TreeCase, cfg: BenchConfig, con
     yet set: :func:`finish_case`) and the reference ``{"loss": float, "grad": fp32 CPU flat gradient}``:
     ``eager_per_path``'s when it ran here, else the given ``ref``.  Rows after the reference carry
     ``loss_rel_dev`` and ``grad_cos`` against it."""
+    from treecompile.ops.logprobs_kept import pop_last_fit
+
     steps = Steps(model, spec, case, cfg, tmodels)
     tree = steps.tree
     fm = FlopModel.of(model)
@@ -902,7 +904,7 @@ def run_contenders(model, spec: ModelSpec, case: TreeCase, cfg: BenchConfig, con
             rows.append(r)
             continue
         r.pid = os.getpid()
-        _with_head_fit(None)  # drop what an earlier contender of this process left (one that failed, say)
+        pop_last_fit()  # drop what an earlier contender of this process left (one that failed, say)
         stage = "building the step"
         try:
             if name in BASELINES:

@@ -106,9 +106,16 @@ def test_mixed_dtypes_go_to_the_reference_head(monkeypatch):
     with pytest.raises(ValueError, match="b is torch.float32, h is torch.float64"):
         linear_logprobs_kept(h, W, b32, t)
     assert not lower_cuda.head_keeps(h, W, b32) and lower_cuda.head_keeps(h, W, b)
+    graph = torch.fx.Graph()
+    nodes = []
+    for name, x in (("h", h.to(torch.bfloat16)), ("W", W.to(torch.bfloat16)), ("b", b32)):
+        nodes.append(graph.placeholder(name))
+        nodes[-1].meta["val"] = x
+    head = graph.call_function(torch.ops.treecompile.linear_logprobs.default, (*nodes, None, 0))
+    assert not lower_cuda._triton_head(head)  # so the lowering hands _fused_head triton=False for such a call
     want = _all(linear_logprobs(h, W, b32, t, 4), [h, W, b32], cot)
     for keep in ("all", "fit"):
-        got = _all(lower_cuda._fused_head(h, W, b32, t, 4, triton=True, keep=keep), [h, W, b32], cot)
+        got = _all(lower_cuda._fused_head(h, W, b32, t, 4, triton=False, keep=keep), [h, W, b32], cot)
         assert all(torch.allclose(a, w, rtol=1e-12, atol=1e-13) for a, w in zip(got, want))
 
 
@@ -172,6 +179,12 @@ def test_one_compiled_graph_serves_every_kept_row_count(monkeypatch):
     counter = CompileCounterWithBackend("inductor")
     fn = torch.compile(head, backend=counter, fullgraph=True)
     want = _all(linear_logprobs(torch.tanh(h), W, b, t, 5)[:2], [h, W, b], cot)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv, free_unbacked_symbols
+
+    with FakeTensorMode(shape_env=ShapeEnv()) as mode:  # the logits' row count is unbacked: nothing can guard on it
+        fake = linear_logprobs_kept(*(mode.from_tensor(x) for x in (h, W, b, t)), False, "fit")
+        assert free_unbacked_symbols(fake[3].shape[0]) and fake[3].shape[1] == 20
     for kept in (12, 0, 5):
         monkeypatch.setattr(logprobs_kept, "fit_rows", lambda h, W, b, entropy=False, k=kept: k)
         got = _all(fn(h, W, b), [h, W, b], cot)

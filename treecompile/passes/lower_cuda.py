@@ -463,7 +463,6 @@ def _fused_head(h, W, b, targets, chunk, entropy=False, *, triton: bool, keep: s
     if head_keeps(h, W, b):
         lp, lse, ent, _logits = torch.ops.treecompile.linear_logprobs_kept(h, W, b, targets, entropy, keep)
         return lp, lse, ent
-    triton = triton and _one_dtype(h, W, b)  # the Triton head takes one dtype too; the reference op promotes
     chunked = torch.ops.treecompile.linear_logprobs_triton if triton else torch.ops.treecompile.linear_logprobs
     return chunked(h, W, b, targets, chunk, entropy)
 
