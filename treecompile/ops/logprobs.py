@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["linear_logprobs", "gather_logprobs", "default_chunk", "resolve_chunk", "chunk_logits", "chunk_stats",
-           "chunk_dlogits", "accumulate_weight_grad"]
+           "chunk_dlogits", "accumulate_weight_grad", "accumulate_bias_grad"]
 
 
 DEFAULT_BUDGET = 1 << 28  # bytes of float32 logits per chunk in this (torch) head
@@ -62,6 +62,21 @@ def accumulate_weight_grad(gW: torch.Tensor, dl: torch.Tensor, hc: torch.Tensor)
         torch.addmm(gW, dl.t(), hc, out_dtype=torch.float32, out=gW)
     else:
         gW += (dl.t() @ hc).to(gW.dtype)
+
+
+def accumulate_bias_grad(gb: torch.Tensor, dl: torch.Tensor) -> None:
+    """``gb += dl.sum(0)`` with ``gb`` in the accumulation dtype and ``dl [n, V]`` in the model's.
+
+    On CUDA with bf16/fp16 ``dl`` the column sums are a ``[1, n] @ [n, V]`` GEMM of ones accumulating straight
+    into the float32 ``gb`` (as :func:`accumulate_weight_grad`): the reduction kernel behind ``dl.sum(0,
+    dtype=float32)`` stages partial sums in a float32 buffer of 256 x V (149 MiB at V = 151,936, whatever n is;
+    H200, ``benchmarks/results/h200_s38/probe_head_memory.txt``), which the head's memory estimate does not hold.
+    Elsewhere: the sum, then the add."""
+    if gb.is_cuda and gb.dtype == torch.float32 and dl.dtype in (torch.bfloat16, torch.float16):
+        row = gb[None]
+        torch.addmm(row, dl.new_ones(1, dl.shape[0]), dl, out_dtype=torch.float32, out=row)
+    else:
+        gb += dl.sum(0, dtype=gb.dtype)
 
 
 def chunk_stats(logits: torch.Tensor, targets: torch.Tensor, entropy: bool):

@@ -43,8 +43,8 @@ import warnings
 import torch
 
 from treecompile.ops import logprobs_triton
-from treecompile.ops.logprobs import (_acc_dtype, accumulate_weight_grad, chunk_dlogits, chunk_stats, default_chunk,
-                                      resolve_chunk)
+from treecompile.ops.logprobs import (_acc_dtype, accumulate_bias_grad, accumulate_weight_grad, chunk_dlogits,
+                                      chunk_stats, default_chunk, resolve_chunk)
 from treecompile.ops.triton_support import usable
 
 __all__ = ["linear_logprobs_kept", "logits_bytes", "fit_rows", "head_backward_bytes", "headroom_bytes", "KEEP",
@@ -287,7 +287,9 @@ def linear_logprobs_kept_backward(h: torch.Tensor, W: torch.Tensor, b: torch.Ten
     torch.autograd.graph.increment_version(logits)
     torch.mm(dl, W, out=gh[:M])
     gW = _weight_grad(dl, h[:M]) if M else torch.zeros(W.shape, dtype=acc, device=W.device)
-    gb = dl.sum(0, dtype=acc) if b is not None else None
+    gb = torch.zeros(V, dtype=acc, device=W.device) if b is not None else None
+    if gb is not None:
+        accumulate_bias_grad(gb, dl)
     chunk = _chunk(h, V)
     for s in range(M, N, chunk):  # the rows that were not kept: their logits again, one chunk at a time
         sl = slice(s, s + chunk)
@@ -296,7 +298,7 @@ def linear_logprobs_kept_backward(h: torch.Tensor, W: torch.Tensor, b: torch.Ten
         torch.mm(dc, W, out=gh[sl])
         accumulate_weight_grad(gW, dc, hc)
         if gb is not None:
-            gb += dc.sum(0, dtype=acc)
+            accumulate_bias_grad(gb, dc)
         del dc  # else it lives on while the next chunk's logits are made: two blocks, not one
     return gh, gW.to(W.dtype), (gb.to(b.dtype) if b is not None else W.new_empty(0))
 

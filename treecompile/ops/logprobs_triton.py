@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from treecompile.ops.logprobs import accumulate_weight_grad, chunk_logits, resolve_chunk
+from treecompile.ops.logprobs import accumulate_bias_grad, accumulate_weight_grad, chunk_logits, resolve_chunk
 # triton is None on CPU-only installs: the lowering keeps the reference op
 from treecompile.ops.triton_support import available, interpreting, tl, triton
 
@@ -183,7 +183,7 @@ def linear_logprobs_triton_backward(h: torch.Tensor, W: torch.Tensor, b: torch.T
         gh[sl] = dl @ W
         accumulate_weight_grad(gW, dl, hc)
         if b is not None:
-            gb += dl.sum(0, dtype=torch.float32)
+            accumulate_bias_grad(gb, dl)
         del dl  # else it lives on while the next chunk's logits are made: two [chunk, V] blocks, not one
     return gh, gW.to(W.dtype), gb.to(W.dtype)
 
