@@ -123,7 +123,10 @@ def profile_step(step, *, stacks: bool = False) -> dict:
     top = sorted(by_name.items(), key=lambda kv: -kv[1][0])
     return {"kernels": sum(n for _, n in by_name.values()), "kernel_ms": sum(ms for ms, _ in by_name.values()),
             "gpu_busy_ms": busy_ms(intervals), "by_kind_ms": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
-            "top": [(name[:110], round(ms, 3), n) for name, (ms, n) in top], "idle": idle_gaps(intervals, host)}
+            "top": [(name[:110], round(ms, 3), n) for name, (ms, n) in top], "idle": idle_gaps(intervals, host),
+            # the host's work from the step's first host event to its first kernel: the GPU idles all of it
+            "lead_in_ms": round((min(a for a, _ in intervals) - min(ev[1] for ev in host)) / 1e3, 3)
+            if intervals and host else None}
 
 
 def main(argv=None) -> int:
@@ -175,8 +178,8 @@ def main(argv=None) -> int:
             print(f"#   {kind:13s} {ms:8.2f} ms")
         for kname, ms, n in top[:args.top]:
             print(f"#     {ms:8.2f} ms  x{n:<5d} {kname}")
-        print(f"#   GPU idle in gaps >= 0.2 ms: {sum(ms for _, ms, _ in idle):.1f} ms, "
-              "by the host events at their middle:")
+        print(f"#   GPU idle before the first kernel (host lead-in): {row['lead_in_ms']} ms; in gaps >= 0.2 ms: "
+              f"{sum(ms for _, ms, _ in idle):.1f} ms, by the host events at their middle:")
         for hname, ms, n in idle[:args.top]:
             print(f"#     {ms:8.2f} ms  x{n:<5d} {hname}")
         steps.zero()

@@ -195,8 +195,11 @@ class TreeModel(nn.Module):
                              f"above it ({len(boundary)} boundary tokens): a whole-tree program would run it without "
                              "that context; run the plan through treecompile.runtime.redundancy_free."
                              "run_redundancy_free (or train_step(..., mode='redundancy_free'))")
-        batch.check_ids(self.vocab_size)  # an id >= vocab is named here, not as an IndexError in the graph
-        return self.tree_output(self.program.run(batch), batch)
+        with torch.profiler.record_function("treecompile::check_ids"):
+            batch.check_ids(self.vocab_size)  # an id >= vocab is named here, not as an IndexError in the graph
+        res = self.program.run(batch)
+        with torch.profiler.record_function("treecompile::tree_output"):
+            return self.tree_output(res, batch)
 
     def tree_output(self, res: tuple, batch: TreeBatch) -> TreeOutput:
         """The graph's outputs ``(loss, logprobs[, entropy][, *router_logits])`` -> TreeOutput, with the

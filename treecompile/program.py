@@ -263,7 +263,10 @@ class TreeProgram:
         state = self._cuda_state()
         T = batch.seq_len
         if state.lowering.bucket:
-            batch, boundary_inputs = self.padded_call(batch, boundary_inputs, bucket_length(T))
+            # named host ranges (here, the graph call below, the attention plan) let a profile name the GPU's idle
+            # gaps by what the host did then (benchmarks/prof_step.py); next to nothing when no profiler runs
+            with torch.profiler.record_function("treecompile::pad_batch"):
+                batch, boundary_inputs = self.padded_call(batch, boundary_inputs, bucket_length(T))
         if state.lowering.attention_segments_only and not segments_fit(batch.subtree_end):
             # "auto" put a head dim without block-sparse FA4 tiles on the varlen op's segments, and this batch's
             # tree would gather past their bound (a long spine with many short branches): the flex lowering
@@ -279,7 +282,7 @@ class TreeProgram:
         # compiled flex kernels (the graph's, or the separately compiled one of an eager graph) compile once
         # per shape: room for one per bucket
         limit = max(torch._dynamo.config.recompile_limit, self.options.recompile_limit)
-        with torch._dynamo.config.patch(recompile_limit=limit):
+        with torch._dynamo.config.patch(recompile_limit=limit), torch.profiler.record_function("treecompile::graph"):
             if isinstance(state.run, SplitGraph):
                 out = self._run_segments(state.run, args)
             else:

@@ -397,7 +397,12 @@ def _plan(subtree_end: Tensor, q: Tensor) -> SegmentPlan | BlockSparsePlan:
     from .fa4_tree_attention import fa4_input_reason
 
     block_sparse = not _fa4(q) or fa4_input_reason(q) is None
-    return _PLANS.get((subtree_end,), block_sparse, lambda: tree_attention_plan(subtree_end, block_sparse=block_sparse))
+    return _PLANS.get((subtree_end,), block_sparse, lambda: _build_plan(subtree_end, block_sparse))
+
+
+def _build_plan(subtree_end: Tensor, block_sparse: bool) -> SegmentPlan | BlockSparsePlan:
+    with torch.profiler.record_function("treecompile::attention_plan"):  # host work, once per batch: named in profiles
+        return tree_attention_plan(subtree_end, block_sparse=block_sparse)
 
 
 def _segments(q: Tensor, k: Tensor, v: Tensor, plan):
