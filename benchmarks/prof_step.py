@@ -96,6 +96,13 @@ def idle_gaps(intervals, host_events, *, min_us: float = 200.0, depth: int = 3) 
     return sorted(((n, round(ms, 3), k) for n, (ms, k) in by.items()), key=lambda x: -x[1])
 
 
+def is_kernel(e) -> bool:
+    """Whether profiler event ``e`` is work on the GPU.  A ``record_function`` range (ours: ``harness::*``,
+    ``treecompile::*``) also appears there, spanning its kernels and the gaps between them: counted as a kernel it
+    would add to the busy time and hide the gaps."""
+    return e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+
+
 def profile_step(step, *, stacks: bool = False) -> dict:
     """One profiled step: kernel totals (ms) by kind and the top kernels by time.  ``stacks``: record Python
     stacks, and name each idle gap's host events by their innermost source line in our code (slower host)."""
@@ -112,7 +119,7 @@ def profile_step(step, *, stacks: bool = False) -> dict:
         if e.device_type == torch.autograd.DeviceType.CPU:
             where = _where(e.stack) if stacks else ""
             host.append((f"{e.name} @{where}" if where else e.name, e.time_range.start, e.time_range.end))
-        if e.device_type == torch.autograd.DeviceType.CUDA:
+        if is_kernel(e):
             rec = by_name[e.name]
             rec[0] += e.device_time_total / 1e3 if hasattr(e, "device_time_total") else e.cuda_time_total / 1e3
             rec[1] += 1

@@ -288,6 +288,34 @@ def test_prof_step_idle_gaps_are_named_by_the_host_events_under_them():
     assert idle_gaps([(0, 1)], host) == [] and idle_gaps(kernels, [])[0] == ("(no host event)", 1.1, 2)
 
 
+def test_prof_step_counts_kernels_not_the_gpu_side_of_record_function_ranges():
+    """A ``record_function`` range shows up on the GPU too, spanning its kernels and the gaps between them (the
+    harness's and treecompile's named ranges: session 38's first profile with them read 152 ms busy of a 140 ms
+    step); only the kernels count, CPU events never do."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from benchmarks.prof_step import is_kernel
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    assert is_kernel(SimpleNamespace(device_type=cuda, is_user_annotation=False))
+    assert is_kernel(SimpleNamespace(device_type=cuda))  # a torch whose events lack the field
+    assert not is_kernel(SimpleNamespace(device_type=cuda, is_user_annotation=True))
+    assert not is_kernel(SimpleNamespace(device_type=cpu, is_user_annotation=False))
+    # the GPU side of a real range, where a CUDA profiler can record one
+    if torch.cuda.is_available():
+        from torch.profiler import ProfilerActivity, profile
+
+        x = torch.ones(1 << 20, device="cuda")
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            with torch.profiler.record_function("harness::forward"):
+                (x * 2).sum()
+            torch.cuda.synchronize()
+        gpu = [e for e in prof.events() if e.device_type == cuda]
+        assert gpu and not any(is_kernel(e) for e in gpu if e.name == "harness::forward")
+
+
 def test_harness_flat_grads_and_oom_note():
     """The reference gradient is one float32 host vector built a parameter at a time (zeros where none); an OOM
     row says where it happened and what the allocator asked for."""
