@@ -50,3 +50,23 @@ def test_ids_outside_the_vocabulary_are_named_in_redundancy_free_partitions(tmod
     plan = partition_redundancy_free(Tree.from_paths([[1, 2, 3, 4], [1, 2, 5, V + 3]]), 3)
     with pytest.raises(ValueError, match=rf"^redundancy-free partition \d+: .*token id {V + 3} is outside"):
         run_redundancy_free(rf, plan)
+
+
+def test_a_partition_batchs_ids_are_checked_from_their_host_values():
+    """A batch without its tree (a partition's) checks the host values ``TreeBatch.to`` remembered for its ids, not
+    the device tensor (reading that back would wait for the GPU's queue before every partition). A meta tensor
+    stands in for the device one here: any read of it would fail."""
+    import dataclasses
+
+    from treecompile.host_values import remember_host
+
+    batch = Tree.from_paths([[1, 2, 3], [1, 4]]).to_batch()
+    for ids, bad in (([1, 2, 3, 4], None), ([1, 2, 3, 99], 3)):
+        host = torch.tensor(ids)
+        dev = remember_host(torch.empty(4, dtype=torch.long, device="meta"), host)
+        part = dataclasses.replace(batch, tree=None, input_ids=dev)
+        if bad is None:
+            part.check_ids(50)
+        else:
+            with pytest.raises(ValueError, match=rf"DFS token {bad} of this partition batch: token id 99 is outside"):
+                part.check_ids(50)

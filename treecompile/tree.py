@@ -692,11 +692,17 @@ class TreeBatch:
     def check_ids(self, vocab_size: int | None) -> None:
         """Raise ValueError naming the path and position of a token id outside ``[0, vocab_size)``.
 
-        Reads the CPU tree's ids when the batch has a tree (no device sync); ``None`` checks nothing.
+        Reads the CPU tree's ids when the batch has a tree, else the ids' host values where :meth:`to` remembered
+        them (a partition's batch: no device sync, which would drain the GPU's queue before each partition); a device
+        batch without either is read back.  ``None`` checks nothing.
         """
         if vocab_size is None:
             return
-        ids = self.tree.input_ids if self.tree is not None else self.input_ids[: self.num_tokens]
+        if self.tree is not None:
+            ids = self.tree.input_ids
+        else:
+            host = remembered_host(self.input_ids)
+            ids = (self.input_ids if host is None else host)[: self.num_tokens]
         if ids.numel() == 0:
             return
         lo, hi = torch.aminmax(ids)
