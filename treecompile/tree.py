@@ -685,7 +685,9 @@ class TreeBatch:
         host values remembered (:func:`treecompile.host_values.to_device_with_host`), so that the plans
         built from them mid-step read no device tensor back (that would wait for the GPU's queue)."""
         kw = {f: to_device_with_host(getattr(self, f), device) for f in _TENSOR_FIELDS}
-        extras = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.extras.items()}
+        # the extras too (a partition's boundary tables): a blocking copy would wait for the GPU's queue
+        extras = {k: (to_device_with_host(v, device) if isinstance(v, torch.Tensor) else v)
+                  for k, v in self.extras.items()}
         return TreeBatch(**kw, tree=self.tree, num_tokens=self.num_tokens, num_paths=self.num_paths,
                          normalize=self.normalize, extras=extras)
 

@@ -63,6 +63,7 @@ from typing import Callable, Mapping
 
 import torch
 
+from treecompile.host_values import to_device_async
 from treecompile.passes.expose_boundary import BoundarySpec
 from treecompile.router_aux import ROUTER_WEIGHTS
 from treecompile.runtime.metrics import Reuse, reuse
@@ -157,10 +158,12 @@ class _Executor:
         self.child_last = [torch.tensor(sorted({plan.partitions[c].boundary_last for c in p.children}),
                                         dtype=torch.long) for p in plan.partitions]
         T = plan.tree.num_tokens
-        self.logprobs = torch.zeros(T, dtype=torch.float64)
-        self.entropy = None
-        self.loss = torch.zeros((), dtype=torch.float64)
-        self.aux = self.z = None
+        # the results accumulate on the model's device and are read back once, after the last partition
+        # (:meth:`results`): a read-back per partition would wait for the GPU's queue before the next one's launches
+        self._logprobs = torch.zeros(T, dtype=torch.float64, device=self.device)
+        self._entropy = None
+        self._loss = torch.zeros((), dtype=torch.float64, device=self.device)
+        self._aux = self._z = None
         self.computed = 0
         self.peak = 0
 
@@ -182,7 +185,7 @@ class _Executor:
             ta = tok_of(a)
             idx[sel] = off + _local(ta, tokens[sel], what, i)
             off += ta.numel()
-        return used, idx.to(self.device)
+        return used, to_device_async(idx, self.device)
 
     @staticmethod
     def _take(where, leaf_of, dim: int) -> torch.Tensor:
@@ -261,12 +264,12 @@ class _Executor:
                 j = 0 if kind == "boundary_k" else 1
                 extra.append(self._take(kv_at, lambda a: alive[a].kv[layer][j], 2) if kv_at else self._empty(k, 0))
             elif kind == "boundary_visible":
-                extra.append(ex["boundary_visible"].to(self.device))
+                extra.append(to_device_async(ex["boundary_visible"], self.device))
             elif kind == "initial_state":
                 extra.append(self._take(last_at, lambda a: alive[a].states[layer], 0)[0] if last_at
                              else self._empty(k, 0))
             elif kind == "state_nodes":
-                extra.append(state_nodes.to(self.device))
+                extra.append(to_device_async(state_nodes, self.device))
             elif kind == "boundary_x":
                 extra.append(self._take(conv_at, lambda a: alive[a].conv[layer], 2) if conv_at else self._empty(k, 0))
             elif kind == "boundary_hidden":
@@ -296,8 +299,8 @@ class _Executor:
         dev = self.device
         st = _Alive(loss=loss, num_tokens=batch.num_tokens, exports=[], leaves=[], kv_tok=kv_tok,
                     last_tok=last_tok, conv_tok=conv_tok)
-        kv_pos = _local(tokens, kv_tok, "K/V kept for descendants", i).to(dev)
-        conv_pos = _local(tokens, conv_tok, "conv input kept for descendants", i).to(dev)
+        kv_pos = to_device_async(_local(tokens, kv_tok, "K/V kept for descendants", i), dev)
+        conv_pos = to_device_async(_local(tokens, conv_tok, "conv input kept for descendants", i), dev)
         has_children = bool(part.children)
         for (kind, layer), t in zip(spec.outputs, outs[m:]):
             if not has_children:
@@ -309,7 +312,7 @@ class _Executor:
             elif kind == "x":
                 e = t.index_select(2, conv_pos)
             elif kind == "hidden":
-                e = t.index_select(0, hpos.to(dev))
+                e = t.index_select(0, to_device_async(hpos, dev))
             else:
                 raise ValueError(f"unknown boundary output {kind!r}")
             leaf = e.detach().requires_grad_()
@@ -327,15 +330,16 @@ class _Executor:
                 st.hidden = leaf
         del outs
         self.alive[i] = st
-        self.loss += loss.detach().to(torch.float64).cpu()
-        self.logprobs[tokens] = lp.detach()[:batch.num_tokens].to(torch.float64).cpu()
+        self._loss += loss.detach().to(torch.float64)
+        rows = to_device_async(tokens, dev)
+        self._logprobs.index_copy_(0, rows, lp.detach()[:batch.num_tokens].to(torch.float64))
         if out is not None and out.entropy is not None:
-            if self.entropy is None:
-                self.entropy = torch.zeros_like(self.logprobs)
-            self.entropy[tokens] = out.entropy.detach()[:batch.num_tokens].to(torch.float64).cpu()
+            if self._entropy is None:
+                self._entropy = torch.zeros_like(self._logprobs)
+            self._entropy.index_copy_(0, rows, out.entropy.detach()[:batch.num_tokens].to(torch.float64))
         if out is not None and out.aux_loss is not None:
-            self.aux = _add(self.aux, out.aux_loss)
-            self.z = _add(self.z, out.z_loss)
+            self._aux = _add(self._aux, out.aux_loss)
+            self._z = _add(self._z, out.z_loss)
         self.computed += batch.num_tokens
         self.peak = max(self.peak, sum(a.num_tokens for a in self.alive.values()))
 
@@ -353,9 +357,18 @@ class _Executor:
         if st.loss.requires_grad or len(tensors) > 1:
             torch.autograd.backward(tensors, grads)
 
+    # ------------------------------------------------------------------ results
+    def results(self) -> dict:
+        """The summed loss, whole-tree log-probs (and entropy, router losses) on the host, float64: read back
+        once, after the last partition."""
+        return {name: None if x is None else x.cpu() for name, x in (
+            ("loss", self._loss), ("logprobs", self._logprobs), ("entropy", self._entropy), ("aux_loss", self._aux),
+            ("z_loss", self._z))}
+
 
 def _add(acc, x):
-    return acc if x is None else (x.detach().to(torch.float64).cpu() if acc is None else acc + x.detach().cpu())
+    """``acc + x`` in float64 on ``x``'s device, detached (``acc`` None: ``x``)."""
+    return acc if x is None else (x.detach().to(torch.float64) if acc is None else acc + x.detach().to(torch.float64))
 
 
 def _run(ex: _Executor) -> None:
@@ -384,7 +397,7 @@ def prepass_redundancy_free(tmodel, plan: RedundancyFreePlan) -> PrePass:
     ex = _Executor(tmodel, plan, "sum", counting=True)
     with torch.no_grad():
         _run(ex)
-    return PrePass(ex.logprobs, ex.counts)
+    return PrePass(ex.results()["logprobs"], ex.counts)
 
 
 def run_redundancy_free(tmodel, plan: RedundancyFreePlan, *, normalize: str = "sum", loss_fn: Callable | None = None,
@@ -402,6 +415,5 @@ def run_redundancy_free(tmodel, plan: RedundancyFreePlan, *, normalize: str = "s
     """
     ex = _Executor(tmodel, plan, normalize, loss_fn, data, router=router)
     _run(ex)
-    return RedundancyFreeResult(loss=ex.loss, logprobs=ex.logprobs, tokens_computed=ex.computed,
-                                num_partitions=len(plan), peak_alive_tokens=ex.peak,
-                                reuse=reuse(plan.tree, ex.computed), entropy=ex.entropy, aux_loss=ex.aux, z_loss=ex.z)
+    return RedundancyFreeResult(**ex.results(), tokens_computed=ex.computed, num_partitions=len(plan),
+                                peak_alive_tokens=ex.peak, reuse=reuse(plan.tree, ex.computed))
