@@ -352,3 +352,27 @@ def test_ambiguous_per_token_values_of_a_padded_partition_are_refused():
                                          r"this partition's padded length"):
         PPOClip().loss(lp, b, advantages=torch.ones(3), old_logprobs=torch.zeros(tree.num_tokens))
     PPOClip().loss(lp, b, advantages=torch.ones(3), old_logprobs=torch.zeros(b.num_tokens))  # the partition's own
+
+
+def test_objectives_on_a_moved_partition_read_its_host_values_not_the_device():
+    """A partition batch moved to the GPU (``TreeBatch.to``) keeps its extras' host values; the objectives read
+    ``tokens`` / ``owned`` through them (no wait for the GPU's queue after the forward). Meta tensors stand in for
+    the device ones: any read of them fails. Every loss equals the one on the host batch."""
+    import dataclasses
+
+    from treecompile.host_values import remember_host
+    from treecompile.runtime.partition import pack
+
+    tree = Tree.from_paths([[1, 2, 3, 4], [1, 2, 5], [1, 6, 7, 8, 9], [1, 6, 10]])
+    adv = torch.tensor([1.0, -0.5, 0.25, 2.0], dtype=torch.float64)
+    g = torch.Generator().manual_seed(0)
+    for batch in pack(tree, 6).batches(normalize="sum"):
+        lp = -torch.rand(batch.seq_len, generator=g, dtype=torch.float64)
+        old = lp + 0.1 * torch.randn(batch.seq_len, generator=g, dtype=torch.float64)
+        moved = {k: remember_host(torch.empty(v.shape, dtype=v.dtype, device="meta"), v)
+                 for k, v in batch.extras.items() if k in ("tokens", "owned")}
+        meta_batch = dataclasses.replace(batch, extras={**batch.extras, **moved})
+        for obj, kw in ((SFT(), {}), (PPOClip(), dict(advantages=adv, old_logprobs=old)),
+                        (SequenceClip(), dict(advantages=adv, old_logprobs=old))):
+            want = obj.loss(lp, batch, **kw)
+            assert torch.equal(obj.loss(lp, meta_batch, **kw), want), type(obj).__name__

@@ -66,6 +66,7 @@ from typing import Mapping
 
 import torch
 
+from treecompile.host_values import host_copy, to_device_async
 from treecompile.runtime.normalization import GlobalNorm
 from treecompile.tree import NORMALIZATIONS, Tree, TreeBatch
 
@@ -106,7 +107,7 @@ def _restrict(w: torch.Tensor, batch: TreeBatch, like: torch.Tensor) -> torch.Te
     """Whole-tree DFS weights -> the batch's (owned) tokens, padded to ``seq_len`` on ``like``'s device."""
     if _is_partition(batch):
         ex = batch.extras
-        tok, owned = ex["tokens"].cpu(), ex["owned"].cpu()
+        tok, owned = host_copy(ex["tokens"]), host_copy(ex["owned"])  # a moved batch's: its host values, no wait
         w = torch.where(owned, w[tok], torch.zeros((), dtype=torch.float64))
     return _pad(w, batch, like)
 
@@ -140,9 +141,17 @@ def _check_logprobs(logprobs: torch.Tensor, batch: TreeBatch) -> None:
                          f"order), got {shape}")
 
 
+def _to(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``x`` on ``device``; from the host without blocking it (a pageable copy to the GPU would wait for its queue:
+    the forward, when an objective runs, so the backward's launches would start late)."""
+    if x.device.type == "cpu" and device.type != "cpu":
+        return to_device_async(x, device)
+    return x.to(device)
+
+
 def _pad(x: torch.Tensor, batch: TreeBatch, like: torch.Tensor) -> torch.Tensor:
     """A DFS tensor over the tree's tokens -> ``[seq_len]`` (0 at padding) on ``like``'s device."""
-    x = x.to(device=like.device, dtype=torch.float64)
+    x = _to(x.to(torch.float64), like.device)
     if x.numel() == batch.seq_len:
         return x
     return torch.cat([x, x.new_zeros(batch.seq_len - x.numel())])
@@ -182,10 +191,10 @@ def _per_token(value, batch: TreeBatch, name: str, like: torch.Tensor) -> torch.
         shapes = f"[{batch.num_tokens}]" + (f" or [{batch.seq_len}]" if batch.seq_len != batch.num_tokens else "")
         raise ValueError(f"{name}: expected DFS order, shape {shapes}, got "
                          f"{tuple(v.shape)} (scatter per-path values with data.scatter_to_dfs)")
-    v = _pad(v, batch, like)
+    # checked where the values are (host values: no wait for the GPU), then moved
     if not bool(torch.isfinite(v).all()):
         raise ValueError(f"{name}: DFS token {int(torch.nonzero(~torch.isfinite(v))[0])}: not finite")
-    return v
+    return _pad(v, batch, like)
 
 
 # ---------------------------------------------------------------------- token-level objectives
@@ -362,23 +371,23 @@ class SequenceClip:
         flat = starts[seg] + torch.arange(seg.numel())  # the paths' tokens in path-token order
         pos = tree.path_index[flat]  # whole-tree DFS
         if _is_partition(batch):
-            tok = batch.extras["tokens"].cpu()
+            tok = host_copy(batch.extras["tokens"])
             g = pos
             pos = torch.searchsorted(tok, g).clamp(max=max(tok.numel() - 1, 0))
             bad = torch.nonzero(tok[pos] != g).flatten() if tok.numel() else torch.arange(g.numel())
             if bad.numel():
                 raise ValueError(f"SequenceClip: path {int(paths[seg[int(bad[0])]])} is not whole in this partition "
                                  f"(its DFS token {int(g[int(bad[0])])} is missing)")
-        pos, seg = pos.to(dev), seg.to(dev)
-        mask = tree.loss_mask[flat].to(device=dev, dtype=torch.float64)
+        pos, seg = _to(pos, dev), _to(seg, dev)
+        mask = _to(tree.loss_mask[flat].to(torch.float64), dev)
         n = paths.numel()
         diff = torch.zeros(n, dtype=torch.float64, device=dev).index_add(
             0, seg, mask * (logprobs[pos].to(torch.float64) - old[pos]))
         count = torch.zeros(n, dtype=torch.float64, device=dev).index_add(0, seg, mask)
         s = torch.exp(diff / count.clamp(min=1))
         clipped = s.clamp(1 - self.clip_low, 1 + self.clip_high)
-        A = A[paths].to(dev)
-        w = _step_norm(batch, "sum", norm).path_coefficients(tree)[paths].to(dev)  # w_p / N
+        A = _to(A[paths], dev)
+        w = _to(_step_norm(batch, "sum", norm).path_coefficients(tree)[paths], dev)  # w_p / N
         return -(w * torch.minimum(s * A, clipped * A)).sum()
 
 

@@ -19,6 +19,7 @@ from typing import Mapping, Sequence
 
 import torch
 
+from treecompile.host_values import host_copy
 from treecompile.runtime.normalization import GlobalNorm, tree_batch
 from treecompile.tree import Tree, TreeBatch
 
@@ -42,7 +43,7 @@ class Linearized:
         """A partition's share (value 0, gradient exact): ``sum_t grad[t] * (lp_t - lp_t.detach())`` over
         its tokens (``batch.extras["tokens"]``), after checking that ``lp`` equals the pre-pass's."""
         n = batch.num_tokens
-        tok = batch.extras["tokens"][:n].cpu()
+        tok = host_copy(batch.extras["tokens"])[:n]  # a moved batch's: its host values, no wait
         got = lp[:n].detach().to(torch.float64).cpu()
         bad = got != self.logprobs[tok]
         if bool(bad.any()):

@@ -31,6 +31,7 @@ from typing import Sequence
 
 import torch
 
+from treecompile.host_values import host_copy
 from treecompile.ops.router_loss import ancestor_sums
 from treecompile.router_aux import RouterAux, RouterWeights
 from treecompile.runtime.normalization import GlobalNorm
@@ -55,8 +56,8 @@ class TreeRouterWeights:
         cuts ``tokens`` to the batch's real tokens."""
         if tokens is None:
             tokens = torch.arange(self.counts.shape[0])
-        tokens = tokens.cpu()[:num_tokens]
-        owned = torch.ones(tokens.numel(), dtype=torch.bool) if owned is None else owned.cpu()[:tokens.numel()]
+        tokens = host_copy(tokens)[:num_tokens]  # a moved batch's: its host values, no wait for the GPU
+        owned = torch.ones(tokens.numel(), dtype=torch.bool) if owned is None else host_copy(owned)[:tokens.numel()]
         return RouterWeights(aux_coef=self.aux_coef[tokens] * owned[:, None], z_coef=self.z_coef[tokens] * owned,
                              counts=self.counts[tokens], checked=owned)
 
