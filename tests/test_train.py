@@ -301,3 +301,29 @@ def test_example_trains(tmp_path, capsys):
     losses = [float(x) for x in re.findall(r"^step \d+ loss ([0-9.]+)", out.out, re.M)]
     assert len(losses) == 6 and all(math.isfinite(x) for x in losses)
     assert losses[-1] < 0.8 * losses[0], losses
+
+
+def test_step_sums_and_grad_norm_read_back_once():
+    """train_step's sums keep each value where it is and read them back once (``_Sums``); the gradient norm reads
+    its per-tensor float64 norms back once per device (``_grad_norm``): both equal the float64 sums taken one by
+    one, the way the step read them before (a wait for the GPU's queue per batch and per parameter)."""
+    from treecompile.runtime.train import _grad_norm, _Sums
+
+    g = torch.Generator().manual_seed(0)
+    sums = _Sums()
+    values = {"loss": [torch.randn((), generator=g), 0.25, torch.randn((), generator=g, dtype=torch.float64)],
+              "aux": [torch.randn((), generator=g).bfloat16().requires_grad_()]}
+    for name, xs in values.items():
+        for x in xs:
+            sums.add(name, x)
+    got = sums.values()
+    assert set(got) == {"loss", "aux"} and all(isinstance(v, float) for v in got.values())
+    for name, xs in values.items():
+        want = sum(float(x.detach().double()) if isinstance(x, torch.Tensor) else x for x in xs)
+        assert got[name] == pytest.approx(want, rel=1e-15, abs=1e-300)
+    assert _Sums().values() == {}
+
+    grads = [torch.randn(7, 3, generator=g), torch.randn(5, generator=g, dtype=torch.float64),
+             torch.randn(2, 2, generator=g).bfloat16()]
+    want = math.sqrt(sum(float(x.double().norm()) ** 2 for x in grads))
+    assert _grad_norm(grads) == pytest.approx(want, rel=1e-14) and _grad_norm([]) == 0.0

@@ -231,11 +231,10 @@ def train_step(tmodel, tree_or_trees: Tree | TrajectoryTree | Sequence[Tree | Tr
     conv_kernel = DEFAULT_CONV_KERNEL if width is None else width + 1
     if optimizer is not None:
         optimizer.zero_grad(set_to_none=True)
-    loss_sum = torch.zeros((), dtype=torch.float64)
+    # the loss, the router losses and the entropy metric's sums (over trained path tokens, and their count),
+    # accumulated where each batch's values are and read back once after the step (_Sums)
+    sums = _Sums()
     computed, peak, reuses = 0, 0, []
-    ent_sum = ent_count = 0.0  # the entropy metric: sum over trained path tokens, and their count
-    aux_sum = None if router is None else 0.0
-    z_sum = None if router is None or not router.z_coef else 0.0
     try:
         # pre-passes (forwards without gradient) for what no batch has before its backward
         pre = [None] * len(items)
@@ -264,16 +263,16 @@ def train_step(tmodel, tree_or_trees: Tree | TrajectoryTree | Sequence[Tree | Tr
                             loss_fn=lambda out, b: (_objective_loss(token_level, out, b, norm) if token_level else 0)
                             + (lin.loss(out.logprobs, b) if lin is not None else 0))
                 if lin is not None:
-                    loss_sum += lin.value
+                    sums.add("loss", lin.value)
                 if res.aux_loss is not None:
-                    aux_sum += float(res.aux_loss)
+                    sums.add("aux", res.aux_loss)
                 if res.z_loss is not None:
-                    z_sum += float(res.z_loss)
+                    sums.add("z", res.z_loss)
                 if res.entropy is not None:
                     n = tree.aggregate(torch.ones(tree.num_paths, dtype=torch.float64))
-                    ent_sum += float((n * res.entropy).sum())
-                    ent_count += float(n.sum())
-                loss_sum += res.loss
+                    sums.add("entropy", (n * res.entropy).sum())
+                    sums.add("entropy_count", n.sum())
+                sums.add("loss", res.loss)
                 computed += res.tokens_computed
                 peak = max(peak, res.peak_alive_tokens)
                 reuses.append(res.reuse)
@@ -296,16 +295,17 @@ def train_step(tmodel, tree_or_trees: Tree | TrajectoryTree | Sequence[Tree | Tr
                     aux = out.aux_loss * scale
                     z = None if out.z_loss is None else out.z_loss * scale
                     loss = loss + router.weighted(aux, z)
-                    aux_sum += float(aux.detach())
+                    sums.add("aux", aux)
                     if z is not None:
-                        z_sum += float(z.detach())
+                        sums.add("z", z)
                 if out.entropy is not None:
-                    n = trained_counts(batch)
-                    ent_sum += float((n.cpu() * out.entropy.detach().to(torch.float64).cpu()).sum())
-                    ent_count += float(n.sum())
+                    ent = out.entropy.detach().to(torch.float64)
+                    n = trained_counts(batch).to(ent.device)
+                    sums.add("entropy", (n * ent).sum())
+                    sums.add("entropy_count", n.sum())
                 if loss.requires_grad:
                     loss.backward()
-                loss_sum += loss.detach().to(torch.float64).cpu()
+                sums.add("loss", loss)
                 n_tree += batch.num_tokens
                 peak = max(peak, batch.num_tokens)
                 bar.update(batch.num_tokens)
@@ -316,7 +316,9 @@ def train_step(tmodel, tree_or_trees: Tree | TrajectoryTree | Sequence[Tree | Tr
         bar.close()
 
     params = [p for p in tmodel.parameters() if p.grad is not None]
-    grad_norm = math.sqrt(sum(float(p.grad.detach().double().norm()) ** 2 for p in params)) if params else 0.0
+    grad_norm = _grad_norm([p.grad for p in params])
+    total_sums = sums.values()  # the step's one read-back of its sums
+    ent_count = total_sums.get("entropy_count", 0.0)
     if optimizer is not None:
         optimizer.step()
     seconds = time.perf_counter() - t0
@@ -327,9 +329,46 @@ def train_step(tmodel, tree_or_trees: Tree | TrajectoryTree | Sequence[Tree | Tr
         "tokens_computed": computed, "por": r.por, "err": r.err, "peak_tokens": peak,
         "seconds": seconds, "tokens_per_s": computed / seconds if seconds > 0 else float("inf"),
         "grad_norm": grad_norm,
-        "entropy": ent_sum / ent_count if ent_count > 0 else None,
-        "aux_loss": aux_sum,
-        "z_loss": z_sum,
+        "entropy": total_sums["entropy"] / ent_count if ent_count > 0 else None,
+        "aux_loss": None if router is None else total_sums.get("aux", 0.0),
+        "z_loss": None if router is None or not router.z_coef else total_sums.get("z", 0.0),
         "router_prepass": router_weights is not None,
     }
-    return StepResult(loss=float(loss_sum), metrics=metrics)
+    return StepResult(loss=total_sums.get("loss", 0.0), metrics=metrics)
+
+
+class _Sums:
+    """Named float64 sums of a step's values, kept where each value is (a CUDA loss stays on the GPU), read back
+    once by :meth:`values`: a ``float()`` per batch would wait for the GPU's queue (after a forward, before its
+    backward is launched; after a backward, before the next batch's forward is)."""
+
+    def __init__(self):
+        self._sums: dict[str, list] = {}
+
+    def add(self, name: str, x) -> None:
+        x = x.detach().to(torch.float64) if isinstance(x, torch.Tensor) else torch.tensor(float(x), dtype=torch.float64)
+        self._sums.setdefault(name, []).append(x.reshape(()))
+
+    def values(self) -> dict[str, float]:
+        """Each sum as a Python float: one copy to the host per device that holds values."""
+        by_device: dict[torch.device, list] = {}
+        for name, xs in self._sums.items():
+            for x in xs:
+                by_device.setdefault(x.device, []).append((name, x))
+        out = {name: 0.0 for name in self._sums}
+        for items in by_device.values():
+            for (name, _), v in zip(items, torch.stack([x for _, x in items]).tolist()):
+                out[name] += v
+        return out
+
+
+def _grad_norm(grads: list) -> float:
+    """The 2-norm of all gradients, each tensor's norm taken in float64: plain tensors read back once per
+    device; anything else (a sharded DTensor) one by one, as ``float`` of its norm reduces it."""
+    plain = [g for g in grads if type(g) is torch.Tensor]
+    squares = [float(g.detach().double().norm()) ** 2 for g in grads if type(g) is not torch.Tensor]
+    by_device: dict[torch.device, list] = {}
+    for g in plain:
+        by_device.setdefault(g.device, []).append(torch.linalg.vector_norm(g.detach(), dtype=torch.float64))
+    squares += [float(torch.stack(ns).square().sum()) for ns in by_device.values()]
+    return math.sqrt(sum(squares))
