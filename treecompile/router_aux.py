@@ -38,7 +38,9 @@ from dataclasses import dataclass
 
 import torch
 
-from treecompile.ops.router_loss import SEMANTICS, load_balancing_loss, router_statistics, router_z_loss
+from treecompile.host_values import host_copy
+from treecompile.ops.router_loss import (SEMANTICS, load_balancing_loss, router_statistics, router_z_loss,
+                                         to_device_of)
 from treecompile.tree import TreeBatch
 
 __all__ = ["RouterAux", "RouterWeights", "RoutingMismatchError", "ROUTER_WEIGHTS"]
@@ -133,9 +135,9 @@ class RouterAux:
             scale = 1.0 / tree.num_paths
             if partition:  # the paths assigned to this partition, located among its tokens
                 paths = torch.as_tensor(batch.extras["paths"], dtype=torch.long)
-                tok = batch.extras["tokens"].cpu()
+                tok = host_copy(batch.extras["tokens"])  # a moved batch's: its host values, no wait for the GPU
                 end = torch.searchsorted(tok, tree.path_end[paths])
-                subtree_end = batch.subtree_end[:n].cpu()
+                subtree_end = host_copy(batch.subtree_end)[:n]
             else:
                 paths, end, subtree_end = torch.arange(tree.num_paths), tree.path_end, tree.subtree_end
             coef = tree.path_weights.to(torch.float64)[paths] * scale
@@ -162,6 +164,6 @@ class RouterAux:
                 f"{w.counts[t].tolist()} in the counting pre-pass of the step: routing is not deterministic "
                 f"(nondeterministic kernels, active dropout, or parameters changed between the passes), so the "
                 f"step's statistics would not be the ones trained on")
-        aux = (probs * w.aux_coef.to(probs.device)).sum()
-        zl = (z * w.z_coef.to(z.device)).sum() if self.z_coef else None
+        aux = (probs * to_device_of(w.aux_coef, probs.device)).sum()
+        zl = (z * to_device_of(w.z_coef, z.device)).sum() if self.z_coef else None
         return aux, zl
