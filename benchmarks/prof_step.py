@@ -131,10 +131,17 @@ def profile_step(step, *, stacks: bool = False) -> dict:
     return {"kernels": sum(n for _, n in by_name.values()), "kernel_ms": sum(ms for ms, _ in by_name.values()),
             "gpu_busy_ms": busy_ms(intervals), "by_kind_ms": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
             "top": [(name[:110], round(ms, 3), n) for name, (ms, n) in top], "idle": idle_gaps(intervals, host),
-            # the host's work from the step's first host event to its first device event (a kernel or a copy): the
-            # GPU idles all of it
-            "lead_in_ms": round((min(a for a, _ in intervals) - min(ev[1] for ev in host)) / 1e3, 3)
+            # the host's work from the step's start to its first device event (a kernel or a copy): the GPU idles
+            # all of it.  The start: the harness's first named range (the profiler's own start-up events come
+            # before it), else the first host event
+            "lead_in_ms": round((min(a for a, _ in intervals) - step_start(host)) / 1e3, 3)
             if intervals and host else None}
+
+
+def step_start(host_events) -> float:
+    """When the profiled step began (us): the first ``harness::`` range's start, else the first host event's."""
+    named = [start for name, start, _ in host_events if name.startswith("harness::")]
+    return min(named) if named else min(start for _, start, _ in host_events)
 
 
 def main(argv=None) -> int:

@@ -316,6 +316,13 @@ def test_prof_step_counts_kernels_not_the_gpu_side_of_record_function_ranges():
         assert gpu and not any(is_kernel(e) for e in gpu if e.name == "harness::forward")
 
 
+def test_prof_step_lead_in_starts_at_the_harness_step():
+    from benchmarks.prof_step import step_start
+
+    host = [("cudaGetDeviceCount", 0, 5), ("harness::zero_grad", 40, 41), ("harness::forward", 41, 90)]
+    assert step_start(host) == 40 and step_start(host[:1]) == 0
+
+
 def test_harness_flat_grads_and_oom_note():
     """The reference gradient is one float32 host vector built a parameter at a time (zeros where none); an OOM
     row says where it happened and what the allocator asked for."""
