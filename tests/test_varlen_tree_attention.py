@@ -122,6 +122,8 @@ from treecompile.ops.varlen_tree_attention import segment_plan, tree_attention_v
 from tests.test_fa4_tree_attention import forest_paths
 
 from tests.helpers import branching_paths, count_launches
+import triton
+import triton.testing
 
 launched = count_launches(key_copies, "_sum_copies_kernel")
 
@@ -151,6 +153,31 @@ got = key_copies.sum_copies(src, plan.copies, plan.key_index, plan.tail)
 want = torch.zeros(plan.tail, 2, 24, dtype=torch.float64).index_add_(0, plan.key_index, src.double())
 ulp = torch.exp2(torch.floor(torch.log2(want.abs().clamp(min=1e-30))) - 7)
 worst["bf16"] = float(((got.double() - want).abs() / (ulp + 1e-6 * want.abs().max())).max())
+
+# every kernel config (the autotuner's choices on the GPU) gives the same bits: channels not a multiple of the
+# column blocks (48, 300), one and several column blocks, either order of the programs
+worst["configs"] = 0
+timed = []  # the autotuner's timed launches: every config, once per key
+triton.testing.do_bench = lambda fn, warmup, rep, quantiles: (fn(), timed.append(1), [1.0, 1.0, 1.0])[2]
+for it, (ps, shape) in enumerate([(paths(), (2, 24)), (forest_paths(120, 3, seed=5), (3, 100)),
+                                  ([[1] * 70 + [2 + i] * 5 for i in range(48)], (1, 300))]):
+    plan = segment_plan(Tree.from_paths(ps).to_batch(pad_to_multiple=16).subtree_end)
+    for dtype in (torch.bfloat16, torch.float64):
+        src = torch.randn(plan.gathered, *shape, generator=torch.Generator().manual_seed(it)).to(dtype)
+        # 7 rows past the plan's: zero
+        outs = [key_copies.sum_copies(src, plan.copies, plan.key_index, plan.tail + 7, config=c)
+                for c in key_copies.CONFIGS]
+        worst["configs"] += sum(not torch.equal(o, outs[0]) for o in outs)
+        # the autotuner's path (its timing faked: the interpreter has no GPU clock), launching every config
+        tuned = torch.full_like(outs[0], float("nan"))
+        tuned[plan.tail:] = 0
+        key_copies._launch_tuned(src.contiguous(), tuned, plan.copies, src[0].numel(),
+                                 triton.language.float64 if dtype == torch.float64 else triton.language.float32)
+        worst["configs"] += not torch.equal(tuned, outs[0])
+        want = torch.zeros(outs[0].shape, dtype=torch.float64).index_add_(0, plan.key_index, src.double())
+        if dtype == torch.float64:
+            worst["op"] = max(worst["op"], float((outs[0] - want).abs().max() / want.abs().max()))
+worst["timed"] = len(timed)
 print(repr(worst))
 """
 
@@ -160,10 +187,16 @@ def test_triton_copy_sums_in_interpreter():
     """The backward's per-token key/value sums through the Triton kernel (Triton's CPU interpreter): the op's
     float64 gradients equal the dense-mask reference's to rounding on random trees and forests (GQA, padding,
     head dims not a multiple of the block); bf16 sums of 48 copies are within one bf16 ulp of the exact sum
-    (accumulated in float32, rounded once; the interpreter truncates where the GPU rounds to nearest)."""
+    (accumulated in float32, rounded once; the interpreter truncates where the GPU rounds to nearest); every
+    kernel config the GPU's autotuner may pick gives the same bits.  (Triton 3.6's interpreter needs numpy < 2 for
+    the kernel's loop over loaded bounds.)"""
     worst = run_interpreted(_INTERPRETED)
     assert worst["op"] < 1e-12, worst
     assert worst["bf16"] <= 1, worst
+    assert worst["configs"] == 0, worst
+    # every config timed once per key: channel counts 48 and 300 (twice), each in bf16 and float64 (the autotuner
+    # keys on the tensors' dtypes too)
+    assert worst["timed"] == 4 * len(key_copies.CONFIGS), worst
 
 
 def _qkv(T, H, Hkv, D, seed, dtype=torch.float64):
@@ -791,3 +824,25 @@ def test_lowered_sliding_model_with_windowed_varlen_equals_the_rewritten_graph(m
     low = _lower_fa4_varlen(prog, monkeypatch)
     assert (low.attention_varlen, low.windowed_varlen, low.windows) == (1, 1, ())
     _assert_lowered_equals_rewritten(prog, low)
+
+
+def test_copy_sums_fall_back_to_the_first_config_when_autotuning_fails(monkeypatch):
+    """Where the autotuner cannot run (its timing buffers on a full device, a config that cannot launch) the sums
+    warn once and run :data:`key_copies.CONFIGS`'s first config from then on; other errors are not swallowed."""
+    failed = []
+    monkeypatch.setattr(key_copies, "_TUNING_FAILED", failed)
+
+    def oom(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory (the timing's cache buffer)")
+
+    monkeypatch.setattr(key_copies, "_launch_tuned", oom)
+    with pytest.warns(UserWarning, match=r"could not be autotuned .*first config \(128, False, 4\)"):
+        assert key_copies._tuned(None, None, None, 0, None) is False
+    assert len(failed) == 1 and "out of memory" in failed[0]
+
+    def bug(*args):
+        raise TypeError("a bug")
+
+    monkeypatch.setattr(key_copies, "_launch_tuned", bug)
+    with pytest.raises(TypeError, match="a bug"):
+        key_copies._tuned(None, None, None, 0, None)

@@ -11,12 +11,19 @@ over the run's offsets ``off = first_m - lo_m``: contiguous rows, read once, sum
 inputs) in interval order (root first) and rounded once.  The runs (:class:`CopyRuns`) are built on the host with
 the segment plan, once per batch.
 
+One program per tile of a run and block of channels.  Which block width, program order and warp count
+(:data:`CONFIGS`) is Triton's autotuner's choice on the GPU, timed at the first call for each channel count; every
+config sums in the same order, so the values do not depend on it.  (Added in session 38 without a GPU to time it:
+the first config is the kernel as it was, so the choice can only match or beat it; if the autotuner fails, every
+call runs that first config, with one warning.)
+
 Where Triton cannot run (CPU without ``TRITON_INTERPRET=1``) :func:`sum_copies` falls back to ``index_add_`` with
 the same float32/float64 accumulation: the same sums, possibly in another order.
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -24,12 +31,19 @@ from torch import Tensor
 
 from treecompile.host_values import to_device_async
 # triton is None on CPU-only installs: sum_copies then uses index_add_
-from treecompile.ops.triton_support import available, tl, triton, usable
+from treecompile.ops.triton_support import available, interpreting, tl, triton, usable
 
-__all__ = ["CopyRuns", "available", "copy_runs", "sum_copies", "sum_copies_index_add", "usable"]
+__all__ = ["CopyRuns", "available", "copy_runs", "sum_copies", "sum_copies_index_add", "usable", "CONFIGS"]
 
 BLOCK_T = 64  # tokens per program (a run is cut into tiles of at most this many)
-BLOCK_C = 128  # channels (Hkv * D flattened) per program
+# The kernel's configs, (channels per program, column blocks of one tile on consecutive programs, warps), among
+# which Triton's autotuner picks per channel count on the GPU (at the first call, by timing them).  The first is the
+# only config before session 38: one column block of consecutive tiles on consecutive programs, 128 channels, 4 warps.
+# Session 38's profile had it at 52 % of an H200's memory bandwidth (2.48 TB/s; Qwen3-0.6B at 16k tree tokens,
+# `benchmarks/results/h200_s38/`): neighbouring programs read 256-byte pieces of rows 2 KiB apart.  With the
+# column blocks of a tile on consecutive programs, neighbours read whole rows between them.
+_TUNING_FAILED: list[str] = []  # why the autotuner failed in this process (then every call runs CONFIGS[0])
+CONFIGS = ((128, False, 4), (128, True, 4), (128, True, 8), (256, True, 8), (256, True, 4), (256, False, 8))
 
 
 @dataclass(frozen=True)
@@ -78,11 +92,20 @@ def copy_runs(lo: Tensor, hi: Tensor, first: Tensor, device) -> CopyRuns:
 if triton is not None:
 
     @triton.jit
-    def _sum_copies_kernel(src_ptr, out_ptr, tiles_ptr, off_ptr, C, ACC: tl.constexpr, BLOCK_T: tl.constexpr,
-                           BLOCK_C: tl.constexpr):
-        """out[t] = sum over the run's offsets of src[t + off] (ACC), for the tile's tokens x BLOCK_C channels."""
-        tile = tl.program_id(0).to(tl.int64)
-        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    def _sum_copies_kernel(src_ptr, out_ptr, tiles_ptr, off_ptr, C, n_tiles, ACC: tl.constexpr,
+                           BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, COLS_FIRST: tl.constexpr):
+        """out[t] = sum over the run's offsets of src[t + off] (ACC), for the tile's tokens x BLOCK_C channels.
+        One program per (tile, column block), on a 1-D grid: ``COLS_FIRST``, the column blocks of one tile on
+        consecutive programs; else one column block of consecutive tiles."""
+        pid = tl.program_id(0).to(tl.int64)
+        n_cblk = tl.cdiv(C, BLOCK_C)
+        if COLS_FIRST:
+            tile = pid // n_cblk
+            cblk = pid % n_cblk
+        else:
+            tile = pid % n_tiles
+            cblk = pid // n_tiles
+        cols = cblk * BLOCK_C + tl.arange(0, BLOCK_C)
         cmask = cols < C
         t0 = tl.load(tiles_ptr + tile * 4)
         t1 = tl.load(tiles_ptr + tile * 4 + 1)
@@ -96,6 +119,15 @@ if triton is not None:
             acc += tl.load(src_ptr + (rows + off)[:, None] * C + cols[None, :], mask=m2, other=0.0).to(ACC)
         tl.store(out_ptr + rows[:, None] * C + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=m2)
 
+    def _bench(kernel_call, quantiles):  # the autotuner's timing: short (the step's first backward waits for it)
+        return triton.testing.do_bench(kernel_call, warmup=5, rep=20, quantiles=quantiles)
+
+    # every config writes the same sums (each token's copies in interval order, rounded once): the autotuner's
+    # repeated launches only overwrite ``out`` with the same values
+    _sum_copies_tuned = triton.autotune(
+        configs=[triton.Config({"BLOCK_C": c, "COLS_FIRST": f}, num_warps=w) for c, f, w in CONFIGS],
+        key=["C"], do_bench=_bench)(_sum_copies_kernel)
+
 
 def sum_copies_index_add(src: Tensor, key_index: Tensor, T: int) -> Tensor:
     """:func:`sum_copies` by ``index_add_`` into a zeroed float32 (float64) buffer, then rounded: where Triton cannot
@@ -105,10 +137,19 @@ def sum_copies_index_add(src: Tensor, key_index: Tensor, T: int) -> Tensor:
     return acc.index_add_(0, key_index, src.to(acc_dtype)).to(src.dtype)
 
 
-def sum_copies(src: Tensor, runs: CopyRuns, key_index: Tensor, T: int) -> Tensor:
+def _launch_tuned(src: Tensor, out: Tensor, runs: CopyRuns, C: int, acc) -> None:
+    """The kernel under the autotuner's config for ``C`` channels (timed at the first call with that ``C``)."""
+    n_tiles = runs.tiles.shape[0]
+    _sum_copies_tuned[lambda meta: (n_tiles * triton.cdiv(C, meta["BLOCK_C"]),)](
+        src, out, runs.tiles, runs.offsets, C, n_tiles, ACC=acc, BLOCK_T=BLOCK_T)
+
+
+def sum_copies(src: Tensor, runs: CopyRuns, key_index: Tensor, T: int, config: tuple | None = None) -> Tensor:
     """``out [T, ...]`` in ``src``'s dtype: ``out[t]`` = the sum of ``src[g]`` over the gathered rows ``g`` with
     ``key_index[g] == t`` (``src [G, ...]``), accumulated in float32 (float64 for float64) and rounded once; rows the
-    runs do not cover (``t >= runs.tokens``: the plan's tail) are zero."""
+    runs do not cover (``t >= runs.tokens``: the plan's tail) are zero.  ``config``: one of :data:`CONFIGS` (tests,
+    benchmarks); None: the autotuner's pick on CUDA, the first config under Triton's interpreter (no timing there).
+    Every config gives the same values."""
     G = src.shape[0]
     if G != runs.rows or key_index.numel() != G:
         raise ValueError(f"sum_copies: {G} gathered rows, the runs read {runs.rows} and key_index has "
@@ -119,11 +160,30 @@ def sum_copies(src: Tensor, runs: CopyRuns, key_index: Tensor, T: int) -> Tensor
     out = torch.empty((T,) + tuple(src.shape[1:]), dtype=src.dtype, device=src.device)
     if runs.tokens < T:
         out[runs.tokens:] = 0
+    if config is not None and config not in CONFIGS:
+        raise ValueError(f"sum_copies: config {config!r} is not one of {CONFIGS}")
     C = src[0].numel() if G else 0
     if G and C:
         src = src.contiguous()
-        grid = (runs.tiles.shape[0], triton.cdiv(C, BLOCK_C))
-        _sum_copies_kernel[grid](src, out, runs.tiles, runs.offsets, C,
-                                 ACC=tl.float64 if acc_dtype == torch.float64 else tl.float32,
-                                 BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C)
+        n_tiles = runs.tiles.shape[0]
+        acc = tl.float64 if acc_dtype == torch.float64 else tl.float32
+        if config is None and not interpreting() and not _TUNING_FAILED and _tuned(src, out, runs, C, acc):
+            return out
+        block_c, cols_first, warps = config or CONFIGS[0]  # the interpreter has no clock to tune by
+        _sum_copies_kernel[(n_tiles * triton.cdiv(C, block_c),)](
+            src, out, runs.tiles, runs.offsets, C, n_tiles, ACC=acc, BLOCK_T=BLOCK_T, BLOCK_C=block_c,
+            COLS_FIRST=cols_first, num_warps=warps)
     return out
+
+
+def _tuned(src: Tensor, out: Tensor, runs: CopyRuns, C: int, acc) -> bool:
+    """:func:`_launch_tuned`; False, with one warning per process, where the autotuner fails (its timing's buffers
+    on a full device, a config that cannot launch): the caller then runs the first config, as every later call."""
+    try:
+        _launch_tuned(src, out, runs, C, acc)
+        return True
+    except (torch.OutOfMemoryError, RuntimeError) as e:
+        _TUNING_FAILED.append(repr(e))
+        warnings.warn(f"treecompile: the key copies' kernel could not be autotuned ({e!r}); it runs its first "
+                      f"config {CONFIGS[0]} from now on", stacklevel=3)
+        return False
