@@ -14,7 +14,7 @@ the segment plan, once per batch.
 One program per tile of a run and block of channels.  Which block width, program order and warp count
 (:data:`CONFIGS`) is Triton's autotuner's choice on the GPU, timed at the first call for each channel count; every
 config sums in the same order, so the values do not depend on it.  (Added in session 38 without a GPU to time it:
-the first config is the kernel as it was, so the choice can only match or beat it; if the autotuner fails, every
+the first config is the kernel as it was, so the choice matches or beats it within the timing's noise; if the autotuner fails, every
 call runs that first config, with one warning.)
 
 Where Triton cannot run (CPU without ``TRITON_INTERPRET=1``) :func:`sum_copies` falls back to ``index_add_`` with
