@@ -13,9 +13,9 @@ the segment plan, once per batch.
 
 One program per tile of a run and block of channels.  Which block width, program order and warp count
 (:data:`CONFIGS`) is Triton's autotuner's choice on the GPU, timed at the first call for each channel count; every
-config sums in the same order, so the values do not depend on it.  (Added in session 38 without a GPU to time it:
-the first config is the kernel as it was, so the choice matches or beats it within the timing's noise; if the autotuner fails, every
-call runs that first config, with one warning.)
+config sums in the same order, so the values do not depend on it.  (Added in session 38 without a GPU to time
+it: the first config is the kernel as it was, so the choice matches or beats it within the timing's noise; if the
+autotuner fails, every call runs that first config, with one warning.)
 
 Where Triton cannot run (CPU without ``TRITON_INTERPRET=1``) :func:`sum_copies` falls back to ``index_add_`` with
 the same float32/float64 accumulation: the same sums, possibly in another order.
@@ -91,7 +91,7 @@ def copy_runs(lo: Tensor, hi: Tensor, first: Tensor, device) -> CopyRuns:
 
 if triton is not None:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n_tiles"])  # a count that changes with every batch: one compiled kernel
     def _sum_copies_kernel(src_ptr, out_ptr, tiles_ptr, off_ptr, C, n_tiles, ACC: tl.constexpr,
                            BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, COLS_FIRST: tl.constexpr):
         """out[t] = sum over the run's offsets of src[t + off] (ACC), for the tile's tokens x BLOCK_C channels.
