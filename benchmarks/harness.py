@@ -809,6 +809,11 @@ def time_step(step: Callable, dev, iters: int):
     return first, statistics.median(ts), peak, loss
 
 
+def join_notes(*notes: str | None) -> str | None:
+    """A row's note parts, the empty ones left out, joined by "; " (None when all are empty)."""
+    return "; ".join(n for n in notes if n) or None
+
+
 def _with_head_fit(note: str | None) -> str | None:
     """``note`` and, where a fused head ran under ``head_logits="auto"`` in this process, how many rows of its last
     call kept their logits (``ops.logprobs_kept.pop_last_fit``: then forgotten, for the next contender).  The last
@@ -818,7 +823,7 @@ def _with_head_fit(note: str | None) -> str | None:
     fit = pop_last_fit()
     if not fit:
         return note
-    return "; ".join(filter(None, [note, f"last head call kept {fit['kept']:,}/{fit['rows']:,} rows"]))
+    return join_notes(note, f"last head call kept {fit['kept']:,}/{fit['rows']:,} rows")
 
 
 def _with_attention_setup(note: str | None, dev) -> str | None:
@@ -832,7 +837,7 @@ def _with_attention_setup(note: str | None, dev) -> str | None:
     reason = fa4_unusable_reason()
     if reason is None:
         return note
-    return "; ".join(filter(None, [note, f"attention without FA4 ({reason})"]))
+    return join_notes(note, f"attention without FA4 ({reason})")
 
 
 def time_steps(step: Callable, dev, iters: int):
@@ -965,7 +970,7 @@ def oom_note(stage: str, e: BaseException, note: str | None = None) -> str:
     and what was free), kept in the row so an OOM can be told from a harness artefact."""
     msg = " ".join(str(e).split())
     msg = msg[:msg.find(". Of the allocated")] if ". Of the allocated" in msg else msg[:200]
-    return "; ".join(x for x in (note, f"OOM in {stage}: {msg}") if x)
+    return join_notes(note, f"OOM in {stage}: {msg}")
 
 
 def print_row(r: Result) -> None:
@@ -1086,7 +1091,7 @@ def run_isolated(args, specs: dict, cfg: BenchConfig, contenders, env: dict, emi
                 got = [Result(**d) for d in _read_jsonl(os.path.join(out, "results.jsonl"))]
                 for r in got:
                     if not how.ok:
-                        r.note = "; ".join(filter(None, [r.note, f"{how.describe()} after writing its row"]))
+                        r.note = join_notes(r.note, f"{how.describe()} after writing its row")
                 if not got:
                     r = case_row(spec, case, tree, cfg, name)
                     r.status = f"error: {how.describe() if not how.ok else 'child exited 0 without writing its row'}"

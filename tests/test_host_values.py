@@ -160,3 +160,18 @@ def test_compiled_step_on_a_moved_batch_does_not_wait_for_the_gpu(kind):
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert torch.isfinite(out.loss.detach()).item()
+
+
+def test_to_device_sends_host_tables_without_a_blocking_copy(monkeypatch):
+    """``to_device``: a host tensor goes to another device through ``to_device_async`` (pinned, non-blocking: a
+    pageable ``.to`` would wait for the GPU's queue), cast first where a dtype is given; a tensor already there is
+    itself; the values are the same (the router losses' and the objectives' host tables go this way)."""
+    from treecompile import host_values
+
+    moved = []
+    monkeypatch.setattr(host_values, "to_device_async", lambda x, device: moved.append((x, device)) or x)
+    x = torch.arange(4)
+    assert host_values.to_device(x, torch.device("cpu")) is x and not moved  # same device: nothing moved
+    out = host_values.to_device(x, torch.device("meta"), torch.float64)  # host -> another device: async
+    assert len(moved) == 1 and moved[0][1] == torch.device("meta") and out.dtype == torch.float64
+    assert torch.equal(out, x.double())

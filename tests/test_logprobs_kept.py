@@ -70,14 +70,14 @@ def test_fit_halves_the_kept_rows_where_the_allocator_cannot_serve_them(monkeypa
     monkeypatch.setattr(logprobs_kept, "default_chunk", lambda vocab: 7)
     monkeypatch.setattr(logprobs_kept, "fit_rows", lambda h, W, b, entropy=False: 40)
     monkeypatch.setattr(logprobs_kept, "_WARNED_FRAGMENTED", [])
-    logits = logprobs_kept._logits
+    logits = logprobs_kept.chunk_logits
 
     def tight(h, W, b):
         if h.shape[0] > 10:
             raise torch.OutOfMemoryError("CUDA out of memory (stood in for)")
         return logits(h, W, b)
 
-    monkeypatch.setattr(logprobs_kept, "_logits", tight)
+    monkeypatch.setattr(logprobs_kept, "chunk_logits", tight)
     h, W, b, t, cot = _inputs(40, 8, 50, torch.float64, True)
     with pytest.warns(UserWarning, match="fragmented cached blocks"):
         out = linear_logprobs_kept(h, W, b, t, True, "fit")

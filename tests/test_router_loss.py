@@ -356,17 +356,3 @@ def test_reference_moe_model_packed_path_semantics_float64(ours):
     assert abs(res.loss - float(out.loss)) <= 1e-12 * abs(float(out.loss))
     assert rel(g, flat_grads(out.loss, params)) < 1e-9
 
-
-def test_router_loss_tables_reach_the_device_without_a_blocking_copy(monkeypatch):
-    """The router losses' host tables (share counts, path ends and coefficients, subtree ends) go to the
-    statistics' device through ``to_device_of``: a pinned, non-blocking copy from the host (a pageable ``.to``
-    would wait for the GPU's queue), a plain ``.to`` otherwise; the values are the same."""
-    from treecompile.ops import router_loss
-
-    moved = []
-    monkeypatch.setattr(router_loss, "to_device_async", lambda x, device: moved.append((x, device)) or x)
-    x = torch.arange(4)
-    assert router_loss.to_device_of(x, torch.device("cpu")) is x and not moved  # same device: nothing moved
-    out = router_loss.to_device_of(x, torch.device("meta"), torch.float64)  # host -> another device: async
-    assert len(moved) == 1 and moved[0][1] == torch.device("meta") and out.dtype == torch.float64
-    assert torch.equal(out, x.double())

@@ -16,7 +16,7 @@ import weakref
 import torch
 from torch import Tensor
 
-__all__ = ["to_device_async", "to_device_with_host", "host_copy", "remember_host", "remembered_host"]
+__all__ = ["to_device_async", "to_device", "to_device_with_host", "host_copy", "remember_host", "remembered_host"]
 
 # id(device tensor) -> (weak reference to it, its version counter when remembered, its values on the host)
 _HOST: dict[int, tuple[weakref.ref, int, Tensor]] = {}
@@ -41,6 +41,15 @@ def to_device_async(t: Tensor, device: torch.device) -> Tensor:
     graph (at the first layer that needs one), where that wait would drain the GPU's queue."""
     device = torch.device(device)
     return _staged(t, device, private=False).to(device, non_blocking=True)
+
+
+def to_device(t: Tensor, device: torch.device, dtype: torch.dtype | None = None) -> Tensor:
+    """``t`` (cast to ``dtype`` first, on its own device) on ``device``: from the host through
+    :func:`to_device_async` (no wait for the GPU's queue), any other move a plain ``.to``.  For the host tables
+    (weights, counts, indices) that per-batch runtime code sends to the model's device."""
+    device = torch.device(device)
+    t = t if dtype is None else t.to(dtype)
+    return to_device_async(t, device) if t.device.type == "cpu" and device.type != "cpu" else t.to(device)
 
 
 def remember_host(t: Tensor, host: Tensor) -> Tensor:

@@ -38,9 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
-from treecompile.host_values import host_copy
-from treecompile.ops.router_loss import (SEMANTICS, load_balancing_loss, router_statistics, router_z_loss,
-                                         to_device_of)
+from treecompile.host_values import host_copy, to_device
+from treecompile.ops.router_loss import SEMANTICS, load_balancing_loss, router_statistics, router_z_loss
 from treecompile.tree import TreeBatch
 
 __all__ = ["RouterAux", "RouterWeights", "RoutingMismatchError", "ROUTER_WEIGHTS"]
@@ -164,6 +163,6 @@ class RouterAux:
                 f"{w.counts[t].tolist()} in the counting pre-pass of the step: routing is not deterministic "
                 f"(nondeterministic kernels, active dropout, or parameters changed between the passes), so the "
                 f"step's statistics would not be the ones trained on")
-        aux = (probs * to_device_of(w.aux_coef, probs.device)).sum()
-        zl = (z * to_device_of(w.z_coef, z.device)).sum() if self.z_coef else None
+        aux = (probs * to_device(w.aux_coef, probs.device)).sum()
+        zl = (z * to_device(w.z_coef, z.device)).sum() if self.z_coef else None
         return aux, zl

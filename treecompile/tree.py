@@ -29,7 +29,7 @@ from typing import Sequence
 
 import torch
 
-from treecompile.host_values import remembered_host, to_device_with_host
+from treecompile.host_values import host_copy, remembered_host, to_device_with_host
 
 __all__ = ["Tree", "TreeBatch", "NORMALIZATIONS", "path_coefficients", "ancestor_index"]
 
@@ -694,17 +694,13 @@ class TreeBatch:
     def check_ids(self, vocab_size: int | None) -> None:
         """Raise ValueError naming the path and position of a token id outside ``[0, vocab_size)``.
 
-        Reads the CPU tree's ids when the batch has a tree, else the ids' host values where :meth:`to` remembered
-        them (a partition's batch: no device sync, which would drain the GPU's queue before each partition); a device
-        batch without either is read back.  ``None`` checks nothing.
+        Reads the CPU tree's ids when the batch has a tree, else :func:`~treecompile.host_values.host_copy` of its
+        ids (a partition's batch moved by :meth:`to`: the remembered host values, no wait for the GPU's queue before
+        each partition).  ``None`` checks nothing.
         """
         if vocab_size is None:
             return
-        if self.tree is not None:
-            ids = self.tree.input_ids
-        else:
-            host = remembered_host(self.input_ids)
-            ids = (self.input_ids if host is None else host)[: self.num_tokens]
+        ids = self.tree.input_ids if self.tree is not None else host_copy(self.input_ids)[: self.num_tokens]
         if ids.numel() == 0:
             return
         lo, hi = torch.aminmax(ids)

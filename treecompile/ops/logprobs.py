@@ -45,9 +45,13 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def chunk_logits(h, W, b):
-    """One chunk's logits ``h @ W.T (+ b)`` in the model's dtype (upcast by the caller)."""
-    logits = h @ W.t()
-    return logits if b is None else logits + b
+    """One chunk's logits ``h @ W.T (+ b)`` in the model's dtype (upcast by the caller).  With one dtype for all
+    three the bias is added in the GEMM (one ``[n, V]`` buffer, not two); mixed dtypes promote, as ``+`` does."""
+    if b is None:
+        return h @ W.t()
+    if h.dtype == W.dtype == b.dtype:
+        return torch.addmm(b, h, W.t())
+    return h @ W.t() + b
 
 
 def accumulate_weight_grad(gW: torch.Tensor, dl: torch.Tensor, hc: torch.Tensor) -> None:

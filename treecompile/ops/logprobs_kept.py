@@ -44,7 +44,7 @@ import torch
 
 from treecompile.ops import logprobs_triton
 from treecompile.ops.logprobs import (_acc_dtype, accumulate_bias_grad, accumulate_weight_grad, chunk_dlogits,
-                                      chunk_stats, default_chunk, resolve_chunk)
+                                      chunk_logits, chunk_stats, default_chunk, resolve_chunk)
 from treecompile.ops.triton_support import usable
 
 __all__ = ["linear_logprobs_kept", "logits_bytes", "fit_rows", "head_backward_bytes", "headroom_bytes", "KEEP",
@@ -142,11 +142,6 @@ def pop_last_fit() -> dict[str, int]:
     return fit
 
 
-def _logits(h: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """``h @ W.T (+ b)`` in the model's dtype, the bias added in the GEMM (one ``[n, V]`` buffer, not two)."""
-    return h @ W.t() if b is None else torch.addmm(b, h, W.t())
-
-
 def _kept_logits(h, W, b, M: int, *, fit: bool) -> tuple[torch.Tensor, int]:
     """The logits of the first ``M`` rows and ``M``.  Under ``fit``, an allocation the allocator cannot serve (its
     cached memory split into blocks too small for one ``[M, V]`` buffer, which :func:`headroom_bytes` counts as
@@ -155,7 +150,7 @@ def _kept_logits(h, W, b, M: int, *, fit: bool) -> tuple[torch.Tensor, int]:
     for every row)."""
     while True:
         try:
-            return _logits(h[:M], W, b), M
+            return chunk_logits(h[:M], W, b), M
         except torch.OutOfMemoryError:
             if not fit or M == 0:
                 raise
@@ -224,7 +219,7 @@ def linear_logprobs_kept(h: torch.Tensor, W: torch.Tensor, b: torch.Tensor | Non
     chunk = _chunk(h, V)
     for s in range(M, N, chunk):  # the rows that are not kept: one [chunk, V] block at a time
         sl = slice(s, s + chunk)
-        _stats_rows(_logits(h[sl], W, b), targets[sl], lp[sl], lse[sl], ent[sl], entropy, acc)
+        _stats_rows(chunk_logits(h[sl], W, b), targets[sl], lp[sl], lse[sl], ent[sl], entropy, acc)
     return lp, lse, ent, logits
 
 
@@ -294,7 +289,7 @@ def linear_logprobs_kept_backward(h: torch.Tensor, W: torch.Tensor, b: torch.Ten
     for s in range(M, N, chunk):  # the rows that were not kept: their logits again, one chunk at a time
         sl = slice(s, s + chunk)
         hc = h[sl]
-        dc = dlogits_(_logits(hc, W, b), sl)
+        dc = dlogits_(chunk_logits(hc, W, b), sl)
         torch.mm(dc, W, out=gh[sl])
         accumulate_weight_grad(gW, dc, hc)
         if gb is not None:

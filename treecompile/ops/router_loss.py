@@ -33,9 +33,9 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from treecompile.host_values import to_device_async
+from treecompile.host_values import to_device
 
-__all__ = ["SEMANTICS", "router_statistics", "load_balancing_loss", "router_z_loss", "ancestor_sums", "to_device_of"]
+__all__ = ["SEMANTICS", "router_statistics", "load_balancing_loss", "router_z_loss", "ancestor_sums"]
 
 SEMANTICS = ("batch", "path")
 
@@ -60,19 +60,12 @@ def router_statistics(router_logits: Sequence[Tensor], top_k: int) -> tuple[Tens
     return probs, counts, z
 
 
-def to_device_of(x: Tensor, device: torch.device, dtype: torch.dtype | None = None) -> Tensor:
-    """``x`` (a host table: counts, path ends, coefficients) on ``device``, without a blocking copy (which would
-    wait for the GPU's queue, the forward, before the backward's launches)."""
-    x = x if dtype is None else x.to(dtype)
-    return to_device_async(x, device) if x.device.type == "cpu" and device.type != "cpu" else x.to(device)
-
-
 def ancestor_sums(x: Tensor, subtree_end: Tensor) -> Tensor:
     """``out[t] = sum of x[a] over t's ancestors-or-self a`` (``a <= t < subtree_end[a]``), for
     ``x [T, ...]`` in DFS order; differentiable."""
     T = x.shape[0]
     d = x.new_zeros((T + 1, *x.shape[1:]))
-    d = d.index_add(0, torch.arange(T, device=x.device), x).index_add(0, to_device_of(subtree_end, x.device), -x)
+    d = d.index_add(0, torch.arange(T, device=x.device), x).index_add(0, to_device(subtree_end, x.device), -x)
     return torch.cumsum(d, 0)[:T]
 
 
@@ -95,16 +88,16 @@ def load_balancing_loss(probs: Tensor, counts: Tensor, *, num_layers: int, seman
     T, E = probs.shape
     _check(semantics, T, share_count, subtree_end, path_end, path_coef)
     if semantics == "batch":
-        n = to_device_of(share_count, probs.device, torch.float64)
+        n = to_device(share_count, probs.device, torch.float64)
         rows = num_layers * n.sum()
         f = (n[:, None] * counts).sum(0) / rows
         P = (n[:, None] * probs).sum(0) / rows
         return E * (f * P).sum()
-    end, subtree_end = to_device_of(path_end, probs.device), to_device_of(subtree_end, probs.device)
+    end, subtree_end = to_device(path_end, probs.device), to_device(subtree_end, probs.device)
     length = (ancestor_sums(torch.ones(T, dtype=torch.float64, device=probs.device), subtree_end)[end]) * num_layers
     f = ancestor_sums(counts, subtree_end)[end] / length[:, None]  # [P, E]
     P = ancestor_sums(probs, subtree_end)[end] / length[:, None]
-    return (to_device_of(path_coef, probs.device, torch.float64) * E * (f * P).sum(-1)).sum()
+    return (to_device(path_coef, probs.device, torch.float64) * E * (f * P).sum(-1)).sum()
 
 
 def router_z_loss(z: Tensor, *, num_layers: int, semantics: str, share_count: Tensor | None = None,
@@ -114,8 +107,8 @@ def router_z_loss(z: Tensor, *, num_layers: int, semantics: str, share_count: Te
     T = z.shape[0]
     _check(semantics, T, share_count, subtree_end, path_end, path_coef)
     if semantics == "batch":
-        n = to_device_of(share_count, z.device, torch.float64)
+        n = to_device(share_count, z.device, torch.float64)
         return (n * z).sum() / (num_layers * n.sum())
-    end, subtree_end = to_device_of(path_end, z.device), to_device_of(subtree_end, z.device)
+    end, subtree_end = to_device(path_end, z.device), to_device(subtree_end, z.device)
     length = ancestor_sums(torch.ones(T, dtype=torch.float64, device=z.device), subtree_end)[end] * num_layers
-    return (to_device_of(path_coef, z.device, torch.float64) * ancestor_sums(z, subtree_end)[end] / length).sum()
+    return (to_device(path_coef, z.device, torch.float64) * ancestor_sums(z, subtree_end)[end] / length).sum()

@@ -66,7 +66,7 @@ from typing import Mapping
 
 import torch
 
-from treecompile.host_values import host_copy, to_device_async
+from treecompile.host_values import host_copy, to_device
 from treecompile.runtime.normalization import GlobalNorm
 from treecompile.tree import NORMALIZATIONS, Tree, TreeBatch
 
@@ -141,17 +141,9 @@ def _check_logprobs(logprobs: torch.Tensor, batch: TreeBatch) -> None:
                          f"order), got {shape}")
 
 
-def _to(x: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``x`` on ``device``; from the host without blocking it (a pageable copy to the GPU would wait for its queue:
-    the forward, when an objective runs, so the backward's launches would start late)."""
-    if x.device.type == "cpu" and device.type != "cpu":
-        return to_device_async(x, device)
-    return x.to(device)
-
-
 def _pad(x: torch.Tensor, batch: TreeBatch, like: torch.Tensor) -> torch.Tensor:
     """A DFS tensor over the tree's tokens -> ``[seq_len]`` (0 at padding) on ``like``'s device."""
-    x = _to(x.to(torch.float64), like.device)
+    x = to_device(x, like.device, torch.float64)  # no wait for the GPU's queue (the forward)
     if x.numel() == batch.seq_len:
         return x
     return torch.cat([x, x.new_zeros(batch.seq_len - x.numel())])
@@ -378,16 +370,16 @@ class SequenceClip:
             if bad.numel():
                 raise ValueError(f"SequenceClip: path {int(paths[seg[int(bad[0])]])} is not whole in this partition "
                                  f"(its DFS token {int(g[int(bad[0])])} is missing)")
-        pos, seg = _to(pos, dev), _to(seg, dev)
-        mask = _to(tree.loss_mask[flat].to(torch.float64), dev)
+        pos, seg = to_device(pos, dev), to_device(seg, dev)
+        mask = to_device(tree.loss_mask[flat], dev, torch.float64)
         n = paths.numel()
         diff = torch.zeros(n, dtype=torch.float64, device=dev).index_add(
             0, seg, mask * (logprobs[pos].to(torch.float64) - old[pos]))
         count = torch.zeros(n, dtype=torch.float64, device=dev).index_add(0, seg, mask)
         s = torch.exp(diff / count.clamp(min=1))
         clipped = s.clamp(1 - self.clip_low, 1 + self.clip_high)
-        A = _to(A[paths], dev)
-        w = _to(_step_norm(batch, "sum", norm).path_coefficients(tree)[paths], dev)  # w_p / N
+        A = to_device(A[paths], dev)
+        w = to_device(_step_norm(batch, "sum", norm).path_coefficients(tree)[paths], dev)  # w_p / N
         return -(w * torch.minimum(s * A, clipped * A)).sum()
 
 
