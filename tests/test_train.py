@@ -327,3 +327,46 @@ def test_step_sums_and_grad_norm_read_back_once():
              torch.randn(2, 2, generator=g).bfloat16()]
     want = math.sqrt(sum(float(x.double().norm()) ** 2 for x in grads))
     assert _grad_norm(grads) == pytest.approx(want, rel=1e-14) and _grad_norm([]) == 0.0
+
+
+# ---------------------------------------------------------------------- CUDA
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("mode", ["packed", "redundancy_free"])
+def test_cuda_step_equals_float64_cpu_step(mode):
+    """On CUDA (float32, the runtime's non-blocking host tables, sums read back once per step): the step's loss,
+    metrics and every gradient equal the same step of a float64 copy on the CPU (itself == per path, above).
+    Packed: PPO with a KL penalty and an entropy bonus over two trees' partitions (old/ref log-probs and advantages
+    reach the device through the objectives); redundancy-free: SFT over partitions that read their parents' K/V.
+    Bound: float32 rounding of a 2-layer model (eps 1.2e-7 times the forward/backward's ~1e2 accumulated
+    roundings), loss 1e-5 relative, gradients 1e-4 relative in norm -- as the redundancy-free CUDA test."""
+    from treecompile.models import DenseConfig, DenseForCausalLM
+    from treecompile.runtime.objectives import EntropyBonus, KLPenalty
+
+    torch.manual_seed(0)
+    ref = DenseForCausalLM(DenseConfig.tiny(vocab_size=97, hidden_size=64, head_dim=16)).double()
+    dev = copy.deepcopy(ref).float().cuda()
+    g = torch.Generator().manual_seed(1)
+    paths = [torch.randint(1, 97, (n,), generator=g).tolist() for n in (300, 250, 40, 120)]
+    paths[1][:120] = paths[0][:120]
+    paths[2][:30] = paths[0][:30]
+    paths[3][:100] = paths[1][:100]
+    masks = [[0] * 20 + [1] * (len(p) - 20) for p in paths]
+    case = Case(ref, paths, masks, weights=[1.0, 0.5, 2.0, 1.0], advantages=[1.2, -0.4, 0.7, -1.5], seed=3)
+    trees = trajectories(case, cuts=[2])
+    boundary = mode == "redundancy_free"
+    obj = SFT() if boundary else (PPOClip(), KLPenalty(0.1), EntropyBonus(0.01))
+    opts = dict(boundary=boundary, entropy=not boundary)
+    results, grads = {}, {}
+    for name, m in (("cpu", ref), ("cuda", dev)):
+        tm = treecompile.compile(m, attention_kernel="flex", **opts) if name == "cuda" else treecompile.compile(m, **opts)
+        results[name], grads[name] = step(tm, m, trees, obj, budget=100 if boundary else 320, mode=mode,
+                                          normalize="token_mean")
+    got, want = results["cuda"], results["cpu"]
+    assert got.metrics["partitions"] == want.metrics["partitions"] >= (4 if boundary else 2)
+    assert abs(got.loss - want.loss) <= 1e-5 * abs(want.loss), (got.loss, want.loss)
+    for key in ("grad_norm",) + (() if boundary else ("entropy",)):
+        assert got.metrics[key] == pytest.approx(want.metrics[key], rel=1e-5), key
+    for n, w in grads["cpu"].items():
+        err = float((grads["cuda"][n].double().cpu() - w).norm())
+        assert err <= 1e-4 * float(w.norm()) + 1e-9, (n, err, float(w.norm()))
