@@ -9,9 +9,11 @@ import random
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from treecompile import Tree
-from treecompile.host_values import _HOST, host_copy, remember_host, remembered_host, to_device_with_host
+from treecompile.host_values import _HOST, host_copy, remember_host, remembered_host, repeat_counts, to_device_with_host
 from treecompile.tree import _TENSOR_FIELDS
 
 
@@ -175,3 +177,54 @@ def test_to_device_sends_host_tables_without_a_blocking_copy(monkeypatch):
     out = host_values.to_device(x, torch.device("meta"), torch.float64)  # host -> another device: async
     assert len(moved) == 1 and moved[0][1] == torch.device("meta") and out.dtype == torch.float64
     assert torch.equal(out, x.double())
+
+
+@given(st.lists(st.integers(0, 5), min_size=1, max_size=60), st.sampled_from([torch.int64, torch.float64]),
+       st.integers(1, 3))
+def test_repeat_counts_equals_repeat_interleave(counts, dtype, width):
+    """``repeat_counts`` == ``torch.repeat_interleave(values, counts, dim=0)``: zero counts anywhere (first, last,
+    runs of them), 1-D and 2-D values, integer and float values (gathered, so floats are exact)."""
+    c = torch.tensor(counts)
+    values = torch.randn(len(counts), width, dtype=torch.float64).to(dtype)
+    for v in (values[:, 0], values):
+        want = torch.repeat_interleave(v, c, dim=0)
+        assert torch.equal(repeat_counts(v, c), want)
+        assert torch.equal(repeat_counts(v, c.to(torch.int32), int(c.sum())), want)
+
+
+def test_repeat_counts_refuses_what_repeat_interleave_refuses():
+    v = torch.arange(3)
+    with pytest.raises(ValueError, match="negative count -1 at 1"):
+        repeat_counts(v, torch.tensor([1, -1, 2]))
+    with pytest.raises(ValueError, match="total 5 but the counts sum to 4"):
+        repeat_counts(v, torch.tensor([1, 1, 2]), 5)
+    with pytest.raises(ValueError, match=r"values \[n, \.\.\.\] and counts \[n\]"):
+        repeat_counts(v, torch.tensor([1, 1]))
+    assert repeat_counts(torch.zeros(0, 2), torch.zeros(0, dtype=torch.long)).shape == (0, 2)
+
+
+def test_host_plans_never_call_repeat_interleave(monkeypatch):
+    """The plans built inside a step (the tree batch, the varlen attention's segments and their copy runs, the
+    heavy-first layout, the conv segments, path-level objectives' tables) do not call ``torch.repeat_interleave``,
+    whose CPU kernel wakes every intra-op thread per call (``repeat_counts``)."""
+    from treecompile.ops import varlen_tree_attention as V
+    from treecompile.ops.tree_layout import heavy_first_order
+
+    rng = random.Random(5)
+    paths = [[1, 2, 3, 4]]
+    for _ in range(40):  # a deep tree of short branches (several segments, nested)
+        base = rng.choice(paths)
+        paths.append(base[:rng.randint(1, len(base))] + [rng.randint(1, 50) for _ in range(rng.randint(1, 6))])
+
+    def refuse(*a, **k):
+        raise AssertionError("torch.repeat_interleave called in a host plan")
+
+    monkeypatch.setattr(torch, "repeat_interleave", refuse)
+    monkeypatch.setattr(torch.Tensor, "repeat_interleave", refuse)
+    tree = Tree.from_paths(paths)
+    batch = tree.to_batch(normalize="token_mean")
+    tree.token_weights("token_mean")
+    tree.trained_counts()
+    plan = V.tree_attention_plan(batch.subtree_end, block_sparse=False)
+    assert isinstance(plan, V.SegmentPlan) and len(plan.cu_seqlens_q_host) > 3
+    heavy_first_order(batch.subtree_end)

@@ -29,7 +29,7 @@ from typing import Sequence
 
 import torch
 
-from treecompile.host_values import host_copy, remembered_host, to_device_with_host
+from treecompile.host_values import host_copy, remembered_host, repeat_counts, to_device_with_host
 
 __all__ = ["Tree", "TreeBatch", "NORMALIZATIONS", "path_coefficients", "ancestor_index"]
 
@@ -204,7 +204,7 @@ class Tree:
         has_new = new_len > 0
         ar = torch.arange(T, dtype=torch.long)
         input_ids = torch.frombuffer(bytearray(new_tokens), dtype=torch.int64)
-        depth = ar - torch.repeat_interleave(start - lcp, new_len, output_size=T)
+        depth = ar - repeat_counts(start - lcp, new_len, T)
         pred = ar - 1
         fp = torch.tensor(first_pred, dtype=torch.long)
         pred[start[has_new]] = fp[has_new]
@@ -383,7 +383,7 @@ class Tree:
         """Number of trained tokens of each path (float64)."""
         if self._loss_mask is None:
             return (self.path_lengths - 1).to(torch.float64)
-        seg = torch.repeat_interleave(torch.arange(self.num_paths), self.path_lengths)
+        seg = repeat_counts(torch.arange(self.num_paths), self.path_lengths)
         return torch.zeros(self.num_paths, dtype=torch.float64).index_add_(
             0, seg, self._loss_mask.to(torch.float64))
 
@@ -421,7 +421,7 @@ class Tree:
             return torch.where(self.depth > 0, w, torch.zeros_like(w))
         if per_token is None:
             per_token = self._loss_mask
-        per = torch.repeat_interleave(per_path, self.path_lengths) * per_token.to(torch.float64)
+        per = repeat_counts(per_path, self.path_lengths) * per_token.to(torch.float64)
         return torch.zeros(self.num_tokens, dtype=torch.float64).index_add_(0, self.path_index, per)
 
     def token_weights(self, normalize: str = "sum") -> torch.Tensor:

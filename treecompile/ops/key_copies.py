@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from treecompile.host_values import to_device_async
+from treecompile.host_values import repeat_counts, to_device_async
 # triton is None on CPU-only installs: sum_copies then uses index_add_
 from treecompile.ops.triton_support import available, interpreting, tl, triton, usable
 
@@ -71,8 +71,9 @@ def copy_runs(lo: Tensor, hi: Tensor, first: Tensor, device) -> CopyRuns:
     r1 = torch.searchsorted(bounds, hi)  # interval m covers runs [r0, r1)
     n_cover = r1 - r0
     start = torch.cumsum(n_cover, 0) - n_cover
-    entry_run = torch.repeat_interleave(r0 - start, n_cover) + torch.arange(int(n_cover.sum()))
-    entry_off = torch.repeat_interleave(first - lo, n_cover)
+    entries = int(n_cover.sum())
+    entry_run = repeat_counts(r0 - start, n_cover, entries) + torch.arange(entries)
+    entry_off = repeat_counts(first - lo, n_cover, entries)
     order = torch.sort(entry_run, stable=True).indices  # by run; within a run, interval order
     offsets = entry_off[order]
     n_runs = bounds.numel() - 1
@@ -80,7 +81,7 @@ def copy_runs(lo: Tensor, hi: Tensor, first: Tensor, device) -> CopyRuns:
     torch.cumsum(torch.bincount(entry_run, minlength=n_runs), 0, out=ptr[1:])
     run_lo, run_hi = bounds[:-1], bounds[1:]
     per = (run_hi - run_lo + BLOCK_T - 1) // BLOCK_T  # tiles per run
-    tile_run = torch.repeat_interleave(torch.arange(n_runs), per)
+    tile_run = repeat_counts(torch.arange(n_runs), per)
     tile_first = torch.cumsum(per, 0) - per
     t_lo = run_lo[tile_run] + (torch.arange(int(per.sum())) - tile_first[tile_run]) * BLOCK_T
     t_hi = torch.minimum(t_lo + BLOCK_T, run_hi[tile_run])

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from treecompile.host_values import host_copy, to_device_async
+from treecompile.host_values import host_copy, repeat_counts, to_device_async
 
 __all__ = ["heavy_first_order", "permuted_subtree_end", "reordered_attention"]
 
@@ -90,7 +90,7 @@ def heavy_first_order(subtree_end: torch.Tensor) -> torch.Tensor:
         new_start[n] = offset[n] if p < 0 else new_start[p] + (end[p] - start[p]) + offset[n]
     length = torch.tensor(end) - torch.tensor(start)
     ns = torch.tensor(new_start)
-    pos = torch.repeat_interleave(ns - torch.tensor(start), length) + torch.arange(T)  # new position of token t
+    pos = repeat_counts(ns - torch.tensor(start), length, T) + torch.arange(T)  # new position of token t
     perm = torch.full_like(pos, -1)
     perm[pos] = torch.arange(T)  # the token at new position i
     if bool((perm < 0).any()):  # pos in [0, T) by construction; every position hit once <=> a permutation

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from treecompile.host_values import host_copy, to_device_async
+from treecompile.host_values import host_copy, repeat_counts, to_device_async
 
 from .key_copies import CopyRuns, copy_runs, sum_copies
 from .last_batch import LastBatch
@@ -268,7 +268,7 @@ def _rows(intervals: list, G: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     lengths = hi - lo
     # concatenated ranges: row r of interval m reads lo[m] + (r - first row of m)
     first = torch.cumsum(lengths, 0) - lengths
-    return lo, hi, first, torch.repeat_interleave(lo - first, lengths) + torch.arange(G)
+    return lo, hi, first, repeat_counts(lo - first, lengths, G) + torch.arange(G)
 
 
 def _segment_plan(lo, hi, first, key_index, cu_q: Tensor, cu_k: Tensor, tail: int, dev,
@@ -370,17 +370,18 @@ def _check_plan(se: Tensor, key_index: Tensor, cu_q: Tensor, cu_k: Tensor, tail:
     fails here, named."""
     T = se.numel()
     nq, nk = cu_q.diff(), cu_k.diff()
-    r = torch.arange(key_index.numel()) - torch.repeat_interleave(cu_k[:-1], nk)  # row within the segment's keys
-    prefix = torch.repeat_interleave(nk - nq, nk)
+    seg = repeat_counts(torch.arange(nk.numel()), nk, key_index.numel())  # each gathered row's segment
+    r = torch.arange(key_index.numel()) - cu_k[:-1][seg]  # row within the segment's keys
+    prefix = (nk - nq)[seg]
     late = (r - prefix).clamp(min=0)  # the first query of the segment that sees row r, minus the segment start
-    seen_by = torch.repeat_interleave(nq, nk) - late
+    seen_by = nq[seg] - late
     counts = torch.bincount(key_index, weights=seen_by.double(), minlength=T)
     counts[tail:] += 1
-    earliest_query = torch.repeat_interleave(cu_q[:-1], nk) + late
+    earliest_query = cu_q[:-1][seg] + late
     # each row's queries are [earliest_query, segment end): all in the mask iff the key is at most the first
     # and its subtree reaches past the last; with that (plan within the mask) and equal counts per key (the
     # keys of one segment are distinct), the plan is the mask
-    outside = torch.nonzero((key_index > earliest_query) | (se[key_index] < torch.repeat_interleave(cu_q[1:], nk)))
+    outside = torch.nonzero((key_index > earliest_query) | (se[key_index] < cu_q[1:][seg]))
     wrong = torch.nonzero(counts != (se - torch.arange(T)).double())
     if wrong.numel() or outside.numel():
         t = int(wrong[0, 0]) if wrong.numel() else int(key_index[outside[0, 0]])

@@ -66,7 +66,7 @@ from typing import Mapping
 
 import torch
 
-from treecompile.host_values import host_copy, to_device
+from treecompile.host_values import host_copy, repeat_counts, to_device
 from treecompile.runtime.normalization import GlobalNorm
 from treecompile.tree import NORMALIZATIONS, Tree, TreeBatch
 
@@ -358,7 +358,7 @@ class SequenceClip:
         else:
             paths = torch.arange(tree.num_paths)
         lengths = tree.path_lengths[paths]
-        seg = torch.repeat_interleave(torch.arange(paths.numel()), lengths)
+        seg = repeat_counts(torch.arange(paths.numel()), lengths)
         starts = tree.path_offsets[paths] - (torch.cumsum(lengths, 0) - lengths)
         flat = starts[seg] + torch.arange(seg.numel())  # the paths' tokens in path-token order
         pos = tree.path_index[flat]  # whole-tree DFS

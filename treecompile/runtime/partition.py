@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from treecompile.host_values import repeat_counts
 from treecompile.runtime.metrics import Reuse, reuse
 from treecompile.tree import DEFAULT_CONV_KERNEL, NORMALIZATIONS, Tree, TreeBatch, ancestor_index, is_integer
 
@@ -690,7 +691,7 @@ def _plan_from_pieces(tree: Tree, sh: TreeShape, C: int, bound: str, raw: list) 
     all_tok = _ranges_to_index([a for a, _ in flat], [b for _, b in flat])
     toks = list(all_tok.split([sum(b - a for a, b in r) for r in rngs]))
     owner = torch.full((T,), -1, dtype=torch.long)
-    owner[all_tok] = torch.repeat_interleave(torch.arange(len(raw)), torch.tensor([t.numel() for t in toks]))
+    owner[all_tok] = repeat_counts(torch.arange(len(raw)), torch.tensor([t.numel() for t in toks], dtype=torch.long))
     lasts = [h for h, _ in raw]
     parent = [int(owner[h]) if h >= 0 else -1 for h in lasts]
     kids: list[list[int]] = [[] for _ in raw]

@@ -31,7 +31,7 @@ from typing import Sequence
 
 import torch
 
-from treecompile.host_values import host_copy
+from treecompile.host_values import host_copy, repeat_counts
 from treecompile.ops.router_loss import ancestor_sums
 from treecompile.router_aux import RouterAux, RouterWeights
 from treecompile.runtime.normalization import GlobalNorm
@@ -104,7 +104,7 @@ def count_routes(tmodel, tree: Tree, plan=None, *, conv_kernel: int) -> torch.Te
 
 def _paths_to_tokens(tree: Tree, per_path: torch.Tensor) -> torch.Tensor:
     """``out[t] = sum of per_path[p] over the paths p through t`` (``per_path [P, ...]`` float64)."""
-    per = per_path.repeat_interleave(tree.path_lengths, 0)
+    per = repeat_counts(per_path, tree.path_lengths)
     return torch.zeros((tree.num_tokens, *per_path.shape[1:]), dtype=torch.float64).index_add_(0, tree.path_index, per)
 
 
