@@ -10,7 +10,8 @@ first step (compile included), the median of ``--iters`` steps, the host time un
 final synchronize), then one profiled step (torch.profiler, CPU + CUDA): kernel count, summed kernel time, its
 share of the step, the time the GPU was busy (union of the kernels' intervals), and kernel time by kind
 (attention, Triton fusions, grouped/MoE GEMMs, GDN and short-conv kernels of hybrids, dense GEMMs,
-copies/memsets, other) with the top kernels, and the GPU's idle gaps named by the host events under them.
+copies/memsets, other) with the top kernels, the host's lead-in before the first kernel and the GPU's idle gaps,
+both named by the host events under them.
 One JSON line per contender, then a readable summary.
 """
 
@@ -96,6 +97,20 @@ def idle_gaps(intervals, host_events, *, min_us: float = 200.0, depth: int = 3) 
     return sorted(((n, round(ms, 3), k) for n, (ms, k) in by.items()), key=lambda x: -x[1])
 
 
+def lead_in_parts(host_events, start: float, end: float, *, slice_us: float = 10.0,
+                  depth: int = 3) -> list[tuple[str, float]]:
+    """What the host did from the step's ``start`` to the first device event at ``end`` (us), while the GPU had
+    nothing: the interval cut in ``slice_us`` slices, each named as :func:`idle_gaps` names a gap (the host
+    events running at the slice's middle, the last ``depth`` joined by " > "). Returns ``(name, ms)``, most first."""
+    by: dict[str, float] = defaultdict(float)
+    n = max(0, int((end - start) // slice_us))
+    for i in range(n):
+        mid = start + (i + 0.5) * slice_us
+        stack = sorted((ev for ev in host_events if ev[1] <= mid <= ev[2]), key=lambda ev: (ev[1], -ev[2]))
+        by[" > ".join(ev[0][:100] for ev in stack[-depth:]) or "(no host event)"] += slice_us / 1e3
+    return sorted(((name, round(ms, 3)) for name, ms in by.items()), key=lambda x: -x[1])
+
+
 def is_kernel(e) -> bool:
     """Whether profiler event ``e`` is work on the GPU.  A ``record_function`` range (ours: ``harness::*``,
     ``treecompile::*``) also appears there, spanning its kernels and the gaps between them: counted as a kernel it
@@ -124,6 +139,8 @@ def profile_step(step, *, stacks: bool = False) -> dict:
             rec[0] += e.device_time_total / 1e3 if hasattr(e, "device_time_total") else e.cuda_time_total / 1e3
             rec[1] += 1
             intervals.append((e.time_range.start, e.time_range.end))
+    first = min(a for a, _ in intervals) if intervals else None
+    start = step_start(host) if host else None
     kinds: dict[str, float] = defaultdict(float)
     for name, (ms, _) in by_name.items():
         kinds[kind_of(name)] += ms
@@ -134,8 +151,8 @@ def profile_step(step, *, stacks: bool = False) -> dict:
             # the host's work from the step's start to its first device event (a kernel or a copy): the GPU idles
             # all of it.  The start: the harness's first named range (the profiler's own start-up events come
             # before it), else the first host event
-            "lead_in_ms": round((min(a for a, _ in intervals) - step_start(host)) / 1e3, 3)
-            if intervals and host else None}
+            "lead_in_ms": round((first - start) / 1e3, 3) if intervals and host else None,
+            "lead_in": lead_in_parts(host, start, first) if intervals and host else []}
 
 
 def step_start(host_events) -> float:
@@ -184,7 +201,7 @@ def main(argv=None) -> int:
                "step_s": round(statistics.median(times), 4), "host_s": round(statistics.median(hosts), 4),
                **profile_step(step, stacks=args.stacks)}
         row["kernel_share"] = round(row["kernel_ms"] / 1e3 / row["step_s"], 3)
-        top, idle = row.pop("top"), row.pop("idle")
+        top, idle, lead_in = row.pop("top"), row.pop("idle"), row.pop("lead_in")
         print(json.dumps(row))
         print(f"# {name}: step {row['step_s'] * 1e3:.1f} ms, host {row['host_s'] * 1e3:.1f} ms, "
               f"{row['kernels']} kernels {row['kernel_ms']:.1f} ms ({row['kernel_share']:.0%} of the step), "
@@ -193,7 +210,10 @@ def main(argv=None) -> int:
             print(f"#   {kind:13s} {ms:8.2f} ms")
         for kname, ms, n in top[:args.top]:
             print(f"#     {ms:8.2f} ms  x{n:<5d} {kname}")
-        print(f"#   GPU idle before the first kernel (host lead-in): {row['lead_in_ms']} ms; in gaps >= 0.2 ms: "
+        print(f"#   GPU idle before the first kernel (host lead-in): {row['lead_in_ms']} ms, by the host events then:")
+        for hname, ms in lead_in[:args.top]:
+            print(f"#     {ms:8.2f} ms         {hname}")
+        print(f"#   GPU idle in gaps >= 0.2 ms after it: "
               f"{sum(ms for _, ms, _ in idle):.1f} ms, by the host events at their middle:")
         for hname, ms, n in idle[:args.top]:
             print(f"#     {ms:8.2f} ms  x{n:<5d} {hname}")

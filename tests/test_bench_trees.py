@@ -323,6 +323,20 @@ def test_prof_step_lead_in_starts_at_the_harness_step():
     assert step_start(host) == 40 and step_start(host[:1]) == 0
 
 
+def test_prof_step_lead_in_is_named_by_the_host_events_then():
+    """The lead-in (step start to first kernel) split by what the host ran, innermost ``depth`` events named."""
+    from benchmarks.prof_step import lead_in_parts
+
+    host = [("harness::zero_grad", 0, 100), ("harness::forward", 100, 1000), ("treecompile::pad_batch", 120, 160),
+            ("treecompile::graph", 200, 1000), ("TorchDynamo Cache Lookup", 200, 500)]
+    assert lead_in_parts(host, 0, 600) == [("harness::forward > treecompile::graph > TorchDynamo Cache Lookup", 0.3),
+                                           ("harness::zero_grad", 0.1), ("harness::forward > treecompile::graph", 0.1),
+                                           ("harness::forward", 0.06), ("harness::forward > treecompile::pad_batch",
+                                                                        0.04)]
+    assert lead_in_parts(host, 0, 600, depth=1)[0] == ("TorchDynamo Cache Lookup", 0.3)
+    assert lead_in_parts(host, 1000, 1030) == [("(no host event)", 0.03)] and lead_in_parts(host, 5, 5) == []
+
+
 def test_harness_flat_grads_and_oom_note():
     """The reference gradient is one float32 host vector built a parameter at a time (zeros where none); an OOM
     row says where it happened and what the allocator asked for."""
