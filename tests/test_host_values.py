@@ -13,7 +13,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from treecompile import Tree
-from treecompile.host_values import _HOST, host_copy, remember_host, remembered_host, repeat_counts, to_device_with_host
+from treecompile.host_values import (_HOST, host_copy, remember_host, remembered_host, repeat_counts, single_threaded,
+                                     to_device_with_host)
 from treecompile.tree import _TENSOR_FIELDS
 
 
@@ -228,3 +229,62 @@ def test_host_plans_never_call_repeat_interleave(monkeypatch):
     plan = V.tree_attention_plan(batch.subtree_end, block_sparse=False)
     assert isinstance(plan, V.SegmentPlan) and len(plan.cu_seqlens_q_host) > 3
     heavy_first_order(batch.subtree_end)
+
+
+@pytest.fixture
+def two_threads():
+    """torch at two intra-op threads for the test (restored: dynamo guards the count)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_single_threaded_runs_one_thread_and_restores_the_count(two_threads):
+    with single_threaded():
+        assert torch.get_num_threads() == 1
+        with single_threaded():  # nested: still one, and the outer count comes back at the outer exit only
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == 2
+    with pytest.raises(KeyError):
+        with single_threaded():
+            raise KeyError("x")
+    assert torch.get_num_threads() == 2
+
+    @single_threaded()
+    def inside():
+        return torch.get_num_threads()
+
+    assert inside() == 1 and inside() == 1 and torch.get_num_threads() == 2
+
+
+def test_per_step_host_work_runs_single_threaded(two_threads):
+    """Every torch op of the tree batch, its padding, its id check and the ops' plans (``LastBatch``) runs on one
+    intra-op thread; the count is back after each."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from treecompile.ops import varlen_tree_attention as V
+    from treecompile.ops.last_batch import LastBatch
+
+    class Threads(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(torch.get_num_threads())
+            return func(*args, **(kwargs or {}))
+
+    tree = Tree.from_paths([[1, 2, 3], [1, 2, 4, 5], [1, 6]], loss_masks=[[0, 1, 1], [0, 0, 1, 1], [0, 1]])
+    calls = {"to_batch": lambda: tree.to_batch(normalize="token_mean")}
+    batch = calls["to_batch"]()
+    se = batch.subtree_end.clone()
+    calls.update(padded=lambda: batch.padded(16), check_ids=lambda: batch.check_ids(10),
+                 plan=lambda: V._PLANS.get((se,), False, lambda: V._build_plan(se, False)),
+                 cache=lambda: LastBatch().get((se,), None, lambda: se + 1))
+    for name, call in calls.items():
+        with Threads() as mode:
+            call()
+        assert mode.seen and set(mode.seen) == {1}, (name, mode.seen)
+        assert torch.get_num_threads() == 2, name

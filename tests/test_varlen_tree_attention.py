@@ -441,10 +441,11 @@ def test_auto_runs_batches_the_segments_cannot_take_through_the_flex_lowering(mo
     monkeypatch.setattr(lc, "HALF", lc.HALF + (torch.float64,))  # the tiny float64 model as a half one
     monkeypatch.setattr(lc, "AUTO_SEGMENTS_HEAD_DIMS", (8,))  # its head dim as one with the segments alone
     options = lc.CudaOptions(compile_cuda=False, bucket=False, gdn_kernel="reference")
+    entries = []  # the intra-op threads at each graph entry: the caller's, not the host work's one (dynamo guards it)
     for varlen, name in ((True, "varlen"), (False, "flex")):
         low = lc.lower_cuda(prog.graph_module, options, varlen=varlen)
         assert (low.attention_segments_only > 0) == varlen and (low.attention > 0) != varlen
-        state = _CudaState(low, lambda *args, name=name: (name,))
+        state = _CudaState(low, lambda *args, name=name: (entries.append(torch.get_num_threads()) or name,))
         monkeypatch.setattr(prog, "_cuda" if varlen else "_cuda_flex", state)
     forest = Tree.from_paths([[t % 97 for t in p] for p in forest_paths(60, 2, seed=4)]).to_batch()
     spine = list(range(1, 41))
@@ -453,12 +454,18 @@ def test_auto_runs_batches_the_segments_cannot_take_through_the_flex_lowering(mo
     monkeypatch.setattr(vta, "MAX_GATHER_FACTOR", 4)
     assert vta.segments_fit(forest.subtree_end) and not vta.segments_fit(comb.subtree_end)
     monkeypatch.setattr(lc, "_WARNED", set())
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        assert prog._run_cuda(forest, []) == ("varlen",)
-        assert prog._run_cuda(comb, []) == ("flex",)
-        assert prog._run_cuda(comb, []) == ("flex",)
-        assert prog._run_cuda(forest, []) == ("varlen",)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert prog._run_cuda(forest, []) == ("varlen",)
+            assert prog._run_cuda(comb, []) == ("flex",)
+            assert prog._run_cuda(comb, []) == ("flex",)
+            assert prog._run_cuda(forest, []) == ("varlen",)
+    finally:
+        torch.set_num_threads(threads)
+    assert entries == [2] * 4
     assert len([w for w in caught if "runs tree attention through flex" in str(w.message)]) == 1  # once
 
 

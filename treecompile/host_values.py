@@ -6,19 +6,23 @@ tensor on the host is a blocking copy: the host waits for everything queued on t
 while the host builds the plan.  So :func:`to_device_with_host` (what ``TreeBatch.to`` uses) remembers the
 host values of what it copies, and :func:`host_copy` returns them for that same device tensor while it is
 unchanged (same object, same version counter), with no copy and no wait; any other tensor is copied as
-before.  :func:`repeat_counts` is ``torch.repeat_interleave`` for that host work without the intra-op thread pool.
-Part of the data model: imports only torch.
+before.
+
+That host work runs :func:`single_threaded`: torch's intra-op threads sleep between steps, and waking them for
+one small parallel kernel costs milliseconds (:func:`single_threaded`); :func:`repeat_counts` is
+``torch.repeat_interleave`` without its one-element grain.  Part of the data model: imports only torch.
 """
 
 from __future__ import annotations
 
 import weakref
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor
 
 __all__ = ["to_device_async", "to_device", "to_device_with_host", "host_copy", "remember_host", "remembered_host",
-           "repeat_counts"]
+           "repeat_counts", "single_threaded"]
 
 # id(device tensor) -> (weak reference to it, its version counter when remembered, its values on the host)
 _HOST: dict[int, tuple[weakref.ref, int, Tensor]] = {}
@@ -123,3 +127,27 @@ def repeat_counts(values: Tensor, counts: Tensor, total: int | None = None) -> T
     starts = starts[starts < total]
     group = torch.zeros(total, dtype=torch.int64).index_add_(0, starts, torch.ones_like(starts)).cumsum_(0)
     return values[group]
+
+
+@contextmanager
+def single_threaded():
+    """Run the enclosed host work with one intra-op thread (torch's count restored after; a no-op at one thread).
+
+    A step's host plans (the tree batch, the ops' segment and conv plans, the padding) are many small CPU
+    kernels run while the GPU works, after the host's intra-op threads have gone to sleep.  Any of those
+    kernels that splits its work (``aten.index`` above a few thousand rows, ``searchsorted`` above 200,
+    every elementwise op above 32,768 elements) wakes them, and waits for the slowest: about 5 ms a wake on
+    this repository's 2-core CPU and on the 16-core H200 host (session 39), for kernels that take 10-400 us
+    on one thread.  Setting and restoring the count takes a few microseconds.
+
+    Never around a compiled region's entry: dynamo guards the thread count, so a call made with another count
+    recompiles.  Plans built inside the graph's ops (``LastBatch``) restore it before the op returns."""
+    n = torch.get_num_threads()
+    if n == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)

@@ -28,7 +28,7 @@ from torch import fx, nn
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
-from treecompile.host_values import remember_host, remembered_host
+from treecompile.host_values import remember_host, remembered_host, single_threaded
 from treecompile.passes.expose_boundary import BoundarySpec
 from treecompile.ops.varlen_tree_attention import segments_fit
 from treecompile.ops import tree_conv_shifts
@@ -262,6 +262,24 @@ class TreeProgram:
     def _run_cuda(self, batch, boundary_inputs: list) -> tuple:
         state = self._cuda_state()
         T = batch.seq_len
+        # the host work before the graph: one intra-op thread (host_values.single_threaded), restored before the
+        # compiled region's entry, whose guards hold the thread count
+        with single_threaded():
+            state, args = self._cuda_inputs(state, batch, boundary_inputs)
+        # compiled flex kernels (the graph's, or the separately compiled one of an eager graph) compile once
+        # per shape: room for one per bucket
+        limit = max(torch._dynamo.config.recompile_limit, self.options.recompile_limit)
+        with torch._dynamo.config.patch(recompile_limit=limit), torch.profiler.record_function("treecompile::graph"):
+            if isinstance(state.run, SplitGraph):
+                out = self._run_segments(state.run, args)
+            else:
+                out = tuple(state.run(*[self.lifted_value(x) for x in self.lifted], *args))
+        return self.unpadded_outputs(out, T) if state.lowering.bucket else out
+
+    def _cuda_inputs(self, state: _CudaState, batch, boundary_inputs: list) -> tuple[_CudaState, list]:
+        """(the lowering that runs ``batch``, the graph's inputs after the lifted values): the batch padded to its
+        bucket, then its block masks and host tables."""
+        T = batch.seq_len
         if state.lowering.bucket:
             # named host ranges (here, the graph call below, the attention plan) let a profile name the GPU's idle
             # gaps by what the host did then (benchmarks/prof_step.py); next to nothing when no profiler runs
@@ -279,15 +297,7 @@ class TreeProgram:
             tree_conv_shifts.prepare(args[len(self.user_inputs) + self.tree_inputs.index("conv_index")])
         args += attention_inputs(batch.subtree_end, state.lowering, position_ids=batch.position_ids,
                                  **self._boundary_mask_args(boundary_inputs))
-        # compiled flex kernels (the graph's, or the separately compiled one of an eager graph) compile once
-        # per shape: room for one per bucket
-        limit = max(torch._dynamo.config.recompile_limit, self.options.recompile_limit)
-        with torch._dynamo.config.patch(recompile_limit=limit), torch.profiler.record_function("treecompile::graph"):
-            if isinstance(state.run, SplitGraph):
-                out = self._run_segments(state.run, args)
-            else:
-                out = tuple(state.run(*[self.lifted_value(x) for x in self.lifted], *args))
-        return self.unpadded_outputs(out, T) if state.lowering.bucket else out
+        return state, args
 
     # ------------------------------------------------------------------ padding (CUDA buckets)
     def padded_call(self, batch: TreeBatch, boundary_inputs: Sequence, length: int) -> tuple[TreeBatch, list]:

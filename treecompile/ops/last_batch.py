@@ -5,12 +5,16 @@ batch, not once per layer: the fla GDN call plan (``fla_gdn``), the conv segment
 and the varlen attention's segment walk and plan (``varlen_tree_attention``) each keep one.
 
 The plans read the tree tensors through :func:`treecompile.host_values.host_copy` (no device copy for a
-batch's own tensors) and reach the device through :func:`treecompile.host_values.to_device_async`.
+batch's own tensors) and reach the device through :func:`treecompile.host_values.to_device_async`.  They are
+built :func:`treecompile.host_values.single_threaded` (small CPU kernels: waking torch's intra-op threads for them
+costs more than their work).
 """
 
 from __future__ import annotations
 
 from torch import Tensor
+
+from treecompile.host_values import single_threaded
 
 __all__ = ["LastBatch"]
 
@@ -30,7 +34,8 @@ class LastBatch:
         if (e and len(e[0]) == len(tensors) and all(a is b for a, b in zip(e[0], tensors))
                 and e[1] == versions and e[2] == key):
             return e[3]
-        value = build()
+        with single_threaded():
+            value = build()
         self._entry = (tuple(tensors), versions, key, value)
         return value
 
