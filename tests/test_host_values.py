@@ -13,8 +13,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from treecompile import Tree
-from treecompile.host_values import (_HOST, host_copy, remember_host, remembered_host, repeat_counts, single_threaded,
-                                     to_device_with_host)
+from treecompile.host_values import (_HOST, SINGLE_THREAD_ROWS, host_copy, remember_host, remembered_host, repeat_counts,
+                                     single_threaded, single_threaded_for, to_device_with_host)
 from treecompile.tree import _TENSOR_FIELDS
 
 
@@ -257,6 +257,18 @@ def test_single_threaded_runs_one_thread_and_restores_the_count(two_threads):
         return torch.get_num_threads()
 
     assert inside() == 1 and inside() == 1 and torch.get_num_threads() == 2
+    # above the size bound the kernels are long enough for the threads: the count stays
+    with single_threaded(SINGLE_THREAD_ROWS):
+        assert torch.get_num_threads() == 1
+    with single_threaded(SINGLE_THREAD_ROWS + 1):
+        assert torch.get_num_threads() == 2
+
+    @single_threaded_for(lambda rows, **_: rows)
+    def sized(rows, *, tag=None):
+        return torch.get_num_threads(), tag
+
+    assert sized(10, tag="a") == (1, "a") and sized(SINGLE_THREAD_ROWS + 1) == (2, None)
+    assert sized.__name__ == "sized" and torch.get_num_threads() == 2
 
 
 def test_per_step_host_work_runs_single_threaded(two_threads):

@@ -264,7 +264,7 @@ class TreeProgram:
         T = batch.seq_len
         # the host work before the graph: one intra-op thread (host_values.single_threaded), restored before the
         # compiled region's entry, whose guards hold the thread count
-        with single_threaded():
+        with single_threaded(bucket_length(T)):
             state, args = self._cuda_inputs(state, batch, boundary_inputs)
         # compiled flex kernels (the graph's, or the separately compiled one of an eager graph) compile once
         # per shape: room for one per bucket

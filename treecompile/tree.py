@@ -29,7 +29,7 @@ from typing import Sequence
 
 import torch
 
-from treecompile.host_values import host_copy, remembered_host, repeat_counts, single_threaded, to_device_with_host
+from treecompile.host_values import host_copy, remembered_host, repeat_counts, single_threaded_for, to_device_with_host
 
 __all__ = ["Tree", "TreeBatch", "NORMALIZATIONS", "path_coefficients", "ancestor_index"]
 
@@ -567,7 +567,7 @@ class TreeBatch:
         return self.node_start.numel()
 
     @classmethod
-    @single_threaded()  # per-step host work: small kernels (host_values.single_threaded)
+    @single_threaded_for(lambda cls, tree, *a, **k: tree.num_tokens)  # per-step host work (host_values)
     def from_tokens(cls, tree: Tree, tokens: torch.Tensor | None, *, weights: torch.Tensor | None = None,
                     normalize: str = "sum", conv_kernel: int = DEFAULT_CONV_KERNEL,
                     pad_to_multiple: int | None = None, device=None, num_paths: int | None = None,
@@ -640,7 +640,7 @@ class TreeBatch:
             batch = batch.padded(math.ceil(n / pad_to_multiple) * pad_to_multiple)
         return batch.to(device) if device is not None else batch
 
-    @single_threaded()
+    @single_threaded_for(lambda self, length: length)
     def padded(self, length: int) -> "TreeBatch":
         """This batch with padding tokens appended up to ``length`` tokens.
 
@@ -693,7 +693,7 @@ class TreeBatch:
         return TreeBatch(**kw, tree=self.tree, num_tokens=self.num_tokens, num_paths=self.num_paths,
                          normalize=self.normalize, extras=extras)
 
-    @single_threaded()
+    @single_threaded_for(lambda self, vocab_size: self.seq_len)
     def check_ids(self, vocab_size: int | None) -> None:
         """Raise ValueError naming the path and position of a token id outside ``[0, vocab_size)``.
 

@@ -6,8 +6,8 @@ and the varlen attention's segment walk and plan (``varlen_tree_attention``) eac
 
 The plans read the tree tensors through :func:`treecompile.host_values.host_copy` (no device copy for a
 batch's own tensors) and reach the device through :func:`treecompile.host_values.to_device_async`.  They are
-built :func:`treecompile.host_values.single_threaded` (small CPU kernels: waking torch's intra-op threads for them
-costs more than their work).
+built :func:`treecompile.host_values.single_threaded` up to its size bound (small CPU kernels: waking torch's
+intra-op threads for them costs more than their work).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class LastBatch:
         if (e and len(e[0]) == len(tensors) and all(a is b for a, b in zip(e[0], tensors))
                 and e[1] == versions and e[2] == key):
             return e[3]
-        with single_threaded():
+        with single_threaded(max((t.numel() for t in tensors), default=0)):
             value = build()
         self._entry = (tuple(tensors), versions, key, value)
         return value

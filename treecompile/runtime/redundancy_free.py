@@ -63,7 +63,7 @@ from typing import Callable, Mapping
 
 import torch
 
-from treecompile.host_values import to_device_async
+from treecompile.host_values import single_threaded_for, to_device_async
 from treecompile.passes.expose_boundary import BoundarySpec
 from treecompile.router_aux import ROUTER_WEIGHTS
 from treecompile.runtime.metrics import Reuse, reuse
@@ -125,6 +125,7 @@ def _conv_tails(plan: RedundancyFreePlan, width: int) -> list[torch.Tensor]:
     return [torch.tensor(sorted(s), dtype=torch.long) for s in found]
 
 
+@single_threaded_for(lambda tokens, *_: tokens.numel())  # host work of a partition (host_values)
 def _local(tokens: torch.Tensor, wanted: torch.Tensor, what: str, i: int) -> torch.Tensor:
     """Positions of ``wanted`` in the ascending ``tokens``; ValueError if one is missing."""
     pos = torch.searchsorted(tokens, wanted)
@@ -168,6 +169,7 @@ class _Executor:
         self.peak = 0
 
     # ------------------------------------------------------------------ gathering boundary rows
+    @single_threaded_for(lambda self, i, tokens, *_: self.plan.owner.numel())
     def _gather_index(self, i: int, tokens: torch.Tensor, tok_of, what: str):
         """Where the rows of ``tokens`` (whole-tree indices) live: the ancestors that own them (root
         first) and each token's row in the concatenation of those ancestors' exports."""

@@ -60,6 +60,7 @@ from typing import Sequence
 
 import torch
 
+from treecompile.host_values import single_threaded_for
 from treecompile.runtime.data import DEFAULT_LOGPROB_ATOL, TrajectoryTree
 from treecompile.runtime.metrics import Reuse, dataset_reuse
 from treecompile.runtime.normalization import GlobalNorm, partition_batch, tree_batch
@@ -134,6 +135,7 @@ def _objectives(objective) -> tuple:
     return objs
 
 
+@single_threaded_for(lambda objectives, out, batch, norm: batch.seq_len)  # the objectives' host tables (host_values)
 def _objective_loss(objectives: tuple, out, batch, norm: GlobalNorm) -> torch.Tensor:
     total = 0
     for o in objectives:
