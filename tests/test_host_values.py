@@ -271,6 +271,15 @@ def test_single_threaded_runs_one_thread_and_restores_the_count(two_threads):
     assert sized.__name__ == "sized" and torch.get_num_threads() == 2
 
 
+def test_single_threaded_leaves_a_native_thread_pool_alone(two_threads, monkeypatch):
+    """torch's native pool (no OpenMP) cannot resize once used and warns: no change there."""
+    import treecompile.host_values as hv
+
+    monkeypatch.setattr(hv, "_openmp", lambda: False)
+    with single_threaded():
+        assert torch.get_num_threads() == 2
+
+
 def test_per_step_host_work_runs_single_threaded(two_threads):
     """Every torch op of the tree batch, its padding, its id check and the ops' plans (``LastBatch``) runs on one
     intra-op thread; the count is back after each."""

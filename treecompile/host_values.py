@@ -130,6 +130,12 @@ def repeat_counts(values: Tensor, counts: Tensor, total: int | None = None) -> T
     return values[group]
 
 
+@functools.cache
+def _openmp() -> bool:
+    """Whether torch's intra-op threads are OpenMP's (their count settable per call, :func:`single_threaded`)."""
+    return "parallel backend: OpenMP" in torch.__config__.parallel_info()
+
+
 # above this many rows a plan's kernels take long enough that threads pay for their wake-up (2-core CPU, threads asleep
 # between calls: a 65,536-token batch 4.7 ms on one thread, 9.7 on two; 131,072 tokens 7.9 against 5.4)
 SINGLE_THREAD_ROWS = 1 << 16
@@ -148,9 +154,13 @@ def single_threaded(rows: int | None = None):
     on one thread.  Setting and restoring the count takes a few microseconds.
 
     Never around a compiled region's entry: dynamo guards the thread count, so a call made with another count
-    recompiles.  Plans built inside the graph's ops (``LastBatch``) restore it before the op returns."""
+    recompiles.  Plans built inside the graph's ops (``LastBatch``) restore it before the op returns.
+
+    Only with torch's OpenMP backend (Linux and Windows wheels), where the count is the calling thread's own
+    (one exception: a thread whose first torch call falls inside the block starts at one thread); torch's native
+    pool cannot change its size once used (it warns), so there this is a no-op."""
     n = torch.get_num_threads()
-    if n == 1 or (rows is not None and rows > SINGLE_THREAD_ROWS):
+    if n == 1 or (rows is not None and rows > SINGLE_THREAD_ROWS) or not _openmp():
         yield
         return
     torch.set_num_threads(1)
