@@ -9,8 +9,8 @@ unchanged (same object, same version counter), with no copy and no wait; any oth
 before.
 
 That host work runs :func:`single_threaded`: torch's intra-op threads sleep between steps, and waking them for
-one small parallel kernel costs milliseconds (:func:`single_threaded`); :func:`repeat_counts` is
-``torch.repeat_interleave`` without its one-element grain.  Part of the data model: imports only torch.
+one small parallel kernel costs milliseconds.  :func:`repeat_counts` is ``torch.repeat_interleave`` without its
+one-element grain, for the same reason, wherever it is called from.  Part of the data model: imports only torch.
 """
 
 from __future__ import annotations

@@ -169,7 +169,7 @@ class _Executor:
         self.peak = 0
 
     # ------------------------------------------------------------------ gathering boundary rows
-    @single_threaded_for(lambda self, i, tokens, *_: self.plan.owner.numel())
+    @single_threaded_for(lambda self, i, tokens, *_: tokens.numel())  # host work of a partition (host_values)
     def _gather_index(self, i: int, tokens: torch.Tensor, tok_of, what: str):
         """Where the rows of ``tokens`` (whole-tree indices) live: the ancestors that own them (root
         first) and each token's row in the concatenation of those ancestors' exports."""
