@@ -153,9 +153,11 @@ def test_compiled_step_on_a_moved_batch_does_not_wait_for_the_gpu(kind):
     model = model.cuda().to(torch.bfloat16)
     tm = treecompile.compile(model)
     first, second = _same_bucket_trees(model.config.vocab_size)
+    threads = torch.get_num_threads()
     tm(first.to_batch().to("cuda")).loss.backward()  # compiles the bucket's graph
     torch.cuda.synchronize()
     batch = second.to_batch().to("cuda")
+    compiles = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     torch.cuda.set_sync_debug_mode("error")
     try:
         out = tm(batch)
@@ -163,6 +165,10 @@ def test_compiled_step_on_a_moved_batch_does_not_wait_for_the_gpu(kind):
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert torch.isfinite(out.loss.detach()).item()
+    # the host plans ran on one intra-op thread (host_values.single_threaded) and gave the count back before the
+    # graph's entry, whose guards hold it: no recompile, the caller's count after the step
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == compiles
+    assert torch.get_num_threads() == threads
 
 
 def test_to_device_sends_host_tables_without_a_blocking_copy(monkeypatch):
