@@ -315,3 +315,33 @@ def test_per_step_host_work_runs_single_threaded(two_threads):
             call()
         assert mode.seen and set(mode.seen) == {1}, (name, mode.seen)
         assert torch.get_num_threads() == 2, name
+
+
+def test_plans_inside_a_compiled_region_cause_no_recompile(two_threads):
+    """dynamo guards the intra-op thread count (a call made with another count compiles again: checked here, so
+    that the premise stays true on a new torch); a plan built on one thread inside the compiled region's op gives
+    the count back before the region returns, so the next call reuses the graph."""
+    from treecompile.ops.last_batch import LastBatch
+
+    plans = LastBatch()
+
+    @torch.library.custom_op("treecompile_test::planned_double", mutates_args=())
+    def planned_double(x: torch.Tensor) -> torch.Tensor:
+        plan = plans.get((x,), None, lambda: torch.get_num_threads())
+        assert plan == 1
+        return x * 2
+
+    @planned_double.register_fake
+    def _(x):
+        return torch.empty_like(x)
+
+    f = torch.compile(lambda x: planned_double(x) + 1, backend="eager", dynamic=False)
+    counts = torch._dynamo.utils.counters["stats"]
+    f(torch.ones(4))
+    first = counts["unique_graphs"]
+    for _ in range(3):
+        assert torch.equal(f(torch.ones(4)), torch.full((4,), 3.0)) and torch.get_num_threads() == 2
+    assert counts["unique_graphs"] == first
+    torch.set_num_threads(1)  # the premise: another count at the entry compiles again
+    f(torch.ones(4))
+    assert counts["unique_graphs"] == first + 1
