@@ -487,17 +487,27 @@ def _path_loss(logits, ids, coef):
     return F.cross_entropy(_upcast(logits[0, :-1]), ids[1:], reduction="sum") * coef
 
 
-def batches_step(tm, batches, zero) -> Callable:
+def batches_step(tm, batches, zero, make: Callable[[], list] | None = None) -> Callable:
     """One step of a tree model over ``batches`` (a whole tree: one batch; packed partitions: several):
-    ``zero()``, then fwd+bwd of each batch; returns the summed loss (detached)."""
+    ``zero()``, then fwd+bwd of each batch; returns the summed loss (detached).
+
+    ``make``: builds the same batches again (``batches`` is its first result).  Steps then alternate between two
+    sets of batch tensors (:func:`distinct_batches`), so that every step builds the ops' per-batch plans again, as
+    a training step on a new batch does: the ops keep the last batch's plans keyed on its tensors' identity, and a
+    benchmark that feeds the same tensors again would time cached plans (a tree whose token count is a length
+    bucket is not even padded, so its tensors are the same objects every step)."""
 
     record = torch.profiler.record_function  # named host ranges for prof_step's idle gaps
+    sets = [batches] if make is None else [batches, distinct_batches(make)]
+    steps = [0]
 
     def step():
         with record("harness::zero_grad"):
             zero()
         total = 0.0
-        for b in batches:
+        batch_set = sets[steps[0] % len(sets)]
+        steps[0] += 1
+        for b in batch_set:
             with record("harness::forward"):
                 out = tm(b)
             with record("harness::backward"):
@@ -505,6 +515,15 @@ def batches_step(tm, batches, zero) -> Callable:
             total += out.loss.detach()
         return total
     return step
+
+
+def distinct_batches(make: Callable[[], list]) -> list:
+    """``make()``'s batches, none of whose tensors is a tensor of another call's (CUDA batches are copied to the
+    device anew by each call; CPU ones may share the tree's own tensors, so those are cloned)."""
+    from treecompile.tree import _TENSOR_FIELDS
+
+    return [b if b.input_ids.device.type != "cpu" else
+            dataclasses.replace(b, **{f: getattr(b, f).clone() for f in _TENSOR_FIELDS}) for b in make()]
 
 
 class Steps:
@@ -746,8 +765,11 @@ class Steps:
 
     def tree_step(self, layout="dfs", kernel="auto", conv="auto", head="auto"):
         tm = self._tree_model(layout=layout, kernel=kernel, conv=conv, head=head)
-        batch = self.tree.to_batch(normalize=self.cfg.normalize, device=self.dev)
-        step = batches_step(tm, [batch], self.zero)
+        def make():
+            return [self.tree.to_batch(normalize=self.cfg.normalize, device=self.dev)]
+
+        (batch,) = batches = make()
+        step = batches_step(tm, batches, self.zero, make)
         return step, self.tree.num_tokens, _tree_entries([batch.position_ids[:self.tree.num_tokens]])
 
     def tree_packed(self):
@@ -755,10 +777,13 @@ class Steps:
 
         tm = self._tree_model()
         plan = pack(self.tree, self.cfg.capacity)
-        batches = plan.batches(normalize=self.cfg.normalize, device=self.dev)
+        def make():
+            return plan.batches(normalize=self.cfg.normalize, device=self.dev)
+
+        batches = make()
         tokens = sum(p.num_tokens for p in plan.partitions)
         entries = _tree_entries([b.position_ids[:p.num_tokens] for p, b in zip(plan.partitions, batches)])
-        return batches_step(tm, batches, self.zero), tokens, entries
+        return batches_step(tm, batches, self.zero, make), tokens, entries
 
     def tree_rf(self):
         if self.dev.type == "cuda" and not self.cfg.rf_on_cuda:

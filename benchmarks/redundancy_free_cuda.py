@@ -122,12 +122,15 @@ def main(argv=None) -> int:
             p.grad.zero_()
 
     def whole(tm):
-        step = batches_step(tm, [tree.to_batch(device=dev)], zero)
+        def make():
+            return [tree.to_batch(device=dev)]
+
+        step = batches_step(tm, make(), zero, make)
         return step, {"partitions": 1, "tokens_computed": T, "peak_alive_tokens": T}
 
     def packed(tm, C):
         plan = pack(tree, C)
-        step = batches_step(tm, plan.batches(device=dev), zero)
+        step = batches_step(tm, plan.batches(device=dev), zero, lambda: plan.batches(device=dev))
         return step, {"partitions": len(plan), "tokens_computed": plan.cost,
                       "peak_alive_tokens": max(p.num_tokens for p in plan.partitions)}
 

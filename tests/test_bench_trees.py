@@ -407,3 +407,40 @@ def test_harness_notes_what_a_tree_row_ran_with(monkeypatch):
         "attention without FA4 (flash-attn-4 is not installed)"
     monkeypatch.setattr(fa4_tree_attention, "fa4_unusable_reason", lambda: None)
     assert harness._with_attention_setup("a", torch.device("cuda")) == "a"
+
+
+def test_harness_steps_alternate_between_two_sets_of_batch_tensors():
+    """A timed tree step must build the ops' per-batch plans as a step on a new batch does: the plans are kept per
+    tensor object (``LastBatch``), and a whole-bucket tree is not even padded, so feeding one batch again would
+    time cached plans.  ``batches_step(..., make)`` alternates between two sets of distinct tensors."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from benchmarks.harness import batches_step, distinct_batches
+    from treecompile import Tree
+    from treecompile.tree import _TENSOR_FIELDS
+
+    tree = Tree.from_paths([[1, 2, 3], [1, 2, 4]])
+
+    def make():
+        return [tree.to_batch()]
+
+    a, b = make()[0], distinct_batches(make)[0]
+    for f in _TENSOR_FIELDS:
+        assert getattr(a, f) is not getattr(b, f) and torch.equal(getattr(a, f), getattr(b, f)), f
+    seen = []
+
+    def tm(batch):
+        seen.append(id(batch.subtree_end))
+        return SimpleNamespace(loss=batch.loss_weight.sum().requires_grad_())
+
+    step = batches_step(tm, make(), lambda: None, make)
+    for _ in range(4):
+        step()
+    assert seen[0] == seen[2] != seen[1] == seen[3]
+    once = []
+    plain = batches_step(lambda batch: once.append(id(batch.subtree_end)) or SimpleNamespace(
+        loss=batch.loss_weight.sum().requires_grad_()), make(), lambda: None)
+    plain(), plain()
+    assert once[0] == once[1]  # without make: the same tensors every step
