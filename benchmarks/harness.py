@@ -765,6 +765,7 @@ class Steps:
 
     def tree_step(self, layout="dfs", kernel="auto", conv="auto", head="auto"):
         tm = self._tree_model(layout=layout, kernel=kernel, conv=conv, head=head)
+
         def make():
             return [self.tree.to_batch(normalize=self.cfg.normalize, device=self.dev)]
 
@@ -777,6 +778,7 @@ class Steps:
 
         tm = self._tree_model()
         plan = pack(self.tree, self.cfg.capacity)
+
         def make():
             return plan.batches(normalize=self.cfg.normalize, device=self.dev)
 
