@@ -853,3 +853,80 @@ def test_copy_sums_fall_back_to_the_first_config_when_autotuning_fails(monkeypat
     monkeypatch.setattr(key_copies, "_launch_tuned", bug)
     with pytest.raises(TypeError, match="a bug"):
         key_copies._tuned(None, None, None, 0, None)
+
+
+def _plan_pairs(key_index, cu_q, cu_k, tail, T):
+    """The (query, key) pairs a segment plan attends, with their multiplicity (FA4's causal mask aligned
+    bottom-right within each segment; the tail's tokens see themselves)."""
+    from collections import Counter
+
+    pairs = Counter()
+    for s in range(cu_q.numel() - 1):
+        q0, q1, k0, k1 = (int(x) for x in (cu_q[s], cu_q[s + 1], cu_k[s], cu_k[s + 1]))
+        nq, nk = q1 - q0, k1 - k0
+        for i in range(nq):
+            for r in range(nk - nq + i + 1):
+                pairs[(q0 + i, int(key_index[k0 + r]))] += 1
+    for t in range(tail, T):
+        pairs[(t, t)] += 1
+    return pairs
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_plan_check_refuses_exactly_the_plans_that_are_not_the_mask(seed, monkeypatch):
+    """``_check_plan`` (per interval, O(T + intervals)) passes a plan iff it attends each pair of the tree mask once
+    and nothing else: checked against the plan's pairs counted one by one, on real plans of random trees and on
+    corrupted ones (an interval moved by a token, two swapped, a repeated key, another tree's subtree ends)."""
+    import random
+
+    from treecompile.ops import varlen_tree_attention as V
+
+    rng = random.Random(seed)
+    paths = [[1, 2, 3]]
+    for _ in range(rng.randint(2, 9)):
+        base = rng.choice(paths)
+        paths.append(base[:rng.randint(1, len(base))] + [rng.randint(1, 30) for _ in range(rng.randint(1, 5))])
+    se = Tree.from_paths(paths).to_batch().subtree_end
+    seen = []
+    real = V._check_plan
+    monkeypatch.setattr(V, "_check_plan", lambda *a: (seen.append(a), real(*a)))
+    V.tree_attention_plan(se.clone(), block_sparse=False)
+    se0, lo, hi, first, key_index, cu_q, cu_k, tail = seen[-1]
+    T = se0.numel()
+
+    def verdict(se_, lo_, hi_):
+        n = hi_ - lo_
+        ki = torch.cat([torch.arange(int(a), int(b)) for a, b in zip(lo_, hi_)]) if n.numel() else key_index[:0]
+        want = {(q, k): 1 for k in range(T) for q in range(k, int(se_[k]))}
+        ok = _plan_pairs(ki, cu_q, cu_k, tail, T) == want
+        try:
+            real(se_, lo_, hi_, torch.cumsum(n, 0) - n, ki, cu_q, cu_k, tail)
+            return ok, True
+        except ValueError:
+            return ok, False
+
+    assert verdict(se0, lo, hi) == (True, True)
+    m = len(lo)
+    for trial in range(30):
+        lo_, hi_, se_ = lo.clone(), hi.clone(), se0.clone()
+        kind = trial % 4
+        j = rng.randrange(m)
+        if kind == 0 and hi_[j] > lo_[j]:  # moved by one token (in range)
+            d = rng.choice([-1, 1])
+            if 0 <= lo_[j] + d and hi_[j] + d <= T:
+                lo_[j] += d
+                hi_[j] += d
+        elif kind == 1 and m > 1:  # two intervals of one length swapped in place
+            k = rng.randrange(m)
+            if hi_[j] - lo_[j] == hi_[k] - lo_[k]:
+                lo_[j], lo_[k], hi_[j], hi_[k] = lo_[k].clone(), lo_[j].clone(), hi_[k].clone(), hi_[j].clone()
+        elif kind == 2 and hi_[j] - lo_[j] >= 2:  # a key repeated: the interval's last row reads its first again
+            k = rng.randrange(m)
+            lo_[k], hi_[k] = lo_[j].clone(), lo_[j] + (hi_[k] - lo_[k])
+            if hi_[k] > T:
+                continue
+        else:  # the plan of this tree checked against other subtree ends
+            t = rng.randrange(T)
+            se_[t] = rng.randint(t + 1, T)
+        ok, passed = verdict(se_, lo_, hi_)
+        assert passed == ok, (seed, trial, kind)

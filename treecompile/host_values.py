@@ -127,7 +127,7 @@ def repeat_counts(values: Tensor, counts: Tensor, total: int | None = None) -> T
     starts = ends[:-1]
     starts = starts[starts < total]
     group = torch.zeros(total, dtype=torch.int64).index_add_(0, starts, torch.ones_like(starts)).cumsum_(0)
-    return values[group]
+    return values.index_select(0, group)  # serial on the CPU (``values[group]`` splits above a few thousand rows)
 
 
 @functools.cache

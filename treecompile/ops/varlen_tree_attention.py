@@ -187,14 +187,15 @@ def _walk(subtree_end: Tensor) -> _Walk:
     starts = torch.nonzero(torch.cat([torch.ones(1, dtype=torch.bool), se[:-1] <= pos[1:]])).flatten()
     ends = torch.cat([starts[1:], torch.tensor([T])])
     neg = (-se).contiguous()  # non-decreasing inside a segment (nested subtrees): searchsorted applies
-    se_l, starts_l, ends_l = se.tolist(), starts.tolist(), ends.tolist()
+    starts_l, ends_l = starts.tolist(), ends.tolist()
+    se_start = se.index_select(0, starts).tolist()  # each segment's first token's subtree end
     # each segment's parent (the open ancestor segment, and how many of its tokens it sees) and prefix length,
     # from a stack of the open ancestor segments: O(segments), before any key row is laid out
     parents: list[tuple[int, int] | None] = []
     prefix_len: list[int] = []
     stack: list[int] = []  # segment indices
     for a in starts_l:
-        while stack and se_l[starts_l[stack[-1]]] <= a:
+        while stack and se_start[stack[-1]] <= a:
             stack.pop()
         if stack:
             i = stack[-1]
@@ -256,7 +257,7 @@ def tree_attention_plan(subtree_end: Tensor, *, block_sparse: bool) -> SegmentPl
     cu_k = torch.tensor([0] + [w.prefix_len[j] + w.ends[j] - w.starts[j] for j in range(n_main)],
                         dtype=torch.int64).cumsum(0)
     cu_q = torch.tensor([0] + w.ends[:n_main], dtype=torch.int64)
-    _check_plan(w.se, key_index, cu_q, cu_k, w.tail)
+    _check_plan(w.se, lo, hi, first, key_index, cu_q, cu_k, w.tail)
     return _segment_plan(lo, hi, first, key_index, cu_q, cu_k, w.tail, subtree_end.device)
 
 
@@ -364,27 +365,73 @@ def _block_sparse_plan(subtree_end: Tensor, gathered: int) -> BlockSparsePlan:
                            sparse=fa4_block_sparse_tensors(bm), gathered=gathered, tail=T)
 
 
-def _check_plan(se: Tensor, key_index: Tensor, cu_q: Tensor, cu_k: Tensor, tail: int) -> None:
-    """Every key must be seen by exactly ``subtree_end[k] - k`` queries under the plan, and only by queries the
-    mask allows (the tail's tokens by themselves alone): true for every nested ``subtree_end``; a non-nested one
-    fails here, named."""
+def _check_plan(se: Tensor, lo: Tensor, hi: Tensor, first: Tensor, key_index: Tensor, cu_q: Tensor, cu_k: Tensor,
+                tail: int) -> None:
+    """The plan is the mask, or ValueError naming a token (a non-nested ``subtree_end``).
+
+    Segment ``s``'s queries are tokens ``[cu_q[s], cu_q[s+1])``; its key rows ``[cu_k[s], cu_k[s+1])`` hold the
+    tokens of the intervals ``[lo[m], hi[m])`` laid out from row ``first[m]`` (``key_index``); FA4's causal mask
+    (aligned bottom-right) lets query ``i`` see key rows up to ``nk - nq + i``.  So a row in the first ``nk - nq``
+    (the prefix) is seen by every query of the segment, and own row ``i`` by the queries from ``cu_q[s] + i`` on.
+    The plan is the mask iff (1) every row's queries are in the mask: its key is at most its first query, and its
+    subtree reaches past the segment's last query; (2) no key repeats within a segment; (3) every key ``k`` is seen
+    by ``subtree_end[k] - k`` queries in all (the tail's tokens by themselves alone): with (1) and (2), a pair is
+    seen at most once and only inside the mask, so equal counts leave none of the mask out.  All three per interval
+    (split where the prefix ends), the counts as sums of ranges: O(T + intervals), and the subtree ends of the
+    gathered rows read once."""
     T = se.numel()
     nq, nk = cu_q.diff(), cu_k.diff()
-    seg = repeat_counts(torch.arange(nk.numel()), nk, key_index.numel())  # each gathered row's segment
-    r = torch.arange(key_index.numel()) - cu_k[:-1][seg]  # row within the segment's keys
-    prefix = (nk - nq)[seg]
-    late = (r - prefix).clamp(min=0)  # the first query of the segment that sees row r, minus the segment start
-    seen_by = nq[seg] - late
-    counts = torch.bincount(key_index, weights=seen_by.double(), minlength=T)
+    keep = hi > lo
+    lo, hi, first = lo[keep], hi[keep], first[keep]
+    n = hi - lo
+    seg = torch.searchsorted(cu_k, first, right=True) - 1  # each interval's segment
+    if (bool((nk < nq).any()) or int(cu_k[-1]) != key_index.numel() or int(cu_q[-1]) != tail
+            or bool(((seg < 0) | (seg >= nk.numel())).any()) or bool((first + n > cu_k[1:][seg.clamp(0, nk.numel() - 1)]).any())):
+        raise AssertionError("tree_attention_varlen: a segment plan whose key rows do not tile its segments "
+                             "(internal error)")
+    q0, q1, own = cu_q[:-1][seg], cu_q[1:][seg], cu_k[1:][seg] - nq[seg]  # own: the segment's first own row
+    nqs = nq[seg]
+    # split each interval where its segment's own rows begin: prefix keys [lo, lo + p), own keys [lo + p, hi)
+    p = (own - first).clamp(min=0, max=None).minimum(n)
+    i0 = (first + p - own)  # own index of the first own row (>= 0 where the own part is not empty)
+    ko = lo + p
+    # (1) within the mask: a prefix key is at most the segment's first query; own key ko + t at most q0 + i0 + t;
+    # every key's subtree ends past the segment's last query (q1 - 1)
+    late_prefix = (p > 0) & (lo + p - 1 > q0)
+    late_own = (p < n) & (ko > q0 + i0)
+    se_rows = torch.segment_reduce(se.double().index_select(0, key_index), "min", lengths=n, unsafe=True) \
+        if n.numel() else se.new_zeros(0, dtype=torch.float64)
+    short = se_rows < q1.double()
+    # (2) distinct keys within a segment: the segment's intervals, by first key, do not overlap
+    order = torch.argsort(seg * (T + 1) + lo)
+    s_o, lo_o, hi_o = seg[order], lo[order], hi[order]
+    repeated = (s_o[1:] == s_o[:-1]) & (lo_o[1:] < hi_o[:-1])
+    # (3) counts: a prefix key is seen by nq queries; own key ko + t by nq - i0 - t = (nq - i0 + ko) - k
+    a = torch.zeros(T + 1, dtype=torch.int64)
+    b = torch.zeros(T + 1, dtype=torch.int64)
+    a.index_add_(0, lo, nqs).index_add_(0, lo + p, -nqs)
+    a.index_add_(0, ko, nqs - i0 + ko).index_add_(0, hi, -(nqs - i0 + ko))
+    b.index_add_(0, ko, torch.ones_like(ko)).index_add_(0, hi, -torch.ones_like(ko))
+    ar = torch.arange(T)
+    counts = a.cumsum(0)[:T] - b.cumsum(0)[:T] * ar
     counts[tail:] += 1
-    earliest_query = cu_q[:-1][seg] + late
-    # each row's queries are [earliest_query, segment end): all in the mask iff the key is at most the first
-    # and its subtree reaches past the last; with that (plan within the mask) and equal counts per key (the
-    # keys of one segment are distinct), the plan is the mask
-    outside = torch.nonzero((key_index > earliest_query) | (se[key_index] < cu_q[1:][seg]))
-    wrong = torch.nonzero(counts != (se - torch.arange(T)).double())
-    if wrong.numel() or outside.numel():
-        t = int(wrong[0, 0]) if wrong.numel() else int(key_index[outside[0, 0]])
+    wrong = torch.nonzero(counts != se - ar).flatten()
+    bad = []
+    if wrong.numel():
+        bad.append(int(wrong[0]))
+    for m in torch.nonzero(late_prefix | late_own | short).flatten().tolist()[:1]:
+        if bool(late_prefix[m]):
+            bad.append(int(q0[m]) + 1)  # the first prefix key past the segment's first query
+        elif bool(late_own[m]):
+            bad.append(int(ko[m]))
+        else:
+            k = torch.arange(int(lo[m]), int(hi[m]))
+            bad.append(int(k[se[k] < q1[m]][0]))
+    if repeated.any():
+        m = int(torch.nonzero(repeated).flatten()[0])
+        bad.append(int(lo_o[m + 1]))
+    if bad:
+        t = bad[0]
         raise ValueError(f"subtree_end is not the DFS layout of a forest at token {t} (subtree_end[{t}] = {int(se[t])}:"
                          f" its subtree is not nested in its ancestors' subtrees)")
 
