@@ -405,3 +405,24 @@ def test_in_place_refuses_replayed_rows():
     plan = fla_gdn.plan_calls(b.node_start, b.node_end, b.node_parent, replay_max=3)
     with pytest.raises(ValueError, match="without replayed rows"):
         level_tensors(plan, 4, in_place=True)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_occurrence_groups_equal_a_stable_sort_of_every_row(seed):
+    """The groups (values read once found by a scatter, only the replayed values' rows sorted) equal the groups
+    of one stable sort of every row: same counts, values and rows, in the same order."""
+    g = torch.Generator().manual_seed(seed)
+    T = [1, 5, 40, 300, 1000, 64][seed]
+    n = [1, 0, 100, 299, 5000, 64][seed]
+    index = torch.randint(0, T, (n,), generator=g) if seed != 5 else torch.randperm(T, generator=g)
+    counts = torch.bincount(index, minlength=T)
+    order = torch.argsort(index, stable=True)
+    starts = torch.cumsum(counts, 0) - counts
+    want = []
+    for c in torch.unique(counts).tolist():
+        values = torch.nonzero(counts == c).flatten()
+        want.append((values, order[starts[values, None] + torch.arange(c)] if c else values.new_empty(len(values), 0)))
+    got = fla_gdn.occurrence_groups(index, T)
+    assert len(got) == len(want)
+    for (gv, gr), (wv, wr) in zip(got, want):
+        assert torch.equal(gv, wv) and gr.shape == wr.shape and torch.equal(gr, wr)

@@ -474,12 +474,22 @@ def occurrence_groups(index: Tensor, tokens: int, device: torch.device | None = 
     index = index.cpu()
     move = (lambda t: t) if device is None else (lambda t: to_device_async(t, device))
     counts = torch.bincount(index, minlength=tokens)
-    order = torch.argsort(index, stable=True)  # the rows of value 0, then of value 1, ...
-    starts = torch.cumsum(counts, 0) - counts
+    # a value read once has its one row by a scatter; only the rows of values read several times (the replayed
+    # tokens, a few) are sorted, stably, into the rows of the first such value, then of the next, ...
+    once = torch.empty(tokens, dtype=torch.int64).index_put_((index,), torch.arange(index.numel()))
+    multi = torch.nonzero(counts.index_select(0, index) > 1).flatten()
+    order = multi.index_select(0, torch.argsort(index.index_select(0, multi), stable=True))
+    several = torch.where(counts > 1, counts, 0)
+    starts = torch.cumsum(several, 0) - several
     groups = []
-    for c in torch.unique(counts).tolist():
+    for c in torch.nonzero(torch.bincount(counts)).flatten().tolist():  # the distinct counts, increasing
         values = torch.nonzero(counts == c).flatten()
-        rows = order[starts[values, None] + torch.arange(c)] if c else values.new_empty(len(values), 0)
+        if c == 0:
+            rows = values.new_empty(len(values), 0)
+        elif c == 1:
+            rows = once.index_select(0, values)[:, None]
+        else:
+            rows = order[starts.index_select(0, values)[:, None] + torch.arange(c)]
         groups.append((move(values), move(rows)))
     return tuple(groups)
 
