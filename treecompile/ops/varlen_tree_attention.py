@@ -385,15 +385,17 @@ def _check_plan(se: Tensor, lo: Tensor, hi: Tensor, first: Tensor, key_index: Te
     lo, hi, first = lo[keep], hi[keep], first[keep]
     n = hi - lo
     seg = torch.searchsorted(cu_k, first, right=True) - 1  # each interval's segment
+    inside = seg.clamp(0, max(nk.numel() - 1, 0))
     if (bool((nk < nq).any()) or int(cu_k[-1]) != key_index.numel() or int(cu_q[-1]) != tail
-            or bool(((seg < 0) | (seg >= nk.numel())).any()) or bool((first + n > cu_k[1:][seg.clamp(0, nk.numel() - 1)]).any())):
+            or not torch.equal(first, torch.cumsum(n, 0) - n) or bool((seg != inside).any())
+            or bool((first + n > cu_k[1:][inside]).any())):
         raise AssertionError("tree_attention_varlen: a segment plan whose key rows do not tile its segments "
                              "(internal error)")
     q0, q1, own = cu_q[:-1][seg], cu_q[1:][seg], cu_k[1:][seg] - nq[seg]  # own: the segment's first own row
     nqs = nq[seg]
     # split each interval where its segment's own rows begin: prefix keys [lo, lo + p), own keys [lo + p, hi)
-    p = (own - first).clamp(min=0, max=None).minimum(n)
-    i0 = (first + p - own)  # own index of the first own row (>= 0 where the own part is not empty)
+    p = (own - first).clamp(min=0).minimum(n)
+    i0 = first + p - own  # own index of the first own row (>= 0 where the own part is not empty)
     ko = lo + p
     # (1) within the mask: a prefix key is at most the segment's first query; own key ko + t at most q0 + i0 + t;
     # every key's subtree ends past the segment's last query (q1 - 1)
@@ -421,7 +423,7 @@ def _check_plan(se: Tensor, lo: Tensor, hi: Tensor, first: Tensor, key_index: Te
         bad.append(int(wrong[0]))
     for m in torch.nonzero(late_prefix | late_own | short).flatten().tolist()[:1]:
         if bool(late_prefix[m]):
-            bad.append(int(q0[m]) + 1)  # the first prefix key past the segment's first query
+            bad.append(max(int(lo[m]), int(q0[m]) + 1))  # the first prefix key past the segment's first query
         elif bool(late_own[m]):
             bad.append(int(ko[m]))
         else:
