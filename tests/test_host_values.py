@@ -239,7 +239,12 @@ def test_host_plans_never_call_repeat_interleave(monkeypatch):
 
 @pytest.fixture
 def two_threads():
-    """torch at two intra-op threads for the test (restored: dynamo guards the count)."""
+    """torch at two intra-op threads for the test (restored: dynamo guards the count); OpenMP builds only (torch's
+    native pool cannot resize, and single_threaded leaves it alone)."""
+    import treecompile.host_values as hv
+
+    if not hv._openmp():
+        pytest.skip("torch's intra-op threads are not OpenMP's here")
     n = torch.get_num_threads()
     torch.set_num_threads(2)
     yield
