@@ -78,6 +78,7 @@ import collections
 import csv
 import contextlib
 import dataclasses
+import itertools
 import json
 import os
 import platform
@@ -498,16 +499,13 @@ def batches_step(tm, batches, zero, make: Callable[[], list] | None = None) -> C
     bucket is not even padded, so its tensors are the same objects every step)."""
 
     record = torch.profiler.record_function  # named host ranges for prof_step's idle gaps
-    sets = [batches] if make is None else [batches, distinct_batches(make)]
-    steps = [0]
+    sets = itertools.cycle([batches] if make is None else [batches, distinct_batches(make)])
 
     def step():
         with record("harness::zero_grad"):
             zero()
         total = 0.0
-        batch_set = sets[steps[0] % len(sets)]
-        steps[0] += 1
-        for b in batch_set:
+        for b in next(sets):
             with record("harness::forward"):
                 out = tm(b)
             with record("harness::backward"):

@@ -355,4 +355,3 @@ def test_reference_moe_model_packed_path_semantics_float64(ours):
     assert res.metrics["partitions"] > 1
     assert abs(res.loss - float(out.loss)) <= 1e-12 * abs(float(out.loss))
     assert rel(g, flat_grads(out.loss, params)) < 1e-9
-

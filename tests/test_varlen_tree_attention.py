@@ -911,6 +911,7 @@ def test_plan_check_refuses_exactly_the_plans_that_are_not_the_mask(seed, monkey
 
     assert verdict(se0, lo, hi) == (True, True)
     m = len(lo)
+    refused = 0
     for trial in range(30):
         lo_, hi_, se_ = lo.clone(), hi.clone(), se0.clone()
         kind = trial % 4
@@ -934,3 +935,5 @@ def test_plan_check_refuses_exactly_the_plans_that_are_not_the_mask(seed, monkey
             se_[t] = rng.randint(t + 1, T)
         ok, passed = verdict(se_, lo_, hi_)
         assert passed == ok, (seed, trial, kind)
+        refused += not passed
+    assert refused  # the corruptions reached the check

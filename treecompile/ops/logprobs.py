@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["linear_logprobs", "gather_logprobs", "default_chunk", "resolve_chunk", "chunk_logits", "chunk_stats",
-           "chunk_dlogits", "accumulate_weight_grad", "accumulate_bias_grad"]
+           "chunk_dlogits", "accumulate_weight_grad", "accumulate_bias_grad", "accumulate_chunk_grads"]
 
 
 DEFAULT_BUDGET = 1 << 28  # bytes of float32 logits per chunk in this (torch) head
@@ -81,6 +81,17 @@ def accumulate_bias_grad(gb: torch.Tensor, dl: torch.Tensor) -> None:
         torch.addmm(row, dl.new_ones(1, dl.shape[0]), dl, out_dtype=torch.float32, out=row)
     else:
         gb += dl.sum(0, dtype=gb.dtype)
+
+
+def accumulate_chunk_grads(dl: torch.Tensor, hc: torch.Tensor, W: torch.Tensor, gh_rows: torch.Tensor,
+                           gW: torch.Tensor, gb: torch.Tensor | None) -> None:
+    """One row block's share of the head's gradients, ``dl [n, V]`` (the logits' gradient) in the model's dtype:
+    ``gh_rows = dl @ W``, ``gW += dl.T @ hc`` and ``gb += dl.sum(0)`` (``gb`` None: no bias) in the accumulation
+    dtype (:func:`accumulate_weight_grad`, :func:`accumulate_bias_grad`)."""
+    torch.mm(dl, W, out=gh_rows)
+    accumulate_weight_grad(gW, dl, hc)
+    if gb is not None:
+        accumulate_bias_grad(gb, dl)
 
 
 def chunk_stats(logits: torch.Tensor, targets: torch.Tensor, entropy: bool):

@@ -43,7 +43,7 @@ import warnings
 import torch
 
 from treecompile.ops import logprobs_triton
-from treecompile.ops.logprobs import (_acc_dtype, accumulate_bias_grad, accumulate_weight_grad, chunk_dlogits,
+from treecompile.ops.logprobs import (_acc_dtype, accumulate_bias_grad, accumulate_chunk_grads, chunk_dlogits,
                                       chunk_logits, chunk_stats, default_chunk, resolve_chunk)
 from treecompile.ops.triton_support import usable
 
@@ -290,10 +290,7 @@ def linear_logprobs_kept_backward(h: torch.Tensor, W: torch.Tensor, b: torch.Ten
         sl = slice(s, s + chunk)
         hc = h[sl]
         dc = dlogits_(chunk_logits(hc, W, b), sl)
-        torch.mm(dc, W, out=gh[sl])
-        accumulate_weight_grad(gW, dc, hc)
-        if gb is not None:
-            accumulate_bias_grad(gb, dc)
+        accumulate_chunk_grads(dc, hc, W, gh[sl], gW, gb)
         del dc  # else it lives on while the next chunk's logits are made: two blocks, not one
     return gh, gW.to(W.dtype), (gb.to(b.dtype) if b is not None else W.new_empty(0))
 

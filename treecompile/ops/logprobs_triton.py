@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from treecompile.ops.logprobs import accumulate_bias_grad, accumulate_weight_grad, chunk_logits, resolve_chunk
+from treecompile.ops.logprobs import accumulate_chunk_grads, chunk_logits, resolve_chunk
 # triton is None on CPU-only installs: the lowering keeps the reference op
 from treecompile.ops.triton_support import available, interpreting, tl, triton
 
@@ -180,10 +180,7 @@ def linear_logprobs_triton_backward(h: torch.Tensor, W: torch.Tensor, b: torch.T
         sl = slice(s, s + chunk)
         dl = dlogits_(chunk_logits(hc, W, b), targets[sl], lse[sl], vecs[0][sl], vecs[1][sl],
                       None if ge is None else ent[sl], None if ge is None else ge[sl])
-        gh[sl] = dl @ W
-        accumulate_weight_grad(gW, dl, hc)
-        if b is not None:
-            accumulate_bias_grad(gb, dl)
+        accumulate_chunk_grads(dl, hc, W, gh[sl], gW, gb if b is not None else None)
         del dl  # else it lives on while the next chunk's logits are made: two [chunk, V] blocks, not one
     return gh, gW.to(W.dtype), gb.to(W.dtype)
 

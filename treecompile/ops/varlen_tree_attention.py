@@ -421,7 +421,9 @@ def _check_plan(se: Tensor, lo: Tensor, hi: Tensor, first: Tensor, key_index: Te
     bad = []
     if wrong.numel():
         bad.append(int(wrong[0]))
-    for m in torch.nonzero(late_prefix | late_own | short).flatten().tolist()[:1]:
+    outside = torch.nonzero(late_prefix | late_own | short).flatten()
+    if outside.numel():  # the first interval with a row outside the mask: its first such key
+        m = int(outside[0])
         if bool(late_prefix[m]):
             bad.append(max(int(lo[m]), int(q0[m]) + 1))  # the first prefix key past the segment's first query
         elif bool(late_own[m]):

@@ -352,25 +352,29 @@ class _Sums:
         self._sums.setdefault(name, []).append(x.reshape(()))
 
     def values(self) -> dict[str, float]:
-        """Each sum as a Python float: one copy to the host per device that holds values."""
-        by_device: dict[torch.device, list] = {}
-        for name, xs in self._sums.items():
-            for x in xs:
-                by_device.setdefault(x.device, []).append((name, x))
-        out = {name: 0.0 for name in self._sums}
-        for items in by_device.values():
-            for (name, _), v in zip(items, torch.stack([x for _, x in items]).tolist()):
-                out[name] += v
+        """Each sum as a Python float (:func:`_read_back`)."""
+        names = [name for name, xs in self._sums.items() for _ in xs]
+        out = dict.fromkeys(self._sums, 0.0)
+        for name, v in zip(names, _read_back([x for xs in self._sums.values() for x in xs])):
+            out[name] += v
         return out
 
 
+def _read_back(xs: list[torch.Tensor]) -> list[float]:
+    """The values of 0-d float64 tensors, in order, with one copy to the host per device that holds some."""
+    out = [0.0] * len(xs)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, x in enumerate(xs):
+        by_device.setdefault(x.device, []).append(i)
+    for idx in by_device.values():
+        for i, v in zip(idx, torch.stack([xs[i] for i in idx]).tolist()):
+            out[i] = v
+    return out
+
+
 def _grad_norm(grads: list) -> float:
-    """The 2-norm of all gradients, each tensor's norm taken in float64: plain tensors read back once per
-    device; anything else (a sharded DTensor) one by one, as ``float`` of its norm reduces it."""
-    plain = [g for g in grads if type(g) is torch.Tensor]
+    """The 2-norm of all gradients, each tensor's norm taken in float64: plain tensors' norms read back once per
+    device (:func:`_read_back`); anything else (a sharded DTensor) one by one, as ``float`` of its norm reduces it."""
     squares = [float(g.detach().double().norm()) ** 2 for g in grads if type(g) is not torch.Tensor]
-    by_device: dict[torch.device, list] = {}
-    for g in plain:
-        by_device.setdefault(g.device, []).append(torch.linalg.vector_norm(g.detach(), dtype=torch.float64))
-    squares += [float(torch.stack(ns).square().sum()) for ns in by_device.values()]
-    return math.sqrt(sum(squares))
+    norms = [torch.linalg.vector_norm(g.detach(), dtype=torch.float64) for g in grads if type(g) is torch.Tensor]
+    return math.sqrt(sum(squares) + sum(v * v for v in _read_back(norms)))
