@@ -493,24 +493,31 @@ def batches_step(tm, batches, zero, make: Callable[[], list] | None = None) -> C
     ``zero()``, then fwd+bwd of each batch; returns the summed loss (detached).
 
     ``make``: builds the same batches again (``batches`` is its first result).  Steps then alternate between two
-    sets of batch tensors (:func:`distinct_batches`), so that every step builds the ops' per-batch plans again, as
-    a training step on a new batch does: the ops keep the last batch's plans keyed on its tensors' identity, and a
-    benchmark that feeds the same tensors again would time cached plans (a tree whose token count is a length
-    bucket is not even padded, so its tensors are the same objects every step)."""
+    sets of batch tensors (:func:`distinct_batches`), so that every step does the per-batch host work again (the
+    padding, the ops' plans), as a training step on a new batch does: the model keeps the last batch's, keyed on
+    its tensors' identity, and a benchmark that feeds the same tensors again would time work cached from the step
+    before.  After each backward the next batch is prepared (``TreeModel.prepare``), while the GPU runs the
+    backward, as a training loop that uses it does; the packed baselines build their packs once, before timing."""
 
     record = torch.profiler.record_function  # named host ranges for prof_step's idle gaps
-    sets = itertools.cycle([batches] if make is None else [batches, distinct_batches(make)])
+    sets = [batches] if make is None else [batches, distinct_batches(make)]
+    order = itertools.cycle([b for s in sets for b in s])
+    upcoming = [next(order)]
 
     def step():
         with record("harness::zero_grad"):
             zero()
         total = 0.0
-        for b in next(sets):
+        for _ in batches:
+            b = upcoming.pop()
             with record("harness::forward"):
                 out = tm(b)
             with record("harness::backward"):
                 out.loss.backward()
             total += out.loss.detach()
+            upcoming.append(next(order))
+            with record("harness::prepare"):
+                tm.prepare(upcoming[0])
         return total
     return step
 

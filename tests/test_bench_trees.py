@@ -410,11 +410,10 @@ def test_harness_notes_what_a_tree_row_ran_with(monkeypatch):
 
 
 def test_harness_steps_alternate_between_two_sets_of_batch_tensors():
-    """A timed tree step must build the ops' per-batch plans as a step on a new batch does: the plans are kept per
+    """A timed tree step must do the per-batch host work as a step on a new batch does: the model keeps it per
     tensor object (``LastBatch``), and a whole-bucket tree is not even padded, so feeding one batch again would
-    time cached plans.  ``batches_step(..., make)`` alternates between two sets of distinct tensors."""
-    from types import SimpleNamespace
-
+    time cached plans.  ``batches_step(..., make)`` alternates between two sets of distinct tensors, and prepares
+    each batch after the backward of the one before it (``TreeModel.prepare``), never before that backward."""
     import torch
 
     from benchmarks.harness import batches_step, distinct_batches
@@ -423,24 +422,50 @@ def test_harness_steps_alternate_between_two_sets_of_batch_tensors():
 
     tree = Tree.from_paths([[1, 2, 3], [1, 2, 4]])
 
-    def make():
-        return [tree.to_batch()]
+    def make(n=1):  # n batches of distinct tensors (CPU batches may share the tree's own)
+        return [distinct_batches(lambda: [tree.to_batch()])[0] for _ in range(n)]
 
     a, b = make()[0], distinct_batches(make)[0]
     for f in _TENSOR_FIELDS:
         assert getattr(a, f) is not getattr(b, f) and torch.equal(getattr(a, f), getattr(b, f)), f
-    seen = []
 
-    def tm(batch):
-        seen.append(id(batch.subtree_end))
-        return SimpleNamespace(loss=batch.loss_weight.sum().requires_grad_())
+    class Model:  # records what the step does to which batch (by its subtree_end tensor)
+        def __init__(self):
+            self.events = []
 
+        def __call__(self, batch):
+            self.events.append(("fwd", id(batch.subtree_end)))
+            loss = self
+
+            class Loss:
+                def backward(self):
+                    loss.events.append(("bwd", id(batch.subtree_end)))
+
+                def detach(self):
+                    return 1.0
+            return type("Out", (), {"loss": Loss()})()
+
+        def prepare(self, batch):
+            self.events.append(("prep", id(batch.subtree_end)))
+            return batch
+
+    tm = Model()
     step = batches_step(tm, make(), lambda: None, make)
     for _ in range(4):
-        step()
-    assert seen[0] == seen[2] != seen[1] == seen[3]
-    once = []
-    plain = batches_step(lambda batch: once.append(id(batch.subtree_end)) or SimpleNamespace(
-        loss=batch.loss_weight.sum().requires_grad_()), make(), lambda: None)
+        assert step() == 1.0
+    fwd = [i for e, i in tm.events if e == "fwd"]
+    assert fwd[0] == fwd[2] != fwd[1] == fwd[3]
+    # each forward's batch was prepared right after the backward before it (the first one: not by the step)
+    assert tm.events[2::3] == [("prep", i) for i in fwd[1:] + [fwd[0]]]
+    assert [e for e, _ in tm.events] == ["fwd", "bwd", "prep"] * 4
+    # packed partitions: two batches a step, each prepared after the backward of the one before
+    tm = Model()
+    step = batches_step(tm, make(2), lambda: None, lambda: make(2))
+    step(), step()
+    fwd = [i for e, i in tm.events if e == "fwd"]
+    assert len(set(fwd)) == 4 and [i for e, i in tm.events if e == "prep"] == fwd[1:] + [fwd[0]]
+    tm = Model()
+    plain = batches_step(tm, make(), lambda: None)
     plain(), plain()
-    assert once[0] == once[1]  # without make: the same tensors every step
+    fwd = [i for e, i in tm.events if e == "fwd"]
+    assert fwd[0] == fwd[1]  # without make: the same tensors every step

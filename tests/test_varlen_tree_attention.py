@@ -11,6 +11,8 @@ against a float64 oracle, and a compiled model's step with it against the flex l
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -21,6 +23,7 @@ from tests.strategies import ODD_TREES, path_sets
 from tests.test_fa4_tree_attention import assert_bf16_tree_kernel_near_oracle, forest_paths
 from tests.test_flex_tree_attention import ancestor_mask, out_and_grads
 from treecompile import Tree
+from treecompile.tree import _TENSOR_FIELDS
 from treecompile.ops import key_copies
 from treecompile.ops.tree_attention import tree_attention_reference, tree_mask
 from treecompile.ops.varlen_tree_attention import segment_plan, tree_attention_varlen
@@ -937,3 +940,154 @@ def test_plan_check_refuses_exactly_the_plans_that_are_not_the_mask(seed, monkey
         assert passed == ok, (seed, trial, kind)
         refused += not passed
     assert refused  # the corruptions reached the check
+
+
+def test_prepare_does_the_step_host_work_once_and_the_step_finds_it(monkeypatch):
+    """``TreeProgram.prepare``: the padding, masks and the varlen op's plan of a batch, built ahead of its run, are
+    what the run then uses (the graph inputs are built once, the plan once, forward and backward), with the same
+    loss and gradients as a run of a fresh copy of the batch, which builds its own.  A batch changed in place after
+    it was prepared is prepared again by its run (its new loss weights count); a prepared batch that is not the
+    next one run costs a rebuild, never a wrong input.  A real varlen lowering on the CPU (float64 as a half
+    dtype, the op's reference kernel), as the test above."""
+    from helpers import cached_compile, cached_model, tiny_dense
+    from treecompile.ops import varlen_tree_attention as vta
+    from treecompile.passes import lower_cuda as lc
+    from treecompile.program import _CudaState
+
+    tm = cached_compile(cached_model("dense-tiny", tiny_dense))
+    prog = tm.program
+    monkeypatch.setattr(lc, "fa4_unusable_reason", lambda q=None: None)
+    monkeypatch.setattr(lc, "HALF", lc.HALF + (torch.float64,))
+    monkeypatch.setattr(lc, "AUTO_SEGMENTS_HEAD_DIMS", (8,))
+    monkeypatch.setattr(lc, "varlen_input_reason", lambda q: None)  # the traced check: CUDA half inputs
+    options = lc.CudaOptions(compile_cuda=False, bucket=True, gdn_kernel="reference")
+    low = lc.lower_cuda(prog.graph_module, options)
+    assert low.attention_varlen and low.plans == (lc.VarlenPlanInput("tree_subtree_end", None, None, torch.float64, 8),)
+    monkeypatch.setattr(prog, "_cuda", _CudaState(low, low.graph_module))
+    monkeypatch.setattr(prog, "_inputs", type(prog._inputs)())
+    built = {"inputs": 0, "plans": 0}
+    cuda_inputs, build_plan = prog._cuda_inputs, vta._build_plan
+
+    def counted(name, fn):
+        def run(*args, **kwargs):
+            built[name] += 1
+            return fn(*args, **kwargs)
+        return run
+    monkeypatch.setattr(prog, "_cuda_inputs", counted("inputs", cuda_inputs))
+    monkeypatch.setattr(vta, "_build_plan", counted("plans", build_plan))
+    vta._PLANS.clear()
+
+    tree = Tree.from_paths([[t % 97 for t in p] for p in forest_paths(60, 2, seed=4)])
+
+    def fresh():  # distinct tensors (a CPU batch may share the tree's own)
+        b = tree.to_batch()
+        return dataclasses.replace(b, **{f: getattr(b, f).clone() for f in _TENSOR_FIELDS})
+
+    def step(batch):
+        tm.zero_grad(set_to_none=True)
+        loss = prog._run_cuda(batch, [])[0]
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in tm.parameters()]
+
+    batch = fresh()
+    assert batch.seq_len < prog_bucket(batch.seq_len)  # padded: the kept inputs hold the padded batch
+    prog._prepare_cuda(batch)
+    assert built == {"inputs": 1, "plans": 1}
+    loss, grads = step(batch)
+    assert built == {"inputs": 1, "plans": 1}  # the run found both, its backward too
+    loss2, grads2 = step(fresh())
+    assert built == {"inputs": 2, "plans": 2}
+    assert torch.equal(loss, loss2) and all(torch.equal(a, b) for a, b in zip(grads, grads2))
+    reference = tm(tree.to_batch()).loss  # the CPU program (no lowering)
+    torch.testing.assert_close(loss, reference.detach(), rtol=1e-12, atol=0)
+    # changed in place after its preparation: the run builds the inputs again and reads the new weights
+    batch = fresh()
+    prog._prepare_cuda(batch)
+    batch.loss_weight.mul_(2)
+    loss3, _ = step(batch)
+    assert built["inputs"] == 4
+    torch.testing.assert_close(loss3, 2 * loss, rtol=1e-12, atol=0)
+    # prepared, but another batch ran first: each run builds what it needs
+    a, b = fresh(), fresh()
+    prog._prepare_cuda(a)
+    n = built["inputs"]
+    loss_b, _ = step(b)
+    loss_a, _ = step(a)
+    assert built["inputs"] == n + 2 and torch.equal(loss_a, loss) and torch.equal(loss_b, loss)
+
+
+def prog_bucket(T: int) -> int:
+    from treecompile.program import bucket_length
+
+    return bucket_length(T)
+
+
+def test_prepare_refuses_what_it_cannot_keep_and_does_nothing_off_cuda():
+    """``TreeModel.prepare`` on the CPU: the batch back as it is (after the same checks as a call), the program
+    untouched; a batch of another type, or for a boundary program, is refused as a call refuses it."""
+    from helpers import cached_compile, cached_model, tiny_dense
+
+    tm = cached_compile(cached_model("dense-tiny", tiny_dense))
+    batch = Tree.from_paths([[1, 2, 3], [1, 2, 4]]).to_batch()
+    assert tm.prepare(batch) is batch and tm.program._inputs._entry == ()
+    with pytest.raises(TypeError, match="expects a treecompile.TreeBatch"):
+        tm.prepare({"input_ids": batch.input_ids})
+    with pytest.raises(ValueError, match=r"path 1, position 2: token id 1000 is outside"):
+        tm.prepare(Tree.from_paths([[1, 2, 3], [1, 2, 1000]]).to_batch())
+
+
+def test_prepare_refuses_a_boundary_program(monkeypatch):
+    from helpers import cached_compile, cached_model, tiny_dense
+
+    tm = cached_compile(cached_model("dense-tiny", tiny_dense))
+    monkeypatch.setattr(tm.program, "boundary", object())
+    batch = Tree.from_paths([[1, 2, 3]]).to_batch()
+    with pytest.raises(TypeError, match="boundary=True"):
+        tm.prepare(batch)
+    with pytest.raises(TypeError, match="boundary program"):
+        tm.program.prepare(batch)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpu_reason() is not None, reason=str(_gpu_reason()))
+@pytest.mark.parametrize("kernel", ["auto", "fa4_varlen"])
+def test_prepared_cuda_batch_runs_its_prepared_plan_with_the_same_results(monkeypatch, kernel):
+    """On CUDA (compiled graph, FA4's varlen kernel): a batch prepared ahead (``TreeModel.prepare`` of a CPU batch:
+    moved, padded, its plan built) runs without building its graph inputs or its plan again, forward or backward,
+    with the loss and gradients of the same step on a fresh copy of the batch (bitwise: the same kernels on the
+    same inputs).  Another batch prepared between a batch's forward and backward only costs a rebuild."""
+    import treecompile
+    from treecompile.models import DenseConfig, DenseForCausalLM
+    from treecompile.ops import varlen_tree_attention as vta
+
+    torch.manual_seed(0)
+    cfg = DenseConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=128)
+    model = DenseForCausalLM(cfg).cuda().to(torch.bfloat16)
+    tm = treecompile.compile(model, attention_kernel=kernel)
+    tree = Tree.from_paths([[t % cfg.vocab_size for t in p] for p in forest_paths(900, 2, seed=5)])
+    built = []
+    build = vta._build_plan
+    monkeypatch.setattr(vta, "_build_plan", lambda *a: built.append(1) or build(*a))
+
+    def step(batch, between=None):
+        model.zero_grad()
+        out = tm(batch)
+        if between is not None:
+            tm.prepare(between)
+        out.loss.backward()
+        return out.loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    step(tree.to_batch(device="cuda"))  # compiles
+    assert tm.program._cuda.lowering.plans, "the lowering found no plan to prepare"
+    built.clear()
+    batch = tm.prepare(tree.to_batch())
+    assert batch.input_ids.is_cuda and len(built) == 1
+    loss, grads = step(batch)
+    assert len(built) == 1  # forward and backward found the prepared plan
+    loss2, grads2 = step(tree.to_batch(device="cuda"))
+    assert len(built) == 2
+    assert torch.equal(loss, loss2) and all(torch.equal(a, b) for a, b in zip(grads, grads2))
+    other = tm.prepare(tree.to_batch())
+    loss3, grads3 = step(tree.to_batch(device="cuda"), between=other)  # the backward's plan rebuilt, not wrong
+    assert torch.equal(loss, loss3) and all(torch.equal(a, b) for a, b in zip(grads, grads3))

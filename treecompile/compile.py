@@ -183,7 +183,37 @@ class TreeModel(nn.Module):
     def device(self) -> torch.device:
         return self.program.device
 
-    def forward(self, batch: TreeBatch) -> TreeOutput:
+    def prepare(self, batch: TreeBatch) -> TreeBatch:
+        """``batch`` on the model's device (the same object when it is there already), with the host work of its
+        step done now: the id check, the padding to its length bucket, the block masks and the varlen attention
+        plans (:meth:`TreeProgram.prepare`).  Pass the returned batch to the model: its call finds that work done,
+        as long as its tensors are unchanged (a batch changed in place is prepared again by the call).
+
+        The use: while the GPU runs one step, prepare the next batch, so that its host work is off the step's
+        critical path (a loop that synchronises every step, e.g. on ``loss.item()``, otherwise leaves the GPU idle
+        for it)::
+
+            nxt = tmodel.prepare(batches[0])
+            for i in range(len(batches)):
+                loss = tmodel(nxt).loss
+                loss.backward()
+                if i + 1 < len(batches):
+                    nxt = tmodel.prepare(batches[i + 1])  # the host is ahead of the GPU here
+                optimizer.step()
+                optimizer.zero_grad()
+                print(loss.item())  # a sync: the next step's host work is done already
+
+        One batch is kept, the last one prepared or run: prepare the next batch after the current one's backward
+        (before it, the backward's plans are rebuilt).  Off CUDA only the move and the id check are done."""
+        self._check_batch(batch)
+        if batch.input_ids.device != self.device:
+            batch = batch.to(self.device)
+        with torch.profiler.record_function("treecompile::prepare"):
+            batch.check_ids(self.vocab_size)
+            self.program.prepare(batch)
+        return batch
+
+    def _check_batch(self, batch) -> None:
         if not isinstance(batch, TreeBatch):
             raise TypeError(f"TreeModel expects a treecompile.TreeBatch, got {type(batch).__name__}")
         if self.program.boundary is not None:
@@ -195,6 +225,9 @@ class TreeModel(nn.Module):
                              f"above it ({len(boundary)} boundary tokens): a whole-tree program would run it without "
                              "that context; run the plan through treecompile.runtime.redundancy_free."
                              "run_redundancy_free (or train_step(..., mode='redundancy_free'))")
+
+    def forward(self, batch: TreeBatch) -> TreeOutput:
+        self._check_batch(batch)
         with torch.profiler.record_function("treecompile::check_ids"):
             batch.check_ids(self.vocab_size)  # an id >= vocab is named here, not as an IndexError in the graph
         res = self.program.run(batch)

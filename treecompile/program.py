@@ -32,9 +32,11 @@ from treecompile.host_values import remember_host, remembered_host, single_threa
 from treecompile.passes.expose_boundary import BoundarySpec
 from treecompile.ops.varlen_tree_attention import segments_fit
 from treecompile.ops import tree_conv_shifts
-from treecompile.passes.lower_cuda import CudaLowering, CudaOptions, attention_inputs, lower_cuda, warn_once
+from treecompile.ops.last_batch import LastBatch
+from treecompile.passes.lower_cuda import (CudaLowering, CudaOptions, attention_inputs, lower_cuda, prepare_plans,
+                                           warn_once)
 from treecompile.passes.split_modules import Segment, split_by_modules
-from treecompile.tree import TreeBatch, ancestor_index
+from treecompile.tree import _TENSOR_FIELDS, TreeBatch, ancestor_index
 
 __all__ = ["TreeProgram", "LiftedInput", "SplitGraph", "bucket_length", "module_tensor"]
 
@@ -118,6 +120,7 @@ class TreeProgram:
         self._cpu_split: SplitGraph | None = None
         self._cuda: _CudaState | None = None
         self._cuda_flex: _CudaState | None = None  # "auto"'s flex lowering, for batches the varlen segments refuse
+        self._inputs = LastBatch()  # the last batch's graph inputs (_graph_inputs: kept for prepare and the call)
 
     # ------------------------------------------------------------------ inputs
     @property
@@ -265,7 +268,7 @@ class TreeProgram:
         # the host work before the graph: one intra-op thread (host_values.single_threaded), restored before the
         # compiled region's entry, whose guards hold the thread count
         with single_threaded(bucket_length(T)):
-            state, args = self._cuda_inputs(state, batch, boundary_inputs)
+            state, args = self._graph_inputs(state, batch, boundary_inputs)
         # compiled flex kernels (the graph's, or the separately compiled one of an eager graph) compile once
         # per shape: room for one per bucket
         limit = max(torch._dynamo.config.recompile_limit, self.options.recompile_limit)
@@ -275,6 +278,39 @@ class TreeProgram:
             else:
                 out = tuple(state.run(*[self.lifted_value(x) for x in self.lifted], *args))
         return self.unpadded_outputs(out, T) if state.lowering.bucket else out
+
+    def prepare(self, batch: TreeBatch) -> None:
+        """Do now the host work of a later :meth:`run` of ``batch`` (already on the model's device): the padding to
+        its bucket, the block masks and host tables, and the varlen attention ops' plans (``lower_cuda.
+        prepare_plans``).  A run of the same batch tensors, unchanged, finds them; a run of another batch, or of
+        this one changed in place, builds its own as without this call.  What is kept is one batch's worth (the
+        last one prepared or run), so the pattern is: prepare the next batch after this one's backward, while
+        the GPU runs it (``TreeModel.prepare``).  Nothing to do off CUDA.  A boundary program's inputs are not
+        kept (TypeError)."""
+        if self.boundary is not None:
+            raise TypeError("prepare: a boundary program (compile(model, boundary=True)) runs through "
+                            "treecompile.runtime.redundancy_free, which prepares nothing")
+        if self.device.type != "cuda":
+            return
+        if batch.input_ids.device != self.device:
+            raise ValueError(f"prepare: the batch is on {batch.input_ids.device}, the model on {self.device}: "
+                             "move it first (TreeModel.prepare does, and returns the moved batch)")
+        self._prepare_cuda(batch)
+
+    def _prepare_cuda(self, batch: TreeBatch) -> None:
+        with single_threaded(bucket_length(batch.seq_len)):
+            state, args = self._graph_inputs(self._cuda_state(), batch, [])
+            names = [f"tree_{n}" for n in self.tree_inputs]
+            prepare_plans(state.lowering, dict(zip(names, args[len(self.user_inputs):])))
+
+    def _graph_inputs(self, state: _CudaState, batch, boundary_inputs: list) -> tuple[_CudaState, list]:
+        """:meth:`_cuda_inputs`, kept for the last batch (its TreeBatch tensors, unchanged, and the lowering), so that
+        :meth:`prepare` and the run of the same batch build them once; a boundary program's call (boundary inputs)
+        is not kept."""
+        if boundary_inputs or not isinstance(batch, TreeBatch):
+            return self._cuda_inputs(state, batch, boundary_inputs)
+        return self._inputs.get(tuple(getattr(batch, f) for f in _TENSOR_FIELDS), id(state),
+                                lambda: self._cuda_inputs(state, batch, boundary_inputs))
 
     def _cuda_inputs(self, state: _CudaState, batch, boundary_inputs: list) -> tuple[_CudaState, list]:
         """(the lowering that runs ``batch``, the graph's inputs after the lifted values): the batch padded to its

@@ -59,7 +59,7 @@ from .tree_attention import tree_mask
 
 __all__ = ["SegmentPlan", "BlockSparsePlan", "segment_plan", "segments_fit", "tree_attention_plan",
            "tree_attention_varlen", "varlen_attention_reference", "varlen_attention_reference_bwd",
-           "VARLEN_GATHER_LIMIT", "windowed_plan", "tree_attention_varlen_windowed"]
+           "VARLEN_GATHER_LIMIT", "windowed_plan", "tree_attention_varlen_windowed", "prepare"]
 
 
 @dataclass(frozen=True)
@@ -450,6 +450,17 @@ def _plan(subtree_end: Tensor, q: Tensor) -> SegmentPlan | BlockSparsePlan:
 
     block_sparse = not _fa4(q) or fa4_input_reason(q) is None
     return _PLANS.get((subtree_end,), block_sparse, lambda: _build_plan(subtree_end, block_sparse))
+
+
+def prepare(subtree_end: Tensor, q: Tensor, position_ids: Tensor | None = None, window: int | None = None) -> None:
+    """Build now, and keep, the plan that the op (``window=None``) or its windowed form will run for this batch:
+    their next call with the same ``subtree_end`` (and ``position_ids``) tensors, unchanged, finds it
+    (``TreeProgram.prepare``: a step's host work done while the GPU runs the step before).  ``q``: any tensor with
+    the attention inputs' device, dtype and head dim (the plan's kind depends on them, not on the values)."""
+    if window is None:
+        _plan(subtree_end, q)
+    else:
+        _window_plan(subtree_end, position_ids, window)
 
 
 def _build_plan(subtree_end: Tensor, block_sparse: bool) -> SegmentPlan | BlockSparsePlan:

@@ -79,7 +79,7 @@ import functools
 import math
 import operator
 import warnings
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -100,6 +100,7 @@ from treecompile.ops.fa4_tree_attention import (FA4_HEAD_DIMS, FA4_KERNEL_OPTION
                                                 fa4_unusable_reason, tree_attention_fa4)
 from treecompile.ops.flex_tree_attention import (kernel_options_for, tree_attention_flex, tree_block_mask,
                                                  tree_window_block_mask, window_kernel_options_for)
+from treecompile.ops import varlen_tree_attention
 from treecompile.ops.varlen_tree_attention import tree_attention_varlen, tree_attention_varlen_windowed
 from treecompile.ops.tree_conv_shifts import tree_causal_conv1d_shifts, tree_causal_conv1d_shifts_inductor
 from treecompile.ops.flex_tree_attention_boundary import boundary_block_mask, tree_attention_boundary_flex
@@ -109,7 +110,7 @@ from treecompile.passes.token_axis import same
 __all__ = ["CudaOptions", "CudaLowering", "lower_cuda", "attention_inputs", "resolve_gdn_kernel",
            "resolve_attention_kernel", "moe_grouped_unusable_reason", "GDN_KERNELS", "ATTENTION_KERNELS",
            "ATTENTION_LAYOUTS", "AUTO_SEGMENTS_HEAD_DIMS", "HEAD_LOGITS", "head_keep", "head_keeps",
-           "warn_once"]
+           "warn_once", "prepare_plans", "VarlenPlanInput"]
 
 TREE_ATTENTION = torch.ops.treecompile.tree_attention.default
 TREE_ATTENTION_WINDOWED = torch.ops.treecompile.tree_attention_windowed.default
@@ -230,6 +231,42 @@ class CudaLowering:
     # tree_attention_windowed calls lowered to tree_attention_varlen_windowed_fwd (FA4's window over the segments;
     # no block mask: a batch its segments do not suit runs the window block mask inside the op)
     windowed_varlen: int = 0
+    # the per-batch plans of the varlen ops, one per distinct input (:func:`prepare_plans`: built ahead of a step)
+    plans: tuple[VarlenPlanInput, ...] = ()
+
+
+@dataclass(frozen=True)
+class VarlenPlanInput:
+    """What one varlen attention op of a lowered graph plans from: the batch placeholders it reads, its window
+    (None: the unwindowed op) and its query's recorded dtype and head dim (the plan's kind depends on them)."""
+
+    subtree_end: str
+    position_ids: str | None
+    window: int | None
+    dtype: torch.dtype
+    head_dim: int
+
+
+def _plan_input(q, subtree_end, positions=None, window=None) -> VarlenPlanInput | None:
+    """The :class:`VarlenPlanInput` of a varlen op reading these nodes, or None when its plan cannot be built ahead
+    (its tree tensors are computed in the graph, not the batch's own, or its query has no recorded value): the
+    op then builds it in the step, as without :func:`prepare_plans`."""
+    val = q.meta.get("val") if isinstance(q, fx.Node) else None
+    nodes = (subtree_end,) if window is None else (subtree_end, positions)
+    if not isinstance(val, torch.Tensor) or not all(isinstance(a, fx.Node) and a.op == "placeholder" for a in nodes):
+        return None
+    return VarlenPlanInput(subtree_end.name, None if window is None else positions.name, window, val.dtype,
+                           val.shape[-1])
+
+
+def prepare_plans(lowering: CudaLowering, inputs: Mapping[str, torch.Tensor]) -> None:
+    """Build now, and keep, the plans the lowered graph's varlen attention ops will make for one batch
+    (``inputs``: the graph's batch placeholders by name, with the tensors the graph will get): their calls in the
+    step then find them (:func:`treecompile.ops.varlen_tree_attention.prepare`)."""
+    for p in lowering.plans:
+        se = inputs[p.subtree_end]
+        q = torch.empty((1, 1, 0, p.head_dim), dtype=p.dtype, device=se.device)  # the plan reads these only
+        varlen_tree_attention.prepare(se, q, None if p.position_ids is None else inputs[p.position_ids], p.window)
 
 
 @torch._dynamo.disable  # a host-side level schedule and fla's autograd Functions: kept out of dynamo
@@ -565,6 +602,7 @@ def lower_cuda(gm: fx.GraphModule, options: CudaOptions, *, boundary: bool = Fal
             order = graph.placeholder("tree_attention_order")
     attention = gdn_fla = triton_head = conv_fla = conv_shifts = moe_grouped = attention_varlen = segments_only = 0
     windowed = windowed_varlen = 0
+    plans: list[VarlenPlanInput | None] = []
     window_masks: dict[int, fx.Node] = {}  # one block mask placeholder per distinct window, after the others
     head_kept = None
     conv_kernel = resolve_conv_kernel(options.conv_kernel, gdn_kernel, compiled)
@@ -579,6 +617,7 @@ def lower_cuda(gm: fx.GraphModule, options: CudaOptions, *, boundary: bool = Fal
             auto = _auto_varlen(q, layout, setup_reason) if options.attention_kernel == "auto" and varlen else None
             if options.attention_kernel == "fa4_varlen" or auto:  # no block mask: the op plans from subtree_end
                 _replace(graph, n, _varlen, (q, k, v, subtree_end, scale, setup_reason, options.attention_kernel))
+                plans.append(_plan_input(q, subtree_end))
                 attention_varlen += 1
                 segments_only += auto == "segments"
             else:
@@ -600,6 +639,7 @@ def lower_cuda(gm: fx.GraphModule, options: CudaOptions, *, boundary: bool = Fal
             if options.attention_kernel == "fa4_varlen" or auto:
                 _replace(graph, n, _varlen_windowed, (q, k, v, subtree_end, positions, window, scale, setup_reason,
                                                       options.attention_kernel))
+                plans.append(_plan_input(q, subtree_end, positions, window))
                 windowed_varlen += 1
                 continue
             if window not in window_masks:
@@ -640,7 +680,8 @@ def lower_cuda(gm: fx.GraphModule, options: CudaOptions, *, boundary: bool = Fal
                         compiled=compiled, bucket=options.bucket, conv_fla=conv_fla, conv_shifts=conv_shifts,
                         moe_grouped=moe_grouped, attention_varlen=attention_varlen,
                         attention_segments_only=segments_only, head_keep=head_kept,
-                        windows=tuple(window_masks), windowed_varlen=windowed_varlen)
+                        windows=tuple(window_masks), windowed_varlen=windowed_varlen,
+                        plans=tuple(dict.fromkeys(p for p in plans if p is not None)))
 
 
 def _reads_batch_depths(n: fx.Node) -> bool:
