@@ -104,6 +104,34 @@ def test_packed_equals_whole_and_per_path(model, tmodel, name, normalize):
     assert len(pack(case.tree, longest)) >= 3  # the smallest budget really splits the tree
 
 
+def test_step_prepares_each_batch_after_the_backward_before_it(model, tmodel, monkeypatch):
+    """``train_step`` hands each batch after the first to ``TreeModel.prepare`` once the backward of the batch
+    before it has run (the host then works while the GPU runs that backward), across partitions and trees, and
+    runs the model on that same batch; the step's result is the one without preparing."""
+    case = mixed_case(model)
+    trees = trajectories(case, cuts=[2])
+    want, want_g = step(tmodel, model, trees, SFT(), budget=9)
+    events = []
+    prepare, forward = tmodel.prepare, tmodel.forward
+
+    def prepared(batch):
+        events.append(("prepare", id(batch), any(p.grad is not None for p in model.parameters())))
+        return prepare(batch)
+
+    def forwarded(batch):
+        events.append(("forward", id(batch), None))
+        return forward(batch)
+    monkeypatch.setattr(tmodel, "prepare", prepared)
+    monkeypatch.setattr(tmodel, "forward", forwarded)
+    res, g = step(tmodel, model, trees, SFT(), budget=9)
+    n = res.metrics["partitions"]
+    assert n > res.metrics["trees"] == 2 and len(events) == 2 * n - 1  # across partitions and trees
+    assert [e[0] for e in events] == ["forward"] + ["prepare", "forward"] * (n - 1)
+    for prep, fwd in zip(events[1::2], events[2::2]):
+        assert prep[1] == fwd[1] and prep[2]  # the batch run next, prepared after a backward gave gradients
+    assert res.loss == want.loss and all(torch.equal(g[k], want_g[k]) for k in g)
+
+
 @pytest.mark.parametrize("name", list(OBJECTIVES))
 def test_several_trees_one_normalization(model, tmodel, name):
     """Two trees in one step (they even share a prefix): the loss is the per-path loss of all their

@@ -1036,6 +1036,29 @@ def test_prepare_refuses_what_it_cannot_keep_and_does_nothing_off_cuda():
         tm.prepare(Tree.from_paths([[1, 2, 3], [1, 2, 1000]]).to_batch())
 
 
+def test_a_batch_moved_once_is_not_moved_again_while_its_tensors_are_unchanged(monkeypatch):
+    """``TreeProgram._moved_batch`` (what ``run`` and ``prepare`` move a batch with): the same batch, or another
+    TreeBatch holding the same tensors, gets the copy made before; one changed in place, or another batch, a new
+    copy, with the new values.  (A "meta" device stands in for CUDA.)"""
+    from helpers import cached_compile, cached_model, tiny_dense
+    from treecompile.program import TreeProgram
+
+    prog = cached_compile(cached_model("dense-tiny", tiny_dense)).program
+    monkeypatch.setattr(TreeProgram, "device", property(lambda self: torch.device("meta")))
+    monkeypatch.setattr(prog, "_moved", type(prog._moved)())
+    tree = Tree.from_paths([[1, 2, 3], [1, 2, 4]])
+    b = tree.to_batch()
+    moved = prog._moved_batch(b)
+    assert moved.input_ids.device.type == "meta" and moved.seq_len == b.seq_len
+    assert prog._moved_batch(b) is moved
+    assert prog._moved_batch(dataclasses.replace(b, extras={"x": 1})) is moved  # same tensors
+    b.loss_weight.mul_(2)
+    again = prog._moved_batch(b)
+    assert again is not moved and prog._moved_batch(b) is again
+    other = Tree.from_paths([[1, 2, 3], [1, 2, 4]]).to_batch()
+    assert prog._moved_batch(other) is not again
+
+
 def test_prepare_refuses_a_boundary_program(monkeypatch):
     from helpers import cached_compile, cached_model, tiny_dense
 
@@ -1095,3 +1118,8 @@ def test_prepared_cuda_batch_runs_its_prepared_plan_with_the_same_results(monkey
     assert len(built) == 2
     other = tm.prepare(tree.to_batch())
     same(prepared, step(tree.to_batch(device="cuda"), between=other))  # the backward's plan rebuilt, not wrong
+    cpu = tree.to_batch()  # prepared, then run as the CPU batch it was: the run finds the moved, planned copy
+    tm.prepare(cpu)
+    n = len(built)
+    same(prepared, step(cpu))
+    assert len(built) == n

@@ -184,34 +184,32 @@ class TreeModel(nn.Module):
         return self.program.device
 
     def prepare(self, batch: TreeBatch) -> TreeBatch:
-        """``batch`` on the model's device (the same object when it is there already), with the host work of its
-        step done now: the id check, the padding to its length bucket, the block masks and the varlen attention
-        plans (:meth:`TreeProgram.prepare`).  Pass the returned batch to the model: its call finds that work done,
-        as long as its tensors are unchanged (a batch changed in place is prepared again by the call).
+        """Do the host work of ``batch``'s step now: the id check, the move to the model's device, the padding to
+        its length bucket, the block masks and the varlen attention plans (:meth:`TreeProgram.prepare`).  Returns
+        the batch on the device (``batch`` itself off CUDA).  A later call of the model on either batch, this one
+        or the returned one, finds that work done while their tensors are unchanged (a batch changed in place is
+        prepared again by the call; results never depend on whether it was prepared).
 
         The use: while the GPU runs one step, prepare the next batch, so that its host work is off the step's
-        critical path (a loop that synchronises every step, e.g. on ``loss.item()``, otherwise leaves the GPU idle
-        for it)::
+        critical path (a loop that synchronises every step, e.g. on ``loss.item()``, otherwise leaves the GPU
+        idle for it)::
 
-            nxt = tmodel.prepare(batches[0])
-            for i in range(len(batches)):
-                loss = tmodel(nxt).loss
+            tmodel.prepare(batches[0])
+            for i, batch in enumerate(batches):
+                loss = tmodel(batch).loss
                 loss.backward()
                 if i + 1 < len(batches):
-                    nxt = tmodel.prepare(batches[i + 1])  # the host is ahead of the GPU here
+                    tmodel.prepare(batches[i + 1])  # the host is ahead of the GPU here
                 optimizer.step()
                 optimizer.zero_grad()
                 print(loss.item())  # a sync: the next step's host work is done already
 
         One batch is kept, the last one prepared or run: prepare the next batch after the current one's backward
-        (before it, the backward's plans are rebuilt).  Off CUDA only the move and the id check are done."""
+        (before it, the backward's plans are built again).  ``train_step`` does this for the batches of a step."""
         self._check_batch(batch)
-        if batch.input_ids.device != self.device:
-            batch = batch.to(self.device)
         with torch.profiler.record_function("treecompile::prepare"):
             batch.check_ids(self.vocab_size)
-            self.program.prepare(batch)
-        return batch
+            return self.program.prepare(batch)
 
     def _check_batch(self, batch) -> None:
         if not isinstance(batch, TreeBatch):

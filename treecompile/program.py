@@ -121,6 +121,7 @@ class TreeProgram:
         self._cuda: _CudaState | None = None
         self._cuda_flex: _CudaState | None = None  # "auto"'s flex lowering, for batches the varlen segments refuse
         self._inputs = LastBatch()  # the last batch's graph inputs (_graph_inputs: kept for prepare and the call)
+        self._moved = LastBatch()  # the last batch moved to the model's device (_moved_batch)
 
     # ------------------------------------------------------------------ inputs
     @property
@@ -234,7 +235,7 @@ class TreeProgram:
             raise TypeError(f"this program takes {want} boundary inputs, got {len(boundary_inputs)}"
                             + ("" if want else " (compile with treecompile.compile(model, boundary=True))"))
         if isinstance(batch, TreeBatch) and tensors is None and batch.input_ids.device != self.device:
-            batch = batch.to(self.device)
+            batch = self._moved_batch(batch)
         if lower and self.device.type == "cuda":
             return self._run_cuda(batch, boundary_inputs)
         args = self.batch_args(batch) + boundary_inputs
@@ -279,23 +280,31 @@ class TreeProgram:
                 out = tuple(state.run(*[self.lifted_value(x) for x in self.lifted], *args))
         return self.unpadded_outputs(out, T) if state.lowering.bucket else out
 
-    def prepare(self, batch: TreeBatch) -> None:
-        """Do now the host work of a later :meth:`run` of ``batch`` (already on the model's device): the padding to
+    def prepare(self, batch: TreeBatch) -> TreeBatch:
+        """Do now the host work of a later :meth:`run` of ``batch``: its move to the model's device, the padding to
         its bucket, the block masks and host tables, and the varlen attention ops' plans (``lower_cuda.
-        prepare_plans``).  A run of the same batch tensors, unchanged, finds them; a run of another batch, or of
-        this one changed in place, builds its own as without this call.  What is kept is one batch's worth (the
-        last one prepared or run), so the pattern is: prepare the next batch after this one's backward, while
-        the GPU runs it (``TreeModel.prepare``).  Nothing to do off CUDA.  A boundary program's inputs are not
-        kept (TypeError)."""
+        prepare_plans``).  Returns the batch on the device.  A run of the same batch (this one or the returned one)
+        with its tensors unchanged finds that work done; a run of another batch, or of this one changed in place,
+        does its own as without this call.  What is kept is one batch's worth (the last one prepared or run), so
+        the pattern is: prepare the next batch after this one's backward, while the GPU runs it
+        (``TreeModel.prepare``).  Nothing to do off CUDA (``batch`` is returned).  A boundary program's inputs are
+        not kept (TypeError)."""
         if self.boundary is not None:
             raise TypeError("prepare: a boundary program (compile(model, boundary=True)) runs through "
                             "treecompile.runtime.redundancy_free, which prepares nothing")
         if self.device.type != "cuda":
-            return
+            return batch
         if batch.input_ids.device != self.device:
-            raise ValueError(f"prepare: the batch is on {batch.input_ids.device}, the model on {self.device}: "
-                             "move it first (TreeModel.prepare does, and returns the moved batch)")
+            batch = self._moved_batch(batch)
         self._prepare_cuda(batch)
+        return batch
+
+    def _moved_batch(self, batch: TreeBatch) -> TreeBatch:
+        """``batch.to(self.device)``, kept for the last batch moved while its tensors are unchanged: a batch
+        prepared ahead is not moved again by its run.  (Keyed on the tensors the graph's inputs come from; the
+        moved batch's ``extras`` are those of the first batch object moved, which nothing here reads.)"""
+        return self._moved.get(tuple(getattr(batch, f) for f in _TENSOR_FIELDS), self.device,
+                               lambda: batch.to(self.device))
 
     def _prepare_cuda(self, batch: TreeBatch) -> None:
         with single_threaded(bucket_length(batch.seq_len)):

@@ -251,10 +251,10 @@ def train_step(tmodel, tree_or_trees: Tree | TrajectoryTree | Sequence[Tree | Tr
                     counts.append(pp.counts if pp is not None else
                                   count_routes(tmodel, it.tree, plan, conv_kernel=conv_kernel))
             router_weights = step_router_weights(router, [it.tree for it in items], counts, norm)
-        for j, (it, plan) in enumerate(zip(items, plans)):
-            tree = it.tree
-            rw = None if router_weights is None else router_weights[j]
-            if mode == "redundancy_free":
+        if mode == "redundancy_free":
+            for j, (it, plan) in enumerate(zip(items, plans)):
+                tree = it.tree
+                rw = None if router_weights is None else router_weights[j]
                 with _named(it):  # missing objective data, bad ids: name the tree (file and lines)
                     lin = linearize(path_level, tree, pre[j].logprobs, norm, data=it.extras) if path_level else None
                     if linear:
@@ -280,20 +280,30 @@ def train_step(tmodel, tree_or_trees: Tree | TrajectoryTree | Sequence[Tree | Tr
                 reuses.append(res.reuse)
                 bar.done += len(plan) - 1
                 bar.update(res.tokens_computed)
-                continue
-            n_tree = 0
-            for i in range(1 if plan is None else len(plan)):
-                batch = tree_batch(tree, norm, conv_kernel=conv_kernel) if plan is None \
-                    else partition_batch(plan, i, norm, conv_kernel=conv_kernel)
-                batch.extras.update(it.extras)
-                if rw is not None:  # this batch's coefficients in the step's router losses
-                    batch.extras[ROUTER_WEIGHTS] = rw.take(batch.extras.get("tokens"), batch.extras.get("owned"),
-                                                           batch.num_tokens)
+        else:
+            def batches():  # (item index, batch): every tree's batches in order, built as they are reached
+                for j, (it, plan) in enumerate(zip(items, plans)):
+                    rw = None if router_weights is None else router_weights[j]
+                    for i in range(1 if plan is None else len(plan)):
+                        batch = tree_batch(it.tree, norm, conv_kernel=conv_kernel) if plan is None \
+                            else partition_batch(plan, i, norm, conv_kernel=conv_kernel)
+                        batch.extras.update(it.extras)
+                        if rw is not None:  # this batch's coefficients in the step's router losses
+                            batch.extras[ROUTER_WEIGHTS] = rw.take(batch.extras.get("tokens"),
+                                                                   batch.extras.get("owned"), batch.num_tokens)
+                        yield j, batch
+
+            n_tree = [0] * len(items)
+            upcoming = batches()
+            nxt = next(upcoming, None)
+            while nxt is not None:
+                j, batch = nxt
+                it, tree = items[j], items[j].tree
                 with _named(it):  # missing or malformed objective data, bad ids: name the tree (file and lines)
                     out = tmodel(batch)
                     loss = _objective_loss(objectives, out, batch, norm)
                 if out.aux_loss is not None:  # the MoE router losses (compile(router_aux=...)), as out.loss has them
-                    scale = 1.0 if rw is not None else _router_scale(tmodel, tree, norm)
+                    scale = 1.0 if router_weights is not None else _router_scale(tmodel, tree, norm)
                     aux = out.aux_loss * scale
                     z = None if out.z_loss is None else out.z_loss * scale
                     loss = loss + router.weighted(aux, z)
@@ -308,12 +318,18 @@ def train_step(tmodel, tree_or_trees: Tree | TrajectoryTree | Sequence[Tree | Tr
                 if loss.requires_grad:
                     loss.backward()
                 sums.add("loss", loss)
-                n_tree += batch.num_tokens
+                # the next batch's host work (move, padding, attention plans) while the GPU runs this backward
+                nxt = next(upcoming, None)
+                if nxt is not None:
+                    with _named(items[nxt[0]]):
+                        tmodel.prepare(nxt[1])
+                n_tree[j] += batch.num_tokens
                 peak = max(peak, batch.num_tokens)
                 bar.update(batch.num_tokens)
                 del out, loss
-            computed += n_tree
-            reuses.append(Reuse(tree.num_path_tokens, tree.num_tokens, n_tree))
+            for it, n in zip(items, n_tree):
+                computed += n
+                reuses.append(Reuse(it.tree.num_path_tokens, it.tree.num_tokens, n))
     finally:
         bar.close()
 
