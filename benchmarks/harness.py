@@ -538,6 +538,7 @@ class Steps:
         from treecompile import Tree
 
         self.model, self.spec, self.case, self.cfg, self.tmodels = model, spec, case, cfg, tmodels
+        self.params = list(model.parameters())
         self.dev = torch.device(cfg.device)
         self.tree = Tree.from_paths([list(p) for p in case.paths])
         self.coef = self.tree.path_coefficients(cfg.normalize).tolist()
@@ -545,7 +546,12 @@ class Steps:
         self.note: str | None = None  # set by a contender that chooses a kernel at run time
 
     def zero(self):
-        self.model.zero_grad(set_to_none=True)
+        """Every contender's step starts here: the gradients set to None over a parameter list, as
+        ``optimizer.zero_grad()`` does.  ``nn.Module.zero_grad``, used until session 40, walks the modules first:
+        0.57 ms against 0.09 for the 0.6B's 310 parameters on this repository's CPU (meta tensors: the walk alone);
+        on the H200 host it took 1.8-3.4 ms a step with the frees, a harness cost every contender paid."""
+        for p in self.params:
+            p.grad = None
 
     def logits(self, ids):
         """``ids [T]`` -> logits ``[1, T, V]`` of the model on that one sequence (``ModelSpec.logits``)."""

@@ -377,7 +377,15 @@ def test_batch_tokens_merges_trees_and_keeps_the_gradients(compiled, normalize):
             assert all(b.num_tokens <= batch_tokens or b.num_tokens == sizes[-1] for b in batches)
         for p in params:
             p.grad = None
-        local = backward_step(tmodel, batches)
+        prepared = []
+        prepare = tmodel.prepare
+        tmodel.prepare = lambda b: prepared.append((b, all(p.grad is not None for p in params))) or prepare(b)
+        try:
+            local = backward_step(tmodel, batches)
+        finally:
+            del tmodel.prepare
+        # each batch after the first prepared once, after a backward (the gradients were set)
+        assert [id(b) for b, _ in prepared] == [id(b) for b in batches[1:]] and all(a for _, a in prepared)
         g = torch.cat([p.grad.flatten() for p in params])
         assert abs(float(local) - ref_loss) <= 1e-9 * abs(ref_loss)
         assert rel(g, g_ref) < 1e-9

@@ -1038,8 +1038,8 @@ def test_prepare_refuses_what_it_cannot_keep_and_does_nothing_off_cuda():
 
 def test_a_batch_moved_once_is_not_moved_again_while_its_tensors_are_unchanged(monkeypatch):
     """``TreeProgram._moved_batch`` (what ``run`` and ``prepare`` move a batch with): the same batch, or another
-    TreeBatch holding the same tensors, gets the copy made before; one changed in place, or another batch, a new
-    copy, with the new values.  (A "meta" device stands in for CUDA.)"""
+    TreeBatch holding the same tensors, gets the copy made before; one changed in place, one whose copy was changed
+    in place, or another batch, a new copy.  (A "meta" device stands in for CUDA: values are not compared.)"""
     from helpers import cached_compile, cached_model, tiny_dense
     from treecompile.program import TreeProgram
 
@@ -1055,6 +1055,9 @@ def test_a_batch_moved_once_is_not_moved_again_while_its_tensors_are_unchanged(m
     b.loss_weight.mul_(2)
     again = prog._moved_batch(b)
     assert again is not moved and prog._moved_batch(b) is again
+    again.input_ids.add_(1)  # the copy changed in place: moved again, from the batch's own values
+    third = prog._moved_batch(b)
+    assert third is not again and prog._moved_batch(b) is third
     other = Tree.from_paths([[1, 2, 3], [1, 2, 4]]).to_batch()
     assert prog._moved_batch(other) is not again
 

@@ -300,11 +300,20 @@ class TreeProgram:
         return batch
 
     def _moved_batch(self, batch: TreeBatch) -> TreeBatch:
-        """``batch.to(self.device)``, kept for the last batch moved while its tensors are unchanged: a batch
-        prepared ahead is not moved again by its run.  (Keyed on the tensors the graph's inputs come from; the
-        moved batch's ``extras`` are those of the first batch object moved, which nothing here reads.)"""
-        return self._moved.get(tuple(getattr(batch, f) for f in _TENSOR_FIELDS), self.device,
-                               lambda: batch.to(self.device))
+        """``batch.to(self.device)``, kept for the last batch moved while its tensors and their copies are unchanged:
+        a batch prepared ahead is not moved again by its run.  (Keyed on the tensors the graph's inputs come from;
+        the moved batch's ``extras`` are those of the first batch object moved, which nothing here reads.)"""
+        src = tuple(getattr(batch, f) for f in _TENSOR_FIELDS)
+
+        def move():
+            moved = batch.to(self.device)
+            return moved, tuple(getattr(moved, f)._version for f in _TENSOR_FIELDS)
+
+        moved, versions = self._moved.get(src, self.device, move)
+        if tuple(getattr(moved, f)._version for f in _TENSOR_FIELDS) != versions:  # the copy was changed in place
+            self._moved.clear()
+            moved, _ = self._moved.get(src, self.device, move)
+        return moved
 
     def _prepare_cuda(self, batch: TreeBatch) -> None:
         with single_threaded(bucket_length(batch.seq_len)):

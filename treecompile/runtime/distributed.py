@@ -238,15 +238,23 @@ def _no_sync(module: nn.Module):
 def backward_step(module: nn.Module, batches: Sequence[TreeBatch]) -> torch.Tensor:
     """Forward and backward over ``batches``, accumulating gradients; gradients are synchronised
     (DDP all-reduce / FSDP2 reduce-scatter) on the last batch only.  ``module`` is a TreeModel, or a
-    DDP or FSDP2 module around one.  Returns this rank's summed loss (detached)."""
+    DDP or FSDP2 module around one; each batch after the first is prepared (``TreeModel.prepare``) after the
+    backward of the one before.  Returns this rank's summed loss (detached)."""
     if not batches:
         raise ValueError("batches: every rank needs at least one batch (use dummy_batch) to join the collectives")
+    from torch.nn.parallel import DistributedDataParallel
+
+    # the next batch's host work while the GPU runs this backward (TreeModel.prepare; DDP wraps the TreeModel,
+    # FSDP2 turns it into a subclass of itself)
+    prepare = getattr(module.module if isinstance(module, DistributedDataParallel) else module, "prepare", None)
     total = None
     for k, b in enumerate(batches):
         ctx = _no_sync(module) if k < len(batches) - 1 else contextlib.nullcontext()
         with ctx:
             loss = module(b).loss
             loss.backward()
+        if prepare is not None and k + 1 < len(batches):
+            prepare(batches[k + 1])
         total = loss.detach() if total is None else total + loss.detach()
     return total
 
