@@ -1126,3 +1126,10 @@ def test_prepared_cuda_batch_runs_its_prepared_plan_with_the_same_results(monkey
     n = len(built)
     same(prepared, step(cpu))
     assert len(built) == n
+    side = torch.cuda.Stream()  # prepared on a side stream, run on the default one: nothing read across streams
+    cpu = tree.to_batch()
+    with torch.cuda.stream(side):
+        tm.prepare(cpu)
+    n = len(built)
+    same(prepared, step(cpu))
+    assert len(built) == n + 1

@@ -309,10 +309,12 @@ class TreeProgram:
             moved = batch.to(self.device)
             return moved, tuple(getattr(moved, f)._version for f in _TENSOR_FIELDS)
 
-        moved, versions = self._moved.get(src, self.device, move)
+        # the current stream: the copies are made on it (LastBatch keys CUDA tensors so; these are the host's)
+        key = (self.device, torch._C._cuda_getCurrentStream(self.device.index) if self.device.type == "cuda" else None)
+        moved, versions = self._moved.get(src, key, move)
         if tuple(getattr(moved, f)._version for f in _TENSOR_FIELDS) != versions:  # the copy was changed in place
             self._moved.clear()
-            moved, _ = self._moved.get(src, self.device, move)
+            moved, _ = self._moved.get(src, key, move)
         return moved
 
     def _prepare_cuda(self, batch: TreeBatch) -> None:

@@ -12,32 +12,45 @@ intra-op threads for them costs more than their work).
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from treecompile.host_values import single_threaded
 
-__all__ = ["LastBatch"]
+__all__ = ["LastBatch", "current_stream"]
 
 
 class LastBatch:
     """A value built from one batch's tensors, kept while the same tensor objects come back unchanged.
 
     Keyed on the tensors' identity (the entry holds them, so their ids cannot pass
-    to other tensors), their version counters (an in-place change rebuilds) and a ``key``."""
+    to other tensors), their version counters (an in-place change rebuilds), a ``key``, and for CUDA tensors the
+    current stream: a value's device tables are written on the stream current when it is built (a batch prepared
+    ahead on a side stream), and a call on another stream builds its own rather than read them unordered."""
 
     def __init__(self):
         self._entry: tuple = ()
 
     def get(self, tensors: tuple[Tensor, ...], key, build):
         versions = tuple(t._version for t in tensors)
+        stream = current_stream(tensors)
         e = self._entry
         if (e and len(e[0]) == len(tensors) and all(a is b for a, b in zip(e[0], tensors))
-                and e[1] == versions and e[2] == key):
+                and e[1] == versions and e[2] == key and e[4] == stream):
             return e[3]
         with single_threaded(max((t.numel() for t in tensors), default=0)):
             value = build()
-        self._entry = (tuple(tensors), versions, key, value)
+        self._entry = (tuple(tensors), versions, key, value, stream)
         return value
 
     def clear(self) -> None:
         self._entry = ()
+
+
+def current_stream(tensors) -> tuple | None:
+    """The current CUDA stream of the first CUDA tensor's device (its id triple: cheaper than a Stream object),
+    None when none is on CUDA."""
+    for t in tensors:
+        if t.is_cuda:
+            return torch._C._cuda_getCurrentStream(t.device.index)
+    return None
