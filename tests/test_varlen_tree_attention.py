@@ -1062,6 +1062,33 @@ def test_a_batch_moved_once_is_not_moved_again_while_its_tensors_are_unchanged(m
     assert prog._moved_batch(other) is not again
 
 
+def test_prepare_plans_builds_each_listed_plan_once_and_skips_inputs_it_is_not_given(monkeypatch):
+    """``lower_cuda.prepare_plans``: the unwindowed and windowed plans a lowering lists are built from the batch's
+    tensors, and the ops' calls then find them (no second build); an entry whose placeholders are not among the
+    batch inputs given is left to the op."""
+    from types import SimpleNamespace
+
+    from treecompile.ops import varlen_tree_attention as vta
+    from treecompile.passes import lower_cuda as lc
+
+    b = _batch(ODD_TREES["one_token_nodes"], None)
+    built = []
+    for name in ("_build_plan", "windowed_plan"):
+        fn = getattr(vta, name)
+        monkeypatch.setattr(vta, name, lambda *a, _fn=fn, _name=name: built.append(_name) or _fn(*a))
+    monkeypatch.setattr(vta, "_WINDOW_PLANS", {})
+    vta._PLANS.clear()
+    low = SimpleNamespace(plans=(lc.VarlenPlanInput("tree_subtree_end", None, None, torch.float64, 8),
+                                 lc.VarlenPlanInput("tree_subtree_end", "tree_position_ids", 3, torch.float64, 8),
+                                 lc.VarlenPlanInput("elsewhere", None, None, torch.float64, 8)))
+    lc.prepare_plans(low, {"tree_subtree_end": b.subtree_end, "tree_position_ids": b.position_ids})
+    assert built == ["_build_plan", "windowed_plan"]
+    q = torch.empty(1, 2, b.seq_len, 8, dtype=torch.float64)
+    assert vta._plan(b.subtree_end, q) is vta._PLANS._entry[3]
+    vta._window_plan(b.subtree_end, b.position_ids, 3)
+    assert built == ["_build_plan", "windowed_plan"]  # both found
+
+
 def test_prepare_refuses_a_boundary_program(monkeypatch):
     from helpers import cached_compile, cached_model, tiny_dense
 

@@ -264,6 +264,8 @@ def prepare_plans(lowering: CudaLowering, inputs: Mapping[str, torch.Tensor]) ->
     (``inputs``: the graph's batch placeholders by name, with the tensors the graph will get): their calls in the
     step then find them (:func:`treecompile.ops.varlen_tree_attention.prepare`)."""
     for p in lowering.plans:
+        if p.subtree_end not in inputs or p.position_ids is not None and p.position_ids not in inputs:
+            continue  # not a batch input here: the op plans in the step
         se = inputs[p.subtree_end]
         q = torch.empty((1, 1, 0, p.head_dim), dtype=p.dtype, device=se.device)  # the plan reads these only
         varlen_tree_attention.prepare(se, q, None if p.position_ids is None else inputs[p.position_ids], p.window)
