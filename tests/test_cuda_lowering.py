@@ -74,6 +74,22 @@ def test_gdn_lowered_to_fla_only_when_asked():
             t = targets(low.graph_module)
             assert t.count(tc_cuda.TREE_CONV_FLA) == 3 and tc_cuda.TREE_CONV not in t
             assert (low.gdn_fla, low.conv_fla, low.conv_shifts) == (3, 3, 0)
+        # what TreeModel.prepare builds ahead for this lowering: one GDN plan and one conv plan (the layers share
+        # their dims and the batch's tensors), from the batch's own placeholders; built here on the CPU
+        cfg = HybridConfig.tiny()
+        (gdn,), (conv,) = ([p for p in low.plans if isinstance(p, kind)]
+                           for kind in (tc_cuda.GdnPlanInput, tc_cuda.ConvPlanInput))
+        assert len(low.plans) == 2
+        assert gdn == tc_cuda.GdnPlanInput("tree_node_start", "tree_node_end", "tree_node_parent",
+                                           cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                                           cfg.linear_value_head_dim, None, gdn.levels, 64)
+        assert conv == tc_cuda.ConvPlanInput("tree_conv_index", 1)
+        inputs = dict(zip([f"tree_{n}" for n in prog.tree_inputs], args[len(prog.user_inputs):]))
+        tc_cuda.prepare_plans(low, inputs)
+        from treecompile.ops import fla_conv
+
+        assert fla_gdn._PLANS._entry[0] == (batch.node_start, batch.node_end, batch.node_parent)
+        assert fla_conv._SEGMENTS._entry[0] == (batch.conv_index,)
         # levelled or whole fla calls: decided once per lowering, carried by every GDN call
         for levels in (True, False):
             mp.setattr(fla_gdn, "default_levels", lambda levels=levels: levels)

@@ -426,3 +426,50 @@ def test_occurrence_groups_equal_a_stable_sort_of_every_row(seed):
     assert len(got) == len(want)
     for (gv, gr), (wv, wr) in zip(got, want):
         assert torch.equal(gv, wv) and gr.shape == wr.shape and torch.equal(gr, wr)
+
+
+@pytest.mark.parametrize("replay_max", [0, None])
+def test_prepared_plan_is_the_one_the_call_runs(replay_max, monkeypatch):
+    """``fla_gdn.prepare`` (what ``TreeModel.prepare`` calls for a lowered fla GDN layer) builds the plan a call of
+    these dims will run (whole calls, the path a torch kernel takes here): the call then builds none, and its output
+    is the unprepared call's.  A layer of other dims keys its own plan (the cost per call depends on them)."""
+    b = Tree.from_paths(TREES["agentic_like_0"]).to_batch(pad_to_multiple=8)
+    nodes = (b.node_start, b.node_end, b.node_parent, b.node_level)
+    xs = gdn_inputs(b.seq_len, 0, with_init=True)
+    Dk = xs[0].shape[3]
+    built = []
+    for name in ("cheapest_plan", "plan_calls"):
+        fn = getattr(fla_gdn, name)
+        monkeypatch.setattr(fla_gdn, name, lambda *a, _fn=fn, **kw: built.append(1) or _fn(*a, **kw))
+
+    def run():
+        return fla_gdn.tree_gated_delta_rule_fla(*xs[:5], *nodes, xs[5], use_qk_l2norm_in_kernel=True, chunk_size=4,
+                                                 replay_max=replay_max, kernel=torch_varlen_gdn, levels=False)
+    fla_gdn._PLANS.clear()
+    want = run()
+    assert len(built) == 1
+    fla_gdn._PLANS.clear()
+    fla_gdn.prepare(*nodes[:3], value_heads=Hv, key_dim=Dk, value_dim=Dv, replay_max=replay_max, levels=False,
+                    chunk_size=4)
+    assert len(built) == 2
+    torch.testing.assert_close(run(), want, rtol=0, atol=0)
+    assert len(built) == 2  # the call found the prepared plan
+    if replay_max is None:  # cheapest_plan weighs calls by the layer's dims: another layer plans again
+        fla_gdn.prepare(*nodes[:3], value_heads=2 * Hv, key_dim=Dk, value_dim=Dv, levels=False, chunk_size=4)
+        assert len(built) == 3
+
+
+def test_prepared_conv_segments_are_the_ones_the_call_reads(monkeypatch):
+    """``fla_conv.prepare``: the segments of a batch's ``conv_index`` for ``batch`` rows, kept for the op's call."""
+    from treecompile.ops import fla_conv
+
+    b = Tree.from_paths(TREES["agentic_like_1"]).to_batch(conv_kernel=4)
+    built = []
+    fn = fla_conv.conv_segments
+    monkeypatch.setattr(fla_conv, "conv_segments", lambda *a: built.append(1) or fn(*a))
+    fla_conv._SEGMENTS.clear()
+    fla_conv.prepare(b.conv_index, 2)
+    seg = fla_conv._cached_segments(b.conv_index, 2)
+    assert len(built) == 1 and seg is fla_conv._SEGMENTS._entry[3]
+    fla_conv._cached_segments(b.conv_index, 1)  # other rows: other segments
+    assert len(built) == 2

@@ -185,7 +185,8 @@ class TreeModel(nn.Module):
 
     def prepare(self, batch: TreeBatch) -> TreeBatch:
         """Do the host work of ``batch``'s step now: the id check, the move to the model's device, the padding to
-        its length bucket, the block masks and the varlen attention plans (:meth:`TreeProgram.prepare`).  Returns
+        its length bucket, the block masks, and the plans of the varlen attention, fla GDN and fla conv ops
+        (:meth:`TreeProgram.prepare`).  Returns
         the batch on the device (``batch`` itself off CUDA).  A later call of the model on either batch, this one
         or the returned one, finds that work done while their tensors are unchanged (a batch changed in place is
         prepared again by the call; results never depend on whether it was prepared).

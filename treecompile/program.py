@@ -282,8 +282,8 @@ class TreeProgram:
 
     def prepare(self, batch: TreeBatch) -> TreeBatch:
         """Do now the host work of a later :meth:`run` of ``batch``: its move to the model's device, the padding to
-        its bucket, the block masks and host tables, and the varlen attention ops' plans (``lower_cuda.
-        prepare_plans``).  Returns the batch on the device.  A run of the same batch (this one or the returned one)
+        its bucket, the block masks and host tables, and the ops' host plans (varlen attention, fla GDN and conv:
+        ``lower_cuda.prepare_plans``).  Returns the batch on the device.  A run of the same batch (this one or the returned one)
         with its tensors unchanged finds that work done; a run of another batch, or of this one changed in place,
         does its own as without this call.  What is kept is one batch's worth (the last one prepared or run), so
         the pattern is: prepare the next batch after this one's backward, while the GPU runs it

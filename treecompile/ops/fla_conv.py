@@ -31,7 +31,7 @@ from treecompile.host_values import host_copy, to_device_async
 from treecompile.ops.last_batch import LastBatch
 from treecompile.ops.tree_conv import check_conv_args, conv_setup_context
 
-__all__ = ["tree_causal_conv1d_fla", "ConvSegments", "conv_segments", "CHUNK_SIZE"]
+__all__ = ["tree_causal_conv1d_fla", "ConvSegments", "conv_segments", "prepare", "CHUNK_SIZE"]
 
 CHUNK_SIZE = 64  # fla's default time tile of the conv kernels (forward and backward must agree)
 
@@ -90,6 +90,12 @@ _SEGMENTS = LastBatch()  # the segments of the last batch: every GDN layer's con
 
 def _cached_segments(conv_index: Tensor, batch: int) -> ConvSegments:
     return _SEGMENTS.get((conv_index,), batch, lambda: conv_segments(conv_index, batch))
+
+
+def prepare(conv_index: Tensor, batch: int) -> None:
+    """Build now, and keep, the segments the op will read for ``batch`` rows sharing ``conv_index``: its next call
+    with the same tensor, unchanged, finds them (``lower_cuda.prepare_plans``, for ``TreeModel.prepare``)."""
+    _cached_segments(conv_index, batch)
 
 
 def _fla():

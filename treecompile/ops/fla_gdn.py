@@ -63,6 +63,7 @@ __all__ = [
     "host_chunk_indices",
     "occurrence_groups",
     "plan_calls",
+    "prepare",
     "tree_gated_delta_rule_fla",
 ]
 
@@ -559,6 +560,37 @@ def _cached_plan(node_start, node_end, node_parent, replay_max, cost_rows=CALL_C
     return _PLANS.get(tensors, (replay_max, (cost_rows, in_place) if replay_max is None else None), build)
 
 
+def _layer_plan(node_start: Tensor, node_end: Tensor, node_parent: Tensor, Hv: int, Dk: int, Dv: int,
+                device: torch.device, *, replay_max: int | None, levels: bool, chunk_size: int):
+    """The batch's plan as a layer of these head counts and dims runs it (:func:`tree_gated_delta_rule_fla`, after
+    ``levels`` is resolved): ``(plan, how its rows are read, the levelled path's tensors or None)``.  Built once
+    per batch: the plan is kept per batch (:func:`_cached_plan`), its level tensors on the plan."""
+    cost = level_cost_rows(Hv, Dk, Dv) if levels else call_cost_rows(Hv, Dk, Dv)
+    tree = levels and tree_usable(device)
+    if tree and replay_max is None:  # one recurrence launch over the tree: calls cost nothing, replay only rows
+        replay_max = 0
+    in_place = levels and (tree or in_place_usable())
+    plan = _cached_plan(node_start, node_end, node_parent, replay_max, cost, in_place)
+    read = plan.rows_read(in_place)
+    if not levels:
+        return plan, read, None
+    from treecompile.ops.fla_gdn_levels import level_tensors
+
+    return plan, read, level_tensors(plan, chunk_size, in_place=read == "in place",
+                                     tree=tree and plan.replayed_tokens == 0)
+
+
+def prepare(node_start: Tensor, node_end: Tensor, node_parent: Tensor, *, value_heads: int, key_dim: int,
+            value_dim: int, replay_max: int | None = None, levels: bool | None = None, chunk_size: int = 64) -> None:
+    """Build now, and keep, what :func:`tree_gated_delta_rule_fla` with fla's own kernel (``kernel=None``) will
+    plan for this batch in a layer of these dims: its next call with the same node tensors, unchanged, finds it
+    (``lower_cuda.prepare_plans``, for ``TreeModel.prepare``)."""
+    if levels is None:
+        levels = default_levels()
+    _layer_plan(node_start, node_end, node_parent, value_heads, key_dim, value_dim, node_start.device,
+                replay_max=replay_max, levels=levels, chunk_size=chunk_size)
+
+
 def tree_gated_delta_rule_fla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, node_start: Tensor,
                               node_end: Tensor, node_parent: Tensor, node_level: Tensor,
                               initial_state: Tensor | None = None, *, scale: float | None = None,
@@ -596,24 +628,17 @@ def tree_gated_delta_rule_fla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: 
         q, k, v_in, g, beta = (x.to(compute_dtype) for x in (q, k, v, g, beta))
     else:
         v_in = v
-    cost = level_cost_rows(Hv, Dk, Dv) if levels else call_cost_rows(Hv, Dk, Dv)
-    tree = levels and tree_usable(q.device)
-    if tree and replay_max is None:  # one recurrence launch over the tree: calls cost nothing, replay only rows
-        replay_max = 0
-    in_place = levels and (tree or in_place_usable())
-    plan = _cached_plan(node_start, node_end, node_parent, replay_max, cost, in_place)
-    tree = tree and plan.replayed_tokens == 0
+    plan, read, levelled = _layer_plan(node_start, node_end, node_parent, Hv, Dk, Dv, q.device,
+                                       replay_max=replay_max, levels=levels, chunk_size=chunk_size)
     xs = (q, k, v_in, g, beta)
-    read = plan.rows_read(in_place)
     gathered = read == "gathered"
     if gathered:  # one gather per input for all calls; each call reads a contiguous block of rows
         xs = tuple(gather_rows(x, plan.index, plan.occurrences) for x in xs)
     if levels:
-        from treecompile.ops.fla_gdn_levels import TreeGDNLevels, level_tensors
+        from treecompile.ops.fla_gdn_levels import TreeGDNLevels
 
-        o = TreeGDNLevels.apply(*xs, initial_state, level_tensors(plan, chunk_size, in_place=read == "in place",
-                                                                  tree=tree),
-                                scale if scale is not None else Dk ** -0.5, use_qk_l2norm_in_kernel)
+        o = TreeGDNLevels.apply(*xs, initial_state, levelled, scale if scale is not None else Dk ** -0.5,
+                                use_qk_l2norm_in_kernel)
         if gathered:
             o = o.index_select(1, plan.out_rows)
         return o.to(v.dtype)

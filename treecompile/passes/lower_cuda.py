@@ -110,7 +110,8 @@ from treecompile.passes.token_axis import same
 __all__ = ["CudaOptions", "CudaLowering", "lower_cuda", "attention_inputs", "resolve_gdn_kernel",
            "resolve_attention_kernel", "moe_grouped_unusable_reason", "GDN_KERNELS", "ATTENTION_KERNELS",
            "ATTENTION_LAYOUTS", "AUTO_SEGMENTS_HEAD_DIMS", "HEAD_LOGITS", "head_keep", "head_keeps",
-           "warn_once", "prepare_plans", "VarlenPlanInput"]
+           "warn_once", "prepare_plans", "VarlenPlanInput", "GdnPlanInput",
+           "ConvPlanInput"]
 
 TREE_ATTENTION = torch.ops.treecompile.tree_attention.default
 TREE_ATTENTION_WINDOWED = torch.ops.treecompile.tree_attention_windowed.default
@@ -231,8 +232,9 @@ class CudaLowering:
     # tree_attention_windowed calls lowered to tree_attention_varlen_windowed_fwd (FA4's window over the segments;
     # no block mask: a batch its segments do not suit runs the window block mask inside the op)
     windowed_varlen: int = 0
-    # the per-batch plans of the varlen ops, one per distinct input (:func:`prepare_plans`: built ahead of a step)
-    plans: tuple[VarlenPlanInput, ...] = ()
+    # the per-batch host plans of the graph's ops, one per distinct input (:func:`prepare_plans`: built ahead of a
+    # step): VarlenPlanInput, GdnPlanInput, ConvPlanInput
+    plans: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -246,29 +248,109 @@ class VarlenPlanInput:
     dtype: torch.dtype
     head_dim: int
 
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.subtree_end,) if self.position_ids is None else (self.subtree_end, self.position_ids)
 
-def _plan_input(q, subtree_end, positions=None, window=None) -> VarlenPlanInput | None:
+    def prepare(self, inputs: Mapping[str, torch.Tensor]) -> None:
+        se = inputs[self.subtree_end]
+        q = torch.empty((1, 1, 0, self.head_dim), dtype=self.dtype, device=se.device)  # the plan reads these only
+        varlen_tree_attention.prepare(se, q, None if self.position_ids is None else inputs[self.position_ids],
+                                      self.window)
+
+
+@dataclass(frozen=True)
+class GdnPlanInput:
+    """What one fla GDN call (:func:`_gdn_fla`) plans from: the batch's node placeholders, the layer's value heads
+    and head dims, and the call's plan options."""
+
+    node_start: str
+    node_end: str
+    node_parent: str
+    value_heads: int
+    key_dim: int
+    value_dim: int
+    replay_max: int | None
+    levels: bool | None
+    chunk_size: int
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return self.node_start, self.node_end, self.node_parent
+
+    def prepare(self, inputs: Mapping[str, torch.Tensor]) -> None:
+        from treecompile.ops import fla_gdn
+
+        fla_gdn.prepare(*(inputs[n] for n in self.names), value_heads=self.value_heads, key_dim=self.key_dim,
+                        value_dim=self.value_dim, replay_max=self.replay_max, levels=self.levels,
+                        chunk_size=self.chunk_size)
+
+
+@dataclass(frozen=True)
+class ConvPlanInput:
+    """What one fla varlen conv (``treecompile::tree_causal_conv1d_fla``) plans from: the batch's ``conv_index``
+    placeholder and the rows that share it."""
+
+    conv_index: str
+    batch: int
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.conv_index,)
+
+    def prepare(self, inputs: Mapping[str, torch.Tensor]) -> None:
+        from treecompile.ops import fla_conv
+
+        fla_conv.prepare(inputs[self.conv_index], self.batch)
+
+
+def _placeholders(*nodes) -> bool:
+    return all(isinstance(a, fx.Node) and a.op == "placeholder" for a in nodes)
+
+
+def _val(node):
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return val if isinstance(val, torch.Tensor) else None
+
+
+def _varlen_plan(q, subtree_end, positions=None, window=None) -> VarlenPlanInput | None:
     """The :class:`VarlenPlanInput` of a varlen op reading these nodes, or None when its plan cannot be built ahead
     (its tree tensors are computed in the graph, not the batch's own, or its query has no recorded value): the
     op then builds it in the step, as without :func:`prepare_plans`."""
-    val = q.meta.get("val") if isinstance(q, fx.Node) else None
-    nodes = (subtree_end,) if window is None else (subtree_end, positions)
-    if not isinstance(val, torch.Tensor) or not all(isinstance(a, fx.Node) and a.op == "placeholder" for a in nodes):
+    val = _val(q)
+    if val is None or not _placeholders(subtree_end, *(() if window is None else (positions,))):
         return None
     return VarlenPlanInput(subtree_end.name, None if window is None else positions.name, window, val.dtype,
                            val.shape[-1])
 
 
+def _gdn_plan(args, kwargs) -> GdnPlanInput | None:
+    """The :class:`GdnPlanInput` of a ``tree_gated_delta_rule`` node's arguments lowered to fla (``kwargs`` with
+    the lowering's own), or None as :func:`_varlen_plan`."""
+    q, v, nodes = _val(args[0]), _val(args[2]), args[5:8]
+    if q is None or v is None or not _placeholders(*nodes) or kwargs.get("kernel") is not None:
+        return None
+    return GdnPlanInput(*(n.name for n in nodes), value_heads=v.shape[2], key_dim=q.shape[3], value_dim=v.shape[3],
+                        replay_max=kwargs.get("replay_max"), levels=kwargs.get("levels"),
+                        chunk_size=kwargs.get("chunk_size", 64))
+
+
+def _conv_plan(args) -> ConvPlanInput | None:
+    """The :class:`ConvPlanInput` of a ``tree_causal_conv1d`` node's arguments lowered to fla, or None as
+    :func:`_varlen_plan`."""
+    x, conv_index = _val(args[0]), args[3]
+    if x is None or not _placeholders(conv_index):
+        return None
+    return ConvPlanInput(conv_index.name, x.shape[0])
+
+
 def prepare_plans(lowering: CudaLowering, inputs: Mapping[str, torch.Tensor]) -> None:
-    """Build now, and keep, the plans the lowered graph's varlen attention ops will make for one batch
-    (``inputs``: the graph's batch placeholders by name, with the tensors the graph will get): their calls in the
-    step then find them (:func:`treecompile.ops.varlen_tree_attention.prepare`)."""
+    """Build now, and keep, the host plans the lowered graph's ops will make for one batch (``inputs``: the graph's
+    batch placeholders by name, with the tensors the graph will get): their calls in the step then find them
+    (each op module's ``prepare``).  A listed plan whose placeholders are not among ``inputs`` is left to its op."""
     for p in lowering.plans:
-        if p.subtree_end not in inputs or p.position_ids is not None and p.position_ids not in inputs:
-            continue  # not a batch input here: the op plans in the step
-        se = inputs[p.subtree_end]
-        q = torch.empty((1, 1, 0, p.head_dim), dtype=p.dtype, device=se.device)  # the plan reads these only
-        varlen_tree_attention.prepare(se, q, None if p.position_ids is None else inputs[p.position_ids], p.window)
+        if all(n in inputs for n in p.names):
+            p.prepare(inputs)
 
 
 @torch._dynamo.disable  # a host-side level schedule and fla's autograd Functions: kept out of dynamo
@@ -604,7 +686,7 @@ def lower_cuda(gm: fx.GraphModule, options: CudaOptions, *, boundary: bool = Fal
             order = graph.placeholder("tree_attention_order")
     attention = gdn_fla = triton_head = conv_fla = conv_shifts = moe_grouped = attention_varlen = segments_only = 0
     windowed = windowed_varlen = 0
-    plans: list[VarlenPlanInput | None] = []
+    plans: list = []  # VarlenPlanInput, GdnPlanInput, ConvPlanInput (None: an op that plans in the step)
     window_masks: dict[int, fx.Node] = {}  # one block mask placeholder per distinct window, after the others
     head_kept = None
     conv_kernel = resolve_conv_kernel(options.conv_kernel, gdn_kernel, compiled)
@@ -619,7 +701,7 @@ def lower_cuda(gm: fx.GraphModule, options: CudaOptions, *, boundary: bool = Fal
             auto = _auto_varlen(q, layout, setup_reason) if options.attention_kernel == "auto" and varlen else None
             if options.attention_kernel == "fa4_varlen" or auto:  # no block mask: the op plans from subtree_end
                 _replace(graph, n, _varlen, (q, k, v, subtree_end, scale, setup_reason, options.attention_kernel))
-                plans.append(_plan_input(q, subtree_end))
+                plans.append(_varlen_plan(q, subtree_end))
                 attention_varlen += 1
                 segments_only += auto == "segments"
             else:
@@ -641,7 +723,7 @@ def lower_cuda(gm: fx.GraphModule, options: CudaOptions, *, boundary: bool = Fal
             if options.attention_kernel == "fa4_varlen" or auto:
                 _replace(graph, n, _varlen_windowed, (q, k, v, subtree_end, positions, window, scale, setup_reason,
                                                       options.attention_kernel))
-                plans.append(_plan_input(q, subtree_end, positions, window))
+                plans.append(_varlen_plan(q, subtree_end, positions, window))
                 windowed_varlen += 1
                 continue
             if window not in window_masks:
@@ -652,6 +734,7 @@ def lower_cuda(gm: fx.GraphModule, options: CudaOptions, *, boundary: bool = Fal
                      (q, k, v, window_masks[window], scale, _window_kernel(options.attention_kernel), setup_reason))
             windowed += 1
         elif n.op == "call_function" and n.target == TREE_GDN and gdn_kernel == "fla":
+            plans.append(_gdn_plan(n.args, {**n.kwargs, **gdn_kwargs}))
             _replace(graph, n, _gdn_fla, n.args, {**n.kwargs, **gdn_kwargs})
             gdn_fla += 1
         elif n.op == "call_function" and n.target == TREE_CONV and conv_kernel in ("shifts", "shifts_inductor"):
@@ -660,6 +743,7 @@ def lower_cuda(gm: fx.GraphModule, options: CudaOptions, *, boundary: bool = Fal
             conv_shifts += 1
         elif (n.op == "call_function" and n.target == TREE_CONV and conv_kernel == "fla"
               and all(a.meta["val"].dtype in FLA_CONV_DTYPES for a in n.args[:2])):  # x and weight
+            plans.append(_conv_plan(n.args))
             _replace(graph, n, TREE_CONV_FLA, n.args, n.kwargs)
             conv_fla += 1
         elif n.op == "call_function" and n.target == LINEAR_LOGPROBS:
