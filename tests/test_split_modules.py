@@ -7,6 +7,8 @@ once per step, in layer order, and see the parameters the segment reads.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -181,3 +183,36 @@ def test_module_tensor_reads_what_get_parameter_reads():
         module_tensor(model, "model.nope.weight", parameter=True)
     with pytest.raises(AttributeError):
         module_tensor(model, "model.layers.0.mlp.down_proj.missing", parameter=True)
+
+
+def test_lifted_values_are_the_lifted_tensors_looked_up_now():
+    """``TreeProgram.lifted_values`` (every step's lookup, one walk of the module dicts) gives, tensor for tensor,
+    what ``lifted_value`` gives one by one: after a parameter is swapped, after a whole submodule is replaced (the walk
+    keeps names, not modules), and a submodule set to None falls back to the one-by-one lookup and its error."""
+    from helpers import cached_compile, cached_model, tiny_dense
+
+    model = cached_model("dense-tiny", tiny_dense)
+    prog = cached_compile(model).program
+
+    def same():
+        got = prog.lifted_values()
+        assert len(got) == len(prog.lifted) and all(a is prog.lifted_value(x) for a, x in zip(got, prog.lifted))
+        return got
+
+    before = same()
+    mlp = model.model.layers[1].mlp
+    fresh = torch.nn.Parameter(mlp.down_proj.weight.detach().clone())
+    old_param, old_mlp = mlp.down_proj.weight, mlp
+    try:
+        mlp.down_proj.weight = fresh
+        assert any(t is fresh for t in same())
+        model.model.layers[1].mlp = copy.deepcopy(old_mlp)
+        after = same()
+        assert not any(t is fresh for t in after) and len(after) == len(before)
+        model.model.layers[1].mlp = None
+        with pytest.raises(AttributeError):
+            prog.lifted_values()
+    finally:
+        model.model.layers[1].mlp = old_mlp
+        old_mlp.down_proj.weight = old_param
+    assert all(a is b for a, b in zip(same(), before))

@@ -122,12 +122,46 @@ class TreeProgram:
         self._cuda_flex: _CudaState | None = None  # "auto"'s flex lowering, for batches the varlen segments refuse
         self._inputs = LastBatch()  # the last batch's graph inputs (_graph_inputs: kept for prepare and the call)
         self._moved = LastBatch()  # the last batch moved to the model's device (_moved_batch)
+        self._walk: tuple | None = None  # lifted_values' walk of the module dicts, made on first use
 
     # ------------------------------------------------------------------ inputs
     @property
     def device(self) -> torch.device:
         p = next(self.model.parameters(), None)
         return p.device if p is not None else torch.device("cpu")
+
+    def lifted_values(self) -> list[torch.Tensor]:
+        """``[lifted_value(x) for x in self.lifted]`` on the model, in one walk of its module dicts: each submodule
+        on the way is read once (from its parent's ``_modules``, now), then each tensor from its owner's
+        ``_parameters`` / ``_buffers``; a name those dicts do not hold takes :meth:`lifted_value`'s lookup.  Every
+        step reads every lifted tensor (311 for Qwen3-0.6B): 305 us one by one on this repository's CPU."""
+        if self._walk is None:
+            index: dict[tuple, int] = {(): 0}
+            modules, tensors = [], []
+            for x in self.lifted:
+                if x.kind not in (InputKind.PARAMETER, InputKind.BUFFER):
+                    tensors.append((None, x.target, None))
+                    continue
+                *path, leaf = x.target.split(".")
+                for i in range(1, len(path) + 1):
+                    if tuple(path[:i]) not in index:
+                        index[tuple(path[:i])] = len(modules) + 1
+                        modules.append((index[tuple(path[:i - 1])], path[i - 1]))
+                tensors.append((index[tuple(path)], leaf, x.kind == InputKind.PARAMETER))
+            self._walk = (modules, tensors)
+        modules, tensors = self._walk
+        mods = [self.model]
+        try:
+            for parent, name in modules:
+                mods.append(mods[parent]._modules[name])
+            out = [self.exported_program.constants[leaf] if owner is None else
+                   (mods[owner]._parameters if param else mods[owner]._buffers)[leaf]
+                   for owner, leaf, param in tensors]
+        except (KeyError, AttributeError):  # not in the dicts (a submodule set to None): one by one
+            return [self.lifted_value(x) for x in self.lifted]
+        if any(t is None for t in out):
+            return [self.lifted_value(x) for x in self.lifted]
+        return out
 
     def lifted_value(self, x: LiftedInput, tensors: nn.Module | None = None) -> torch.Tensor:
         """The tensor ``x`` names, looked up now on ``tensors`` (default: the model)."""
@@ -241,7 +275,8 @@ class TreeProgram:
         args = self.batch_args(batch) + boundary_inputs
         if self._cpu_split is not None and tensors is None:
             return self._run_segments(self._cpu_split, args)
-        return tuple(self.graph_module(*[self.lifted_value(x, tensors) for x in self.lifted], *args))
+        lifted = self.lifted_values() if tensors is None else [self.lifted_value(x, tensors) for x in self.lifted]
+        return tuple(self.graph_module(*lifted, *args))
 
     def _cuda_state(self, varlen: bool = True) -> _CudaState:
         """The CUDA lowering and its runner, made on first use.  ``varlen=False``: the lowering with every tree
@@ -277,7 +312,7 @@ class TreeProgram:
             if isinstance(state.run, SplitGraph):
                 out = self._run_segments(state.run, args)
             else:
-                out = tuple(state.run(*[self.lifted_value(x) for x in self.lifted], *args))
+                out = tuple(state.run(*self.lifted_values(), *args))
         return self.unpadded_outputs(out, T) if state.lowering.bucket else out
 
     def prepare(self, batch: TreeBatch) -> TreeBatch:
