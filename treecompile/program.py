@@ -360,12 +360,18 @@ class TreeProgram:
 
     def _graph_inputs(self, state: _CudaState, batch, boundary_inputs: list) -> tuple[_CudaState, list]:
         """:meth:`_cuda_inputs`, kept for the last batch (its TreeBatch tensors, unchanged, and the lowering), so that
-        :meth:`prepare` and the run of the same batch build them once; a boundary program's call (boundary inputs)
-        is not kept."""
+        :meth:`prepare` and the run of the same batch build them once (a boundary program's call, with boundary
+        inputs, is not kept); then the shifted convs' table of the batch's ``conv_index``."""
         if boundary_inputs or not isinstance(batch, TreeBatch):
-            return self._cuda_inputs(state, batch, boundary_inputs)
-        return self._inputs.get(tuple(getattr(batch, f) for f in _TENSOR_FIELDS), id(state),
-                                lambda: self._cuda_inputs(state, batch, boundary_inputs))
+            state, args = self._cuda_inputs(state, batch, boundary_inputs)
+        else:
+            state, args = self._inputs.get(tuple(getattr(batch, f) for f in _TENSOR_FIELDS), id(state),
+                                           lambda: self._cuda_inputs(state, batch, boundary_inputs))
+        if state.lowering.conv_shifts and "conv_index" in self.tree_inputs:
+            # its host-side table, before the graph, on every call (kept per tensor: found when another program
+            # did not build its own since): else the first conv backward makes it, after a host sync
+            tree_conv_shifts.prepare(args[len(self.user_inputs) + self.tree_inputs.index("conv_index")])
+        return state, args
 
     def _cuda_inputs(self, state: _CudaState, batch, boundary_inputs: list) -> tuple[_CudaState, list]:
         """(the lowering that runs ``batch``, the graph's inputs after the lifted values): the batch padded to its
@@ -384,8 +390,6 @@ class TreeProgram:
                       "(a second compiled graph; at head dims FA4's block-sparse tiles do not take)")
             state = self._cuda_state(varlen=False)
         args = self.batch_args(batch) + boundary_inputs
-        if state.lowering.conv_shifts and "conv_index" in self.tree_inputs:  # its host-side table, before the graph
-            tree_conv_shifts.prepare(args[len(self.user_inputs) + self.tree_inputs.index("conv_index")])
         args += attention_inputs(batch.subtree_end, state.lowering, position_ids=batch.position_ids,
                                  **self._boundary_mask_args(boundary_inputs))
         return state, args
