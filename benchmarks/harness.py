@@ -502,22 +502,21 @@ def batches_step(tm, batches, zero, make: Callable[[], list] | None = None) -> C
     record = torch.profiler.record_function  # named host ranges for prof_step's idle gaps
     sets = [batches] if make is None else [batches, distinct_batches(make)]
     order = itertools.cycle([b for s in sets for b in s])
-    upcoming = [next(order)]
+    nxt = [next(order)]  # the batch run next (prepared after the backward before it)
 
     def step():
         with record("harness::zero_grad"):
             zero()
         total = 0.0
         for _ in batches:
-            b = upcoming.pop()
             with record("harness::forward"):
-                out = tm(b)
+                out = tm(nxt[0])
             with record("harness::backward"):
                 out.loss.backward()
             total += out.loss.detach()
-            upcoming.append(next(order))
+            nxt[0] = next(order)
             with record("harness::prepare"):
-                tm.prepare(upcoming[0])
+                tm.prepare(nxt[0])
         return total
     return step
 

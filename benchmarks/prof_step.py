@@ -78,6 +78,13 @@ def _where(stack) -> str:
     return ""
 
 
+def running_at(host_events, t: float, depth: int) -> str:
+    """The host events (``(name, start, end)`` us) running at ``t``, outermost to innermost, the last ``depth`` of
+    them joined by " > " ("(no host event)" when none)."""
+    stack = sorted((ev for ev in host_events if ev[1] <= t <= ev[2]), key=lambda ev: (ev[1], -ev[2]))
+    return " > ".join(ev[0][:100] for ev in stack[-depth:]) or "(no host event)"
+
+
 def idle_gaps(intervals, host_events, *, min_us: float = 200.0, depth: int = 3) -> list[tuple[str, float, int]]:
     """Where the GPU waited on the host: the gaps of at least ``min_us`` between the union of kernel
     ``intervals`` (``(start, end)`` us), each named by the host events (``(name, start, end)`` us) running at
@@ -89,9 +96,7 @@ def idle_gaps(intervals, host_events, *, min_us: float = 200.0, depth: int = 3) 
     for (_, e0), (s1, _) in zip(merged, merged[1:]):
         if s1 - e0 < min_us:
             continue
-        mid = (e0 + s1) / 2
-        stack = sorted((ev for ev in host_events if ev[1] <= mid <= ev[2]), key=lambda ev: (ev[1], -ev[2]))
-        name = " > ".join(ev[0][:100] for ev in stack[-depth:]) or "(no host event)"
+        name = running_at(host_events, (e0 + s1) / 2, depth)
         by[name][0] += (s1 - e0) / 1e3
         by[name][1] += 1
     return sorted(((n, round(ms, 3), k) for n, (ms, k) in by.items()), key=lambda x: -x[1])
@@ -100,15 +105,13 @@ def idle_gaps(intervals, host_events, *, min_us: float = 200.0, depth: int = 3) 
 def lead_in_parts(host_events, start: float, end: float, *, slice_us: float = 10.0,
                   depth: int = 3) -> list[tuple[str, float]]:
     """What the host did from the step's ``start`` to the first device event at ``end`` (us), while the GPU had
-    nothing: the interval cut in ``slice_us`` slices, each named as :func:`idle_gaps` names a gap (the host
-    events running at the slice's middle, the last ``depth`` joined by " > "). Returns ``(name, ms)``, most first."""
+    nothing: the interval cut in ``slice_us`` slices, each named by :func:`running_at` its middle, as
+    :func:`idle_gaps` names a gap. Returns ``(name, ms)``, most first."""
     by: dict[str, float] = defaultdict(float)
     n = max(0, int((end - start) // slice_us))
     during = [ev for ev in host_events if ev[1] <= end and ev[2] >= start]  # a step has ~10^4 host events
     for i in range(n):
-        mid = start + (i + 0.5) * slice_us
-        stack = sorted((ev for ev in during if ev[1] <= mid <= ev[2]), key=lambda ev: (ev[1], -ev[2]))
-        by[" > ".join(ev[0][:100] for ev in stack[-depth:]) or "(no host event)"] += slice_us / 1e3
+        by[running_at(during, start + (i + 0.5) * slice_us, depth)] += slice_us / 1e3
     return sorted(((name, round(ms, 3)) for name, ms in by.items()), key=lambda x: -x[1])
 
 

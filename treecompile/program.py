@@ -32,7 +32,7 @@ from treecompile.host_values import remember_host, remembered_host, single_threa
 from treecompile.passes.expose_boundary import BoundarySpec
 from treecompile.ops.varlen_tree_attention import segments_fit
 from treecompile.ops import tree_conv_shifts
-from treecompile.ops.last_batch import LastBatch
+from treecompile.ops.last_batch import LastBatch, device_stream
 from treecompile.passes.lower_cuda import (CudaLowering, CudaOptions, attention_inputs, lower_cuda, prepare_plans,
                                            warn_once)
 from treecompile.passes.split_modules import Segment, split_by_modules
@@ -71,6 +71,30 @@ def module_tensor(root: nn.Module, fqn: str, *, parameter: bool) -> torch.Tensor
     if t is None:
         return root.get_parameter(fqn) if parameter else root.get_buffer(fqn)
     return t
+
+
+def _lifted_walk(lifted) -> tuple[list, list]:
+    """``(modules, tensors)`` for :meth:`TreeProgram.lifted_values`: each submodule on the lifted FQNs' paths once, as
+    ``(index of its parent in the walk, name)`` (index 0: the model), in an order where parents come first; each
+    lifted input as ``(index of its owner, leaf name, is a parameter)``, or ``(None, key, None)`` for a constant."""
+    index: dict[tuple, int] = {(): 0}
+    modules, tensors = [], []
+    for x in lifted:
+        if x.kind not in (InputKind.PARAMETER, InputKind.BUFFER):
+            tensors.append((None, x.target, None))
+            continue
+        *path, leaf = x.target.split(".")
+        for i in range(1, len(path) + 1):
+            if tuple(path[:i]) not in index:
+                index[tuple(path[:i])] = len(modules) + 1
+                modules.append((index[tuple(path[:i - 1])], path[i - 1]))
+        tensors.append((index[tuple(path)], leaf, x.kind == InputKind.PARAMETER))
+    return modules, tensors
+
+
+def _batch_tensors(batch: TreeBatch) -> tuple:
+    """The batch's tensors that the graph's inputs come from (what the kept per-batch values are keyed on)."""
+    return tuple(getattr(batch, f) for f in _TENSOR_FIELDS)
 
 
 @dataclass(frozen=True)
@@ -122,7 +146,8 @@ class TreeProgram:
         self._cuda_flex: _CudaState | None = None  # "auto"'s flex lowering, for batches the varlen segments refuse
         self._inputs = LastBatch()  # the last batch's graph inputs (_graph_inputs: kept for prepare and the call)
         self._moved = LastBatch()  # the last batch moved to the model's device (_moved_batch)
-        self._walk: tuple | None = None  # lifted_values' walk of the module dicts, made on first use
+        self._walk = _lifted_walk(self.lifted)  # lifted_values' walk of the module dicts
+        self._tree_names = [f"tree_{n}" for n in self.tree_inputs]  # the tree inputs' placeholders
 
     # ------------------------------------------------------------------ inputs
     @property
@@ -135,20 +160,6 @@ class TreeProgram:
         on the way is read once (from its parent's ``_modules``, now), then each tensor from its owner's
         ``_parameters`` / ``_buffers``; a name those dicts do not hold takes :meth:`lifted_value`'s lookup.  Every
         step reads every lifted tensor (311 for Qwen3-0.6B): 305 us one by one on this repository's CPU."""
-        if self._walk is None:
-            index: dict[tuple, int] = {(): 0}
-            modules, tensors = [], []
-            for x in self.lifted:
-                if x.kind not in (InputKind.PARAMETER, InputKind.BUFFER):
-                    tensors.append((None, x.target, None))
-                    continue
-                *path, leaf = x.target.split(".")
-                for i in range(1, len(path) + 1):
-                    if tuple(path[:i]) not in index:
-                        index[tuple(path[:i])] = len(modules) + 1
-                        modules.append((index[tuple(path[:i - 1])], path[i - 1]))
-                tensors.append((index[tuple(path)], leaf, x.kind == InputKind.PARAMETER))
-            self._walk = (modules, tensors)
         modules, tensors = self._walk
         mods = [self.model]
         try:
@@ -157,11 +168,11 @@ class TreeProgram:
             out = [self.exported_program.constants[leaf] if owner is None else
                    (mods[owner]._parameters if param else mods[owner]._buffers)[leaf]
                    for owner, leaf, param in tensors]
-        except (KeyError, AttributeError):  # not in the dicts (a submodule set to None): one by one
-            return [self.lifted_value(x) for x in self.lifted]
-        if any(t is None for t in out):
-            return [self.lifted_value(x) for x in self.lifted]
-        return out
+            if all(t is not None for t in out):
+                return out
+        except (KeyError, AttributeError):  # not in the dicts (a submodule set to None)
+            pass
+        return [self.lifted_value(x) for x in self.lifted]  # one by one, with nn.Module's lookup and error
 
     def lifted_value(self, x: LiftedInput, tensors: nn.Module | None = None) -> torch.Tensor:
         """The tensor ``x`` names, looked up now on ``tensors`` (default: the model)."""
@@ -268,8 +279,8 @@ class TreeProgram:
         if len(boundary_inputs) != want:
             raise TypeError(f"this program takes {want} boundary inputs, got {len(boundary_inputs)}"
                             + ("" if want else " (compile with treecompile.compile(model, boundary=True))"))
-        if isinstance(batch, TreeBatch) and tensors is None and batch.input_ids.device != self.device:
-            batch = self._moved_batch(batch)
+        if isinstance(batch, TreeBatch) and tensors is None:
+            batch = self._on_device(batch)
         if lower and self.device.type == "cuda":
             return self._run_cuda(batch, boundary_inputs)
         args = self.batch_args(batch) + boundary_inputs
@@ -329,34 +340,35 @@ class TreeProgram:
                             "treecompile.runtime.redundancy_free, which prepares nothing")
         if self.device.type != "cuda":
             return batch
-        if batch.input_ids.device != self.device:
-            batch = self._moved_batch(batch)
+        batch = self._on_device(batch)
         self._prepare_cuda(batch)
         return batch
+
+    def _on_device(self, batch: TreeBatch) -> TreeBatch:
+        """``batch`` on the model's device: itself when it is there, else :meth:`_moved_batch`."""
+        return batch if batch.input_ids.device == self.device else self._moved_batch(batch)
 
     def _moved_batch(self, batch: TreeBatch) -> TreeBatch:
         """``batch.to(self.device)``, kept for the last batch moved while its tensors and their copies are unchanged:
         a batch prepared ahead is not moved again by its run.  (Keyed on the tensors the graph's inputs come from;
         the moved batch's ``extras`` are those of the first batch object moved, which nothing here reads.)"""
-        src = tuple(getattr(batch, f) for f in _TENSOR_FIELDS)
 
         def move():
             moved = batch.to(self.device)
-            return moved, tuple(getattr(moved, f)._version for f in _TENSOR_FIELDS)
+            return moved, [t._version for t in _batch_tensors(moved)]
 
         # the current stream: the copies are made on it (LastBatch keys CUDA tensors so; these are the host's)
-        key = (self.device, torch._C._cuda_getCurrentStream(self.device.index) if self.device.type == "cuda" else None)
-        moved, versions = self._moved.get(src, key, move)
-        if tuple(getattr(moved, f)._version for f in _TENSOR_FIELDS) != versions:  # the copy was changed in place
+        key = (self.device, device_stream(self.device))
+        moved, versions = self._moved.get(_batch_tensors(batch), key, move)
+        if [t._version for t in _batch_tensors(moved)] != versions:  # the copy was changed in place
             self._moved.clear()
-            moved, _ = self._moved.get(src, key, move)
+            moved, _ = self._moved.get(_batch_tensors(batch), key, move)
         return moved
 
     def _prepare_cuda(self, batch: TreeBatch) -> None:
         with single_threaded(bucket_length(batch.seq_len)):
             state, args = self._graph_inputs(self._cuda_state(), batch, [])
-            names = [f"tree_{n}" for n in self.tree_inputs]
-            prepare_plans(state.lowering, dict(zip(names, args[len(self.user_inputs):])))
+            prepare_plans(state.lowering, dict(zip(self._tree_names, args[len(self.user_inputs):])))
 
     def _graph_inputs(self, state: _CudaState, batch, boundary_inputs: list) -> tuple[_CudaState, list]:
         """:meth:`_cuda_inputs`, kept for the last batch (its TreeBatch tensors, unchanged, and the lowering), so that
@@ -365,7 +377,7 @@ class TreeProgram:
         if boundary_inputs or not isinstance(batch, TreeBatch):
             state, args = self._cuda_inputs(state, batch, boundary_inputs)
         else:
-            state, args = self._inputs.get(tuple(getattr(batch, f) for f in _TENSOR_FIELDS), id(state),
+            state, args = self._inputs.get(_batch_tensors(batch), id(state),
                                            lambda: self._cuda_inputs(state, batch, boundary_inputs))
         if state.lowering.conv_shifts and "conv_index" in self.tree_inputs:
             # its host-side table, before the graph, on every call (kept per tensor: found when another program

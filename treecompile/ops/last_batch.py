@@ -17,7 +17,7 @@ from torch import Tensor
 
 from treecompile.host_values import single_threaded
 
-__all__ = ["LastBatch", "current_stream"]
+__all__ = ["LastBatch", "current_stream", "device_stream"]
 
 
 class LastBatch:
@@ -48,9 +48,10 @@ class LastBatch:
 
 
 def current_stream(tensors) -> tuple | None:
-    """The current CUDA stream of the first CUDA tensor's device (its id triple: cheaper than a Stream object),
-    None when none is on CUDA."""
-    for t in tensors:
-        if t.is_cuda:
-            return torch._C._cuda_getCurrentStream(t.device.index)
-    return None
+    """:func:`device_stream` of the first CUDA tensor's device, None when none is on CUDA."""
+    return next((device_stream(t.device) for t in tensors if t.is_cuda), None)
+
+
+def device_stream(device: torch.device) -> tuple | None:
+    """The current stream of a CUDA ``device`` (its id triple: cheaper than a Stream object), None off CUDA."""
+    return torch._C._cuda_getCurrentStream(device.index) if device.type == "cuda" else None

@@ -522,8 +522,8 @@ def _auto_varlen(q: fx.Node, layout: str, setup_reason) -> str | None:
     choice on every tree measured (H100, session 15: Qwen3-0.6B 32k step 0.407 vs 0.445 s, 1.7B 0.777 vs
     0.811 s, agentic deep-agent 0.336 vs 0.337 s).  The device is not read from the record (a program captured
     on the CPU runs here on CUDA); the traced call checks the real inputs."""
-    val = q.meta.get("val") if isinstance(q, fx.Node) else None
-    if setup_reason is not None or layout != "dfs" or not isinstance(val, torch.Tensor) or val.dtype not in HALF:
+    val = _val(q)
+    if setup_reason is not None or layout != "dfs" or val is None or val.dtype not in HALF:
         return None
     D = val.shape[-1]
     return "both" if D in FA4_HEAD_DIMS else "segments" if D in AUTO_SEGMENTS_HEAD_DIMS else None
