@@ -109,7 +109,8 @@ else:  # run as a script: benchmarks/ is on sys.path
 BASELINES = ("eager_per_path", "compiled_per_path", "packed_flex", "compiled_per_path_fa4", "packed_fa4_varlen",
              "compiled_per_path_fla", "packed_fla_varlen", "packed_fla_varlen_conv")
 TREE_CONTENDERS = ("tree", "tree_heavy_first", "tree_fa4_varlen", "tree_fa4_flex", "tree_conv_fla",
-                   "tree_conv_shifts_inductor", "tree_head_chunked", "tree_head_kept", "tree_packed", "tree_rf")
+                   "tree_conv_shifts_inductor", "tree_head_chunked", "tree_head_kept", "tree_keys_gathered",
+                   "tree_packed", "tree_rf")
 CONTENDERS = BASELINES + TREE_CONTENDERS
 
 
@@ -723,13 +724,14 @@ class Steps:
         p = self.pack_tensors(members, n, wdtype)
         return p.ids, p.targets, p.same, document_mask(p.doc, n, self.dev)
 
-    def _tree_model(self, boundary=False, layout="dfs", kernel="auto", conv="auto", head="auto"):
+    def _tree_model(self, boundary=False, layout="dfs", kernel="auto", conv="auto", head="auto", keys="auto"):
         import treecompile
 
-        key = ("rf" if boundary else "tree", layout, kernel, conv, head)
+        key = ("rf" if boundary else "tree", layout, kernel, conv, head, keys)
         if key not in self.tmodels:
             self.tmodels[key] = treecompile.compile(self.model, boundary=boundary, attention_layout=layout,
-                                                    attention_kernel=kernel, conv_kernel=conv, head_logits=head)
+                                                    attention_kernel=kernel, conv_kernel=conv, head_logits=head,
+                                                    attention_keys=keys)
         return self.tmodels[key]
 
     def tree_heavy_first(self):
@@ -766,6 +768,12 @@ class Steps:
         every call whose logits exceeded 1/8 of the GPU's memory, e.g. Qwen3-0.6B at 64k tree tokens on an H200;
         CUDA)."""
         return self._cuda_tree_step("head_logits", head="kept")
+
+    def tree_keys_gathered(self):
+        """``tree`` with ``attention_keys="gathered"`` (the varlen attention's backward gathers each segment's K/V
+        again, as every step did before session 41; "auto" keeps the forward's gathered rows where memory allows;
+        CUDA)."""
+        return self._cuda_tree_step("attention_keys", keys="gathered")
 
     def _cuda_tree_step(self, option: str, **kw):
         """``tree_step(**kw)`` on CUDA; elsewhere a skip naming ``option`` (a CUDA lowering option)."""
@@ -861,6 +869,21 @@ def _with_head_fit(note: str | None) -> str | None:
     if not fit:
         return note
     return join_notes(note, f"last head call kept {fit['kept']:,}/{fit['rows']:,} rows")
+
+
+def _with_keys_fit(note: str | None) -> str | None:
+    """``note`` and, where a varlen tree attention ran under ``attention_keys="auto"`` on CUDA in this process, its
+    last forward's decision (``ops.varlen_tree_attention.pop_last_keys_fit``: then forgotten): K/V kept or
+    gathered again, with the rows' size over its layers against the headroom."""
+    from treecompile.ops.varlen_tree_attention import pop_last_keys_fit
+
+    fit = pop_last_keys_fit()
+    if fit is None:
+        return note
+    gib = 1 << 30
+    return join_notes(note, f"attention K/V {'kept' if fit.keep else 'gathered again'} "
+                            f"({(fit.layers - 1) * fit.keys / gib:.1f} GiB over {fit.layers - 1} layers; headroom "
+                            f"{fit.headroom / gib:.1f} GiB)")
 
 
 def _with_attention_setup(note: str | None, dev) -> str | None:
@@ -973,7 +996,7 @@ def run_contenders(model, spec: ModelSpec, case: TreeCase, cfg: BenchConfig, con
             if name == "eager_per_path":
                 ref = {"loss": loss, "grad": g}
             r.step_s, r.first_s, r.peak_gib, r.loss = med, first, peak, loss
-            r.note = _with_head_fit(r.note)
+            r.note = _with_keys_fit(_with_head_fit(r.note))
             if name not in BASELINES:
                 r.note = _with_attention_setup(r.note, dev)
             r.tokens_per_s = tree.num_path_tokens / med
@@ -988,7 +1011,7 @@ def run_contenders(model, spec: ModelSpec, case: TreeCase, cfg: BenchConfig, con
             r.status = f"skipped: {e}"
         except torch.OutOfMemoryError as e:
             r.status = "OOM"
-            r.note = _with_head_fit(oom_note(stage, e, r.note))
+            r.note = _with_keys_fit(_with_head_fit(oom_note(stage, e, r.note)))
         except Exception as e:  # a failed contender is a row, not a crash
             msg = f"{type(e).__name__}: {e}".splitlines()[0][:160]
             r.status = f"error: {msg}"

@@ -205,6 +205,7 @@ def main(argv=None) -> int:
                "step_s": round(statistics.median(times), 4), "host_s": round(statistics.median(hosts), 4),
                **profile_step(step, stacks=args.stacks)}
         row["kernel_share"] = round(row["kernel_ms"] / 1e3 / row["step_s"], 3)
+        row["note"] = harness._with_keys_fit(harness._with_head_fit(None))
         top, idle, lead_in = row.pop("top"), row.pop("idle"), row.pop("lead_in")
         print(json.dumps(row))
         print(f"# {name}: step {row['step_s'] * 1e3:.1f} ms, host {row['host_s'] * 1e3:.1f} ms, "

@@ -401,6 +401,14 @@ def test_harness_notes_what_a_tree_row_ran_with(monkeypatch):
     assert harness._with_head_fit(None) == "last head call kept 8,204/65,536 rows" and not logprobs_kept.last_fit
     logprobs_kept._record(rows=3, kept=3, headroom=1)
     assert harness._with_head_fit("a") == "a; last head call kept 3/3 rows"
+    from treecompile.ops import varlen_tree_attention as vta
+
+    vta.pop_last_keys_fit()
+    assert harness._with_keys_fit("a") == "a"
+    vta.last_keys_fit = vta.KeysFit(layers=29, per_layer=1, keys=3 << 27, reserve=0, margin=0, headroom=100 << 30,
+                                    keep=True)
+    assert harness._with_keys_fit(None) == "attention K/V kept (10.5 GiB over 28 layers; headroom 100.0 GiB)"
+    assert vta.last_keys_fit is None
     assert harness._with_attention_setup("a", torch.device("cpu")) == "a"
     monkeypatch.setattr(fa4_tree_attention, "fa4_unusable_reason", lambda: "flash-attn-4 is not installed")
     assert harness._with_attention_setup(None, torch.device("cuda")) == \

@@ -476,15 +476,15 @@ def test_auto_runs_batches_the_segments_cannot_take_through_the_flex_lowering(mo
     assert len([w for w in caught if "runs tree attention through flex" in str(w.message)]) == 1  # once
 
 
-def _lower_fa4_varlen(prog, monkeypatch):
-    """``prog``'s graph lowered under ``attention_kernel="fa4_varlen"`` as where FA4 runs, for the CPU (eager, the
-    ops' reference kernels)."""
+def _lower_fa4_varlen(prog, monkeypatch, **options):
+    """``prog``'s graph lowered under ``attention_kernel="fa4_varlen"`` (and ``options``) as where FA4 runs, for the
+    CPU (eager, the ops' reference kernels)."""
     from treecompile.passes import lower_cuda as lc
 
     monkeypatch.setattr(lc, "fa4_unusable_reason", lambda q=None: None)  # the setup probe: as where FA4 runs
     monkeypatch.setattr(lc, "varlen_input_reason", lambda q: None)
     low = lc.lower_cuda(prog.graph_module, lc.CudaOptions(compile_cuda=False, gdn_kernel="reference",
-                                                          attention_kernel="fa4_varlen"))
+                                                          attention_kernel="fa4_varlen", **options))
     return low
 
 
@@ -678,7 +678,7 @@ def test_op_lse_is_every_querys_log_sum_exp(pad_to, H, Hkv):
     b = _batch(ODD_TREES["one_token_nodes"], pad_to)
     T, D = b.seq_len, 8
     q, k, v = (x.detach() for x in _qkv(T, H, Hkv, D, seed=T + H))
-    out, lse = torch.ops.treecompile.tree_attention_varlen_fwd(q, k, v, b.subtree_end, 0.3)
+    out, lse, *_ = torch.ops.treecompile.tree_attention_varlen_fwd(q, k, v, b.subtree_end, 0.3)
     kk = k.repeat_interleave(H // Hkv, 1)
     s = (q @ kk.transpose(-1, -2))[0] * 0.3  # [H, T, T]
     want = torch.logsumexp(s.masked_fill(~tree_mask(b.subtree_end), float("-inf")), -1)
@@ -1160,3 +1160,242 @@ def test_prepared_cuda_batch_runs_its_prepared_plan_with_the_same_results(monkey
     n = len(built)
     same(prepared, step(cpu))
     assert len(built) == n + 1
+
+
+# --------------------------------------------------------------------------- the gathered rows kept for the backward
+def _count_gathers(monkeypatch) -> list:
+    from treecompile.ops import varlen_tree_attention as vta
+
+    calls = []
+    keys = vta.SegmentPlan.keys
+
+    def counted(self, k_t, v_t):
+        calls.append(self.gathered)
+        return keys(self, k_t, v_t)
+
+    monkeypatch.setattr(vta.SegmentPlan, "keys", counted)
+    return calls
+
+
+@pytest.mark.parametrize("windowed", [False, True])
+@pytest.mark.parametrize("pad_to", [None, 16])
+def test_kept_rows_are_the_gathered_rows_and_the_backward_does_not_gather_again(windowed, pad_to, monkeypatch):
+    """``keep="all"``: the forward returns the plan's gathered K/V rows, the backward reads them instead of gathering
+    again (one gather per forward + backward instead of two), and out and every gradient are bitwise those of
+    ``keep="none"`` (the same rows, the same kernels); a tail of padding tokens and the windowed op alike."""
+    from treecompile.ops import varlen_tree_attention as vta
+
+    b = _batch(forest_paths(90, 3, seed=5), pad_to)
+    se, pos = b.subtree_end, b.position_ids
+    q, k, v = _qkv(b.seq_len, 4, 2, 8, seed=3)
+    do = torch.randn(1, 4, b.seq_len, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    calls = _count_gathers(monkeypatch)
+
+    def run(keep):
+        qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
+        if windowed:
+            res = torch.ops.treecompile.tree_attention_varlen_windowed_fwd(qq, kk, vv, se, pos, 7, 0.3, keep)
+        else:
+            res = torch.ops.treecompile.tree_attention_varlen_fwd(qq, kk, vv, se, 0.3, keep)
+        (res[0] * do).sum().backward()
+        return res, (qq.grad, kk.grad, vv.grad)
+
+    (out0, _, k0, v0), grads0 = run("none")
+    assert len(calls) == 2 and k0.shape == (0, 2, 8) == v0.shape
+    plan = vta._window_plan(se, pos, 7) if windowed else vta._plan(se, q)
+    calls.clear()
+    (out1, _, k1, v1), grads1 = run("all")
+    assert calls == [plan.gathered] and 0 < plan.gathered
+    kt, vt = (x[0].transpose(0, 1) for x in (k, v))
+    assert torch.equal(k1, kt[plan.key_index]) and torch.equal(v1, vt[plan.key_index])
+    assert not k1.requires_grad and torch.equal(out1, out0)
+    assert all(torch.equal(a, b_) for a, b_ in zip(grads1, grads0))
+
+
+def test_keeps_keys_keeps_only_gathered_segment_rows(monkeypatch):
+    """Only a segment plan with queries for the kernel keeps rows: not a block-sparse plan, not a batch of padding
+    alone, not the windowed op's block-mask fallback (no plan); "fit" off CUDA keeps (memory is not tracked); an
+    unknown ``keep`` is refused by name."""
+    from treecompile.ops import varlen_tree_attention as vta
+
+    b = _batch(forest_paths(40, 2, seed=1))
+    q, k, v = _qkv(b.seq_len, 2, 1, 8, seed=0)
+    seg = vta.tree_attention_plan(b.subtree_end, block_sparse=False)
+    monkeypatch.setattr(vta, "VARLEN_GATHER_LIMIT", 0.0)  # any gather is too large: the block-sparse plan
+    sparse = vta.tree_attention_plan(b.subtree_end, block_sparse=True)
+    pads = vta.segment_plan(torch.arange(1, 6))
+    assert isinstance(sparse, vta.BlockSparsePlan) and pads.tail == 0
+    assert vta.keeps_keys("all", seg, q, k, v) and vta.keeps_keys("fit", seg, q, k, v)
+    assert not vta.keeps_keys("none", seg, q, k, v)
+    assert not any(vta.keeps_keys("all", p, q, k, v) for p in (sparse, pads, None))
+    assert vta.gathered_bytes(seg, k, v) == seg.gathered * 1 * 8 * 8 * 2 and vta.gathered_bytes(sparse, k, v) == 0
+    with pytest.raises(ValueError, match="keep must be one of"):
+        torch.ops.treecompile.tree_attention_varlen_fwd(q, k, v, b.subtree_end, 0.3, "some")
+
+
+def test_fit_decides_once_per_forward_from_the_memory_one_layer_took(monkeypatch):
+    """``keep="fit"`` on CUDA (memory queries stubbed): call 0 notes the memory and keeps nothing; call 1 keeps,
+    for itself and the later calls, exactly when ``(layers - 1) x (per_layer + rows) + reserve x T + margin`` is
+    within the headroom (both sides of the bound); a call 1 with no call 0 since the last decision (activation
+    checkpointing's recompute) reuses it; the decision is recorded."""
+    from treecompile.ops import logprobs_kept
+    from treecompile.ops import varlen_tree_attention as vta
+
+    b = _batch(forest_paths(40, 2, seed=1))
+    T = b.seq_len
+    q, k, v = _qkv(T, 2, 1, 8, seed=0)
+    plan = vta.tree_attention_plan(b.subtree_end, block_sparse=False)
+    rows = vta.gathered_bytes(plan, k, v)
+    total, per_layer, reserve, layers = 1 << 30, 5000, 3, 6
+    margin = total // logprobs_kept.FIT_MARGIN_FRACTION
+    allocated = [100]
+    headroom = [0]
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: allocated[0])
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device=None: type("P", (), {"total_memory": total})())
+    monkeypatch.setattr(logprobs_kept, "headroom_bytes", lambda device: headroom[0])
+    need = (layers - 1) * (per_layer + rows) + reserve * T + margin
+
+    def forward(room):
+        allocated[0] = 100
+        got = [vta._fit(plan, q, k, v, 0, layers, reserve)]
+        allocated[0] += per_layer
+        headroom[0] = room
+        return got + [vta._fit(plan, q, k, v, i, layers, reserve) for i in range(1, layers)]
+
+    assert forward(need) == [False] + [True] * (layers - 1)
+    assert vta.last_keys_fit == vta.KeysFit(layers=layers, per_layer=per_layer, keys=rows, reserve=reserve * T,
+                                            margin=margin, headroom=need, keep=True)
+    headroom[0] = 0
+    assert [vta._fit(plan, q, k, v, i, layers, reserve) for i in (3, 2, 1)] == [True] * 3  # a recompute: reused
+    assert forward(need - 1) == [False] * layers
+    assert vta.last_keys_fit.keep is False
+
+
+def test_lowering_numbers_the_calls_and_leaves_room_for_the_head(monkeypatch):
+    """``attention_keys``: "auto" lowers every varlen call with ``keep="fit"``, numbered 0..L-1 of L, and the head's
+    kept logits per token (vocabulary x element size) as the reserve; "kept" / "gathered" pass "all" / "none";
+    a graph whose head keeps no logits reserves nothing; a bad value is refused."""
+    from helpers import cached_compile, cached_model, tiny_dense
+    from treecompile.passes import lower_cuda as lc
+
+    prog = cached_compile(cached_model("dense-tiny", tiny_dense)).program
+
+    def varlen_calls(low):
+        return [n.kwargs for n in low.graph_module.graph.nodes if n.target is lc._varlen]
+
+    low = _lower_fa4_varlen(prog, monkeypatch)
+    V = [p for n, p in prog.model.named_parameters() if n.endswith("lm_head.weight")][0].shape[0]
+    calls = varlen_calls(low)
+    assert [c["layer"] for c in calls] == [0, 1] and {c["layers"] for c in calls} == {2}
+    assert {c["keep"] for c in calls} == {"fit"} and low.attention_keep == "fit"
+    assert {c["reserve_per_token"] for c in calls} == {V * 8} == {low.keys_reserve_per_token}
+    for keys, keep in (("kept", "all"), ("gathered", "none")):
+        low = _lower_fa4_varlen(prog, monkeypatch, attention_keys=keys)
+        assert {c["keep"] for c in varlen_calls(low)} == {keep} == {low.attention_keep}
+    low = _lower_fa4_varlen(prog, monkeypatch, head_logits="chunked")
+    assert {c["reserve_per_token"] for c in varlen_calls(low)} == {0}
+    with pytest.raises(ValueError, match="attention_keys: expected one of"):
+        lc.CudaOptions(attention_keys="all")
+
+
+def test_calls_without_gradients_keep_nothing(monkeypatch):
+    """The lowering's wrapper passes ``keep`` only to calls that differentiate the attention."""
+    from treecompile.passes import lower_cuda as lc
+
+    seen = []
+    monkeypatch.setattr(lc, "tree_attention_varlen", lambda *a, keep, **kw: seen.append(keep))
+    monkeypatch.setattr(lc, "varlen_input_reason", lambda q: None)
+    b = _batch(forest_paths(20, 2, seed=1))
+    q, k, v = _qkv(b.seq_len, 2, 1, 8, seed=0)
+    lc._varlen(q, k, v, b.subtree_end, 0.3, None, "fa4_varlen", keep="all")
+    with torch.no_grad():
+        lc._varlen(q, k, v, b.subtree_end, 0.3, None, "fa4_varlen", keep="all")
+    lc._varlen(*(x.detach() for x in (q, k, v)), b.subtree_end, 0.3, None, "fa4_varlen", keep="all")
+    assert seen == ["all", "none", "none"]
+
+
+@pytest.mark.parametrize("keys", ["kept", "auto"])
+def test_lowered_model_keeping_rows_equals_the_rewritten_graph(keys, monkeypatch):
+    """The tiny model lowered with its gathered rows kept ("kept"; "auto", which keeps off CUDA): loss, log-probs
+    and every gradient as the rewritten graph's (CPU, float64, reference kernels), one gather per layer."""
+    from helpers import cached_compile, cached_model, tiny_dense
+
+    prog = cached_compile(cached_model("dense-tiny", tiny_dense)).program
+    low = _lower_fa4_varlen(prog, monkeypatch, attention_keys=keys)
+    calls = _count_gathers(monkeypatch)
+    _assert_lowered_equals_rewritten(prog, low)
+    assert len(calls) == low.attention_varlen == 2
+
+
+def test_one_compiled_graph_serves_kept_and_gathered_calls(monkeypatch):
+    """Under ``torch.compile`` (inductor, CPU) the kept rows' count is an unbacked size: a call that keeps and one
+    that does not (the "fit" decision changing between steps) run the same graph, with the reference's
+    gradients."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from treecompile.ops import varlen_tree_attention as vta
+
+    b = _batch(forest_paths(60, 2, seed=2), 16)
+    q, k, v = _qkv(b.seq_len, 4, 2, 8, seed=1)
+    counter = CompileCounterWithBackend("inductor")
+    fn = torch.compile(lambda q, k, v, se: (tree_attention_varlen(q * 1, k, v, se, 0.3, keep="fit") * 1.5).sum(),
+                       backend=counter, fullgraph=True)
+    want = torch.autograd.grad((tree_attention_reference(q, k, v, b.subtree_end, 0.3) * 1.5).sum(), (q, k, v))
+    keeps = vta.keeps_keys
+    for keep in (True, False, True):
+        monkeypatch.setattr(vta, "keeps_keys", lambda *a, keep=keep: keep and keeps(*a))
+        got = torch.autograd.grad(fn(q, k, v, b.subtree_end), (q, k, v))
+        for x, r in zip(got, want):
+            torch.testing.assert_close(x, r, rtol=1e-12, atol=1e-12)
+    assert counter.frame_count == 1
+
+
+def test_kept_op_opcheck():
+    b = _batch(forest_paths(40, 2, seed=3), 8)
+    q, k, v = (x.detach() for x in _qkv(b.seq_len, 4, 2, 8, seed=0))
+    torch.library.opcheck(torch.ops.treecompile.tree_attention_varlen_fwd.default,
+                          (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), b.subtree_end, 0.35, "all"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpu_reason() is not None, reason=str(_gpu_reason()))
+def test_compiled_steps_keeping_the_gathered_rows_equal_gathering_them_again():
+    """On CUDA (compiled graph, FA4's varlen kernel, 4 layers): ``attention_keys`` "kept", "auto" (which keeps on
+    this small model: the decision is recorded) and "gathered" give the same loss and log-probs bitwise (the same
+    forward kernels) and gradients to bf16 rounding (the backward's atomic sums); "kept" gathers half as often."""
+    import treecompile
+    from treecompile.models import DenseConfig, DenseForCausalLM
+    from treecompile.ops import varlen_tree_attention as vta
+
+    torch.manual_seed(0)
+    cfg = DenseConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=128)
+    model = DenseForCausalLM(cfg).cuda().to(torch.bfloat16)
+    batch = Tree.from_paths([[t % cfg.vocab_size for t in p] for p in forest_paths(900, 2, seed=5)]
+                            ).to_batch(device="cuda")
+    gathers = []
+    keys = vta.SegmentPlan.keys
+    vta.SegmentPlan.keys = lambda self, k_t, v_t: gathers.append(1) or keys(self, k_t, v_t)
+    runs = {}
+    try:
+        for mode in ("gathered", "kept", "auto"):
+            tm = treecompile.compile(model, attention_keys=mode)
+            for _ in range(2):  # the first step compiles
+                model.zero_grad()
+                vta.pop_last_keys_fit()
+                gathers.clear()
+                out = tm(batch)
+                out.loss.backward()
+            runs[mode] = ((out.loss.detach(), out.logprobs.detach()), [p.grad.clone() for p in model.parameters()],
+                          len(gathers), vta.pop_last_keys_fit())
+    finally:
+        vta.SegmentPlan.keys = keys
+    assert runs["gathered"][2] == 2 * cfg.num_hidden_layers and runs["kept"][2] == cfg.num_hidden_layers
+    fit = runs["auto"][3]
+    assert fit is not None and fit.keep and fit.layers == cfg.num_hidden_layers and fit.per_layer > 0, fit
+    assert runs["auto"][2] == cfg.num_hidden_layers + 1  # layer 0 only notes the memory: it gathers again
+    for mode in ("kept", "auto"):
+        assert all(torch.equal(x, y) for x, y in zip(runs[mode][0], runs["gathered"][0])), mode
+        for x, y in zip(runs[mode][1], runs["gathered"][1]):
+            torch.testing.assert_close(x, y, rtol=2 ** -7, atol=2 ** -7 * float(y.abs().max()))

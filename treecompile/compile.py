@@ -77,11 +77,11 @@ class TreeModel(nn.Module):
                  bucket: bool = True, boundary: bool = False, gdn_kernel: str = "auto",
                  allow_dropout: bool = False, entropy: bool = False, router_aux: str | None = None,
                  attention_kernel: str = "auto", attention_layout: str = "dfs", conv_kernel: str = "auto",
-                 head_logits: str = "auto"):
+                 head_logits: str = "auto", attention_keys: str = "auto"):
         super().__init__()
         options = CudaOptions(compile_cuda=compile_cuda, bucket=bucket, gdn_kernel=gdn_kernel,
                               attention_kernel=attention_kernel, attention_layout=attention_layout,
-                              conv_kernel=conv_kernel, head_logits=head_logits)
+                              conv_kernel=conv_kernel, head_logits=head_logits, attention_keys=attention_keys)
         check_disable(disable, BOUNDARY_PASSES if boundary else None)  # a misspelt pass name: before the capture
         if logits_chunk is not None and (isinstance(logits_chunk, bool) or not isinstance(logits_chunk, int)
                                          or logits_chunk < 1):
@@ -294,7 +294,7 @@ def compile(model=None, *, disable: tuple[str, ...] = (), debug: bool = False,  
             boundary: bool = False, gdn_kernel: str = "auto", swaps: list | None = None,
             allow_dropout: bool = False, entropy: bool = False, router_aux: str | None = None,
             attention_kernel: str = "auto", attention_layout: str = "dfs", conv_kernel: str = "auto",
-            head_logits: str = "auto"):
+            head_logits: str = "auto", attention_keys: str = "auto"):
     """Rewrite ``model`` for tree batches and return a :class:`TreeModel`.
 
     Usable as ``treecompile.compile(model, ...)``, or as a decorator (bare or with options) on an
@@ -339,6 +339,14 @@ def compile(model=None, *, disable: tuple[str, ...] = (), debug: bool = False,  
             ``"chunked"``.  A partition graph (``boundary=True``) runs chunked under "auto" (its graph stays alive
             while the partitions below it run, so kept logits would add up along a chain).  Calls without
             gradients always run chunked.
+        attention_keys: ``"auto"``, ``"kept"`` or ``"gathered"``: what the varlen tree attention (FA4 over the tree's
+            segments) keeps for its backward on CUDA.  ``"gathered"``: nothing more, the backward gathers each
+            segment's path prefix of keys and values again; ``"kept"``: the forward's gathered rows
+            (``G x kv heads x (Dk + Dv)`` elements per layer, ``G`` ~ the paths' tokens on wide trees) until the
+            layer's backward; ``"auto"``: kept where the GPU memory covers the rest of the forward with them and the
+            head's kept logits (measured at run time once per forward:
+            ``ops.varlen_tree_attention.keeps_keys``), and sliding-window layers gather again.  Calls without
+            gradients keep nothing.
         swaps: context managers entered during capture (default: ``frontend.kernel_swaps(model)``).
         allow_dropout: accept active dropout (one mask per shared token, so gradients equal the
             per-path ones only in expectation); by default it is refused.
@@ -363,7 +371,8 @@ def compile(model=None, *, disable: tuple[str, ...] = (), debug: bool = False,  
     options = dict(disable=disable, debug=debug, logits_chunk=logits_chunk, compile_cuda=compile_cuda,
                    bucket=bucket, boundary=boundary, gdn_kernel=gdn_kernel, swaps=swaps, allow_dropout=allow_dropout,
                    entropy=entropy, router_aux=router_aux, attention_kernel=attention_kernel,
-                   attention_layout=attention_layout, conv_kernel=conv_kernel, head_logits=head_logits)
+                   attention_layout=attention_layout, conv_kernel=conv_kernel, head_logits=head_logits,
+                   attention_keys=attention_keys)
     if model is None:
         return functools.partial(compile, **options)
     if isinstance(model, nn.Module):

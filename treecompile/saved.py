@@ -512,11 +512,11 @@ def _verified(d: Path) -> tuple[dict, bytes]:
 
 def load(directory: str | os.PathLike, *, device=None, compile_cuda: bool = True, bucket: bool = True,
          gdn_kernel: str = "auto", attention_kernel: str = "auto", attention_layout: str = "dfs",
-         conv_kernel: str = "auto", head_logits: str = "auto"):
+         conv_kernel: str = "auto", head_logits: str = "auto", attention_keys: str = "auto"):
     """A :class:`~treecompile.compile.TreeModel` from a directory written by :func:`save`.
 
     ``device``: where the weights go (default: CPU).  ``compile_cuda``, ``bucket``, ``gdn_kernel``,
-    ``attention_kernel``, ``attention_layout``, ``conv_kernel``, ``head_logits``: the run options of
+    ``attention_kernel``, ``attention_layout``, ``conv_kernel``, ``head_logits``, ``attention_keys``: the run options of
     :func:`treecompile.compile` (chosen at load, never saved).
     """
     import safetensors.torch
@@ -595,7 +595,7 @@ def load(directory: str | os.PathLike, *, device=None, compile_cuda: bool = True
     passes = {k: PassResult(v["count"], v.get("info", {})) for k, v in manifest.get("passes", {}).items()}
     options = CudaOptions(compile_cuda=compile_cuda, bucket=bucket, gdn_kernel=gdn_kernel,
                           attention_kernel=attention_kernel, attention_layout=attention_layout,
-                          conv_kernel=conv_kernel, head_logits=head_logits)
+                          conv_kernel=conv_kernel, head_logits=head_logits, attention_keys=attention_keys)
     tm = TreeModel.from_program(module, ep, input_name="input_ids", user_inputs=["input_ids"],
                                 tree_inputs=[u[len("tree_"):] for u in user[1:]],
                                 conv_width=manifest.get("conv_width"), pass_results=passes, options=options)

@@ -20,7 +20,9 @@ trailing run of tokens that see only themselves (the padding of a length bucket:
 handed to the kernel as that many one-token sequences: each one's output is its own value row (softmax over one
 key), computed directly.
 The plan (host work, one sync) is built once per batch and kept while the same ``subtree_end`` tensor comes
-back (:class:`last_batch.LastBatch`).
+back (:class:`last_batch.LastBatch`).  The backward needs the gathered rows again: it gathers them again, or reads
+the forward's, kept as the op's third and fourth results (``keep``: always, never, or where the device's memory
+allows, measured once per forward: :func:`keeps_keys`; the lowering's ``attention_keys``).
 
 Where the gather is large (deep trees of short nodes: every leaf re-reads the whole spine, ``G`` = 10-22x T) the
 block-sparse kernels do less work.  So the op chooses per batch (:func:`tree_attention_plan`): segments through
@@ -59,7 +61,8 @@ from .tree_attention import tree_mask
 
 __all__ = ["SegmentPlan", "BlockSparsePlan", "segment_plan", "segments_fit", "tree_attention_plan",
            "tree_attention_varlen", "varlen_attention_reference", "varlen_attention_reference_bwd",
-           "VARLEN_GATHER_LIMIT", "windowed_plan", "tree_attention_varlen_windowed", "prepare"]
+           "VARLEN_GATHER_LIMIT", "windowed_plan", "tree_attention_varlen_windowed", "prepare", "KEEP", "KeysFit",
+           "keeps_keys", "gathered_bytes", "pop_last_keys_fit"]
 
 
 @dataclass(frozen=True)
@@ -597,52 +600,173 @@ def _heads_major(x: Tensor) -> Tensor:
     return x.transpose(0, 1).unsqueeze(0)
 
 
+# ------------------------------------------------------------------ the gathered rows, kept for the backward
+# What a varlen op keeps of a segment plan's gathered key/value rows from its forward to its backward (``keep``):
+# "none" (the backward gathers them again), "all" (always), "fit" (where memory allows: :func:`keeps_keys`).
+KEEP = ("none", "all", "fit")
+
+
+@dataclass(frozen=True)
+class KeysFit:
+    """One forward's ``keep="fit"`` decision (:func:`keeps_keys`), in bytes."""
+
+    layers: int  # the varlen calls of the forward that share the decision
+    per_layer: int  # allocated between the first two calls' starts: one layer's activations, measured
+    keys: int  # the second call's gathered rows (K and V): what each later call would keep
+    reserve: int  # left for the head's logits (``reserve_per_token`` x T)
+    margin: int  # 1 / FIT_MARGIN_FRACTION of the device's memory, as the head's "fit" leaves
+    headroom: int  # what the device had left at the second call (ops.logprobs_kept.headroom_bytes)
+    keep: bool
+
+
+_fit_start: int | None = None  # memory allocated at the first "fit" call of the forward now running (layer 0)
+_fit_keep = False  # the decision of the forward now running, made at its second call (layer 1)
+# The last decision of this process, for benchmarks and logs (None until one was made); nothing reads it to decide.
+last_keys_fit: KeysFit | None = None
+
+
+def pop_last_keys_fit() -> KeysFit | None:
+    """:data:`last_keys_fit`, which is then None until the next "fit" decision (benchmarks: one record per row)."""
+    global last_keys_fit
+    fit, last_keys_fit = last_keys_fit, None
+    return fit
+
+
+def _check_keep(keep: str) -> None:
+    if keep not in KEEP:
+        raise ValueError(f"tree_attention_varlen: keep must be one of {KEEP}, got {keep!r}")
+
+
+def gathered_bytes(plan, k: Tensor, v: Tensor) -> int:
+    """The bytes of the gathered key and value rows that ``plan`` reads (0 for a plan that gathers none)."""
+    if not isinstance(plan, SegmentPlan):
+        return 0
+    return plan.gathered * sum(x.shape[1] * x.shape[3] * x.element_size() for x in (k, v))
+
+
+def keeps_keys(keep: str, plan, q: Tensor, k: Tensor, v: Tensor, layer: int = 0, layers: int = 1,
+               reserve_per_token: int = 0) -> bool:
+    """Whether a varlen call keeps its gathered key/value rows for its backward (which then does not gather them
+    again: measured ~1.7 ms of a 164 ms step, Qwen3-0.6B at 16k tree tokens on an H200, session 40's profile).
+    Only a segment plan that gathers rows keeps any.  ``keep``:
+
+    - ``"none"``, ``"all"``: never, always.
+    - ``"fit"``: off CUDA always (memory is not tracked there).  On CUDA one decision per forward for its
+      ``layers`` calls (the lowering numbers them in graph order, ``layer``): the first call only notes the memory
+      allocated; the second measures what one layer's activations took since then and keeps, for itself and every
+      later call, when the device's headroom covers the rest of the forward with the rows kept, the head's logits
+      (``reserve_per_token`` bytes per token: the head's kept logits are worth more per byte than the rows, which
+      save one gather of memory-bound copies) and the head's margin::
+
+          (layers - 1) * (per_layer + rows) + reserve_per_token * T + total / FIT_MARGIN_FRACTION <= headroom
+
+      The estimate assumes the later layers are like the second (a hybrid's attention layers: the same period of
+      other layers between them).  A forward whose decision says no runs as it would without keeping; where the
+      estimate is short, the head's own "fit" keeps fewer logits.  The decision is in :data:`last_keys_fit`.
+      A second call with no first call since the last decision reuses it: activation checkpointing recomputes
+      layers last to first, and must keep what the forward kept (``torch.utils.checkpoint`` checks the shapes).
+    """
+    if keep == "fit" and q.is_cuda:
+        keep_rows = _fit(plan, q, k, v, layer, layers, reserve_per_token)
+    else:
+        keep_rows = keep != "none"
+    return keep_rows and isinstance(plan, SegmentPlan) and plan.tail > 0
+
+
+def _fit(plan, q: Tensor, k: Tensor, v: Tensor, layer: int, layers: int, reserve_per_token: int) -> bool:
+    """:func:`keeps_keys` under "fit" on CUDA: note the memory at call 0, decide at the call 1 after it, else reuse
+    the decision."""
+    from .logprobs_kept import FIT_MARGIN_FRACTION, headroom_bytes
+
+    global _fit_start, _fit_keep, last_keys_fit
+    if layer == 0:
+        _fit_start, _fit_keep = torch.cuda.memory_allocated(q.device), False
+        return False
+    if layer == 1 and _fit_start is not None:
+        start, _fit_start = _fit_start, None
+        per_layer = max(0, torch.cuda.memory_allocated(q.device) - start)
+        rows = gathered_bytes(plan, k, v)
+        reserve = reserve_per_token * q.shape[2]
+        margin = torch.cuda.get_device_properties(q.device).total_memory // FIT_MARGIN_FRACTION
+        headroom = headroom_bytes(q.device)
+        _fit_keep = (layers - 1) * (per_layer + rows) + reserve + margin <= headroom
+        last_keys_fit = KeysFit(layers=layers, per_layer=per_layer, keys=rows, reserve=reserve, margin=margin,
+                                headroom=headroom, keep=_fit_keep)
+    return _fit_keep
+
+
 @torch.library.custom_op("treecompile::tree_attention_varlen_fwd", mutates_args=())
-def tree_attention_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, subtree_end: Tensor,
-                              scale: float) -> tuple[Tensor, Tensor]:
-    """(out ``[1, H, T, Dv]`` as a view of ``[T, H, Dv]`` storage, lse ``[H, T]`` float32)."""
+def tree_attention_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, subtree_end: Tensor, scale: float, keep: str = "none",
+                              layer: int = 0, layers: int = 1,
+                              reserve_per_token: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(out ``[1, H, T, Dv]`` as a view of ``[T, H, Dv]`` storage, lse ``[H, T]`` float32, and the gathered key /
+    value rows ``[G, Hkv, D]`` kept for the backward, or ``[0, Hkv, D]``: :func:`keeps_keys` decides under ``keep``
+    as the ``layer``-th of ``layers`` varlen calls of one forward, ``reserve_per_token`` bytes per token left for the
+    head)."""
     _check(q, k, v, subtree_end)
-    return _forward(q, k, v, _plan(subtree_end, q), scale)
+    _check_keep(keep)
+    plan = _plan(subtree_end, q)
+    return _forward(q, k, v, plan, scale, keeps_keys(keep, plan, q, k, v, layer, layers, reserve_per_token))
 
 
-def _forward(q: Tensor, k: Tensor, v: Tensor, plan, scale: float) -> tuple[Tensor, Tensor]:
-    """The forward ops' work under ``plan`` (a segment plan, windowed or not, or a block-sparse plan)."""
+def _forward(q: Tensor, k: Tensor, v: Tensor, plan, scale: float,
+             keep: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The forward ops' work under ``plan`` (a segment plan, windowed or not, or a block-sparse plan): out, lse and
+    the gathered key/value rows when ``keep`` (else empty)."""
     n = plan.tail
     q_t, k_t, v_t = _tokens_major(q), _tokens_major(k), _tokens_major(v)
     T, H, Hkv = q_t.shape[0], q_t.shape[1], k_t.shape[1]
+    keys = plan.keys(k_t, v_t) if n else None
+    kept = keys if keep and keys is not None else _no_keys(k_t, v_t)  # keeps_keys: a segment plan's rows
     if n == T:  # no tail: the kernel's fresh tensors
-        out, lse = _fwd(q_t, *plan.keys(k_t, v_t), plan, scale)
-        return _heads_major(out.contiguous()), lse.float().contiguous()
+        out, lse = _fwd(q_t, *keys, plan, scale)
+        return _heads_major(out.contiguous()), lse.float().contiguous(), *kept
     # a tail: the kernel writes the first n rows of the results in place (no concatenation copies)
     out = q_t.new_empty((T, H, v_t.shape[-1]))
     lse = torch.empty((H, T), dtype=torch.float32, device=q.device)
     if n:
-        _fwd(q_t[:n], *plan.keys(k_t, v_t), plan, scale, out=out[:n], lse=lse[:, :n])
+        _fwd(q_t[:n], *keys, plan, scale, out=out[:n], lse=lse[:, :n])
     # tokens that see only themselves, softmax over one key: the output is the token's value row (its kv head's,
     # for each query head of the group), the log-sum-exp its one score
     out[n:].unflatten(1, (Hkv, H // Hkv)).copy_(v_t[n:, :, None, :].expand(-1, -1, H // Hkv, -1))
     lse[:, n:] = ((q_t[n:].unflatten(1, (Hkv, H // Hkv)) * k_t[n:, :, None, :]).sum(-1) * scale).flatten(1).T
-    return _heads_major(out), lse
+    return _heads_major(out), lse, *kept
+
+
+def _no_keys(k_t: Tensor, v_t: Tensor) -> tuple[Tensor, Tensor]:
+    """No kept rows: ``[0, Hkv, D]`` of each (the backward gathers again)."""
+    return k_t.new_empty((0, *k_t.shape[1:])), v_t.new_empty((0, *v_t.shape[1:]))
+
+
+def _fake_keys(k: Tensor, v: Tensor, keep) -> tuple[Tensor, Tensor]:
+    """The kept rows' fake tensors: none under ``keep="none"`` (or False), else an unbacked row count (the plan and,
+    under "fit", the memory left decide it at run time: one compiled graph serves every count)."""
+    if keep in ("none", False):
+        return _no_keys(k[0].transpose(0, 1), v[0].transpose(0, 1))
+    G = torch.library.get_ctx().new_dynamic_size()
+    return k.new_empty((G, k.shape[1], k.shape[3])), v.new_empty((G, v.shape[1], v.shape[3]))
 
 
 @tree_attention_varlen_fwd.register_fake
-def _(q, k, v, subtree_end, scale):
+def _(q, k, v, subtree_end, scale, keep="none", layer=0, layers=1, reserve_per_token=0):
     T, H = q.shape[2], q.shape[1]
     return (_heads_major(q.new_empty((T, H, v.shape[-1]))),
-            q.new_empty((H, T), dtype=torch.float32))
+            q.new_empty((H, T), dtype=torch.float32), *_fake_keys(k, v, keep))
 
 
 @torch.library.custom_op("treecompile::tree_attention_varlen_bwd", mutates_args=())
 def tree_attention_varlen_bwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor,
-                              subtree_end: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+                              subtree_end: Tensor, scale: float, kept_k: Tensor,
+                              kept_v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) in the layouts of :func:`_heads_major`; key/value gradients summed over their gathered
-    copies in float32.  K/V are gathered again here rather than saved by the forward (G rows per layer, ~2x T
-    on wide trees: kept over the whole backward of every layer it would cost more than the gather)."""
-    return _backward_grads(q, k, v, out, lse, dout, _plan(subtree_end, q), scale)
+    copies in float32.  ``kept_k``/``kept_v``: the gathered rows the forward kept, or none: then K/V are gathered
+    again here (G rows per layer, ~2x T on wide trees; :func:`keeps_keys` says when they are kept)."""
+    return _backward_grads(q, k, v, out, lse, dout, _plan(subtree_end, q), scale, kept_k, kept_v)
 
 
-def _backward_grads(q, k, v, out, lse, dout, plan, scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    """The backward ops' work under ``plan``."""
+def _backward_grads(q, k, v, out, lse, dout, plan, scale: float, kept_k: Tensor | None = None,
+                    kept_v: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """The backward ops' work under ``plan`` (``kept_k``/``kept_v``: the forward's gathered rows, when it kept any)."""
     n = plan.tail
     q_t, k_t, v_t, dout_t = _tokens_major(q), _tokens_major(k), _tokens_major(v), _tokens_major(dout)
     if isinstance(plan, BlockSparsePlan):  # every key once (no copies to sum), every query the kernel's
@@ -651,8 +775,11 @@ def _backward_grads(q, k, v, out, lse, dout, plan, scale: float) -> tuple[Tensor
     if not n:
         dq, dk, dv = torch.zeros_like(q_t), torch.zeros_like(k_t), torch.zeros_like(v_t)
     else:
-        args = (q_t[:n], *plan.keys(k_t, v_t), _tokens_major(out)[:n], dout_t[:n], lse[:, :n].contiguous(), plan,
-                scale)
+        keys = (kept_k, kept_v) if kept_k is not None and kept_k.shape[0] else plan.keys(k_t, v_t)
+        if keys[0].shape[0] != plan.gathered:
+            raise AssertionError(f"tree_attention_varlen: the forward kept {keys[0].shape[0]} gathered rows, the plan "
+                                 f"has {plan.gathered} (internal error)")
+        args = (q_t[:n], *keys, _tokens_major(out)[:n], dout_t[:n], lse[:, :n].contiguous(), plan, scale)
         if n == T:
             dq, dkg, dvg = _bwd(*args)
         else:  # the kernel writes the first n rows of dq in place; the tail's queries (softmax over one key) have none
@@ -668,32 +795,36 @@ def _backward_grads(q, k, v, out, lse, dout, plan, scale: float) -> tuple[Tensor
 
 
 @tree_attention_varlen_bwd.register_fake
-def _(q, k, v, out, lse, dout, subtree_end, scale):
+def _(q, k, v, out, lse, dout, subtree_end, scale, kept_k, kept_v):
     return tuple(_heads_major(x.new_empty((x.shape[2], x.shape[1], x.shape[3]))) for x in (q, k, v))
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, subtree_end, scale = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, subtree_end)
+    q, k, v, subtree_end, scale, *_ = inputs
+    out, lse, kept_k, kept_v = output
+    ctx.save_for_backward(q, k, v, out, lse, subtree_end, kept_k, kept_v)
     ctx.scale = scale
-    ctx.mark_non_differentiable(lse)
+    ctx.mark_non_differentiable(lse, kept_k, kept_v)
 
 
-def _backward(ctx, dout, _dlse):
-    q, k, v, out, lse, subtree_end = ctx.saved_tensors
-    dq, dk, dv = torch.ops.treecompile.tree_attention_varlen_bwd(q, k, v, out, lse, dout, subtree_end, ctx.scale)
-    return dq, dk, dv, None, None
+def _backward(ctx, dout, _dlse, _dkept_k, _dkept_v):
+    q, k, v, out, lse, subtree_end, kept_k, kept_v = ctx.saved_tensors
+    dq, dk, dv = torch.ops.treecompile.tree_attention_varlen_bwd(q, k, v, out, lse, dout, subtree_end, ctx.scale,
+                                                                 kept_k, kept_v)
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 tree_attention_varlen_fwd.register_autograd(_backward, setup_context=_setup)
 
 
-def tree_attention_varlen(q: Tensor, k: Tensor, v: Tensor, subtree_end: Tensor, scale: float | None = None) -> Tensor:
-    """Tree attention through varlen causal attention over node segments (module docstring)."""
+def tree_attention_varlen(q: Tensor, k: Tensor, v: Tensor, subtree_end: Tensor, scale: float | None = None, *,
+                          keep: str = "none", layer: int = 0, layers: int = 1, reserve_per_token: int = 0) -> Tensor:
+    """Tree attention through varlen causal attention over node segments (module docstring); ``keep`` and the rest:
+    whether the gathered key/value rows are kept for the backward (:func:`keeps_keys`)."""
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    return torch.ops.treecompile.tree_attention_varlen_fwd(q, k, v, subtree_end, float(scale))[0]
+    return torch.ops.treecompile.tree_attention_varlen_fwd(q, k, v, subtree_end, float(scale), keep, int(layer),
+                                                           int(layers), int(reserve_per_token))[0]
 
 
 # --------------------------------------------------------------------------- a sliding window along each path
@@ -725,31 +856,35 @@ def _flex_window(q, k, v, subtree_end, position_ids, window, scale):
 
 @torch.library.custom_op("treecompile::tree_attention_varlen_windowed_fwd", mutates_args=())
 def tree_attention_varlen_windowed_fwd(q: Tensor, k: Tensor, v: Tensor, subtree_end: Tensor, position_ids: Tensor,
-                                       window: int, scale: float) -> tuple[Tensor, Tensor]:
+                                       window: int, scale: float, keep: str = "none", layer: int = 0, layers: int = 1,
+                                       reserve_per_token: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``tree_attention_windowed`` through the segments (:func:`windowed_plan`): (out as
-    :func:`tree_attention_varlen_fwd`'s, lse ``[H, T]`` float32; unset where the batch ran the window block mask
-    instead: its backward recomputes)."""
+    :func:`tree_attention_varlen_fwd`'s, lse ``[H, T]`` float32, unset where the batch ran the window block mask
+    instead: its backward recomputes; the kept gathered rows as :func:`tree_attention_varlen_fwd`'s, none then)."""
     _check(q, k, v, subtree_end)
+    _check_keep(keep)
     plan = _window_plan(subtree_end, position_ids, window)
+    keep_keys = keeps_keys(keep, plan, q, k, v, layer, layers, reserve_per_token)
     if plan is None:
         with torch.no_grad():
             out = _flex_window(q, k, v, subtree_end, position_ids, window, scale)
         lse = torch.empty((q.shape[1], q.shape[2]), dtype=torch.float32, device=q.device)
-        return _heads_major(out[0].transpose(0, 1).contiguous()), lse
-    return _forward(q, k, v, plan, scale)
+        return (_heads_major(out[0].transpose(0, 1).contiguous()), lse,
+                *_no_keys(_tokens_major(k), _tokens_major(v)))
+    return _forward(q, k, v, plan, scale, keep_keys)
 
 
 @tree_attention_varlen_windowed_fwd.register_fake
-def _(q, k, v, subtree_end, position_ids, window, scale):
+def _(q, k, v, subtree_end, position_ids, window, scale, keep="none", layer=0, layers=1, reserve_per_token=0):
     T, H = q.shape[2], q.shape[1]
     return (_heads_major(q.new_empty((T, H, v.shape[-1]))),
-            q.new_empty((H, T), dtype=torch.float32))
+            q.new_empty((H, T), dtype=torch.float32), *_fake_keys(k, v, keep))
 
 
 @torch.library.custom_op("treecompile::tree_attention_varlen_windowed_bwd", mutates_args=())
 def tree_attention_varlen_windowed_bwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor,
                                        subtree_end: Tensor, position_ids: Tensor, window: int,
-                                       scale: float) -> tuple[Tensor, Tensor, Tensor]:
+                                       scale: float, kept_k: Tensor, kept_v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of :func:`tree_attention_varlen_windowed_fwd`, laid out as its inputs' :func:`_heads_major`."""
     plan = _window_plan(subtree_end, position_ids, window)
     if plan is None:  # the forward ran the window block mask: recomputed here with autograd
@@ -760,37 +895,41 @@ def tree_attention_varlen_windowed_bwd(q: Tensor, k: Tensor, v: Tensor, out: Ten
             grads = torch.autograd.grad(_flex_window(qq, kk, vv, subtree_end, position_ids, window, scale),
                                         (qq, kk, vv), dout)
         return tuple(_heads_major(g[0].transpose(0, 1).contiguous()) for g in grads)
-    return _backward_grads(q, k, v, out, lse, dout, plan, scale)
+    return _backward_grads(q, k, v, out, lse, dout, plan, scale, kept_k, kept_v)
 
 
 @tree_attention_varlen_windowed_bwd.register_fake
-def _(q, k, v, out, lse, dout, subtree_end, position_ids, window, scale):
+def _(q, k, v, out, lse, dout, subtree_end, position_ids, window, scale, kept_k, kept_v):
     return tuple(_heads_major(x.new_empty((x.shape[2], x.shape[1], x.shape[3]))) for x in (q, k, v))
 
 
 def _setup_windowed(ctx, inputs, output):
-    q, k, v, subtree_end, position_ids, window, scale = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, subtree_end, position_ids)
+    q, k, v, subtree_end, position_ids, window, scale, *_ = inputs
+    out, lse, kept_k, kept_v = output
+    ctx.save_for_backward(q, k, v, out, lse, subtree_end, position_ids, kept_k, kept_v)
     ctx.window, ctx.scale = window, scale
-    ctx.mark_non_differentiable(lse)
+    ctx.mark_non_differentiable(lse, kept_k, kept_v)
 
 
-def _backward_windowed(ctx, dout, _dlse):
-    q, k, v, out, lse, subtree_end, position_ids = ctx.saved_tensors
+def _backward_windowed(ctx, dout, _dlse, _dkept_k, _dkept_v):
+    q, k, v, out, lse, subtree_end, position_ids, kept_k, kept_v = ctx.saved_tensors
     dq, dk, dv = torch.ops.treecompile.tree_attention_varlen_windowed_bwd(q, k, v, out, lse, dout, subtree_end,
-                                                                          position_ids, ctx.window, ctx.scale)
-    return dq, dk, dv, None, None, None, None
+                                                                          position_ids, ctx.window, ctx.scale,
+                                                                          kept_k, kept_v)
+    return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 tree_attention_varlen_windowed_fwd.register_autograd(_backward_windowed, setup_context=_setup_windowed)
 
 
 def tree_attention_varlen_windowed(q: Tensor, k: Tensor, v: Tensor, subtree_end: Tensor, position_ids: Tensor,
-                                   window: int, scale: float | None = None) -> Tensor:
+                                   window: int, scale: float | None = None, *, keep: str = "none", layer: int = 0,
+                                   layers: int = 1, reserve_per_token: int = 0) -> Tensor:
     """``tree_attention_windowed`` (a sliding window of ``window`` tokens along each path, ``position_ids`` the
-    depths) through FA4's varlen kernel with its own window over the segments (:func:`windowed_plan`)."""
+    depths) through FA4's varlen kernel with its own window over the segments (:func:`windowed_plan`); ``keep`` and
+    the rest as :func:`tree_attention_varlen`'s."""
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     return torch.ops.treecompile.tree_attention_varlen_windowed_fwd(q, k, v, subtree_end, position_ids, int(window),
-                                                                    float(scale))[0]
+                                                                    float(scale), keep, int(layer), int(layers),
+                                                                    int(reserve_per_token))[0]

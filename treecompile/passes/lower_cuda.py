@@ -156,6 +156,13 @@ CONV_KERNELS = ("auto", "shifts", "shifts_inductor", "fla", "reference")
 # rows whose logits fit in what the device has left when the head's forward runs, ops.logprobs_kept's keep="fit",
 # the others chunked; else "chunked").  A call without gradients runs "chunked" whatever this says.
 HEAD_LOGITS = ("auto", "kept", "chunked")
+# What the varlen tree attention keeps for its backward on CUDA: "gathered" (nothing more: the backward gathers each
+# segment's path prefix of K/V again), "kept" (the forward's gathered K/V rows, G x Hkv x (Dk + Dv) elements per
+# layer, until the layer's backward), "auto" (kept where the device's memory covers the rest of the forward with them
+# and the head's logits: ops.varlen_tree_attention.keeps_keys, decided once per forward at run time; the windowed
+# op gathers again under "auto": its gather is at most T + segments x (W - 1) rows).  A call without gradients keeps
+# nothing whatever this says.
+ATTENTION_KEYS = ("auto", "kept", "gathered")
 
 
 @dataclass(frozen=True)
@@ -168,6 +175,7 @@ class CudaOptions:
     attention_kernel: one of ``ATTENTION_KERNELS``.
     conv_kernel: one of ``CONV_KERNELS``.
     head_logits: one of ``HEAD_LOGITS``.
+    attention_keys: one of ``ATTENTION_KEYS``.
     attention_layout: one of ``ATTENTION_LAYOUTS``: ``"heavy_first"`` runs every tree attention in the
         heaviest-child-first DFS order of the batch (exact; one more ``[2, T]`` graph input); boundary
         programs (redundancy-free partitions) attend in DFS order whatever it says.
@@ -184,10 +192,13 @@ class CudaOptions:
     attention_layout: str = "dfs"
     conv_kernel: str = "auto"
     head_logits: str = "auto"
+    attention_keys: str = "auto"
 
     def __post_init__(self):
         if self.head_logits not in HEAD_LOGITS:
             raise ValueError(f"head_logits: expected one of {HEAD_LOGITS}, got {self.head_logits!r}")
+        if self.attention_keys not in ATTENTION_KEYS:
+            raise ValueError(f"attention_keys: expected one of {ATTENTION_KEYS}, got {self.attention_keys!r}")
         if self.gdn_kernel not in GDN_KERNELS:
             raise ValueError(f"gdn_kernel: expected one of {GDN_KERNELS}, got {self.gdn_kernel!r}")
         if self.conv_kernel not in CONV_KERNELS:
@@ -232,6 +243,11 @@ class CudaLowering:
     # tree_attention_windowed calls lowered to tree_attention_varlen_windowed_fwd (FA4's window over the segments;
     # no block mask: a batch its segments do not suit runs the window block mask inside the op)
     windowed_varlen: int = 0
+    # what the varlen ops keep of their gathered K/V for the backward (ops.varlen_tree_attention.KEEP: "none", "all",
+    # "fit"; the windowed ops' under "auto" is "none") and, under "fit", the head's kept logits per token (bytes)
+    # that the decision leaves room for
+    attention_keep: str = "none"
+    keys_reserve_per_token: int = 0
     # the per-batch host plans of the graph's ops, one per distinct input (:func:`prepare_plans`: built ahead of a
     # step): VarlenPlanInput, GdnPlanInput, ConvPlanInput
     plans: tuple = ()
@@ -482,13 +498,22 @@ def varlen_input_reason(q) -> str | None:
     return None
 
 
-def _varlen(q, k, v, subtree_end, scale, setup_reason=None, kernel="fa4_varlen"):
+def _varlen(q, k, v, subtree_end, scale, setup_reason=None, kernel="fa4_varlen", keep="none", layer=0, layers=1,
+            reserve_per_token=0):
     """``attention_kernel="fa4_varlen"`` (or ``"auto"``, :func:`_auto_varlen`):
     ``treecompile::tree_attention_varlen_fwd`` (an opaque op in the compiled graph, with its own backward op).
     Checked when the graph is traced: FA4 installed on sm_90+ (the lowering's probe) and half-precision CUDA
-    inputs, else RuntimeError naming the reason."""
+    inputs, else RuntimeError naming the reason.  ``keep`` (the gathered K/V kept for the backward) applies to calls
+    that differentiate the attention (grad mode, decided when traced: dynamo guards on it); the call is the
+    ``layer``-th of the graph's ``layers`` under "fit" (``ops.varlen_tree_attention.keeps_keys``)."""
     _check_varlen(q, setup_reason, kernel)
-    return tree_attention_varlen(q, k, v, subtree_end, scale)
+    return tree_attention_varlen(q, k, v, subtree_end, scale, keep=_keep_if_grad(keep, q, k, v), layer=layer,
+                                 layers=layers, reserve_per_token=reserve_per_token)
+
+
+def _keep_if_grad(keep: str, *xs) -> str:
+    """``keep``, or "none" for a call that computes no gradient (nothing would read the kept rows)."""
+    return keep if torch.is_grad_enabled() and any(x.requires_grad for x in xs) else "none"
 
 
 def _check_varlen(q, setup_reason, kernel: str) -> None:
@@ -497,13 +522,15 @@ def _check_varlen(q, setup_reason, kernel: str) -> None:
         raise RuntimeError(f"attention_kernel={kernel!r}: {reason}")
 
 
-def _varlen_windowed(q, k, v, subtree_end, position_ids, window, scale, setup_reason=None, kernel="fa4_varlen"):
+def _varlen_windowed(q, k, v, subtree_end, position_ids, window, scale, setup_reason=None, kernel="fa4_varlen",
+                     keep="none"):
     """``tree_attention_windowed`` under ``attention_kernel="fa4_varlen"`` or ``"auto"``:
     ``treecompile::tree_attention_varlen_windowed_fwd`` (FA4's varlen kernel with its own window over the
     segments, each gathering at most ``window - 1`` rows of its path prefix; a batch whose segments would gather
-    too many rows runs the window block mask inside the op).  Checked as :func:`_varlen`."""
+    too many rows runs the window block mask inside the op).  Checked and ``keep`` as :func:`_varlen`."""
     _check_varlen(q, setup_reason, kernel)
-    return tree_attention_varlen_windowed(q, k, v, subtree_end, position_ids, window, scale)
+    return tree_attention_varlen_windowed(q, k, v, subtree_end, position_ids, window, scale,
+                                          keep=_keep_if_grad(keep, q, k, v))
 
 
 # head dims "auto" runs through the varlen op's segments alone (FA4's block-sparse tiles do not take them): measured
@@ -628,12 +655,13 @@ def _moe_grouped(n: fx.Node) -> bool:
             and all((d * hidden.element_size()) % 16 == 0 for d in (D, I)) and E < 1024)
 
 
-def _replace(graph: fx.Graph, n: fx.Node, target, args, kwargs=None) -> None:
+def _replace(graph: fx.Graph, n: fx.Node, target, args, kwargs=None) -> fx.Node:
     with graph.inserting_before(n):
         new = graph.call_function(target, tuple(args), dict(kwargs or {}))
     new.meta = dict(n.meta)
     n.replace_all_uses_with(new)
     graph.erase_node(n)
+    return new
 
 
 def attention_inputs(subtree_end: torch.Tensor, lowering: CudaLowering, *, boundary_visible: torch.Tensor | None = None,
@@ -689,6 +717,9 @@ def lower_cuda(gm: fx.GraphModule, options: CudaOptions, *, boundary: bool = Fal
     plans: list = []  # VarlenPlanInput, GdnPlanInput, ConvPlanInput (None: an op that plans in the step)
     window_masks: dict[int, fx.Node] = {}  # one block mask placeholder per distinct window, after the others
     head_kept = None
+    keys_keep, windowed_keep = _attention_keep(options.attention_keys)
+    reserve = _head_reserve(graph, options, boundary) if keys_keep == "fit" else 0
+    fit_calls: list[fx.Node] = []  # the varlen calls that share one "fit" decision per forward, in graph order
     conv_kernel = resolve_conv_kernel(options.conv_kernel, gdn_kernel, compiled)
     if gdn_kernel == "fla":  # levelled or whole fla calls (ops/fla_gdn_levels.py): decided once, not per layer call
         from treecompile.ops.fla_gdn import default_levels
@@ -700,7 +731,9 @@ def lower_cuda(gm: fx.GraphModule, options: CudaOptions, *, boundary: bool = Fal
             scale = n.args[4] if len(n.args) > 4 else n.kwargs.get("scale")
             auto = _auto_varlen(q, layout, setup_reason) if options.attention_kernel == "auto" and varlen else None
             if options.attention_kernel == "fa4_varlen" or auto:  # no block mask: the op plans from subtree_end
-                _replace(graph, n, _varlen, (q, k, v, subtree_end, scale, setup_reason, options.attention_kernel))
+                new = _replace(graph, n, _varlen, (q, k, v, subtree_end, scale, setup_reason, options.attention_kernel),
+                               dict(keep=keys_keep, layer=len(fit_calls), reserve_per_token=reserve))
+                fit_calls.append(new)
                 plans.append(_varlen_plan(q, subtree_end))
                 attention_varlen += 1
                 segments_only += auto == "segments"
@@ -722,7 +755,7 @@ def lower_cuda(gm: fx.GraphModule, options: CudaOptions, *, boundary: bool = Fal
             auto = _auto_varlen(q, "dfs", setup_reason) if options.attention_kernel == "auto" and varlen else None
             if options.attention_kernel == "fa4_varlen" or auto:
                 _replace(graph, n, _varlen_windowed, (q, k, v, subtree_end, positions, window, scale, setup_reason,
-                                                      options.attention_kernel))
+                                                      options.attention_kernel), dict(keep=windowed_keep))
                 plans.append(_varlen_plan(q, subtree_end, positions, window))
                 windowed_varlen += 1
                 continue
@@ -759,6 +792,8 @@ def lower_cuda(gm: fx.GraphModule, options: CudaOptions, *, boundary: bool = Fal
         elif n.op == "call_function" and n.target == MOE_EXPERTS and moe_grouped_ok and _moe_grouped(n):
             _replace(graph, n, MOE_EXPERTS_GROUPED, n.args, n.kwargs)
             moe_grouped += 1
+    for new in fit_calls:
+        new.kwargs = {**new.kwargs, "layers": len(fit_calls)}
     graph.eliminate_dead_code()
     materialized = materialize_position_values(graph, constants, gm) if compiled else 0
     return CudaLowering(graph_module=fx.GraphModule(gm, graph), attention=attention, materialized=materialized,
@@ -767,7 +802,33 @@ def lower_cuda(gm: fx.GraphModule, options: CudaOptions, *, boundary: bool = Fal
                         moe_grouped=moe_grouped, attention_varlen=attention_varlen,
                         attention_segments_only=segments_only, head_keep=head_kept,
                         windows=tuple(window_masks), windowed_varlen=windowed_varlen,
+                        attention_keep=keys_keep if attention_varlen else windowed_keep if windowed_varlen else "none",
+                        keys_reserve_per_token=reserve,
                         plans=tuple(dict.fromkeys(p for p in plans if p is not None)))
+
+
+def _attention_keep(attention_keys: str) -> tuple[str, str]:
+    """The varlen ops' ``keep`` under ``attention_keys`` (:data:`ATTENTION_KEYS`): (the tree attention's, the
+    windowed attention's)."""
+    if attention_keys == "kept":
+        return "all", "all"
+    if attention_keys == "gathered":
+        return "none", "none"
+    return "fit", "none"
+
+
+def _head_reserve(graph: fx.Graph, options: CudaOptions, boundary: bool) -> int:
+    """The bytes per token of logits the graph's fused heads keep for their backward (``head_keep``), which the
+    attention's "fit" leaves room for: vocabulary x the hidden states' element size, the largest over the heads
+    (0 without a kept head)."""
+    reserve = 0
+    for n in graph.nodes:
+        if n.op == "call_function" and n.target == LINEAR_LOGPROBS:
+            chunk = n.args[4] if len(n.args) > 4 else n.kwargs["chunk"]
+            h, W = (_val(a) for a in n.args[:2])
+            if head_keep(options.head_logits, chunk, boundary=boundary) is not None and h is not None and W is not None:
+                reserve = max(reserve, W.shape[0] * h.dtype.itemsize)
+    return reserve
 
 
 def _reads_batch_depths(n: fx.Node) -> bool:
