@@ -781,8 +781,8 @@ class Steps:
             raise _Skip(f"{option} is a CUDA lowering option")
         return self.tree_step(**kw)
 
-    def tree_step(self, layout="dfs", kernel="auto", conv="auto", head="auto"):
-        tm = self._tree_model(layout=layout, kernel=kernel, conv=conv, head=head)
+    def tree_step(self, layout="dfs", kernel="auto", conv="auto", head="auto", keys="auto"):
+        tm = self._tree_model(layout=layout, kernel=kernel, conv=conv, head=head, keys=keys)
 
         def make():
             return [self.tree.to_batch(normalize=self.cfg.normalize, device=self.dev)]

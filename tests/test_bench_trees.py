@@ -477,3 +477,26 @@ def test_harness_steps_alternate_between_two_sets_of_batch_tensors():
     plain(), plain()
     fwd = [i for e, i in tm.events if e == "fwd"]
     assert fwd[0] == fwd[1]  # without make: the same tensors every step
+
+
+def test_cuda_tree_contenders_pass_options_that_tree_step_takes(monkeypatch):
+    """Each CUDA-only tree contender's options are ones ``Steps.tree_step`` takes (a CPU run skips them, so a
+    misspelt option would only show on the GPU: session 41's first ``tree_keys_gathered`` did)."""
+    import inspect
+
+    from benchmarks import harness
+
+    seen = []
+
+    def cuda_tree_step(self, option, **kw):
+        inspect.signature(harness.Steps.tree_step).bind(self, **kw)
+        seen.append(kw)
+
+    monkeypatch.setattr(harness.Steps, "_cuda_tree_step", cuda_tree_step)
+    names = [n for n in harness.TREE_CONTENDERS
+             if hasattr(harness.Steps, n) and "_cuda_tree_step" in inspect.getsource(getattr(harness.Steps, n))]
+    assert "tree_keys_gathered" in names and len(names) >= 8
+    steps = harness.Steps.__new__(harness.Steps)  # nothing built: the contenders only pass their options on
+    for name in names:
+        getattr(steps, name)()
+    assert {"keys": "gathered"} in seen and len(seen) == len(names)

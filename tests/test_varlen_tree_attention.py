@@ -1401,3 +1401,32 @@ def test_compiled_steps_keeping_the_gathered_rows_equal_gathering_them_again():
         for x, y in zip([*runs[mode][0], *runs[mode][1]], [*runs["gathered"][0], *runs["gathered"][1]]):
             print(mode, tuple(y.shape), float((x.float() - y.float()).abs().max()), float(y.float().abs().max()))
             torch.testing.assert_close(x, y, rtol=2 ** -7, atol=2 ** -7 * float(y.abs().max()))
+
+
+@pytest.mark.parametrize("keys", ["kept", "gathered"])
+def test_lowered_graph_with_run_time_row_counts_is_one_compiled_graph(keys, monkeypatch):
+    """Under the settings a lowered graph runs with (``program.dynamo_config``) the ops whose row counts are decided
+    at run time (the varlen attention's kept K/V, the head's kept logits under "fit") stay in one dynamo graph:
+    without ``capture_dynamic_output_shape_ops`` each of them cut the graph (session 41 measured 30 graphs on
+    Qwen3-0.6B).  The tiny model's lowering compiled by inductor on the CPU: loss, log-probs and every gradient as
+    the rewritten graph's (float64)."""
+    from helpers import cached_compile, cached_model, run_program_graph, tiny_dense
+    from treecompile.program import dynamo_config
+
+    prog = cached_compile(cached_model("dense-tiny", tiny_dense)).program
+    low = _lower_fa4_varlen(prog, monkeypatch, attention_keys=keys)
+    assert low.head_keep == "fit" and low.attention_keep == ("all" if keys == "kept" else "none")
+    batch = Tree.from_paths([[t % 97 for t in p] for p in forest_paths(60, 2, seed=4)]).to_batch(pad_to_multiple=16)
+    args = [*(prog.lifted_value(x) for x in prog.lifted), *prog.batch_args(batch), None]
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(**dynamo_config(prog.options)):
+        explained = torch._dynamo.explain(low.graph_module)(*args)
+        assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+        compiled = torch.compile(low.graph_module, dynamic=False)
+        l1, lp1, g1 = run_program_graph(prog, compiled, batch, None)
+    l0, lp0, g0 = run_program_graph(prog, prog.graph_module, batch)
+    torch.testing.assert_close(l1, l0, rtol=1e-12, atol=0)
+    torch.testing.assert_close(lp1, lp0, rtol=1e-12, atol=1e-12)
+    assert len(g0) == len(g1) > 0
+    for a, b in zip(g1, g0):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)

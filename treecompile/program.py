@@ -121,6 +121,21 @@ class _CudaState:
     run: object  # the (compiled) lowered graph module, or a SplitGraph of it
 
 
+def dynamo_config(options: CudaOptions) -> dict:
+    """dynamo's settings while a lowered graph runs (patched around each call; the global ones are left as they are):
+
+    - ``recompile_limit``: compiled flex kernels (the graph's, or the separately compiled one of an eager graph)
+      compile once per shape, so room for one per length bucket (never lower than the global limit);
+    - ``capture_dynamic_output_shape_ops``: the ops whose row counts are decided at run time (the head's kept logits
+      under "fit", the varlen attention's kept K/V rows) stay in the one graph.  Without it dynamo breaks the graph
+      at each of them: Qwen3-0.6B at 16k tree tokens with the K/V kept ran as 30 graphs and recompiled the layer
+      wrapper per layer (first step 175 s, step 178.7 ms against 164.3 ms before; H200, session 41), and the
+      head's "fit" has always cut the graph in two there.
+    """
+    return dict(recompile_limit=max(torch._dynamo.config.recompile_limit, options.recompile_limit),
+                capture_dynamic_output_shape_ops=True)
+
+
 class TreeProgram:
     """The rewritten graph of one model and the one way to run it (module docstring)."""
 
@@ -316,10 +331,8 @@ class TreeProgram:
         # compiled region's entry, whose guards hold the thread count
         with single_threaded(bucket_length(T)):
             state, args = self._graph_inputs(state, batch, boundary_inputs)
-        # compiled flex kernels (the graph's, or the separately compiled one of an eager graph) compile once
-        # per shape: room for one per bucket
-        limit = max(torch._dynamo.config.recompile_limit, self.options.recompile_limit)
-        with torch._dynamo.config.patch(recompile_limit=limit), torch.profiler.record_function("treecompile::graph"):
+        with torch._dynamo.config.patch(**dynamo_config(self.options)), \
+                torch.profiler.record_function("treecompile::graph"):
             if isinstance(state.run, SplitGraph):
                 out = self._run_segments(state.run, args)
             else:
