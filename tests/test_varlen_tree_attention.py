@@ -1237,7 +1237,7 @@ def test_fit_decides_once_per_forward_from_the_memory_one_layer_took(monkeypatch
     """``keep="fit"`` on CUDA (memory queries stubbed): call 0 notes the memory and keeps nothing; call 1 keeps,
     for itself and the later calls, exactly when ``(layers - 1) x (per_layer + rows) + reserve x T + margin`` is
     within the headroom (both sides of the bound); a call 1 with no call 0 since the last decision (activation
-    checkpointing's recompute) reuses it; the decision is recorded."""
+    checkpointing's recompute) reuses it; the decision is recorded; first two calls on two devices keep nothing."""
     from treecompile.ops import logprobs_kept
     from treecompile.ops import varlen_tree_attention as vta
 
@@ -1270,6 +1270,9 @@ def test_fit_decides_once_per_forward_from_the_memory_one_layer_took(monkeypatch
     assert [vta._fit(plan, q, k, v, i, layers, reserve) for i in (3, 2, 1)] == [True] * 3  # a recompute: reused
     assert forward(need - 1) == [False] * layers
     assert vta.last_keys_fit.keep is False
+    forward(need)
+    vta._fit(plan, q, k, v, 0, layers, reserve)  # the next forward's first call on another device than its second
+    assert not vta._fit(plan, q.to("meta"), k, v, 1, layers, reserve)
 
 
 def test_lowering_numbers_the_calls_and_leaves_room_for_the_head(monkeypatch):

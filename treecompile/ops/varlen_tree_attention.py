@@ -48,6 +48,7 @@ Shapes as ``treecompile::tree_attention``: ``q [1, H, T, D]``, ``k``/``v`` ``[1,
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -619,8 +620,14 @@ class KeysFit:
     keep: bool
 
 
-_fit_start: int | None = None  # memory allocated at the first "fit" call of the forward now running (layer 0)
-_fit_keep = False  # the decision of the forward now running, made at its second call (layer 1)
+class _FitState(threading.local):
+    """The "fit" decision of the forward now running on this thread (a thread per device runs its own forwards)."""
+
+    start: tuple | None = None  # (device, memory allocated) at the forward's first call (layer 0)
+    keep = False  # the decision, made at its second call (layer 1)
+
+
+_FIT = _FitState()
 # The last decision of this process, for benchmarks and logs (None until one was made); nothing reads it to decide.
 last_keys_fit: KeysFit | None = None
 
@@ -647,7 +654,7 @@ def gathered_bytes(plan, k: Tensor, v: Tensor) -> int:
 def keeps_keys(keep: str, plan, q: Tensor, k: Tensor, v: Tensor, layer: int = 0, layers: int = 1,
                reserve_per_token: int = 0) -> bool:
     """Whether a varlen call keeps its gathered key/value rows for its backward (which then does not gather them
-    again: measured ~1.7 ms of a 164 ms step, Qwen3-0.6B at 16k tree tokens on an H200, session 40's profile).
+    again: 2.0 ms of a 164 ms step, Qwen3-0.6B at 16k tree tokens on an H200, session 41).
     Only a segment plan that gathers rows keeps any.  ``keep``:
 
     - ``"none"``, ``"all"``: never, always.
@@ -665,6 +672,7 @@ def keeps_keys(keep: str, plan, q: Tensor, k: Tensor, v: Tensor, layer: int = 0,
       estimate is short, the head's own "fit" keeps fewer logits.  The decision is in :data:`last_keys_fit`.
       A second call with no first call since the last decision reuses it: activation checkpointing recomputes
       layers last to first, and must keep what the forward kept (``torch.utils.checkpoint`` checks the shapes).
+      The state is per thread; first two calls on different devices keep nothing.
     """
     if keep == "fit" and q.is_cuda:
         keep_rows = _fit(plan, q, k, v, layer, layers, reserve_per_token)
@@ -678,21 +686,25 @@ def _fit(plan, q: Tensor, k: Tensor, v: Tensor, layer: int, layers: int, reserve
     the decision."""
     from .logprobs_kept import FIT_MARGIN_FRACTION, headroom_bytes
 
-    global _fit_start, _fit_keep, last_keys_fit
+    global last_keys_fit
+    fit = _FIT
     if layer == 0:
-        _fit_start, _fit_keep = torch.cuda.memory_allocated(q.device), False
+        fit.start, fit.keep = (q.device, torch.cuda.memory_allocated(q.device)), False
         return False
-    if layer == 1 and _fit_start is not None:
-        start, _fit_start = _fit_start, None
+    if layer == 1 and fit.start is not None:
+        (device, start), fit.start = fit.start, None
+        if device != q.device:  # the first two calls on two devices: nothing measured
+            fit.keep = False
+            return False
         per_layer = max(0, torch.cuda.memory_allocated(q.device) - start)
         rows = gathered_bytes(plan, k, v)
         reserve = reserve_per_token * q.shape[2]
         margin = torch.cuda.get_device_properties(q.device).total_memory // FIT_MARGIN_FRACTION
         headroom = headroom_bytes(q.device)
-        _fit_keep = (layers - 1) * (per_layer + rows) + reserve + margin <= headroom
+        fit.keep = (layers - 1) * (per_layer + rows) + reserve + margin <= headroom
         last_keys_fit = KeysFit(layers=layers, per_layer=per_layer, keys=rows, reserve=reserve, margin=margin,
-                                headroom=headroom, keep=_fit_keep)
-    return _fit_keep
+                                headroom=headroom, keep=fit.keep)
+    return fit.keep
 
 
 @torch.library.custom_op("treecompile::tree_attention_varlen_fwd", mutates_args=())
