@@ -130,7 +130,9 @@ def dynamo_config(options: CudaOptions) -> dict:
       under "fit", the varlen attention's kept K/V rows) stay in the one graph.  Without it dynamo breaks the graph
       at each of them: Qwen3-0.6B at 16k tree tokens with the K/V kept ran as 30 graphs and recompiled the layer
       wrapper per layer (first step 175 s, step 178.7 ms against 164.3 ms before; H200, session 41), and the
-      head's "fit" has always cut the graph in two there.
+      head's "fit" has always cut the graph in two (``torch._dynamo.explain`` of the tiny model's lowering).  Any
+      other op with a data-dependent output shape in a lowered graph came through ``torch.export``, which traces
+      such ops with unbacked sizes already, so dynamo captures what export did.
     """
     return dict(recompile_limit=max(torch._dynamo.config.recompile_limit, options.recompile_limit),
                 capture_dynamic_output_shape_ops=True)

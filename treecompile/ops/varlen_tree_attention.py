@@ -729,7 +729,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, plan, scale: float,
     q_t, k_t, v_t = _tokens_major(q), _tokens_major(k), _tokens_major(v)
     T, H, Hkv = q_t.shape[0], q_t.shape[1], k_t.shape[1]
     keys = plan.keys(k_t, v_t) if n else None
-    kept = keys if keep and keys is not None else _no_keys(k_t, v_t)  # keeps_keys: a segment plan's rows
+    kept = keys if keep and keys is not None else _no_keys(k_t, v_t)  # keep: only a segment plan (keeps_keys)
     if n == T:  # no tail: the kernel's fresh tensors
         out, lse = _fwd(q_t, *keys, plan, scale)
         return _heads_major(out.contiguous()), lse.float().contiguous(), *kept
@@ -751,9 +751,9 @@ def _no_keys(k_t: Tensor, v_t: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _fake_keys(k: Tensor, v: Tensor, keep) -> tuple[Tensor, Tensor]:
-    """The kept rows' fake tensors: none under ``keep="none"`` (or False), else an unbacked row count (the plan and,
+    """The kept rows' fake tensors: none under ``keep="none"``, else an unbacked row count (the plan and,
     under "fit", the memory left decide it at run time: one compiled graph serves every count)."""
-    if keep in ("none", False):
+    if keep == "none":
         return _no_keys(k[0].transpose(0, 1), v[0].transpose(0, 1))
     G = torch.library.get_ctx().new_dynamic_size()
     return k.new_empty((G, k.shape[1], k.shape[3])), v.new_empty((G, v.shape[1], v.shape[3]))
