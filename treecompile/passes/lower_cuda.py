@@ -782,8 +782,7 @@ def lower_cuda(gm: fx.GraphModule, options: CudaOptions, *, boundary: bool = Fal
         elif n.op == "call_function" and n.target == LINEAR_LOGPROBS:
             triton = _triton_head(n)
             triton_head += triton
-            keep = head_keep(options.head_logits, n.args[4] if len(n.args) > 4 else n.kwargs["chunk"],
-                             boundary=boundary)
+            keep = head_keep(options.head_logits, _head_chunk(n), boundary=boundary)
             if keep is not None:
                 _replace(graph, n, _fused_head, n.args, {**n.kwargs, "triton": triton, "keep": keep})
                 head_kept = keep
@@ -824,11 +823,16 @@ def _head_reserve(graph: fx.Graph, options: CudaOptions, boundary: bool) -> int:
     reserve = 0
     for n in graph.nodes:
         if n.op == "call_function" and n.target == LINEAR_LOGPROBS:
-            chunk = n.args[4] if len(n.args) > 4 else n.kwargs["chunk"]
             h, W = (_val(a) for a in n.args[:2])
-            if head_keep(options.head_logits, chunk, boundary=boundary) is not None and h is not None and W is not None:
+            kept = head_keep(options.head_logits, _head_chunk(n), boundary=boundary) is not None
+            if kept and h is not None and W is not None:
                 reserve = max(reserve, W.shape[0] * h.dtype.itemsize)
     return reserve
+
+
+def _head_chunk(n: fx.Node) -> int:
+    """The ``chunk`` argument of the fused head ``n`` (``treecompile::linear_logprobs``; 0: the user set none)."""
+    return n.args[4] if len(n.args) > 4 else n.kwargs["chunk"]
 
 
 def _reads_batch_depths(n: fx.Node) -> bool:
