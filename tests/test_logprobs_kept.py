@@ -165,19 +165,22 @@ def test_headroom_is_free_plus_cached_within_the_process_cap(monkeypatch, fracti
 
 
 def test_one_compiled_graph_serves_every_kept_row_count(monkeypatch):
-    """Under ``torch.compile`` (inductor, CPU) the kept rows' count is an unbacked size: the memory left changing
-    between calls changes how many rows keep their logits, never the graph (one compile), and every count gives the
-    reference's gradients."""
+    """Under ``torch.compile`` (inductor, CPU, with the settings a lowered graph runs with: ``program.dynamo_config``)
+    the kept rows' count is an unbacked size: the memory left changing between calls changes how many rows keep
+    their logits, never the graph (one compile, no graph break), and every count gives the reference's gradients."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     h, W, b, t, cot = _inputs(12, 8, 20, torch.float64, True)
 
     def head(h, W, b):
         lp, lse, _, _ = linear_logprobs_kept(torch.tanh(h), W, b, t, False, "fit")
-        return lp, lse
+        return lp * 1, lse * 1  # ops after the head: a graph break there would compile a second frame
+
+    from treecompile.passes.lower_cuda import CudaOptions
+    from treecompile.program import dynamo_config
 
     counter = CompileCounterWithBackend("inductor")
-    fn = torch.compile(head, backend=counter, fullgraph=True)
+    fn = torch.compile(head, backend=counter, dynamic=False)  # not fullgraph, which captures such ops by itself
     want = _all(linear_logprobs(torch.tanh(h), W, b, t, 5)[:2], [h, W, b], cot)
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv, free_unbacked_symbols
@@ -187,7 +190,8 @@ def test_one_compiled_graph_serves_every_kept_row_count(monkeypatch):
         assert free_unbacked_symbols(fake[3].shape[0]) and fake[3].shape[1] == 20
     for kept in (12, 0, 5):
         monkeypatch.setattr(logprobs_kept, "fit_rows", lambda h, W, b, entropy=False, k=kept: k)
-        got = _all(fn(h, W, b), [h, W, b], cot)
+        with torch._dynamo.config.patch(**dynamo_config(CudaOptions())):  # as a lowered graph runs
+            got = _all(fn(h, W, b), [h, W, b], cot)
         assert all(torch.allclose(a, w, rtol=1e-12, atol=1e-13) for a, w in zip(got, want)), kept
     assert counter.frame_count == 1
 

@@ -1332,23 +1332,27 @@ def test_lowered_model_keeping_rows_equals_the_rewritten_graph(keys, monkeypatch
 
 
 def test_one_compiled_graph_serves_kept_and_gathered_calls(monkeypatch):
-    """Under ``torch.compile`` (inductor, CPU) the kept rows' count is an unbacked size: a call that keeps and one
-    that does not (the "fit" decision changing between steps) run the same graph, with the reference's
+    """Under ``torch.compile`` (inductor, CPU, the settings a lowered graph runs with: ``program.dynamo_config``; not
+    ``fullgraph``, which captures such ops by itself) the kept rows' count is an unbacked size: a call that keeps and
+    one that does not (the "fit" decision changing between steps) run the same one graph, with the reference's
     gradients."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     from treecompile.ops import varlen_tree_attention as vta
+    from treecompile.passes.lower_cuda import CudaOptions
+    from treecompile.program import dynamo_config
 
     b = _batch(forest_paths(60, 2, seed=2), 16)
     q, k, v = _qkv(b.seq_len, 4, 2, 8, seed=1)
     counter = CompileCounterWithBackend("inductor")
     fn = torch.compile(lambda q, k, v, se: (tree_attention_varlen(q * 1, k, v, se, 0.3, keep="fit") * 1.5).sum(),
-                       backend=counter, fullgraph=True)
+                       backend=counter, dynamic=False)
     want = torch.autograd.grad((tree_attention_reference(q, k, v, b.subtree_end, 0.3) * 1.5).sum(), (q, k, v))
     keeps = vta.keeps_keys
     for keep in (True, False, True):
         monkeypatch.setattr(vta, "keeps_keys", lambda *a, keep=keep: keep and keeps(*a))
-        got = torch.autograd.grad(fn(q, k, v, b.subtree_end), (q, k, v))
+        with torch._dynamo.config.patch(**dynamo_config(CudaOptions())):
+            got = torch.autograd.grad(fn(q, k, v, b.subtree_end), (q, k, v))
         for x, r in zip(got, want):
             torch.testing.assert_close(x, r, rtol=1e-12, atol=1e-12)
     assert counter.frame_count == 1
