@@ -882,7 +882,7 @@ def tree_attention_varlen_windowed_fwd(q: Tensor, k: Tensor, v: Tensor, subtree_
             out = _flex_window(q, k, v, subtree_end, position_ids, window, scale)
         lse = torch.empty((q.shape[1], q.shape[2]), dtype=torch.float32, device=q.device)
         return (_heads_major(out[0].transpose(0, 1).contiguous()), lse,
-                *_no_keys(_tokens_major(k), _tokens_major(v)))
+                *_no_keys(k[0].transpose(0, 1), v[0].transpose(0, 1)))
     return _forward(q, k, v, plan, scale, keep_keys)
 
 
