@@ -48,7 +48,7 @@ from treecompile.ops.logprobs import (_acc_dtype, accumulate_bias_grad, accumula
 from treecompile.ops.triton_support import usable
 
 __all__ = ["linear_logprobs_kept", "logits_bytes", "fit_rows", "head_backward_bytes", "headroom_bytes", "KEEP",
-           "FIT_MARGIN_FRACTION", "last_fit", "pop_last_fit"]
+           "FIT_MARGIN_FRACTION", "fit_margin_bytes", "last_fit", "pop_last_fit"]
 
 HALF = (torch.bfloat16, torch.float16)
 KEEP = ("all", "fit")
@@ -92,14 +92,16 @@ def head_backward_bytes(n: int, vocab: int, dim: int, dtype: torch.dtype, *, chu
             + chunk_rows * vocab * per_element + 6 * n * acc)
 
 
-def headroom_bytes(device: torch.device) -> int | None:
+def headroom_bytes(device: torch.device, allocated: int | None = None) -> int | None:
     """Bytes that tensors on ``device`` could still take: the device's free memory plus what the caching
     allocator holds unused, and no more than the process's cap (``torch.cuda.set_per_process_memory_fraction``)
-    leaves; None off CUDA, where memory is not tracked."""
+    leaves; None off CUDA, where memory is not tracked.  ``allocated``: ``torch.cuda.memory_allocated(device)``
+    when the caller has just read it (one statistics read less)."""
     if device.type != "cuda":
         return None
     free, _total = torch.cuda.mem_get_info(device)
-    allocated = torch.cuda.memory_allocated(device)
+    if allocated is None:
+        allocated = torch.cuda.memory_allocated(device)
     headroom = free + torch.cuda.memory_reserved(device) - allocated
     query = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # not in every torch
     fraction = query(device) if query is not None else 1.0
@@ -110,6 +112,12 @@ def headroom_bytes(device: torch.device) -> int | None:
 
 def _device_total(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).total_memory
+
+
+def fit_margin_bytes(device: torch.device) -> int:
+    """What every "fit" decision leaves unclaimed on ``device``: ``1 / FIT_MARGIN_FRACTION`` of its memory (the
+    head's here, the varlen attention's kept rows: ``ops.varlen_tree_attention.keeps_keys``)."""
+    return _device_total(device) // FIT_MARGIN_FRACTION
 
 
 def fit_rows(h: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None, entropy: bool = False) -> int:
@@ -124,7 +132,7 @@ def fit_rows(h: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None, entropy: 
     else:
         need = head_backward_bytes(N, V, D, h.dtype, chunk_rows=min(N, _chunk(h, V)), bias=b is not None,
                                    triton=_triton(h), entropy=entropy)
-        spare = headroom - need - _device_total(h.device) // FIT_MARGIN_FRACTION
+        spare = headroom - need - fit_margin_bytes(h.device)
         rows = max(0, min(N, spare // max(1, logits_bytes(1, V, h.dtype))))
     _record(rows=N, kept=rows, headroom=-1 if headroom is None else headroom)
     return rows

@@ -58,6 +58,7 @@ from treecompile.host_values import host_copy, repeat_counts, to_device_async
 
 from .key_copies import CopyRuns, copy_runs, sum_copies
 from .last_batch import LastBatch
+from .logprobs_kept import fit_margin_bytes, headroom_bytes
 from .tree_attention import tree_mask
 
 __all__ = ["SegmentPlan", "BlockSparsePlan", "segment_plan", "segments_fit", "tree_attention_plan",
@@ -615,7 +616,7 @@ class KeysFit:
     per_layer: int  # allocated between the first two calls' starts: one layer's activations, measured
     keys: int  # the second call's gathered rows (K and V): what each later call would keep
     reserve: int  # left for the head's logits (``reserve_per_token`` x T)
-    margin: int  # 1 / FIT_MARGIN_FRACTION of the device's memory, as the head's "fit" leaves
+    margin: int  # what the head's "fit" leaves too (ops.logprobs_kept.fit_margin_bytes)
     headroom: int  # what the device had left at the second call (ops.logprobs_kept.headroom_bytes)
     keep: bool
 
@@ -684,8 +685,6 @@ def keeps_keys(keep: str, plan, q: Tensor, k: Tensor, v: Tensor, layer: int = 0,
 def _fit(plan, q: Tensor, k: Tensor, v: Tensor, layer: int, layers: int, reserve_per_token: int) -> bool:
     """:func:`keeps_keys` under "fit" on CUDA: note the memory at call 0, decide at the call 1 after it, else reuse
     the decision."""
-    from .logprobs_kept import FIT_MARGIN_FRACTION, headroom_bytes
-
     global last_keys_fit
     fit = _FIT
     if layer == 0:
@@ -696,11 +695,12 @@ def _fit(plan, q: Tensor, k: Tensor, v: Tensor, layer: int, layers: int, reserve
         if device != q.device:  # the first two calls on two devices: nothing measured
             fit.keep = False
             return False
-        per_layer = max(0, torch.cuda.memory_allocated(q.device) - start)
+        allocated = torch.cuda.memory_allocated(q.device)
+        per_layer = max(0, allocated - start)
         rows = gathered_bytes(plan, k, v)
         reserve = reserve_per_token * q.shape[2]
-        margin = torch.cuda.get_device_properties(q.device).total_memory // FIT_MARGIN_FRACTION
-        headroom = headroom_bytes(q.device)
+        margin = fit_margin_bytes(q.device)
+        headroom = headroom_bytes(q.device, allocated)
         fit.keep = (layers - 1) * (per_layer + rows) + reserve + margin <= headroom
         last_keys_fit = KeysFit(layers=layers, per_layer=per_layer, keys=rows, reserve=reserve, margin=margin,
                                 headroom=headroom, keep=fit.keep)

@@ -101,6 +101,7 @@ from treecompile.ops.fa4_tree_attention import (FA4_HEAD_DIMS, FA4_KERNEL_OPTION
 from treecompile.ops.flex_tree_attention import (kernel_options_for, tree_attention_flex, tree_block_mask,
                                                  tree_window_block_mask, window_kernel_options_for)
 from treecompile.ops import varlen_tree_attention
+from treecompile.ops.logprobs_kept import logits_bytes
 from treecompile.ops.varlen_tree_attention import tree_attention_varlen, tree_attention_varlen_windowed
 from treecompile.ops.tree_conv_shifts import tree_causal_conv1d_shifts, tree_causal_conv1d_shifts_inductor
 from treecompile.ops.flex_tree_attention_boundary import boundary_block_mask, tree_attention_boundary_flex
@@ -513,7 +514,7 @@ def _varlen(q, k, v, subtree_end, scale, setup_reason=None, kernel="fa4_varlen",
 
 def _keep_if_grad(keep: str, *xs) -> str:
     """``keep``, or "none" for a call that computes no gradient (nothing would read the kept rows)."""
-    return keep if torch.is_grad_enabled() and any(x.requires_grad for x in xs) else "none"
+    return keep if _differentiates(*xs) else "none"
 
 
 def _check_varlen(q, setup_reason, kernel: str) -> None:
@@ -595,8 +596,13 @@ def _triton_head(n: fx.Node) -> bool:
 def head_keeps(h, W, b) -> bool:
     """Whether :func:`_fused_head` keeps logits of this call: it differentiates the head (grad mode on, an input
     requires grad) and ``h``, ``W`` and ``b`` share one dtype (``linear_logprobs_kept``'s buffers are of it)."""
-    return (torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (h, W, b))
-            and _one_dtype(h, W, b))
+    return _differentiates(h, W, b) and _one_dtype(h, W, b)
+
+
+def _differentiates(*xs) -> bool:
+    """Whether a call on ``xs`` (None entries skipped) records gradients: grad mode on and an input requiring grad
+    (decided when traced: dynamo guards on grad mode)."""
+    return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in xs)
 
 
 def _one_dtype(h, W, b) -> bool:
@@ -826,7 +832,7 @@ def _head_reserve(graph: fx.Graph, options: CudaOptions, boundary: bool) -> int:
             h, W = (_val(a) for a in n.args[:2])
             kept = head_keep(options.head_logits, _head_chunk(n), boundary=boundary) is not None
             if kept and h is not None and W is not None:
-                reserve = max(reserve, W.shape[0] * h.dtype.itemsize)
+                reserve = max(reserve, logits_bytes(1, W.shape[0], h.dtype))
     return reserve
 
 
