@@ -110,7 +110,7 @@ BASELINES = ("eager_per_path", "compiled_per_path", "packed_flex", "compiled_per
              "compiled_per_path_fla", "packed_fla_varlen", "packed_fla_varlen_conv")
 TREE_CONTENDERS = ("tree", "tree_heavy_first", "tree_fa4_varlen", "tree_fa4_flex", "tree_conv_fla",
                    "tree_conv_shifts_inductor", "tree_head_chunked", "tree_head_kept", "tree_keys_gathered",
-                   "tree_packed", "tree_rf")
+                   "tree_fa4_interface", "tree_packed", "tree_rf")
 CONTENDERS = BASELINES + TREE_CONTENDERS
 
 
@@ -522,6 +522,19 @@ def batches_step(tm, batches, zero, make: Callable[[], list] | None = None) -> C
     return step
 
 
+def _without_fa4_replay(step: Callable) -> Callable:
+    """``step`` with ``ops.fa4_replay`` off while it runs (FA4's forward interface on every layer)."""
+    from treecompile.ops import fa4_replay
+
+    def interface_step():
+        was, fa4_replay.ENABLED = fa4_replay.ENABLED, False
+        try:
+            return step()
+        finally:
+            fa4_replay.ENABLED = was
+    return interface_step
+
+
 def distinct_batches(make: Callable[[], list]) -> list:
     """``make()``'s batches, none of whose tensors is a tensor of another call's (CUDA batches are copied to the
     device anew by each call; CPU ones may share the tree's own tensors, so those are cloned)."""
@@ -775,13 +788,19 @@ class Steps:
         CUDA)."""
         return self._cuda_tree_step("attention_keys", keys="gathered")
 
+    def tree_fa4_interface(self):
+        """``tree`` with FA4's varlen forward called through its Python interface on every layer (``ops.fa4_replay``
+        off: what every step ran before session 42; the tree's first call per plan is recorded and the later layers
+        replay its launch; CUDA)."""
+        return self._cuda_tree_step("FA4's forward replay", replay=False)
+
     def _cuda_tree_step(self, option: str, **kw):
         """``tree_step(**kw)`` on CUDA; elsewhere a skip naming ``option`` (a CUDA lowering option)."""
         if self.dev.type != "cuda":
             raise _Skip(f"{option} is a CUDA lowering option")
         return self.tree_step(**kw)
 
-    def tree_step(self, layout="dfs", kernel="auto", conv="auto", head="auto", keys="auto"):
+    def tree_step(self, layout="dfs", kernel="auto", conv="auto", head="auto", keys="auto", replay=True):
         tm = self._tree_model(layout=layout, kernel=kernel, conv=conv, head=head, keys=keys)
 
         def make():
@@ -789,6 +808,8 @@ class Steps:
 
         (batch,) = batches = make()
         step = batches_step(tm, batches, self.zero, make)
+        if not replay:
+            step = _without_fa4_replay(step)
         return step, self.tree.num_tokens, _tree_entries([batch.position_ids[:self.tree.num_tokens]])
 
     def tree_packed(self):
@@ -863,6 +884,7 @@ def _with_head_fit(note: str | None) -> str | None:
     """``note`` and, where a fused head ran under ``head_logits="auto"`` in this process, how many rows of its last
     call kept their logits (``ops.logprobs_kept.pop_last_fit``: then forgotten, for the next contender).  The last
     call only: a step of several partitions (``tree_packed``) says its last partition's."""
+    from treecompile.ops.fa4_replay import pop_counts
     from treecompile.ops.logprobs_kept import pop_last_fit
 
     fit = pop_last_fit()
@@ -884,6 +906,18 @@ def _with_keys_fit(note: str | None) -> str | None:
     return join_notes(note, f"attention K/V {'kept' if fit.keep else 'gathered again'} "
                             f"({(fit.layers - 1) * fit.keys / gib:.1f} GiB over {fit.layers - 1} layers; headroom "
                             f"{fit.headroom / gib:.1f} GiB)")
+
+
+def _with_fa4_replay(note: str | None) -> str | None:
+    """``note`` and, where FA4's varlen forward ran in this process since the last call, how its calls went
+    (``ops.fa4_replay.pop_counts``): launches replayed, recorded (one per plan), run through the interface."""
+    from treecompile.ops.fa4_replay import pop_counts
+
+    n = pop_counts()
+    if not any(n.values()):
+        return note
+    return join_notes(note, f"FA4 forward: {n['replayed']} launches replayed, {n['recorded']} recorded, "
+                            f"{n['refused']} through the interface")
 
 
 def _with_attention_setup(note: str | None, dev) -> str | None:
@@ -958,6 +992,7 @@ def run_contenders(model, spec: ModelSpec, case: TreeCase, cfg: BenchConfig, con
     yet set: :func:`finish_case`) and the reference ``{"loss": float, "grad": fp32 CPU flat gradient}``:
     ``eager_per_path``'s when it ran here, else the given ``ref``.  Rows after the reference carry
     ``loss_rel_dev`` and ``grad_cos`` against it."""
+    from treecompile.ops.fa4_replay import pop_counts
     from treecompile.ops.logprobs_kept import pop_last_fit
 
     steps = Steps(model, spec, case, cfg, tmodels)
@@ -975,6 +1010,7 @@ def run_contenders(model, spec: ModelSpec, case: TreeCase, cfg: BenchConfig, con
             continue
         r.pid = os.getpid()
         pop_last_fit()  # drop what an earlier contender of this process left (one that failed, say)
+        pop_counts()
         stage = "building the step"
         try:
             if name in BASELINES:
@@ -996,7 +1032,7 @@ def run_contenders(model, spec: ModelSpec, case: TreeCase, cfg: BenchConfig, con
             if name == "eager_per_path":
                 ref = {"loss": loss, "grad": g}
             r.step_s, r.first_s, r.peak_gib, r.loss = med, first, peak, loss
-            r.note = _with_keys_fit(_with_head_fit(r.note))
+            r.note = _with_fa4_replay(_with_keys_fit(_with_head_fit(r.note)))
             if name not in BASELINES:
                 r.note = _with_attention_setup(r.note, dev)
             r.tokens_per_s = tree.num_path_tokens / med
@@ -1011,7 +1047,7 @@ def run_contenders(model, spec: ModelSpec, case: TreeCase, cfg: BenchConfig, con
             r.status = f"skipped: {e}"
         except torch.OutOfMemoryError as e:
             r.status = "OOM"
-            r.note = _with_keys_fit(_with_head_fit(oom_note(stage, e, r.note)))
+            r.note = _with_fa4_replay(_with_keys_fit(_with_head_fit(oom_note(stage, e, r.note))))
         except Exception as e:  # a failed contender is a row, not a crash
             msg = f"{type(e).__name__}: {e}".splitlines()[0][:160]
             r.status = f"error: {msg}"

@@ -1406,6 +1406,39 @@ def test_compiled_steps_keeping_the_gathered_rows_equal_gathering_them_again(mon
             torch.testing.assert_close(x, y, rtol=2 ** -7, atol=2 ** -7 * float(y.abs().max()))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpu_reason() is not None, reason=str(_gpu_reason()))
+@pytest.mark.parametrize("pad_to", [None, 1024], ids=["no_tail", "tail"])
+@pytest.mark.parametrize("window", [None, 64])
+def test_fa4_forward_replay_is_bitwise_the_interface(pad_to, window, monkeypatch):
+    """Three layers' forward calls under one plan (FA4's varlen kernel, bf16): with ``fa4_replay`` the first is
+    recorded and the two after it replay its launch; out and lse are bitwise the interface's on every layer, with and
+    without a padding tail, windowed or not (ops/fa4_replay.py)."""
+    from treecompile.ops import fa4_replay
+
+    monkeypatch.setattr(fa4_replay, "_records", {})
+    monkeypatch.setattr(fa4_replay, "counts", {"recorded": 0, "replayed": 0, "refused": 0})
+    b = _batch(forest_paths(900, 2, seed=3), pad_to).to("cuda")
+    T, H, Hkv, D = b.seq_len, 16, 8, 128
+    g = torch.Generator(device="cuda").manual_seed(0)
+    layers = [[torch.randn(1, T, h, D, generator=g, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+               for h in (H, Hkv, Hkv)] for _ in range(3)]
+
+    def run(enabled):
+        monkeypatch.setattr(fa4_replay, "ENABLED", enabled)
+        ops = torch.ops.treecompile
+        if window is None:
+            return [ops.tree_attention_varlen_fwd(q, k, v, b.subtree_end, 0.1)[:2] for q, k, v in layers]
+        return [ops.tree_attention_varlen_windowed_fwd(q, k, v, b.subtree_end, b.position_ids, window, 0.1)[:2]
+                for q, k, v in layers]
+
+    ref = run(False)
+    got = run(True)
+    assert fa4_replay.counts == {"recorded": 1, "replayed": 2, "refused": 0}
+    for (o, l_), (o_ref, l_ref) in zip(got, ref):
+        assert torch.equal(o, o_ref) and torch.equal(l_, l_ref)
+
+
 @pytest.mark.parametrize("keys", ["kept", "gathered"])
 def test_lowered_graph_with_run_time_row_counts_is_one_compiled_graph(keys, monkeypatch):
     """Under the settings a lowered graph runs with (``program.dynamo_config``) the ops whose row counts are decided

@@ -57,6 +57,7 @@ from torch import Tensor
 from treecompile.host_values import host_copy, repeat_counts, to_device_async
 
 from .key_copies import CopyRuns, copy_runs, sum_copies
+from . import fa4_replay
 from .last_batch import LastBatch
 from .logprobs_kept import fit_margin_bytes, headroom_bytes
 from .tree_attention import tree_mask
@@ -527,8 +528,8 @@ def _fa4(q: Tensor) -> bool:
 
 def _fwd(q_t, kg, vg, plan, scale, out=None, lse=None):
     """(out, lse) of the plan's attention; ``out`` / ``lse``: where to write them (FA4 writes them in place, the
-    reference copies), as ``[n, H, Dv]`` / ``[H, n]`` views of the op's ``[T, ...]`` results: a segment plan with
-    a tail (a block-sparse plan has none, every query is the kernel's)."""
+    reference copies), as ``[n, H, Dv]`` / ``[H, n]`` views of the op's ``[T, ...]`` results: given for a segment
+    plan, not for a block-sparse plan (every query is the kernel's: its fresh tensors)."""
     if out is not None and isinstance(plan, BlockSparsePlan):
         raise AssertionError("_fwd: a block-sparse plan has no tail to write around (internal error)")
     if not _fa4(q_t):
@@ -544,10 +545,15 @@ def _fwd(q_t, kg, vg, plan, scale, out=None, lse=None):
                                    return_lse=True, mask_mod=cute_tree_mask(), aux_tensors=[plan.mask_end],
                                    block_sparse_tensors=plan.sparse[0])[:2]
         return out[0], lse[0]
-    out, lse = _flash_attn_fwd(q_t, kg, vg, softmax_scale=scale, causal=True, return_lse=True,
-                               cu_seqlens_q=plan.cu_seqlens_q, cu_seqlens_k=plan.cu_seqlens_k,
-                               max_seqlen_q=plan.max_seqlen_q, max_seqlen_k=plan.max_seqlen_k, out=out,
-                               lse=lse, **_window_kw(plan))[:2]
+    if out is None or lse is None:
+        raise AssertionError("_fwd: a segment plan's out / lse are the op's buffers (internal error)")
+
+    def interface():
+        _flash_attn_fwd(q_t, kg, vg, softmax_scale=scale, causal=True, return_lse=True,
+                        cu_seqlens_q=plan.cu_seqlens_q, cu_seqlens_k=plan.cu_seqlens_k, max_seqlen_q=plan.max_seqlen_q,
+                        max_seqlen_k=plan.max_seqlen_k, out=out, lse=lse, **_window_kw(plan))
+    # the layers of one plan: FA4's recorded launch, without its interface's per-call host work (ops/fa4_replay.py)
+    fa4_replay.launch(plan, (scale,), (q_t, kg, vg, out, lse), interface)
     return out, lse
 
 
@@ -730,14 +736,16 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, plan, scale: float,
     T, H, Hkv = q_t.shape[0], q_t.shape[1], k_t.shape[1]
     keys = plan.keys(k_t, v_t) if n else None
     kept = keys if keep and keys is not None else _no_keys(k_t, v_t)  # keep: only a segment plan (keeps_keys)
-    if n == T:  # no tail: the kernel's fresh tensors
+    if isinstance(plan, BlockSparsePlan):  # every query is the kernel's: its fresh tensors
         out, lse = _fwd(q_t, *keys, plan, scale)
         return _heads_major(out.contiguous()), lse.float().contiguous(), *kept
-    # a tail: the kernel writes the first n rows of the results in place (no concatenation copies)
+    # a segment plan: the kernel writes the first n rows of the op's results in place (no concatenation copies)
     out = q_t.new_empty((T, H, v_t.shape[-1]))
     lse = torch.empty((H, T), dtype=torch.float32, device=q.device)
     if n:
         _fwd(q_t[:n], *keys, plan, scale, out=out[:n], lse=lse[:, :n])
+    if n == T:
+        return _heads_major(out), lse, *kept
     # tokens that see only themselves, softmax over one key: the output is the token's value row (its kv head's,
     # for each query head of the group), the log-sum-exp its one score
     out[n:].unflatten(1, (Hkv, H // Hkv)).copy_(v_t[n:, :, None, :].expand(-1, -1, H // Hkv, -1))
