@@ -153,14 +153,16 @@ def test_headroom_is_free_plus_cached_within_the_process_cap(monkeypatch, fracti
     in all, 4 of them allocated); a torch without the fraction query reads no cap."""
     G = 1 << 30
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (10 * G, 20 * G))
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 6 * G)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 4 * G)
+    monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", lambda device: {
+        "allocated_bytes": {"all": {"current": 4 * G, "peak": 9 * G}, "large_pool": {"current": 3 * G}},
+        "reserved_bytes": {"all": {"current": 6 * G, "peak": 9 * G}, "small_pool": {"current": G}}})
     monkeypatch.setattr(logprobs_kept, "_device_total", lambda device: 20 * G)
     if fraction is None:
         monkeypatch.delattr(torch.cuda, "get_per_process_memory_fraction", raising=False)
     else:
         monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: fraction, raising=False)
     assert logprobs_kept.headroom_bytes(torch.device("cuda", 0)) == want
+    assert logprobs_kept.headroom_bytes(torch.device("cuda", 0), (4 * G, 6 * G)) == want
     assert logprobs_kept.headroom_bytes(torch.device("cpu")) is None
 
 

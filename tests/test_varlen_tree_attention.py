@@ -1250,10 +1250,11 @@ def test_fit_decides_once_per_forward_from_the_memory_one_layer_took(monkeypatch
     margin = total // logprobs_kept.FIT_MARGIN_FRACTION
     allocated = [100]
     headroom = [0]
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: allocated[0])
+    monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", lambda device=None: {
+        "allocated_bytes": {"all": {"current": allocated[0]}}, "reserved_bytes": {"all": {"current": 0}}})
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda device=None: type("P", (), {"total_memory": total})())
-    monkeypatch.setattr(vta, "headroom_bytes", lambda device, allocated=None: headroom[0])
+    monkeypatch.setattr(vta, "headroom_bytes", lambda device, allocator=None: headroom[0])
     need = (layers - 1) * (per_layer + rows) + reserve * T + margin
 
     def forward(room):

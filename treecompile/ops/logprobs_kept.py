@@ -47,7 +47,7 @@ from treecompile.ops.logprobs import (_acc_dtype, accumulate_bias_grad, accumula
                                       chunk_logits, chunk_stats, default_chunk, resolve_chunk)
 from treecompile.ops.triton_support import usable
 
-__all__ = ["linear_logprobs_kept", "logits_bytes", "fit_rows", "head_backward_bytes", "headroom_bytes", "KEEP",
+__all__ = ["linear_logprobs_kept", "logits_bytes", "fit_rows", "head_backward_bytes", "headroom_bytes", "allocator_bytes", "KEEP",
            "FIT_MARGIN_FRACTION", "fit_margin_bytes", "last_fit", "pop_last_fit"]
 
 HALF = (torch.bfloat16, torch.float16)
@@ -92,17 +92,26 @@ def head_backward_bytes(n: int, vocab: int, dim: int, dtype: torch.dtype, *, chu
             + chunk_rows * vocab * per_element + 6 * n * acc)
 
 
-def headroom_bytes(device: torch.device, allocated: int | None = None) -> int | None:
+def allocator_bytes(device: torch.device) -> tuple[int, int]:
+    """(allocated, reserved) bytes of the caching allocator on CUDA ``device``, from one read of its statistics
+    table.  ``torch.cuda.memory_allocated`` and ``memory_reserved`` each read it and flatten all of it into a sorted
+    dict first: ~0.3-0.5 ms a call on the H200's host, several per forward (benchmarks/results/h200_s42)."""
+    stats = torch.cuda.memory_stats_as_nested_dict(device)
+    if not stats:  # CUDA not initialised: nothing allocated
+        return 0, 0
+    return stats["allocated_bytes"]["all"]["current"], stats["reserved_bytes"]["all"]["current"]
+
+
+def headroom_bytes(device: torch.device, allocator: tuple[int, int] | None = None) -> int | None:
     """Bytes that tensors on ``device`` could still take: the device's free memory plus what the caching
     allocator holds unused, and no more than the process's cap (``torch.cuda.set_per_process_memory_fraction``)
-    leaves; None off CUDA, where memory is not tracked.  ``allocated``: ``torch.cuda.memory_allocated(device)``
-    when the caller has just read it (one statistics read less)."""
+    leaves; None off CUDA, where memory is not tracked.  ``allocator``: :func:`allocator_bytes` when the caller has
+    just read it (one statistics read less)."""
     if device.type != "cuda":
         return None
     free, _total = torch.cuda.mem_get_info(device)
-    if allocated is None:
-        allocated = torch.cuda.memory_allocated(device)
-    headroom = free + torch.cuda.memory_reserved(device) - allocated
+    allocated, reserved = allocator_bytes(device) if allocator is None else allocator
+    headroom = free + reserved - allocated
     query = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # not in every torch
     fraction = query(device) if query is not None else 1.0
     if 0.0 < fraction < 1.0:  # 1.0: no cap was set

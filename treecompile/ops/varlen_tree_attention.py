@@ -59,7 +59,7 @@ from treecompile.host_values import host_copy, repeat_counts, to_device_async
 from .key_copies import CopyRuns, copy_runs, sum_copies
 from . import fa4_replay
 from .last_batch import LastBatch
-from .logprobs_kept import fit_margin_bytes, headroom_bytes
+from .logprobs_kept import allocator_bytes, fit_margin_bytes, headroom_bytes
 from .tree_attention import tree_mask
 
 __all__ = ["SegmentPlan", "BlockSparsePlan", "segment_plan", "segments_fit", "tree_attention_plan",
@@ -694,19 +694,19 @@ def _fit(plan, q: Tensor, k: Tensor, v: Tensor, layer: int, layers: int, reserve
     global last_keys_fit
     fit = _FIT
     if layer == 0:
-        fit.start, fit.keep = (q.device, torch.cuda.memory_allocated(q.device)), False
+        fit.start, fit.keep = (q.device, allocator_bytes(q.device)[0]), False
         return False
     if layer == 1 and fit.start is not None:
         (device, start), fit.start = fit.start, None
         if device != q.device:  # the first two calls on two devices: nothing measured
             fit.keep = False
             return False
-        allocated = torch.cuda.memory_allocated(q.device)
-        per_layer = max(0, allocated - start)
+        allocator = allocator_bytes(q.device)
+        per_layer = max(0, allocator[0] - start)
         rows = gathered_bytes(plan, k, v)
         reserve = reserve_per_token * q.shape[2]
         margin = fit_margin_bytes(q.device)
-        headroom = headroom_bytes(q.device, allocated)
+        headroom = headroom_bytes(q.device, allocator)
         fit.keep = (layers - 1) * (per_layer + rows) + reserve + margin <= headroom
         last_keys_fit = KeysFit(layers=layers, per_layer=per_layer, keys=rows, reserve=reserve, margin=margin,
                                 headroom=headroom, keep=fit.keep)
