@@ -62,6 +62,34 @@ for rnd in range(2):
         rows = [one() for _ in range(10)]
         med = [statistics.median(c) for c in zip(*rows)]
         print(f"replay {'on ' if enabled else 'off'}: " + ", ".join(f"{n} {m:.1f}" for n, m in zip(names, med)))
+from treecompile.ops import varlen_tree_attention as vta
+
+inner = vta._forward
+spent = []
+
+
+def timed_forward(*a, **kw):
+    t = time.perf_counter()
+    try:
+        return inner(*a, **kw)
+    finally:
+        spent.append(time.perf_counter() - t)
+
+
+vta._forward = timed_forward
+for enabled in (True, False):
+    fa4_replay.ENABLED = enabled
+    one()
+    spent.clear()
+    keys = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")
+    before = torch.cuda.memory_stats()
+    for _ in range(10):
+        one()
+    after = torch.cuda.memory_stats()
+    print(f"replay {'on ' if enabled else 'off'}: the varlen op's _forward {statistics.mean(spent) * 1e6:.0f} us host "
+          f"per call ({len(spent)} calls); allocator over 10 steps: "
+          + ", ".join(f"{k} +{after.get(k, 0) - before.get(k, 0)}" for k in keys))
+vta._forward = inner
 fa4_replay.ENABLED = True
 pr = cProfile.Profile()
 for _ in range(5):
