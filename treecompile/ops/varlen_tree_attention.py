@@ -742,14 +742,19 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, plan, scale: float,
     # a segment plan: the kernel writes the first n rows of the op's results in place (no concatenation copies)
     out = q_t.new_empty((T, H, v_t.shape[-1]))
     lse = torch.empty((H, T), dtype=torch.float32, device=q.device)
+    if n == T:
+        _fwd(q_t, *keys, plan, scale, out=out, lse=lse)
+        return _heads_major(out), lse, *kept
     if n:
         _fwd(q_t[:n], *keys, plan, scale, out=out[:n], lse=lse[:, :n])
-    if n == T:
-        return _heads_major(out), lse, *kept
     # tokens that see only themselves, softmax over one key: the output is the token's value row (its kv head's,
-    # for each query head of the group), the log-sum-exp its one score
-    out[n:].unflatten(1, (Hkv, H // Hkv)).copy_(v_t[n:, :, None, :].expand(-1, -1, H // Hkv, -1))
-    lse[:, n:] = ((q_t[n:].unflatten(1, (Hkv, H // Hkv)) * k_t[n:, :, None, :]).sum(-1) * scale).flatten(1).T
+    # for each query head of the group), the log-sum-exp its one score.  Few ops (each costs host time per layer):
+    # the value rows broadcast over the group's query heads, the scores as one batched [r, D] @ [D, 1] per token
+    # and kv head, scaled into the lse rows
+    m, r = T - n, H // Hkv
+    out[n:].view(m, Hkv, r, -1).copy_(v_t[n:].unsqueeze(2))
+    scores = torch.bmm(q_t[n:].view(m * Hkv, r, -1), k_t[n:].view(m * Hkv, -1, 1))
+    torch.mul(scores.view(m, H).T, scale, out=lse[:, n:])
     return _heads_major(out), lse, *kept
 
 
