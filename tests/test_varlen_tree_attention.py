@@ -238,6 +238,26 @@ def test_op_equals_the_dense_reference_float64(paths_name, H, Hkv):
                    lambda a, b_, c: tree_attention_reference(a, b_, c, b.subtree_end, scale=0.3), q, k, v, do)
 
 
+@pytest.mark.parametrize("layout", ["tokens_major", "heads_major", "sliced"])
+def test_layout_helpers_equal_their_plain_forms(layout):
+    """``_tokens_major`` / ``_heads_major`` take one view where the storage allows (the op's per-layer host time) and
+    equal the plain transposes on every layout: a view of the model's ``[1, T, H, D]`` storage, a contiguous
+    ``[1, H, T, D]``, a slice of a wider tensor."""
+    from treecompile.ops import varlen_tree_attention as vta
+
+    T, H, D = 7, 3, 5
+    base = torch.randn(2, T, H, D + 2, dtype=torch.float64)
+    x = {"tokens_major": base[1:, :, :, :D].contiguous().transpose(1, 2),
+         "heads_major": base[1:, :, :, :D].transpose(1, 2).contiguous(),
+         "sliced": base[1:, :, :, 1:D + 1].transpose(1, 2)}[layout]
+    t = vta._tokens_major(x)
+    assert t.is_contiguous() and torch.equal(t, x[0].transpose(0, 1))
+    assert (t.data_ptr() == x.data_ptr()) == (layout == "tokens_major")  # a view only where the storage is token-major
+    h = vta._heads_major(t)
+    assert h.shape == (1, H, T, D) and torch.equal(h, t.transpose(0, 1).unsqueeze(0)) and h.data_ptr() == t.data_ptr()
+    assert torch.equal(vta._heads_major(t[:, 1:]), t[:, 1:].transpose(0, 1).unsqueeze(0))  # not contiguous
+
+
 def test_padding_is_the_tail_not_segments():
     b = _batch([[1, 2, 3], [1, 4]], 64)
     plan = segment_plan(b.subtree_end)
