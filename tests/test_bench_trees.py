@@ -316,6 +316,25 @@ def test_prof_step_counts_kernels_not_the_gpu_side_of_record_function_ranges():
         assert gpu and not any(is_kernel(e) for e in gpu if e.name == "harness::forward")
 
 
+def test_prof_step_phases_are_host_and_gpu_ms_of_the_harness_ranges():
+    """Each ``harness::`` range's host duration and its GPU side's span, summed per phase; other events ignored."""
+    from types import SimpleNamespace as E
+
+    import torch
+
+    from benchmarks.prof_step import phases_ms
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    span = lambda a, b: E(start=a, end=b)
+    events = [E(name="harness::forward", device_type=cpu, time_range=span(0, 48_800)),
+              E(name="harness::forward", device_type=cuda, time_range=span(300, 50_800)),
+              E(name="harness::backward", device_type=cpu, time_range=span(48_800, 100_000)),
+              E(name="harness::prepare", device_type=cpu, time_range=span(100_000, 100_500)),
+              E(name="harness::prepare", device_type=cpu, time_range=span(200_000, 200_250)),
+              E(name="aten::mm", device_type=cpu, time_range=span(10, 20))]
+    assert phases_ms(events) == {"forward": [48.8, 50.5], "backward": [51.2, 0.0], "prepare": [0.75, 0.0]}
+
+
 def test_prof_step_lead_in_starts_at_the_harness_step():
     from benchmarks.prof_step import step_start
 
