@@ -1,11 +1,12 @@
 """FA4's varlen forward launched again without its Python interface, for the layers that share one plan.
 
 ``flash_attn.cute.interface._flash_attn_fwd`` works out its kernel's configuration in Python on every call:
-tile sizes, the scheduler, a ~60-entry compile key, the argument list.  On the lent H200's host that costs more
-than one layer's forward GPU work on a 10k-token tree (benchmarks/results/h200_s42).  Through the forward the
-GPU waits for the host: session 41's profile has 7.35 ms of the step's idle time in 21 gaps at the varlen
-attention.  The varlen tree attention makes this call once per layer under one plan, with the same
-``cu_seqlens``, maximum lengths, scale, window, shapes and dtypes.  Only q, k, v and the out / lse buffers differ.
+tile sizes, the scheduler, a ~60-entry compile key, the argument list.  On the lent H200's host that is 111-154 us
+a call; the recorded launch below takes 24-46 us (benchmarks/results/h200_s42).  Where the forward is host-bound
+(Qwen3-0.6B on a 10k-token agentic tree: the host needs about as long as the GPU for each layer), every such
+microsecond is GPU idle time.  The varlen tree attention makes this call once per layer under one plan, with the
+same ``cu_seqlens``, maximum lengths, scale, window, shapes and dtypes.  Only q, k, v and the out / lse buffers
+differ.
 
 :func:`launch` records the first such call: it swaps the interface's compile caches for recording ones while the
 call runs.  A later call with the same key then launches the recorded kernel with its own five tensors put in

@@ -47,8 +47,8 @@ from treecompile.ops.logprobs import (_acc_dtype, accumulate_bias_grad, accumula
                                       chunk_logits, chunk_stats, default_chunk, resolve_chunk)
 from treecompile.ops.triton_support import usable
 
-__all__ = ["linear_logprobs_kept", "logits_bytes", "fit_rows", "head_backward_bytes", "headroom_bytes", "allocator_bytes", "KEEP",
-           "FIT_MARGIN_FRACTION", "fit_margin_bytes", "last_fit", "pop_last_fit"]
+__all__ = ["linear_logprobs_kept", "logits_bytes", "fit_rows", "head_backward_bytes", "headroom_bytes", "allocator_bytes",
+           "KEEP", "FIT_MARGIN_FRACTION", "fit_margin_bytes", "last_fit", "pop_last_fit"]
 
 HALF = (torch.bfloat16, torch.float16)
 KEEP = ("all", "fit")
