@@ -884,7 +884,6 @@ def _with_head_fit(note: str | None) -> str | None:
     """``note`` and, where a fused head ran under ``head_logits="auto"`` in this process, how many rows of its last
     call kept their logits (``ops.logprobs_kept.pop_last_fit``: then forgotten, for the next contender).  The last
     call only: a step of several partitions (``tree_packed``) says its last partition's."""
-    from treecompile.ops.fa4_replay import pop_counts
     from treecompile.ops.logprobs_kept import pop_last_fit
 
     fit = pop_last_fit()

@@ -335,6 +335,18 @@ def test_prof_step_phases_are_host_and_gpu_ms_of_the_harness_ranges():
     assert phases_ms(events) == {"forward": [48.8, 50.5], "backward": [51.2, 0.0], "prepare": [0.75, 0.0]}
 
 
+def test_row_notes_count_fa4_forward_calls_since_the_last_row(monkeypatch):
+    """A row's note says how its FA4 forward calls went (``ops.fa4_replay.counts``, then zeroed for the next row);
+    a row without any says nothing."""
+    from benchmarks.harness import _with_fa4_replay
+    from treecompile.ops import fa4_replay
+
+    monkeypatch.setattr(fa4_replay, "counts", {"recorded": 12, "replayed": 324, "refused": 0})
+    assert _with_fa4_replay("head kept") == ("head kept; FA4 forward: 324 launches replayed, 12 recorded, 0 through "
+                                             "the interface")
+    assert fa4_replay.counts == {"recorded": 0, "replayed": 0, "refused": 0} and _with_fa4_replay(None) is None
+
+
 def test_prof_step_lead_in_starts_at_the_harness_step():
     from benchmarks.prof_step import step_start
 
