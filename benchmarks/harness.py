@@ -110,7 +110,7 @@ BASELINES = ("eager_per_path", "compiled_per_path", "packed_flex", "compiled_per
              "compiled_per_path_fla", "packed_fla_varlen", "packed_fla_varlen_conv")
 TREE_CONTENDERS = ("tree", "tree_heavy_first", "tree_fa4_varlen", "tree_fa4_flex", "tree_conv_fla",
                    "tree_conv_shifts_inductor", "tree_head_chunked", "tree_head_kept", "tree_keys_gathered",
-                   "tree_fa4_interface", "tree_packed", "tree_rf")
+                   "tree_fa4_interface", "tree_cpp_wrapper", "tree_packed", "tree_rf")
 CONTENDERS = BASELINES + TREE_CONTENDERS
 
 
@@ -535,6 +535,18 @@ def _without_fa4_replay(step: Callable) -> Callable:
     return interface_step
 
 
+def _with_cpp_wrapper(step: Callable) -> Callable:
+    """``step`` under inductor's ``cpp_wrapper=True`` (read when a graph compiles: its TreeModel's first step and a
+    new length bucket's)."""
+
+    import torch._inductor.config as inductor_config
+
+    def cpp_step():
+        with inductor_config.patch(cpp_wrapper=True):
+            return step()
+    return cpp_step
+
+
 def distinct_batches(make: Callable[[], list]) -> list:
     """``make()``'s batches, none of whose tensors is a tensor of another call's (CUDA batches are copied to the
     device anew by each call; CPU ones may share the tree's own tensors, so those are cloned)."""
@@ -737,10 +749,12 @@ class Steps:
         p = self.pack_tensors(members, n, wdtype)
         return p.ids, p.targets, p.same, document_mask(p.doc, n, self.dev)
 
-    def _tree_model(self, boundary=False, layout="dfs", kernel="auto", conv="auto", head="auto", keys="auto"):
+    def _tree_model(self, boundary=False, layout="dfs", kernel="auto", conv="auto", head="auto", keys="auto",
+                    cpp_wrapper=False):
         import treecompile
 
-        key = ("rf" if boundary else "tree", layout, kernel, conv, head, keys)
+        # cpp_wrapper: a model of its own (its graphs compile under that inductor setting: tree_cpp_wrapper)
+        key = ("rf" if boundary else "tree", layout, kernel, conv, head, keys, cpp_wrapper)
         if key not in self.tmodels:
             self.tmodels[key] = treecompile.compile(self.model, boundary=boundary, attention_layout=layout,
                                                     attention_kernel=kernel, conv_kernel=conv, head_logits=head,
@@ -794,14 +808,23 @@ class Steps:
         replay its launch; CUDA)."""
         return self._cuda_tree_step("FA4's forward replay", replay=False)
 
+    def tree_cpp_wrapper(self):
+        """``tree`` compiled with inductor's C++ wrapper (``cpp_wrapper=True``: the lowered graph launches its kernels
+        and allocates its buffers from C++, not from Python; a TreeModel of its own, whose compiles run under the
+        setting): how much of a host-bound step is the Python wrapper's per-launch work.  Its first step compiles
+        the wrapper with the host's C++ compiler (longer).  Not yet a TreeModel option (session 42: checked on the
+        CPU, tests/test_varlen_tree_attention.py, not yet timed; CUDA)."""
+        return self._cuda_tree_step("inductor's cpp_wrapper", cpp_wrapper=True)
+
     def _cuda_tree_step(self, option: str, **kw):
         """``tree_step(**kw)`` on CUDA; elsewhere a skip naming ``option`` (a CUDA lowering option)."""
         if self.dev.type != "cuda":
             raise _Skip(f"{option} is a CUDA lowering option")
         return self.tree_step(**kw)
 
-    def tree_step(self, layout="dfs", kernel="auto", conv="auto", head="auto", keys="auto", replay=True):
-        tm = self._tree_model(layout=layout, kernel=kernel, conv=conv, head=head, keys=keys)
+    def tree_step(self, layout="dfs", kernel="auto", conv="auto", head="auto", keys="auto", replay=True,
+                  cpp_wrapper=False):
+        tm = self._tree_model(layout=layout, kernel=kernel, conv=conv, head=head, keys=keys, cpp_wrapper=cpp_wrapper)
 
         def make():
             return [self.tree.to_batch(normalize=self.cfg.normalize, device=self.dev)]
@@ -810,6 +833,8 @@ class Steps:
         step = batches_step(tm, batches, self.zero, make)
         if not replay:
             step = _without_fa4_replay(step)
+        if cpp_wrapper:
+            step = _with_cpp_wrapper(step)
         return step, self.tree.num_tokens, _tree_entries([batch.position_ids[:self.tree.num_tokens]])
 
     def tree_packed(self):

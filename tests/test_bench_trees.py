@@ -530,4 +530,5 @@ def test_cuda_tree_contenders_pass_options_that_tree_step_takes(monkeypatch):
     steps = harness.Steps.__new__(harness.Steps)  # nothing built: the contenders only pass their options on
     for name in names:
         getattr(steps, name)()
-    assert {"keys": "gathered"} in seen and {"replay": False} in seen and len(seen) == len(names)
+    assert {"keys": "gathered"} in seen and {"replay": False} in seen and {"cpp_wrapper": True} in seen
+    assert len(seen) == len(names)

@@ -1460,6 +1460,33 @@ def test_fa4_forward_replay_is_bitwise_the_interface(pad_to, window, monkeypatch
         assert torch.equal(o, o_ref) and torch.equal(l_, l_ref)
 
 
+@pytest.mark.slow
+def test_lowered_graph_compiles_with_inductors_cpp_wrapper(monkeypatch):
+    """The lowering runs under inductor's C++ wrapper (``cpp_wrapper=True``: the harness's ``tree_cpp_wrapper``
+    times it on CUDA): the varlen attention keeping its rows and the head's "fit", whose row counts are unbacked
+    sizes, are called from the C++ wrapper through the dispatcher.  The tiny model's lowering, compiled on the CPU:
+    loss, log-probs and every gradient as the rewritten graph's (float64)."""
+    import torch._inductor.config as inductor_config
+    from helpers import cached_compile, cached_model, run_program_graph, tiny_dense
+    from torch._inductor.utils import run_and_get_code
+    from treecompile.program import dynamo_config
+
+    prog = cached_compile(cached_model("dense-tiny", tiny_dense)).program
+    low = _lower_fa4_varlen(prog, monkeypatch, attention_keys="kept")
+    batch = Tree.from_paths([[t % 97 for t in p] for p in forest_paths(60, 2, seed=4)]).to_batch(pad_to_multiple=16)
+    torch._dynamo.reset()
+    compiled = torch.compile(low.graph_module, dynamic=False)
+    with torch._dynamo.config.patch(**dynamo_config(prog.options)), inductor_config.patch(cpp_wrapper=True):
+        (l1, lp1, g1), codes = run_and_get_code(lambda: run_program_graph(prog, compiled, batch, None))
+    assert len(codes) == 2 and all("inductor_entry_impl" in c for c in codes)  # forward and backward: C++ wrappers
+    l0, lp0, g0 = run_program_graph(prog, prog.graph_module, batch)
+    torch.testing.assert_close(l1, l0, rtol=1e-12, atol=0)
+    torch.testing.assert_close(lp1, lp0, rtol=1e-12, atol=1e-12)
+    assert len(g0) == len(g1) > 0
+    for a, b in zip(g1, g0):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize("keys", ["kept", "gathered"])
 def test_lowered_graph_with_run_time_row_counts_is_one_compiled_graph(keys, monkeypatch):
     """Under the settings a lowered graph runs with (``program.dynamo_config``) the ops whose row counts are decided
