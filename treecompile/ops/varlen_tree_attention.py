@@ -54,7 +54,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from treecompile.host_values import host_copy, repeat_counts, to_device_async
+from treecompile.host_values import host_copy, to_device_async
 
 from .key_copies import CopyRuns, copy_runs, sum_copies
 from . import fa4_replay
@@ -273,9 +273,18 @@ def _rows(intervals: list, G: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         intervals = [(0, 0)]  # no segment for the kernel: an empty plan
     lo, hi = torch.tensor(intervals, dtype=torch.int64).unbind(1)
     lengths = hi - lo
-    # concatenated ranges: row r of interval m reads lo[m] + (r - first row of m)
-    first = torch.cumsum(lengths, 0) - lengths
-    return lo, hi, first, repeat_counts(lo - first, lengths, G) + torch.arange(G)
+    ends = torch.cumsum(lengths, 0)
+    if bool((lengths < 0).any()) or int(ends[-1]) != G:
+        raise AssertionError(f"tree_attention_varlen: key row intervals of {int(ends[-1])} rows for a plan of {G} "
+                             "(internal error)")
+    # concatenated ranges: row r of interval m reads r + off[m], off = lo - first row of m.  As one running sum over
+    # the rows: 1 per row, plus the change of offset where an interval starts (empty intervals' changes add up)
+    first = ends - lengths
+    off = lo - first
+    starts = first < G
+    step = torch.diff(off, prepend=off.new_zeros(1))
+    key_index = torch.ones(G, dtype=torch.int64).index_add_(0, first[starts], step[starts]).cumsum_(0).sub_(1)
+    return lo, hi, first, key_index
 
 
 def _segment_plan(lo, hi, first, key_index, cu_q: Tensor, cu_k: Tensor, tail: int, dev,
