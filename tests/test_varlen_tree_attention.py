@@ -258,6 +258,22 @@ def test_layout_helpers_equal_their_plain_forms(layout):
     assert torch.equal(vta._heads_major(t[:, 1:]), t[:, 1:].transpose(0, 1).unsqueeze(0))  # not contiguous
 
 
+@pytest.mark.parametrize("intervals", [[(3, 7), (0, 2), (9, 10)], [(0, 0), (5, 8), (2, 2), (2, 2), (0, 4), (6, 6)],
+                                       [(4, 4)], [(0, 0)]], ids=["plain", "empty_intervals", "one_empty", "none"])
+def test_key_rows_are_the_intervals_one_after_the_other(intervals):
+    """``_rows``: the key index is the intervals' tokens laid out in order (empty intervals anywhere), ``first`` each
+    interval's first row; a total that is not the plan's is an internal error."""
+    from treecompile.ops import varlen_tree_attention as vta
+
+    G = sum(h - l for l, h in intervals)
+    lo, hi, first, key_index = vta._rows(intervals, G)
+    assert key_index.tolist() == [t for l, h in intervals for t in range(l, h)]
+    assert first.tolist() == [sum(h - l for l, h in intervals[:m]) for m in range(len(intervals))]
+    assert (lo.tolist(), hi.tolist()) == ([l for l, _ in intervals], [h for _, h in intervals])
+    with pytest.raises(AssertionError, match="internal error"):
+        vta._rows(intervals, G + 1)
+
+
 def test_padding_is_the_tail_not_segments():
     b = _batch([[1, 2, 3], [1, 4]], 64)
     plan = segment_plan(b.subtree_end)
