@@ -19,9 +19,9 @@ the recorded places.  It replays only a call it can show is the recorded one:
   buffer, an ``.item()`` each make the call unreplayable);
 * each of the five tensors sits at exactly one top-level place of the argument list (same data pointer, shape,
   strides, dtype), and no other argument tensor, nested ones included, shares its storage;
-* the later call has the same owner (the plan, alive: the record dies with it), the same caller key (scale,
-  window), the same CUDA stream, and tensors of the same layout (shape, strides, dtype, device, 16-byte
-  alignment).
+* the later call has the same owner (the plan, alive: the record dies with it; its ``cu_seqlens``, maximum
+  lengths and window are the recorded call's), the same caller key (the scale), the same CUDA stream, and tensors
+  of the same layout (shape, strides, dtype, device, 16-byte alignment).
 
 Anything else runs the interface.  Settings that the interface reads from the process (FA4's environment
 variables, its log level) are read once per plan, not once per layer.  ``ENABLED = False`` turns replay off (the
