@@ -944,6 +944,13 @@ def _with_fa4_replay(note: str | None) -> str | None:
                             f"{n['refused']} through the interface")
 
 
+def _with_run_notes(note: str | None) -> str | None:
+    """``note`` and what the runs in this process since the last call decided and counted: the head's "fit", the
+    attention K/V's "fit" and FA4's forward calls, each then forgotten (``_with_run_notes(None)`` before a
+    contender drops what an earlier one left, a failed one say)."""
+    return _with_fa4_replay(_with_keys_fit(_with_head_fit(note)))
+
+
 def _with_attention_setup(note: str | None, dev) -> str | None:
     """``note`` and, on CUDA where FA4 cannot run (flash-attn-4 missing, a device before sm_90), why: a tree row then
     ran its attention on flex's Triton kernel, which its figures must say (a call on a machine without the FA4 wheels
@@ -1016,9 +1023,6 @@ def run_contenders(model, spec: ModelSpec, case: TreeCase, cfg: BenchConfig, con
     yet set: :func:`finish_case`) and the reference ``{"loss": float, "grad": fp32 CPU flat gradient}``:
     ``eager_per_path``'s when it ran here, else the given ``ref``.  Rows after the reference carry
     ``loss_rel_dev`` and ``grad_cos`` against it."""
-    from treecompile.ops.fa4_replay import pop_counts
-    from treecompile.ops.logprobs_kept import pop_last_fit
-
     steps = Steps(model, spec, case, cfg, tmodels)
     tree = steps.tree
     fm = FlopModel.of(model)
@@ -1033,8 +1037,7 @@ def run_contenders(model, spec: ModelSpec, case: TreeCase, cfg: BenchConfig, con
             rows.append(r)
             continue
         r.pid = os.getpid()
-        pop_last_fit()  # drop what an earlier contender of this process left (one that failed, say)
-        pop_counts()
+        _with_run_notes(None)  # drop what an earlier contender of this process left (one that failed, say)
         stage = "building the step"
         try:
             if name in BASELINES:
@@ -1056,7 +1059,7 @@ def run_contenders(model, spec: ModelSpec, case: TreeCase, cfg: BenchConfig, con
             if name == "eager_per_path":
                 ref = {"loss": loss, "grad": g}
             r.step_s, r.first_s, r.peak_gib, r.loss = med, first, peak, loss
-            r.note = _with_fa4_replay(_with_keys_fit(_with_head_fit(r.note)))
+            r.note = _with_run_notes(r.note)
             if name not in BASELINES:
                 r.note = _with_attention_setup(r.note, dev)
             r.tokens_per_s = tree.num_path_tokens / med
@@ -1071,7 +1074,7 @@ def run_contenders(model, spec: ModelSpec, case: TreeCase, cfg: BenchConfig, con
             r.status = f"skipped: {e}"
         except torch.OutOfMemoryError as e:
             r.status = "OOM"
-            r.note = _with_fa4_replay(_with_keys_fit(_with_head_fit(oom_note(stage, e, r.note))))
+            r.note = _with_run_notes(oom_note(stage, e, r.note))
         except Exception as e:  # a failed contender is a row, not a crash
             msg = f"{type(e).__name__}: {e}".splitlines()[0][:160]
             r.status = f"error: {msg}"

@@ -28,7 +28,6 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks import harness
-from treecompile.ops.fa4_replay import pop_counts
 
 # kernel name -> kind; the first pattern that matches wins (names of cuDNN/FA4/flex/cuBLAS/CUTLASS/Triton)
 KINDS = [
@@ -204,7 +203,7 @@ def main(argv=None) -> int:
                                paths=args.paths, path_len=args.path_len, capacity=args.capacity, iters=args.iters)
     case = steps.case
     for name in args.contenders:
-        pop_counts()  # the row's note counts this contender's FA4 forward calls only
+        harness._with_run_notes(None)  # the row's note says this contender's decisions and counts only
         made = steps.tree_step() if name == "tree" else getattr(steps, name)()
         step = made[0] if isinstance(made, tuple) else made
         t0 = time.perf_counter()
@@ -224,7 +223,7 @@ def main(argv=None) -> int:
                "step_s": round(statistics.median(times), 4), "host_s": round(statistics.median(hosts), 4),
                **profile_step(step, stacks=args.stacks)}
         row["kernel_share"] = round(row["kernel_ms"] / 1e3 / row["step_s"], 3)
-        row["note"] = harness._with_fa4_replay(harness._with_keys_fit(harness._with_head_fit(None)))
+        row["note"] = harness._with_run_notes(None)
         top, idle, lead_in = row.pop("top"), row.pop("idle"), row.pop("lead_in")
         print(json.dumps(row))
         print(f"# {name}: step {row['step_s'] * 1e3:.1f} ms, host {row['host_s'] * 1e3:.1f} ms, "

@@ -524,14 +524,19 @@ def _lower_fa4_varlen(prog, monkeypatch, **options):
     return low
 
 
-def _assert_lowered_equals_rewritten(prog, low):
-    """Loss, log-probs and every gradient of the lowered graph as the rewritten graph's, float64, on a padded forest
-    of two paths of up to 60 tokens (cut by any window under that)."""
+def _lowered_test_batch():
+    """A padded forest of two paths of up to 60 tokens (cut by any window under that)."""
+    return Tree.from_paths([[t % 97 for t in p] for p in forest_paths(60, 2, seed=4)]).to_batch(pad_to_multiple=16)
+
+
+def _assert_lowered_equals_rewritten(prog, low, graph=None):
+    """Loss, log-probs and every gradient of the lowered graph (``graph``: the lowering's module compiled, say) as the
+    rewritten graph's, float64, on :func:`_lowered_test_batch`."""
     from helpers import run_program_graph
 
-    batch = Tree.from_paths([[t % 97 for t in p] for p in forest_paths(60, 2, seed=4)]).to_batch(pad_to_multiple=16)
+    batch = _lowered_test_batch()
+    l1, lp1, g1 = run_program_graph(prog, low.graph_module if graph is None else graph, batch, None)  # no block mask
     l0, lp0, g0 = run_program_graph(prog, prog.graph_module, batch)
-    l1, lp1, g1 = run_program_graph(prog, low.graph_module, batch, None)  # no block mask for varlen
     torch.testing.assert_close(l1, l0, rtol=1e-12, atol=0)
     torch.testing.assert_close(lp1, lp0, rtol=1e-12, atol=1e-12)
     assert len(g0) == len(g1) > 0
@@ -565,7 +570,7 @@ def test_split_program_with_varlen_attention_equals_the_rewritten_graph(monkeypa
                                                           attention_kernel="fa4_varlen"))
     split = prog.split_graph(low.graph_module)
     assert [s.owner for s, _ in split.segments] == [None, "model.layers.0", "model.layers.1", None]
-    batch = Tree.from_paths([[t % 97 for t in p] for p in forest_paths(60, 2, seed=4)]).to_batch(pad_to_multiple=16)
+    batch = _lowered_test_batch()
     values = [prog.lifted_value(x) for x in prog.lifted]
     out = prog._run_segments(split, prog.batch_args(batch) + lc.attention_inputs(batch.subtree_end, low))
     g1 = torch.autograd.grad(out[0], [v for v in values if v.requires_grad])
@@ -1483,24 +1488,17 @@ def test_lowered_graph_compiles_with_inductors_cpp_wrapper(monkeypatch):
     sizes, are called from the C++ wrapper through the dispatcher.  The tiny model's lowering, compiled on the CPU:
     loss, log-probs and every gradient as the rewritten graph's (float64)."""
     import torch._inductor.config as inductor_config
-    from helpers import cached_compile, cached_model, run_program_graph, tiny_dense
+    from helpers import cached_compile, cached_model, tiny_dense
     from torch._inductor.utils import run_and_get_code
     from treecompile.program import dynamo_config
 
     prog = cached_compile(cached_model("dense-tiny", tiny_dense)).program
     low = _lower_fa4_varlen(prog, monkeypatch, attention_keys="kept")
-    batch = Tree.from_paths([[t % 97 for t in p] for p in forest_paths(60, 2, seed=4)]).to_batch(pad_to_multiple=16)
     torch._dynamo.reset()
     compiled = torch.compile(low.graph_module, dynamic=False)
     with torch._dynamo.config.patch(**dynamo_config(prog.options)), inductor_config.patch(cpp_wrapper=True):
-        (l1, lp1, g1), codes = run_and_get_code(lambda: run_program_graph(prog, compiled, batch, None))
+        _, codes = run_and_get_code(_assert_lowered_equals_rewritten, prog, low, compiled)
     assert len(codes) == 2 and all("inductor_entry_impl" in c for c in codes)  # forward and backward: C++ wrappers
-    l0, lp0, g0 = run_program_graph(prog, prog.graph_module, batch)
-    torch.testing.assert_close(l1, l0, rtol=1e-12, atol=0)
-    torch.testing.assert_close(lp1, lp0, rtol=1e-12, atol=1e-12)
-    assert len(g0) == len(g1) > 0
-    for a, b in zip(g1, g0):
-        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("keys", ["kept", "gathered"])
@@ -1510,23 +1508,15 @@ def test_lowered_graph_with_run_time_row_counts_is_one_compiled_graph(keys, monk
     without ``capture_dynamic_output_shape_ops`` each of them cut the graph (session 41 measured 30 graphs on
     Qwen3-0.6B).  The tiny model's lowering compiled by inductor on the CPU: loss, log-probs and every gradient as
     the rewritten graph's (float64)."""
-    from helpers import cached_compile, cached_model, run_program_graph, tiny_dense
+    from helpers import cached_compile, cached_model, tiny_dense
     from treecompile.program import dynamo_config
 
     prog = cached_compile(cached_model("dense-tiny", tiny_dense)).program
     low = _lower_fa4_varlen(prog, monkeypatch, attention_keys=keys)
     assert low.head_keep == "fit" and low.attention_keep == ("all" if keys == "kept" else "none")
-    batch = Tree.from_paths([[t % 97 for t in p] for p in forest_paths(60, 2, seed=4)]).to_batch(pad_to_multiple=16)
-    args = [*(prog.lifted_value(x) for x in prog.lifted), *prog.batch_args(batch), None]
+    args = [*(prog.lifted_value(x) for x in prog.lifted), *prog.batch_args(_lowered_test_batch()), None]
     torch._dynamo.reset()
     with torch._dynamo.config.patch(**dynamo_config(prog.options)):
         explained = torch._dynamo.explain(low.graph_module)(*args)
         assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
-        compiled = torch.compile(low.graph_module, dynamic=False)
-        l1, lp1, g1 = run_program_graph(prog, compiled, batch, None)
-    l0, lp0, g0 = run_program_graph(prog, prog.graph_module, batch)
-    torch.testing.assert_close(l1, l0, rtol=1e-12, atol=0)
-    torch.testing.assert_close(lp1, lp0, rtol=1e-12, atol=1e-12)
-    assert len(g0) == len(g1) > 0
-    for a, b in zip(g1, g0):
-        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+        _assert_lowered_equals_rewritten(prog, low, torch.compile(low.graph_module, dynamic=False))

@@ -910,7 +910,7 @@ def tree_attention_varlen_windowed_fwd(q: Tensor, k: Tensor, v: Tensor, subtree_
         with torch.no_grad():
             out = _flex_window(q, k, v, subtree_end, position_ids, window, scale)
         lse = torch.empty((q.shape[1], q.shape[2]), dtype=torch.float32, device=q.device)
-        return (_heads_major(out[0].transpose(0, 1).contiguous()), lse,
+        return (_heads_major(_tokens_major(out)), lse,
                 *_no_keys(k[0].transpose(0, 1), v[0].transpose(0, 1)))
     return _forward(q, k, v, plan, scale, keep_keys)
 
@@ -935,7 +935,7 @@ def tree_attention_varlen_windowed_bwd(q: Tensor, k: Tensor, v: Tensor, out: Ten
             qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
             grads = torch.autograd.grad(_flex_window(qq, kk, vv, subtree_end, position_ids, window, scale),
                                         (qq, kk, vv), dout)
-        return tuple(_heads_major(g[0].transpose(0, 1).contiguous()) for g in grads)
+        return tuple(_heads_major(_tokens_major(g)) for g in grads)
     return _backward_grads(q, k, v, out, lse, dout, plan, scale, kept_k, kept_v)
 
 
