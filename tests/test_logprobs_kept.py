@@ -13,6 +13,7 @@ fp32 run.
 
 from __future__ import annotations
 
+import time
 import warnings
 
 import pytest
@@ -153,6 +154,7 @@ def test_headroom_is_free_plus_cached_within_the_process_cap(monkeypatch, fracti
     in all, 4 of them allocated); a torch without the fraction query reads no cap."""
     G = 1 << 30
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (10 * G, 20 * G))
+    monkeypatch.setattr(logprobs_kept, "_driver_reads", {})
     monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", lambda device: {
         "allocated_bytes": {"all": {"current": 4 * G, "peak": 9 * G}, "large_pool": {"current": 3 * G}},
         "reserved_bytes": {"all": {"current": 6 * G, "peak": 9 * G}, "small_pool": {"current": G}}})
@@ -164,6 +166,47 @@ def test_headroom_is_free_plus_cached_within_the_process_cap(monkeypatch, fracti
     assert logprobs_kept.headroom_bytes(torch.device("cuda", 0)) == want
     assert logprobs_kept.headroom_bytes(torch.device("cuda", 0), (4 * G, 6 * G)) == want
     assert logprobs_kept.headroom_bytes(torch.device("cpu")) is None
+
+
+def test_driver_free_memory_is_read_again_after_its_interval_or_a_tight_allocator(monkeypatch):
+    """The driver's free memory is read once per ``DRIVER_READ_S`` seconds and device: in between, the allocator
+    reserving 2 GiB more takes them from the driver's free memory (the headroom follows what the allocator has
+    allocated, not what it reserved); another process's 3 GiB show at the next read, after the interval or as soon
+    as the allocator has retried or failed an allocation; ``DRIVER_READ_S = 0`` reads at every decision."""
+    G = 1 << 30
+    clock, state, reads = [100.0], {"free": 10 * G, "allocated": 4 * G, "reserved": 6 * G, "tight": 0}, []
+
+    def mem_get_info(device):
+        reads.append(device)
+        return state["free"], 20 * G
+
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 1.0, raising=False)
+    monkeypatch.setattr(logprobs_kept, "_driver_reads", {})
+    monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", lambda device: {
+        "allocated_bytes": {"all": {"current": state["allocated"]}}, "reserved_bytes": {"all": {"current":
+        state["reserved"]}}, "num_alloc_retries": state["tight"], "num_ooms": 0})
+    dev0, dev1 = torch.device("cuda", 0), torch.device("cuda", 1)
+    assert logprobs_kept.allocator_bytes(dev0) == (4 * G, 6 * G, 0)
+    assert logprobs_kept.headroom_bytes(dev0) == 12 * G and len(reads) == 1
+    state.update(free=8 * G, reserved=8 * G, allocated=7 * G)  # the allocator reserved 2 GiB and allocated 3
+    clock[0] += 0.5
+    assert logprobs_kept.headroom_bytes(dev0) == 9 * G and len(reads) == 1  # 16 - 7, no read
+    assert logprobs_kept.headroom_bytes(dev1) == 9 * G and reads[-1] == dev1  # another device: its own read
+    state["free"] = 5 * G  # another process took 3 GiB: unseen until the next read
+    assert logprobs_kept.headroom_bytes(dev0) == 9 * G and len(reads) == 2
+    clock[0] += logprobs_kept.DRIVER_READ_S
+    assert logprobs_kept.headroom_bytes(dev0) == 6 * G and len(reads) == 3
+    state["free"] = 4 * G
+    state["tight"] = 1  # an allocation retry: read again at once
+    assert logprobs_kept.headroom_bytes(dev0) == 5 * G and len(reads) == 4
+    assert logprobs_kept.headroom_bytes(dev0, logprobs_kept.allocator_bytes(dev0)) == 5 * G and len(reads) == 4
+    assert logprobs_kept.headroom_bytes(dev0, (7 * G, 8 * G)) == 5 * G and len(reads) == 5  # a count it can't see
+    monkeypatch.setattr(logprobs_kept, "DRIVER_READ_S", 0.0)
+    logprobs_kept.headroom_bytes(dev0)
+    logprobs_kept.headroom_bytes(dev0)
+    assert len(reads) == 7
 
 
 def test_one_compiled_graph_serves_every_kept_row_count(monkeypatch):

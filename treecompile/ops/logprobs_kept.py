@@ -38,7 +38,9 @@ launch over the kept rows, one per chunk of the others).
 
 from __future__ import annotations
 
+import time
 import warnings
+from typing import NamedTuple
 
 import torch
 
@@ -47,8 +49,9 @@ from treecompile.ops.logprobs import (_acc_dtype, accumulate_bias_grad, accumula
                                       chunk_logits, chunk_stats, default_chunk, resolve_chunk)
 from treecompile.ops.triton_support import usable
 
-__all__ = ["linear_logprobs_kept", "logits_bytes", "fit_rows", "head_backward_bytes", "headroom_bytes", "allocator_bytes",
-           "KEEP", "FIT_MARGIN_FRACTION", "fit_margin_bytes", "last_fit", "pop_last_fit"]
+__all__ = ["linear_logprobs_kept", "logits_bytes", "fit_rows", "head_backward_bytes", "headroom_bytes",
+           "allocator_bytes", "AllocatorBytes", "DRIVER_READ_S", "KEEP", "FIT_MARGIN_FRACTION", "fit_margin_bytes",
+           "last_fit", "pop_last_fit"]
 
 HALF = (torch.bfloat16, torch.float16)
 KEEP = ("all", "fit")
@@ -92,26 +95,59 @@ def head_backward_bytes(n: int, vocab: int, dim: int, dtype: torch.dtype, *, chu
             + chunk_rows * vocab * per_element + 6 * n * acc)
 
 
-def allocator_bytes(device: torch.device) -> tuple[int, int]:
-    """(allocated, reserved) bytes of the caching allocator on CUDA ``device``, from one read of its statistics
+class AllocatorBytes(NamedTuple):
+    """One read of the caching allocator's statistics on a CUDA device (:func:`allocator_bytes`)."""
+
+    allocated: int
+    reserved: int
+    tight: int = 0  # allocation retries and out-of-memory errors so far: memory ran short where it moved
+
+
+def allocator_bytes(device: torch.device) -> AllocatorBytes:
+    """(allocated, reserved, tight) of the caching allocator on CUDA ``device``, from one read of its statistics
     table.  ``torch.cuda.memory_allocated`` and ``memory_reserved`` each read it and flatten all of it into a sorted
     dict first: ~0.3-0.5 ms a call on the H200's host, several per forward (benchmarks/results/h200_s42)."""
     stats = torch.cuda.memory_stats_as_nested_dict(device)
     if not stats:  # CUDA not initialised: nothing allocated
-        return 0, 0
-    return stats["allocated_bytes"]["all"]["current"], stats["reserved_bytes"]["all"]["current"]
+        return AllocatorBytes(0, 0, 0)
+    return AllocatorBytes(stats["allocated_bytes"]["all"]["current"], stats["reserved_bytes"]["all"]["current"],
+                          stats.get("num_alloc_retries", 0) + stats.get("num_ooms", 0))
 
 
-def headroom_bytes(device: torch.device, allocator: tuple[int, int] | None = None) -> int | None:
+# The driver's count of the device's free memory (``cudaMemGetInfo``) is the one read here that the allocator
+# cannot answer.  On the lent H200 every profiled tree step left the GPU idle 0.44-0.70 ms inside it (the varlen
+# op's "fit" decision, in a host-bound forward: benchmarks/results/h200_s42, h200_s43).  Between two driver reads
+# the allocator's own reservations and releases move bytes between "free" and "reserved" one for one, so
+# ``free + reserved`` only changes when something outside this process's caching allocator takes or returns device
+# memory (another process, NCCL's buffers, a library's own cudaMalloc, kernel modules loading).  A read is reused
+# for DRIVER_READ_S seconds, unless the allocator has had to retry or has failed an allocation since (``tight``);
+# 0 reads the driver at every decision.  What another process takes within that second is not seen: the same race
+# a read at every decision has in a shorter window, and the "fit" margin (``FIT_MARGIN_FRACTION``) is for it.
+DRIVER_READ_S = 1.0
+_driver_reads: dict = {}  # device index -> (monotonic time of the read, free + reserved then, ``tight`` then)
+
+
+def _free_plus_reserved(device: torch.device, reserved: int, tight: int) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    now = time.monotonic()
+    read = _driver_reads.get(index)
+    if read is not None and now - read[0] < DRIVER_READ_S and read[2] == tight:
+        return read[1]
+    free, _total = torch.cuda.mem_get_info(device)
+    _driver_reads[index] = (now, free + reserved, tight)
+    return free + reserved
+
+
+def headroom_bytes(device: torch.device, allocator: AllocatorBytes | tuple | None = None) -> int | None:
     """Bytes that tensors on ``device`` could still take: the device's free memory plus what the caching
     allocator holds unused, and no more than the process's cap (``torch.cuda.set_per_process_memory_fraction``)
     leaves; None off CUDA, where memory is not tracked.  ``allocator``: :func:`allocator_bytes` when the caller has
-    just read it (one statistics read less)."""
+    just read it (one statistics read less).  The device's free memory is the driver's, read at most once per
+    :data:`DRIVER_READ_S` seconds (see there)."""
     if device.type != "cuda":
         return None
-    free, _total = torch.cuda.mem_get_info(device)
-    allocated, reserved = allocator_bytes(device) if allocator is None else allocator
-    headroom = free + reserved - allocated
+    allocated, reserved, tight = allocator_bytes(device) if allocator is None else AllocatorBytes(*allocator)
+    headroom = _free_plus_reserved(device, reserved, tight) - allocated
     query = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # not in every torch
     fraction = query(device) if query is not None else 1.0
     if 0.0 < fraction < 1.0:  # 1.0: no cap was set
