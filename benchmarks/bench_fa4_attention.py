@@ -34,8 +34,9 @@ TF/s over UNMASKED entries (fwd 4*H*D*nnz, bwd 2.5x fwd; causal nnz = T(T+1)/2);
 tree TF/s / FA4 causal TF/s at the same T (the issue's target: >= 90 %).  ``out err``: norm-relative
 error of the bf16 output on 128 sampled rows vs an fp32 dense-mask softmax.
 
-Trees: synthetic (bench_attention.random_tree_paths, 16 paths) at the requested sizes and PORs, and
-deep short-node agentic trees (benchmarks/trees.py, 50+ levels, ~90-token nodes).
+Trees: synthetic (bench_attention.random_tree_paths, 16 paths) at the requested sizes and PORs, the harness's
+synthetic (``--harness``) and agentic (``--agentic``) trees, and deep short-node agentic trees (benchmarks/trees.py,
+50+ levels, ~90-token nodes).
 
 Run on a GPU:  python benchmarks/bench_fa4_attention.py [--sizes 16384,32768,65536] [--out DIR]
 Layouts only (issue 16 item 2, ~3 min on an H100): --pors 0.5,0.9 --contenders fa4_flex,fa4_flex_heavy,
@@ -56,7 +57,7 @@ from tabulate import tabulate
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_attention import H, HKV, D, DTYPE, TreeSpec, random_tree_paths, sampled_rows_error, tree_stats  # noqa: E402
-from trees import AgenticSpec, agentic_paths, harness_tree_paths  # noqa: E402
+from trees import AgenticSpec, agentic_paths, agentic_specs, harness_tree_paths  # noqa: E402
 
 from treecompile import Tree  # noqa: E402
 from treecompile.ops import fa4_tree_attention as fa4  # noqa: E402
@@ -259,6 +260,8 @@ def main() -> None:
     ap.add_argument("--deep", default="deep-16k,deep-32k", help="agentic deep trees ('none' for none)")
     ap.add_argument("--harness", default="", help="the harness's synthetic trees, comma-separated "
                     "PATHSxLEN@POR (e.g. 32x2048@0.5: trees.synthetic_paths, the end-to-end tree at 32k)")
+    ap.add_argument("--agentic", default="", help="the harness's agentic trees, comma-separated names of "
+                    "trees.agentic_specs (e.g. deep-agent,parallel-tools: the end-to-end rows' trees)")
     ap.add_argument("--contenders", default="flex_triton,fa4_flex,fa4_direct")
     ap.add_argument("--out", default=None, help="folder for fa4_attention.{json,md}")
     ap.add_argument("--shape", default=f"{H}:{HKV}:{D}", help="heads:kv_heads:head_dim (default %(default)s; "
@@ -280,6 +283,13 @@ def main() -> None:
     for item in [x for x in a.harness.split(",") if x]:
         tree = Tree.from_paths(harness_tree_paths(item))
         cases.append((f"harness {item} T={tree.num_tokens} POR={tree.por:.2f}", tree))
+    try:
+        specs = agentic_specs(names=[x for x in a.agentic.split(",") if x]) if a.agentic else []
+    except ValueError as e:
+        raise SystemExit(f"--agentic: {e}") from None
+    for spec in specs:
+        tree = Tree.from_paths(agentic_paths(spec))
+        cases.append((f"harness agentic {spec.name} T={tree.num_tokens} POR={tree.por:.2f}", tree))
     for spec in DEEP:
         if a.deep != "none" and spec.name in a.deep.split(","):
             tree = Tree.from_paths(agentic_paths(spec))

@@ -337,9 +337,7 @@ def group_cases(group, vocab) -> list[TreeCase]:
 
 def agentic_cases(scale, vocab, names=None) -> list[TreeCase]:
     out = []
-    for spec in agentic_specs(scale):
-        if names and spec.name not in names:
-            continue
+    for spec in agentic_specs(scale, names or None):
         spec = dataclasses.replace(spec, vocab=vocab)
         out.append(TreeCase(f"agentic {spec.name}", "agentic", None, tuple(map(tuple, agentic_paths(spec)))))
     return out
@@ -1471,6 +1469,11 @@ def main(argv=None) -> int:
     for m in args.model:
         if m not in specs:
             raise SystemExit(f"--model: unknown {m!r}; choose from {sorted(specs)}")
+    if args.agentic:
+        try:
+            agentic_specs(names=args.agentic)
+        except ValueError as e:
+            raise SystemExit(f"--agentic: {e}") from None
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     child = args.case_index is not None
     if child and len(args.model) != 1:

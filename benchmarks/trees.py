@@ -163,9 +163,10 @@ def agentic_paths(spec: AgenticSpec) -> list[list[int]]:
     return paths
 
 
-def agentic_specs(scale: float = 1.0) -> list[AgenticSpec]:
+def agentic_specs(scale: float = 1.0, names=None) -> list[AgenticSpec]:
     """A fixed suite spanning POR ~0.28-0.89 (low: few turns with long reasoning; high: long prompt,
-    many turns with short reasoning and fan-out).  Each spec's ``scale``d segments keep the POR."""
+    many turns with short reasoning and fan-out).  Each spec's ``scale``d segments keep the POR.  ``names``: only
+    those, in the suite's order (ValueError naming any the suite lacks)."""
     suite = [
         AgenticSpec("short-chat", prompt=2000, turns=3, think=1800, action=300, observation=200, seed=1),
         AgenticSpec("tool-loop", prompt=1500, turns=5, think=700, action=150, observation=500, seed=2),
@@ -174,6 +175,12 @@ def agentic_specs(scale: float = 1.0) -> list[AgenticSpec]:
         AgenticSpec("deep-agent", prompt=5000, turns=10, think=200, action=80, observation=250, fanout=2,
                     fanout_turns=(3, 6), seed=4),
     ]
+    if names is not None:
+        known = [s.name for s in suite]
+        if unknown := [n for n in names if n not in known]:
+            raise ValueError(f"agentic trees: unknown name(s) {', '.join(map(repr, unknown))}; the suite has "
+                             f"{', '.join(known)}")
+        suite = [s for s in suite if s.name in names]
     return [s.scaled(scale) for s in suite]
 
 

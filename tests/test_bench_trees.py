@@ -43,6 +43,22 @@ def test_agentic_suite_spans_the_paper_range():
     assert pors == sorted(pors)
 
 
+def test_agentic_trees_by_name_in_suite_order_and_unknown_names_refused():
+    """Named agentic trees come in the suite's order; a name the suite lacks is refused, naming it (the harness
+    and prof_step took a misspelt name as "no tree" or failed on an empty list)."""
+    from benchmarks import harness
+
+    assert [s.name for s in agentic_specs(names=["deep-agent", "short-chat"])] == ["short-chat", "deep-agent"]
+    assert agentic_specs(0.5, names=["tool-loop"]) == [s for s in agentic_specs(0.5) if s.name == "tool-loop"]
+    with pytest.raises(ValueError, match="'deep_agent'.*deep-agent"):
+        agentic_specs(names=["deep-agent", "deep_agent"])
+    with pytest.raises(ValueError, match="'nope'"):
+        harness.agentic_cases(1.0, 1000, ["nope"])
+    with pytest.raises(SystemExit, match="--agentic: .*'parallel_tools'"):
+        harness.main(["--device", "cpu", "--tiny", "--model", "dense-tiny", "--suite", "agentic",
+                      "--agentic", "parallel_tools"])
+
+
 def test_agentic_think_dropping_and_fanout_make_the_expected_tree():
     spec = AgenticSpec("t", prompt=20, turns=3, think=10, action=4, observation=6, fanout=2, fanout_turns=(0,),
                        drift_prob=0.0, vocab=500, seed=0)
