@@ -370,10 +370,12 @@ def main() -> None:
     print(out, flush=True)
     if a.out:
         os.makedirs(a.out, exist_ok=True)
-        with open(os.path.join(a.out, "fa4_attention.md"), "w") as f:
-            f.write(out)
-        with open(os.path.join(a.out, "fa4_attention.json"), "w") as f:
-            json.dump(dict(cond=cond, stats=stats, rows=rows), f, indent=1)
+        for name, text in (("fa4_attention.md", out),
+                           ("fa4_attention.json", json.dumps(dict(cond=cond, stats=stats, rows=rows), indent=1))):
+            path = os.path.join(a.out, name)  # temp then rename: no half-written file
+            with open(path + ".tmp", "w") as f:
+                f.write(text)
+            os.replace(path + ".tmp", path)
         for name, table in (("fa4_attention_rows.csv", rows), ("fa4_attention_trees.csv", stats)):
             write_csv(os.path.join(a.out, name), table)
 
