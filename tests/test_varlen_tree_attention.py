@@ -983,6 +983,63 @@ def test_plan_check_refuses_exactly_the_plans_that_are_not_the_mask(seed, monkey
     assert refused  # the corruptions reached the check
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_interval_minimum_is_the_brute_force_one(seed, monkeypatch):
+    """``_interval_min`` (the plan check's smallest subtree end per key interval) equals ``min(se[lo:hi])``: on a
+    real plan's intervals through the O(T) running minimum (the gathered rows never read), with empty segments in
+    the query offsets, and through the gathered rows for intervals that do not start at a segment's first token or
+    run past its end."""
+    import random
+
+    from treecompile.ops import varlen_tree_attention as V
+
+    rng = random.Random(seed)
+    paths = [[1, 2, 3]]
+    for _ in range(rng.randint(2, 12)):
+        base = rng.choice(paths)
+        paths.append(base[:rng.randint(1, len(base))] + [rng.randint(1, 30) for _ in range(rng.randint(1, 6))])
+    se = Tree.from_paths(paths).to_batch().subtree_end
+    seen = []
+    real = V._check_plan
+    monkeypatch.setattr(V, "_check_plan", lambda *a: (seen.append(a), real(*a)))
+    V.tree_attention_plan(se.clone(), block_sparse=False)
+    se0, lo, hi, first, key_index, cu_q, cu_k, tail = seen[-1]
+
+    def brute(lo_, hi_):
+        return torch.tensor([int(se0[a:b].min()) for a, b in zip(lo_.tolist(), hi_.tolist())], dtype=torch.int64)
+
+    def ki(lo_, hi_):
+        return torch.cat([torch.arange(a, b) for a, b in zip(lo_.tolist(), hi_.tolist())])
+
+    keep = hi > lo
+    lo, hi = lo[keep], hi[keep]
+    gathered = []
+    monkeypatch.setattr(torch, "segment_reduce", lambda *a, **k: (gathered.append(1), real_reduce(*a, **k))[1])
+    real_reduce = torch._C._VariableFunctions.segment_reduce
+    assert torch.equal(V._interval_min(se0, lo, hi, cu_q, key_index, hi - lo), brute(lo, hi)) and not gathered
+    # the same intervals under query offsets with empty segments added (at the start, twice inside, at the end)
+    starts = cu_q.tolist()
+    padded = torch.tensor([0] + starts[:2] + [starts[1]] + starts[1:] + [starts[-1]], dtype=torch.int64)
+    assert torch.equal(V._interval_min(se0, lo, hi, padded, key_index, hi - lo), brute(lo, hi)) and not gathered
+    # intervals moved by a token (some still start a segment: either way the brute force's minimum), and one
+    # across the first segment boundary, which only the gathered rows can answer
+    for trial in range(8):
+        lo_, hi_ = lo.clone(), hi.clone()
+        m = rng.randrange(lo.numel())
+        if trial % 2 and hi_[m] - lo_[m] >= 2:
+            lo_[m] += 1
+        elif hi_[m] < se0.numel():
+            hi_[m] += 1
+        got = V._interval_min(se0, lo_, hi_, cu_q, ki(lo_, hi_), hi_ - lo_)
+        assert torch.equal(got, brute(lo_, hi_))
+    if cu_q.numel() > 2:
+        gathered.clear()
+        b = int(cu_q[1])
+        lo_, hi_ = torch.cat([lo, torch.tensor([b - 1])]), torch.cat([hi, torch.tensor([b + 1])])
+        got = V._interval_min(se0, lo_, hi_, cu_q, ki(lo_, hi_), hi_ - lo_)
+        assert torch.equal(got, brute(lo_, hi_)) and gathered
+
+
 def test_prepare_does_the_step_host_work_once_and_the_step_finds_it(monkeypatch):
     """``TreeProgram.prepare``: the padding, masks and the varlen op's plan of a batch, built ahead of its run, are
     what the run then uses (the graph inputs are built once, the plan once, forward and backward), with the same

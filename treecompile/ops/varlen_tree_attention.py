@@ -392,8 +392,8 @@ def _check_plan(se: Tensor, lo: Tensor, hi: Tensor, first: Tensor, key_index: Te
     subtree reaches past the segment's last query; (2) no key repeats within a segment; (3) every key ``k`` is seen
     by ``subtree_end[k] - k`` queries in all (the tail's tokens by themselves alone): with (1) and (2), a pair is
     seen at most once and only inside the mask, so equal counts leave none of the mask out.  All three per interval
-    (split where the prefix ends), the counts as sums of ranges: O(T + intervals), and the subtree ends of the
-    gathered rows read once."""
+    (split where the prefix ends), the counts as sums of ranges, each interval's smallest subtree end from one running
+    minimum over the tokens (:func:`_interval_min`): O(T + intervals)."""
     T = se.numel()
     nq, nk = cu_q.diff(), cu_k.diff()
     keep = hi > lo
@@ -416,23 +416,22 @@ def _check_plan(se: Tensor, lo: Tensor, hi: Tensor, first: Tensor, key_index: Te
     # every key's subtree ends past the segment's last query (q1 - 1)
     late_prefix = (p > 0) & (lo + p - 1 > q0)
     late_own = (p < n) & (ko > q0 + i0)
-    se_rows = torch.segment_reduce(se.double().index_select(0, key_index), "min", lengths=n, unsafe=True) \
-        if n.numel() else se.new_zeros(0, dtype=torch.float64)
-    short = se_rows < q1.double()
+    short = _interval_min(se, lo, hi, cu_q, key_index, n) < q1
     # (2) distinct keys within a segment: the segment's intervals, by first key, do not overlap
     order = torch.argsort(seg * (T + 1) + lo)
     s_o, lo_o, hi_o = seg[order], lo[order], hi[order]
     repeated = (s_o[1:] == s_o[:-1]) & (lo_o[1:] < hi_o[:-1])
-    # (3) counts: a prefix key is seen by nq queries; own key ko + t by nq - i0 - t = (nq - i0 + ko) - k
+    # (3) counts: a prefix key is seen by nq queries; own key ko + t by nq - i0 - t = (nq - i0 + ko) - k.  In place
+    # on two [T + 1] buffers: a fresh 0.5 MB tensor per step cost more than its arithmetic (64k tokens, this CPU)
     a = torch.zeros(T + 1, dtype=torch.int64)
     b = torch.zeros(T + 1, dtype=torch.int64)
     a.index_add_(0, lo, nqs).index_add_(0, lo + p, -nqs)
     a.index_add_(0, ko, nqs - i0 + ko).index_add_(0, hi, -(nqs - i0 + ko))
     b.index_add_(0, ko, torch.ones_like(ko)).index_add_(0, hi, -torch.ones_like(ko))
-    ar = torch.arange(T)
-    counts = a.cumsum(0)[:T] - b.cumsum(0)[:T] * ar
+    counts, own_keys = a.cumsum_(0)[:T], b.cumsum_(0)[:T]
+    counts.sub_(own_keys.mul_(torch.arange(T))).add_(torch.arange(T))  # + k: compared with subtree_end[k] below
     counts[tail:] += 1
-    wrong = torch.nonzero(counts != se - ar).flatten()
+    wrong = torch.nonzero(counts != se).flatten()
     bad = []
     if wrong.numel():
         bad.append(int(wrong[0]))
@@ -453,6 +452,28 @@ def _check_plan(se: Tensor, lo: Tensor, hi: Tensor, first: Tensor, key_index: Te
         t = bad[0]
         raise ValueError(f"subtree_end is not the DFS layout of a forest at token {t} (subtree_end[{t}] = {int(se[t])}:"
                          f" its subtree is not nested in its ancestors' subtrees)")
+
+
+def _interval_min(se: Tensor, lo: Tensor, hi: Tensor, cu_q: Tensor, key_index: Tensor, n: Tensor) -> Tensor:
+    """``min(se[lo[m]:hi[m]])`` per (non-empty) interval ``m``.  Where every interval starts at a segment's first
+    token and ends within that segment (a segment plan's intervals: a segment's own tokens, or the first tokens of
+    an ancestor segment), from one running minimum over the tokens that restarts at every segment start
+    (``cummin`` of ``se`` plus a per-segment offset larger than any ``se``, decreasing segment by segment): O(T);
+    ``se`` within ``[0, T]`` (the walk's bounds check).  Otherwise from the gathered rows (``key_index``; O(G))."""
+    T, S = se.numel(), cu_q.numel() - 1
+    if not n.numel():
+        return se.new_zeros(0)
+    if S and int(cu_q[0]) == 0 and bool((cu_q.diff() >= 0).all()) and int(cu_q[-1]) <= T:
+        s_lo = torch.searchsorted(cu_q, lo, right=True) - 1  # the segment holding each interval's first token
+        s_lo = s_lo.clamp(0, S - 1)  # (one outside [0, S) fails the test below)
+        if bool(((lo == cu_q[s_lo]) & (hi <= cu_q[s_lo + 1])).all()):
+            tail = int(cu_q[-1])  # segment of each token: the starts at or before it (an empty segment's too)
+            seg = torch.zeros(tail + 1, dtype=torch.int64)  # + 1: an empty last segment starts at ``tail``
+            seg = seg.index_add_(0, cu_q[1:-1], torch.ones(S - 1, dtype=torch.int64)).cumsum_(0)[:tail]
+            big = T + 1
+            run = torch.cummin(seg.mul_(-big).add_(S * big).add_(se[:tail]), 0).values  # se + (S - seg) * big
+            return run[hi - 1] - (S - s_lo) * big
+    return torch.segment_reduce(se.double().index_select(0, key_index), "min", lengths=n, unsafe=True).long()
 
 
 _PLANS = LastBatch()
