@@ -260,18 +260,21 @@ def test_layout_helpers_equal_their_plain_forms(layout):
 
 @pytest.mark.parametrize("intervals", [[(3, 7), (0, 2), (9, 10)], [(0, 0), (5, 8), (2, 2), (2, 2), (0, 4), (6, 6)],
                                        [(4, 4)], [(0, 0)]], ids=["plain", "empty_intervals", "one_empty", "none"])
-def test_key_rows_are_the_intervals_one_after_the_other(intervals):
-    """``_rows``: the key index is the intervals' tokens laid out in order (empty intervals anywhere), ``first`` each
-    interval's first row; a total that is not the plan's is an internal error."""
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def test_key_rows_are_the_intervals_one_after_the_other(intervals, device):
+    """``_rows``: the key index (built on the tokens' device) is the intervals' tokens laid out in order (empty
+    intervals anywhere), ``first`` each interval's first row; a total that is not the plan's is an internal error."""
     from treecompile.ops import varlen_tree_attention as vta
 
     G = sum(h - l for l, h in intervals)
-    lo, hi, first, key_index = vta._rows(intervals, G)
+    lo, hi, first, key_index = vta._rows(intervals, G, device)
+    assert key_index.device.type == device
     assert key_index.tolist() == [t for l, h in intervals for t in range(l, h)]
     assert first.tolist() == [sum(h - l for l, h in intervals[:m]) for m in range(len(intervals))]
     assert (lo.tolist(), hi.tolist()) == ([l for l, _ in intervals], [h for _, h in intervals])
     with pytest.raises(AssertionError, match="internal error"):
-        vta._rows(intervals, G + 1)
+        vta._rows(intervals, G + 1, device)
 
 
 def test_padding_is_the_tail_not_segments():
@@ -986,9 +989,9 @@ def test_plan_check_refuses_exactly_the_plans_that_are_not_the_mask(seed, monkey
 @pytest.mark.parametrize("seed", range(6))
 def test_interval_minimum_is_the_brute_force_one(seed, monkeypatch):
     """``_interval_min`` (the plan check's smallest subtree end per key interval) equals ``min(se[lo:hi])``: on a
-    real plan's intervals through the O(T) running minimum (the gathered rows never read), with empty segments in
-    the query offsets, and through the gathered rows for intervals that do not start at a segment's first token or
-    run past its end."""
+    real plan's intervals through the O(T) running minimum (no row laid out), with empty segments in the query
+    offsets, and through the intervals' rows for intervals that do not start at a segment's first token or run past
+    its end."""
     import random
 
     from treecompile.ops import varlen_tree_attention as V
@@ -1008,21 +1011,21 @@ def test_interval_minimum_is_the_brute_force_one(seed, monkeypatch):
     def brute(lo_, hi_):
         return torch.tensor([int(se0[a:b].min()) for a, b in zip(lo_.tolist(), hi_.tolist())], dtype=torch.int64)
 
-    def ki(lo_, hi_):
-        return torch.cat([torch.arange(a, b) for a, b in zip(lo_.tolist(), hi_.tolist())])
+    def interval_min(lo_, hi_, cu=cu_q):
+        return V._interval_min(se0, lo_, hi_, torch.cumsum(hi_ - lo_, 0) - (hi_ - lo_), cu, hi_ - lo_)
 
     keep = hi > lo
     lo, hi = lo[keep], hi[keep]
-    gathered = []
-    monkeypatch.setattr(torch, "segment_reduce", lambda *a, **k: (gathered.append(1), real_reduce(*a, **k))[1])
+    laid_out = []  # calls of the O(G) path
     real_reduce = torch._C._VariableFunctions.segment_reduce
-    assert torch.equal(V._interval_min(se0, lo, hi, cu_q, key_index, hi - lo), brute(lo, hi)) and not gathered
+    monkeypatch.setattr(torch, "segment_reduce", lambda *a, **k: (laid_out.append(1), real_reduce(*a, **k))[1])
+    assert torch.equal(interval_min(lo, hi), brute(lo, hi)) and not laid_out
     # the same intervals under query offsets with empty segments added (at the start, twice inside, at the end)
     starts = cu_q.tolist()
     padded = torch.tensor([0] + starts[:2] + [starts[1]] + starts[1:] + [starts[-1]], dtype=torch.int64)
-    assert torch.equal(V._interval_min(se0, lo, hi, padded, key_index, hi - lo), brute(lo, hi)) and not gathered
+    assert torch.equal(interval_min(lo, hi, padded), brute(lo, hi)) and not laid_out
     # intervals moved by a token (some still start a segment: either way the brute force's minimum), and one
-    # across the first segment boundary, which only the gathered rows can answer
+    # across the first segment boundary, which only the laid-out rows can answer
     for trial in range(8):
         lo_, hi_ = lo.clone(), hi.clone()
         m = rng.randrange(lo.numel())
@@ -1030,14 +1033,12 @@ def test_interval_minimum_is_the_brute_force_one(seed, monkeypatch):
             lo_[m] += 1
         elif hi_[m] < se0.numel():
             hi_[m] += 1
-        got = V._interval_min(se0, lo_, hi_, cu_q, ki(lo_, hi_), hi_ - lo_)
-        assert torch.equal(got, brute(lo_, hi_))
+        assert torch.equal(interval_min(lo_, hi_), brute(lo_, hi_))
     if cu_q.numel() > 2:
-        gathered.clear()
+        laid_out.clear()
         b = int(cu_q[1])
         lo_, hi_ = torch.cat([lo, torch.tensor([b - 1])]), torch.cat([hi, torch.tensor([b + 1])])
-        got = V._interval_min(se0, lo_, hi_, cu_q, ki(lo_, hi_), hi_ - lo_)
-        assert torch.equal(got, brute(lo_, hi_)) and gathered
+        assert torch.equal(interval_min(lo_, hi_), brute(lo_, hi_)) and laid_out
 
 
 def test_prepare_does_the_step_host_work_once_and_the_step_finds_it(monkeypatch):

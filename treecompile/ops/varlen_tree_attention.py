@@ -259,7 +259,7 @@ def tree_attention_plan(subtree_end: Tensor, *, block_sparse: bool) -> SegmentPl
             i, p = w.parents[i]
             run.append((w.starts[i], p))
         intervals += run[::-1]
-    lo, hi, first, key_index = _rows(intervals, G)
+    lo, hi, first, key_index = _rows(intervals, G, subtree_end.device)
     cu_k = torch.tensor([0] + [w.prefix_len[j] + w.ends[j] - w.starts[j] for j in range(n_main)],
                         dtype=torch.int64).cumsum(0)
     cu_q = torch.tensor([0] + w.ends[:n_main], dtype=torch.int64)
@@ -267,8 +267,9 @@ def tree_attention_plan(subtree_end: Tensor, *, block_sparse: bool) -> SegmentPl
     return _segment_plan(lo, hi, first, key_index, cu_q, cu_k, w.tail, subtree_end.device)
 
 
-def _rows(intervals: list, G: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(lo, hi, first row, key_index) of the gathered rows: the ``[lo, hi)`` intervals one after the other."""
+def _rows(intervals: list, G: int, device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(lo, hi, first row, key_index) of the gathered rows: the ``[lo, hi)`` intervals one after the other;
+    ``key_index`` on ``device`` (:func:`_key_index`), the rest on the host."""
     if not intervals:
         intervals = [(0, 0)]  # no segment for the kernel: an empty plan
     lo, hi = torch.tensor(intervals, dtype=torch.int64).unbind(1)
@@ -277,14 +278,22 @@ def _rows(intervals: list, G: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     if bool((lengths < 0).any()) or int(ends[-1]) != G:
         raise AssertionError(f"tree_attention_varlen: key row intervals of {int(ends[-1])} rows for a plan of {G} "
                              "(internal error)")
-    # concatenated ranges: row r of interval m reads r + off[m], off = lo - first row of m.  As one running sum over
-    # the rows: 1 per row, plus the change of offset where an interval starts (empty intervals' changes add up)
     first = ends - lengths
+    return lo, hi, first, _key_index(lo, first, G, device)
+
+
+def _key_index(lo: Tensor, first: Tensor, G: int, device) -> Tensor:
+    """``[G]`` int64 on ``device``: row ``r`` of interval ``m`` reads token ``r + lo[m] - first[m]`` (host ``lo`` /
+    ``first``, the intervals laid out one after the other).  As one running sum over the rows: 1 per row, plus the
+    change of offset where an interval starts (empty intervals' changes add up).  Built where it is read: on the
+    GPU, only the intervals' changes cross (no ``[G]`` host tensor, 1 MB at 64k tokens, nor its copy)."""
+    device = torch.device(device)
     off = lo - first
     starts = first < G
-    step = torch.diff(off, prepend=off.new_zeros(1))
-    key_index = torch.ones(G, dtype=torch.int64).index_add_(0, first[starts], step[starts]).cumsum_(0).sub_(1)
-    return lo, hi, first, key_index
+    at, by = first[starts], torch.diff(off, prepend=off.new_zeros(1))[starts]
+    if device.type != "cpu":
+        at, by = to_device_async(at, device), to_device_async(by, device)
+    return torch.ones(G, dtype=torch.int64, device=device).index_add_(0, at, by).cumsum_(0).sub_(1)
 
 
 def _segment_plan(lo, hi, first, key_index, cu_q: Tensor, cu_k: Tensor, tail: int, dev,
@@ -292,7 +301,7 @@ def _segment_plan(lo, hi, first, key_index, cu_q: Tensor, cu_k: Tensor, tail: in
     """The :class:`SegmentPlan` of laid-out rows, its index tensors sent to ``dev`` (asynchronously)."""
     segments = cu_q.numel() - 1
     cu_q32, cu_k32 = (to_device_async(c.to(torch.int32), dev) for c in (cu_q, cu_k))
-    return SegmentPlan(copies=copy_runs(lo, hi, first, dev), key_index=to_device_async(key_index, dev),
+    return SegmentPlan(copies=copy_runs(lo, hi, first, dev), key_index=key_index,
         cu_seqlens_q=cu_q32, cu_seqlens_k=cu_k32,
         cu_seqlens_q_host=tuple(cu_q.tolist()), cu_seqlens_k_host=tuple(cu_k.tolist()),
         max_seqlen_q=int(cu_q.diff().max()) if segments else 0, max_seqlen_k=int(cu_k.diff().max()) if segments else 0,
@@ -330,7 +339,7 @@ def windowed_plan(subtree_end: Tensor, position_ids: Tensor, window: int) -> Seg
             run.append((p - take, p))
             need -= take
         intervals += run[::-1]
-    lo, hi, first, key_index = _rows(intervals, G)
+    lo, hi, first, key_index = _rows(intervals, G, subtree_end.device)
     cu_k = torch.tensor([0] + [keep[j] + w.ends[j] - w.starts[j] for j in range(n_main)], dtype=torch.int64).cumsum(0)
     cu_q = torch.tensor([0] + w.ends[:n_main], dtype=torch.int64)
     _check_depths(w, pos)
@@ -416,7 +425,7 @@ def _check_plan(se: Tensor, lo: Tensor, hi: Tensor, first: Tensor, key_index: Te
     # every key's subtree ends past the segment's last query (q1 - 1)
     late_prefix = (p > 0) & (lo + p - 1 > q0)
     late_own = (p < n) & (ko > q0 + i0)
-    short = _interval_min(se, lo, hi, cu_q, key_index, n) < q1
+    short = _interval_min(se, lo, hi, first, cu_q, n) < q1
     # (2) distinct keys within a segment: the segment's intervals, by first key, do not overlap
     order = torch.argsort(seg * (T + 1) + lo)
     s_o, lo_o, hi_o = seg[order], lo[order], hi[order]
@@ -454,12 +463,13 @@ def _check_plan(se: Tensor, lo: Tensor, hi: Tensor, first: Tensor, key_index: Te
                          f" its subtree is not nested in its ancestors' subtrees)")
 
 
-def _interval_min(se: Tensor, lo: Tensor, hi: Tensor, cu_q: Tensor, key_index: Tensor, n: Tensor) -> Tensor:
+def _interval_min(se: Tensor, lo: Tensor, hi: Tensor, first: Tensor, cu_q: Tensor, n: Tensor) -> Tensor:
     """``min(se[lo[m]:hi[m]])`` per (non-empty) interval ``m``.  Where every interval starts at a segment's first
     token and ends within that segment (a segment plan's intervals: a segment's own tokens, or the first tokens of
     an ancestor segment), from one running minimum over the tokens that restarts at every segment start
     (``cummin`` of ``se`` plus a per-segment offset larger than any ``se``, decreasing segment by segment): O(T);
-    ``se`` within ``[0, T]`` (the walk's bounds check).  Otherwise from the gathered rows (``key_index``; O(G))."""
+    ``se`` within ``[0, T]`` (the walk's bounds check).  Otherwise from the intervals' rows laid out on the host
+    (``first``: each interval's first row; O(G))."""
     T, S = se.numel(), cu_q.numel() - 1
     if not n.numel():
         return se.new_zeros(0)
@@ -473,7 +483,8 @@ def _interval_min(se: Tensor, lo: Tensor, hi: Tensor, cu_q: Tensor, key_index: T
             big = T + 1
             run = torch.cummin(seg.mul_(-big).add_(S * big).add_(se[:tail]), 0).values  # se + (S - seg) * big
             return run[hi - 1] - (S - s_lo) * big
-    return torch.segment_reduce(se.double().index_select(0, key_index), "min", lengths=n, unsafe=True).long()
+    rows = se.double().index_select(0, _key_index(lo, first, int(n.sum()), "cpu"))
+    return torch.segment_reduce(rows, "min", lengths=n, unsafe=True).long()
 
 
 _PLANS = LastBatch()
