@@ -923,26 +923,37 @@ def _plan_pairs(key_index, cu_q, cu_k, tail, T):
     return pairs
 
 
-@pytest.mark.parametrize("seed", range(12))
-def test_plan_check_refuses_exactly_the_plans_that_are_not_the_mask(seed, monkeypatch):
-    """``_check_plan`` (per interval, O(T + intervals)) passes a plan iff it attends each pair of the tree mask once
-    and nothing else: checked against the plan's pairs counted one by one, on real plans of random trees and on
-    corrupted ones (an interval moved by a token, two swapped, a repeated key, another tree's subtree ends)."""
+def _random_plan_check_args(seed: int, branches: int, new_tokens: int):
+    """(a seeded ``random.Random``, the arguments ``_check_plan`` gets for the segment plan of a random tree of up
+    to ``branches`` branches, each adding up to ``new_tokens`` tokens)."""
     import random
 
     from treecompile.ops import varlen_tree_attention as V
 
     rng = random.Random(seed)
     paths = [[1, 2, 3]]
-    for _ in range(rng.randint(2, 9)):
+    for _ in range(rng.randint(2, branches)):
         base = rng.choice(paths)
-        paths.append(base[:rng.randint(1, len(base))] + [rng.randint(1, 30) for _ in range(rng.randint(1, 5))])
+        paths.append(base[:rng.randint(1, len(base))] + [rng.randint(1, 30) for _ in range(rng.randint(1, new_tokens))])
     se = Tree.from_paths(paths).to_batch().subtree_end
-    seen = []
+    seen, real = [], V._check_plan
+    V._check_plan = lambda *a: (seen.append(a), real(*a))
+    try:
+        V.tree_attention_plan(se.clone(), block_sparse=False)
+    finally:
+        V._check_plan = real
+    return rng, seen[-1]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_plan_check_refuses_exactly_the_plans_that_are_not_the_mask(seed):
+    """``_check_plan`` (per interval, O(T + intervals)) passes a plan iff it attends each pair of the tree mask once
+    and nothing else: checked against the plan's pairs counted one by one, on real plans of random trees and on
+    corrupted ones (an interval moved by a token, two swapped, a repeated key, another tree's subtree ends)."""
+    from treecompile.ops import varlen_tree_attention as V
+
+    rng, (se0, lo, hi, first, key_index, cu_q, cu_k, tail) = _random_plan_check_args(seed, 9, 5)
     real = V._check_plan
-    monkeypatch.setattr(V, "_check_plan", lambda *a: (seen.append(a), real(*a)))
-    V.tree_attention_plan(se.clone(), block_sparse=False)
-    se0, lo, hi, first, key_index, cu_q, cu_k, tail = seen[-1]
     T = se0.numel()
 
     def verdict(se_, lo_, hi_):
@@ -992,21 +1003,9 @@ def test_interval_minimum_is_the_brute_force_one(seed, monkeypatch):
     real plan's intervals through the O(T) running minimum (no row laid out), with empty segments in the query
     offsets, and through the intervals' rows for intervals that do not start at a segment's first token or run past
     its end."""
-    import random
-
     from treecompile.ops import varlen_tree_attention as V
 
-    rng = random.Random(seed)
-    paths = [[1, 2, 3]]
-    for _ in range(rng.randint(2, 12)):
-        base = rng.choice(paths)
-        paths.append(base[:rng.randint(1, len(base))] + [rng.randint(1, 30) for _ in range(rng.randint(1, 6))])
-    se = Tree.from_paths(paths).to_batch().subtree_end
-    seen = []
-    real = V._check_plan
-    monkeypatch.setattr(V, "_check_plan", lambda *a: (seen.append(a), real(*a)))
-    V.tree_attention_plan(se.clone(), block_sparse=False)
-    se0, lo, hi, first, key_index, cu_q, cu_k, tail = seen[-1]
+    rng, (se0, lo, hi, first, key_index, cu_q, cu_k, tail) = _random_plan_check_args(seed, 12, 6)
 
     def brute(lo_, hi_):
         return torch.tensor([int(se0[a:b].min()) for a, b in zip(lo_.tolist(), hi_.tolist())], dtype=torch.int64)
