@@ -110,7 +110,7 @@ BASELINES = ("eager_per_path", "compiled_per_path", "packed_flex", "compiled_per
              "compiled_per_path_fla", "packed_fla_varlen", "packed_fla_varlen_conv")
 TREE_CONTENDERS = ("tree", "tree_heavy_first", "tree_fa4_varlen", "tree_fa4_flex", "tree_conv_fla",
                    "tree_conv_shifts_inductor", "tree_head_chunked", "tree_head_kept", "tree_keys_gathered",
-                   "tree_fa4_interface", "tree_cpp_wrapper", "tree_packed", "tree_rf")
+                   "tree_fa4_interface", "tree_cpp_wrapper", "tree_driver_reads", "tree_packed", "tree_rf")
 CONTENDERS = BASELINES + TREE_CONTENDERS
 
 
@@ -533,6 +533,20 @@ def _without_fa4_replay(step: Callable) -> Callable:
     return interface_step
 
 
+def _with_driver_reads(step: Callable) -> Callable:
+    """``step`` with the memory "fit" decisions reading the driver's free memory every time
+    (``ops.logprobs_kept.DRIVER_READ_S = 0``, as before session 43) while it runs."""
+    from treecompile.ops import logprobs_kept
+
+    def reading_step():
+        was, logprobs_kept.DRIVER_READ_S = logprobs_kept.DRIVER_READ_S, 0.0
+        try:
+            return step()
+        finally:
+            logprobs_kept.DRIVER_READ_S = was
+    return reading_step
+
+
 def _with_cpp_wrapper(step: Callable) -> Callable:
     """``step`` under inductor's ``cpp_wrapper=True`` (read when a graph compiles: its TreeModel's first step and a
     new length bucket's)."""
@@ -810,9 +824,16 @@ class Steps:
         """``tree`` compiled with inductor's C++ wrapper (``cpp_wrapper=True``: the lowered graph launches its kernels
         and allocates its buffers from C++, not from Python; a TreeModel of its own, whose compiles run under the
         setting): how much of a host-bound step is the Python wrapper's per-launch work.  Its first step compiles
-        the wrapper with the host's C++ compiler (longer).  Not yet a TreeModel option (session 42: checked on the
-        CPU, tests/test_varlen_tree_attention.py, not yet timed; CUDA)."""
+        the wrapper with the host's C++ compiler (longer).  Not a TreeModel option: session 43 timed it on the 0.6B
+        agentic tree (H200): the forward's host 82 -> 33 ms, the step 132.3 -> 132.2 ms, the first step 88 -> 417 s
+        (benchmarks/results/h200_s43; CUDA)."""
         return self._cuda_tree_step("inductor's cpp_wrapper", cpp_wrapper=True)
+
+    def tree_driver_reads(self):
+        """``tree`` with every memory "fit" decision reading the driver's free memory (``cudaMemGetInfo``; its
+        reuse for ``ops.logprobs_kept.DRIVER_READ_S`` seconds off: what every step ran before session 43, whose
+        profiles showed the GPU idle 0.44-0.70 ms inside that call; CUDA)."""
+        return self._cuda_tree_step("the driver's free-memory reads", driver_reads=True)
 
     def _cuda_tree_step(self, option: str, **kw):
         """``tree_step(**kw)`` on CUDA; elsewhere a skip naming ``option`` (a CUDA lowering option)."""
@@ -821,7 +842,7 @@ class Steps:
         return self.tree_step(**kw)
 
     def tree_step(self, layout="dfs", kernel="auto", conv="auto", head="auto", keys="auto", replay=True,
-                  cpp_wrapper=False):
+                  cpp_wrapper=False, driver_reads=False):
         tm = self._tree_model(layout=layout, kernel=kernel, conv=conv, head=head, keys=keys, cpp_wrapper=cpp_wrapper)
 
         def make():
@@ -833,6 +854,8 @@ class Steps:
             step = _without_fa4_replay(step)
         if cpp_wrapper:
             step = _with_cpp_wrapper(step)
+        if driver_reads:
+            step = _with_driver_reads(step)
         return step, self.tree.num_tokens, _tree_entries([batch.position_ids[:self.tree.num_tokens]])
 
     def tree_packed(self):

@@ -59,6 +59,24 @@ def test_agentic_trees_by_name_in_suite_order_and_unknown_names_refused():
                       "--agentic", "parallel_tools"])
 
 
+def test_driver_reads_contender_reads_every_time_only_while_its_step_runs():
+    """``tree_driver_reads``'s step runs with ``DRIVER_READ_S = 0`` and leaves the setting as it found it, also when
+    the step raises."""
+    from benchmarks import harness
+    from treecompile.ops import logprobs_kept
+
+    seen = []
+    step = harness._with_driver_reads(lambda: seen.append(logprobs_kept.DRIVER_READ_S) or 7)
+    was = logprobs_kept.DRIVER_READ_S
+    assert step() == 7 and seen == [0.0] and logprobs_kept.DRIVER_READ_S == was
+
+    def boom():
+        raise RuntimeError("boom")
+    with pytest.raises(RuntimeError, match="boom"):
+        harness._with_driver_reads(boom)()
+    assert logprobs_kept.DRIVER_READ_S == was
+
+
 def test_agentic_think_dropping_and_fanout_make_the_expected_tree():
     spec = AgenticSpec("t", prompt=20, turns=3, think=10, action=4, observation=6, fanout=2, fanout_turns=(0,),
                        drift_prob=0.0, vocab=500, seed=0)
@@ -547,4 +565,5 @@ def test_cuda_tree_contenders_pass_options_that_tree_step_takes(monkeypatch):
     for name in names:
         getattr(steps, name)()
     assert {"keys": "gathered"} in seen and {"replay": False} in seen and {"cpp_wrapper": True} in seen
+    assert {"driver_reads": True} in seen
     assert len(seen) == len(names)
