@@ -75,6 +75,10 @@ def test_driver_reads_contender_reads_every_time_only_while_its_step_runs():
     with pytest.raises(RuntimeError, match="boom"):
         harness._with_driver_reads(boom)()
     assert logprobs_kept.DRIVER_READ_S == was
+    # it and the C++ wrapper (minutes of compile) run when named, not in a default harness run
+    default = harness.build_parser().parse_args([]).contenders
+    assert "tree" in default and not set(harness.ON_REQUEST) & set(default)
+    assert harness.build_parser().parse_args(["--contenders", "tree_driver_reads"]).contenders == ["tree_driver_reads"]
 
 
 def test_agentic_think_dropping_and_fanout_make_the_expected_tree():
