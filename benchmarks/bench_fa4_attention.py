@@ -13,6 +13,9 @@ model's layout: ``[B, T, H, D]`` storage viewed as ``[B, H, T, D]``):
   and scatter timed), or, where the segments would gather more than ``VARLEN_GATHER_LIMIT`` x T rows, FA4's
   block-sparse kernels under the tree mask; the row's ``plan`` says which;
 - ``fa4_segments``: the same op held to the segments whatever they gather (the varlen kernel's own rate);
+- ``fa4_prefix_block``: the prototype of ``prefix_block_attention.py``: the segments without each tree's shared
+  prefix, which every later token attends as one full block read in place (FA4's non-causal kernel), the two
+  parts merged by their log-sum-exps;
 - ``fa4_varlen_index_add``: ``fa4_varlen`` with the key/value gradients of the gathered copies summed the way the
   op did before session 20 (``index_add_`` into a zeroed float32 buffer, then rounded) instead of
   ``ops/key_copies.py``'s kernel: the same-machine comparison for that change;
@@ -238,6 +241,11 @@ def tree_fns(se, bm, which, heavy=None):
     if "fa4_segments" in which:  # a tensor of its own: the op keeps one plan per subtree_end tensor
         se_seg = se.clone()
         out["fa4_segments"] = lambda q, k, v: segments_only(tree_attention_varlen, q, k, v, se_seg)
+    if "fa4_prefix_block" in which:  # the prototype: each tree's shared prefix as one full block, read in place
+        from prefix_block_attention import prefix_block_attention
+
+        se_pb = se.clone()  # a tensor of its own: the prototype keeps one plan per subtree_end tensor
+        out["fa4_prefix_block"] = lambda q, k, v: prefix_block_attention(q, k, v, se_pb)
     if "fa4_direct" in which:
         sparse = fa4.fa4_block_sparse_tensors(bm)
         out["fa4_direct"] = lambda q, k, v: fa4.tree_attention_fa4_direct(q, k, v, se, bm, block_sparse=sparse)
@@ -343,6 +351,11 @@ def main() -> None:
                 r = row(case, name, fn, q, k, v, do, nnz, se)
             if name in ("fa4_varlen", "fa4_varlen_index_add", "fa4_segments"):
                 r["plan"] = "segments" if name == "fa4_segments" else plan_kind(se, q)
+            if name == "fa4_prefix_block":
+                from prefix_block_attention import prefix_block_plan
+
+                pb_plan, pb_blocks = prefix_block_plan(se)
+                r["plan"] = f"segments G={pb_plan.gathered} + {len(pb_blocks)} blocks"
             if ref and "fwdbwd_tfs" in r:
                 r["pct_fa4_causal"] = round(100 * r["fwdbwd_tfs"] / ref, 1)
             rows.append(r)
