@@ -524,17 +524,21 @@ def batches_step(tm, batches, zero, make: Callable[[], list] | None = None) -> C
     return step
 
 
+def _with_setting(step: Callable, module, name: str, value) -> Callable:
+    """``step`` with ``module.name`` set to ``value`` while it runs (put back after, also when it raises)."""
+    from unittest import mock
+
+    def patched_step():
+        with mock.patch.object(module, name, value):
+            return step()
+    return patched_step
+
+
 def _without_fa4_replay(step: Callable) -> Callable:
     """``step`` with ``ops.fa4_replay`` off while it runs (FA4's forward interface on every layer)."""
     from treecompile.ops import fa4_replay
 
-    def interface_step():
-        was, fa4_replay.ENABLED = fa4_replay.ENABLED, False
-        try:
-            return step()
-        finally:
-            fa4_replay.ENABLED = was
-    return interface_step
+    return _with_setting(step, fa4_replay, "ENABLED", False)
 
 
 def _with_driver_reads(step: Callable) -> Callable:
@@ -542,13 +546,7 @@ def _with_driver_reads(step: Callable) -> Callable:
     (``ops.logprobs_kept.DRIVER_READ_S = 0``, as before session 43) while it runs."""
     from treecompile.ops import logprobs_kept
 
-    def reading_step():
-        was, logprobs_kept.DRIVER_READ_S = logprobs_kept.DRIVER_READ_S, 0.0
-        try:
-            return step()
-        finally:
-            logprobs_kept.DRIVER_READ_S = was
-    return reading_step
+    return _with_setting(step, logprobs_kept, "DRIVER_READ_S", 0.0)
 
 
 def _with_cpp_wrapper(step: Callable) -> Callable:

@@ -438,7 +438,8 @@ def _check_plan(se: Tensor, lo: Tensor, hi: Tensor, first: Tensor, key_index: Te
     a.index_add_(0, ko, nqs - i0 + ko).index_add_(0, hi, -(nqs - i0 + ko))
     b.index_add_(0, ko, torch.ones_like(ko)).index_add_(0, hi, -torch.ones_like(ko))
     counts, own_keys = a.cumsum_(0)[:T], b.cumsum_(0)[:T]
-    counts.sub_(own_keys.mul_(torch.arange(T))).add_(torch.arange(T))  # + k: compared with subtree_end[k] below
+    ar = torch.arange(T)
+    counts.sub_(own_keys.mul_(ar)).add_(ar)  # + k: compared with subtree_end[k] below
     counts[tail:] += 1
     wrong = torch.nonzero(counts != se).flatten()
     bad = []
