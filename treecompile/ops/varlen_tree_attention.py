@@ -34,6 +34,14 @@ varlen kernel up to ``MAX_GATHER_FACTOR`` (:func:`segments_fit`: past it the op 
 ``"auto"`` runs such a batch through flex instead).  Off CUDA both plans run float64-exact reference kernels, so
 the CPU tests cover the choice and the wiring of both.
 
+Under ``torch.use_deterministic_algorithms(True)`` FA4's backward runs its deterministic form (semaphores order
+the dQ, and for GQA the dK/dV, accumulations; the key copies' sums have a fixed order anyway), so a step's
+gradients repeat bit for bit.  FA4's deterministic block-sparse backward needs write orders this op does not
+build, so in that mode a batch whose segments fit (:func:`segments_fit`) runs the segments whatever their gather;
+one past their bound raises torch's not-deterministic error (a warning under ``warn_only=True``, and the
+block-sparse plan runs).  ``attention_kernel="flex"`` runs such trees deterministically on Hopper (flex's Triton
+backward has no atomics; torch refuses determinism to FA4 block-sparse below sm100 as well).
+
 ``treecompile::tree_attention_varlen_windowed_fwd`` is the same op under a sliding window of W tokens along each
 path (``tree_attention_windowed``'s): each segment keeps only the last ``W - 1`` rows of its path prefix and the
 kernel's own window (``window_size_left = W - 1``) drops the rest per query (:func:`windowed_plan`; the positions
@@ -49,6 +57,7 @@ from __future__ import annotations
 
 import math
 import threading
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -497,6 +506,19 @@ def _plan(subtree_end: Tensor, q: Tensor) -> SegmentPlan | BlockSparsePlan:
     from .fa4_tree_attention import fa4_input_reason
 
     block_sparse = not _fa4(q) or fa4_input_reason(q) is None
+    if block_sparse and _fa4(q) and torch.are_deterministic_algorithms_enabled():
+        # FA4's deterministic block-sparse backward needs dQ write orders not built here: the segments, which take
+        # the deterministic backward as they are, wherever they fit
+        block_sparse = not segments_fit(subtree_end)
+        if block_sparse:  # raises, or warns under warn_only=True and runs the block-sparse plan, as torch's ops do
+            msg = ("tree_attention_varlen: this batch's segments would gather past their bound (segments_fit: "
+                   f"{MAX_GATHER_FACTOR} x its tokens), so its backward is FA4's block-sparse one, which is not "
+                   "deterministic here (its deterministic form needs dQ write orders), but "
+                   "torch.use_deterministic_algorithms(True) is set; attention_kernel='flex' runs such trees "
+                   "deterministically")
+            if not torch.is_deterministic_algorithms_warn_only_enabled():
+                raise RuntimeError(msg)
+            warnings.warn(msg + " (warn_only=True: running the non-deterministic backward)", stacklevel=2)
     return _PLANS.get((subtree_end,), block_sparse, lambda: _build_plan(subtree_end, block_sparse))
 
 
@@ -619,7 +641,7 @@ def _bwd(q_t, kg, vg, out_t, dout_t, lse, plan, scale, dq=None):
     return _flash_attn_bwd(q_t, kg, vg, out_t, dout_t, lse, scale, True,
                            cu_seqlens_q=plan.cu_seqlens_q, cu_seqlens_k=plan.cu_seqlens_k,
                            max_seqlen_q=plan.max_seqlen_q, max_seqlen_k=plan.max_seqlen_k, dq=dq,
-                           **_window_kw(plan))[:3]
+                           deterministic=torch.are_deterministic_algorithms_enabled(), **_window_kw(plan))[:3]
 
 
 def _window_kw(plan: SegmentPlan) -> dict:
