@@ -110,11 +110,12 @@ BASELINES = ("eager_per_path", "compiled_per_path", "packed_flex", "compiled_per
              "compiled_per_path_fla", "packed_fla_varlen", "packed_fla_varlen_conv")
 TREE_CONTENDERS = ("tree", "tree_heavy_first", "tree_fa4_varlen", "tree_fa4_flex", "tree_conv_fla",
                    "tree_conv_shifts_inductor", "tree_head_chunked", "tree_head_kept", "tree_keys_gathered",
-                   "tree_fa4_interface", "tree_cpp_wrapper", "tree_driver_reads", "tree_packed", "tree_rf")
+                   "tree_fa4_interface", "tree_cpp_wrapper", "tree_driver_reads", "tree_deterministic", "tree_packed",
+                   "tree_rf")
 CONTENDERS = BASELINES + TREE_CONTENDERS
 # run when named only: the C++ wrapper's first step compiles for minutes (417 s on the 0.6B, session 43), and the
-# driver-reads tree is an A/B of one setting against ``tree``
-ON_REQUEST = ("tree_cpp_wrapper", "tree_driver_reads")
+# driver-reads and deterministic trees are A/Bs of one setting against ``tree``
+ON_REQUEST = ("tree_cpp_wrapper", "tree_driver_reads", "tree_deterministic")
 DEFAULT_CONTENDERS = tuple(c for c in CONTENDERS if c not in ON_REQUEST)
 
 
@@ -549,6 +550,22 @@ def _with_driver_reads(step: Callable) -> Callable:
     return _with_setting(step, logprobs_kept, "DRIVER_READ_S", 0.0)
 
 
+def _with_deterministic(step: Callable) -> Callable:
+    """``step`` under ``torch.use_deterministic_algorithms(True)`` (and cuBLAS's ``CUBLAS_WORKSPACE_CONFIG``, which
+    that mode asks for), both put back after, also when it raises: the cost of bitwise-repeatable steps."""
+    from unittest import mock
+
+    def deterministic_step():
+        before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+        with mock.patch.dict(os.environ, {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}):
+            torch.use_deterministic_algorithms(True)
+            try:
+                return step()
+            finally:
+                torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+    return deterministic_step
+
+
 def _with_cpp_wrapper(step: Callable) -> Callable:
     """``step`` under inductor's ``cpp_wrapper=True`` (read when a graph compiles: its TreeModel's first step and a
     new length bucket's)."""
@@ -837,6 +854,12 @@ class Steps:
         profiles showed the GPU idle 0.44-0.70 ms inside that call; CUDA)."""
         return self._cuda_tree_step("the driver's free-memory reads", driver_reads=True)
 
+    def tree_deterministic(self):
+        """``tree`` under ``torch.use_deterministic_algorithms(True)``: FA4's deterministic backward (semaphores order
+        its dQ and GQA dK/dV sums), the segments even where the block-sparse plan would run, inductor's fallbacks for
+        atomic scatters; its graphs compile on its first step (CUDA)."""
+        return self._cuda_tree_step("deterministic mode", deterministic=True)
+
     def _cuda_tree_step(self, option: str, **kw):
         """``tree_step(**kw)`` on CUDA; elsewhere a skip naming ``option`` (a CUDA lowering option)."""
         if self.dev.type != "cuda":
@@ -844,7 +867,7 @@ class Steps:
         return self.tree_step(**kw)
 
     def tree_step(self, layout="dfs", kernel="auto", conv="auto", head="auto", keys="auto", replay=True,
-                  cpp_wrapper=False, driver_reads=False):
+                  cpp_wrapper=False, driver_reads=False, deterministic=False):
         tm = self._tree_model(layout=layout, kernel=kernel, conv=conv, head=head, keys=keys, cpp_wrapper=cpp_wrapper)
 
         def make():
@@ -858,6 +881,8 @@ class Steps:
             step = _with_cpp_wrapper(step)
         if driver_reads:
             step = _with_driver_reads(step)
+        if deterministic:
+            step = _with_deterministic(step)
         return step, self.tree.num_tokens, _tree_entries([batch.position_ids[:self.tree.num_tokens]])
 
     def tree_packed(self):

@@ -1,6 +1,7 @@
 """The benchmark tree generators: requested POR reached, paths valid, agentic suite spans the range."""
 
 import pytest
+import torch
 
 from benchmarks.flops import tree_attention_entries, path_attention_entries
 from benchmarks.trees import AgenticSpec, agentic_paths, agentic_specs, max_por, synthetic_paths
@@ -79,6 +80,30 @@ def test_driver_reads_contender_reads_every_time_only_while_its_step_runs():
     default = harness.build_parser().parse_args([]).contenders
     assert "tree" in default and not set(harness.ON_REQUEST) & set(default)
     assert harness.build_parser().parse_args(["--contenders", "tree_driver_reads"]).contenders == ["tree_driver_reads"]
+
+
+def test_deterministic_contender_sets_the_mode_only_while_its_step_runs():
+    """``tree_deterministic``'s step runs under ``torch.use_deterministic_algorithms(True)`` with cuBLAS's workspace
+    setting, and leaves both as it found them, also when the step raises; it runs when named only."""
+    import os
+
+    from benchmarks import harness
+
+    seen = []
+    was_env = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    step = harness._with_deterministic(
+        lambda: seen.append((torch.are_deterministic_algorithms_enabled(), os.environ.get("CUBLAS_WORKSPACE_CONFIG")))
+        or 5)
+    assert not torch.are_deterministic_algorithms_enabled()
+    assert step() == 5 and seen == [(True, ":4096:8")]
+    assert not torch.are_deterministic_algorithms_enabled() and os.environ.get("CUBLAS_WORKSPACE_CONFIG") == was_env
+
+    def boom():
+        raise RuntimeError("boom")
+    with pytest.raises(RuntimeError, match="boom"):
+        harness._with_deterministic(boom)()
+    assert not torch.are_deterministic_algorithms_enabled() and os.environ.get("CUBLAS_WORKSPACE_CONFIG") == was_env
+    assert "tree_deterministic" in harness.ON_REQUEST and "tree_deterministic" in harness.CONTENDERS
 
 
 def test_agentic_think_dropping_and_fanout_make_the_expected_tree():
