@@ -552,12 +552,17 @@ def _with_driver_reads(step: Callable) -> Callable:
 
 def _with_deterministic(step: Callable) -> Callable:
     """``step`` under ``torch.use_deterministic_algorithms(True)`` (and cuBLAS's ``CUBLAS_WORKSPACE_CONFIG``, which
-    that mode asks for), both put back after, also when it raises: the cost of bitwise-repeatable steps."""
+    that mode asks for), both put back after, also when it raises: the cost of bitwise-repeatable steps.  With
+    ``TREE_DETERMINISTIC_FILL=0`` in the environment, without the mode's NaN fill of every new tensor
+    (``torch.utils.deterministic.fill_uninitialized_memory``: session 44 measured it as most of the mode's cost)."""
     from unittest import mock
+
+    fill = os.environ.get("TREE_DETERMINISTIC_FILL", "1") != "0"
 
     def deterministic_step():
         before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-        with mock.patch.dict(os.environ, {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}):
+        with mock.patch.dict(os.environ, {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}), \
+                mock.patch.object(torch.utils.deterministic, "fill_uninitialized_memory", fill):
             torch.use_deterministic_algorithms(True)
             try:
                 return step()
