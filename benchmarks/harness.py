@@ -561,13 +561,15 @@ def _with_deterministic(step: Callable) -> Callable:
 
     def deterministic_step():
         before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-        with mock.patch.dict(os.environ, {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}), \
-                mock.patch.object(torch.utils.deterministic, "fill_uninitialized_memory", fill):
+        was_fill = torch.utils.deterministic.fill_uninitialized_memory  # a property: not mock.patch's to restore
+        with mock.patch.dict(os.environ, {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}):
             torch.use_deterministic_algorithms(True)
+            torch.utils.deterministic.fill_uninitialized_memory = fill
             try:
                 return step()
             finally:
                 torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+                torch.utils.deterministic.fill_uninitialized_memory = was_fill
     return deterministic_step
 
 

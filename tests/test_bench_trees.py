@@ -82,7 +82,7 @@ def test_driver_reads_contender_reads_every_time_only_while_its_step_runs():
     assert harness.build_parser().parse_args(["--contenders", "tree_driver_reads"]).contenders == ["tree_driver_reads"]
 
 
-def test_deterministic_contender_sets_the_mode_only_while_its_step_runs():
+def test_deterministic_contender_sets_the_mode_only_while_its_step_runs(monkeypatch):
     """``tree_deterministic``'s step runs under ``torch.use_deterministic_algorithms(True)`` with cuBLAS's workspace
     setting, and leaves both as it found them, also when the step raises; it runs when named only."""
     import os
@@ -104,6 +104,10 @@ def test_deterministic_contender_sets_the_mode_only_while_its_step_runs():
         harness._with_deterministic(boom)()
     assert not torch.are_deterministic_algorithms_enabled() and os.environ.get("CUBLAS_WORKSPACE_CONFIG") == was_env
     assert "tree_deterministic" in harness.ON_REQUEST and "tree_deterministic" in harness.CONTENDERS
+    fills = []
+    monkeypatch.setenv("TREE_DETERMINISTIC_FILL", "0")
+    harness._with_deterministic(lambda: fills.append(torch.utils.deterministic.fill_uninitialized_memory))()
+    assert fills == [False] and torch.utils.deterministic.fill_uninitialized_memory
 
 
 def test_agentic_think_dropping_and_fanout_make_the_expected_tree():
