@@ -18,8 +18,13 @@ On CUDA half precision the parts run through FA4 (the library's segment call; ``
 call for each block); elsewhere through reference formulas, so the CPU test checks the plan and the merge
 against the dense tree mask in float64 (``tests/test_prefix_block_attention.py``).  The op's log-sum-exp is
 float32 (FA4's), so merged rows carry its rounding: about 1e-7 relative in float64, not the op's 1e-12.
-``bench_fa4_attention.py`` times it as ``fa4_prefix_block`` against ``fa4_varlen``.  Not wired into the
-lowering: the note says what a device run must show first.
+``bench_fa4_attention.py`` times it as ``fa4_prefix_block`` against ``fa4_varlen``.
+
+**Measured: it does not pay** (H200, session 44, ``results/h200_s44/attn``; fwd+bwd ms against ``fa4_varlen``):
+16x2048 POR 0.5 2.615 / 1.867, agentic parallel-tools 3.034 / 2.153, deep-agent 6.453 / 6.344.  The forward runs
+two FA4 calls and a merge (0.97 against 0.44 ms at 16k), the backward two FA4 backwards, which cost more than the
+gathered rows they save.  Kept as a prototype (its tests guard the merge's exactness) and not wired into the
+lowering.
 """
 
 from __future__ import annotations
