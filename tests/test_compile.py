@@ -1126,3 +1126,31 @@ def test_a_rounding_cast_of_the_logits_is_kept():
     for a, r in zip(batch.path_logprobs(out.logprobs), ref.logprobs):
         assert float((a - r).abs().max()) <= 1e-12
     assert abs(float(out.loss - ref.loss)) <= 1e-12 * abs(float(ref.loss))
+
+
+@pytest.mark.parametrize("kind", ["dense", "hybrid", "moe"])
+def test_steps_run_under_deterministic_algorithms(kind):
+    """Under ``torch.use_deterministic_algorithms(True)`` (no ``warn_only``) a compiled step runs: no op of the
+    lowered graph, ours or torch's, raises the not-deterministic error on this device (CPU; the CUDA ops are the
+    GPU keeping test's), and two steps give the same loss and gradients bit for bit."""
+    from treecompile.models import HybridConfig, HybridForCausalLM
+
+    torch.manual_seed(0)
+    model = (tiny_dense() if kind == "dense" else
+             HybridForCausalLM(HybridConfig.tiny(**({"num_experts": 4} if kind == "moe" else {}))).double())
+    vocab = model.config.vocab_size
+    batch = Tree.from_paths([[t % vocab for t in p] for p in ([1, 2, 3, 4, 5], [1, 2, 3, 6, 7, 8], [9, 10, 11])]
+                            ).to_batch()
+    tm = treecompile.compile(model)
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        steps = []
+        for _ in range(2):
+            model.zero_grad()
+            out = tm(batch)
+            out.loss.backward()
+            steps.append([out.loss.detach()] + [p.grad.clone() for p in model.parameters() if p.grad is not None])
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+    assert len(steps[0]) > 1 and all(torch.equal(x, y) for x, y in zip(*steps))
