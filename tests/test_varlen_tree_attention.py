@@ -370,9 +370,9 @@ def test_deep_trees_take_the_block_sparse_plan():
 def test_deterministic_mode_keeps_fa4_off_its_block_sparse_backward(monkeypatch):
     """Under ``torch.use_deterministic_algorithms(True)`` a batch the FA4 kernels would run block-sparse runs its
     segments where they fit (FA4's deterministic block-sparse backward needs write orders the op does not build);
-    past their bound torch's own error is raised (a warning and the block-sparse plan under ``warn_only``).  The
-    FA4 kernels are stood in for (CPU): only the choice is checked here; the GPU test of the kept K/V checks the
-    deterministic backward bit for bit."""
+    past their bound a RuntimeError is raised, as torch's non-deterministic ops raise theirs (a warning and the
+    block-sparse plan under ``warn_only``).  The FA4 kernels are stood in for (CPU): only the choice is checked
+    here; the GPU test of the kept K/V checks the deterministic backward bit for bit."""
     from treecompile.ops import fa4_tree_attention
     from treecompile.ops import varlen_tree_attention as vta
 
