@@ -110,12 +110,13 @@ BASELINES = ("eager_per_path", "compiled_per_path", "packed_flex", "compiled_per
              "compiled_per_path_fla", "packed_fla_varlen", "packed_fla_varlen_conv")
 TREE_CONTENDERS = ("tree", "tree_heavy_first", "tree_fa4_varlen", "tree_fa4_flex", "tree_conv_fla",
                    "tree_conv_shifts_inductor", "tree_head_chunked", "tree_head_kept", "tree_keys_gathered",
-                   "tree_fa4_interface", "tree_cpp_wrapper", "tree_driver_reads", "tree_deterministic", "tree_packed",
-                   "tree_rf")
+                   "tree_fa4_interface", "tree_cpp_wrapper", "tree_cudagraphs", "tree_driver_reads", "tree_deterministic",
+                   "tree_packed", "tree_rf")
 CONTENDERS = BASELINES + TREE_CONTENDERS
-# run when named only: the C++ wrapper's first step compiles for minutes (417 s on the 0.6B, session 43), and the
-# driver-reads and deterministic trees are A/Bs of one setting against ``tree``
-ON_REQUEST = ("tree_cpp_wrapper", "tree_driver_reads", "tree_deterministic")
+# run when named only: the C++ wrapper's first step compiles for minutes (417 s on the 0.6B, session 43), the CUDA
+# graphs' contender has not run on a GPU yet, and the driver-reads and deterministic trees are A/Bs of one setting
+# against ``tree``
+ON_REQUEST = ("tree_cpp_wrapper", "tree_cudagraphs", "tree_driver_reads", "tree_deterministic")
 DEFAULT_CONTENDERS = tuple(c for c in CONTENDERS if c not in ON_REQUEST)
 
 
@@ -585,6 +586,33 @@ def _with_cpp_wrapper(step: Callable) -> Callable:
     return cpp_step
 
 
+def treecompile_ops() -> list[str]:
+    """Every registered ``treecompile::`` op (``namespace::name``), the lowering's modules imported first."""
+    import treecompile.passes.lower_cuda  # noqa: F401  (imports the ops it lowers to, registering them)
+
+    return sorted(n for n in torch._C._dispatch_get_all_op_names() if n.startswith("treecompile::"))
+
+
+def _with_cudagraphs(step: Callable) -> Callable:
+    """``step`` with inductor's graphs compiled into CUDA graphs between treecompile's ops (read when a graph
+    compiles: its TreeModel's first step and a new length bucket's).  Inductor partitions each graph at every
+    ``treecompile::`` op (``custom_should_partition_ops``): those ops do host work per call (plans, FA4's launches,
+    memory decisions), which a captured graph would replay stale; inductor itself partitions at ops with
+    data-dependent sizes, CPU tensors and syncs.  What lies between (projections, norms, rotary, MLPs, their
+    backward) is captured once per length bucket and replayed, its inputs copied into the graph's own buffers where
+    they are not static.  Each step starts a new CUDA-graph generation (``cudagraph_mark_step_begin``)."""
+    import torch._inductor.config as inductor_config
+
+    ops = treecompile_ops()
+
+    def cudagraph_step():
+        torch.compiler.cudagraph_mark_step_begin()
+        with inductor_config.patch({"triton.cudagraphs": True, "graph_partition": True,
+                                    "custom_should_partition_ops": ops}):
+            return step()
+    return cudagraph_step
+
+
 def distinct_batches(make: Callable[[], list]) -> list:
     """``make()``'s batches, none of whose tensors is a tensor of another call's (CUDA batches are copied to the
     device anew by each call; CPU ones may share the tree's own tensors, so those are cloned)."""
@@ -788,11 +816,11 @@ class Steps:
         return p.ids, p.targets, p.same, document_mask(p.doc, n, self.dev)
 
     def _tree_model(self, boundary=False, layout="dfs", kernel="auto", conv="auto", head="auto", keys="auto",
-                    cpp_wrapper=False):
+                    cpp_wrapper=False, cudagraphs=False):
         import treecompile
 
-        # cpp_wrapper: a model of its own (its graphs compile under that inductor setting: tree_cpp_wrapper)
-        key = ("rf" if boundary else "tree", layout, kernel, conv, head, keys, cpp_wrapper)
+        # cpp_wrapper, cudagraphs: a model of its own (its graphs compile under that inductor setting)
+        key = ("rf" if boundary else "tree", layout, kernel, conv, head, keys, cpp_wrapper, cudagraphs)
         if key not in self.tmodels:
             self.tmodels[key] = treecompile.compile(self.model, boundary=boundary, attention_layout=layout,
                                                     attention_kernel=kernel, conv_kernel=conv, head_logits=head,
@@ -855,6 +883,13 @@ class Steps:
         (benchmarks/results/h200_s43; CUDA)."""
         return self._cuda_tree_step("inductor's cpp_wrapper", cpp_wrapper=True)
 
+    def tree_cudagraphs(self):
+        """``tree`` with inductor's graphs captured as CUDA graphs between treecompile's ops (:func:`_with_cudagraphs`):
+        whether replaying the projections, norms and MLPs of each layer removes the GPU's idle time of a host-bound
+        step (the agentic tree idled 7.6 ms of 129 ms in session 44).  A TreeModel of its own.  Written in session 44
+        without a GPU: not yet run (CUDA)."""
+        return self._cuda_tree_step("inductor's CUDA graphs", cudagraphs=True)
+
     def tree_driver_reads(self):
         """``tree`` with every memory "fit" decision reading the driver's free memory (``cudaMemGetInfo``; its
         reuse for ``ops.logprobs_kept.DRIVER_READ_S`` seconds off: what every step ran before session 43, whose
@@ -874,8 +909,9 @@ class Steps:
         return self.tree_step(**kw)
 
     def tree_step(self, layout="dfs", kernel="auto", conv="auto", head="auto", keys="auto", replay=True,
-                  cpp_wrapper=False, driver_reads=False, deterministic=False):
-        tm = self._tree_model(layout=layout, kernel=kernel, conv=conv, head=head, keys=keys, cpp_wrapper=cpp_wrapper)
+                  cpp_wrapper=False, driver_reads=False, deterministic=False, cudagraphs=False):
+        tm = self._tree_model(layout=layout, kernel=kernel, conv=conv, head=head, keys=keys, cpp_wrapper=cpp_wrapper,
+                              cudagraphs=cudagraphs)
 
         def make():
             return [self.tree.to_batch(normalize=self.cfg.normalize, device=self.dev)]
@@ -886,6 +922,8 @@ class Steps:
             step = _without_fa4_replay(step)
         if cpp_wrapper:
             step = _with_cpp_wrapper(step)
+        if cudagraphs:
+            step = _with_cudagraphs(step)
         if driver_reads:
             step = _with_driver_reads(step)
         if deterministic:

@@ -110,6 +110,35 @@ def test_deterministic_contender_sets_the_mode_only_while_its_step_runs(monkeypa
     assert fills == [False] and torch.utils.deterministic.fill_uninitialized_memory
 
 
+def test_cudagraphs_contender_partitions_at_every_treecompile_op_only_while_its_step_runs():
+    """``tree_cudagraphs``'s step compiles under inductor's CUDA graphs with the graphs partitioned at every
+    registered ``treecompile::`` op (their host work must run each call, never replayed from a capture), and leaves
+    inductor's settings as it found them, also when the step raises; it runs when named only."""
+    import torch._inductor.config as inductor_config
+
+    from benchmarks import harness
+
+    ops = harness.treecompile_ops()
+    assert {"treecompile::tree_attention_varlen_fwd", "treecompile::tree_attention_varlen_bwd",
+            "treecompile::linear_logprobs_kept", "treecompile::materialize"} <= set(ops)
+    assert all(n.startswith("treecompile::") for n in ops)
+    before = (inductor_config.triton.cudagraphs, inductor_config.graph_partition,
+              list(inductor_config.custom_should_partition_ops))
+    seen = []
+    step = harness._with_cudagraphs(lambda: seen.append(
+        (inductor_config.triton.cudagraphs, inductor_config.graph_partition,
+         list(inductor_config.custom_should_partition_ops))) or 3)
+    assert step() == 3 and seen == [(True, True, ops)]
+    assert (inductor_config.triton.cudagraphs, inductor_config.graph_partition,
+            list(inductor_config.custom_should_partition_ops)) == before
+
+    def boom():
+        raise RuntimeError("boom")
+    with pytest.raises(RuntimeError, match="boom"):
+        harness._with_cudagraphs(boom)()
+    assert inductor_config.triton.cudagraphs == before[0] and "tree_cudagraphs" in harness.ON_REQUEST
+
+
 def test_agentic_think_dropping_and_fanout_make_the_expected_tree():
     spec = AgenticSpec("t", prompt=20, turns=3, think=10, action=4, observation=6, fanout=2, fanout_turns=(0,),
                        drift_prob=0.0, vocab=500, seed=0)
@@ -598,5 +627,5 @@ def test_cuda_tree_contenders_pass_options_that_tree_step_takes(monkeypatch):
     for name in names:
         getattr(steps, name)()
     assert {"keys": "gathered"} in seen and {"replay": False} in seen and {"cpp_wrapper": True} in seen
-    assert {"driver_reads": True} in seen
+    assert {"driver_reads": True} in seen and {"cudagraphs": True} in seen and {"deterministic": True} in seen
     assert len(seen) == len(names)
