@@ -685,6 +685,48 @@ def test_compiled_model_with_fa4_varlen_matches_flex():
     assert tms["flex"].program._cuda.lowering.attention_varlen == 0
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpu_reason() is not None, reason=str(_gpu_reason()))
+def test_cudagraphs_contender_replays_without_stale_host_work():
+    """The harness's ``tree_cudagraphs`` setting (inductor's CUDA graphs, partitioned at every treecompile op): two
+    trees of the same length and different shapes, alternated over three steps each, give what the plain compiled
+    model gives (loss to 1e-2, log-probs and gradients to cosine 0.999, the bar of the flex comparison above; a
+    replay with the other tree's plans would miss it), and inductor skipped no graph.  (Session 44 wrote it without
+    a GPU: the first run tells whether torch 2.11's inductor partitions and captures these graphs.)"""
+    import treecompile
+    from benchmarks import harness
+    from torch._dynamo.utils import counters
+    from treecompile.models import DenseConfig, DenseForCausalLM
+
+    torch.manual_seed(0)
+    cfg = DenseConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=128)
+    model = DenseForCausalLM(cfg).cuda().to(torch.bfloat16)
+    r = lambda a, b: list(range(a, b))  # noqa: E731
+    trees = [Tree.from_paths([r(0, 100), r(0, 50) + r(100, 150)]),  # 150 tokens each, different branch points
+             Tree.from_paths([r(0, 60), r(0, 20) + r(60, 100), r(0, 10) + r(100, 150)])]
+    batches = [t.to_batch(device="cuda") for t in trees]
+    assert batches[0].seq_len == batches[1].seq_len
+
+    def run(tm, batch):
+        model.zero_grad()
+        out = tm(batch)
+        out.loss.backward()
+        return (out.loss.detach().float().clone(), out.logprobs.detach().float().clone(),
+                torch.cat([p.grad.flatten().float() for p in model.parameters()]))
+
+    plain, graphed = treecompile.compile(model), treecompile.compile(model)
+    counters["inductor"].clear()
+    for step in range(6):
+        b = batches[step % 2]
+        want = run(plain, b)
+        got = harness._with_cudagraphs(lambda: run(graphed, b))()
+        assert abs(float(got[0] - want[0])) <= 1e-2 * abs(float(want[0])), step
+        for x, y in zip(got[1:], want[1:]):
+            assert float(torch.nn.functional.cosine_similarity(x.flatten(), y.flatten(), 0)) > 0.999, step
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+
+
 # ---------------------------------------------------------------------------- the tile cost model's varlen rows
 @pytest.mark.parametrize("name", ["forest", "one_token_nodes", "prefix_of_other", "single_path"])
 def test_varlen_tile_counts_equal_brute_force(name, monkeypatch):
