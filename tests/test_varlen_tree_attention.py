@@ -691,7 +691,8 @@ def test_cudagraphs_contender_replays_without_stale_host_work():
     """The harness's ``tree_cudagraphs`` setting (inductor's CUDA graphs, partitioned at every treecompile op): two
     trees of the same length and different shapes, alternated over three steps each, give what the plain compiled
     model gives (loss to 1e-2, log-probs and gradients to cosine 0.999, the bar of the flex comparison above; a
-    replay with the other tree's plans would miss it), and inductor skipped no graph.  (Session 44 wrote it without
+    replay with the other tree's plans would miss it), so do steps that accumulate both trees' gradients, and
+    inductor skipped no graph.  (Session 44 wrote it without
     a GPU: the first run tells whether torch 2.11's inductor partitions and captures these graphs.)"""
     import treecompile
     from benchmarks import harness
@@ -715,15 +716,27 @@ def test_cudagraphs_contender_replays_without_stale_host_work():
         return (out.loss.detach().float().clone(), out.logprobs.detach().float().clone(),
                 torch.cat([p.grad.flatten().float() for p in model.parameters()]))
 
+    def accumulate(tm):  # one step of two micro-batches: the second backward adds into the first's .grad
+        model.zero_grad()
+        for b in batches:
+            tm(b).loss.backward()
+        return torch.cat([p.grad.flatten().float() for p in model.parameters()])
+
+    def close(got, want, step):
+        assert abs(float(got[0] - want[0])) <= 1e-2 * abs(float(want[0])), step
+        for x, y in zip(got[1:], want[1:]):
+            assert float(torch.nn.functional.cosine_similarity(x.flatten(), y.flatten(), 0)) > 0.999, step
+
     plain, graphed = treecompile.compile(model), treecompile.compile(model)
     counters["inductor"].clear()
     for step in range(6):
         b = batches[step % 2]
-        want = run(plain, b)
-        got = harness._with_cudagraphs(lambda: run(graphed, b))()
-        assert abs(float(got[0] - want[0])) <= 1e-2 * abs(float(want[0])), step
-        for x, y in zip(got[1:], want[1:]):
-            assert float(torch.nn.functional.cosine_similarity(x.flatten(), y.flatten(), 0)) > 0.999, step
+        close(harness._with_cudagraphs(lambda: run(graphed, b))(), run(plain, b), step)
+    # gradient accumulation: a replay's gradient outputs become .grad, which the next micro-batch adds into
+    for step in range(2):
+        want = accumulate(plain)
+        got = harness._with_cudagraphs(lambda: accumulate(graphed))()
+        assert float(torch.nn.functional.cosine_similarity(got, want, 0)) > 0.999, f"accumulated, step {step}"
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
 
 
