@@ -317,6 +317,41 @@ def test_bad_subtree_end_is_named():
         segment_plan(torch.tensor([[1]]))
 
 
+@settings(max_examples=60, deadline=None)
+@given(path_sets(max_paths=10, max_len=12), st.sampled_from([None, 8, 13]), st.integers(0, 2 ** 31 - 1))
+def test_walk_cuts_are_the_same_searched_per_segment_or_at_once(paths, pad_to, seed):
+    """The walk's parent cuts (how many of a parent segment's tokens see a child segment's start) from one binary
+    search per child segment or one over all tokens (``BATCHED_CUTS_TOKENS``) are the same on any forest, padded or
+    not; on a ``subtree_end`` made non-nested by one changed entry both ways are refused naming a token."""
+    from unittest import mock
+
+    from treecompile.ops import varlen_tree_attention as vta
+
+    se = _batch(paths, pad_to).subtree_end
+    walks = []
+    for tokens in (0, 10 ** 9):  # every walk batched, every walk per segment
+        with mock.patch.object(vta, "BATCHED_CUTS_TOKENS", tokens):
+            w = vta._walk(se)
+            walks.append((w.starts, w.parents, w.prefix_len, w.n_main, w.gathered))
+    assert walks[0] == walks[1]
+    # one entry moved to a wrong subtree end inside the bounds: refused (not nested) or still a forest, either way
+    # the same verdict and the same plan whichever search ran
+    g = torch.Generator().manual_seed(seed)
+    T = se.numel()
+    bad = se.clone()
+    t = int(torch.randint(T, (1,), generator=g))
+    bad[t] = int(torch.randint(t + 1, T + 1, (1,), generator=g))
+    verdicts = []
+    for tokens in (0, 10 ** 9):
+        with mock.patch.object(vta, "BATCHED_CUTS_TOKENS", tokens):
+            try:
+                p = vta.tree_attention_plan(bad.clone(), block_sparse=False)
+                verdicts.append(("plan", p.gathered, p.cu_seqlens_k.tolist()))
+            except ValueError as e:
+                verdicts.append(("refused", "forest" in str(e) or "token" in str(e)))
+    assert verdicts[0] == verdicts[1] and verdicts[0] != ("refused", False), verdicts
+
+
 def test_a_comb_is_refused_with_its_gather_size(monkeypatch):
     from treecompile.ops import varlen_tree_attention as vta
 

@@ -199,29 +199,28 @@ def _walk(subtree_end: Tensor) -> _Walk:
         t = int(bad[0])
         raise ValueError(f"subtree_end[{t}] = {int(se[t])}: expected {t} < subtree_end[t] <= {T} (token {t} must "
                          f"see itself and the sequence has {T} tokens)")
-    starts = torch.nonzero(torch.cat([torch.ones(1, dtype=torch.bool), se[:-1] <= pos[1:]])).flatten()
+    is_start = torch.cat([torch.ones(1, dtype=torch.bool), se[:-1] <= pos[1:]])
+    starts = torch.nonzero(is_start).flatten()
     ends = torch.cat([starts[1:], torch.tensor([T])])
-    neg = (-se).contiguous()  # non-decreasing inside a segment (nested subtrees): searchsorted applies
     starts_l, ends_l = starts.tolist(), ends.tolist()
     se_start = se.index_select(0, starts).tolist()  # each segment's first token's subtree end
-    # each segment's parent (the open ancestor segment, and how many of its tokens it sees) and prefix length,
-    # from a stack of the open ancestor segments: O(segments), before any key row is laid out
-    parents: list[tuple[int, int] | None] = []
-    prefix_len: list[int] = []
+    # each segment's parent segment (the open ancestor segment), from a stack of the open ancestor segments:
+    # O(segments), before any key row is laid out
+    parent_seg: list[int] = []  # -1: a root segment
     stack: list[int] = []  # segment indices
-    for a in starts_l:
+    for j, a in enumerate(starts_l):
         while stack and se_start[stack[-1]] <= a:
             stack.pop()
-        if stack:
-            i = stack[-1]
-            a2, b2 = starts_l[i], ends_l[i]
-            p = a2 + int(torch.searchsorted(neg[a2:b2], -a))  # the tokens of segment i that see a
-            parents.append((i, p))
-            prefix_len.append(prefix_len[i] + p - a2)
-        else:
-            parents.append(None)
-            prefix_len.append(0)
-        stack.append(len(parents) - 1)
+        parent_seg.append(stack[-1] if stack else -1)
+        stack.append(j)
+    # then how many of its parent segment's tokens each segment's start sees, and its prefix length
+    child = [j for j, i in enumerate(parent_seg) if i >= 0]
+    parents: list[tuple[int, int] | None] = [None] * len(starts_l)
+    prefix_len: list[int] = [0] * len(starts_l)
+    for j, p in zip(child, _parent_cuts(se, is_start, starts_l, ends_l, parent_seg, child)):
+        i = parent_seg[j]  # parents come before their children: their prefix lengths are known
+        parents[j] = (i, p)
+        prefix_len[j] = prefix_len[i] + p - starts_l[i]
     # the trailing tokens that see only themselves (no prefix, one token): not for the kernel
     n_main = len(starts_l)
     while n_main and parents[n_main - 1] is None and ends_l[n_main - 1] - starts_l[n_main - 1] == 1:
@@ -230,6 +229,35 @@ def _walk(subtree_end: Tensor) -> _Walk:
     G = sum(prefix_len[:n_main]) + tail  # the key rows the segments gather
     return _Walk(se=se, starts=starts_l, ends=ends_l, parents=parents, prefix_len=prefix_len, n_main=n_main,
                  tail=tail, gathered=G)
+
+
+# _parent_cuts: one binary search over all tokens (an O(T) key, ~5 ns a token on one CPU thread) rather than one
+# per child segment (~4 us each) from this many tokens per child segment on: a wide tree's few branches keep the
+# searches (64 at 64k tokens: 0.1 ms less), a deep tree's hundreds share one (800 at 19k tokens: the walk 2.7 ->
+# 0.75 ms; benchmarks/results/cpu_s44/walk.txt)
+BATCHED_CUTS_TOKENS = 750
+
+
+def _parent_cuts(se: Tensor, is_start: Tensor, starts: list, ends: list, parent_seg: list, child: list) -> list:
+    """For each segment ``j`` in ``child``, with parent segment ``i = parent_seg[j]`` and first token ``a``: the end
+    of the run of ``i``'s tokens that see ``a`` (their subtrees reach past it).  Subtree ends do not increase inside
+    a segment (nested subtrees), so that is the first of ``i``'s tokens whose subtree ends by ``a``: a binary search
+    of ``-subtree_end`` inside segment ``i``, or, for many child segments, one over all tokens with the keys
+    ``(segment index) * (T + 1) - subtree_end``, which increase along the tokens, ``i * (T + 1) - a`` falling among
+    segment ``i``'s.  Clamped into ``[start, end]`` of ``i``: a non-nested ``subtree_end`` leaves the keys unsorted,
+    and the plan's check refuses it naming the token."""
+    T = se.numel()
+    if not child:
+        return []
+    if len(child) * BATCHED_CUTS_TOKENS > T:
+        keys = (is_start.cumsum(0) - 1).mul_(T + 1).sub_(se)
+        query = torch.tensor([parent_seg[j] * (T + 1) - starts[j] for j in child], dtype=torch.int64)
+        cuts = torch.searchsorted(keys, query).tolist()
+    else:
+        neg = (-se).contiguous()
+        cuts = [starts[i] + int(torch.searchsorted(neg[starts[i]:ends[i]], -starts[j]))
+                for j, i in ((j, parent_seg[j]) for j in child)]
+    return [min(max(p, starts[parent_seg[j]]), ends[parent_seg[j]]) for j, p in zip(child, cuts)]
 
 
 _WALKS = LastBatch()  # the last batch's walk: TreeProgram's segments_fit and the op's plan read the same one
