@@ -146,8 +146,10 @@ MAX_GATHER_ROWS = 1 << 16
 # ops/key_copies.py (benchmarks/results/h100_s20/attn_limit): G = 2.0x T (64 x 2,048 POR 0.5): segments
 # 7.8-7.9 ms (the baselines' attention over the paths: 10.9); 4.0x T (32 x 2,048 POR 0.75): segments 2.85 vs
 # block-sparse 3.22 ms; 19.6x T (agentic deep-16k): 10.50 vs 6.65 ms.  The time ratio crosses 1 near 6.7x T
-# (linear between those two points; no tree in between was measured): 6.  (Before, with index_add_ sums, the
-# segments lost from 4x T on: session 15, limit 3.)  G ~ path tokens on wide trees, i.e. T / (1 - POR).
+# (linear between those two points): 6.  A point in between, on one H200 (session 44, benchmarks/results/h200_s44/
+# attn): 8.5x T (agentic deep-agent), segments 7.51 vs block-sparse 6.34 ms: the limit is on the right side there.
+# (Before, with index_add_ sums, the segments lost from 4x T on: session 15, limit 3.)  G ~ path tokens on wide
+# trees, i.e. T / (1 - POR).
 VARLEN_GATHER_LIMIT = 6.0
 
 
