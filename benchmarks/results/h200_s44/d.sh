@@ -1,12 +1,20 @@
 # session 44 device calls (one H200 per lease): session 43's modes, run one after another
 #   bash d.sh seq "MODE ARGS" "MODE ARGS" ...   each quoted command through h200_s43/d.sh, in order
 #   bash d.sh MODE ...                          any other mode: h200_s43/d.sh MODE ... (install, gpu43, attn43, prof)
-# Left for session 45 (written after this session's leases): the CUDA graphs' contender, with inductor's log of what
-# it captured and where it partitioned,
-#   TORCH_LOGS=cudagraphs,perf_hints bash d.sh prof k45_cg 560 --model qwen3-0.6b --agentic parallel-tools \
-#     --contenders tree tree_cudagraphs --iters 10
+#   bash d.sh cg45                              left for session 45 (written after this session's leases): the CUDA
+#                                               graphs' GPU test ($OUT/cg45_test.txt), then, only if it passed, the
+#                                               contender against `tree` on the agentic tree with inductor's log of
+#                                               what it captured and where it partitioned ($OUT/k45_cg.txt)
 mode=$1
-if [ "$mode" = seq ]; then
+if [ "$mode" = cg45 ]; then
+  source benchmarks/results/h100_s18/pre.sh
+  timeout ${T:-200} python -m pytest -m gpu -q -p no:cacheprovider tests/test_varlen_tree_attention.py -k cudagraphs \
+    -W ignore 2>&1 | tee $OUT/cg45_test.txt | tail -25
+  if grep -q " passed" $OUT/cg45_test.txt && ! grep -q "failed" $OUT/cg45_test.txt; then
+    TORCH_LOGS=cudagraphs,perf_hints bash benchmarks/results/h200_s40/d.sh prof k45_cg ${T2:-380} --model qwen3-0.6b \
+      --agentic parallel-tools --contenders tree tree_cudagraphs --iters 10
+  fi
+elif [ "$mode" = seq ]; then
   shift
   for c in "$@"; do echo "=== $c"; bash benchmarks/results/h200_s43/d.sh $c; done
 else
