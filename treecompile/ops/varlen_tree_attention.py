@@ -39,8 +39,9 @@ the dQ, and for GQA the dK/dV, accumulations; the key copies' sums have a fixed 
 gradients repeat bit for bit.  FA4's deterministic block-sparse backward needs write orders this op does not
 build, so in that mode a batch whose segments fit (:func:`segments_fit`) runs the segments whatever their gather;
 one past their bound raises a RuntimeError naming the cause, as torch's own non-deterministic ops do (a warning
-under ``warn_only=True``, and the block-sparse plan runs).  ``attention_kernel="flex"`` runs such trees deterministically on Hopper (flex's Triton
-backward has no atomics; torch refuses determinism to FA4 block-sparse below sm100 as well).
+under ``warn_only=True``, and the block-sparse plan runs).  ``attention_kernel="flex"`` runs such trees
+deterministically on Hopper (flex's Triton backward has no atomics; torch refuses determinism to FA4 block-sparse
+below sm100 as well).
 
 ``treecompile::tree_attention_varlen_windowed_fwd`` is the same op under a sliding window of W tokens along each
 path (``tree_attention_windowed``'s): each segment keeps only the last ``W - 1`` rows of its path prefix and the
