@@ -110,8 +110,8 @@ BASELINES = ("eager_per_path", "compiled_per_path", "packed_flex", "compiled_per
              "compiled_per_path_fla", "packed_fla_varlen", "packed_fla_varlen_conv")
 TREE_CONTENDERS = ("tree", "tree_heavy_first", "tree_fa4_varlen", "tree_fa4_flex", "tree_conv_fla",
                    "tree_conv_shifts_inductor", "tree_head_chunked", "tree_head_kept", "tree_keys_gathered",
-                   "tree_fa4_interface", "tree_cpp_wrapper", "tree_cudagraphs", "tree_driver_reads", "tree_deterministic",
-                   "tree_packed", "tree_rf")
+                   "tree_fa4_interface", "tree_cpp_wrapper", "tree_cudagraphs", "tree_driver_reads",
+                   "tree_deterministic", "tree_packed", "tree_rf")
 CONTENDERS = BASELINES + TREE_CONTENDERS
 # run when named only: the C++ wrapper's first step compiles for minutes (417 s on the 0.6B, session 43), the CUDA
 # graphs' contender has not run on a GPU yet, and the driver-reads and deterministic trees are A/Bs of one setting
