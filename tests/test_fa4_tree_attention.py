@@ -204,3 +204,20 @@ def test_fa4_mask_end_pads_to_whole_kv_blocks_with_unseen_columns():
     got = fa4_mask_end(se, 4)
     assert got.dtype == torch.int32 and got.tolist() == [3, 2, 3, 4, 5, 0, 0, 0]  # 0: no query sees a pad column
     assert fa4_mask_end(se[:4], 4).tolist() == [3, 2, 3, 4]  # already whole blocks
+
+
+def test_direct_call_refuses_deterministic_mode():
+    """``tree_attention_fa4_direct``'s backward sums by atomics: under ``torch.use_deterministic_algorithms(True)``
+    it raises before any kernel (no FA4 needed to see it), and warns under ``warn_only=True``."""
+    b = Tree.from_paths([[1, 2, 3], [1, 4]]).to_batch()
+    q = torch.zeros(1, 2, b.seq_len, 8)
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    try:
+        torch.use_deterministic_algorithms(True)
+        with pytest.raises(RuntimeError, match="not deterministic.*tree_attention_varlen"):
+            fa4.tree_attention_fa4_direct(q, q, q, b.subtree_end, None)
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        with pytest.warns(UserWarning, match="warn_only=True"), pytest.raises(Exception):
+            fa4.tree_attention_fa4_direct(q, q, q, b.subtree_end, None)  # then fails on the missing block mask
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])

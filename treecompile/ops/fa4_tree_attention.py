@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import math
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -178,8 +179,18 @@ def tree_attention_fa4_direct(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """``flash_attn.cute.flash_attn_func`` with the CuTe tree mask_mod; ``[B, H, T, D]`` (autograd native).
 
     ``subtree_end [T]`` as given to :func:`tree_block_mask`; ``block_sparse`` = the result of
-    :func:`fa4_block_sparse_tensors` (built here when None).  GQA is native (``Hkv`` divides ``H``).
+    :func:`fa4_block_sparse_tensors` (built here when None).  GQA is native (``Hkv`` divides ``H``).  Its backward
+    sums by atomics (FA4's deterministic block-sparse backward needs dQ write orders not built here): under
+    ``torch.use_deterministic_algorithms(True)`` it raises, or warns under ``warn_only=True``.
     """
+    if torch.are_deterministic_algorithms_enabled():
+        msg = ("tree_attention_fa4_direct: FA4's block-sparse backward is not deterministic here (its deterministic "
+               "form needs dQ write orders), but torch.use_deterministic_algorithms(True) is set; "
+               "treecompile.ops.varlen_tree_attention.tree_attention_varlen runs the tree's segments "
+               "deterministically")
+        if not torch.is_deterministic_algorithms_warn_only_enabled():
+            raise RuntimeError(msg)
+        warnings.warn(msg + " (warn_only=True: running the non-deterministic backward)", stacklevel=2)
     from flash_attn.cute import flash_attn_func
 
     _check(q, k, v, block_mask, enable_gqa=True)
