@@ -86,6 +86,18 @@ def reference_noise(model, paths, masks, weights, batch, ref, params, g_ref, *, 
     return g_noise, loss_noise
 
 
+@contextlib.contextmanager
+def deterministic_algorithms(enabled: bool = True, warn_only: bool = False):
+    """``torch.use_deterministic_algorithms(enabled, warn_only=warn_only)`` inside the block; the setting found
+    before it is put back after, also when the block raises."""
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
 # ------------------------------------------------------------------ compiled models, captured once per process
 _CACHE: dict = {}  # key -> {"model": the pristine model, "rng": RNG state after building it, "tms": {options: TreeModel}}
 _ORIGIN: dict = {}  # id(handed-out model) -> (key, the model itself: keeps the id from being reused)

@@ -16,7 +16,8 @@ from treecompile import NORMALIZATIONS, Tree, frontend, reference
 from treecompile.models import DenseConfig, DenseForCausalLM
 from treecompile.frontend import CaptureError
 from treecompile.passes import UnsupportedModelError
-from helpers import cached_compile, cached_model, capture_once, flat_grads, reference_noise, rel, tiny_dense
+from helpers import (cached_compile, cached_model, capture_once, deterministic_algorithms, flat_grads,
+                     reference_noise, rel, tiny_dense)
 from mixer_models import ShiftMaskedPast, ShiftMaskedPastFloat
 from strategies import ODD_TREES, weighted_path_sets
 
@@ -1142,15 +1143,11 @@ def test_steps_run_under_deterministic_algorithms(kind):
     batch = Tree.from_paths([[t % vocab for t in p] for p in ([1, 2, 3, 4, 5], [1, 2, 3, 6, 7, 8], [9, 10, 11])]
                             ).to_batch()
     tm = treecompile.compile(model)
-    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        steps = []
+    steps = []
+    with deterministic_algorithms(True):
         for _ in range(2):
             model.zero_grad()
             out = tm(batch)
             out.loss.backward()
             steps.append([out.loss.detach()] + [p.grad.clone() for p in model.parameters() if p.grad is not None])
-    finally:
-        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
     assert len(steps[0]) > 1 and all(torch.equal(x, y) for x, y in zip(*steps))

@@ -14,6 +14,7 @@ import random
 import pytest
 import torch
 
+from tests.helpers import deterministic_algorithms
 from tests.strategies import ODD_TREES
 from tests.test_flex_tree_attention import ancestor_mask, check_block_mask, dense_sdpa, out_and_grads, rel_err
 import treecompile
@@ -211,13 +212,8 @@ def test_direct_call_refuses_deterministic_mode():
     it raises before any kernel (no FA4 needed to see it), and warns under ``warn_only=True``."""
     b = Tree.from_paths([[1, 2, 3], [1, 4]]).to_batch()
     q = torch.zeros(1, 2, b.seq_len, 8)
-    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    try:
-        torch.use_deterministic_algorithms(True)
-        with pytest.raises(RuntimeError, match="not deterministic.*tree_attention_varlen"):
-            fa4.tree_attention_fa4_direct(q, q, q, b.subtree_end, None)
-        torch.use_deterministic_algorithms(True, warn_only=True)
-        with pytest.warns(UserWarning, match="warn_only=True"), pytest.raises(Exception):
-            fa4.tree_attention_fa4_direct(q, q, q, b.subtree_end, None)  # then fails on the missing block mask
-    finally:
-        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+    with deterministic_algorithms(True), pytest.raises(RuntimeError, match="not deterministic.*tree_attention_varlen"):
+        fa4.tree_attention_fa4_direct(q, q, q, b.subtree_end, None)
+    with deterministic_algorithms(True, warn_only=True), pytest.warns(UserWarning, match="warn_only=True"), \
+            pytest.raises(Exception):
+        fa4.tree_attention_fa4_direct(q, q, q, b.subtree_end, None)  # then fails on the missing block mask

@@ -18,7 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.helpers import run_interpreted
+from tests.helpers import deterministic_algorithms, run_interpreted
 from tests.strategies import ODD_TREES, path_sets
 from tests.test_fa4_tree_attention import assert_bf16_tree_kernel_near_oracle, forest_paths
 from tests.test_flex_tree_attention import ancestor_mask, out_and_grads
@@ -416,22 +416,18 @@ def test_deterministic_mode_keeps_fa4_off_its_block_sparse_backward(monkeypatch)
     q = torch.empty(1, 4, 1, 8)
     deep = _batch(_deep_paths(levels=24), 16).subtree_end
     assert segment_plan(deep).gathered > vta.VARLEN_GATHER_LIMIT * deep.numel()
-    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    try:
-        torch.use_deterministic_algorithms(True)
+    with deterministic_algorithms(True):
         assert isinstance(vta._plan(deep, q), vta.SegmentPlan)
-        torch.use_deterministic_algorithms(False)
+    with deterministic_algorithms(False):
         assert isinstance(vta._plan(deep, q), vta.BlockSparsePlan)  # the same tensor: the plan follows the mode
-        monkeypatch.setattr(vta, "MAX_GATHER_FACTOR", 2)  # the deep tree's segments past their bound
-        monkeypatch.setattr(vta, "MAX_GATHER_ROWS", 0)
-        torch.use_deterministic_algorithms(True)
-        with pytest.raises(RuntimeError, match="segments_fit.*not deterministic.*attention_kernel='flex'"):
-            vta._plan(deep.clone(), q)
-        torch.use_deterministic_algorithms(True, warn_only=True)
-        with pytest.warns(UserWarning, match="warn_only=True: running the non-deterministic backward"):
-            assert isinstance(vta._plan(deep.clone(), q), vta.BlockSparsePlan)
-    finally:
-        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+    monkeypatch.setattr(vta, "MAX_GATHER_FACTOR", 2)  # the deep tree's segments past their bound
+    monkeypatch.setattr(vta, "MAX_GATHER_ROWS", 0)
+    with deterministic_algorithms(True), \
+            pytest.raises(RuntimeError, match="segments_fit.*not deterministic.*attention_kernel='flex'"):
+        vta._plan(deep.clone(), q)
+    with deterministic_algorithms(True, warn_only=True), \
+            pytest.warns(UserWarning, match="warn_only=True: running the non-deterministic backward"):
+        assert isinstance(vta._plan(deep.clone(), q), vta.BlockSparsePlan)
 
 
 @settings(max_examples=40, deadline=None)
@@ -747,14 +743,10 @@ def test_deterministic_mode_runs_a_deep_tree_on_its_segments_bit_for_bit(monkeyp
         return [out.loss.detach().float()] + [p.grad.flatten().float() for p in model.parameters()]
 
     default = step()
-    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
+    with deterministic_algorithms(True):
         runs = [step(), step()]
         q = torch.empty(1, cfg.num_attention_heads, 1, cfg.head_dim, device="cuda", dtype=torch.bfloat16)
         assert isinstance(vta._plan(batch.subtree_end, q), vta.SegmentPlan)
-    finally:
-        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
     assert all(torch.equal(x, y) for x, y in zip(*runs))
     assert abs(float(runs[0][0] - default[0])) <= 1e-2 * abs(float(default[0]))
     g, g0 = torch.cat(runs[0][1:]), torch.cat(default[1:])
@@ -1650,9 +1642,7 @@ def test_compiled_steps_keeping_the_gathered_rows_equal_gathering_them_again(mon
                             ).to_batch(device="cuda")
     gathers = _count_gathers(monkeypatch)
     runs = {}
-    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
+    with deterministic_algorithms(True):
         for mode in ("gathered", "kept", "auto"):
             tm = treecompile.compile(model, attention_keys=mode)
             steps = []
@@ -1666,8 +1656,6 @@ def test_compiled_steps_keeping_the_gathered_rows_equal_gathering_them_again(mon
             same = [torch.equal(x, y) for x, y in zip(*steps)]
             assert all(same), (mode, "steps differ", [i for i, ok in enumerate(same) if not ok])
             runs[mode] = (steps[1], len(gathers), vta.pop_last_keys_fit())
-    finally:
-        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
     assert runs["gathered"][1] == 2 * cfg.num_hidden_layers and runs["kept"][1] == cfg.num_hidden_layers
     fit = runs["auto"][2]
     assert fit is not None and fit.keep and fit.layers == cfg.num_hidden_layers and fit.per_layer > 0, fit

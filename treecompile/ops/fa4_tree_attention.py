@@ -173,6 +173,21 @@ def cute_tree_mask():
     return tree_mask
 
 
+def refuse_block_sparse_backward_if_deterministic(caller: str, instead: str) -> None:
+    """Under ``torch.use_deterministic_algorithms(True)``, refuse a backward through FA4's block-sparse kernels, as
+    torch's own non-deterministic ops are refused: RuntimeError naming ``caller`` and what to run ``instead``, or
+    under ``warn_only=True`` a warning, and the caller runs it.  Their backward sums dQ by atomics; the
+    deterministic form needs dQ write orders that treecompile does not build (and torch allows it only on sm100+
+    for flex's FLASH backend).  Nothing outside that mode."""
+    if not torch.are_deterministic_algorithms_enabled():
+        return
+    msg = (f"{caller}: FA4's block-sparse backward is not deterministic here (its deterministic form needs dQ write "
+           f"orders), but torch.use_deterministic_algorithms(True) is set; {instead}")
+    if not torch.is_deterministic_algorithms_warn_only_enabled():
+        raise RuntimeError(msg)
+    warnings.warn(msg + " (warn_only=True: running the non-deterministic backward)", stacklevel=3)
+
+
 def tree_attention_fa4_direct(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, subtree_end: torch.Tensor,
                               block_mask: BlockMask, *, scale: float | None = None,
                               block_sparse=None) -> torch.Tensor:
@@ -183,14 +198,9 @@ def tree_attention_fa4_direct(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     sums by atomics (FA4's deterministic block-sparse backward needs dQ write orders not built here): under
     ``torch.use_deterministic_algorithms(True)`` it raises, or warns under ``warn_only=True``.
     """
-    if torch.are_deterministic_algorithms_enabled():
-        msg = ("tree_attention_fa4_direct: FA4's block-sparse backward is not deterministic here (its deterministic "
-               "form needs dQ write orders), but torch.use_deterministic_algorithms(True) is set; "
-               "treecompile.ops.varlen_tree_attention.tree_attention_varlen runs the tree's segments "
-               "deterministically")
-        if not torch.is_deterministic_algorithms_warn_only_enabled():
-            raise RuntimeError(msg)
-        warnings.warn(msg + " (warn_only=True: running the non-deterministic backward)", stacklevel=2)
+    refuse_block_sparse_backward_if_deterministic(
+        "tree_attention_fa4_direct", "treecompile.ops.varlen_tree_attention.tree_attention_varlen runs the tree's "
+        "segments deterministically")
     from flash_attn.cute import flash_attn_func
 
     _check(q, k, v, block_mask, enable_gqa=True)

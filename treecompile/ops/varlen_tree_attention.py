@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import math
 import threading
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -534,22 +533,18 @@ _PLANS = LastBatch()
 def _plan(subtree_end: Tensor, q: Tensor) -> SegmentPlan | BlockSparsePlan:
     """The batch's plan, kept per ``subtree_end`` tensor.  Off the FA4 kernels (the reference) both plans are
     possible; on them the block-sparse one needs what FA4 tree attention takes (head dim 64/128)."""
-    from .fa4_tree_attention import fa4_input_reason
+    from .fa4_tree_attention import fa4_input_reason, refuse_block_sparse_backward_if_deterministic
 
-    block_sparse = not _fa4(q) or fa4_input_reason(q) is None
-    if block_sparse and _fa4(q) and torch.are_deterministic_algorithms_enabled():
-        # FA4's deterministic block-sparse backward needs dQ write orders not built here: the segments, which take
-        # the deterministic backward as they are, wherever they fit
+    fa4 = _fa4(q)
+    block_sparse = not fa4 or fa4_input_reason(q) is None
+    if block_sparse and fa4 and torch.are_deterministic_algorithms_enabled():
+        # the segments take FA4's deterministic backward as they are: they run wherever they fit; past their bound
+        # the block-sparse plan is refused (or, under warn_only, runs)
         block_sparse = not segments_fit(subtree_end)
-        if block_sparse:  # raises, or warns under warn_only=True and runs the block-sparse plan, as torch's ops do
-            msg = ("tree_attention_varlen: this batch's segments would gather past their bound (segments_fit: "
-                   f"{MAX_GATHER_FACTOR} x its tokens), so its backward is FA4's block-sparse one, which is not "
-                   "deterministic here (its deterministic form needs dQ write orders), but "
-                   "torch.use_deterministic_algorithms(True) is set; attention_kernel='flex' runs such trees "
-                   "deterministically")
-            if not torch.is_deterministic_algorithms_warn_only_enabled():
-                raise RuntimeError(msg)
-            warnings.warn(msg + " (warn_only=True: running the non-deterministic backward)", stacklevel=2)
+        if block_sparse:
+            refuse_block_sparse_backward_if_deterministic(
+                "tree_attention_varlen: this batch's segments would gather past their bound (segments_fit: "
+                f"{MAX_GATHER_FACTOR} x its tokens)", "attention_kernel='flex' runs such trees deterministically")
     return _PLANS.get((subtree_end,), block_sparse, lambda: _build_plan(subtree_end, block_sparse))
 
 
