@@ -1,0 +1,16 @@
+# session 45 device calls (one H200 per lease): session 44's modes, and the runs session 44 left
+#   bash d.sh cgtest          the CUDA graphs' and the deep tree's deterministic GPU tests ($OUT/cg45_test.txt)
+#   bash d.sh cgprof          prof_step of `tree` against `tree_cudagraphs` on the agentic tree, with inductor's log
+#                             of what it captured and where it partitioned ($OUT/k45_cg.txt)
+#   bash d.sh MODE ...        any other mode: h200_s44/d.sh MODE ... (install, seq, gpu43, attn43, prof)
+mode=$1
+if [ "$mode" = cgtest ]; then
+  source benchmarks/results/h100_s18/pre.sh
+  timeout ${T:-240} python -m pytest -m gpu -v -p no:cacheprovider tests/test_varlen_tree_attention.py \
+    -k "cudagraphs or deep_tree_on_its_segments" -W ignore 2>&1 | tee $OUT/cg45_test.txt | tail -40
+elif [ "$mode" = cgprof ]; then
+  TORCH_LOGS=cudagraphs,perf_hints bash benchmarks/results/h200_s40/d.sh prof k45_cg ${T:-500} --model qwen3-0.6b \
+    --agentic parallel-tools --contenders tree tree_cudagraphs --iters 10
+else
+  bash benchmarks/results/h200_s44/d.sh "$@"
+fi
