@@ -122,9 +122,10 @@ def is_kernel(e) -> bool:
     return e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
 
 
-def profile_step(step, *, stacks: bool = False) -> dict:
+def profile_step(step, *, stacks: bool = False, host_top: int = 0) -> dict:
     """One profiled step: kernel totals (ms) by kind and the top kernels by time.  ``stacks``: record Python
-    stacks, and name each idle gap's host events by their innermost source line in our code (slower host)."""
+    stacks, and name each idle gap's host events by their innermost source line in our code (slower host).
+    ``host_top``: also the ``host_top`` host ops of most self time (torch's ``key_averages``, ms and calls)."""
     _sync()
     # the Python stacks reach prof.events() only with the verbose experimental config (torch 2.11-2.13)
     extra = {"with_stack": True, "experimental_config": torch._C._profiler._ExperimentalConfig(verbose=True)} \
@@ -159,7 +160,17 @@ def profile_step(step, *, stacks: bool = False) -> dict:
             # all of it.  The start: the harness's first named range (the profiler's own start-up events come
             # before it), else the first host event
             "lead_in_ms": round((first - start) / 1e3, 3) if intervals and host else None,
-            "lead_in": lead_in_parts(host, start, first) if intervals and host else []}
+            "lead_in": lead_in_parts(host, start, first) if intervals and host else [],
+            "host_top": host_self_ms(prof, host_top)}
+
+
+def host_self_ms(prof, n: int) -> list[tuple[str, float, int]]:
+    """The ``n`` host ops of ``prof`` with the most self time (time in the op less its children's): ``(name, ms,
+    calls)``.  Where a phase is host-bound, this says what the host spends it on."""
+    if n <= 0:
+        return []
+    avgs = sorted(prof.key_averages(), key=lambda a: -a.self_cpu_time_total)
+    return [(a.key[:110], round(a.self_cpu_time_total / 1e3, 3), a.count) for a in avgs[:n]]
 
 
 def phases_ms(events) -> dict[str, list[float]]:
@@ -196,6 +207,8 @@ def main(argv=None) -> int:
     ap.add_argument("--top", type=int, default=20)
     ap.add_argument("--stacks", action="store_true", help="name the idle gaps by source line (Python stacks "
                     "recorded: the profiled step's host runs slower)")
+    ap.add_argument("--host-top", type=int, default=0, metavar="N",
+                    help="also print the N host ops of most self time in the profiled step")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("prof_step: needs a CUDA device")
@@ -221,10 +234,10 @@ def main(argv=None) -> int:
         row = {"contender": name, "model": args.model, "tree": case.name, "tree_tokens": steps.tree.num_tokens,
                "path_tokens": steps.tree.num_path_tokens, "first_s": round(first, 3),
                "step_s": round(statistics.median(times), 4), "host_s": round(statistics.median(hosts), 4),
-               **profile_step(step, stacks=args.stacks)}
+               **profile_step(step, stacks=args.stacks, host_top=args.host_top)}
         row["kernel_share"] = round(row["kernel_ms"] / 1e3 / row["step_s"], 3)
         row["note"] = harness._with_run_notes(None)
-        top, idle, lead_in = row.pop("top"), row.pop("idle"), row.pop("lead_in")
+        top, idle, lead_in, host_top = row.pop("top"), row.pop("idle"), row.pop("lead_in"), row.pop("host_top")
         print(json.dumps(row))
         print(f"# {name}: step {row['step_s'] * 1e3:.1f} ms, host {row['host_s'] * 1e3:.1f} ms, "
               f"{row['kernels']} kernels {row['kernel_ms']:.1f} ms ({row['kernel_share']:.0%} of the step), "
@@ -241,6 +254,10 @@ def main(argv=None) -> int:
         print(f"#   GPU idle in gaps >= 0.2 ms after it: "
               f"{sum(ms for _, ms, _ in idle):.1f} ms, by the host events at their middle:")
         for hname, ms, n in idle[:args.top]:
+            print(f"#     {ms:8.2f} ms  x{n:<5d} {hname}")
+        if host_top:
+            print("#   host ops by self time (ms, calls):")
+        for hname, ms, n in host_top:
             print(f"#     {ms:8.2f} ms  x{n:<5d} {hname}")
         steps.zero()
         torch.cuda.empty_cache()

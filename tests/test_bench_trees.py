@@ -431,6 +431,26 @@ def test_prof_step_phases_are_host_and_gpu_ms_of_the_harness_ranges():
     assert phases_ms(events) == {"forward": [48.8, 50.5], "backward": [51.2, 0.0], "prepare": [0.75, 0.0]}
 
 
+def test_prof_step_host_top_ranks_host_ops_by_self_time():
+    """``host_self_ms``: the host ops of a real profile, most self time first, with their call counts; none asked,
+    none given.  A parent's self time excludes its children's (a range around 20 matmuls ranks below them)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.prof_step import host_self_ms
+
+    a = torch.randn(256, 256)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with torch.profiler.record_function("outer"):
+            for _ in range(20):
+                a @ a
+    top = host_self_ms(prof, 50)
+    names = [name for name, _, _ in top]
+    assert [ms for _, ms, _ in top] == sorted((ms for _, ms, _ in top), reverse=True)
+    mm = next(row for row in top if row[0] in ("aten::mm", "aten::matmul") and row[2] == 20)
+    assert names.index("outer") > names.index(mm[0]) and host_self_ms(prof, 0) == []
+
+
 def test_row_notes_count_fa4_forward_calls_since_the_last_row(monkeypatch):
     """A row's note says how its FA4 forward calls went (``ops.fa4_replay.counts``, then zeroed for the next row);
     a row without any says nothing."""

@@ -2,6 +2,10 @@
 #   bash d.sh cgtest          the CUDA graphs' and the deep tree's deterministic GPU tests ($OUT/cg45_test.txt)
 #   bash d.sh cgprof          prof_step of `tree` against `tree_cudagraphs` on the agentic tree, with inductor's log
 #                             of what it captured and where it partitioned ($OUT/k45_cg.txt)
+#   bash d.sh cgdiag          cg_diag.py: the CUDA graphs' test with its generated modules kept, then with inductor's
+#                             slow-path pool assertion off ($OUT/cgdiag.txt, $OUT/code)
+#   bash d.sh detprof         prof_step of `tree` against `tree_deterministic` on the agentic tree, with the host
+#                             ops of most self time ($OUT/k45_det.txt)
 #   bash d.sh MODE ...        any other mode: h200_s44/d.sh MODE ... (install, seq, gpu43, attn43, prof)
 mode=$1
 if [ "$mode" = cgtest ]; then
@@ -11,6 +15,13 @@ if [ "$mode" = cgtest ]; then
 elif [ "$mode" = cgprof ]; then
   TORCH_LOGS=cudagraphs,perf_hints bash benchmarks/results/h200_s40/d.sh prof k45_cg ${T:-500} --model qwen3-0.6b \
     --agentic parallel-tools --contenders tree tree_cudagraphs --iters 10
+elif [ "$mode" = cgdiag ]; then
+  source benchmarks/results/h100_s18/pre.sh
+  timeout ${T:-300} python benchmarks/results/h200_s45/cg_diag.py 2>&1 | grep -v "torch.__trace" \
+    | tee $OUT/cgdiag.txt | tail -40
+elif [ "$mode" = detprof ]; then
+  bash benchmarks/results/h200_s40/d.sh prof k45_det ${T:-400} --model qwen3-0.6b --agentic parallel-tools \
+    --contenders tree tree_deterministic --iters 10 --host-top 25
 else
   bash benchmarks/results/h200_s44/d.sh "$@"
 fi
