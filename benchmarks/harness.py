@@ -601,16 +601,41 @@ def _with_cudagraphs(step: Callable) -> Callable:
     data-dependent sizes, CPU tensors and syncs.  What lies between (projections, norms, rotary, MLPs, their
     backward) is captured once per length bucket and replayed, its inputs copied into the graph's own buffers where
     they are not static.  Each step starts a new CUDA-graph generation (``cudagraph_mark_step_begin``)."""
+    from unittest import mock
+
     import torch._inductor.config as inductor_config
+    from torch._inductor.scheduler import Scheduler
 
     ops = treecompile_ops()
+    should_partition = _partition_outputs_with_their_op(Scheduler.should_partition, ops)
 
     def cudagraph_step():
         torch.compiler.cudagraph_mark_step_begin()
         with inductor_config.patch({"triton.cudagraphs": True, "graph_partition": True,
-                                    "custom_should_partition_ops": ops}):
+                                    "custom_should_partition_ops": ops}), \
+                mock.patch.object(Scheduler, "should_partition", should_partition):
             return step()
     return cudagraph_step
+
+
+def _partition_outputs_with_their_op(should_partition: Callable, ops: list[str]) -> Callable:
+    """Inductor's ``Scheduler.should_partition``, which also keeps out of the CUDA graphs the ``MultiOutput`` nodes
+    that take the outputs out of the tuple of an op in ``ops``.  Torch 2.11's inductor puts those in the next
+    CUDA-graph partition and hands it the op's whole tuple as an input; CUDA-graph trees take only tensors and ints
+    as inputs (session 45, ``h200_s45/cgdiag.txt``: the warm-up found the op's output tensors neither in its pool
+    nor among its inputs, and with that check off the recording refused the tuple).  Kept with their op, the tuple
+    stays in the eager region between partitions and each output enters the next partition as a tensor."""
+    from torch._inductor import ir
+    from torch._inductor.utils import get_op_names
+
+    def patched(self, node):
+        reason = should_partition(self, node)
+        producer = node.node.inputs[0] if reason is None and isinstance(node.node, ir.MultiOutput) else None
+        if isinstance(producer, ir.FallbackKernel) and isinstance(producer.op_overload, torch._ops.OpOverload) \
+                and any(name in ops for name in get_op_names(producer.op_overload)):
+            return f"an output of {producer.op_overload}"
+        return reason
+    return patched
 
 
 def distinct_batches(make: Callable[[], list]) -> list:

@@ -760,8 +760,8 @@ def test_cudagraphs_contender_replays_without_stale_host_work():
     trees of the same length and different shapes, alternated over three steps each, give what the plain compiled
     model gives (loss to 1e-2, log-probs and gradients to cosine 0.999, the bar of the flex comparison above; a
     replay with the other tree's plans would miss it), so do steps that accumulate both trees' gradients, and
-    inductor skipped no graph.  (Session 44 wrote it without
-    a GPU: the first run tells whether torch 2.11's inductor partitions and captures these graphs.)"""
+    inductor skipped no graph and captured some.  (Session 45's first run found torch 2.11's inductor handing a
+    partition an op's whole output tuple: ``harness._partition_outputs_with_their_op``.)"""
     import treecompile
     from benchmarks import harness
     from torch._dynamo.utils import counters
@@ -806,6 +806,11 @@ def test_cudagraphs_contender_replays_without_stale_host_work():
         got = harness._with_cudagraphs(lambda: accumulate(graphed))()
         assert float(torch.nn.functional.cosine_similarity(got, want, 0)) > 0.999, f"accumulated, step {step}"
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+    # and graphs were captured: a run that partitioned everything out would pass the checks above vacuously
+    from torch._inductor import cudagraph_trees
+
+    manager = cudagraph_trees.get_container(torch.cuda.current_device()).tree_manager
+    assert manager is not None and manager.new_graph_id().id > 0
 
 
 # ---------------------------------------------------------------------------- the tile cost model's varlen rows
