@@ -11,7 +11,8 @@ mode=$1
 if [ "$mode" = cgtest ]; then
   source benchmarks/results/h100_s18/pre.sh
   timeout ${T:-240} python -m pytest -m gpu -v -p no:cacheprovider tests/test_varlen_tree_attention.py \
-    -k "cudagraphs or deep_tree_on_its_segments" -W ignore 2>&1 | tee $OUT/cg45_test.txt | tail -40
+    -k "${K:-cudagraphs or deep_tree_on_its_segments}" -W ignore 2>&1 | grep -v "torch.__trace" \
+    | tee $OUT/cg45_test.txt | tail -40
 elif [ "$mode" = cgprof ]; then
   TORCH_LOGS=cudagraphs,perf_hints bash benchmarks/results/h200_s40/d.sh prof k45_cg ${T:-500} --model qwen3-0.6b \
     --agentic parallel-tools --contenders tree tree_cudagraphs --iters 10
