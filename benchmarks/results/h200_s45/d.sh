@@ -6,6 +6,7 @@
 #                             slow-path pool assertion off ($OUT/cgdiag.txt, $OUT/code)
 #   bash d.sh detprof         prof_step of `tree` against `tree_deterministic` on the agentic tree, with the host
 #                             ops of most self time ($OUT/k45_det.txt)
+#   bash d.sh gpuall          pytest -m gpu over every test file, FA4 installed, GDN's extras not ($OUT/gpuall.txt)
 #   bash d.sh MODE ...        any other mode: h200_s44/d.sh MODE ... (install, seq, gpu43, attn43, prof)
 mode=$1
 if [ "$mode" = cgtest ]; then
@@ -23,6 +24,10 @@ elif [ "$mode" = cgdiag ]; then
 elif [ "$mode" = detprof ]; then
   bash benchmarks/results/h200_s40/d.sh prof k45_det ${T:-400} --model qwen3-0.6b --agentic parallel-tools \
     --contenders tree tree_deterministic --iters 10 --host-top 25
+elif [ "$mode" = gpuall ]; then
+  source benchmarks/results/h100_s18/pre.sh
+  timeout ${T:-540} python -m pytest -m gpu -q -p no:cacheprovider tests -W ignore --durations=25 -rs 2>&1 \
+    | grep -v "torch.__trace" | tee $OUT/gpuall.txt | tail -60
 else
   bash benchmarks/results/h200_s44/d.sh "$@"
 fi
