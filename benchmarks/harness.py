@@ -911,8 +911,9 @@ class Steps:
     def tree_cudagraphs(self):
         """``tree`` with inductor's graphs captured as CUDA graphs between treecompile's ops (:func:`_with_cudagraphs`):
         whether replaying the projections, norms and MLPs of each layer removes the GPU's idle time of a host-bound
-        step (the agentic tree idled 7.6 ms of 129 ms in session 44).  A TreeModel of its own.  Written in session 44
-        without a GPU: not yet run (CUDA)."""
+        step (the agentic tree idled 7.6 ms of 129 ms in session 44).  A TreeModel of its own.  Session 45, H200: it
+        does not pay, 133.0 against ``tree``'s 129.9 ms on the agentic tree (the partitions' input copies and a
+        slower forward host outweigh the backward's saved launches; ``results/h200_s45/``) (CUDA)."""
         return self._cuda_tree_step("inductor's CUDA graphs", cudagraphs=True)
 
     def tree_driver_reads(self):
