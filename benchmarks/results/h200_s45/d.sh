@@ -7,6 +7,10 @@
 #   bash d.sh detprof         prof_step of `tree` against `tree_deterministic` on the agentic tree, with the host
 #                             ops of most self time ($OUT/k45_det.txt)
 #   bash d.sh gpuall          pytest -m gpu over every test file, FA4 installed, GDN's extras not ($OUT/gpuall.txt)
+#   bash d.sh rows46 N        left for session 46: the end-to-end rows not re-measured since their sessions, fastest
+#                             baseline and `tree` in one process, one row per call (N = 1..4, $OUT/r46_N.txt):
+#                             1 0.6B 32 x 2,048 (32k), 2 1.7B 32 x 2,048, 3 4B 16 x 2,048 (16k, the 32k row's 4B at
+#                             half the tokens, which fits one call), 4 the 4-layer 30B-A3B MoE at 16k
 #   bash d.sh MODE ...        any other mode: h200_s44/d.sh MODE ... (install, seq, gpu43, attn43, prof)
 mode=$1
 if [ "$mode" = cgtest ]; then
@@ -28,6 +32,13 @@ elif [ "$mode" = gpuall ]; then
   source benchmarks/results/h100_s18/pre.sh
   timeout ${T:-540} python -m pytest -m gpu -q -p no:cacheprovider tests -W ignore --durations=25 -rs 2>&1 \
     | grep -v "torch.__trace" | tee $OUT/gpuall.txt | tail -60
+elif [ "$mode" = rows46 ]; then
+  case $2 in
+    1) A="--model qwen3-0.6b --paths 32";; 2) A="--model qwen3-1.7b --paths 32";;
+    3) A="--model qwen3-4b --paths 16";; 4) A="--model qwen3-30b-a3b-4l --paths 16";;
+    *) echo "rows46: N = 1..4"; exit 2;;
+  esac
+  bash benchmarks/results/h200_s40/d.sh prof r46_$2 ${T:-560} $A --contenders packed_fa4_varlen tree --iters 10
 else
   bash benchmarks/results/h200_s44/d.sh "$@"
 fi
