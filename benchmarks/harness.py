@@ -623,14 +623,17 @@ def _partition_outputs_with_their_op(should_partition: Callable, ops: list[str])
     that take the outputs out of the tuple of an op in ``ops``.  Torch 2.11's inductor puts those in the next
     CUDA-graph partition and hands it the op's whole tuple as an input; CUDA-graph trees take only tensors and ints
     as inputs (session 45, ``h200_s45/cgdiag.txt``: the warm-up found the op's output tensors neither in its pool
-    nor among its inputs, and with that check off the recording refused the tuple).  Kept with their op, the tuple
+    nor among its inputs, and with that check off the recording refused the tuple; session 27 had met the same and
+    patched it the same way in ``h100_s27/cg.py``).  Kept with their op, the tuple
     stays in the eager region between partitions and each output enters the next partition as a tensor."""
     from torch._inductor import ir
     from torch._inductor.utils import get_op_names
 
     def patched(self, node):
         reason = should_partition(self, node)
-        producer = node.node.inputs[0] if reason is None and isinstance(node.node, ir.MultiOutput) else None
+        producer = node.node if reason is None and isinstance(node.node, ir.MultiOutput) else None
+        while isinstance(producer, ir.MultiOutput):  # a list inside the tuple: unpacked in two steps
+            producer = producer.inputs[0]
         if isinstance(producer, ir.FallbackKernel) and isinstance(producer.op_overload, torch._ops.OpOverload) \
                 and any(name in ops for name in get_op_names(producer.op_overload)):
             return f"an output of {producer.op_overload}"
