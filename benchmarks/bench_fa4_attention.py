@@ -13,6 +13,9 @@ model's layout: ``[B, T, H, D]`` storage viewed as ``[B, H, T, D]``):
   and scatter timed), or, where the segments would gather more than ``VARLEN_GATHER_LIMIT`` x T rows, FA4's
   block-sparse kernels under the tree mask; the row's ``plan`` says which;
 - ``fa4_segments``: the same op held to the segments whatever they gather (the varlen kernel's own rate);
+- ``fa4_varlen_heavy_first``: ``fa4_varlen`` with its block-sparse plan in the heaviest-child-first order
+  (``varlen_tree_attention.BLOCK_SPARSE_LAYOUT = "heavy_first"``: q/k/v permuted in and the output back inside the
+  op, timed); the same as ``fa4_varlen`` where the tree takes the segments;
 - ``fa4_prefix_block``: the prototype of ``prefix_block_attention.py``: the segments without each tree's shared
   prefix, which every later token attends as one full block read in place (FA4's non-causal kernel), the two
   parts merged by their log-sum-exps;
@@ -208,6 +211,16 @@ def segments_only(fn, *args):
         vta.VARLEN_GATHER_LIMIT = limit
 
 
+def block_sparse_heavy_first(fn, *args, **kw):
+    """``fn(*args, **kw)`` with the varlen op's block-sparse plan in the heaviest-child-first order, for everything
+    ``fn`` runs: forward and backward (the op keeps its plan per order)."""
+    layout, vta.BLOCK_SPARSE_LAYOUT = vta.BLOCK_SPARSE_LAYOUT, "heavy_first"
+    try:
+        return fn(*args, **kw)
+    finally:
+        vta.BLOCK_SPARSE_LAYOUT = layout
+
+
 def index_add_sums(fn, *args, **kw):
     """``fn(*args, **kw)`` with the varlen op's per-token copy sums done by ``index_add_`` into float32 (as before
     session 20), for everything ``fn`` runs: forward and backward."""
@@ -238,6 +251,9 @@ def tree_fns(se, bm, which, heavy=None):
         out["fa4_varlen"] = lambda q, k, v: tree_attention_varlen(q, k, v, se)
     if "fa4_varlen_index_add" in which:  # main() runs its row under index_add_sums (the backward too)
         out["fa4_varlen_index_add"] = lambda q, k, v: tree_attention_varlen(q, k, v, se)
+    if "fa4_varlen_heavy_first" in which:  # main() runs its row in that order (the backward too)
+        se_hf = se.clone()  # a tensor of its own: the op keeps one plan per subtree_end tensor
+        out["fa4_varlen_heavy_first"] = lambda q, k, v: tree_attention_varlen(q, k, v, se_hf)
     if "fa4_segments" in which:  # a tensor of its own: the op keeps one plan per subtree_end tensor
         se_seg = se.clone()
         out["fa4_segments"] = lambda q, k, v: segments_only(tree_attention_varlen, q, k, v, se_seg)
@@ -261,6 +277,22 @@ def tree_fns(se, bm, which, heavy=None):
     return out
 
 
+# the tree contenders (module docstring); FA4's and cuDNN's causal kernels run at every T as the reference
+CONTENDERS = ("flex_triton", "fa4_flex", "fa4_direct", "fa4_varlen", "fa4_varlen_index_add", "fa4_varlen_heavy_first",
+              "fa4_segments", "fa4_prefix_block", "fa4_flex_heavy", "fa4_flex_heavy_kernel", "flex_triton_heavy",
+              "paths_fa4_varlen")
+
+
+def contender_names(arg: str) -> list[str]:
+    """``--contenders``' comma-separated names, each one of :data:`CONTENDERS` (else SystemExit naming it)."""
+    which = [x for x in arg.split(",") if x]
+    unknown = [x for x in which if x not in CONTENDERS]
+    if unknown or not which:
+        raise SystemExit(f"--contenders: unknown {unknown} (choose from {', '.join(CONTENDERS)})" if unknown
+                         else "--contenders: none given")
+    return which
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="16384,32768,65536")
@@ -282,7 +314,7 @@ def main() -> None:
     cond = versions()
     cond.update(dtype="bfloat16", heads=H, kv_heads=HKV, head_dim=D)
     print(json.dumps(cond), flush=True)
-    which = a.contenders.split(",")
+    which = contender_names(a.contenders)
     cases = []  # (case name, T, Tree)
     for T in [int(s) for s in a.sizes.split(",") if s]:
         for por in [float(p) for p in a.pors.split(",") if p]:
@@ -347,9 +379,11 @@ def main() -> None:
                 del qh, kh, vh
             elif name == "fa4_varlen_index_add":
                 r = index_add_sums(row, case, name, fn, q, k, v, do, nnz, se)
+            elif name == "fa4_varlen_heavy_first":
+                r = block_sparse_heavy_first(row, case, name, fn, q, k, v, do, nnz, se)
             else:
                 r = row(case, name, fn, q, k, v, do, nnz, se)
-            if name in ("fa4_varlen", "fa4_varlen_index_add", "fa4_segments"):
+            if name in ("fa4_varlen", "fa4_varlen_index_add", "fa4_segments", "fa4_varlen_heavy_first"):
                 r["plan"] = "segments" if name == "fa4_segments" else plan_kind(se, q)
             if name == "fa4_prefix_block":
                 from prefix_block_attention import prefix_block_plan

@@ -111,12 +111,13 @@ BASELINES = ("eager_per_path", "compiled_per_path", "packed_flex", "compiled_per
 TREE_CONTENDERS = ("tree", "tree_heavy_first", "tree_fa4_varlen", "tree_fa4_flex", "tree_conv_fla",
                    "tree_conv_shifts_inductor", "tree_head_chunked", "tree_head_kept", "tree_keys_gathered",
                    "tree_fa4_interface", "tree_cpp_wrapper", "tree_cudagraphs", "tree_driver_reads",
-                   "tree_deterministic", "tree_packed", "tree_rf")
+                   "tree_deterministic", "tree_block_sparse_heavy_first", "tree_packed", "tree_rf")
 CONTENDERS = BASELINES + TREE_CONTENDERS
 # run when named only: the C++ wrapper's first step compiles for minutes (417 s on the 0.6B, session 43), the CUDA
-# graphs' contender has not run on a GPU yet, and the driver-reads and deterministic trees are A/Bs of one setting
-# against ``tree``
-ON_REQUEST = ("tree_cpp_wrapper", "tree_cudagraphs", "tree_driver_reads", "tree_deterministic")
+# graphs' contender was measured slower (session 45), and the driver-reads, deterministic and block-sparse-order
+# trees are A/Bs of one setting against ``tree``
+ON_REQUEST = ("tree_cpp_wrapper", "tree_cudagraphs", "tree_driver_reads", "tree_deterministic",
+              "tree_block_sparse_heavy_first")
 DEFAULT_CONTENDERS = tuple(c for c in CONTENDERS if c not in ON_REQUEST)
 
 
@@ -536,6 +537,14 @@ def _with_setting(step: Callable, module, name: str, value) -> Callable:
     return patched_step
 
 
+def _with_block_sparse_layout(step: Callable, layout: str) -> Callable:
+    """``step`` with the varlen op's block-sparse plan in ``layout``'s order while it runs (plans are kept per
+    setting, so a model shared with ``tree`` builds its own)."""
+    from treecompile.ops import varlen_tree_attention
+
+    return _with_setting(step, varlen_tree_attention, "BLOCK_SPARSE_LAYOUT", layout)
+
+
 def _without_fa4_replay(step: Callable) -> Callable:
     """``step`` with ``ops.fa4_replay`` off while it runs (FA4's forward interface on every layer)."""
     from treecompile.ops import fa4_replay
@@ -931,6 +940,13 @@ class Steps:
         atomic scatters; its graphs compile on its first step (CUDA)."""
         return self._cuda_tree_step("deterministic mode", deterministic=True)
 
+    def tree_block_sparse_heavy_first(self):
+        """``tree`` with the varlen op's block-sparse plan in the heaviest-child-first order
+        (``varlen_tree_attention.BLOCK_SPARSE_LAYOUT = "heavy_first"``: fewer partial tiles on deep trees, q/k/v
+        and the output permuted inside the op).  Only trees past ``VARLEN_GATHER_LIMIT`` (deep agentic trees,
+        POR 0.9) run that plan; the same TreeModel as ``tree`` (the plan is kept per setting) (CUDA)."""
+        return self._cuda_tree_step("the block-sparse plan's order", block_sparse_layout="heavy_first")
+
     def _cuda_tree_step(self, option: str, **kw):
         """``tree_step(**kw)`` on CUDA; elsewhere a skip naming ``option`` (a CUDA lowering option)."""
         if self.dev.type != "cuda":
@@ -938,7 +954,8 @@ class Steps:
         return self.tree_step(**kw)
 
     def tree_step(self, layout="dfs", kernel="auto", conv="auto", head="auto", keys="auto", replay=True,
-                  cpp_wrapper=False, driver_reads=False, deterministic=False, cudagraphs=False):
+                  cpp_wrapper=False, driver_reads=False, deterministic=False, cudagraphs=False,
+                  block_sparse_layout=None):
         tm = self._tree_model(layout=layout, kernel=kernel, conv=conv, head=head, keys=keys, cpp_wrapper=cpp_wrapper,
                               cudagraphs=cudagraphs)
 
@@ -957,6 +974,8 @@ class Steps:
             step = _with_driver_reads(step)
         if deterministic:
             step = _with_deterministic(step)
+        if block_sparse_layout is not None:
+            step = _with_block_sparse_layout(step, block_sparse_layout)
         return step, self.tree.num_tokens, _tree_entries([batch.position_ids[:self.tree.num_tokens]])
 
     def tree_packed(self):

@@ -82,6 +82,41 @@ def test_driver_reads_contender_reads_every_time_only_while_its_step_runs():
     assert harness.build_parser().parse_args(["--contenders", "tree_driver_reads"]).contenders == ["tree_driver_reads"]
 
 
+def test_block_sparse_heavy_first_contender_sets_the_order_only_while_its_step_runs():
+    """``tree_block_sparse_heavy_first``'s step runs with the block-sparse plan in the heaviest-child-first order and
+    puts the default order back after, also when the step raises; it runs when named only."""
+    from benchmarks import harness
+    from treecompile.ops import varlen_tree_attention as vta
+
+    step = harness._with_block_sparse_layout(lambda: vta.BLOCK_SPARSE_LAYOUT, "heavy_first")
+    assert step() == "heavy_first" and vta.BLOCK_SPARSE_LAYOUT == "dfs"
+
+    def boom():
+        raise RuntimeError("boom")
+    with pytest.raises(RuntimeError, match="boom"):
+        harness._with_block_sparse_layout(boom, "heavy_first")()
+    assert vta.BLOCK_SPARSE_LAYOUT == "dfs" and "tree_block_sparse_heavy_first" in harness.ON_REQUEST
+
+
+def test_attention_bench_refuses_unknown_contenders(monkeypatch):
+    """``bench_fa4_attention --contenders`` names each contender it runs: a misspelt one is refused by name (it
+    used to be dropped without a word), every documented one is accepted, and each has its row in ``tree_fns``."""
+    import inspect
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_fa4_attention as bench
+
+    assert bench.contender_names("fa4_varlen,fa4_varlen_heavy_first") == ["fa4_varlen", "fa4_varlen_heavy_first"]
+    with pytest.raises(SystemExit, match=r"unknown \['fa4_varlen_heavy'\]"):
+        bench.contender_names("fa4_varlen,fa4_varlen_heavy")
+    with pytest.raises(SystemExit, match="none given"):
+        bench.contender_names("")
+    source = inspect.getsource(bench)
+    assert all(f'"{name}" in which' in source for name in bench.CONTENDERS)
+    assert all(f"``{name}``" in bench.__doc__ for name in bench.CONTENDERS)
+
+
 def test_deterministic_contender_sets_the_mode_only_while_its_step_runs(monkeypatch):
     """``tree_deterministic``'s step runs under ``torch.use_deterministic_algorithms(True)`` with cuBLAS's workspace
     setting, and leaves both as it found them, also when the step raises; it runs when named only."""
@@ -648,4 +683,5 @@ def test_cuda_tree_contenders_pass_options_that_tree_step_takes(monkeypatch):
         getattr(steps, name)()
     assert {"keys": "gathered"} in seen and {"replay": False} in seen and {"cpp_wrapper": True} in seen
     assert {"driver_reads": True} in seen and {"cudagraphs": True} in seen and {"deterministic": True} in seen
+    assert {"block_sparse_layout": "heavy_first"} in seen
     assert len(seen) == len(names)

@@ -431,13 +431,15 @@ def test_deterministic_mode_keeps_fa4_off_its_block_sparse_backward(monkeypatch)
 
 
 @settings(max_examples=40, deadline=None)
-@given(path_sets(max_paths=8, max_len=10), st.sampled_from([0.0, 3.0, float("inf")]), st.sampled_from([None, 8, 13]))
-def test_op_equals_the_dense_reference_hypothesis(paths, limit, pad_to):
-    """Any tree, either plan (the limit forced low, as shipped, or high), padded or not: out and q/k/v gradients
-    of the op equal the dense-mask reference in float64."""
+@given(path_sets(max_paths=8, max_len=10), st.sampled_from([0.0, 3.0, float("inf")]), st.sampled_from([None, 8, 13]),
+       st.sampled_from(["dfs", "heavy_first"]))
+def test_op_equals_the_dense_reference_hypothesis(paths, limit, pad_to, layout):
+    """Any tree, either plan (the limit forced low, as shipped, or high), the block-sparse plan in either order,
+    padded or not: out and q/k/v gradients of the op equal the dense-mask reference in float64."""
     from treecompile.ops import varlen_tree_attention as vta
 
     old, vta.VARLEN_GATHER_LIMIT = vta.VARLEN_GATHER_LIMIT, limit
+    old_layout, vta.BLOCK_SPARSE_LAYOUT = vta.BLOCK_SPARSE_LAYOUT, layout
     try:
         se = _batch(paths, pad_to).subtree_end.clone()  # a tensor of its own per example: one plan each
         q, k, v = _qkv(se.numel(), 4, 2, 4, seed=se.numel())
@@ -445,7 +447,7 @@ def test_op_equals_the_dense_reference_hypothesis(paths, limit, pad_to):
         assert_same_as(lambda a, b_, c: tree_attention_varlen(a, b_, c, se, scale=0.5),
                        lambda a, b_, c: tree_attention_reference(a, b_, c, se, scale=0.5), q, k, v, do)
     finally:
-        vta.VARLEN_GATHER_LIMIT = old
+        vta.VARLEN_GATHER_LIMIT, vta.BLOCK_SPARSE_LAYOUT = old, old_layout
 
 
 @pytest.mark.parametrize("limit", [0.0, float("inf")], ids=["block_sparse", "segments"])
@@ -464,6 +466,64 @@ def test_op_on_a_deep_tree_equals_the_dense_reference_both_plans(limit, H, Hkv, 
     torch.library.opcheck(torch.ops.treecompile.tree_attention_varlen_fwd.default,
                           (q.detach().requires_grad_(), k.detach().requires_grad_(), v.detach().requires_grad_(),
                            se, 0.4))
+
+
+@pytest.mark.parametrize("H,Hkv,pad_to", [(4, 2, 48), (3, 3, None)])
+def test_block_sparse_plan_in_heavy_first_order_equals_the_batch_order_and_the_reference(H, Hkv, pad_to,
+                                                                                        monkeypatch):
+    """Under BLOCK_SPARSE_LAYOUT = "heavy_first" the block-sparse plan runs a nested tree in its heaviest-child-first
+    order: q, k, v permuted in, out, log-sum-exp and the gradients permuted back.  On a deep tree whose DFS order visits the light
+    leaves first (a real permutation), the op's out, lse and q/k/v gradients equal those of the batch's order and
+    the dense reference in float64; the plan's mask is the tree's in the new order, with fewer partial 16 x 16
+    tiles.  The plan follows the setting per batch tensor, and an unknown setting is refused."""
+    from treecompile.ops import varlen_tree_attention as vta
+    from treecompile.ops.flex_tree_attention import tree_block_mask
+    from treecompile.ops.tree_layout import permuted_subtree_end
+
+    monkeypatch.setattr(vta, "VARLEN_GATHER_LIMIT", 0.0)
+    b = _batch(_deep_paths(10, 2), pad_to)
+    T = b.seq_len
+    q, k, v = _qkv(T, H, Hkv, 8, seed=H + T)
+    do = torch.randn(1, H, T, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    results, plans = {}, {}
+    for layout in ("heavy_first", "dfs"):
+        monkeypatch.setattr(vta, "BLOCK_SPARSE_LAYOUT", layout)
+        se = b.subtree_end.clone()  # a tensor of its own: a plan per layout
+        plans[layout] = plan = vta._plan(se, q)
+        assert isinstance(plan, vta.BlockSparsePlan) and vta._plan(se, q) is plan
+        out, lse, *_ = torch.ops.treecompile.tree_attention_varlen_fwd(q, k, v, se, 0.4)
+        results[layout] = (out, lse)
+        assert_same_as(lambda a, b_, c: tree_attention_varlen(a, b_, c, se, scale=0.4),
+                       lambda a, b_, c: tree_attention_reference(a, b_, c, se, scale=0.4), q, k, v, do)
+    heavy, dfs = plans["heavy_first"], plans["dfs"]
+    assert dfs.order is None and heavy.order is not None
+    perm = heavy.order[0]
+    assert not torch.equal(perm, torch.arange(T)) and torch.equal(perm[heavy.order[1]], torch.arange(T))
+    assert torch.equal(heavy.subtree_end, permuted_subtree_end(b.subtree_end, heavy.order))
+    assert torch.equal(tree_mask(heavy.subtree_end), tree_mask(b.subtree_end)[perm][:, perm])
+    for x, y in zip(results["heavy_first"], results["dfs"]):
+        torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-12)
+    partial = {n: int(tree_block_mask(p.subtree_end, block_size=16).kv_num_blocks.sum()) for n, p in plans.items()}
+    assert partial["heavy_first"] < partial["dfs"], partial
+    monkeypatch.setattr(vta, "BLOCK_SPARSE_LAYOUT", "bfs")
+    with pytest.raises(ValueError, match="BLOCK_SPARSE_LAYOUT: expected one of"):
+        vta._plan(b.subtree_end.clone(), q)
+
+
+def test_block_sparse_plan_keeps_the_batch_order_where_subtree_end_is_not_nested(monkeypatch):
+    """A ``subtree_end`` within bounds but not nested (no tree to reorder) runs the block-sparse plan in the batch's
+    order, under the mask ``k <= q < subtree_end[k]`` as the dense reference reads it."""
+    from treecompile.ops import varlen_tree_attention as vta
+
+    monkeypatch.setattr(vta, "VARLEN_GATHER_LIMIT", 0.0)
+    monkeypatch.setattr(vta, "BLOCK_SPARSE_LAYOUT", "heavy_first")
+    se = torch.tensor([3, 4, 4, 5, 6, 6])  # token 1's subtree [1, 4) leaves token 0's [0, 3)
+    q, k, v = _qkv(6, 2, 1, 4, seed=7)
+    plan = vta._plan(se, q)
+    assert isinstance(plan, vta.BlockSparsePlan) and plan.order is None
+    do = torch.randn(1, 2, 6, 4, dtype=torch.float64)
+    assert_same_as(lambda a, b_, c: tree_attention_varlen(a, b_, c, se, scale=0.5),
+                   lambda a, b_, c: tree_attention_reference(a, b_, c, se, scale=0.5), q, k, v, do)
 
 
 # ---------------------------------------------------------------------------- the lowering's option (CPU)
@@ -665,13 +725,16 @@ CASES = [(63, 1, 128, 4, 2, 128), (1000, 3, 1024, 4, 2, 128), (2900, 1, 3072, 16
 @pytest.mark.skipif(_gpu_reason() is not None, reason=str(_gpu_reason()))
 @pytest.mark.parametrize("T,roots,pad_to,H,Hkv,D", CASES,
                          ids=[f"T{c[0]}_r{c[1]}_pad{c[2]}_H{c[3]}kv{c[4]}_D{c[5]}" for c in CASES])
-@pytest.mark.parametrize("limit", [float("inf"), 0.0], ids=["segments", "block_sparse"])
-def test_fa4_varlen_vs_fp64_oracle(T, roots, pad_to, H, Hkv, D, limit, monkeypatch):
-    """Both plans of the op on the same trees (the gather limit forced each way); head dim 256 has no block-sparse
-    tiles and keeps the segments."""
+@pytest.mark.parametrize("limit,layout", [(float("inf"), "dfs"), (0.0, "dfs"), (0.0, "heavy_first")],
+                         ids=["segments", "block_sparse", "block_sparse_heavy_first"])
+def test_fa4_varlen_vs_fp64_oracle(T, roots, pad_to, H, Hkv, D, limit, layout, monkeypatch):
+    """Both plans of the op on the same trees (the gather limit forced each way), the block-sparse one in either
+    order (BLOCK_SPARSE_LAYOUT: FA4's kernels on permuted q/k/v); head dim 256 has no block-sparse tiles and keeps
+    the segments."""
     from treecompile.ops import varlen_tree_attention as vta
 
     monkeypatch.setattr(vta, "VARLEN_GATHER_LIMIT", limit)
+    monkeypatch.setattr(vta, "BLOCK_SPARSE_LAYOUT", layout)
     kinds = []
 
     def attend(b, scale):

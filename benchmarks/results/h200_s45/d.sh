@@ -11,6 +11,10 @@
 #                             baseline and `tree` in one process, one row per call (N = 1..4, $OUT/r46_N.txt):
 #                             1 0.6B 32 x 2,048 (32k), 2 1.7B 32 x 2,048, 3 4B 16 x 2,048 (16k, the 32k row's 4B at
 #                             half the tokens, which fits one call), 4 the 4-layer 30B-A3B MoE at 16k
+#   bash d.sh hf46            left for session 46: the block-sparse plan in the heaviest-child-first order. Its GPU
+#                             oracle tests, then bench_fa4_attention's fa4_varlen against fa4_varlen_heavy_first on
+#                             the deep agentic trees and POR 0.9 ($OUT/hf46_test.txt, $OUT/hf46_log.txt, $OUT/attn)
+#   bash d.sh hfprof46        deep-agent, `tree` against `tree_block_sparse_heavy_first` ($OUT/r46_hf.txt)
 #   bash d.sh MODE ...        any other mode: h200_s44/d.sh MODE ... (install, seq, gpu43, attn43, prof)
 mode=$1
 if [ "$mode" = cgtest ]; then
@@ -39,6 +43,16 @@ elif [ "$mode" = rows46 ]; then
     *) echo "rows46: N = 1..4"; exit 2;;
   esac
   bash benchmarks/results/h200_s40/d.sh prof r46_$2 ${T:-560} $A --contenders packed_fa4_varlen tree --iters 10
+elif [ "$mode" = hf46 ]; then
+  source benchmarks/results/h100_s18/pre.sh
+  timeout ${T:-150} python -m pytest -m gpu -q -p no:cacheprovider tests/test_varlen_tree_attention.py \
+    -k "fp64_oracle and block_sparse" -W ignore 2>&1 | grep -v "torch.__trace" | tee $OUT/hf46_test.txt | tail -5
+  timeout ${T2:-400} python benchmarks/bench_fa4_attention.py --sizes 32768,65536 --pors 0.9 --deep deep-16k,deep-32k \
+    --agentic deep-agent --contenders fa4_varlen,fa4_varlen_heavy_first --out $OUT/attn 2>&1 \
+    | grep -v -i 'warn\|aux_data\|exe_args\|TileLang' | tee $OUT/hf46_log.txt | tail -30
+elif [ "$mode" = hfprof46 ]; then
+  bash benchmarks/results/h200_s40/d.sh prof r46_hf ${T:-560} --model qwen3-0.6b --agentic deep-agent \
+    --contenders tree tree_block_sparse_heavy_first --iters 10
 else
   bash benchmarks/results/h200_s44/d.sh "$@"
 fi
