@@ -31,6 +31,9 @@ ZOO = {  # name: (model class, config class, config kwargs) - what each adds to 
                  max_position_embeddings=256)),
     "smollm3": ("SmolLM3ForCausalLM", "SmolLM3Config",  # NoPE layers (every 4th layer has no RoPE)
                 dict(COMMON, num_hidden_layers=4)),
+    "falcon": ("FalconForCausalLM", "FalconConfig",  # kv heads broadcast_to the query heads, parallel attention/MLP
+               dict(vocab_size=37, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                    new_decoder_architecture=True, num_kv_heads=2, bias=False, max_position_embeddings=256)),
     "gpt2": ("GPT2LMHeadModel", "GPT2Config",  # learned absolute positions (wpe), no RoPE
              dict(vocab_size=37, n_embd=32, n_layer=2, n_head=4, n_positions=256, attn_pdrop=0.0,
                   resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=1, eos_token_id=2)),

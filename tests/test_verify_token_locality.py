@@ -72,6 +72,10 @@ def _last_token(m, x, ids):  # reading the last DFS token is not the last token 
     return x + x[:, -1:]
 
 
+def _last_token_broadcast(m, x, ids):  # the last DFS token broadcast to every token: the slice is the mixing
+    return x * torch.broadcast_to(x[:, -1:], x.shape)
+
+
 def _softmax_seq(m, x, ids):
     return x * torch.softmax(x, dim=1)
 
@@ -146,6 +150,7 @@ REFUSED = {  # name: (fn, the aten op the refusal names, a word of the reason)
     "cumsum": (_cumsum_seq, "aten.cumsum.default", "prefix sum"),
     "token_shift": (_shift_seq, "aten.pad.default", "pads along the sequence"),
     "last_token": (_last_token, "aten.slice.Tensor", "slices the sequence"),
+    "last_token_broadcast": (_last_token_broadcast, "aten.slice.Tensor", "slices the sequence"),
     "softmax_over_sequence": (_softmax_seq, "aten.softmax.int", "softmax"),
     "sort_over_sequence": (_sort_seq, "aten.sort.default", "sort"),
     "causal_conv": (_causal_conv, "aten.pad.default", "pads along the sequence"),
@@ -300,6 +305,12 @@ def _expand_as_tokens(m, x, ids):  # a learned per-feature vector broadcast to e
     return x * m.head.bias[:D].expand_as(x) + x.view_as(x)
 
 
+def _broadcast_heads(m, x, ids):  # one kv head broadcast to the query heads' shape (HF Falcon's _split_heads)
+    T = x.shape[1]
+    kv = x.view(1, T, 1, D)
+    return (torch.broadcast_to(kv, (1, T, 2, D)) * torch.broadcast_to(m.head.bias[:D], (1, T, 2, D))).sum(2)
+
+
 def _noise(m, x, ids):
     return x + 0 * torch.rand_like(x)
 
@@ -321,6 +332,7 @@ ACCEPTED = {
     "new_empty_filled_by_slices": _new_empty_filled,
     "complex_rotary_embedding": _complex_rotary,
     "expand_as_and_view_as": _expand_as_tokens,
+    "broadcast_to_heads": _broadcast_heads,
 }
 
 

@@ -103,7 +103,7 @@ SHAPE_ARGS.update({p: ("other",) for p in _packets("expand_as", "reshape_as", "v
 UNIFORM_FACTORIES = _packets(  # values do not depend on the index: constant along every axis
     "empty", "zeros", "ones", "full", "new_empty", "new_zeros", "new_ones", "new_full", "empty_strided",
     "new_empty_strided", "scalar_tensor", "zeros_like", "ones_like", "empty_like", "full_like", "expand",
-    "repeat", "expand_as")
+    "repeat", "expand_as", "broadcast_to")
 SHAPE_ONLY = _packets("sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "_assert_scalar",
                       "sym_constrain_range", "sym_constrain_range_for_size", "_assert_tensor_metadata")
 
@@ -284,8 +284,8 @@ def complex_view(c: Op) -> set[int]:
 
 
 def expand(c: Op) -> set[int]:
-    """``expand``/``repeat``/``expand_as``: broadcast to a shape (for ``expand_as``, the other tensor's; only
-    its shape is read)."""
+    """``expand``/``repeat``/``expand_as``/``broadcast_to``: broadcast to a shape (for ``expand_as``, the other
+    tensor's; only its shape is read)."""
     x = c.args["self"]
     res = _aligned(c.nd(x), c.out_nd, c.tok(x))
     if c.op.overloadpacket == aten.repeat:
