@@ -738,11 +738,13 @@ def test_fa4_varlen_vs_fp64_oracle(T, roots, pad_to, H, Hkv, D, limit, layout, m
     kinds = []
 
     def attend(b, scale):
-        kinds.append(type(vta._plan(b.subtree_end, torch.empty(1, H, 1, D, device="cuda", dtype=torch.bfloat16))))
+        plan = vta._plan(b.subtree_end, torch.empty(1, H, 1, D, device="cuda", dtype=torch.bfloat16))
+        kinds.append((type(plan), getattr(plan, "order", None) is not None))
         return lambda q, k, v: tree_attention_varlen(q, k, v, b.subtree_end, scale=scale)
 
     assert_bf16_tree_kernel_near_oracle(attend, T, roots, pad_to, H, Hkv, D)
-    assert kinds == [vta.BlockSparsePlan if limit == 0 and D != 256 else vta.SegmentPlan]
+    sparse = limit == 0 and D != 256
+    assert kinds == [(vta.BlockSparsePlan, layout == "heavy_first") if sparse else (vta.SegmentPlan, False)]
 
 
 @pytest.mark.gpu
