@@ -472,10 +472,10 @@ def test_op_on_a_deep_tree_equals_the_dense_reference_both_plans(limit, H, Hkv, 
 def test_block_sparse_plan_in_heavy_first_order_equals_the_batch_order_and_the_reference(H, Hkv, pad_to,
                                                                                         monkeypatch):
     """Under BLOCK_SPARSE_LAYOUT = "heavy_first" the block-sparse plan runs a nested tree in its heaviest-child-first
-    order: q, k, v permuted in, out, log-sum-exp and the gradients permuted back.  On a deep tree whose DFS order visits the light
-    leaves first (a real permutation), the op's out, lse and q/k/v gradients equal those of the batch's order and
-    the dense reference in float64; the plan's mask is the tree's in the new order, with fewer partial 16 x 16
-    tiles.  The plan follows the setting per batch tensor, and an unknown setting is refused."""
+    order: q, k, v permuted in, out, log-sum-exp and the gradients permuted back.  On a deep tree whose DFS order
+    visits the light leaves first (a real permutation), the op's out, lse and q/k/v gradients equal those of the
+    batch's order and the dense reference in float64; the plan's mask is the tree's in the new order, with fewer
+    partial 16 x 16 tiles.  The plan follows the setting per batch tensor, and an unknown setting is refused."""
     from treecompile.ops import varlen_tree_attention as vta
     from treecompile.ops.flex_tree_attention import tree_block_mask
     from treecompile.ops.tree_layout import permuted_subtree_end
