@@ -337,3 +337,19 @@ def test_windowed_layers_lowered_to_flex_under_their_window_mask(monkeypatch):
                                    and n.args[5] == 5 for n in calls)
     low = tc_cuda.lower_cuda(tmodel.graph_module, tc_cuda.CudaOptions(attention_kernel="auto", gdn_kernel="reference"))
     assert low.windows == (5,) and low.windowed_varlen == 0
+
+
+def test_gemma3n_text_with_pointwise_aliases_equals_per_path():
+    """HF Gemma 3n's text model (AltUp, LAuReL, per-layer inputs) multiplies by ``torch.multiply``, an alias that is
+    not tagged pointwise and that torch.export keeps under its name: the token-locality pass refused it until
+    session 45 (``token_axis.POINTWISE_ALIASES``).  In eval mode (in train mode HF's code leaves torch.export a
+    fake constant, refused at capture) the tree equals the per-path runs."""
+    if not hasattr(transformers, "Gemma3nForCausalLM"):
+        pytest.skip("transformers has no Gemma3nForCausalLM")
+    torch.manual_seed(0)
+    cfg = transformers.Gemma3nTextConfig(**dict(COMMON, head_dim=8, num_kv_shared_layers=0,
+                                                vocab_size_per_layer_input=37, hidden_size_per_layer_input=8,
+                                                laurel_rank=4, layer_types=["full_attention"] * 2))
+    model = transformers.Gemma3nForCausalLM(cfg).double().eval()
+    assert_tree_equals_per_path(model, treecompile.compile(model), PATHS)
+

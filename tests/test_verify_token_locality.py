@@ -311,6 +311,12 @@ def _broadcast_heads(m, x, ids):  # one kv head broadcast to the query heads' sh
     return (torch.broadcast_to(kv, (1, T, 2, D)) * torch.broadcast_to(m.head.bias[:D], (1, T, 2, D))).sum(2)
 
 
+def _pointwise_aliases(m, x, ids):  # torch's aliases of pointwise ops, kept under their names by torch.export
+    y = torch.multiply(x, torch.special.expit(x)) + torch.subtract(x, 1.0) * torch.divide(x, 3.0)
+    y = y + torch.where(torch.greater(x, 0.1), torch.absolute(x), torch.negative(x)) + torch.clip(x, -0.5, 0.5)
+    return y + torch.true_divide(torch.arctan(x), 2.0) + torch.nn.functional.logsigmoid(x)
+
+
 def _noise(m, x, ids):
     return x + 0 * torch.rand_like(x)
 
@@ -333,6 +339,7 @@ ACCEPTED = {
     "complex_rotary_embedding": _complex_rotary,
     "expand_as_and_view_as": _expand_as_tokens,
     "broadcast_to_heads": _broadcast_heads,
+    "pointwise_aliases": _pointwise_aliases,
 }
 
 

@@ -74,6 +74,18 @@ ELEMENTWISE = _packets(  # not tagged pointwise, but elementwise (casts, copies,
     "copy_", "copy", "fill_", "fill", "zero_", "masked_fill", "masked_fill_", "dropout", "native_dropout",
     "feature_dropout", "alpha_dropout", "feature_alpha_dropout", "clone", "zeros_like", "ones_like",
     "empty_like", "full_like", "_assert_tensor_metadata", "nan_to_num", "bernoulli", "rand_like", "randn_like")
+# torch's aliases of pointwise ops (torch.multiply, torch.divide, torch.special.expit, ...): not tagged pointwise,
+# and kept under their own names in an exported graph (HF Gemma 3n's torch.multiply, session 45)
+POINTWISE_ALIASES = _packets(
+    "multiply", "multiply_", "subtract", "subtract_", "divide", "divide_", "true_divide", "true_divide_",
+    "floor_divide", "floor_divide_", "greater", "greater_", "greater_equal", "greater_equal_", "less", "less_",
+    "less_equal", "less_equal_", "not_equal", "not_equal_", "absolute", "absolute_", "negative", "negative_",
+    "arccos", "arccos_", "arcsin", "arcsin_", "arctan", "arctan_", "arctan2", "arctan2_", "arccosh", "arccosh_",
+    "arcsinh", "arcsinh_", "arctanh", "arctanh_", "fix", "fix_", "clip", "clip_", "rsub", "log_sigmoid",
+    "special_expit", "special_erf", "special_erfc", "special_erfinv", "special_logit", "special_exp2",
+    "special_expm1", "special_log1p", "special_round", "special_sinc", "special_ndtr", "special_i0",
+    "special_xlogy", "special_psi", "special_digamma", "special_gammaln")
+ELEMENTWISE = ELEMENTWISE | POINTWISE_ALIASES
 RANDOM = _packets("bernoulli", "rand_like", "randn_like", "randint_like", "normal", "uniform_", "normal_")
 RESHAPES = _packets("view", "reshape", "_unsafe_view", "view_copy", "_reshape_alias", "flatten", "unflatten",
                     "squeeze", "squeeze_", "unsqueeze", "unsqueeze_", "reshape_as", "view_as")
