@@ -1018,6 +1018,50 @@ def test_a_refusal_names_the_line_inside_the_model_helpers():
         treecompile.compile(MixesInAHelper())
 
 
+def _shim(fn):
+    """A decorator whose one wrapper code serves every function it wraps (as transformers' ``deprecate_kwarg``)."""
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        return fn(*args, **kwargs)  # SHIM-LINE
+    return wrapped
+
+
+def _helper_elsewhere():
+    """``_shim``-decorated ``pooled(h)`` (mixes tokens) from a module that holds none of the model's classes (as
+    HF's ``masking_utils`` mask builders)."""
+    import types
+
+    mod = types.ModuleType("treecompile_test_elsewhere")
+    exec("def pooled(h):\n    return h.mean(dim=1, keepdim=True)\n", mod.__dict__)
+    return _shim(mod.pooled)
+
+
+_pooled_elsewhere = _helper_elsewhere()
+
+
+class DecoratedForwardCallsADecoratedHelper(Bidirectional):
+    @_shim
+    def forward(self, ids):
+        x = self.emb(ids)
+        return self.head(x + _pooled_elsewhere(x))  # CALL-LINE
+
+
+@pytest.mark.skipif(not hasattr(torch.fx.proxy, "_STACK_TRACE_ANCHORS"),
+                    reason="this torch has no stack-trace anchors (torch.fx.proxy._STACK_TRACE_ANCHORS)")
+def test_a_refusal_under_a_shared_decorator_names_the_models_line():
+    """The model's decorated ``forward`` is anchored by the function it wraps, not by the decorator's wrapper: that
+    wrapper's code is shared with the helper it also decorates, whose frame then stood for the op, and the refusal
+    named the decorator's ``return fn(*args, **kwargs)`` (HF GraniteSWA: transformers' ``deprecation.py``)."""
+    import inspect
+
+    source = inspect.getsource(inspect.getmodule(_shim)).splitlines()
+    call = next(i for i, text in enumerate(source, 1) if "CALL-LINE" in text and "return" in text)
+    with pytest.raises(treecompile.passes.PassError) as info:
+        treecompile.compile(DecoratedForwardCallsADecoratedHelper())
+    first = next(ln for ln in str(info.value).splitlines() if ln.startswith("  - "))
+    assert f"test_compile.py:{call} in forward" in first and "SHIM-LINE" not in first, first
+
+
 class EagerWrittenOutMaskValue(Bidirectional):
     """Attention written out with the classic finite mask values: ``masked_fill(future, -1e9)`` and an additive
     ``-1e4 * (1 - tril)`` (refused before: only -inf and a dtype's min counted as masked)."""

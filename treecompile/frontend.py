@@ -209,15 +209,26 @@ def _user_frames(model: torch.nn.Module):
 
 
 def _own_functions(mod):
-    """Functions defined in module ``mod``, and the methods of the classes defined there."""
+    """Functions defined in module ``mod``, and the methods of the classes defined there; for a decorated one
+    (``functools.wraps``: transformers' ``deprecate_kwarg``) the function it wraps, not the wrapper.  The wrapper's
+    code is shared by every function it decorates (transformers' ``wrapped_func``): as an anchor it kept the frame
+    of any decorated helper in any module (``masking_utils``' mask builders), and a refusal named that generic
+    ``return func(*args, **kwargs)`` line instead of the model's."""
+    def with_wrapped(fn):
+        try:
+            inner = inspect.unwrap(fn)
+        except ValueError:  # a cycle of __wrapped__
+            inner = fn
+        yield inner if inspect.isfunction(inner) else fn
+
     for obj in list(vars(mod).values()):
         if inspect.isfunction(obj) and obj.__module__ == mod.__name__:
-            yield obj
+            yield from with_wrapped(obj)
         elif inspect.isclass(obj) and obj.__module__ == mod.__name__:
             for attr in list(vars(obj).values()):
                 fn = getattr(attr, "__func__", attr)
                 if inspect.isfunction(fn):
-                    yield fn
+                    yield from with_wrapped(fn)
 
 
 def _export(model, ids, seq, is_hf: bool, *, deferred: bool) -> ExportedProgram:
