@@ -202,35 +202,33 @@ def heavy_layout(se):
     return order, bm, 1e3 * (time.perf_counter() - t0)
 
 
+def _with_op_setting(name: str, value, fn, *args, **kw):
+    """``fn(*args, **kw)`` with the varlen op's module attribute ``name`` set to ``value`` for everything ``fn`` runs
+    (forward and backward), put back after, also when it raises."""
+    from unittest import mock
+
+    with mock.patch.object(vta, name, value):
+        return fn(*args, **kw)
+
+
 def segments_only(fn, *args):
     """``fn(*args)`` with the varlen op held to its segment plan (no block-sparse choice)."""
-    limit, vta.VARLEN_GATHER_LIMIT = vta.VARLEN_GATHER_LIMIT, float("inf")
-    try:
-        return fn(*args)
-    finally:
-        vta.VARLEN_GATHER_LIMIT = limit
+    return _with_op_setting("VARLEN_GATHER_LIMIT", float("inf"), fn, *args)
 
 
 def block_sparse_heavy_first(fn, *args, **kw):
-    """``fn(*args, **kw)`` with the varlen op's block-sparse plan in the heaviest-child-first order, for everything
-    ``fn`` runs: forward and backward (the op keeps its plan per order)."""
-    layout, vta.BLOCK_SPARSE_LAYOUT = vta.BLOCK_SPARSE_LAYOUT, "heavy_first"
-    try:
-        return fn(*args, **kw)
-    finally:
-        vta.BLOCK_SPARSE_LAYOUT = layout
+    """``fn(*args, **kw)`` with the varlen op's block-sparse plan in the heaviest-child-first order (the op keeps its
+    plan per order)."""
+    return _with_op_setting("BLOCK_SPARSE_LAYOUT", "heavy_first", fn, *args, **kw)
 
 
 def index_add_sums(fn, *args, **kw):
     """``fn(*args, **kw)`` with the varlen op's per-token copy sums done by ``index_add_`` into float32 (as before
-    session 20), for everything ``fn`` runs: forward and backward."""
+    session 20)."""
     from treecompile.ops.key_copies import sum_copies_index_add
 
-    real, vta.sum_copies = vta.sum_copies, lambda src, runs, key_index, T: sum_copies_index_add(src, key_index, T)
-    try:
-        return fn(*args, **kw)
-    finally:
-        vta.sum_copies = real
+    return _with_op_setting("sum_copies", lambda src, runs, key_index, T: sum_copies_index_add(src, key_index, T),
+                            fn, *args, **kw)
 
 
 def plan_kind(se, q) -> str:

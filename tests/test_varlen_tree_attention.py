@@ -329,7 +329,7 @@ def test_walk_cuts_are_the_same_searched_per_segment_or_at_once(paths, pad_to, s
 
     se = _batch(paths, pad_to).subtree_end
     walks = []
-    for tokens in (0, 10 ** 9):  # every walk batched, every walk per segment
+    for tokens in (0, 10 ** 9):  # every walk per segment, every walk batched
         with mock.patch.object(vta, "BATCHED_CUTS_TOKENS", tokens):
             w = vta._walk(se)
             walks.append((w.starts, w.parents, w.prefix_len, w.n_main, w.gathered))
@@ -787,7 +787,7 @@ def test_deterministic_mode_runs_a_deep_tree_on_its_segments_bit_for_bit(monkeyp
     """A deep tree the op runs block-sparse (FA4's atomic backward) runs its segments under
     ``torch.use_deterministic_algorithms(True)``: two compiled steps give the same loss and gradients bit for bit,
     and their gradients match the default mode's block-sparse run to the bar of the flex comparison above.
-    (Written in session 44 after its leases: not yet run.)"""
+    (Passed on an H200 in session 45, ``benchmarks/results/h200_s45/cg45_test_first.txt``.)"""
     import treecompile
     from treecompile.models import DenseConfig, DenseForCausalLM
     from treecompile.ops import varlen_tree_attention as vta

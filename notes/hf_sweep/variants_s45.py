@@ -1,12 +1,12 @@
 """Session 45: HF causal LMs and config variants the sweep's default configs do not reach (new decoder architecture,
 rope scalings, biases, soft-capping, tensor-parallel slices, sliding windows), tiny, float64, tree vs per-path reference
-with the zoo test's bound (10x the reference's own rounding noise).  PYTHONPATH=. python notes/hf_sweep/variants_s45.py [NAME...]"""
-import re, sys, traceback, warnings
-sys.path.insert(0, "tests")
+with the zoo test's bound (10x the reference's own rounding noise: ``worker.compare``, ``classify_s45.within_noise``).  PYTHONPATH=. python notes/hf_sweep/variants_s45.py [NAME...]"""
+import os, re, sys, warnings
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch, transformers
 import treecompile
-from treecompile import Tree, reference
-from helpers import flat_grads, reference_noise, rel
+from classify_s45 import within_noise
+from worker import PATHS, compare
 
 C = dict(vocab_size=37, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
          num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -55,7 +55,6 @@ CASES = {
     "Phi3LongRope": ("Phi3Config", dict(C, max_position_embeddings=16, original_max_position_embeddings=4,
         rope_scaling={"type": "longrope", "short_factor": [1.0, 1.1, 1.2, 1.3], "long_factor": [2.0, 2.1, 2.2, 2.3]})),
 }
-PATHS = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 9, 10], [1, 2, 11, 12, 13, 14, 15], [1, 2, 3, 4, 5, 6], [1, 7]]
 names = sys.argv[1:] or list(CASES)
 for name in names:
     ccls, kw = CASES[name]
@@ -77,17 +76,11 @@ for name in names:
         msg = str(e).replace("\n", " ")[:300]
         print(f"{name}: REFUSED/ERROR at compile {type(e).__name__}: {msg}", flush=True); continue
     try:
-        batch = Tree.from_paths(PATHS).to_batch()
-        params = [p for p in model.parameters() if p.requires_grad]
-        out = tm(batch)
-        ref = reference.run(model, PATHS)
-        g_tree, g_ref = flat_grads(out.loss, params), flat_grads(ref.loss, params, retain_graph=True)
-        g_err, loss_err = rel(g_tree, g_ref), abs(float(out.loss - ref.loss))
-        g_noise, loss_noise = reference_noise(model, PATHS, None, None, batch, ref, params, g_ref)
-        lp = max(float((a - r.detach()).abs().max()) for a, r in zip(batch.path_logprobs(out.logprobs.detach()), ref.logprobs))
-        ok = g_err <= 10 * g_noise + 1e-12 and loss_err <= 10 * loss_noise + 1e-12 * abs(float(ref.loss)) and lp <= 1e-6
-        print(f"{name}: {'EXACT' if ok else '*** WRONG ***'} g_err {g_err:.2e} (noise {g_noise:.2e}) loss_err {loss_err:.2e} "
-              f"(noise {loss_noise:.2e}) logprob {lp:.2e}", flush=True)
+        r = compare(model, tm, PATHS, grads=True, noise=True)  # the sweep worker's comparison, noise included
+        loss_err = abs(r["loss_tree"] - r["loss_ref"])
+        print(f"{name}: {'EXACT' if within_noise(r) else '*** WRONG ***'} g_err {r['grad_rel']:.2e} "
+              f"(noise {r['noise_grad_rel']:.2e}) loss_err {loss_err:.2e} (noise {r['noise_loss_abs']:.2e}) "
+              f"logprob {r['lp_maxdiff']:.2e}", flush=True)
     except Exception as e:
         msg = str(e).replace("\n", " ")[:300]
         print(f"{name}: ERROR at run {type(e).__name__}: {msg}", flush=True)

@@ -455,7 +455,9 @@ def _block_sparse_plan(subtree_end: Tensor, w: _Walk) -> BlockSparsePlan:
         raise ValueError(f"BLOCK_SPARSE_LAYOUT: expected one of {BLOCK_SPARSE_LAYOUTS}, got {BLOCK_SPARSE_LAYOUT!r}")
     T, order = subtree_end.numel(), None
     if BLOCK_SPARSE_LAYOUT == "heavy_first" and _not_nested(w) is None:
-        order = heavy_first_order(subtree_end)  # [2, T] on the tokens' device
+        order = heavy_first_order(w.se)  # from the walk's host copy: no second read of the device's tensor
+        if subtree_end.device.type != "cpu":
+            order = to_device_async(order, subtree_end.device)
         subtree_end = permuted_subtree_end(subtree_end, order)
     if subtree_end.device.type != "cuda":
         return BlockSparsePlan(subtree_end=subtree_end, mask_end=None, sparse=None, gathered=w.gathered, tail=T,
