@@ -111,13 +111,13 @@ BASELINES = ("eager_per_path", "compiled_per_path", "packed_flex", "compiled_per
 TREE_CONTENDERS = ("tree", "tree_heavy_first", "tree_fa4_varlen", "tree_fa4_flex", "tree_conv_fla",
                    "tree_conv_shifts_inductor", "tree_head_chunked", "tree_head_kept", "tree_keys_gathered",
                    "tree_fa4_interface", "tree_cpp_wrapper", "tree_cudagraphs", "tree_driver_reads",
-                   "tree_deterministic", "tree_block_sparse_heavy_first", "tree_packed", "tree_rf")
+                   "tree_deterministic", "tree_block_sparse_heavy_first", "tree_lex", "tree_packed", "tree_rf")
 CONTENDERS = BASELINES + TREE_CONTENDERS
 # run when named only: the C++ wrapper's first step compiles for minutes (417 s on the 0.6B, session 43), the CUDA
 # graphs' contender was measured slower (session 45), and the driver-reads, deterministic and block-sparse-order
-# trees are A/Bs of one setting against ``tree``
+# trees and the lexicographic serialisation are A/Bs of one setting against ``tree``
 ON_REQUEST = ("tree_cpp_wrapper", "tree_cudagraphs", "tree_driver_reads", "tree_deterministic",
-              "tree_block_sparse_heavy_first")
+              "tree_block_sparse_heavy_first", "tree_lex")
 DEFAULT_CONTENDERS = tuple(c for c in CONTENDERS if c not in ON_REQUEST)
 
 
@@ -947,6 +947,11 @@ class Steps:
         POR 0.9) run that plan; the same TreeModel as ``tree`` (the plan is kept per setting) (CUDA)."""
         return self._cuda_tree_step("the block-sparse plan's order", block_sparse_layout="heavy_first")
 
+    def tree_lex(self):
+        """``tree`` on the same paths serialised in lexicographic order (``Tree.from_paths(order="lex")``, the
+        default until session 46) instead of heaviest child first; the same TreeModel as ``tree``."""
+        return self.tree_step(order="lex")
+
     def _cuda_tree_step(self, option: str, **kw):
         """``tree_step(**kw)`` on CUDA; elsewhere a skip naming ``option`` (a CUDA lowering option)."""
         if self.dev.type != "cuda":
@@ -955,12 +960,15 @@ class Steps:
 
     def tree_step(self, layout="dfs", kernel="auto", conv="auto", head="auto", keys="auto", replay=True,
                   cpp_wrapper=False, driver_reads=False, deterministic=False, cudagraphs=False,
-                  block_sparse_layout=None):
+                  block_sparse_layout=None, order=None):
+        from treecompile import Tree
+
+        tree = self.tree if order is None else Tree.from_paths([list(p) for p in self.case.paths], order=order)
         tm = self._tree_model(layout=layout, kernel=kernel, conv=conv, head=head, keys=keys, cpp_wrapper=cpp_wrapper,
                               cudagraphs=cudagraphs)
 
         def make():
-            return [self.tree.to_batch(normalize=self.cfg.normalize, device=self.dev)]
+            return [tree.to_batch(normalize=self.cfg.normalize, device=self.dev)]
 
         (batch,) = batches = make()
         step = batches_step(tm, batches, self.zero, make)
@@ -976,7 +984,7 @@ class Steps:
             step = _with_deterministic(step)
         if block_sparse_layout is not None:
             step = _with_block_sparse_layout(step, block_sparse_layout)
-        return step, self.tree.num_tokens, _tree_entries([batch.position_ids[:self.tree.num_tokens]])
+        return step, tree.num_tokens, _tree_entries([batch.position_ids[:tree.num_tokens]])
 
     def tree_packed(self):
         from treecompile.runtime.partition import pack

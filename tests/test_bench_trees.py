@@ -209,17 +209,21 @@ def test_harness_cpu_smoke(tmp_path):
     from benchmarks import harness
 
     rc = harness.main(["--device", "cpu", "--tiny", "--model", "dense-tiny", "--dtype", "float64", "--suite", "sweep",
-                       "--por", "0.7", "--contenders", "eager_per_path", "tree", "tree_packed", "--out", str(tmp_path)])
+                       "--por", "0.7", "--contenders", "eager_per_path", "tree", "tree_lex", "tree_packed", "--out",
+                       str(tmp_path)])
     assert rc == 0
     rows = {r["contender"]: r for r in csv.DictReader(open(tmp_path / "results.csv"))}
-    assert set(rows) == {"eager_per_path", "tree", "tree_packed"}
+    assert set(rows) == {"eager_per_path", "tree", "tree_lex", "tree_packed"}
     assert all(r["status"] == "ok" for r in rows.values()), rows
     tree = rows["tree"]
     assert float(tree["loss_rel_dev"]) < 1e-9 and float(tree["grad_cos"]) > 1 - 1e-9
     assert float(rows["tree_packed"]["loss_rel_dev"]) < 1e-9
+    # the lexicographic serialisation: the same tokens, equal to per-path too
+    assert float(rows["tree_lex"]["loss_rel_dev"]) < 1e-9 and float(rows["tree_lex"]["grad_cos"]) > 1 - 1e-9
+    assert rows["tree_lex"]["tree_tokens"] == tree["tree_tokens"]
     # bound = per-path FLOPs / tree FLOPs > 1 at POR 0.7; and computed tokens == unique tokens
     assert int(tree["computed_tokens"]) == int(tree["tree_tokens"]) and float(tree["bound"]) > 2
-    assert (tmp_path / "tables.md").read_text().count("| dense-tiny") == 3
+    assert (tmp_path / "tables.md").read_text().count("| dense-tiny") == 4
 
 
 def test_harness_packed_flex_in_several_packs_matches_per_path(tmp_path):

@@ -127,7 +127,9 @@ def test_chains_merge_and_replay_cut_calls():
     chain = Tree.from_paths(TREES["chains"]).to_batch()
     p0 = fla_gdn.plan_calls(chain.node_start, chain.node_end, chain.node_parent, replay_max=0)
     assert p0.levels == 5 and p0.calls == 2 and p0.replayed_tokens == 0  # root chain, then its two branches
-    deep = Tree.from_paths(ODD_TREES["one_token_nodes"]).to_batch()  # 1 -> 5 -> 8 -> {9, 2}, one-token nodes
+    # 1 -> 5 -> 8 -> {9, 2}, one-token nodes; lexicographic: each level's nodes come after the previous level's
+    # (heavy-first visits 8's subtree before 5's other child, so its levels interleave and the rows are gathered)
+    deep = Tree.from_paths(ODD_TREES["one_token_nodes"], order="lex").to_batch()
     p0 = fla_gdn.plan_calls(deep.node_start, deep.node_end, deep.node_parent, replay_max=0)
     p1 = fla_gdn.plan_calls(deep.node_start, deep.node_end, deep.node_parent, replay_max=1)
     p3 = fla_gdn.plan_calls(deep.node_start, deep.node_end, deep.node_parent, replay_max=3)
@@ -141,6 +143,9 @@ def test_chains_merge_and_replay_cut_calls():
         assert torch.equal(p.index[p.out_rows], torch.arange(deep.seq_len))
     assert p0.identity  # one node per level, levels in DFS order: the rows need no gather
     assert not p1.identity and not p3.identity  # replayed rows
+    hf = Tree.from_paths(ODD_TREES["one_token_nodes"]).to_batch()
+    p0 = fla_gdn.plan_calls(hf.node_start, hf.node_end, hf.node_parent, replay_max=0)
+    assert p0.calls == p0.levels == 4 and not p0.identity and torch.equal(p0.index[p0.out_rows], torch.arange(10))
 
 
 def test_full_replay_runs_the_per_path_rows_in_one_call():

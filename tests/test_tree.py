@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from treecompile import NORMALIZATIONS, Tree, TreeBatch
-from treecompile.tree import _range_sums, ancestor_index
+from treecompile.ops.tree_layout import heavy_first_order
+from treecompile.tree import ORDERS, _range_sums, ancestor_index
 from strategies import ODD_TREES, path_sets, weighted_path_sets
 
 
@@ -24,8 +25,9 @@ def prefix_key(tree: Tree, t: int) -> tuple:
     return tuple(reversed(out))
 
 
-def check_structure(paths):
-    tree = Tree.from_paths(paths)
+def check_structure(paths, order="heavy_first"):
+    tree = Tree.from_paths(paths, order=order)
+    assert tree.order == order
     T = tree.num_tokens
     prefixes = {tuple(p[: i + 1]) for p in paths for i in range(len(p))}
     # each unique token (= unique prefix) appears exactly once
@@ -73,14 +75,65 @@ def check_structure(paths):
 
 
 @settings(max_examples=150, deadline=None)
+@given(path_sets(), st.sampled_from(ORDERS))
+def test_structure_random(paths, order):
+    check_structure(paths, order)
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("name", sorted(ODD_TREES))
+def test_structure_odd(name, order):
+    check_structure(ODD_TREES[name], order)
+
+
+def check_heavy_first(paths):
+    """``order="heavy_first"``: every node's children (and the roots) start in order of non-increasing subtree
+    size, ties in the lexicographic tree's order; the tokens are the lexicographic tree's in
+    ``tree_layout.heavy_first_order`` (computed independently, from ``subtree_end`` alone), with the same paths,
+    depths, links and weights."""
+    lex, hf = Tree.from_paths(paths, order="lex"), Tree.from_paths(paths, order="heavy_first")
+    size = (hf.node_subtree_end - hf.node_start).tolist()
+    kids: dict[int, list[int]] = {}
+    for n, p in enumerate(hf.node_parent.tolist()):
+        kids.setdefault(p, []).append(n)  # nodes are numbered in DFS order: siblings in visiting order
+    for group in kids.values():
+        sizes = [size[n] for n in group]
+        assert sizes == sorted(sizes, reverse=True)
+    perm, pos = heavy_first_order(lex.subtree_end)
+    assert torch.equal(hf.input_ids, lex.input_ids[perm]) and torch.equal(hf.depth, lex.depth[perm])
+    assert torch.equal(hf.subtree_end, pos[perm] + (lex.subtree_end - torch.arange(lex.num_tokens))[perm])
+    assert torch.equal(hf.pred, torch.where(lex.pred >= 0, pos[lex.pred.clamp(min=0)], -1)[perm])
+    assert torch.equal(hf.path_index, pos[lex.path_index]) and torch.equal(hf.path_end, pos[lex.path_end])
+    for normalize in NORMALIZATIONS:
+        torch.testing.assert_close(hf.token_weights(normalize), lex.token_weights(normalize)[perm],
+                                   rtol=1e-15, atol=0)
+
+
+@settings(max_examples=150, deadline=None)
 @given(path_sets())
-def test_structure_random(paths):
-    check_structure(paths)
+def test_heavy_first_order_random(paths):
+    check_heavy_first(paths)
 
 
 @pytest.mark.parametrize("name", sorted(ODD_TREES))
-def test_structure_odd(name):
-    check_structure(ODD_TREES[name])
+def test_heavy_first_order_odd(name):
+    check_heavy_first(ODD_TREES[name])
+
+
+def test_heavy_first_visits_the_light_branch_last():
+    """A spine with a one-token leaf off every node: lexicographically the leaf (a smaller id) comes first, so
+    every later spine node starts a new tile-straddling branch; heavy-first puts each leaf after the spine."""
+    paths = [[1, 50, 51, 52, 53], [1, 2], [1, 50, 3], [1, 50, 51, 4]]
+    assert Tree.from_paths(paths, order="lex").input_ids.tolist() == [1, 2, 50, 3, 51, 4, 52, 53]
+    assert Tree.from_paths(paths).input_ids.tolist() == [1, 50, 51, 52, 53, 4, 3, 2]
+
+
+def test_order_is_checked_and_kept_by_merge():
+    with pytest.raises(ValueError, match="order: expected one of"):
+        Tree.from_paths([[1, 2]], order="bfs")
+    a, b = Tree.from_paths([[1, 2], [1, 3, 4]], order="lex"), Tree.from_paths([[5, 6]], order="lex")
+    assert Tree.merge([a, b]).order == "lex"
+    assert Tree.merge([a, Tree.from_paths([[5, 6]])]).order == "heavy_first"  # mixed: the default
 
 
 def per_path_loss(paths, masks, weights, losses, normalize):

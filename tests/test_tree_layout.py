@@ -83,7 +83,8 @@ def test_heaviest_child_first_and_padding_last():
 
 
 def test_reorder_fires_on_a_comb_and_removes_partial_tiles():
-    batch = Tree.from_paths(comb_paths(60, 90, 95, seed=3)).to_batch(pad_to_multiple=128)
+    # lexicographic: this comb's DFS order then visits each short leaf before the spine goes on
+    batch = Tree.from_paths(comb_paths(60, 90, 95, seed=3), order="lex").to_batch(pad_to_multiple=128)
     se = batch.subtree_end
     order = heavy_first_order(se)
     assert not torch.equal(order[0], torch.arange(se.numel()))  # it fired
@@ -163,7 +164,7 @@ def test_lowered_graph_with_heavy_first_layout_is_exact(monkeypatch):
     rng = random.Random(0)
     paths = [[rng.randrange(1, 60) for _ in range(n)] for n in (3, 9, 1)] + comb_paths(6, 5, 7)
     paths = [[t % 60 + 1 for t in p] for p in paths]
-    batch = Tree.from_paths(paths).to_batch(pad_to_multiple=16)
+    batch = Tree.from_paths(paths, order="lex").to_batch(pad_to_multiple=16)  # a reorder that moves tokens
     params = [p for p in model.parameters()]
     ref = tm(batch)
     ref_grads = torch.autograd.grad(ref.loss, params)
@@ -216,7 +217,8 @@ def test_heavy_first_on_cuda_matches_dfs(compile_cuda):
     # head_dim 16 as the harness's dense-tiny16 (flex needs >= 16; with DenseConfig.tiny's head_dim 8 the
     # capture on CUDA hit a length guard in SDPA's CUDA path and was refused: H100 run, session 5)
     model = DenseForCausalLM(DenseConfig.tiny(hidden_size=64, head_dim=16)).cuda()
-    batch = Tree.from_paths([[t % 60 + 1 for t in p] for p in comb_paths(30, 40, 45, seed=5)]).to_batch(device="cuda")
+    batch = Tree.from_paths([[t % 60 + 1 for t in p] for p in comb_paths(30, 40, 45, seed=5)],
+                            order="lex").to_batch(device="cuda")
     params = list(model.parameters())
     res = {}
     for layout in ("dfs", "heavy_first"):

@@ -23,7 +23,7 @@ from tests.strategies import ODD_TREES, path_sets
 from tests.test_fa4_tree_attention import assert_bf16_tree_kernel_near_oracle, forest_paths
 from tests.test_flex_tree_attention import ancestor_mask, out_and_grads
 from treecompile import Tree
-from treecompile.tree import _TENSOR_FIELDS
+from treecompile.tree import _TENSOR_FIELDS, DEFAULT_ORDER, ORDERS
 from treecompile.ops import key_copies
 from treecompile.ops.tree_attention import tree_attention_reference, tree_mask
 from treecompile.ops.varlen_tree_attention import segment_plan, tree_attention_varlen
@@ -44,8 +44,8 @@ def plan_mask(plan, T: int) -> torch.Tensor:
     return m
 
 
-def _batch(paths, pad_to=None):
-    return Tree.from_paths(paths).to_batch(pad_to_multiple=pad_to)
+def _batch(paths, pad_to=None, order=DEFAULT_ORDER):
+    return Tree.from_paths(paths, order=order).to_batch(pad_to_multiple=pad_to)
 
 
 @pytest.mark.parametrize("name", sorted(ODD_TREES))
@@ -432,16 +432,17 @@ def test_deterministic_mode_keeps_fa4_off_its_block_sparse_backward(monkeypatch)
 
 @settings(max_examples=40, deadline=None)
 @given(path_sets(max_paths=8, max_len=10), st.sampled_from([0.0, 3.0, float("inf")]), st.sampled_from([None, 8, 13]),
-       st.sampled_from(["dfs", "heavy_first"]))
-def test_op_equals_the_dense_reference_hypothesis(paths, limit, pad_to, layout):
-    """Any tree, either plan (the limit forced low, as shipped, or high), the block-sparse plan in either order,
-    padded or not: out and q/k/v gradients of the op equal the dense-mask reference in float64."""
+       st.sampled_from(["dfs", "heavy_first"]), st.sampled_from(ORDERS))
+def test_op_equals_the_dense_reference_hypothesis(paths, limit, pad_to, layout, order):
+    """Any tree in either serialisation, either plan (the limit forced low, as shipped, or high), the block-sparse
+    plan in either order, padded or not: out and q/k/v gradients of the op equal the dense-mask reference in
+    float64."""
     from treecompile.ops import varlen_tree_attention as vta
 
     old, vta.VARLEN_GATHER_LIMIT = vta.VARLEN_GATHER_LIMIT, limit
     old_layout, vta.BLOCK_SPARSE_LAYOUT = vta.BLOCK_SPARSE_LAYOUT, layout
     try:
-        se = _batch(paths, pad_to).subtree_end.clone()  # a tensor of its own per example: one plan each
+        se = _batch(paths, pad_to, order).subtree_end.clone()  # a tensor of its own per example: one plan each
         q, k, v = _qkv(se.numel(), 4, 2, 4, seed=se.numel())
         do = torch.randn(1, 4, se.numel(), 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
         assert_same_as(lambda a, b_, c: tree_attention_varlen(a, b_, c, se, scale=0.5),
@@ -481,7 +482,7 @@ def test_block_sparse_plan_in_heavy_first_order_equals_the_batch_order_and_the_r
     from treecompile.ops.tree_layout import permuted_subtree_end
 
     monkeypatch.setattr(vta, "VARLEN_GATHER_LIMIT", 0.0)
-    b = _batch(_deep_paths(10, 2), pad_to)
+    b = _batch(_deep_paths(10, 2), pad_to, order="lex")  # its DFS order visits the light leaves first
     T = b.seq_len
     q, k, v = _qkv(T, H, Hkv, 8, seed=H + T)
     do = torch.randn(1, H, T, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(3))

@@ -15,6 +15,17 @@ Construction is vectorised so that 10M path tokens serialise in well under a sec
    gives each new suffix its attachment point (path predecessor) and the radix cut points;
 4. nodes, subtree ends, levels, and the path -> DFS index map follow from those.
 
+The walk serialises any *DFS leaf order* of the trie (one in which the paths through each node are contiguous),
+not only the sorted one.  ``order="heavy_first"`` (the default since session 46) walks the paths a second time,
+sorted by where their last tokens land in the pre-order that visits every node's children, and the roots, largest
+subtree first (ties in sorted order).  Any DFS order gives the same results; this one decides how tree attention
+tiles: the tokens that see a node but not its first child are its later children, so with the heavy child first
+the light branches (a dropped reasoning turn, a short tool call) come last and fewer 128 x 128 tiles straddle a
+mask edge (the deep-agent tree: 1,185 -> 439 partial tiles; FA4's block-sparse attention on deep agentic trees
+44 -> 71 % of its causal rate on an H200, ``benchmarks/results/h200_s46``).  ``order="lex"`` keeps the sorted
+order.  The cost is a second walk and a loop over the radix nodes: 1.2-1.6x the build (this CPU: 8.4M path
+tokens 0.50 -> 0.63 s, 20k paths of 64 tokens 0.16 -> 0.25 s).
+
 This module depends on nothing else in the package.
 """
 
@@ -34,6 +45,8 @@ from treecompile.host_values import host_copy, remembered_host, repeat_counts, s
 __all__ = ["Tree", "TreeBatch", "NORMALIZATIONS", "path_coefficients", "ancestor_index"]
 
 NORMALIZATIONS = ("sum", "path_mean", "token_mean")
+ORDERS = ("heavy_first", "lex")
+DEFAULT_ORDER = "heavy_first"
 DEFAULT_CONV_KERNEL = 4
 
 
@@ -128,6 +141,55 @@ def _walk_sorted(skeys: list[bytes]):
     return lcp_l, len_l, start_l, first_pred, end_pos, cuts, T
 
 
+def _links(walk):
+    """Path predecessors ``[T]`` (-1 at a root) and radix cut points ``[T]`` (bool) of a walk's DFS order."""
+    lcp_l, len_l, start_l, first_pred, _, cuts, T = walk
+    start = torch.tensor(start_l, dtype=torch.long)
+    has_new = torch.tensor(len_l, dtype=torch.long) > torch.tensor(lcp_l, dtype=torch.long)
+    pred = torch.arange(T, dtype=torch.long) - 1
+    pred[start[has_new]] = torch.tensor(first_pred, dtype=torch.long)[has_new]
+    is_cut = torch.zeros(T, dtype=torch.bool)
+    is_cut[torch.tensor(cuts, dtype=torch.long)] = True
+    return pred, is_cut
+
+
+def _heavy_first_paths(order: list[int], walk) -> list[int]:
+    """The paths (``order``: sorted, as the walk ``walk`` took them) in the order that serialises the same
+    trie with every node's children (and the roots) visited largest subtree first, ties in ``order``'s order.
+
+    In any DFS pre-order a path's tokens come before those of every path its last token is an ancestor of,
+    and the paths through a node end inside its subtree's contiguous range; so sorting the paths by where
+    their last tokens land in the heavy-first pre-order (duplicates stay adjacent) gives a path order in
+    which each path shares with its predecessor its longest prefix with all earlier paths, which is what
+    :func:`_walk_sorted` needs.  Host work: tensor ops plus one Python loop over the radix nodes.
+    """
+    end_pos, T = walk[4], walk[6]
+    pred, is_cut = _links(walk)
+    node_start, node_end, node_id, node_parent, _, node_subtree_end = _radix_nodes(is_cut, pred)
+    N = node_start.numel()
+    size = node_subtree_end - node_start
+    # siblings grouped by parent, largest subtree first, ties in DFS order (stable sorts)
+    by_size = torch.sort(-size, stable=True).indices
+    sib = by_size[torch.sort(node_parent[by_size], stable=True).indices]
+    s = size[sib]
+    before = torch.cumsum(s, 0) - s  # sizes of the siblings sorted before, plus of the earlier groups
+    group_start = torch.ones(N, dtype=torch.bool)
+    group_start[1:] = node_parent[sib][1:] != node_parent[sib][:-1]
+    first = torch.cummax(torch.where(group_start, torch.arange(N), 0), 0).values
+    offset = torch.empty(N, dtype=torch.long)
+    offset[sib] = before - before[first]
+    new_start = offset.tolist()
+    parent, length = node_parent.tolist(), (node_end - node_start).tolist()
+    for n in range(N):  # a parent comes before its children in any DFS order
+        p = parent[n]
+        if p >= 0:
+            new_start[n] += new_start[p] + length[p]
+    ends = torch.tensor(end_pos, dtype=torch.long)
+    nid = node_id[ends]
+    where = torch.tensor(new_start, dtype=torch.long)[nid] + ends - node_start[nid]
+    return [order[i] for i in torch.sort(where, stable=True).indices.tolist()]
+
+
 def _radix_nodes(is_cut: torch.Tensor, pred: torch.Tensor):
     """Radix nodes from a cut mask ``[T]`` (True where a node starts; True at 0) and the path
     predecessors: start, end, per-token node id, parent, level, subtree end."""
@@ -161,6 +223,7 @@ class Tree:
     Build with :meth:`from_paths`.  Token-level tensors (length ``num_tokens``, DFS order):
     ``input_ids``, ``depth`` (index of the token within any path containing it), ``pred`` (DFS
     index of the previous token on the path, -1 at the root), ``node_id``, ``subtree_end``.
+    ``order`` names the serialisation (``ORDERS``; module docstring).
     Node-level tensors (radix nodes, DFS order): ``node_start``, ``node_end``, ``node_parent``
     (-1 for roots), ``node_level`` (0 for roots), ``node_subtree_end``.  Path-level data, in the
     caller's path order: ``path_lengths``, ``path_offsets`` and ``path_index`` (DFS index of every
@@ -178,6 +241,7 @@ class Tree:
         *,
         loss_masks: Sequence[Sequence[int]] | None = None,
         path_weights: Sequence[float] | None = None,
+        order: str = DEFAULT_ORDER,
     ) -> "Tree":
         if isinstance(paths, (str, bytes)) or not hasattr(paths, "__len__"):
             raise ValueError("paths: expected a sequence of token-id sequences")
@@ -188,11 +252,20 @@ class Tree:
         lengths_list = [len(a) for a in arrays]
         keys = [a.tobytes() for a in arrays]
         del arrays
+        if order not in ORDERS:
+            raise ValueError(f"order: expected one of {ORDERS}, got {order!r}")
+        kind = order
         order = sorted(range(P), key=keys.__getitem__)
         skeys = [keys[i] for i in order]
+        walk = _walk_sorted(skeys)
+        if kind == "heavy_first":
+            # the paths again, in the order their last tokens take in the heavy-first pre-order: a DFS leaf
+            # order of the same trie, so the same walk serialises it (module docstring)
+            order = _heavy_first_paths(order, walk)
+            skeys = [keys[i] for i in order]
+            walk = _walk_sorted(skeys)
         del keys
-
-        lcp_l, len_l, start_l, first_pred, end_pos, cuts, T = _walk_sorted(skeys)
+        lcp_l, len_l, start_l, first_pred, end_pos, cuts, T = walk
         new_tokens = b"".join([k[l << 3:] for k, l in zip(skeys, lcp_l)])
         del skeys
 
@@ -202,20 +275,15 @@ class Tree:
         start = torch.tensor(start_l, dtype=torch.long)
         new_len = torch.tensor(len_l, dtype=torch.long) - lcp
         has_new = new_len > 0
-        ar = torch.arange(T, dtype=torch.long)
         input_ids = torch.frombuffer(bytearray(new_tokens), dtype=torch.int64)
-        depth = ar - repeat_counts(start - lcp, new_len, T)
-        pred = ar - 1
-        fp = torch.tensor(first_pred, dtype=torch.long)
-        pred[start[has_new]] = fp[has_new]
+        depth = torch.arange(T, dtype=torch.long) - repeat_counts(start - lcp, new_len, T)
+        pred, is_cut = _links(walk)
         if T and int(input_ids.min()) < 0:  # every path token is some unique token: check those
             t = int(torch.nonzero(input_ids < 0)[0])
             i = int(torch.searchsorted(start[has_new], t, right=True)) - 1
             raise ValueError(f"path {order[int(torch.nonzero(has_new)[i])]}: token ids must be "
                              f"non-negative integers (found {int(input_ids[t])})")
 
-        is_cut = torch.zeros(T, dtype=torch.bool)
-        is_cut[torch.tensor(cuts, dtype=torch.long)] = True
         node_start, node_end, node_id, node_parent, node_level, node_subtree_end = _radix_nodes(is_cut, pred)
 
         rank = torch.empty(P, dtype=torch.long)
@@ -240,6 +308,7 @@ class Tree:
         self.path_lengths = lengths
         self.path_offsets = path_offsets
         self.path_end = torch.tensor(end_pos, dtype=torch.long)[rank]
+        self.order = kind
         self._sorted = (lcp_l, len_l, start_l, order)
         self._path_index = None
         self._loss_mask = self._check_masks(loss_masks, lengths_list)
@@ -262,7 +331,9 @@ class Tree:
         if not all(t.has_default_masks for t in trees):
             masks = [m for t in trees for m in t.loss_mask.split(t.path_lengths.tolist())]
         weights = torch.cat([t.path_weights for t in trees])
-        return cls.from_paths(paths, loss_masks=masks, path_weights=weights)
+        orders = {t.order for t in trees}
+        return cls.from_paths(paths, loss_masks=masks, path_weights=weights,
+                              order=orders.pop() if len(orders) == 1 else DEFAULT_ORDER)
 
     @property
     def path_index(self) -> torch.Tensor:

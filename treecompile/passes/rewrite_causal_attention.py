@@ -384,7 +384,7 @@ def _bias_exact_on_tree(probe: Probe, ctx: PassContext, qk: fx.Node, s: fx.Node,
     """The bias the graph computes on a tree equals the per-path bias on every pair of one path; the tree
     (:func:`token_probe.probe_tree`) has pairs whose DFS distance exceeds ``reach`` (the longest probe length: one
     past every number the bias holds) while their path distance does not."""
-    tree = Tree.from_paths(probe_tree(reach))
+    tree = Tree.from_paths(probe_tree(reach), order="heavy_first")  # the long branch first (probe_tree)
     batch = tree.to_batch()
     zero = _probe_value(torch.zeros(concrete_shape(qk.meta["val"], ctx, batch.seq_len), dtype=qk.meta["val"].dtype))
     out = probe.run([s], batch, {qk: zero})

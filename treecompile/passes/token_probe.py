@@ -45,7 +45,9 @@ def probe_tree(reach: int) -> list[list[int]]:
     """:data:`PROBE_TREE`, and where ``reach`` (one past the largest distance a checked subgraph holds) exceeds
     what it spans, a long branch of ``reach`` tokens followed in DFS order by a short sibling branch: pairs of
     the sibling's path then lie ``> reach`` apart in the DFS sequence but a few tokens apart on their path, so a
-    pattern built from DFS indices (``tril`` of a ``[T, T]`` tensor) instead of positions shows there."""
+    pattern built from DFS indices (``tril`` of a ``[T, T]`` tensor) instead of positions shows there.  The caller
+    serialises it with ``order="heavy_first"`` (the long branch first, as above), not the Tree's default, so that
+    the probe does not move when that default does."""
     if reach + 4 <= max(map(len, PROBE_TREE)):
         return PROBE_TREE
     return PROBE_TREE + [[90, 91] + list(range(1000, 1000 + reach)), [90, 91, 92, 93, 94]]

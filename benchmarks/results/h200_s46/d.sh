@@ -1,0 +1,19 @@
+# session 46 device calls (one H200 per lease): session 45's modes, and the heavy-first serialisation
+#   bash d.sh order46 TREE    prof_step on the agentic tree TREE (deep-agent, parallel-tools): packed FA4 varlen,
+#                             `tree` (the Tree built heaviest child first, the new default) and `tree_lex` (the
+#                             lexicographic serialisation, the old default) in one process ($OUT/o46_TREE.txt)
+#   bash d.sh attn46          bench_fa4_attention's fa4_varlen on trees built heaviest child first (the default now):
+#                             POR 0.9 at 32k and 64k, deep-16k, deep-32k, deep-agent, with FA4 causal ($OUT/attn46)
+#   bash d.sh MODE ...        any other mode: h200_s45/d.sh MODE ... (rows46 N, hf46, hfprof46, install, prof ...)
+mode=$1
+if [ "$mode" = order46 ]; then
+  bash benchmarks/results/h200_s40/d.sh prof o46_$2 ${T:-560} --model qwen3-0.6b --agentic $2 \
+    --contenders ${C:-packed_fa4_varlen tree tree_lex} --iters 10
+elif [ "$mode" = attn46 ]; then
+  source benchmarks/results/h100_s18/pre.sh
+  timeout ${T:-300} python benchmarks/bench_fa4_attention.py --sizes 32768,65536 --pors 0.9 --deep deep-16k,deep-32k \
+    --agentic deep-agent --contenders fa4_varlen --out $OUT/attn46 2>&1 \
+    | grep -v -i 'warn\|aux_data\|exe_args\|TileLang' | tee $OUT/attn46_log.txt | tail -16
+else
+  bash benchmarks/results/h200_s45/d.sh "$@"
+fi
