@@ -66,6 +66,7 @@ from bench_attention import H, HKV, D, DTYPE, TreeSpec, random_tree_paths, sampl
 from trees import AgenticSpec, agentic_paths, agentic_specs, harness_tree_paths  # noqa: E402
 
 from treecompile import Tree  # noqa: E402
+from treecompile.tree import DEFAULT_ORDER, ORDERS  # noqa: E402
 from treecompile.ops import fa4_tree_attention as fa4  # noqa: E402
 from treecompile.ops import flex_tree_attention as fta  # noqa: E402
 from treecompile.ops.tree_layout import heavy_first_order, permuted_subtree_end, reordered_attention  # noqa: E402
@@ -301,6 +302,9 @@ def main() -> None:
     ap.add_argument("--agentic", default="", help="the harness's agentic trees, comma-separated names of "
                     "trees.agentic_specs (e.g. deep-agent,parallel-tools: the end-to-end rows' trees)")
     ap.add_argument("--contenders", default="flex_triton,fa4_flex,fa4_direct")
+    ap.add_argument("--order", default=DEFAULT_ORDER, choices=ORDERS,
+                    help="how the trees are serialised (Tree.from_paths' order; default %(default)s, the library's; "
+                         "'lex' is the sorted order, every tree's before session 46)")
     ap.add_argument("--out", default=None, help="folder for fa4_attention.{json,md}")
     ap.add_argument("--shape", default=f"{H}:{HKV}:{D}", help="heads:kv_heads:head_dim (default %(default)s; "
                     "the Qwen3.5 hybrids' attention: 8:2:256)")
@@ -316,21 +320,21 @@ def main() -> None:
     cases = []  # (case name, T, Tree)
     for T in [int(s) for s in a.sizes.split(",") if s]:
         for por in [float(p) for p in a.pors.split(",") if p]:
-            tree = Tree.from_paths(random_tree_paths(TreeSpec(T, por)))
+            tree = Tree.from_paths(random_tree_paths(TreeSpec(T, por)), order=a.order)
             cases.append((f"syn T={T} POR={tree.por:.2f}", tree))
     for item in [x for x in a.harness.split(",") if x]:
-        tree = Tree.from_paths(harness_tree_paths(item))
+        tree = Tree.from_paths(harness_tree_paths(item), order=a.order)
         cases.append((f"harness {item} T={tree.num_tokens} POR={tree.por:.2f}", tree))
     try:
         specs = agentic_specs(names=[x for x in a.agentic.split(",") if x]) if a.agentic else []
     except ValueError as e:
         raise SystemExit(f"--agentic: {e}") from None
     for spec in specs:
-        tree = Tree.from_paths(agentic_paths(spec))
+        tree = Tree.from_paths(agentic_paths(spec), order=a.order)
         cases.append((f"harness agentic {spec.name} T={tree.num_tokens} POR={tree.por:.2f}", tree))
     for spec in DEEP:
         if a.deep != "none" and spec.name in a.deep.split(","):
-            tree = Tree.from_paths(agentic_paths(spec))
+            tree = Tree.from_paths(agentic_paths(spec), order=a.order)
             cases.append((f"agentic {spec.name} T={tree.num_tokens} POR={tree.por:.2f}", tree))
     stats, rows = [], []
     causal = {}

@@ -41,6 +41,7 @@ from bench_fa4_attention import DEEP  # noqa: E402
 from trees import agentic_paths, harness_tree_paths  # noqa: E402
 
 from treecompile import Tree  # noqa: E402
+from treecompile.tree import DEFAULT_ORDER, ORDERS  # noqa: E402
 from treecompile.ops.flex_tree_attention import tree_block_classes  # noqa: E402
 from treecompile.ops.tree_layout import heavy_first_order, permuted_subtree_end  # noqa: E402
 from treecompile.ops.varlen_tree_attention import BlockSparsePlan, segment_plan, tree_attention_plan  # noqa: E402
@@ -153,18 +154,21 @@ def main() -> None:
     ap.add_argument("--deep", default="deep-16k,deep-32k")
     ap.add_argument("--harness", default="", help="the harness's synthetic trees, comma-separated PATHSxLEN@POR")
     ap.add_argument("--out", default=None, help="folder for tile_cost_model.{json,md}")
+    ap.add_argument("--order", default=DEFAULT_ORDER, choices=ORDERS,
+                    help="how the trees are serialised (Tree.from_paths' order; default %(default)s, the library's; "
+                         "'lex' is the sorted order, every tree's before session 46)")
     a = ap.parse_args()
     cases = []
     for T in [int(s) for s in a.sizes.split(",") if s]:
         for por in [float(p) for p in a.pors.split(",") if p]:
-            tree = Tree.from_paths(random_tree_paths(TreeSpec(T, por)))
+            tree = Tree.from_paths(random_tree_paths(TreeSpec(T, por)), order=a.order)
             cases.append((f"syn T={T} POR={tree.por:.2f}", tree))
     for item in [x for x in a.harness.split(",") if x]:
-        tree = Tree.from_paths(harness_tree_paths(item))
+        tree = Tree.from_paths(harness_tree_paths(item), order=a.order)
         cases.append((f"harness {item} T={tree.num_tokens} POR={tree.por:.2f}", tree))
     for spec in DEEP:
         if spec.name in a.deep.split(","):
-            tree = Tree.from_paths(agentic_paths(spec))
+            tree = Tree.from_paths(agentic_paths(spec), order=a.order)
             cases.append((f"agentic {spec.name} T={tree.num_tokens} POR={tree.por:.2f}", tree))
     rows = []
     for case, tree in cases:

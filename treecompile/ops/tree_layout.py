@@ -10,10 +10,12 @@ partial (evaluate the mask_mod on every entry) rather than full or empty:
 * so the child visited first should be the one whose siblings' subtrees are small, i.e. the heaviest
   child (largest subtree) first, the light ones (a dropped reasoning turn, a short tool branch) after.
 
-On deep agentic trees (50+ levels, ~90-token nodes, a light leaf hanging off every spine node) the
-caller's DFS order visits children in token-sort order, which puts a leaf before the spine's next node
-about half of the time: 71 % of the non-empty tiles are partial.  Heaviest-first takes that to 13-14 %
-and the computed tiles down by 27-29 % (``benchmarks/tile_cost_model.py``, benchmarks/results/HISTORY.md).
+On deep agentic trees (50+ levels, ~90-token nodes, a light leaf hanging off every spine node) a
+lexicographic DFS order (``Tree.from_paths(order="lex")``) visits children in token-sort order, which puts a
+leaf before the spine's next node about half of the time: 71 % of the non-empty tiles are partial.
+Heaviest-first takes that to 13-14 % and the computed tiles down by 27-29 % (``benchmarks/tile_cost_model.py``,
+benchmarks/results/HISTORY.md).  ``Tree.from_paths`` builds this order itself by default (since session 46), so
+the reorder below only moves tokens of a batch serialised otherwise.
 
 :func:`heavy_first_order` computes the permutation from ``subtree_end`` alone (the same input the
 BlockMask is built from); :func:`permuted_subtree_end` gives the tree rule in the new order, and

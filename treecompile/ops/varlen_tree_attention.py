@@ -35,8 +35,10 @@ first, so that fewer 128 x 128 tiles straddle a node boundary and evaluate the m
 partial tiles instead of 1,185, computed tiles -7 %); q, k, v are permuted in and the output and log-sum-exp back
 (the backward likewise), which is exact (a permutation of queries and keys with the mask permuted alike).  A
 ``subtree_end`` that is not nested keeps the batch's order (the mask's rule holds in any order; the permutation
-needs a tree).  Not the default until timed on a GPU: session 5's kernel bench had this order 1.6x faster on deep
-agentic trees and 5-7 % slower on POR 0.9 trees, which take this plan too.
+needs a tree).  Off by default: ``Tree.from_paths`` builds trees in that order already (its default since session
+46), which takes the same tiles with no permutation; timed on an H200 on a lexicographic deep-agent tree, the
+permutations cost 11 ms of kernels a step and kept half the gain (298.4 ms against 285.0 ms for the tree built in
+that order, ``benchmarks/results/h200_s46``).  The setting is for batches serialised in another order.
 The block-sparse tiles need head dim 64 or 128 (``fa4_tree_attention.FA4_HEAD_DIMS``); other head dims keep the
 varlen kernel up to ``MAX_GATHER_FACTOR`` (:func:`segments_fit`: past it the op refuses, and the lowering's
 ``"auto"`` runs such a batch through flex instead).  Off CUDA both plans run float64-exact reference kernels, so
@@ -171,8 +173,8 @@ MAX_GATHER_ROWS = 1 << 16
 # trees, i.e. T / (1 - POR).
 VARLEN_GATHER_LIMIT = 6.0
 # The token order of the block-sparse plan: "dfs" (the batch's own order) or "heavy_first" (the tree with every
-# node's largest subtree first: fewer partial tiles, module docstring; the harness's
-# ``tree_block_sparse_heavy_first`` times it, not yet run on a GPU).  Read when a batch's plan is built.
+# node's largest subtree first, permuted inside the op: fewer partial tiles on a batch not built in that order,
+# module docstring; the harness's ``tree_block_sparse_heavy_first``).  Read when a batch's plan is built.
 BLOCK_SPARSE_LAYOUT = "dfs"
 BLOCK_SPARSE_LAYOUTS = ("heavy_first", "dfs")
 
