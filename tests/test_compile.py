@@ -852,6 +852,53 @@ def _assert_tree_equals_per_path(model, paths):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
 
 
+class EagerLseSinks(torch.nn.Module):
+    """Causal attention with sinks in GraniteSWA's form: ``softmax(s) @ v`` scaled by ``sigmoid(logsumexp(s) - sink)``
+    per row (one learned logit per head).  ``shift``: the softmax reads ``s - rowmax(s)`` (the same probabilities);
+    ``lse_of_shifted``: the logsumexp reads that shifted tensor too (a different function: the sink moves by the
+    row max); ``per_token``: the sink is computed from each token's embedding (not a constant per row)."""
+
+    def __init__(self, shift=False, lse_of_shifted=False, per_token=False):
+        super().__init__()
+        self.emb = torch.nn.Embedding(11, 8)
+        self.qkv = torch.nn.Linear(8, 24)
+        self.head = torch.nn.Linear(8, 11)
+        self.sinks = torch.nn.Parameter(torch.randn(2))
+        self.shift, self.lse_of_shifted, self.per_token = shift, lse_of_shifted, per_token
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        T = ids.shape[1]
+        q, k, v = (t.view(1, T, 2, 4).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        s = (q @ k.transpose(-1, -2)) * 0.5
+        s = s.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+        shifted = s - s.amax(-1, keepdim=True) if (self.shift or self.lse_of_shifted) else s
+        lse = torch.logsumexp(shifted if self.lse_of_shifted else s, dim=-1)
+        sink = x[..., :2].transpose(1, 2) if self.per_token else self.sinks.view(1, -1, 1)
+        scale = torch.sigmoid(lse - sink)
+        out = (torch.softmax(shifted, -1) @ v) * scale.unsqueeze(-1)
+        return self.head(out.transpose(1, 2).reshape(1, T, 8))
+
+
+@pytest.mark.parametrize("shift", [False, True])
+def test_sinks_as_a_post_softmax_scale_equal_per_path(shift):
+    """GraniteSWA's sinks written out: rewritten into tree attention with a sink column, exact in float64 (the
+    sinks' gradient included), with or without the softmax's row-max shift."""
+    torch.manual_seed(0)
+    model = EagerLseSinks(shift=shift).double()
+    info = treecompile.compile(model).pass_results["rewrite_causal_attention"]
+    assert info.count == 1 and info.info["with_sinks"] == 1
+    _assert_tree_equals_per_path(model, [[1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 8, 9], [1, 2, 10], [9, 4]])
+
+
+@pytest.mark.parametrize("kw", [dict(lse_of_shifted=True), dict(per_token=True)])
+def test_sinks_scale_that_is_not_a_sink_softmax_is_refused(kw):
+    """A scale whose logsumexp reads the shifted scores, or whose sink is a per-token value, is not one more logit
+    per row: the attention is left as written, and the verifier refuses its score product by the model's line."""
+    with pytest.raises(treecompile.passes.PassError, match=r"test_compile.py:\d+ in forward: s = \(q @ k"):
+        treecompile.compile(EagerLseSinks(**kw).double())
+
+
 def test_an_arange_as_long_as_the_example_is_not_taken_for_positions():
     torch.manual_seed(0)
     paths = [[1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 8], [9]]

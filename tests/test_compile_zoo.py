@@ -222,6 +222,34 @@ def test_hf_models_found_by_the_zoo_sweep(mcls, ccls, kw):
     assert_tree_equals_per_path(model, tmodel, PATHS)
 
 
+@pytest.mark.parametrize("mcls, ccls, kw", [
+    ("GraniteSWAForCausalLM", "GraniteSWAConfig", {}),
+    ("GraniteMoeSWAForCausalLM", "GraniteMoeSWAConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
+])
+def test_hf_sinks_as_a_post_softmax_scale(mcls, ccls, kw):
+    """GraniteSWA's attention sinks (transformers 5.24): eager attention scaled after ``probs @ v`` by
+    ``sigmoid(logsumexp(scores) - sink)``, the same function as one more logit per row in the softmax.  Refused in
+    session 45 (the logsumexp over the scores mixes tokens); now the tree attention op with that sink column, on a
+    full and a 4-token sliding layer, with random sinks; equal to per-path (the sinks' gradients too)."""
+    if not hasattr(transformers, mcls):
+        pytest.skip(f"transformers has no {mcls}")
+    torch.manual_seed(0)
+    cfg = getattr(transformers, ccls)(**{**MOE, **kw, "sliding_window": 4,
+                                         "layer_types": ["sliding_attention", "full_attention"]})
+    model = getattr(transformers, mcls)(cfg).double().eval()
+    if hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation("eager")
+    sinks = [m.sinks for m in model.modules() if isinstance(getattr(m, "sinks", None), torch.nn.Parameter)]
+    assert len(sinks) == 2
+    with torch.no_grad():
+        for p in sinks:
+            p.normal_(0.0, 2.0)
+    tmodel = treecompile.compile(model)
+    info = tmodel.pass_results["rewrite_causal_attention"]
+    assert info.count == 2 and info.info["with_sinks"] == 2 and info.info["windowed"] == 1
+    assert_tree_equals_per_path(model, tmodel, DEEP_PATHS)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("window", [16, 100])

@@ -3,7 +3,8 @@
 Eager attention written out (``q @ k^T``, a scale, optionally soft-capped by ``c * tanh(s / c)`` (Gemma 2), a
 causal mask from ``triu``/``tril``/``masked_fill``/an additive ``-inf``/``finfo.min``, optionally a sliding window,
 an additive position bias such as ALiBi, ``softmax`` (optionally over one more sink column per row, dropped
-after: attention sinks), ``@ v``; HF BLOOM's ``baddbmm`` form) mixes every token with every earlier DFS token.  The site is found
+after: attention sinks; or, GraniteSWA's form of the same sinks, ``(probs @ v) * sigmoid(logsumexp(scores) - sink)``),
+``@ v``; HF BLOOM's ``baddbmm`` form) mixes every token with every earlier DFS token.  The site is found
 from the softmax: a softmax over the last dim of a ``[*, T, T]`` score tensor whose result, through
 casts / a zero-probability dropout / views, is the left operand of a matmul with ``v``.  Walking back
 from the scores through views, scalar scales, additions and masking (whose other operands must not
@@ -188,6 +189,7 @@ def rewrite_causal_attention(gm: fx.GraphModule, ctx: PassContext) -> PassResult
         if found is None:
             continue
         pv, probs_chain = probs_chain
+        scaled_out = _lse_sink_scale(pv, s, ctx, inputs) if sinks is None else None
         qk, chain, scale, softcap = found
         if qk.target == aten.baddbmm.default:
             fused = qk
@@ -231,11 +233,19 @@ def rewrite_causal_attention(gm: fx.GraphModule, ctx: PassContext) -> PassResult
             k = ctx.call(aten.transpose.int, (kt, -1, -2), like=qk)
             bias = _bias_nodes(ctx, probe, qk, chain, s, lengths) if has_bias else None
             pos = ctx.tree_input("position_ids") if window is not None else None
+            if scaled_out is not None:  # the sink logit of each row, as a column: [..., 1, 1] broadcast to [..., T, 1]
+                sinks = ctx.call(aten.unsqueeze.default, (scaled_out[1], -1), like=scaled_out[1])
             new = ctx.call(BIASED, (q, k, v, ctx.tree_input("subtree_end"), bias, float(scale), _softmax_dtype(sm, qk),
                                     pos, window, None if softcap is None else float(softcap), sinks), like=sm)
         if str(new.meta["val"].shape) != str(pv.meta["val"].shape):
             gm.graph.erase_node(new)
+            if scaled_out is not None:
+                gm.graph.erase_node(sinks)
             continue
+        if scaled_out is not None:  # the op's output is the scaled one: the scale's nodes (logsumexp too) go
+            mul, _, scale_chain = scaled_out
+            mul.replace_all_uses_with(new)
+            _erase_dead(gm, scale_chain)
         pv.replace_all_uses_with(new)
         _erase_dead(gm, probs_chain)  # dead-code elimination keeps dropout (an impure op) alive
         count += 1
@@ -294,6 +304,57 @@ def _split_sinks(s: fx.Node):
     if dim % nd != nd - 1 or sink.meta["val"].dim() != nd or sink.meta["val"].shape[-1] != 1:
         return s, None
     return scores, sink
+
+
+def _lse_sink_scale(pv: fx.Node, s: fx.Node, ctx: PassContext, inputs: set):
+    """GraniteSWA's attention sinks: ``out = (probs @ v) * cast(unsqueeze(sigmoid(cast(logsumexp(s, -1) - sink)), -1))``
+    with ``probs = softmax(s)`` and ``sink`` one logit per row that depends on no token (e.g. ``sinks.view(1, -1, 1)``;
+    ``inputs``: the nodes the input ids reach).
+    That is the softmax over ``s`` and one more column ``sink`` whose probability is dropped, exactly:
+    ``e^(s - lse) * e^lse / (e^lse + e^sink) = e^s / (e^lse + e^sink)``.  The logsumexp must read ``s`` itself: the
+    softmax may read ``s - rowmax(s)`` (the same probabilities), a logsumexp of that would shift the sink by the max.
+    -> (the ``mul``, the sink node, the scale's nodes from the logsumexp to the ``mul``) or None."""
+    us = _users(pv)
+    if len(us) != 1 or us[0].target != aten.mul.Tensor or len(us[0].args) != 2:
+        return None
+    mul = us[0]
+    x = mul.args[1] if mul.args[0] is pv else mul.args[0] if mul.args[1] is pv else None
+    if not isinstance(x, fx.Node) or x is pv:
+        return None
+    chain = [mul]
+
+    def step(n, targets):  # n when its target is one of targets and its only user is the chain's last node
+        if not isinstance(n, fx.Node) or n.target not in targets or _users(n) != [chain[-1]]:
+            return None
+        chain.append(n)
+        return n
+
+    def past_casts(n):
+        while isinstance(n, fx.Node) and n.target in CASTS and step(n, CASTS) is not None:
+            n = n.args[0]
+        return n
+
+    u = step(past_casts(x), {aten.unsqueeze.default})
+    if u is None or u.args[1] % u.meta["val"].dim() != u.meta["val"].dim() - 1:
+        return None
+    sig = step(past_casts(u.args[0]), {aten.sigmoid.default})
+    sub = step(past_casts(sig.args[0]), {aten.sub.Tensor}) if sig is not None else None
+    if sub is None or len(sub.args) != 2:
+        return None
+    lse, sink = sub.args
+    if not (isinstance(lse, fx.Node) and lse.target == aten.logsumexp.default and lse.args[0] is s
+            and _users(lse) == [sub] and isinstance(sink, fx.Node)):
+        return None
+    nd = s.meta["val"].dim()
+    dims = lse.args[1] if len(lse.args) > 1 else lse.kwargs.get("dim")
+    dims = [dims] if isinstance(dims, int) else list(dims or [])
+    keep = lse.args[2] if len(lse.args) > 2 else lse.kwargs.get("keepdim", False)
+    sv = sink.meta["val"]
+    if ([d % nd for d in dims] != [nd - 1] or keep or sv.dim() != nd - 1 or token_dims(sv, ctx)
+            or sink in inputs):
+        return None  # a sink per token, or one read off the input ids: not a per-row constant
+    chain.append(lse)
+    return mul, sink, list(reversed(chain))
 
 
 def _erase_dead(gm: fx.GraphModule, chain: list[fx.Node]) -> None:
