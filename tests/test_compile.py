@@ -899,6 +899,45 @@ def test_sinks_scale_that_is_not_a_sink_softmax_is_refused(kw):
         treecompile.compile(EagerLseSinks(**kw).double())
 
 
+class EagerFlatHeads(torch.nn.Module):
+    """Causal attention whose scores are made as ``[heads, T, T]`` (``bmm`` over batch x heads) and viewed to
+    ``[1, heads, T, T]`` before the mask and softmax, ``@ v`` in ``[1, heads, T, d]`` (GPT-NeoX Japanese).  ``bias``:
+    an ALiBi-like distance bias added in the ``[1, heads]`` layout."""
+
+    def __init__(self, bias=False):
+        super().__init__()
+        self.emb = torch.nn.Embedding(11, 8)
+        self.qkv = torch.nn.Linear(8, 24)
+        self.head = torch.nn.Linear(8, 11)
+        self.bias = bias
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        T = ids.shape[1]
+        q, k, v = (t.view(1, T, 2, 4).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        s = torch.bmm(q.reshape(2, T, 4), k.reshape(2, T, 4).transpose(1, 2)).view(1, 2, T, T) * 0.5
+        if self.bias:
+            i = torch.arange(T)
+            s = s - 0.25 * (i[:, None] - i[None, :]).abs().to(s.dtype)
+        s = s.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+        out = torch.softmax(s, -1) @ v
+        return self.head(out.transpose(1, 2).reshape(1, T, 8))
+
+
+def test_scores_made_over_flattened_heads_equal_per_path():
+    torch.manual_seed(0)
+    model = EagerFlatHeads().double()
+    assert treecompile.compile(model).pass_results["rewrite_causal_attention"].count == 1
+    _assert_tree_equals_per_path(model, [[1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 8, 9], [1, 2, 10], [9, 4]])
+
+
+def test_scores_over_flattened_heads_with_a_bias_are_refused():
+    """With a position bias the rewrite does not build that bias for the flattened layout: it leaves the attention,
+    and the verifier refuses it by the model's line (never a tree attention without the bias)."""
+    with pytest.raises(treecompile.passes.PassError, match=r"test_compile.py:\d+ in forward: s = torch.bmm"):
+        treecompile.compile(EagerFlatHeads(bias=True).double())
+
+
 def test_an_arange_as_long_as_the_example_is_not_taken_for_positions():
     torch.manual_seed(0)
     paths = [[1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 8], [9]]

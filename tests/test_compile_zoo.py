@@ -198,6 +198,10 @@ MLA = dict(num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, head_dim=4, q
     # and the mask added before the scale: finfo.min / sqrt(d) still masks
     ("CodeGenForCausalLM", "CodeGenConfig", dict(vocab_size=37, n_embd=32, n_layer=2, n_head=4, rotary_dim=4,
                                                  n_positions=256, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)),
+    # scores made by baddbmm as [heads, T, T] and viewed to [1, heads, T, T] before the softmax (session 46)
+    ("GPTNeoXJapaneseForCausalLM", "GPTNeoXJapaneseConfig", dict(vocab_size=37, hidden_size=32, num_hidden_layers=2,
+                                                                 num_attention_heads=4, max_position_embeddings=256,
+                                                                 hidden_dropout=0.0, attention_dropout=0.0)),
     # transformers 5.24 (session 35): recurrent depth, the middle layer called twice per forward (one module, two
     # attention sites), unit-norm hidden states, float32 logits scaled per token
     ("DoryForCausalLM", "DoryConfig", dict(MOE, head_dim=8, num_hidden_layers=3, n_input_layers=1,

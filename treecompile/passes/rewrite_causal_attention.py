@@ -198,10 +198,13 @@ def rewrite_causal_attention(gm: fx.GraphModule, ctx: PassContext) -> PassResult
                 s = chain[-1]
         q, kt, v = qk.args[0], qk.args[1], pv.args[1]
         qkv, probs = qk.meta["val"], pv.args[0]
+        # scores made as [batch * heads, T, T] and viewed to [batch, heads, T, T] before the softmax (GPT-NeoX
+        # Japanese's baddbmm): with batch 1, q and k get the leading 1 back
+        lead = str(probs.meta["val"].shape) == str(torch.Size([1, *qkv.shape]))
         if (token_dims(q.meta["val"], ctx)[-1:] != [q.meta["val"].dim() - 2]
                 or token_dims(kt.meta["val"], ctx)[-1:] != [kt.meta["val"].dim() - 1]
                 or token_dims(v.meta["val"], ctx)[-1:] != [v.meta["val"].dim() - 2]
-                or str(probs.meta["val"].shape) != str(qkv.shape)):
+                or (str(probs.meta["val"].shape) != str(qkv.shape) and not lead)):
             continue  # the input batch is [1, T]: leading dims are batch 1 times heads
         # the mask/bias operands' numbers: probed one past the largest (a window of W tokens shows at W + 2)
         past = int(largest_index_literal(ancestors(s) - ancestors(qk), data=(qk,))) + 2
@@ -229,8 +232,12 @@ def rewrite_causal_attention(gm: fx.GraphModule, ctx: PassContext) -> PassResult
                 f"{_mask_text(checked)} with one set of values, {_mask_text(moved)} with another); tree attention "
                 f"replaces masks computed from positions alone")
         has_bias, window = checked[0] or any(a[0] for a in agains), checked[1]
+        if lead and has_bias:
+            continue  # a bias computed in the [batch * heads] layout: left to the verifier
         with gm.graph.inserting_before(pv):
             k = ctx.call(aten.transpose.int, (kt, -1, -2), like=qk)
+            if lead:
+                q, k = (ctx.call(aten.unsqueeze.default, (x, 0), like=x) for x in (q, k))
             bias = _bias_nodes(ctx, probe, qk, chain, s, lengths) if has_bias else None
             pos = ctx.tree_input("position_ids") if window is not None else None
             if scaled_out is not None:  # the sink logit of each row, as a column: [..., 1, 1] broadcast to [..., T, 1]
