@@ -321,7 +321,8 @@ class Tree:
 
         A batch of several trees: a forest, where prefixes that several trees share (a common
         system prompt) are stored once.  Per-path quantities are unchanged, so any per-path loss of
-        the merged tree is the sum of those of the parts.
+        the merged tree is the sum of those of the parts.  It is serialised in the parts' ``order`` when
+        they agree, else in the default order (the order changes no result).
         """
         trees = list(trees)
         if not trees:

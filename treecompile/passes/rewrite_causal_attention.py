@@ -346,7 +346,7 @@ def _lse_sink_scale(pv: fx.Node, s: fx.Node, ctx: PassContext, inputs: set):
         return None
     sig = step(past_casts(u.args[0]), {aten.sigmoid.default})
     sub = step(past_casts(sig.args[0]), {aten.sub.Tensor}) if sig is not None else None
-    if sub is None or len(sub.args) != 2:
+    if sub is None or len(sub.args) != 2 or sub.kwargs.get("alpha", 1) != 1:
         return None
     lse, sink = sub.args
     if not (isinstance(lse, fx.Node) and lse.target == aten.logsumexp.default and lse.args[0] is s
