@@ -938,6 +938,45 @@ def test_scores_over_flattened_heads_with_a_bias_are_refused():
         treecompile.compile(EagerFlatHeads(bias=True).double())
 
 
+class NoGradCycle(torch.nn.Module):
+    """A causal SDPA layer run once under ``torch.no_grad()`` and again with gradients, on the first run's output
+    (HRM's inner cycles, truncated backprop through a recurrence).  ``nested``: inside the no-grad region, a second
+    region turns gradients back on."""
+
+    def __init__(self, nested=False):
+        super().__init__()
+        self.emb = torch.nn.Embedding(11, 8)
+        self.qkv = torch.nn.Linear(8, 24)
+        self.head = torch.nn.Linear(8, 11)
+        self.nested = nested
+
+    def att(self, x):
+        T = x.shape[1]
+        q, k, v = (t.view(1, T, 2, 4).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return o.transpose(1, 2).reshape(1, T, 8)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        with torch.no_grad():
+            y = self.att(x)
+            if self.nested:
+                with torch.enable_grad():
+                    y = y + self.att(y)
+        return self.head(x + self.att(x + y))
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_a_no_grad_region_is_inlined_on_detached_inputs(nested):
+    """The no-grad region's attention is rewritten like any other and the tree equals per-path in float64: its
+    values feed the loss, its gradients do not (the shared projection's gradient would differ if they did).  With
+    gradients turned back on inside it, that part trains (torch.export closes the region around it)."""
+    torch.manual_seed(0)
+    model = NoGradCycle(nested=nested).double()
+    assert treecompile.compile(model).pass_results["rewrite_attention"].count == 2 + nested
+    _assert_tree_equals_per_path(model, [[1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 8, 9], [1, 2, 10], [9, 4]])
+
+
 def test_an_arange_as_long_as_the_example_is_not_taken_for_positions():
     torch.manual_seed(0)
     paths = [[1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 8], [9]]

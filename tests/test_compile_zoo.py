@@ -202,6 +202,9 @@ MLA = dict(num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, head_dim=4, q
     ("GPTNeoXJapaneseForCausalLM", "GPTNeoXJapaneseConfig", dict(vocab_size=37, hidden_size=32, num_hidden_layers=2,
                                                                  num_attention_heads=4, max_position_embeddings=256,
                                                                  hidden_dropout=0.0, attention_dropout=0.0)),
+    # hierarchical cycles, the first inner cycle of each outer one under torch.no_grad() (session 46: those regions
+    # are inlined on detached inputs, frontend.inline_no_grad)
+    ("HrmTextForCausalLM", "HrmTextConfig", dict(MOE, head_dim=8)),
     # transformers 5.24 (session 35): recurrent depth, the middle layer called twice per forward (one module, two
     # attention sites), unit-norm hidden states, float32 logits scaled per token
     ("DoryForCausalLM", "DoryConfig", dict(MOE, head_dim=8, num_hidden_layers=3, n_input_layers=1,
@@ -223,6 +226,8 @@ def test_hf_models_found_by_the_zoo_sweep(mcls, ccls, kw):
     assert model.config.use_cache == use_cache  # set for the capture only
     if mcls == "DoryForCausalLM":  # 3 layers, the middle one looped twice: 4 attention sites
         assert tmodel.pass_results["rewrite_attention"].count == 4
+    if mcls == "HrmTextForCausalLM":  # 2 outer cycles x (3 inner + 1 outer) stacks of 2 layers, every one rewritten
+        assert tmodel.pass_results["rewrite_attention"].count == 16
     assert_tree_equals_per_path(model, tmodel, PATHS)
 
 

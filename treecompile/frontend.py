@@ -6,7 +6,8 @@ The model's forward must take ``input_ids [1, T]`` and return logits ``[1, T, V]
 "sdpa"`` so that attention arrives as one SDPA node.  Kernels that cannot be traced as one piece
 (Gated DeltaNet, causal conv, HF MoE experts) are swapped for registered ops during capture by
 :func:`kernel_swaps` (the drop-ins live in ``treecompile.hf_adapters``).  The model object is unchanged
-afterwards: its training flag, config and attributes are restored.
+afterwards: its training flag, config and attributes are restored.  Regions the forward runs under
+``torch.no_grad()`` are inlined on detached inputs (:func:`inline_no_grad`), so that the passes see them.
 """
 
 from __future__ import annotations
@@ -170,10 +171,83 @@ def capture(model: torch.nn.Module, *, example_len: int = 16, max_len: int = 1 <
             raise CaptureError(explain_capture_error(raw, guards)) from e
         finally:
             model.train(was_training)
+    inline_no_grad(ep.graph_module)
     sig = ep.graph_signature
     user = [s.arg.name for s in sig.input_specs if s.kind == torch.export.graph_signature.InputKind.USER_INPUT
             and s.arg.name == "input_ids"] or sig.user_inputs[:1]
     return Captured(program=ep, input_name=user[0])
+
+
+def inline_no_grad(gm: torch.fx.GraphModule) -> int:
+    """Regions the model runs under ``torch.no_grad()`` become ordinary ops on detached inputs; returns how many.
+
+    torch.export keeps such a region as ``wrap_with_set_grad_enabled(False, body, *operands)`` with the region in a
+    submodule ``body``; the passes rewrite the top graph only, so an attention inside it (HRM's inner cycles, any
+    truncated backprop through a recurrence) stayed a dense attention and the verifier refused the model.  The body
+    computes the same values from detached operands, and nothing it returns then carries a gradient, as under
+    ``no_grad``: so its nodes are copied into the graph after an ``aten.detach`` of every tensor operand, where the
+    passes see them, and the verifier judges them as the model's own ops (they carry no pass mark).  Regions that
+    turn gradients on, autocast regions, and bodies holding attributes other than submodules stay as they are."""
+    import operator
+
+    hop = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
+    count = 0
+    while hop is not None:
+        done = 0
+        for n in list(gm.graph.nodes):
+            if not (n.op == "call_function" and n.target is hop and n.args and n.args[0] is False
+                    and isinstance(n.args[1], torch.fx.Node) and n.args[1].op == "get_attr"):
+                continue
+            body = getattr(gm, n.args[1].target)
+            places = [b for b in body.graph.nodes if b.op == "placeholder"]
+            operands = list(n.args[2:])
+            if (len(places) != len(operands) or any(u.target is not operator.getitem for u in n.users)
+                    or any(b.op == "get_attr" and not isinstance(getattr(body, b.target), torch.nn.Module)
+                           for b in body.graph.nodes)):
+                continue
+            env: dict = {}
+            with gm.graph.inserting_before(n):
+                for ph, a in zip(places, operands):
+                    if isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor):
+                        d = gm.graph.call_function(torch.ops.aten.detach.default, (a,))
+                        d.meta.update({k: v for k, v in a.meta.items() if k in ("val", "tensor_meta")})
+                        for k in ("stack_trace", "nn_module_stack"):
+                            if k in n.meta:
+                                d.meta[k] = n.meta[k]
+                        env[ph] = d
+                    else:
+                        env[ph] = a
+                out = None
+                for b in body.graph.nodes:
+                    if b.op == "placeholder":
+                        continue
+                    if b.op == "output":
+                        out = b.args[0]
+                        break
+                    if b.op == "get_attr":  # a nested region's body: moved onto gm under a new name
+                        name = f"{n.args[1].target}_{b.target}"
+                        gm.add_submodule(name, getattr(body, b.target))
+                        env[b] = gm.graph.get_attr(name)
+                        env[b].meta.update(b.meta)
+                        continue
+                    env[b] = gm.graph.node_copy(b, lambda x: env[x])
+            outs = torch.fx.node.map_arg(out, lambda x: env[x])
+            for u in list(n.users):
+                u.replace_all_uses_with(outs[u.args[1]])
+                gm.graph.erase_node(u)
+            attr = n.args[1]
+            gm.graph.erase_node(n)
+            if not attr.users:
+                gm.graph.erase_node(attr)
+                delattr(gm, attr.target)
+            done += 1
+        if not done:
+            break
+        count += done
+    if count:
+        gm.graph.lint()
+        gm.recompile()
+    return count
 
 
 @contextlib.contextmanager
