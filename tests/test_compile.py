@@ -852,7 +852,28 @@ def _assert_tree_equals_per_path(model, paths):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
 
 
-class EagerLseSinks(torch.nn.Module):
+class _TwoHeads(torch.nn.Module):
+    """Embedding, a q/k/v projection to 2 heads of 4 and the LM head: the parts of the hand-written attention models
+    below (:meth:`heads` splits the projection into ``[1, 2, T, 4]`` q, k, v; :meth:`logits` merges the heads)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(11, 8)
+        self.qkv = torch.nn.Linear(8, 24)
+        self.head = torch.nn.Linear(8, 11)
+
+    def heads(self, x):
+        T = x.shape[1]
+        return tuple(t.view(1, T, 2, 4).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+
+    def logits(self, o):
+        return self.head(o.transpose(1, 2).reshape(1, o.shape[2], 8))
+
+
+BRANCHY = [[1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 8, 9], [1, 2, 10], [9, 4]]  # shared prefixes, a second root
+
+
+class EagerLseSinks(_TwoHeads):
     """Causal attention with sinks in GraniteSWA's form: ``softmax(s) @ v`` scaled by ``sigmoid(logsumexp(s) - sink)``
     per row (one learned logit per head).  ``shift``: the softmax reads ``s - rowmax(s)`` (the same probabilities);
     ``lse_of_shifted``: the logsumexp reads that shifted tensor too (a different function: the sink moves by the
@@ -860,24 +881,20 @@ class EagerLseSinks(torch.nn.Module):
 
     def __init__(self, shift=False, lse_of_shifted=False, per_token=False):
         super().__init__()
-        self.emb = torch.nn.Embedding(11, 8)
-        self.qkv = torch.nn.Linear(8, 24)
-        self.head = torch.nn.Linear(8, 11)
         self.sinks = torch.nn.Parameter(torch.randn(2))
         self.shift, self.lse_of_shifted, self.per_token = shift, lse_of_shifted, per_token
 
     def forward(self, ids):
         x = self.emb(ids)
         T = ids.shape[1]
-        q, k, v = (t.view(1, T, 2, 4).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        q, k, v = self.heads(x)
         s = (q @ k.transpose(-1, -2)) * 0.5
         s = s.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
         shifted = s - s.amax(-1, keepdim=True) if (self.shift or self.lse_of_shifted) else s
         lse = torch.logsumexp(shifted if self.lse_of_shifted else s, dim=-1)
         sink = x[..., :2].transpose(1, 2) if self.per_token else self.sinks.view(1, -1, 1)
         scale = torch.sigmoid(lse - sink)
-        out = (torch.softmax(shifted, -1) @ v) * scale.unsqueeze(-1)
-        return self.head(out.transpose(1, 2).reshape(1, T, 8))
+        return self.logits((torch.softmax(shifted, -1) @ v) * scale.unsqueeze(-1))
 
 
 @pytest.mark.parametrize("shift", [False, True])
@@ -888,7 +905,7 @@ def test_sinks_as_a_post_softmax_scale_equal_per_path(shift):
     model = EagerLseSinks(shift=shift).double()
     info = treecompile.compile(model).pass_results["rewrite_causal_attention"]
     assert info.count == 1 and info.info["with_sinks"] == 1
-    _assert_tree_equals_per_path(model, [[1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 8, 9], [1, 2, 10], [9, 4]])
+    _assert_tree_equals_per_path(model, BRANCHY)
 
 
 @pytest.mark.parametrize("kw", [dict(lse_of_shifted=True), dict(per_token=True)])
@@ -899,36 +916,31 @@ def test_sinks_scale_that_is_not_a_sink_softmax_is_refused(kw):
         treecompile.compile(EagerLseSinks(**kw).double())
 
 
-class EagerFlatHeads(torch.nn.Module):
+class EagerFlatHeads(_TwoHeads):
     """Causal attention whose scores are made as ``[heads, T, T]`` (``bmm`` over batch x heads) and viewed to
     ``[1, heads, T, T]`` before the mask and softmax, ``@ v`` in ``[1, heads, T, d]`` (GPT-NeoX Japanese).  ``bias``:
     an ALiBi-like distance bias added in the ``[1, heads]`` layout."""
 
     def __init__(self, bias=False):
         super().__init__()
-        self.emb = torch.nn.Embedding(11, 8)
-        self.qkv = torch.nn.Linear(8, 24)
-        self.head = torch.nn.Linear(8, 11)
         self.bias = bias
 
     def forward(self, ids):
-        x = self.emb(ids)
         T = ids.shape[1]
-        q, k, v = (t.view(1, T, 2, 4).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        q, k, v = self.heads(self.emb(ids))
         s = torch.bmm(q.reshape(2, T, 4), k.reshape(2, T, 4).transpose(1, 2)).view(1, 2, T, T) * 0.5
         if self.bias:
             i = torch.arange(T)
             s = s - 0.25 * (i[:, None] - i[None, :]).abs().to(s.dtype)
         s = s.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
-        out = torch.softmax(s, -1) @ v
-        return self.head(out.transpose(1, 2).reshape(1, T, 8))
+        return self.logits(torch.softmax(s, -1) @ v)
 
 
 def test_scores_made_over_flattened_heads_equal_per_path():
     torch.manual_seed(0)
     model = EagerFlatHeads().double()
     assert treecompile.compile(model).pass_results["rewrite_causal_attention"].count == 1
-    _assert_tree_equals_per_path(model, [[1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 8, 9], [1, 2, 10], [9, 4]])
+    _assert_tree_equals_per_path(model, BRANCHY)
 
 
 def test_scores_over_flattened_heads_with_a_bias_are_refused():
@@ -938,23 +950,18 @@ def test_scores_over_flattened_heads_with_a_bias_are_refused():
         treecompile.compile(EagerFlatHeads(bias=True).double())
 
 
-class NoGradCycle(torch.nn.Module):
+class NoGradCycle(_TwoHeads):
     """A causal SDPA layer run once under ``torch.no_grad()`` and again with gradients, on the first run's output
     (HRM's inner cycles, truncated backprop through a recurrence).  ``nested``: inside the no-grad region, a second
     region turns gradients back on."""
 
     def __init__(self, nested=False):
         super().__init__()
-        self.emb = torch.nn.Embedding(11, 8)
-        self.qkv = torch.nn.Linear(8, 24)
-        self.head = torch.nn.Linear(8, 11)
         self.nested = nested
 
     def att(self, x):
-        T = x.shape[1]
-        q, k, v = (t.view(1, T, 2, 4).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
-        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return o.transpose(1, 2).reshape(1, T, 8)
+        o = torch.nn.functional.scaled_dot_product_attention(*self.heads(x), is_causal=True)
+        return o.transpose(1, 2).reshape(1, x.shape[1], 8)
 
     def forward(self, ids):
         x = self.emb(ids)
@@ -974,7 +981,7 @@ def test_a_no_grad_region_is_inlined_on_detached_inputs(nested):
     torch.manual_seed(0)
     model = NoGradCycle(nested=nested).double()
     assert treecompile.compile(model).pass_results["rewrite_attention"].count == 2 + nested
-    _assert_tree_equals_per_path(model, [[1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 8, 9], [1, 2, 10], [9, 4]])
+    _assert_tree_equals_per_path(model, BRANCHY)
 
 
 def test_an_arange_as_long_as_the_example_is_not_taken_for_positions():

@@ -88,8 +88,9 @@ def test_structure_odd(name, order):
 
 def check_heavy_first(paths):
     """``order="heavy_first"``: every node's children (and the roots) start in order of non-increasing subtree
-    size, ties in the lexicographic tree's order; the tokens are the lexicographic tree's in
-    ``tree_layout.heavy_first_order`` (computed independently, from ``subtree_end`` alone), with the same paths,
+    size, ties in the lexicographic tree's order (checked here directly); the tokens are the lexicographic tree's in
+    ``tree_layout.heavy_first_order`` (which shares the node rule ``tree.heavy_first_starts`` but reads its nodes
+    and parents off ``subtree_end`` alone, not off the walk, and moves tokens, not paths), with the same paths,
     depths, links and weights."""
     lex, hf = Tree.from_paths(paths, order="lex"), Tree.from_paths(paths, order="heavy_first")
     size = (hf.node_subtree_end - hf.node_start).tolist()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -188,8 +189,6 @@ def inline_no_grad(gm: torch.fx.GraphModule) -> int:
     ``no_grad``: so its nodes are copied into the graph after an ``aten.detach`` of every tensor operand, where the
     passes see them, and the verifier judges them as the model's own ops (they carry no pass mark).  Regions that
     turn gradients on, autocast regions, and bodies holding attributes other than submodules stay as they are."""
-    import operator
-
     hop = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
     count = 0
     while hop is not None:

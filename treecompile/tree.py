@@ -42,7 +42,7 @@ import torch
 
 from treecompile.host_values import host_copy, remembered_host, repeat_counts, single_threaded_for, to_device_with_host
 
-__all__ = ["Tree", "TreeBatch", "NORMALIZATIONS", "path_coefficients", "ancestor_index"]
+__all__ = ["Tree", "TreeBatch", "NORMALIZATIONS", "path_coefficients", "ancestor_index", "heavy_first_starts"]
 
 NORMALIZATIONS = ("sum", "path_mean", "token_mean")
 ORDERS = ("heavy_first", "lex")
@@ -161,11 +161,23 @@ def _heavy_first_paths(order: list[int], walk) -> list[int]:
     and the paths through a node end inside its subtree's contiguous range; so sorting the paths by where
     their last tokens land in the heavy-first pre-order (duplicates stay adjacent) gives a path order in
     which each path shares with its predecessor its longest prefix with all earlier paths, which is what
-    :func:`_walk_sorted` needs.  Host work: tensor ops plus one Python loop over the radix nodes.
+    :func:`_walk_sorted` needs.
     """
-    end_pos, T = walk[4], walk[6]
     pred, is_cut = _links(walk)
     node_start, node_end, node_id, node_parent, _, node_subtree_end = _radix_nodes(is_cut, pred)
+    new_start = heavy_first_starts(node_start, node_end, node_subtree_end, node_parent)
+    ends = torch.tensor(walk[4], dtype=torch.long)
+    nid = node_id[ends]
+    where = new_start[nid] + ends - node_start[nid]
+    return [order[i] for i in torch.sort(where, stable=True).indices.tolist()]
+
+
+def heavy_first_starts(node_start: torch.Tensor, node_end: torch.Tensor, node_subtree_end: torch.Tensor,
+                       node_parent: torch.Tensor) -> torch.Tensor:
+    """Where each node of a DFS-ordered forest starts ``[N]`` (int64) when every node's children, and the roots,
+    are visited largest subtree first, ties in the given order: the one rule behind ``Tree.from_paths(order=
+    "heavy_first")`` and ``ops.tree_layout.heavy_first_order``.  Nodes in DFS order (a parent before its children),
+    ``node_parent`` -1 at a root.  Host work: stable sorts plus one Python loop over the nodes."""
     N = node_start.numel()
     size = node_subtree_end - node_start
     # siblings grouped by parent, largest subtree first, ties in DFS order (stable sorts)
@@ -184,10 +196,7 @@ def _heavy_first_paths(order: list[int], walk) -> list[int]:
         p = parent[n]
         if p >= 0:
             new_start[n] += new_start[p] + length[p]
-    ends = torch.tensor(end_pos, dtype=torch.long)
-    nid = node_id[ends]
-    where = torch.tensor(new_start, dtype=torch.long)[nid] + ends - node_start[nid]
-    return [order[i] for i in torch.sort(where, stable=True).indices.tolist()]
+    return torch.tensor(new_start, dtype=torch.long)
 
 
 def _radix_nodes(is_cut: torch.Tensor, pred: torch.Tensor):

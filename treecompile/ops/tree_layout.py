@@ -33,6 +33,7 @@ from __future__ import annotations
 import torch
 
 from treecompile.host_values import host_copy, repeat_counts, to_device_async
+from treecompile.tree import heavy_first_starts
 
 __all__ = ["heavy_first_order", "permuted_subtree_end", "reordered_attention"]
 
@@ -75,23 +76,8 @@ def heavy_first_order(subtree_end: torch.Tensor) -> torch.Tensor:
                                  f"[{start[stack[-1]]}, {sub[stack[-1]]}): not a DFS tree")
             parent[n] = stack[-1]
         stack.append(n)
-    # siblings (same parent; -1 = roots) sorted by subtree size, largest first, stable
-    size = [sub[n] - start[n] for n in range(N)]
-    groups: dict[int, list[int]] = {}
-    for n in range(N):
-        groups.setdefault(parent[n], []).append(n)
-    offset = [0] * N  # where n's subtree starts after its parent's own tokens (or at 0 for roots)
-    for kids in groups.values():
-        acc = 0
-        for n in sorted(kids, key=lambda c: -size[c]):
-            offset[n] = acc
-            acc += size[n]
-    new_start = [0] * N
-    for n in range(N):  # parents come before children in the given DFS order
-        p = parent[n]
-        new_start[n] = offset[n] if p < 0 else new_start[p] + (end[p] - start[p]) + offset[n]
+    ns = heavy_first_starts(torch.tensor(start), torch.tensor(end), torch.tensor(sub), torch.tensor(parent))
     length = torch.tensor(end) - torch.tensor(start)
-    ns = torch.tensor(new_start)
     pos = repeat_counts(ns - torch.tensor(start), length, T) + torch.arange(T)  # new position of token t
     perm = torch.full_like(pos, -1)
     perm[pos] = torch.arange(T)  # the token at new position i
