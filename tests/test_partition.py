@@ -15,6 +15,7 @@ from treecompile import NORMALIZATIONS, Tree, reference
 from treecompile.runtime.optimal_partition import dp_multi_path, dp_single_path, leaf_groups_cost
 from treecompile.runtime.metrics import dataset_reuse, reuse
 from treecompile.runtime.partition import TreeShape, pack, partition_redundancy_free
+from treecompile.tree import ORDERS
 from strategies import ODD_TREES, path_sets, weighted_path_sets
 
 
@@ -77,8 +78,39 @@ def longest(paths) -> int:
 
 
 # -------------------------------------------------------------------------------------- packed
-def check_packed(paths, C, masks=None, weights=None):
-    tree = Tree.from_paths(paths, loss_masks=masks, path_weights=weights)
+def prefix_keys(ids: list[int], pred: list[int]) -> list[tuple]:
+    """Each token (DFS order, ``pred``: its path predecessor or -1) as the token ids from its root to it: its
+    identity in any DFS order of the same tree."""
+    keys: list[tuple] = []
+    for t in range(len(ids)):  # a predecessor comes before its token in any DFS order
+        keys.append((keys[pred[t]] if pred[t] >= 0 else ()) + (ids[t],))
+    return keys
+
+
+def tree_keys(tree: Tree) -> list[tuple]:
+    return prefix_keys(tree.input_ids.tolist(), tree.pred.tolist())
+
+
+def same_tree_up_to_order(a, b) -> bool:
+    """Batches ``a`` and ``b`` serialise the same tree (tokens, links, subtrees, conv context, radix nodes and their
+    levels and parents) in possibly different DFS orders: every field compared through the tokens' prefixes."""
+    out = []
+    for x in (a, b):
+        n = x.num_tokens
+        keys = prefix_keys(x.input_ids[:n].tolist(), x.pred_index[:n].tolist())
+        se, conv = x.subtree_end.tolist(), x.conv_index.tolist()
+        ns, ne, par, lev = (x.node_start.tolist(), x.node_end.tolist(), x.node_parent.tolist(),
+                            x.node_level.tolist())
+        node_keys = [frozenset(keys[ns[m]:ne[m]]) for m in range(len(ns)) if ns[m] < n]
+        out.append((
+            {keys[t]: (frozenset(keys[t:se[t]]),  # the subtree's tokens
+                       tuple(keys[c] if c >= 0 else None for c in conv[t])) for t in range(n)},
+            {node_keys[m]: (lev[m], node_keys[par[m]] if par[m] >= 0 else None) for m in range(len(node_keys))}))
+    return out[0] == out[1]
+
+
+def check_packed(paths, C, masks=None, weights=None, order="heavy_first"):
+    tree = Tree.from_paths(paths, loss_masks=masks, path_weights=weights, order=order)
     plan = pack(tree, C)
     T = tree.num_tokens
     owned_count = torch.zeros(T, dtype=torch.long)
@@ -102,11 +134,15 @@ def check_packed(paths, C, masks=None, weights=None):
         glob_pred = tree.pred[tok]
         loc_pred = bt.pred_index[:bt.num_tokens]
         assert torch.equal(torch.where(loc_pred >= 0, tok[loc_pred.clamp(min=0)], -1), glob_pred)
-        # ... with the radix nodes of the tree of its own leaf paths (no extra GDN segments or levels)
-        own = Tree.from_paths(plan.leaf_paths(part.index)).to_batch()
-        for f in ("pred_index", "subtree_end", "node_id", "node_start", "node_end", "node_parent", "node_level",
-                  "conv_index"):
-            assert torch.equal(getattr(bt, f), getattr(own, f)), f
+        # ... with the radix nodes of the tree of its own leaf paths (no extra GDN segments or levels); the whole
+        # tree's order restricted to the partition is a DFS order of that tree, not necessarily the one its own
+        # Tree.from_paths picks (heaviest child first within the partition), so compared by prefix, not by index
+        own = Tree.from_paths(plan.leaf_paths(part.index), order=tree.order).to_batch()
+        assert same_tree_up_to_order(bt, own)
+        if tree.order == "lex":  # the sorted order restricts to the sorted order: the same indices too
+            for f in ("pred_index", "subtree_end", "node_id", "node_start", "node_end", "node_parent", "node_level",
+                      "conv_index"):
+                assert torch.equal(getattr(bt, f), getattr(own, f)), f
     assert (owned_count == 1).all(), "each token's weight is carried by exactly one partition"
     assert (assigned == 1).all(), "each path is assigned to exactly one partition"
     assert plan.cost == sum(p.num_tokens for p in plan.partitions) >= T
@@ -124,18 +160,19 @@ def check_packed(paths, C, masks=None, weights=None):
 
 
 @settings(max_examples=60, deadline=None)
-@given(weighted_path_sets(max_paths=10, max_len=10), st.integers(0, 12))
-def test_packed_random(data, extra):
+@given(weighted_path_sets(max_paths=10, max_len=10), st.integers(0, 12), st.sampled_from(ORDERS))
+def test_packed_random(data, extra, order):
     paths, masks, weights = data
-    check_packed(paths, longest(paths) + extra, masks, weights)
+    check_packed(paths, longest(paths) + extra, masks, weights, order=order)
 
 
+@pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("name", sorted(ODD_TREES))
-def test_packed_odd_trees(name):
+def test_packed_odd_trees(name, order):
     paths = ODD_TREES[name]
     n = longest(paths)
     for C in sorted({n, n + 1, 2 * n, 10 * n, 10_000}):
-        check_packed(paths, C)
+        check_packed(paths, C, order=order)
 
 
 def test_packed_weights_per_path_in_partition():
@@ -548,10 +585,15 @@ def test_gradients_match_per_path_reference(case, normalize):
     for i in range(len(plan)):
         b = plan.batch(i, normalize=normalize)
         sub_paths = plan.leaf_paths(i)
-        sub = Tree.from_paths(sub_paths)  # the partition as a tree of its own: the same DFS order
+        # the partition as a tree of its own: the same tokens, in the DFS order its own Tree.from_paths picks,
+        # which need not be the whole tree's restricted to them (heaviest child first within the partition)
+        sub = Tree.from_paths(sub_paths)
         tok = plan.partitions[i].tokens
-        assert torch.equal(sub.input_ids, tree.input_ids[tok]) and torch.equal(sub.depth, tree.depth[tok])
-        lp = _oracle_dfs(model, sub, sub_paths)
+        where = {k: j for j, k in enumerate(tree_keys(sub))}
+        whole = tree_keys(tree)
+        at = torch.tensor([where[whole[t]] for t in tok.tolist()])  # the sub-tree's token of each partition token
+        assert torch.equal(sub.input_ids[at], tree.input_ids[tok]) and torch.equal(sub.depth[at], tree.depth[tok])
+        lp = _oracle_dfs(model, sub, sub_paths)[at]
         loss = loss - (b.loss_weight * lp).sum()
     g = _grads(model, loss)
     assert abs(loss.item() - ref.loss.item()) <= 1e-9 * abs(ref.loss.item()) + 1e-15
