@@ -1226,32 +1226,77 @@ def test_plan_check_refuses_exactly_the_plans_that_are_not_the_mask(seed):
     assert refused  # the corruptions reached the check
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_counts_plus_key_are_the_brute_force_ones(seed):
+    """``_count_plus_key`` (the plan check's count of queries per key, from second differences) equals the sum
+    over the intervals written out key by key: random prefix and own ranges (empty ones, ranges ending at the last
+    token, one token), any tail."""
+    import random
+
+    from treecompile.ops import varlen_tree_attention as V
+
+    rng = random.Random(seed)
+    for _ in range(20):
+        T = rng.randint(1, 40)
+        m = rng.randint(0, 8)
+        lo, ko, hi, nq, c = [], [], [], [], []
+        for _ in range(m):
+            a = rng.randint(0, T)
+            b = rng.randint(a, T)
+            e = rng.randint(b, T)
+            lo.append(a), ko.append(b), hi.append(e), nq.append(rng.randint(0, 9)), c.append(rng.randint(-5, 60))
+        tail = rng.randint(0, T)
+        want = list(range(T))
+        for a, b, e, q, cc in zip(lo, ko, hi, nq, c):
+            for k in range(a, b):
+                want[k] += q
+            for k in range(b, e):
+                want[k] += cc - k
+        for k in range(tail, T):
+            want[k] += 1
+        L = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+        got = V._count_plus_key(T, L(lo), L(ko), L(hi), L(nq), L(c), tail)
+        assert got.tolist() == want, (T, lo, ko, hi, nq, c, tail)
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_interval_minimum_is_the_brute_force_one(seed, monkeypatch):
     """``_interval_min`` (the plan check's smallest subtree end per key interval) equals ``min(se[lo:hi])``: on a
-    real plan's intervals through the O(T) running minimum (no row laid out), with empty segments in the query
-    offsets, and through the intervals' rows for intervals that do not start at a segment's first token or run past
-    its end."""
+    real plan's intervals as their last tokens' (nested subtree ends do not increase inside a segment), with
+    empty segments in the query offsets; where an inner token's subtree end is raised (not nested) through the O(T)
+    running minimum; and through the intervals' rows for intervals that do not start at a segment's first token or
+    run past its end."""
     from treecompile.ops import varlen_tree_attention as V
 
     rng, (se0, lo, hi, first, key_index, cu_q, cu_k, tail) = _random_plan_check_args(seed, 12, 6)
 
-    def brute(lo_, hi_):
-        return torch.tensor([int(se0[a:b].min()) for a, b in zip(lo_.tolist(), hi_.tolist())], dtype=torch.int64)
+    def brute(lo_, hi_, se_=se0):
+        return torch.tensor([int(se_[a:b].min()) for a, b in zip(lo_.tolist(), hi_.tolist())], dtype=torch.int64)
 
-    def interval_min(lo_, hi_, cu=cu_q):
-        return V._interval_min(se0, lo_, hi_, torch.cumsum(hi_ - lo_, 0) - (hi_ - lo_), cu, hi_ - lo_)
+    def interval_min(lo_, hi_, cu=cu_q, se_=se0):
+        return V._interval_min(se_, lo_, hi_, torch.cumsum(hi_ - lo_, 0) - (hi_ - lo_), cu, hi_ - lo_)
 
     keep = hi > lo
     lo, hi = lo[keep], hi[keep]
-    laid_out = []  # calls of the O(G) path
-    real_reduce = torch._C._VariableFunctions.segment_reduce
+    laid_out, ran = [], []  # calls of the O(G) path, of the running minimum
+    real_reduce, real_cummin = torch._C._VariableFunctions.segment_reduce, torch._C._VariableFunctions.cummin
     monkeypatch.setattr(torch, "segment_reduce", lambda *a, **k: (laid_out.append(1), real_reduce(*a, **k))[1])
-    assert torch.equal(interval_min(lo, hi), brute(lo, hi)) and not laid_out
+    monkeypatch.setattr(torch, "cummin", lambda *a, **k: (ran.append(1), real_cummin(*a, **k))[1])
+    assert torch.equal(interval_min(lo, hi), brute(lo, hi)) and not laid_out and not ran
     # the same intervals under query offsets with empty segments added (at the start, twice inside, at the end)
     starts = cu_q.tolist()
     padded = torch.tensor([0] + starts[:2] + [starts[1]] + starts[1:] + [starts[-1]], dtype=torch.int64)
-    assert torch.equal(interval_min(lo, hi, padded), brute(lo, hi)) and not laid_out
+    assert torch.equal(interval_min(lo, hi, padded), brute(lo, hi)) and not laid_out and not ran
+    # a token inside a segment whose subtree ends after the one before it: not nested, so an interval's minimum
+    # need not be its last token's; the running minimum answers (intervals from segment starts)
+    inner = [t for t in range(1, int(cu_q[-1])) if t not in starts]
+    if inner:
+        se_ = se0.clone()
+        t = rng.choice(inner)
+        se_[t] = se_[t - 1] + 1 if se_[t - 1] < se0.numel() else se_[t]
+        if se_[t] > se_[t - 1]:
+            assert torch.equal(interval_min(lo, hi, se_=se_), brute(lo, hi, se_)) and ran and not laid_out
+            ran.clear()
     # intervals moved by a token (some still start a segment: either way the brute force's minimum), and one
     # across the first segment boundary, which only the laid-out rows can answer
     for trial in range(8):

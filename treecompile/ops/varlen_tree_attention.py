@@ -221,13 +221,14 @@ def _walk(subtree_end: Tensor) -> _Walk:
         raise ValueError(f"subtree_end: expected an integer tensor, got {subtree_end.dtype}")
     se = host_copy(subtree_end).to(torch.int64)  # no device copy for a moved batch's own tensor (host_values)
     T = se.numel()
-    pos = torch.arange(T)
-    bad = torch.nonzero((se <= pos) | (se > T)).flatten()
-    if bad.numel():
-        t = int(bad[0])
+    size = se - torch.arange(T)  # each token's subtree size
+    if int(size.min()) < 1 or int(se.max()) > T:
+        t = int(torch.nonzero((size < 1) | (se > T))[0, 0])
         raise ValueError(f"subtree_end[{t}] = {int(se[t])}: expected {t} < subtree_end[t] <= {T} (token {t} must "
                          f"see itself and the sequence has {T} tokens)")
-    is_start = torch.cat([torch.ones(1, dtype=torch.bool), se[:-1] <= pos[1:]])
+    is_start = torch.empty(T, dtype=torch.bool)  # token t + 1 starts a segment where token t's subtree is itself
+    is_start[0] = True
+    torch.le(size[:-1], 1, out=is_start[1:])
     starts = torch.nonzero(is_start).flatten()
     ends = torch.cat([starts[1:], torch.tensor([T])])
     starts_l, ends_l = starts.tolist(), ends.tolist()
@@ -281,10 +282,9 @@ def _parent_cuts(se: Tensor, is_start: Tensor, starts: list, ends: list, parent_
         keys = (is_start.cumsum(0) - 1).mul_(T + 1).sub_(se)
         query = torch.tensor([parent_seg[j] * (T + 1) - starts[j] for j in child], dtype=torch.int64)
         cuts = torch.searchsorted(keys, query).tolist()
-    else:
-        neg = (-se).contiguous()
-        cuts = [starts[i] + int(torch.searchsorted(neg[starts[i]:ends[i]], -starts[j]))
-                for j, i in ((j, parent_seg[j]) for j in child)]
+    else:  # negated subtree ends of the parent segments only (a leaf segment's tokens are never searched)
+        neg = {i: -se[starts[i]:ends[i]] for i in {parent_seg[j] for j in child}}
+        cuts = [starts[i] + int(torch.searchsorted(neg[i], -starts[j])) for j, i in ((j, parent_seg[j]) for j in child)]
     return [min(max(p, starts[parent_seg[j]]), ends[parent_seg[j]]) for j, p in zip(child, cuts)]
 
 
@@ -485,8 +485,8 @@ def _check_plan(se: Tensor, lo: Tensor, hi: Tensor, first: Tensor, key_index: Te
     subtree reaches past the segment's last query; (2) no key repeats within a segment; (3) every key ``k`` is seen
     by ``subtree_end[k] - k`` queries in all (the tail's tokens by themselves alone): with (1) and (2), a pair is
     seen at most once and only inside the mask, so equal counts leave none of the mask out.  All three per interval
-    (split where the prefix ends), the counts as sums of ranges, each interval's smallest subtree end from one running
-    minimum over the tokens (:func:`_interval_min`): O(T + intervals)."""
+    (split where the prefix ends), the counts as sums of ranges (:func:`_count_plus_key`), each interval's smallest
+    subtree end from one pass over the tokens (:func:`_interval_min`): O(T + intervals)."""
     T = se.numel()
     nq, nk = cu_q.diff(), cu_k.diff()
     keep = hi > lo
@@ -514,21 +514,12 @@ def _check_plan(se: Tensor, lo: Tensor, hi: Tensor, first: Tensor, key_index: Te
     order = torch.argsort(seg * (T + 1) + lo)
     s_o, lo_o, hi_o = seg[order], lo[order], hi[order]
     repeated = (s_o[1:] == s_o[:-1]) & (lo_o[1:] < hi_o[:-1])
-    # (3) counts: a prefix key is seen by nq queries; own key ko + t by nq - i0 - t = (nq - i0 + ko) - k.  In place
-    # on two [T + 1] buffers: a fresh 0.5 MB tensor per step cost more than its arithmetic (64k tokens, this CPU)
-    a = torch.zeros(T + 1, dtype=torch.int64)
-    b = torch.zeros(T + 1, dtype=torch.int64)
-    a.index_add_(0, lo, nqs).index_add_(0, lo + p, -nqs)
-    a.index_add_(0, ko, nqs - i0 + ko).index_add_(0, hi, -(nqs - i0 + ko))
-    b.index_add_(0, ko, torch.ones_like(ko)).index_add_(0, hi, -torch.ones_like(ko))
-    counts, own_keys = a.cumsum_(0)[:T], b.cumsum_(0)[:T]
-    ar = torch.arange(T)
-    counts.sub_(own_keys.mul_(ar)).add_(ar)  # + k: compared with subtree_end[k] below
-    counts[tail:] += 1
-    wrong = torch.nonzero(counts != se).flatten()
+    # (3) counts: a prefix key is seen by nq queries; own key ko + t by nq - i0 - t = (nq - i0 + ko) - k; a tail
+    # token by itself.  Compared with subtree_end[k] - k, so each key's count plus k (:func:`_count_plus_key`)
+    counts = _count_plus_key(T, lo, ko, hi, nqs, nqs - i0 + ko, tail)
     bad = []
-    if wrong.numel():
-        bad.append(int(wrong[0]))
+    if not torch.equal(counts, se):
+        bad.append(int(torch.nonzero(counts != se)[0, 0]))
     outside = torch.nonzero(late_prefix | late_own | short).flatten()
     if outside.numel():  # the first interval with a row outside the mask: its first such key
         m = int(outside[0])
@@ -548,21 +539,47 @@ def _check_plan(se: Tensor, lo: Tensor, hi: Tensor, first: Tensor, key_index: Te
                          f" its subtree is not nested in its ancestors' subtrees)")
 
 
+def _count_plus_key(T: int, lo: Tensor, ko: Tensor, hi: Tensor, nq: Tensor, c: Tensor, tail: int) -> Tensor:
+    """``[T]``: for each key ``k``, ``k`` plus the number of queries that see it, where interval ``m``'s prefix keys
+    ``[lo[m], ko[m])`` are each seen by ``nq[m]`` queries, its own keys ``[ko[m], hi[m])`` by ``c[m] - k``, and the
+    tokens from ``tail`` on by themselves.  Every term is a constant or a line on a range of keys, so the sum is the
+    running sum of a running sum of one ``[T + 2]`` buffer of second differences (four entries a range, three for
+    ``k`` and the tail): two passes over the tokens, where the counts and the own keys' number, each a running sum,
+    then ``k`` times the latter took seven (benchmarks/results/cpu_s47)."""
+    d = torch.zeros(T + 2, dtype=torch.int64)
+    one = torch.ones(1, dtype=torch.int64)
+    # a constant v on [a, b): +v at a, -v at a + 1, -v at b, +v at b + 1; the line c - k on [a, b): c - a at a,
+    # -(c - a) - 1 at a + 1, -(c - b) at b, c - b + 1 at b + 1 (an empty range adds nothing)
+    at = torch.cat([lo, lo + 1, ko, ko + 1, ko, ko + 1, hi, hi + 1, one, torch.tensor([tail, tail + 1])])
+    by = torch.cat([nq, -nq, -nq, nq, c - ko, ko - c - 1, hi - c, c - hi + 1, one, torch.tensor([1, -1])])
+    return d.index_add_(0, at, by).cumsum_(0).cumsum_(0)[:T]
+
+
 def _interval_min(se: Tensor, lo: Tensor, hi: Tensor, first: Tensor, cu_q: Tensor, n: Tensor) -> Tensor:
-    """``min(se[lo[m]:hi[m]])`` per (non-empty) interval ``m``.  Where every interval starts at a segment's first
-    token and ends within that segment (a segment plan's intervals: a segment's own tokens, or the first tokens of
-    an ancestor segment), from one running minimum over the tokens that restarts at every segment start
-    (``cummin`` of ``se`` plus a per-segment offset larger than any ``se``, decreasing segment by segment): O(T);
-    ``se`` within ``[0, T]`` (the walk's bounds check).  Otherwise from the intervals' rows laid out on the host
-    (``first``: each interval's first row; O(G))."""
+    """``min(se[lo[m]:hi[m]])`` per (non-empty) interval ``m``.  Where every interval lies within one segment
+    (``cu_q``) and ``se`` does not increase inside any segment (a nested ``subtree_end``: there a token's parent
+    is the one before it), its last token's: O(segments) after one pass over the tokens.  Otherwise, where every
+    interval starts at a segment's first token and ends within that segment (a segment plan's intervals: a
+    segment's own tokens, or the first tokens of an ancestor segment), from one running minimum over the tokens
+    that restarts at every segment start (``cummin`` of ``se`` plus a per-segment offset larger than any ``se``,
+    decreasing segment by segment): O(T); ``se`` within ``[0, T]`` (the walk's bounds check).  Otherwise from the
+    intervals' rows laid out on the host (``first``: each interval's first row; O(G))."""
     T, S = se.numel(), cu_q.numel() - 1
     if not n.numel():
         return se.new_zeros(0)
     if S and int(cu_q[0]) == 0 and bool((cu_q.diff() >= 0).all()) and int(cu_q[-1]) <= T:
         s_lo = torch.searchsorted(cu_q, lo, right=True) - 1  # the segment holding each interval's first token
-        s_lo = s_lo.clamp(0, S - 1)  # (one outside [0, S) fails the test below)
-        if bool(((lo == cu_q[s_lo]) & (hi <= cu_q[s_lo + 1])).all()):
-            tail = int(cu_q[-1])  # segment of each token: the starts at or before it (an empty segment's too)
+        s_lo = s_lo.clamp(0, S - 1)  # (one outside [0, S) fails the tests below)
+        within = bool(((lo >= cu_q[s_lo]) & (hi <= cu_q[s_lo + 1]) & (hi > lo)).all())
+        tail = int(cu_q[-1])
+        if within:
+            steps = se[1:tail] <= se[:tail - 1]  # token t + 1's subtree ends by token t's ...
+            starts = cu_q[1:-1]
+            steps[starts[(starts > 0) & (starts < tail)] - 1] = True  # ... unless t + 1 starts a segment
+            if bool(steps.all()):
+                return se[hi - 1]
+        if within and bool((lo == cu_q[s_lo]).all()):
+            # segment of each token: the starts at or before it (an empty segment's too)
             seg = torch.zeros(tail + 1, dtype=torch.int64)  # + 1: an empty last segment starts at ``tail``
             seg = seg.index_add_(0, cu_q[1:-1], torch.ones(S - 1, dtype=torch.int64)).cumsum_(0)[:tail]
             big = T + 1
