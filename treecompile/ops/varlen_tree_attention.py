@@ -570,9 +570,9 @@ def _interval_min(se: Tensor, lo: Tensor, hi: Tensor, first: Tensor, cu_q: Tenso
     if S and int(cu_q[0]) == 0 and bool((cu_q.diff() >= 0).all()) and int(cu_q[-1]) <= T:
         s_lo = torch.searchsorted(cu_q, lo, right=True) - 1  # the segment holding each interval's first token
         s_lo = s_lo.clamp(0, S - 1)  # (one outside [0, S) fails the tests below)
-        within = bool(((lo >= cu_q[s_lo]) & (hi <= cu_q[s_lo + 1]) & (hi > lo)).all())
+        within = bool(((lo >= cu_q[s_lo]) & (hi <= cu_q[s_lo + 1])).all())
         tail = int(cu_q[-1])
-        if within:
+        if within and tail > 0 and bool((hi > lo).all()):
             steps = se[1:tail] <= se[:tail - 1]  # token t + 1's subtree ends by token t's ...
             starts = cu_q[1:-1]
             steps[starts[(starts > 0) & (starts < tail)] - 1] = True  # ... unless t + 1 starts a segment
