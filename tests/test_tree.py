@@ -340,6 +340,57 @@ def test_large_random_tree_matches_bruteforce_counts():
     assert tree.num_tokens == len({tuple(p[: i + 1]) for p in paths for i in range(len(p))})
 
 
+_TENSOR_DTYPES = [torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.uint16, torch.uint32,
+                   torch.uint64]
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_tensor_and_numpy_paths_build_the_list_tree(order):
+    """Paths given as tensors (every integer dtype, strided, mixed with lists) or NumPy arrays build the tree of the
+    same paths given as lists: the block copy of a whole path reads every id in place."""
+    rnd = random.Random(3)
+    paths = [[rnd.randrange(1, 120) for _ in range(rnd.randrange(1, 40))] for _ in range(30)]
+    paths += [paths[0][:5] + [7, 8], list(paths[1]), [100]]
+    want = Tree.from_paths(paths, order=order)
+
+    def same(tree):
+        for f in ("input_ids", "depth", "pred", "subtree_end", "path_index", "path_end"):
+            assert torch.equal(getattr(tree, f), getattr(want, f)), f
+
+    for dt in _TENSOR_DTYPES:
+        same(Tree.from_paths([torch.tensor(p, dtype=dt) for p in paths], order=order))
+    wide = [torch.tensor([[x, -1] for x in p])[:, 0] for p in paths]  # strided views
+    assert not wide[0].is_contiguous()
+    same(Tree.from_paths([w if i % 2 else paths[i] for i, w in enumerate(wide)], order=order))
+    np = pytest.importorskip("numpy")
+    for dt in (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64):
+        same(Tree.from_paths([np.array(p, dtype=dt) for p in paths], order=order))
+    same(Tree.from_paths([np.array([[x, -1] for x in p])[:, 0] for p in paths], order=order))
+
+
+def test_bad_tensor_and_numpy_paths_are_named():
+    for bad, message in [
+        ([[1], torch.tensor([[1, 2]])], r"path 1: expected a 1-D sequence of token ids, got shape \(1, 2\)"),
+        ([[1], torch.tensor([True])], "path 1: token ids must be integers, got dtype torch.bool"),
+        ([torch.tensor([], dtype=torch.int32)], "path 0: empty path"),
+        ([[1, 2], torch.tensor([3, -4], dtype=torch.int16)], "path 1: token ids must be non-negative"),
+        ([torch.tensor([2 ** 63 + 5], dtype=torch.uint64)], "path 0: token ids must be non-negative"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            Tree.from_paths(bad)
+    np = pytest.importorskip("numpy")
+    for bad, message in [
+        ([[1], np.array([1.0, 2.0])], "path 1: token ids must be integers, got dtype float64"),
+        ([np.array([True, False])], "path 0: token ids must be integers, got dtype bool"),
+        ([np.zeros((2, 2), dtype=np.int64)], r"path 0: expected a 1-D sequence of token ids, got shape \(2, 2\)"),
+        ([np.array([], dtype=np.int32)], "path 0: empty path"),
+        ([[1], np.array([1, -2], dtype=np.int8)], "path 1: token ids must be non-negative"),
+        ([np.array([2 ** 63 + 5], dtype=np.uint64)], "path 0: token ids must be non-negative"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            Tree.from_paths(bad)
+
+
 @pytest.mark.parametrize("bad, message", [
     ([], "no paths"),
     ([[1, 2], []], "path 1: empty path"),
