@@ -65,7 +65,8 @@ def _block_array(n: int, i: int) -> tuple[array, torch.Tensor]:
 def _as_int_array(p, i: int) -> array:
     """One path as an ``array('q')``; raises ValueError naming the path on bad input.  A tensor or NumPy array of
     an integer dtype that fits int64 is copied in one block (8M tokens: 0.01 s, where going through Python ints
-    took 0.2 s for tensors and 0.6 s for NumPy arrays); a list or tuple is read by ``array`` itself."""
+    took 0.2 s for tensors and 0.6 s for NumPy arrays); a list or tuple, or a NumPy array of any other dtype (its
+    first bad id named by position), is read by ``array`` itself."""
     if isinstance(p, torch.Tensor):
         if p.dim() != 1:
             raise ValueError(f"path {i}: expected a 1-D sequence of token ids, got shape {tuple(p.shape)}")
@@ -79,9 +80,7 @@ def _as_int_array(p, i: int) -> array:
     elif type(p).__module__ == "numpy" and hasattr(p, "dtype") and hasattr(p, "ndim"):
         if p.ndim != 1:
             raise ValueError(f"path {i}: expected a 1-D sequence of token ids, got shape {tuple(p.shape)}")
-        if p.dtype.kind in "bfc":
-            raise ValueError(f"path {i}: token ids must be integers, got dtype {p.dtype}")
-        if p.dtype.kind in "iu" and (p.dtype.kind == "i" or p.dtype.itemsize < 8):
+        if p.dtype.kind == "i" or (p.dtype.kind == "u" and p.dtype.itemsize < 8):  # others: named by position below
             import numpy as np  # present: p is a NumPy array
 
             a, _ = _block_array(p.size, i)
