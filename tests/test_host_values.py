@@ -171,6 +171,61 @@ def test_compiled_step_on_a_moved_batch_does_not_wait_for_the_gpu(kind):
     assert torch.get_num_threads() == threads
 
 
+def _tables():
+    """Host tables of every kind a plan sends: int64 and int32 of odd lengths, empty, 0-d, bool, 2-D, a
+    non-contiguous view, one over the staging alignment."""
+    return [torch.arange(5), torch.tensor([7, -2, 3], dtype=torch.int32), torch.zeros(0, 4, dtype=torch.int64),
+            torch.tensor(11), torch.tensor([True, False, True]), torch.arange(12).view(3, 4).T,
+            torch.arange(300, dtype=torch.int64).view(75, 4), torch.tensor([1.5, -2.0], dtype=torch.float64)]
+
+
+def test_tables_staged_together_keep_dtype_shape_values_and_alignment():
+    """``to_device_together``'s staging (run on the CPU, unpinned): each table comes back with its own dtype, shape
+    and values, contiguous, as a view of one buffer at an offset aligned to ``STAGING_ALIGN`` bytes; the tables do
+    not overlap.  Another device (meta here) gets ``to_device_async`` of each; device tensors are refused."""
+    from treecompile import host_values
+
+    tables = _tables()
+    out = host_values._together(tables, torch.device("cpu"), pin=False)
+    assert len(out) == len(tables)
+    spans = []
+    for t, o in zip(tables, out):
+        assert o.dtype == t.dtype and o.shape == t.shape and o.is_contiguous() and torch.equal(o, t)
+        assert o.untyped_storage().data_ptr() == out[0].untyped_storage().data_ptr()  # one buffer
+        start = o.storage_offset() * o.element_size()
+        assert start % host_values.STAGING_ALIGN == 0
+        spans.append((start, start + o.numel() * o.element_size()))
+    spans = sorted(s for s in spans if s[1] > s[0])
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # no two tables share a byte
+    tables[0].add_(100)  # the staged copy is the device's own, not the caller's table
+    assert torch.equal(out[0], torch.arange(5))
+    meta = host_values.to_device_together(tables, "meta")
+    assert all(m.device.type == "meta" and m.shape == t.shape and m.dtype == t.dtype for m, t in zip(meta, tables))
+    assert host_values.to_device_together([], "meta") == ()
+    with pytest.raises(ValueError, match="expected host tensors, got one on meta"):
+        host_values._together([torch.arange(3), meta[0]], torch.device("cpu"), pin=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_tables_staged_together_reach_cuda_in_one_copy_without_waiting():
+    """On CUDA: the tables arrive equal, in one device buffer, each at an aligned address, and the copy does not
+    wait for the GPU's queue (CUDA's sync debug mode raises on a blocking copy)."""
+    from treecompile import host_values
+
+    tables = _tables()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = host_values.to_device_together(tables, "cuda")
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    for t, o in zip(tables, out):
+        assert o.is_cuda and o.dtype == t.dtype and o.shape == t.shape and torch.equal(o.cpu(), t)
+        assert o.data_ptr() % host_values.STAGING_ALIGN == 0
+    assert len({o.untyped_storage().data_ptr() for o in out}) == 1
+
+
 def test_to_device_sends_host_tables_without_a_blocking_copy(monkeypatch):
     """``to_device``: a host tensor goes to another device through ``to_device_async`` (pinned, non-blocking: a
     pageable ``.to`` would wait for the GPU's queue), cast first where a dtype is given; a tensor already there is

@@ -116,6 +116,57 @@ def test_copy_runs_on_forests_and_deep_trees():
         assert torch.equal(copies_index(plan.copies, plan.gathered), plan.key_index.cpu())
 
 
+@settings(max_examples=30, deadline=None)
+@given(path_sets(max_paths=8, max_len=10), st.sampled_from([None, 8]), st.sampled_from([0, 3]))
+def test_plan_tables_cross_together_and_equal_the_plan(paths, pad_to, window):
+    """A segment plan's six device tables (the key index's changes, both ``cu_seqlens``, the copy runs' tiles and
+    offsets) go to the device in one ``to_device_together`` call: run here through its staging on the CPU, the plan
+    equals the one whose tables stay where they are (windowed plans too), and its tables share one buffer."""
+    from treecompile import host_values
+    from treecompile.ops import varlen_tree_attention as vta
+
+    b = _batch(paths, pad_to)
+    if window:  # positions are depths: the rows of each path count up by one
+        build = lambda: vta.windowed_plan(b.subtree_end, b.position_ids, window)  # noqa: E731
+    else:
+        build = lambda: vta.tree_attention_plan(b.subtree_end.clone(), block_sparse=False)  # noqa: E731
+    want = build()
+    calls = []
+
+    def staged(tables, device):
+        calls.append(len(tables))
+        return host_values._together(tables, torch.device("cpu"), pin=False)
+
+    real = vta.to_device_together
+    vta.to_device_together = staged
+    try:
+        got = build()
+    finally:
+        vta.to_device_together = real
+    if want is None:  # a window that would gather too many rows: no plan either way
+        assert got is None and not calls
+        return
+    assert calls == [6]
+    # each table is the one it stands for: the cu_seqlens their host copies, the copy runs the key index's rows,
+    # and (unwindowed) the key index with the cu_seqlens the tree mask, pair by pair
+    for dev, host in ((got.cu_seqlens_q, got.cu_seqlens_q_host), (got.cu_seqlens_k, got.cu_seqlens_k_host)):
+        assert dev.dtype == torch.int32 and dev.tolist() == list(host)
+    assert torch.equal(copies_index(got.copies, got.gathered), got.key_index)
+    if not window:
+        se, T = b.subtree_end, b.seq_len
+        assert _plan_pairs(got.key_index, got.cu_seqlens_q, got.cu_seqlens_k, got.tail, T) == \
+            {(q, k): 1 for k in range(T) for q in range(k, int(se[k]))}
+    for name in ("key_index", "cu_seqlens_q", "cu_seqlens_k"):
+        assert torch.equal(getattr(got, name), getattr(want, name)) and getattr(got, name).dtype == getattr(want, name).dtype
+    assert torch.equal(got.copies.tiles, want.copies.tiles) and torch.equal(got.copies.offsets, want.copies.offsets)
+    assert (got.copies.tokens, got.copies.rows) == (want.copies.tokens, want.copies.rows)
+    assert dataclasses.replace(got, key_index=None, cu_seqlens_q=None, cu_seqlens_k=None, copies=None) == \
+        dataclasses.replace(want, key_index=None, cu_seqlens_q=None, cu_seqlens_k=None, copies=None)
+    storages = {t.untyped_storage().data_ptr() for t in (got.cu_seqlens_q, got.cu_seqlens_k, got.copies.tiles,
+                                                         got.copies.offsets)}
+    assert len(storages) == 1
+
+
 _INTERPRETED = r"""
 import random, torch
 from treecompile import Tree
@@ -263,18 +314,20 @@ def test_layout_helpers_equal_their_plain_forms(layout):
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device")])])
 def test_key_rows_are_the_intervals_one_after_the_other(intervals, device):
-    """``_rows``: the key index (built on the tokens' device) is the intervals' tokens laid out in order (empty
-    intervals anywhere), ``first`` each interval's first row; a total that is not the plan's is an internal error."""
+    """``_rows`` and ``_key_index``: the key index (built on the tokens' device) is the intervals' tokens laid out in
+    order (empty intervals anywhere), ``first`` each interval's first row; a total that is not the plan's is an
+    internal error."""
     from treecompile.ops import varlen_tree_attention as vta
 
     G = sum(h - l for l, h in intervals)
-    lo, hi, first, key_index = vta._rows(intervals, G, device)
+    lo, hi, first = vta._rows(intervals, G)
+    key_index = vta._key_index(lo, first, G, device)
     assert key_index.device.type == device
     assert key_index.tolist() == [t for l, h in intervals for t in range(l, h)]
     assert first.tolist() == [sum(h - l for l, h in intervals[:m]) for m in range(len(intervals))]
     assert (lo.tolist(), hi.tolist()) == ([l for l, _ in intervals], [h for _, h in intervals])
     with pytest.raises(AssertionError, match="internal error"):
-        vta._rows(intervals, G + 1, device)
+        vta._rows(intervals, G + 1)
 
 
 def test_padding_is_the_tail_not_segments():
@@ -1181,17 +1234,17 @@ def test_plan_check_refuses_exactly_the_plans_that_are_not_the_mask(seed):
     corrupted ones (an interval moved by a token, two swapped, a repeated key, another tree's subtree ends)."""
     from treecompile.ops import varlen_tree_attention as V
 
-    rng, (se0, lo, hi, first, key_index, cu_q, cu_k, tail) = _random_plan_check_args(seed, 9, 5)
+    rng, (se0, lo, hi, first, G, cu_q, cu_k, tail) = _random_plan_check_args(seed, 9, 5)
     real = V._check_plan
     T = se0.numel()
 
     def verdict(se_, lo_, hi_):
         n = hi_ - lo_
-        ki = torch.cat([torch.arange(int(a), int(b)) for a, b in zip(lo_, hi_)]) if n.numel() else key_index[:0]
+        ki = torch.cat([torch.arange(int(a), int(b)) for a, b in zip(lo_, hi_)]) if n.numel() else lo_[:0]
         want = {(q, k): 1 for k in range(T) for q in range(k, int(se_[k]))}
         ok = _plan_pairs(ki, cu_q, cu_k, tail, T) == want
         try:
-            real(se_, lo_, hi_, torch.cumsum(n, 0) - n, ki, cu_q, cu_k, tail)
+            real(se_, lo_, hi_, torch.cumsum(n, 0) - n, ki.numel(), cu_q, cu_k, tail)
             return ok, True
         except ValueError:
             return ok, False
@@ -1268,7 +1321,7 @@ def test_interval_minimum_is_the_brute_force_one(seed, monkeypatch):
     run past its end."""
     from treecompile.ops import varlen_tree_attention as V
 
-    rng, (se0, lo, hi, first, key_index, cu_q, cu_k, tail) = _random_plan_check_args(seed, 12, 6)
+    rng, (se0, lo, hi, first, _, cu_q, cu_k, tail) = _random_plan_check_args(seed, 12, 6)
 
     def brute(lo_, hi_, se_=se0):
         return torch.tensor([int(se_[a:b].min()) for a, b in zip(lo_.tolist(), hi_.tolist())], dtype=torch.int64)

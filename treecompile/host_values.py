@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections.abc import Sequence
 from contextlib import contextmanager
 
 import torch
 from torch import Tensor
 
-__all__ = ["to_device_async", "to_device", "to_device_with_host", "host_copy", "remember_host", "remembered_host",
+__all__ = ["to_device_async", "to_device_together", "to_device", "to_device_with_host", "host_copy", "remember_host", "remembered_host",
            "repeat_counts", "single_threaded", "single_threaded_for", "SINGLE_THREAD_ROWS"]
 
 # id(device tensor) -> (weak reference to it, its version counter when remembered, its values on the host)
@@ -48,6 +49,39 @@ def to_device_async(t: Tensor, device: torch.device) -> Tensor:
     graph (at the first layer that needs one), where that wait would drain the GPU's queue."""
     device = torch.device(device)
     return _staged(t, device, private=False).to(device, non_blocking=True)
+
+
+# where one staging buffer puts each of its tables: the CUDA caching allocator's block alignment (512 bytes), so that
+# a table's device view is aligned as a tensor of its own would be (kernels may specialise on pointer alignment)
+STAGING_ALIGN = 512
+
+
+def to_device_together(tensors: Sequence[Tensor], device: torch.device) -> tuple[Tensor, ...]:
+    """:func:`to_device_async` of several host tensors (a plan's tables), for CUDA through one pinned staging
+    buffer and one copy: each result is a view of one device buffer, at an offset aligned to
+    :data:`STAGING_ALIGN` bytes, with its tensor's dtype, shape and values (contiguous).  Per tensor that saves the
+    pinned copy's own allocation and ``is_pinned`` query and a ``cudaMemcpyAsync`` (about 60 us a table on the
+    H200's host, session 47's ``h200_s47/prof_plan.txt``).  Any other device: :func:`to_device_async` of each."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return tuple(to_device_async(t, device) for t in tensors)
+    return _together(tensors, device, pin=True)
+
+
+def _together(tensors: Sequence[Tensor], device: torch.device, pin: bool) -> tuple[Tensor, ...]:
+    """:func:`to_device_together`'s staging (``pin``: pinned host memory; the tests run it on the CPU unpinned)."""
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    offsets, total = [], 0
+    for t, n in zip(tensors, sizes):
+        if t.device.type != "cpu":
+            raise ValueError(f"to_device_together: expected host tensors, got one on {t.device}")
+        offsets.append(total)
+        total += -(-n // STAGING_ALIGN) * STAGING_ALIGN
+    staged = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
+    for t, o, n in zip(tensors, offsets, sizes):
+        staged[o:o + n].view(t.dtype).view(t.shape).copy_(t)
+    moved = staged.to(device, non_blocking=True)
+    return tuple(moved[o:o + n].view(t.dtype).view(t.shape) for t, o, n in zip(tensors, offsets, sizes))
 
 
 def to_device(t: Tensor, device: torch.device, dtype: torch.dtype | None = None) -> Tensor:

@@ -33,7 +33,7 @@ from treecompile.host_values import repeat_counts, to_device_async
 # triton is None on CPU-only installs: sum_copies then uses index_add_
 from treecompile.ops.triton_support import available, interpreting, tl, triton, usable
 
-__all__ = ["CopyRuns", "available", "copy_runs", "sum_copies", "sum_copies_index_add", "usable", "CONFIGS"]
+__all__ = ["CopyRuns", "available", "copy_runs", "copy_run_tables", "sum_copies", "sum_copies_index_add", "usable", "CONFIGS"]
 
 BLOCK_T = 64  # tokens per program (a run is cut into tiles of at most this many)
 # The kernel's configs, (channels per program, column blocks of one tile on consecutive programs, warps), among
@@ -61,6 +61,14 @@ def copy_runs(lo: Tensor, hi: Tensor, first: Tensor, device) -> CopyRuns:
     ``[first[m], first[m] + hi[m] - lo[m])`` (host int64 tensors, the intervals covering ``[0, max(hi))``, each
     gathered row in exactly one interval).  Runs: the tokens between consecutive interval ends; a run's offsets
     are those of the intervals covering it, in interval order."""
+    tiles, offsets, tokens, rows = copy_run_tables(lo, hi, first)
+    return CopyRuns(tiles=to_device_async(tiles, device), offsets=to_device_async(offsets, device), tokens=tokens,
+                    rows=rows)
+
+
+def copy_run_tables(lo: Tensor, hi: Tensor, first: Tensor) -> tuple[Tensor, Tensor, int, int]:
+    """:func:`copy_runs`' tables on the host, ``(tiles, offsets, tokens, rows)`` (a caller that sends several
+    tables to the device in one copy builds its :class:`CopyRuns` from them)."""
     lo, hi, first = (x.to("cpu", torch.int64) for x in (lo, hi, first))
     keep = hi > lo
     lo, hi, first = lo[keep], hi[keep], first[keep]
@@ -86,8 +94,7 @@ def copy_runs(lo: Tensor, hi: Tensor, first: Tensor, device) -> CopyRuns:
     t_lo = run_lo[tile_run] + (torch.arange(int(per.sum())) - tile_first[tile_run]) * BLOCK_T
     t_hi = torch.minimum(t_lo + BLOCK_T, run_hi[tile_run])
     tiles = torch.stack([t_lo, t_hi, ptr[:-1][tile_run], ptr[1:][tile_run]], 1)
-    return CopyRuns(tiles=to_device_async(tiles, device), offsets=to_device_async(offsets, device), tokens=tokens,
-                    rows=rows)
+    return tiles, offsets, tokens, rows
 
 
 if triton is not None:

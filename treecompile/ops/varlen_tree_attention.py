@@ -73,9 +73,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from treecompile.host_values import host_copy, to_device_async
+from treecompile.host_values import host_copy, to_device_async, to_device_together
 
-from .key_copies import CopyRuns, copy_runs, sum_copies
+from .key_copies import CopyRuns, copy_run_tables, sum_copies
 from . import fa4_replay
 from .last_batch import LastBatch
 from .logprobs_kept import allocator_bytes, fit_margin_bytes, headroom_bytes
@@ -324,17 +324,17 @@ def tree_attention_plan(subtree_end: Tensor, *, block_sparse: bool) -> SegmentPl
             i, p = w.parents[i]
             run.append((w.starts[i], p))
         intervals += run[::-1]
-    lo, hi, first, key_index = _rows(intervals, G, subtree_end.device)
+    lo, hi, first = _rows(intervals, G)
     cu_k = torch.tensor([0] + [w.prefix_len[j] + w.ends[j] - w.starts[j] for j in range(n_main)],
                         dtype=torch.int64).cumsum(0)
     cu_q = torch.tensor([0] + w.ends[:n_main], dtype=torch.int64)
-    _check_plan(w.se, lo, hi, first, key_index, cu_q, cu_k, w.tail)
-    return _segment_plan(lo, hi, first, key_index, cu_q, cu_k, w.tail, subtree_end.device)
+    _check_plan(w.se, lo, hi, first, G, cu_q, cu_k, w.tail)
+    return _segment_plan(lo, hi, first, cu_q, cu_k, w.tail, subtree_end.device)
 
 
-def _rows(intervals: list, G: int, device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(lo, hi, first row, key_index) of the gathered rows: the ``[lo, hi)`` intervals one after the other;
-    ``key_index`` on ``device`` (:func:`_key_index`), the rest on the host."""
+def _rows(intervals: list, G: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(lo, hi, first row) of the gathered rows, host int64: the ``[lo, hi)`` intervals one after the other, ``G``
+    rows in all (else an internal error)."""
     if not intervals:
         intervals = [(0, 0)]  # no segment for the kernel: an empty plan
     lo, hi = torch.tensor(intervals, dtype=torch.int64).unbind(1)
@@ -344,30 +344,43 @@ def _rows(intervals: list, G: int, device) -> tuple[Tensor, Tensor, Tensor, Tens
         raise AssertionError(f"tree_attention_varlen: key row intervals of {int(ends[-1])} rows for a plan of {G} "
                              "(internal error)")
     first = ends - lengths
-    return lo, hi, first, _key_index(lo, first, G, device)
+    return lo, hi, first
+
+
+def _key_index_changes(lo: Tensor, first: Tensor, G: int) -> tuple[Tensor, Tensor]:
+    """(rows, changes) on the host from which :func:`_key_index_from` builds the key index of intervals laid out
+    one after the other (host ``lo`` / ``first``): where an interval starts, the change of its offset ``lo - first``
+    (empty intervals' changes add up)."""
+    off = lo - first
+    starts = first < G
+    return first[starts], torch.diff(off, prepend=off.new_zeros(1))[starts]
+
+
+def _key_index_from(at: Tensor, by: Tensor, G: int) -> Tensor:
+    """``[G]`` int64 on ``at``'s device: row ``r`` of interval ``m`` reads token ``r + lo[m] - first[m]``.  As one
+    running sum over the rows: 1 per row, plus the changes of :func:`_key_index_changes`.  Built where it is read: on
+    the GPU, only the intervals' changes cross (no ``[G]`` host tensor, 1 MB at 64k tokens, nor its copy)."""
+    return torch.ones(G, dtype=torch.int64, device=at.device).index_add_(0, at, by).cumsum_(0).sub_(1)
 
 
 def _key_index(lo: Tensor, first: Tensor, G: int, device) -> Tensor:
-    """``[G]`` int64 on ``device``: row ``r`` of interval ``m`` reads token ``r + lo[m] - first[m]`` (host ``lo`` /
-    ``first``, the intervals laid out one after the other).  As one running sum over the rows: 1 per row, plus the
-    change of offset where an interval starts (empty intervals' changes add up).  Built where it is read: on the
-    GPU, only the intervals' changes cross (no ``[G]`` host tensor, 1 MB at 64k tokens, nor its copy)."""
-    device = torch.device(device)
-    off = lo - first
-    starts = first < G
-    at, by = first[starts], torch.diff(off, prepend=off.new_zeros(1))[starts]
-    if device.type != "cpu":
-        at, by = to_device_async(at, device), to_device_async(by, device)
-    return torch.ones(G, dtype=torch.int64, device=device).index_add_(0, at, by).cumsum_(0).sub_(1)
+    """The key index of the intervals ``lo`` laid out from rows ``first`` (host tensors), on ``device``."""
+    at, by = _key_index_changes(lo, first, G)
+    return _key_index_from(*(to_device_async(x, torch.device(device)) for x in (at, by)), G)
 
 
-def _segment_plan(lo, hi, first, key_index, cu_q: Tensor, cu_k: Tensor, tail: int, dev,
-                  window: int = 0) -> SegmentPlan:
-    """The :class:`SegmentPlan` of laid-out rows, its index tensors sent to ``dev`` (asynchronously)."""
+def _segment_plan(lo, hi, first, cu_q: Tensor, cu_k: Tensor, tail: int, dev, window: int = 0) -> SegmentPlan:
+    """The :class:`SegmentPlan` of laid-out rows.  Its six device tables (the key index's changes, both
+    ``cu_seqlens``, the copy runs' tiles and offsets) cross in one copy (:func:`to_device_together`), without
+    blocking; the key index is then built on ``dev``."""
     segments = cu_q.numel() - 1
-    cu_q32, cu_k32 = (to_device_async(c.to(torch.int32), dev) for c in (cu_q, cu_k))
-    return SegmentPlan(copies=copy_runs(lo, hi, first, dev), key_index=key_index,
-        cu_seqlens_q=cu_q32, cu_seqlens_k=cu_k32,
+    G = int(cu_k[-1])
+    at, by = _key_index_changes(lo, first, G)
+    tiles, offsets, tokens, rows = copy_run_tables(lo, hi, first)
+    at, by, cu_q32, cu_k32, tiles, offsets = to_device_together(
+        (at, by, cu_q.to(torch.int32), cu_k.to(torch.int32), tiles, offsets), dev)
+    return SegmentPlan(copies=CopyRuns(tiles=tiles, offsets=offsets, tokens=tokens, rows=rows),
+        key_index=_key_index_from(at, by, G), cu_seqlens_q=cu_q32, cu_seqlens_k=cu_k32,
         cu_seqlens_q_host=tuple(cu_q.tolist()), cu_seqlens_k_host=tuple(cu_k.tolist()),
         max_seqlen_q=int(cu_q.diff().max()) if segments else 0, max_seqlen_k=int(cu_k.diff().max()) if segments else 0,
         tail=tail, window=window)
@@ -404,11 +417,11 @@ def windowed_plan(subtree_end: Tensor, position_ids: Tensor, window: int) -> Seg
             run.append((p - take, p))
             need -= take
         intervals += run[::-1]
-    lo, hi, first, key_index = _rows(intervals, G, subtree_end.device)
+    lo, hi, first = _rows(intervals, G)
     cu_k = torch.tensor([0] + [keep[j] + w.ends[j] - w.starts[j] for j in range(n_main)], dtype=torch.int64).cumsum(0)
     cu_q = torch.tensor([0] + w.ends[:n_main], dtype=torch.int64)
     _check_depths(w, pos)
-    return _segment_plan(lo, hi, first, key_index, cu_q, cu_k, w.tail, subtree_end.device, window)
+    return _segment_plan(lo, hi, first, cu_q, cu_k, w.tail, subtree_end.device, window)
 
 
 def _check_depths(w: _Walk, pos: Tensor) -> None:
@@ -473,12 +486,12 @@ def _block_sparse_plan(subtree_end: Tensor, w: _Walk) -> BlockSparsePlan:
                            sparse=fa4_block_sparse_tensors(bm), gathered=w.gathered, tail=T, order=order)
 
 
-def _check_plan(se: Tensor, lo: Tensor, hi: Tensor, first: Tensor, key_index: Tensor, cu_q: Tensor, cu_k: Tensor,
+def _check_plan(se: Tensor, lo: Tensor, hi: Tensor, first: Tensor, rows: int, cu_q: Tensor, cu_k: Tensor,
                 tail: int) -> None:
     """The plan is the mask, or ValueError naming a token (a non-nested ``subtree_end``).
 
     Segment ``s``'s queries are tokens ``[cu_q[s], cu_q[s+1])``; its key rows ``[cu_k[s], cu_k[s+1])`` hold the
-    tokens of the intervals ``[lo[m], hi[m])`` laid out from row ``first[m]`` (``key_index``); FA4's causal mask
+    tokens of the intervals ``[lo[m], hi[m])`` laid out from row ``first[m]`` (``rows`` key rows in all); FA4's causal mask
     (aligned bottom-right) lets query ``i`` see key rows up to ``nk - nq + i``.  So a row in the first ``nk - nq``
     (the prefix) is seen by every query of the segment, and own row ``i`` by the queries from ``cu_q[s] + i`` on.
     The plan is the mask iff (1) every row's queries are in the mask: its key is at most its first query, and its
@@ -494,7 +507,7 @@ def _check_plan(se: Tensor, lo: Tensor, hi: Tensor, first: Tensor, key_index: Te
     n = hi - lo
     seg = torch.searchsorted(cu_k, first, right=True) - 1  # each interval's segment
     inside = seg.clamp(0, max(nk.numel() - 1, 0))
-    if (bool((nk < nq).any()) or int(cu_k[-1]) != key_index.numel() or int(cu_q[-1]) != tail
+    if (bool((nk < nq).any()) or int(cu_k[-1]) != rows or int(cu_q[-1]) != tail
             or not torch.equal(first, torch.cumsum(n, 0) - n) or bool((seg != inside).any())
             or bool((first + n > cu_k[1:][inside]).any())):
         raise AssertionError("tree_attention_varlen: a segment plan whose key rows do not tile its segments "
