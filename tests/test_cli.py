@@ -457,6 +457,11 @@ def test_capture_refusal_names_the_model_line(tmp_path, capsys, monkeypatch):
             h = self.emb(ids)
             return self.head(h + torch.cat([torch.zeros_like(h[:, :1]), h[:, :-1]], 1))
 
+    class BranchOnLength(BoundedTable):  # a Python branch on the length: torch writes the guard `s0 > 8`
+        def forward(self, ids):
+            h = self.emb(ids)
+            return self.head(h * 2 if ids.shape[1] > 8 else h)
+
     class IntOfABuffer(BoundedTable):  # int(tensor): a data-dependent guard (the message named no line)
         def forward(self, ids):
             h = self.emb(ids)
@@ -468,6 +473,8 @@ def test_capture_refusal_names_the_model_line(tmp_path, capsys, monkeypatch):
                                                "test_cli.py", "for i in range(1, ids.shape[1]):"]),
                            (BoundedTable(), ["bounds the length", "test_cli.py", "self.table"]),
                            (Unfolds(), ["needs at least 5 tokens", "test_cli.py"]),
+                           (BranchOnLength(), ["needs at least 9 tokens", "a branch on the length", "test_cli.py",
+                                               "h * 2 if ids.shape[1] > 8 else h"]),
                            (CatShift(), ["behaves differently at some particular length", "test_cli.py",
                                          "torch.cat([torch.zeros_like"])):
         monkeypatch.setattr(cli, "load_model", lambda *a, m=model, **k: (m, {"source": "x", "dtype": "float32"}))

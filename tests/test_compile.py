@@ -257,6 +257,23 @@ class ExplicitCausal(Bidirectional):
         return self.head(x[:, 0])
 
 
+class HeadsFirstSdpa(Bidirectional):
+    """Causal SDPA on a 3-D ``[heads, tokens, head_dim]`` query (the batch dimension dropped)."""
+
+    def forward(self, ids):
+        x = self.emb(ids)[0].unflatten(-1, (2, 4)).transpose(0, 1)  # [2, T, 4]
+        x = torch.nn.functional.scaled_dot_product_attention(x, x, x, is_causal=True)
+        return self.head(x.transpose(0, 1).flatten(-2)[None])
+
+
+def test_sdpa_without_a_batch_dimension_is_refused_by_its_shape():
+    """A 3-D query's first dimension is its heads: the refusal names the shape and the layout the rewrite takes,
+    not "batch size must be 1"."""
+    with pytest.raises(treecompile.passes.PassError, match=r"test_compile.py:\d+ in forward.*attention on a 3-D query "
+                                                          r"of shape \(2, s\d+, 4\).*\[batch, heads, tokens, head_dim\]"):
+        treecompile.compile(HeadsFirstSdpa())
+
+
 class ChunkedCausal(Bidirectional):
     """Causal within chunks of 4 tokens (Llama 4's chunked layers): neither causal nor a sliding window."""
 
@@ -1243,6 +1260,59 @@ def test_the_logits_among_several_outputs():
     with pytest.raises(treecompile.passes.PassError, match=r"expected exactly one \[1, T, V\] logits output, found 2 "
                                                           r".*the embedding has 11 rows.*return the logits alone"):
         treecompile.compile(TwoLogits())
+
+
+class HiddenAndLogits(Bidirectional):
+    def forward(self, ids):
+        h = self.emb(ids)
+        return h, self.head(h)
+
+
+class LogitsInADict(Bidirectional):
+    def __init__(self, key: str):
+        super().__init__()
+        self.key = key
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        return {"hidden": h, self.key: self.head(h)}
+
+
+@pytest.mark.parametrize("model_cls,pick", [
+    (LogitsAndHidden, lambda out: out[0]), (HiddenAndLogits, lambda out: out[1]),
+    (lambda: LogitsInADict("logits"), lambda out: out["logits"]), (lambda: LogitsInADict("out"), lambda out: out["out"])],
+    ids=["logits_hidden", "hidden_logits", "dict_logits", "dict_other_name"])
+def test_the_oracle_reads_the_logits_the_compiler_trains(model_cls, pick):
+    """``reference.run`` on a model that returns a tuple or a mapping takes the logits the compiler takes (HF's
+    ``.logits`` or a ``"logits"`` key, else the one ``[1, T, V]`` tensor as wide as the input embedding), so that the
+    model's own outputs can be checked per path, with no wrapper: the same loss, log-probs and gradients as the
+    wrapped model's, and the tree's."""
+    torch.manual_seed(0)
+    model = model_cls().double()
+    paths = [[1, 2, 3], [1, 4], [5]]
+    ref = reference.run(model, paths)
+    want = reference.run(_Picked(model, pick), paths)
+    assert float(ref.loss) == float(want.loss)
+    assert all(torch.equal(a, b) for a, b in zip(ref.logprobs, want.logprobs))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the dropped outputs' warning (test_outputs_other_than_the_logits_...)
+        tm = treecompile.compile(model)
+    out = tm(Tree.from_paths(paths).to_batch())
+    assert abs(float(out.loss - ref.loss)) <= 1e-12 * abs(float(ref.loss))
+    params = list(model.parameters())
+    assert rel(flat_grads(out.loss, params), flat_grads(ref.loss, params)) <= 1e-12
+    with pytest.raises(ValueError, match=r"expected exactly one \[1, T, V\] logits output, found 2 among the model's "
+                                         r"outputs \(tuple: \[\(1, 3, 11\), \(1, 3, 11\)\]; the input embedding has 11 rows"):
+        reference.run(TwoLogits().double(), paths)
+
+
+class _Picked(torch.nn.Module):
+    def __init__(self, model, pick):
+        super().__init__()
+        self.model, self.pick = model, pick
+
+    def forward(self, ids):
+        return self.pick(self.model(ids))
 
 
 class MultiheadAttentionBoolMask(torch.nn.Module):

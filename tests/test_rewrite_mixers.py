@@ -175,6 +175,62 @@ def test_tree_scan_equals_per_token_reference(batch, op, device):
     assert rel(gy, torch.autograd.grad(r, x, g)[0]) <= 1e-14
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_log_scan_gradient_where_every_running_value_is_minus_inf(batch, dtype):
+    """``logsumexp`` scans of masked scores (``-inf`` entries, paths whose running value stays ``-inf``) and of
+    values far apart (``exp`` of their difference overflows float32): the gradient is torch's own per path.  That
+    is NaN exactly where a token's running value is ``-inf`` (torch's ``logcumsumexp`` backward), and finite
+    everywhere else (a product with a 0/1 mask carried the unused branch's ``inf``/NaN into the sums)."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(batch.seq_len, 3, dtype=torch.float64, generator=gen)
+    x[torch.rand(x.shape, generator=gen) < 0.4] = float("-inf")
+    x[:3, 0] = float("-inf")  # a root whose first tokens see only -inf
+    # finite and far apart: in the second tree's rows, which do not combine with the first root in the first
+    # rounds, exp(first root - row) overflows float32
+    x[:, 2] = torch.randn(batch.seq_len, dtype=torch.float64, generator=gen)
+    roots = torch.nonzero(batch.pred_index < 0).flatten().tolist()
+    assert len(roots) == 2 and roots[0] == 0
+    x[0, 2], x[roots[1]:, 2] = 300.0, x[roots[1]:, 2] - 300.0
+    x = x.to(dtype).requires_grad_()
+    r = tree_scan_reference(x, batch.pred_index, 0, "logsumexp")
+    y = tree_scan(x, batch.pred_index, 0, "logsumexp")
+    assert torch.equal(torch.isinf(y), torch.isinf(r)) and rel(y[torch.isfinite(r)], r[torch.isfinite(r)]) <= 1e-6
+    g = torch.randn(r.shape, dtype=dtype, generator=gen)
+    gy, gr = torch.autograd.grad(y, x, g)[0], torch.autograd.grad(r, x, g)[0]
+    nan = r.detach() == float("-inf")
+    assert nan.any() and (~nan).any()
+    assert torch.equal(gr.isnan(), nan) and torch.equal(gy.isnan(), nan)
+    assert rel(gy[~nan].double(), gr[~nan].double()) <= (1e-14 if dtype == torch.float64 else 1e-5)
+
+
+@pytest.mark.parametrize("op", ["sum", "prod", "logsumexp"])
+def test_scan_of_one_token_paths_is_a_new_tensor(op):
+    """A batch where no token has a predecessor (every path one token: a partition can be that): the scan is the
+    identity, returned (and its gradient) as a new tensor, as a custom op must (it may not alias its input)."""
+    b = Tree.from_paths([[7], [1], [2]]).to_batch()
+    x = torch.randn(2, b.seq_len, 3, dtype=torch.float64, requires_grad=True)
+    y = tree_scan(x, b.pred_index, 1, op)
+    assert torch.equal(y, x) and y.data_ptr() != x.data_ptr()
+    g = torch.randn_like(y)
+    assert torch.equal(torch.autograd.grad(y, x, g)[0], g)
+    torch.library.opcheck(tree_scan, (x, b.pred_index, 1, op))
+
+
+def test_model_with_scans_on_one_token_paths_equals_per_path():
+    """A model with cumsum / cumprod / logcumsumexp along the sequence on trees of one-token paths (the partition
+    that a one-token path gets to itself), compiled: the per-path loss, log-probs and gradients."""
+    torch.manual_seed(0)
+    model = mm.Scans().double()
+    tmodel = treecompile.compile(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    for paths in ([[7]], [[1], [2], [3]]):  # nothing to predict: a zero loss, zero gradients, as per path
+        out, ref = tmodel(Tree.from_paths(paths).to_batch()), reference.run(model, paths)
+        assert float(out.loss) == float(ref.loss) == 0.0
+        assert not flat_grads(out.loss, params).any() and not flat_grads(ref.loss, params).any()
+    loss, lp, grads = _compare(model, tmodel, [[7], [1, 2]])
+    assert loss <= EXACT and lp <= EXACT and grads <= EXACT, (loss, lp, grads)
+
+
 def test_tree_ancestors_equals_reference(batch):
     for n, step in [(0, 1), (3, 1), (2, 2), (5, 3)]:
         assert torch.equal(tree_ancestors(batch.pred_index, n, step),

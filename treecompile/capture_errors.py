@@ -147,15 +147,18 @@ def explain_capture_error(err: BaseException, guards: list[Guard] | tuple = ()) 
     bound = re.search(r"satisfy the generated guard ([^\n]*?)\.?\n", text + "\n")
     if bound:
         nums = re.findall(r"\b(\d{2,})\b", bound.group(1))
-        g = next((g for g in guards if "<" in g.expr and any(n in g.expr for n in nums)), None)
-        g = g or next((g for g in guards if "<" in g.expr or "Ne(" in g.expr), None)
+        def compares(g):  # a bound on a size: sympy writes it either way round (`s0 < 9`, `s27 > 8`)
+            return "<" in g.expr or ">" in g.expr
+
+        g = next((g for g in guards if compares(g) and any(n in g.expr for n in nums)), None)
+        g = g or next((g for g in guards if compares(g) or "Ne(" in g.expr), None)
         limit = f" (guard {g.expr})" if g else ""
         said = bound.group(1).strip()
         lower = [int(n) for n in re.findall(r"(?<![\w.\]])(\d+) <= L\[", said)]
         upper = [int(n) for n in re.findall(r"<= (\d+)(?![\w\[])", said)]
         if any(n > 2 for n in lower) and not any(n < (1 << 20) for n in upper):
             what = (f"the code needs at least {max(lower)} tokens{limit}{_at(g)} (e.g. a window or unfold of "
-                    f"that size), and a tree batch may be shorter")
+                    f"that size, or a branch on the length), and a tree batch may be shorter")
         elif g is not None and g.expr.startswith("Ne(") and not any(n < (1 << 20) for n in upper):
             what = (f"the code behaves differently at some particular length{limit}{_at(g)} (a guard that a size "
                     f"derived from the length is not some value, e.g. a concatenation or broadcast that a length of "

@@ -7,6 +7,7 @@ position before it, and the three normalizations written out as their formulas.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -17,9 +18,40 @@ from treecompile.tree import NORMALIZATIONS
 __all__ = ["ReferenceResult", "logits_of", "path_logprobs", "run"]
 
 
-def logits_of(out) -> torch.Tensor:
-    """A model's output -> logits: a tensor as is, else its ``.logits`` (HF ``CausalLMOutput``)."""
-    return out if isinstance(out, torch.Tensor) else out.logits
+def logits_of(out, length: int | None = None, vocab: int | None = None) -> torch.Tensor:
+    """A model's output -> logits, chosen as the compiler chooses them (``passes.rewrite_loss``): a tensor as is;
+    an object's ``.logits`` (HF ``CausalLMOutput``) or a mapping's ``"logits"``; else, among a tuple's, list's or
+    mapping's tensors, the one ``[1, length, V]``, or among several the one whose width is ``vocab`` (the input
+    embedding's rows).  ValueError naming the outputs' shapes when none or several are left."""
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(getattr(out, "logits", None), torch.Tensor):
+        return out.logits
+    if isinstance(out, Mapping) and isinstance(out.get("logits"), torch.Tensor):
+        return out["logits"]
+    items = list(out.values()) if isinstance(out, Mapping) else list(out) if isinstance(out, (tuple, list)) else []
+    tensors = [x for x in items if isinstance(x, torch.Tensor)]
+    cands = [x for x in tensors if x.dim() == 3 and x.shape[0] == 1 and length in (None, x.shape[1])]
+    if len(cands) > 1 and vocab is not None:
+        wide = [x for x in cands if x.shape[2] == vocab]
+        cands = wide if len(wide) == 1 else cands
+    if len(cands) != 1:
+        raise ValueError(f"reference: expected exactly one [1, T, V] logits output, found {len(cands)} among the "
+                         f"model's outputs ({type(out).__name__}: {[tuple(x.shape) for x in tensors]}"
+                         + (f"; the input embedding has {vocab} rows" if vocab is not None else "") + ")")
+    return cands[0]
+
+
+def _input_vocab(model: torch.nn.Module) -> int | None:
+    """Rows of the model's input embedding (``get_input_embeddings``, else its one ``nn.Embedding`` size)."""
+    try:
+        emb = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):  # not an HF model, or one without the method
+        emb = None
+    if isinstance(emb, torch.nn.Embedding):
+        return emb.num_embeddings
+    rows = {m.num_embeddings for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    return rows.pop() if len(rows) == 1 else None
 
 
 def path_logprobs(model: torch.nn.Module, path: Sequence[int], device=None, *,
@@ -31,7 +63,7 @@ def path_logprobs(model: torch.nn.Module, path: Sequence[int], device=None, *,
     if device is None:
         device = next((t.device for t in (*model.parameters(), *model.buffers())), None)
     ids = torch.as_tensor(list(path), dtype=torch.long, device=device)[None]
-    logits = logits_of(model(ids))[0]
+    logits = logits_of(model(ids), ids.shape[1], _input_vocab(model))[0]
     lp = log_softmax(logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits, -1)
     tok = lp[:-1].gather(-1, ids[0, 1:, None])[:, 0]
     return torch.cat([tok.new_zeros(1), tok])

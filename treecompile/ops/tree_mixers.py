@@ -144,7 +144,10 @@ def tree_scan(x: Tensor, pred_index: Tensor, dim: int, op: str) -> Tensor:
     _check_pred(pred_index, x.shape[dim], "tree_scan")
     if op not in SCAN_OPS:
         raise ValueError(f"tree_scan: op must be one of {SCAN_OPS}, got {op!r}")
-    return _scan_rounds(x.movedim(dim, 0), _rounds(pred_index), op)[-1].movedim(0, dim).contiguous()
+    rounds = _rounds(pred_index)
+    if not rounds:  # no token has a predecessor (one-token paths): each token's scan is itself, in a new tensor
+        return x.clone(memory_format=torch.contiguous_format)
+    return _scan_rounds(x.movedim(dim, 0), rounds, op)[-1].movedim(0, dim).contiguous()
 
 
 @tree_scan.register_fake
@@ -163,23 +166,31 @@ def tree_scan_backward(grad: Tensor, x: Tensor, pred_index: Tensor, dim: int, op
     """d(loss)/dx of :func:`tree_scan`: the rounds in reverse (an op of its own: the round count
     depends on the tree's depth)."""
     rounds = _rounds(pred_index)
-    ys = _scan_rounds(x.movedim(dim, 0), rounds, op)
+    ys = _scan_rounds(x.movedim(dim, 0), rounds, op)  # no rounds: the scan was the identity (:func:`tree_scan`)
     g = grad.movedim(dim, 0)
     shape = (-1,) + (1,) * (g.dim() - 1)
     for r in range(len(rounds) - 1, -1, -1):
         live, src = rounds[r]
-        keep = live.reshape(shape).to(g.dtype)
+        live = live.reshape(shape)
         a, b, out = ys[r].index_select(0, src), ys[r], ys[r + 1]
         if op == "sum":
             da, db = g, g
         elif op == "prod":
             da, db = g * b, g * a
-        else:
-            da, db = g * torch.exp(a - out), g * torch.exp(b - out)
-        da = da * keep
-        db = torch.where(live.reshape(shape), db, g)
+        else:  # logaddexp's weights exp(a - out), exp(b - out); none where out = -inf (both are -inf), as torch's
+            empty = out == float("-inf")
+            da = torch.where(empty, 0.0, g * torch.exp(a - out))
+            db = torch.where(empty, 0.0, g * torch.exp(b - out))
+        # rows that do not combine this round pass their gradient through; where (not a product with a 0/1 mask),
+        # so that what the unused branch computed for them (inf, NaN) never reaches the sum
+        da = torch.where(live, da, 0.0)
+        db = torch.where(live, db, g)
         g = db.index_add(0, src, da)
-    return g.movedim(0, dim).contiguous()
+    if op == "logsumexp":  # torch's logcumsumexp backward is NaN where the running value is -inf: the same here
+        g = torch.where(ys[-1] == float("-inf"), float("nan"), g)
+    out = g.movedim(0, dim).contiguous()
+    # a new tensor also when nothing above made one (a custom op's output may not alias its input)
+    return out.clone() if out.data_ptr() == grad.data_ptr() else out
 
 
 @tree_scan_backward.register_fake

@@ -195,6 +195,11 @@ def rewrite_attention(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             if is_causal:
                 raise UnsupportedModelError(f"{where(node)}: SDPA with both a mask and is_causal=True")
             window = _check_mask(mask, node, ctx, mask_cache)
+        if q.meta["val"].dim() != 4:
+            raise UnsupportedModelError(
+                f"{where(node)}: attention on a {q.meta['val'].dim()}-D query of shape {tuple(q.meta['val'].shape)}; "
+                "treecompile rewrites scaled_dot_product_attention on [batch, heads, tokens, head_dim] (batch 1): "
+                "keep the batch dimension (e.g. q[None] for a [heads, tokens, head_dim] query)")
         H = q.meta["val"].shape[1]
         k2, v2 = _fold_repeat_kv(k, H), _fold_repeat_kv(v, H)
         if k2 is not k and v2 is not v:
