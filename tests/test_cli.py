@@ -302,6 +302,35 @@ def test_rewrite_and_inspect_reference_model(tmp_path, capsys, shared):
     assert listing(tmp_path) == ["out", "out/manifest.json", "out/model.safetensors", "out/program.pt2"]
 
 
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP", "SIGINT"])
+def test_rewrite_stopped_by_a_signal_leaves_nothing(tmp_path, capsys, monkeypatch, sig):
+    """A signal that arrives while the program is being written (the archive written, the weights next): the
+    temporary directory beside ``--out`` is removed and the exit code says which signal (128 + its number), as
+    for Ctrl-C (SIGINT: 130); the handlers the process had before are back afterwards."""
+    import signal
+
+    import safetensors.torch
+
+    signum = getattr(signal, sig)
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
+    real = safetensors.torch.save_file
+    sent = []
+
+    def save_file(*a, **k):  # the archive is on disk in the temporary directory now
+        assert [p.name for p in tmp_path.iterdir()] and not (tmp_path / "out").exists()
+        sent.append(sig)
+        os.kill(os.getpid(), signum)
+        return real(*a, **k)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", save_file)
+    rc, _, err = run_cli(["rewrite", "dense-tiny", "--out", str(tmp_path / "out")], capsys)
+    assert sent == [sig] and rc == 128 + signum
+    assert err.strip().splitlines()[-1] == ("treecompile rewrite: interrupted" if sig == "SIGINT" else
+                                            f"treecompile rewrite: terminated ({sig})")
+    assert listing(tmp_path) == []
+    assert {s: signal.getsignal(s) for s in before} == before
+
+
 def test_rewrite_bad_inputs_exit_1_and_leave_nothing(tmp_path, capsys, hf_dir):
     import torch
     from safetensors.torch import load_file, save_file
@@ -322,6 +351,20 @@ def test_rewrite_bad_inputs_exit_1_and_leave_nothing(tmp_path, capsys, hf_dir):
     badjson = shutil.copytree(hf_dir, tmp_path / "badjson")
     (badjson / "config.json").write_text("{not json")
     cases.append((["rewrite", str(badjson)], ["config.json", "invalid JSON"]))
+    nested = shutil.copytree(hf_dir, tmp_path / "nested")
+    (nested / "config.json").write_text("[" * 100_000 + "]" * 100_000)  # past json's recursion limit
+    cases.append((["rewrite", str(nested)], ["config.json", "invalid JSON", "RecursionError"]))
+    # custom code named by auto_map (transformers would ask on a terminal whether to run it): refused before
+    # transformers reads the directory, and the module never runs
+    remote = shutil.copytree(hf_dir, tmp_path / "remote")
+    cfg = json.loads((remote / "config.json").read_text())
+    cfg["auto_map"] = {"AutoConfig": "configuration_evil.EvilConfig", "AutoModelForCausalLM": "modeling_evil.Evil"}
+    (remote / "config.json").write_text(json.dumps(cfg))
+    ran = tmp_path / "ran"
+    for mod in ("configuration_evil", "modeling_evil"):
+        (remote / f"{mod}.py").write_text(f"open({str(ran)!r}, 'w').write('ran')\n")
+    cases.append((["rewrite", str(remote)], ["config.json", "auto_map names custom code (AutoConfig, "
+                                                           "AutoModelForCausalLM)"]))
     a_file = tmp_path / "a_file"
     a_file.write_text("x")
     cases.append((["rewrite", "dense-tiny", "--out", str(a_file / "out")], ["--out", f"{a_file} is a file"]))
@@ -352,6 +395,7 @@ def test_rewrite_bad_inputs_exit_1_and_leave_nothing(tmp_path, capsys, hf_dir):
         assert rc == 1, (argv, err)
         one_line_error(err, *needles)
         assert listing(tmp_path) == before, argv
+    assert not ran.exists()
 
 
 def test_rewrite_weights_missing_a_tensor_is_refused(tmp_path, capsys, hf_dir):
@@ -412,6 +456,13 @@ def test_rewrite_overwrite_only_replaces_a_saved_program(tmp_path, capsys, monke
     assert rc == 0, err
     assert json.loads((out_dir / "manifest.json").read_text())["extra"]["seed"] == 2
     assert listing(tmp_path) == ["out", "out/manifest.json", "out/model.safetensors", "out/program.pt2"]
+    # a saved program with the user's own file next to it: refused naming the file, everything kept
+    (out_dir / "notes.txt").write_text("keep me")
+    rc, _, err = run_cli(["rewrite", "dense-tiny", "--out", str(out_dir), "--seed", "3", "--overwrite"], capsys)
+    assert rc == 1
+    one_line_error(err, f"--out {out_dir}", "also holds notes.txt, which save did not write")
+    assert json.loads((out_dir / "manifest.json").read_text())["extra"]["seed"] == 2
+    (out_dir / "notes.txt").unlink()
     # the current directory (or one holding it) cannot be renamed away: refused up front, nothing left
     monkeypatch.chdir(out_dir)
     for target in (".", str(out_dir), str(tmp_path)):
@@ -495,6 +546,48 @@ def test_inspect_errors(tmp_path, capsys):
     rc, _, err = run_cli(["inspect", str(tmp_path)], capsys)
     assert rc == 1
     one_line_error(err, "manifest.json", "missing")
+
+
+def test_environment_errors_are_one_line(tmp_path, capsys):
+    """An OSError from the file system (a path component past the name limit) is one line naming the path and the
+    error, exit 1, for each command that takes a path."""
+    long = str(tmp_path / ("x" * 300))
+    for argv in (["inspect", long], ["stats", long], ["rewrite", "dense-tiny", "--out", long],
+                 ["rewrite", long, "--out", str(tmp_path / "out")]):
+        rc, _, err = run_cli(argv, capsys)
+        assert rc == 1, argv
+        one_line_error(err, "x" * 300, "(ENAMETOOLONG)")
+
+
+def test_inspect_checks_the_weights_against_the_manifest(tmp_path, capsys):
+    """``inspect`` reads ``model.safetensors``' header: another model's weights, or an empty file, with the hashes
+    recorded again (as whoever edits the directory can), are refused as ``load`` refuses them, naming the tensor."""
+    import hashlib
+
+    from treecompile import saved
+
+    for name, dtype in (("a", "float32"), ("b", "float64")):
+        assert run_cli(["rewrite", "dense-tiny", "--out", str(tmp_path / name), "--dtype", dtype], capsys)[0] == 0
+
+    def resign(d):
+        m = json.loads((d / saved.MANIFEST).read_text())
+        m["sha256"][saved.WEIGHTS] = hashlib.sha256((d / saved.WEIGHTS).read_bytes()).hexdigest()
+        m["sha256"][saved.MANIFEST] = saved.manifest_digest(m)
+        (d / saved.MANIFEST).write_text(json.dumps(m))
+
+    other = shutil.copytree(tmp_path / "a", tmp_path / "other")
+    shutil.copy(tmp_path / "b" / saved.WEIGHTS, other / saved.WEIGHTS)
+    resign(other)
+    rc, _, err = run_cli(["inspect", str(other)], capsys)
+    assert rc == 1
+    one_line_error(err, "model.safetensors", "is float64[", "manifest.json says float32[")
+    empty = shutil.copytree(tmp_path / "a", tmp_path / "empty")
+    (empty / saved.WEIGHTS).write_bytes(b"")
+    resign(empty)
+    rc, _, err = run_cli(["inspect", str(empty)], capsys)
+    assert rc == 1
+    one_line_error(err, "model.safetensors", "cannot read safetensors")
+    assert run_cli(["inspect", str(tmp_path / "a")], capsys)[0] == 0
 
 
 # ---------------------------------------------------------------------------------------------- bench, help

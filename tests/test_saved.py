@@ -285,6 +285,9 @@ def test_load_errors_name_the_file(saved_models, tmp_path):
     (d / saved.MANIFEST).unlink()
     with pytest.raises(saved.SavedProgramError, match=r"manifest\.json: missing"):
         saved.load(d)
+    (d / saved.MANIFEST).write_text("[" * 100_000 + "]" * 100_000)  # nested past json's recursion limit
+    with pytest.raises(saved.SavedProgramError, match=r"manifest\.json: invalid JSON \(RecursionError"):
+        saved.load(d)
     d = shutil.copytree(src, tmp_path / "c")
     _manifest_edit(d, lambda m: m["tensors"]["model.norm.weight"].__setitem__("shape", [3]))
     with pytest.raises(saved.SavedProgramError, match=r"model\.norm\.weight"):
@@ -373,6 +376,29 @@ def test_load_and_inspect_refuse_pickled_payloads_before_torch_runs_them(saved_m
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "program.pt2: refused: entry 'data/" in err, err
     assert not marker.exists()
+
+
+def test_load_and_inspect_refuse_a_compressed_entry(saved_models, tmp_path, capsys):
+    """An archive entry stored compressed (torch writes none: a 1 MB archive could inflate to a 1 GiB graph when
+    read) is refused before any entry is read, naming it and both sizes."""
+    import zipfile
+
+    src, _, _ = saved_models["dense"]
+    d = _tamper(src, tmp_path / "packed", lambda entries: None)
+    p = d / saved.PROGRAM
+    with zipfile.ZipFile(p) as z:
+        entries = [(i.filename, z.read(i)) for i in z.infolist()]
+    with zipfile.ZipFile(p, "w") as z:
+        for n, b in entries:
+            packed = n.endswith("models/model.json")
+            z.writestr(n, b + (b" " * 100_000 if packed else b""),
+                       compress_type=zipfile.ZIP_DEFLATED if packed else zipfile.ZIP_STORED)
+    _rehash(d, saved.PROGRAM)
+    with pytest.raises(saved.SavedProgramError, match=r"program\.pt2: refused: entry 'models/model\.json' is "
+                                                      r"compressed \([\d,]+ bytes from [\d,]+\)"):
+        saved.load(d)
+    assert cli.main(["inspect", str(d)]) == 1
+    assert "is compressed" in capsys.readouterr().err
 
 
 def _graph_edit(change):
@@ -620,6 +646,21 @@ def test_save_refuses_what_it_cannot_keep(saved_models, tmp_path):
     assert not (tmp_path / "rf").exists()
     saved.save(tm, tmp_path / "again")  # a saved program may be replaced
     saved.save(tm, tmp_path / "again", overwrite=True)
+    # ... but not with what the user put next to its files, nor a lone manifest beside other files: refused naming
+    # them, all of it kept
+    (tmp_path / "again" / "notes.txt").write_text("keep me")
+    (tmp_path / "again" / "checkpoints").mkdir()
+    before = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "again").iterdir()}
+    with pytest.raises(FileExistsError, match=r"also holds checkpoints, notes\.txt, which save did not write"):
+        saved.save(tm, tmp_path / "again", overwrite=True)
+    assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "again").iterdir()} == before
+    lone = tmp_path / "lone"
+    lone.mkdir()
+    (lone / "manifest.json").write_text(json.dumps({"format": saved.FORMAT}))
+    (lone / "thesis.tex").write_text("keep me")
+    with pytest.raises(FileExistsError, match=r"also holds thesis\.tex"):
+        saved.save(tm, lone, overwrite=True)
+    assert (lone / "thesis.tex").read_text() == "keep me"
 
 
 def test_save_refuses_a_program_with_a_router_loss(tmp_path):

@@ -10,9 +10,12 @@ argparse); outputs are written to a temporary name and renamed, so a failure lea
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 
@@ -62,9 +65,14 @@ def _check_hf_dir(d: Path) -> None:
     if not cfg.is_file():
         raise UserError(f"{d}: no config.json (expected a Hugging Face-format model directory)")
     try:
-        json.loads(cfg.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"{cfg}: invalid JSON ({e})") from None
+        config = json.loads(cfg.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise UserError(f"{cfg}: invalid JSON ({type(e).__name__}: {e})") from None
+    if isinstance(config, dict) and config.get("auto_map"):
+        # transformers would ask on a terminal whether to run the directory's own Python: never
+        raise UserError(f"{cfg}: auto_map names custom code ({', '.join(sorted(map(str, config['auto_map'])))}) "
+                        "that would run from the model directory; treecompile loads only the model classes "
+                        "transformers ships (remove auto_map if the architecture is one of them)")
     files = sorted(d.glob("*.safetensors"))
     if not files:
         raise UserError(f"{d}: config.json but no *.safetensors weights")
@@ -114,7 +122,8 @@ def load_model(spec: str, *, dtype: str = "float32", seed: int = 0):
         # points at a report that the silenced logger never printed)
         model, info = transformers.AutoModelForCausalLM.from_pretrained(
             str(d), dtype=torch_dtype, output_loading_info=True, ignore_mismatched_sizes=True,
-            use_safetensors=True)  # never a pickled pytorch_model.bin lying beside them
+            use_safetensors=True,  # never a pickled pytorch_model.bin lying beside them
+            trust_remote_code=False)  # nor Python from the directory (transformers would ask on a terminal)
     except Exception as e:
         raise UserError(f"{d}: transformers could not load the model ({type(e).__name__}: "
                         f"{str(e).strip().splitlines()[0] if str(e).strip() else ''})") from None
@@ -170,11 +179,10 @@ def _check_out(out: Path, overwrite: bool) -> None:
                         f"saved program)")
     from treecompile import saved
 
-    try:
-        saved.read_manifest(out)
-    except saved.SavedProgramError:
-        raise UserError(f"--out {out}: --overwrite replaces only a directory written by `treecompile "
-                        f"rewrite`, and {out} has no treecompile {saved.MANIFEST}; left as it is") from None
+    why = saved.not_replaceable(out)
+    if why:
+        raise UserError(f"--out {out}: --overwrite replaces only a directory written by `treecompile rewrite`, and "
+                        f"{why}; left as it is")
 
 
 def _check_space(out: Path, model) -> None:
@@ -394,10 +402,44 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP arrived: raised in the main thread, so that what is being written is removed on the way
+    out (``saved.save`` removes its temporary directory on any exception), as on Ctrl-C."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _terminate_as_exception():
+    """While a command runs: SIGTERM and SIGHUP raise :class:`Terminated` (their default kills the process with
+    a temporary directory left beside ``--out``); the previous handlers after.  The main thread only."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def raise_terminated(signum, frame):
+        raise Terminated(signum)
+
+    sigs = [signal.SIGTERM] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])
+    old = {s: signal.signal(s, raise_terminated) for s in sigs}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
 def user_error_message(e: BaseException) -> str | None:
     """One line for an error that is the user's input or environment; None for a bug (traceback)."""
     if isinstance(e, UserError):
         return " ".join(str(e).split())
+    if isinstance(e, OSError) and e.errno is not None and e.strerror:  # the environment: a name, a disk, a mode
+        import errno
+
+        where = f"{e.filename}: " if e.filename is not None else ""
+        return f"{where}{e.strerror} ({errno.errorcode.get(e.errno, e.errno)})"
     if "torch" not in sys.modules:  # nothing below can have been raised
         return None
     from treecompile.frontend import CaptureError  # already one line: frontend.capture explained it
@@ -417,9 +459,13 @@ def main(argv=None) -> int:
     else:
         args = ap.parse_args(argv)  # usage errors: argparse prints them and exits with 2
     try:
-        rc = args.func(args)
-        sys.stdout.flush()  # a closed pipe (`| head`) shows here, inside the handler below
+        with _terminate_as_exception():
+            rc = args.func(args)
+            sys.stdout.flush()  # a closed pipe (`| head`) shows here, inside the handler below
         return rc
+    except Terminated as e:  # SIGTERM / SIGHUP: the writers' cleanup ran on the way out, as on Ctrl-C
+        print(f"treecompile {args.command}: terminated ({signal.Signals(e.signum).name})", file=sys.stderr)
+        return 128 + e.signum
     except BrokenPipeError:
         # the reader went away (`treecompile stats --json | head`): stop quietly, as cat does; stdout
         # points at devnull so that the interpreter's own flush at exit finds nothing to complain about

@@ -151,6 +151,13 @@ def _zip_names(data: bytes) -> set[str]:
     if len(set(full)) != len(full):
         dup = next(n for n in full if full.count(n) > 1)
         raise UnsafeProgramError(f"entry {dup.split('/', 1)[1]!r} appears twice")
+    # torch's writer stores every entry as is: a compressed one could inflate to any size when read (1 MB of
+    # archive to a 1 GiB graph), so the archive's own size bounds what reading it costs
+    packed = next((i for i in zf.infolist() if i.compress_type != zipfile.ZIP_STORED), None)
+    if packed is not None:
+        raise UnsafeProgramError(f"entry {packed.filename.split('/', 1)[1]!r} is compressed ({packed.file_size:,} "
+                                 f"bytes from {packed.compress_size:,}); torch.export.save stores its entries "
+                                 "uncompressed")
     return {n.split("/", 1)[1] for n in full}
 
 

@@ -242,11 +242,10 @@ def save(tmodel, directory: str | os.PathLike, *, manifest_extra: dict | None = 
         if not overwrite:
             raise FileExistsError(f"{out}: exists and is not an empty directory (pass overwrite=True to replace a "
                                   f"saved program)")
-        try:
-            read_manifest(out)
-        except SavedProgramError:
-            raise FileExistsError(f"{out}: overwrite=True replaces only a directory written by save, and {out} "
-                                  f"holds no treecompile {MANIFEST}; left as it is") from None
+        why = not_replaceable(out)
+        if why:
+            raise FileExistsError(f"{out}: overwrite=True replaces only a directory written by save, and {why}; "
+                                  "left as it is")
     parent = out.parent if str(out.parent) else Path(".")
     if not parent.is_dir():
         raise FileNotFoundError(f"{parent}: no such directory")
@@ -352,6 +351,21 @@ def save(tmodel, directory: str | os.PathLike, *, manifest_extra: dict | None = 
     return out
 
 
+def not_replaceable(directory: Path) -> str | None:
+    """Why replacing ``directory`` (an existing, non-empty directory) could lose data other than a saved program,
+    or None: it must hold a treecompile manifest and nothing but the files :func:`save` writes (anything else,
+    such as notes or checkpoints put next to them, would go with it)."""
+    try:
+        read_manifest(directory)
+    except SavedProgramError:
+        return f"{directory} holds no treecompile {MANIFEST}"
+    others = sorted(p.name for p in Path(directory).iterdir() if p.name not in (PROGRAM, WEIGHTS, MANIFEST))
+    if others:
+        shown = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
+        return f"{directory} also holds {shown}, which save did not write"
+    return None
+
+
 # ---------------------------------------------------------------------------------------------- load
 def read_manifest(directory: str | os.PathLike) -> dict:
     """The manifest of a saved directory; SavedProgramError naming the file if missing/invalid."""
@@ -363,8 +377,8 @@ def read_manifest(directory: str | os.PathLike) -> dict:
         raise SavedProgramError(f"{p}: missing (not a treecompile saved program)")
     try:
         m = json.loads(p.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise SavedProgramError(f"{p}: invalid JSON ({e})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: nested past json's limit
+        raise SavedProgramError(f"{p}: invalid JSON ({type(e).__name__}: {e})") from None
     if not isinstance(m, dict) or m.get("format") != FORMAT:
         got = m.get("format") if isinstance(m, dict) else type(m).__name__
         raise SavedProgramError(f"{p}: format {got!r} is not {FORMAT!r}")
@@ -469,7 +483,36 @@ def verify(directory: str | os.PathLike) -> dict:
     """
     manifest = _verified(Path(directory))[0]
     _check_manifest(manifest, Path(directory) / MANIFEST)
+    _check_weights_header(Path(directory) / WEIGHTS, manifest.get("tensors", {}))
     return manifest
+
+
+# safetensors' dtype names -> torch's (the manifest's)
+_ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+              "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+              "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+
+
+def _check_weights_header(wpath: Path, specs: dict) -> None:
+    """``model.safetensors`` holds exactly the tensors, dtypes and shapes the manifest lists, read from its header
+    (no tensor data is read): what :func:`verify` checks without loading, and :func:`load` again on the tensors."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(wpath), framework="pt") as f:
+            header = {k: (f.get_slice(k).get_dtype(), f.get_slice(k).get_shape()) for k in f.keys()}
+    except Exception as e:  # safetensors raises its own error types on corrupt headers
+        raise SavedProgramError(f"{wpath}: cannot read safetensors ({str(e).splitlines()[0] if str(e) else ''})"
+                                ) from None
+    missing, unexpected = sorted(set(specs) - set(header)), sorted(set(header) - set(specs))
+    if missing or unexpected:
+        raise SavedProgramError(f"{wpath}: tensors do not match {MANIFEST} (missing {missing[:5]}, "
+                                f"unexpected {unexpected[:5]})")
+    for k, spec in specs.items():
+        dtype, shape = _ST_DTYPES.get(header[k][0], header[k][0]), list(header[k][1])
+        if shape != spec.get("shape") or dtype != spec.get("dtype"):
+            raise SavedProgramError(f"{wpath}: {k} is {dtype}{shape}, {MANIFEST} says "
+                                    f"{spec.get('dtype')}{spec.get('shape')}")
 
 
 def _check_written(path: Path) -> None:
