@@ -17,7 +17,13 @@ from helpers import cached_compile
     ([[1, 2], np.array([True, False])], 1, "(bool", 0),
     ([[1, 2, np.float64(3.0)]], 0, "(float64)", 2),
     ([[1, None]], 0, "None (NoneType)", 1),
-], ids=["bool", "bool-in-tuple", "float", "numpy-bool-array", "numpy-float", "none"])
+    ([[1, 2], iter([3, True])], 1, "True (bool)", 1),  # an iterator: read into a list, then checked
+    ([np.array([1, True], dtype=object)], 0, "True (bool)", 1),
+    ([[1, torch.tensor(True)]], 0, "tensor(True) (Tensor)", 1),  # array('q') takes it through __index__
+    ([[1, torch.tensor([2])]], 0, "tensor([2]) (Tensor)", 1),  # a one-element 1-D tensor is not an id
+    ([[1, np.bool_(False)]], 0, "(bool", 1),
+], ids=["bool", "bool-in-tuple", "float", "numpy-bool-array", "numpy-float", "none", "iterator-bool",
+        "numpy-object-bool", "tensor-bool", "one-element-tensor", "numpy-bool-scalar"])
 def test_from_paths_refuses_non_integer_ids(paths, path, got, position):
     with pytest.raises(ValueError, match=rf"^path {path}: token ids must be integers, got .*{re.escape(got)}.* "
                                          rf"at position {position}$"):
@@ -27,6 +33,33 @@ def test_from_paths_refuses_non_integer_ids(paths, path, got, position):
 def test_from_paths_still_takes_integer_kinds():
     t = Tree.from_paths([[1, 2, 3], np.array([1, 2, 4]), torch.tensor([1, 5]), (np.int32(1), np.int64(2))])
     assert t.num_paths == 4 and t.num_tokens == 5
+    t = Tree.from_paths([range(1, 4), (x for x in [1, 2, 4]), [1, torch.tensor(5)], np.array([1, 6], dtype=object)])
+    assert [t.path(p) for p in range(4)] == [[1, 2, 3], [1, 2, 4], [1, 5], [1, 6]]
+
+
+@pytest.mark.parametrize("paths, message", [
+    ([1, 2, 3], r"^path 0: expected a sequence of token ids, got the number 1 \(paths is a sequence of paths: "
+                r"\[\[1, 2, 3\]\] for one path\)$"),
+    (torch.tensor([1, 2, 3]), r"^paths: got one 1-D Tensor of token ids; pass a sequence of paths"),
+    (np.array([1, 2, 3]), r"^paths: got one 1-D ndarray of token ids"),
+    ([[1, 2], [1, 2 ** 63]], r"^path 1: token ids must be non-negative integers below 2\*\*63, got "
+                             r"9223372036854775808 at position 1"),
+    ([[1, 2, 3], [1, 2, -4, 5]], r"^path 1: token ids must be non-negative integers \(found -4 at position 2\)$"),
+], ids=["one-flat-path", "one-tensor", "one-array", "past-int64", "negative"])
+def test_from_paths_names_what_is_wrong_with_the_paths(paths, message):
+    """A path given where the paths go, and ids that no array of int64 ids can hold, named with their position."""
+    with pytest.raises(ValueError, match=message):
+        Tree.from_paths(paths)
+
+
+@pytest.mark.parametrize("weights", [[[1.0, 2.0], [3.0, 4.0]], torch.ones(2, 3)])
+def test_path_weights_of_another_shape_are_refused(weights):
+    """One number per path: a list of lists of the right length (flattened, it was 4 weights for 2 paths, and
+    ``to_batch`` failed inside) is refused naming the shape; ``[P, 1]`` still is one number per path."""
+    with pytest.raises(ValueError, match=r"^path_weights: expected one number per path \(2\), got shape \(2, \d\)$"):
+        Tree.from_paths([[1, 2], [1, 3]], path_weights=weights)
+    t = Tree.from_paths([[1, 2], [1, 3]], path_weights=[[2.0], [3.0]])
+    assert t.to_batch().loss_weight.sum() > 0
 
 
 def test_ids_outside_the_vocabulary_are_named_before_the_graph_runs(tmodel):

@@ -267,6 +267,19 @@ def test_grpo_advantages():
     assert grpo_advantages([2.0]).tolist() == [0.0]
     with pytest.raises(ValueError, match="rewards: path 1: not finite"):
         grpo_advantages([0.0, math.inf])
+    # one tree's rewards: [1, P] and [P, 1] are that; [groups, P] (several trees at once) would mix the groups
+    assert grpo_advantages([[3.0, 1.0]], scale=False).tolist() == [1.0, -1.0]
+    with pytest.raises(ValueError, match=r"rewards: expected one reward per path of one tree, got shape \(2, 2\)"):
+        grpo_advantages([[1.0, 0.0], [0.0, 1.0]])
+    with pytest.raises(ValueError, match="rewards: expected numbers, got bools"):
+        grpo_advantages([True, False])
+
+
+def test_bool_advantages_are_refused():
+    """Advantages are numbers per path: bools (taken as 1/0) are refused, as path weights refuse them."""
+    tree = Tree.from_paths([[1, 2, 3], [1, 4]])
+    with pytest.raises(ValueError, match="advantages: expected numbers, one per path, got bools"):
+        PolicyGradient().token_weights(tree, GlobalNorm.from_trees([tree], "sum"), advantages=[True, False])
 
 
 def test_untrained_tokens_cannot_poison_the_loss(model, tmodel):

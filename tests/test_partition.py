@@ -227,6 +227,41 @@ def test_errors_normalize_order_metrics():
         dataset_reuse([])
 
 
+@pytest.mark.parametrize("plan_of", [lambda t: pack(t, 5), lambda t: partition_redundancy_free(t, 4)],
+                         ids=["packed", "redundancy_free"])
+def test_partition_batch_checks_its_index_and_whole_tree_weights(plan_of):
+    """``plan.batch(i, weights=W)``: ``W`` is the whole tree's ``[T]`` (another tree's longer weights were cut to
+    the partition's tokens, a shorter one failed inside or was taken as it was), finite floats; ``i`` a partition
+    index (``-1`` quietly took the last)."""
+    import dataclasses
+
+    tree = Tree.from_paths([[1, 2, 3, 4], [1, 2, 5, 6, 7], [1, 8]])
+    plan, T = plan_of(tree), tree.num_tokens
+    assert len(plan) > 1
+    w = torch.arange(T, dtype=torch.float64)
+    b = plan.batch(1, weights=w)
+    tokens = b.extras["tokens"][:b.num_tokens]
+    owned = b.extras.get("owned", torch.ones(b.num_tokens, dtype=torch.bool))  # packed: prefixes it does not own
+    assert torch.equal(b.loss_weight[:b.num_tokens], torch.where(owned, w[tokens], 0.0))
+    assert torch.equal(plan.batch(1, weights=w.tolist()).loss_weight, b.loss_weight)  # a list of T numbers too
+    for bad, message in ((torch.ones(T + 6), rf"expected the whole tree's weights, shape \[{T}\].*got \({T + 6},\)"),
+                         (torch.ones(3), r"got \(3,\)"), (torch.ones(T, 1), rf"got \({T}, 1\)"),
+                         (torch.ones(T, dtype=torch.bool), "expected float weights, got dtype torch.bool"),
+                         (torch.full((T,), float("nan")), "whole-tree token 0: not finite")):
+        with pytest.raises(ValueError, match=message):
+            plan.batch(0, weights=bad)
+    for i in (-1, len(plan)):
+        with pytest.raises(IndexError, match=rf"partition index {i}: this plan has {len(plan)} partitions"):
+            plan.batch(i)
+    for i in (True, 0.0, torch.tensor([0, 1])):
+        with pytest.raises(TypeError, match="partition index: expected an integer"):
+            plan.batch(i)
+    assert plan.batch(torch.tensor(1)).num_tokens == plan.batch(1).num_tokens
+    if hasattr(plan, "token_weights"):  # a plan's own token weights are checked the same way
+        with pytest.raises(ValueError, match=r"token_weights: expected the whole tree's weights"):
+            dataclasses.replace(plan, token_weights=torch.ones(T + 1)).batch(0)
+
+
 def test_pack_padding_keeps_weights():
     paths = ODD_TREES["one_token_nodes"]
     tree = Tree.from_paths(paths)

@@ -309,6 +309,33 @@ def test_errors(model, tmodel, bmodel):
     model.zero_grad(set_to_none=True)
 
 
+@pytest.mark.parametrize("kw", [{}, dict(budget=4)], ids=["whole", "packed"])
+def test_a_refused_step_leaves_no_gradient_behind(model, tmodel, kw):
+    """A step refused by a later tree leaves ``.grad`` as it found it, so that a caller who catches the error and
+    steps (or accumulates) applies nothing partial: ids are checked for every tree before the first backward (a
+    step without an optimizer keeps the caller's own accumulated gradient); data missing for an objective is
+    found mid-step, and the optimizer's step then leaves the gradients cleared, as it began."""
+    V = tmodel.vocab_size
+    good, bad_id = Tree.from_paths([[1, 2, 3, 4], [1, 2, 5]]), Tree.from_paths([[1, 6, 7, V]])
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=0.1)
+    model.zero_grad(set_to_none=True)
+    with pytest.raises(ValueError, match=rf"tree 1: path 0, position 3: token id {V} is outside"):
+        train_step(tmodel, [good, bad_id], optimizer=opt, **kw)
+    assert all(p.grad is None for p in params)
+    for p in params:  # gradient accumulation across steps, no optimizer: the caller's gradient is kept as it was
+        p.grad = torch.full_like(p, 0.5)
+    with pytest.raises(ValueError, match=r"tree 1: path 0, position 3"):
+        train_step(tmodel, [good, bad_id], **kw)
+    assert all(bool((p.grad == 0.5).all()) for p in params)
+    model.zero_grad(set_to_none=True)
+    no_adv = TrajectoryTree(tree_id="t", tree=good, source="f.jsonl", lines=[1, 2])
+    with_adv = TrajectoryTree(tree_id="u", tree=good, source="f.jsonl", lines=[3, 4], advantages=torch.ones(2))
+    with pytest.raises(ValueError, match=r"advantages: not given"):
+        train_step(tmodel, [with_adv, no_adv], PolicyGradient(), optimizer=opt, **kw)
+    assert all(p.grad is None for p in params)
+
+
 # ---------------------------------------------------------------------- the example
 def test_example_trains(tmp_path, capsys):
     """examples/train_sft.py's ``main(argv)``, in this process (no second torch import; the example's

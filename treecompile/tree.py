@@ -66,8 +66,10 @@ def _as_int_array(p, i: int) -> array:
     """One path as an ``array('q')``; raises ValueError naming the path on bad input.  A tensor or NumPy array of
     an integer dtype that fits int64 is copied in one block (8M tokens: 0.01 s, where going through Python ints
     took 0.2 s for tensors and 0.6 s for NumPy arrays); a list or tuple, or a NumPy array of any other dtype (its
-    first bad id named by position), is read by ``array`` itself."""
-    if isinstance(p, torch.Tensor):
+    first bad id named by position), is read by ``array`` itself; any other iterable is read into a list first."""
+    if type(p) is list or type(p) is tuple:  # the common case first: no other test on the way
+        pass
+    elif isinstance(p, torch.Tensor):
         if p.dim() != 1:
             raise ValueError(f"path {i}: expected a 1-D sequence of token ids, got shape {tuple(p.shape)}")
         if p.dtype.is_floating_point or p.dtype.is_complex or p.dtype == torch.bool:
@@ -86,10 +88,22 @@ def _as_int_array(p, i: int) -> array:
             a, _ = _block_array(p.size, i)
             np.frombuffer(a, dtype=np.int64)[:] = p
             return a
+        if p.dtype.kind == "O":  # Python objects (a bool among ints): their items, checked one by one below
+            p = p.tolist()
     elif isinstance(p, (str, bytes, dict, set, frozenset)) or type(p).__name__ in ("dict_keys", "dict_values"):
         # a mapping or a set is not an ordered path (a dict's values were dropped, a set's order is its hash's)
         raise ValueError(f"path {i}: expected a sequence of token ids, got {type(p).__name__}")
-    if isinstance(p, (list, tuple)) and bool in map(type, p):  # bool is an int: array('q') would take it
+    elif isinstance(p, numbers.Number):
+        raise ValueError(f"path {i}: expected a sequence of token ids, got the number {p!r} (paths is a sequence "
+                         "of paths: [[1, 2, 3]] for one path)")
+    elif not isinstance(p, (list, tuple, range, array)):
+        try:
+            p = list(p)  # an iterator or another iterable: read once, then checked as a list
+        except TypeError:
+            raise ValueError(f"path {i}: expected a sequence of token ids, got {type(p).__name__}") from None
+    if isinstance(p, (list, tuple)) and not set(map(type, p)) <= {int}:
+        # anything but plain ints, checked item by item: bools are ints and array('q') would take them, as it
+        # takes a bool or one-element tensor through __index__
         _refuse_non_int(p, i)
     try:
         a = array("q", p)
@@ -97,16 +111,34 @@ def _as_int_array(p, i: int) -> array:
         _refuse_non_int(p, i)
         raise ValueError(f"path {i}: token ids must be non-negative integers ({e})") from None
     except OverflowError as e:
-        raise ValueError(f"path {i}: token ids must be non-negative integers ({e})") from None
+        j = next((j for j, x in enumerate(p) if not -2 ** 63 <= int(x) < 2 ** 63), None)
+        at = f", got {int(p[j])} at position {j}" if j is not None else ""
+        raise ValueError(f"path {i}: token ids must be non-negative integers below 2**63{at} ({e})") from None
     if len(a) == 0:
         raise ValueError(f"path {i}: empty path")
     return a
 
 
+def _first_outside(ids: torch.Tensor, vocab_size: int) -> int | None:
+    """The first index of ``ids`` outside ``[0, vocab_size)``, or None."""
+    if ids.numel() == 0:
+        return None
+    lo, hi = torch.aminmax(ids)
+    if int(lo) >= 0 and int(hi) < vocab_size:
+        return None
+    return int(torch.nonzero((ids < 0) | (ids >= vocab_size))[0])
+
+
 def _refuse_non_int(p, i: int) -> None:
-    """Raise ValueError naming the first id of path ``i`` that is not an integer (bools are not ids)."""
+    """Raise ValueError naming the first id of path ``i`` that is not an integer (bools are not ids; a tensor is
+    one only when it is a 0-d integer tensor)."""
     for j, x in enumerate(p):
-        if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+        if isinstance(x, torch.Tensor):
+            bad = x.dim() != 0 or x.dtype == torch.bool or x.dtype.is_floating_point or x.is_complex()
+        else:
+            bad = isinstance(x, bool) or type(x).__name__ in ("bool", "bool_") and type(x).__module__ == "numpy" \
+                or not isinstance(x, numbers.Integral)
+        if bad:
             raise ValueError(f"path {i}: token ids must be integers, got {x!r} ({type(x).__name__}) at position {j}")
 
 
@@ -282,6 +314,9 @@ class Tree:
     ) -> "Tree":
         if isinstance(paths, (str, bytes)) or not hasattr(paths, "__len__"):
             raise ValueError("paths: expected a sequence of token-id sequences")
+        if getattr(paths, "ndim", None) == 1:  # one tensor or array of ids: its items would be numbers, not paths
+            raise ValueError(f"paths: got one 1-D {type(paths).__name__} of token ids; pass a sequence of paths "
+                             "([ids] for one path)")
         P = len(paths)
         if P == 0:
             raise ValueError("paths: no paths given")
@@ -319,7 +354,7 @@ class Tree:
             t = int(torch.nonzero(input_ids < 0)[0])
             i = int(torch.searchsorted(start[has_new], t, right=True)) - 1
             raise ValueError(f"path {order[int(torch.nonzero(has_new)[i])]}: token ids must be "
-                             f"non-negative integers (found {int(input_ids[t])})")
+                             f"non-negative integers (found {int(input_ids[t])} at position {int(depth[t])})")
 
         node_start, node_end, node_id, node_parent, node_level, node_subtree_end = _radix_nodes(is_cut, pred)
 
@@ -441,14 +476,25 @@ class Tree:
                     or (type(x).__module__ == "numpy" and type(x).__name__ in ("bool", "bool_"))):  # numpy's too
                 raise ValueError(f"path {i}: path weight {x!r} is a bool, not a number")
         try:
-            w = torch.as_tensor(path_weights, dtype=torch.float64).flatten()
+            w = torch.as_tensor(path_weights, dtype=torch.float64)
         except (TypeError, ValueError, RuntimeError, OverflowError) as e:
             raise ValueError(f"path_weights: expected finite numbers, one per path ({type(e).__name__}: {e})") from None
+        if w.dim() > 1 and w.numel() != P:  # [P, k] (a list per path): not one number per path
+            raise ValueError(f"path_weights: expected one number per path ({P}), got shape {tuple(w.shape)}")
+        w = w.flatten()
         bad = torch.nonzero(~torch.isfinite(w)).flatten()
         if bad.numel():
             i = int(bad[0])
             raise ValueError(f"path {i}: path weight is not finite ({w[i].item()})")
         return w
+
+    def check_ids(self, vocab_size: int | None) -> None:
+        """Raise ValueError naming the path and position of a token id outside ``[0, vocab_size)`` (None: none)."""
+        t = None if vocab_size is None else _first_outside(self.input_ids, vocab_size)
+        if t is not None:
+            p, i = self.locate(int(torch.nonzero(self.path_index == t)[0]))
+            raise ValueError(f"path {p}, position {i}: token id {int(self.input_ids[t])} is outside the model's "
+                             f"vocabulary [0, {vocab_size})")
 
     # ------------------------------------------------------------------ statistics
     @property
@@ -812,22 +858,20 @@ class TreeBatch:
         """
         if vocab_size is None:
             return
-        ids = self.tree.input_ids if self.tree is not None else host_copy(self.input_ids)[: self.num_tokens]
-        if ids.numel() == 0:
+        if self.tree is not None:
+            self.tree.check_ids(vocab_size)
             return
-        lo, hi = torch.aminmax(ids)
-        if int(lo) >= 0 and int(hi) < vocab_size:
+        ids = host_copy(self.input_ids)[: self.num_tokens]
+        t = _first_outside(ids, vocab_size)
+        if t is None:
             return
-        t = int(torch.nonzero((ids < 0) | (ids >= vocab_size))[0])
         what = f"token id {int(ids[t])} is outside the model's vocabulary [0, {vocab_size})"
-        tree, part = self.tree, ""
-        if tree is None:  # a partition: its token t is the whole tree's DFS token tokens[t]
-            whole, tokens = self.extras.get("whole_tree"), self.extras.get("tokens")
-            if whole is None or tokens is None or t >= len(tokens):
-                raise ValueError(f"DFS token {t} of this partition batch: {what}")
-            tree, part, t = whole, f" (token {t} of this partition)", int(tokens[t])
-        p, i = tree.locate(int(torch.nonzero(tree.path_index == t)[0]))
-        raise ValueError(f"path {p}, position {i}{part}: {what}")
+        # a partition: its token t is the whole tree's DFS token tokens[t]
+        whole, tokens = self.extras.get("whole_tree"), self.extras.get("tokens")
+        if whole is None or tokens is None or t >= len(tokens):
+            raise ValueError(f"DFS token {t} of this partition batch: {what}")
+        p, i = whole.locate(int(torch.nonzero(whole.path_index == int(tokens[t]))[0]))
+        raise ValueError(f"path {p}, position {i} (token {t} of this partition): {what}")
 
     def path_logprobs(self, logprobs: torch.Tensor) -> list[torch.Tensor]:
         """Per-token DFS tensor ``[T]`` -> one tensor per path (path order); differentiable."""

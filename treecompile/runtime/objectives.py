@@ -155,7 +155,10 @@ def _per_path(value, data: Mapping, P: int, name: str) -> torch.Tensor:
         if name not in data:
             raise ValueError(f"{name}: not given and not in batch.extras (pass {name}=..., or give it in the data)")
         value = data[name]
-    v = torch.as_tensor(value, dtype=torch.float64).cpu()
+    v = torch.as_tensor(value)
+    if v.dtype == torch.bool:  # True/False would pass as 1/0 (path weights refuse bools the same way)
+        raise ValueError(f"{name}: expected numbers, one per path, got bools")
+    v = v.to(torch.float64).cpu()
     if v.dim() != 1 or v.numel() != P:
         raise ValueError(f"{name}: expected shape [{P}] (one per path), got {tuple(v.shape)}")
     bad = torch.nonzero(~torch.isfinite(v)).flatten()
@@ -388,7 +391,13 @@ def grpo_advantages(rewards, *, scale: bool = True, eps: float = 1e-6) -> torch.
     """GRPO's group-relative advantages over one tree's paths: ``(r - mean) / (std + eps)``
     (``std`` unbiased, as TRL; ``scale=False``: ``r - mean`` only, as Dr. GRPO).  A single path
     gets 0."""
-    r = torch.as_tensor(rewards, dtype=torch.float64).flatten()
+    r = torch.as_tensor(rewards)
+    if r.dim() > 1 and r.numel() != max(r.shape):  # [groups, paths]: one call per tree's group, not all at once
+        raise ValueError(f"rewards: expected one reward per path of one tree, got shape {tuple(r.shape)} (call "
+                         "grpo_advantages once per tree)")
+    if r.dtype == torch.bool:
+        raise ValueError("rewards: expected numbers, got bools")
+    r = r.to(torch.float64).flatten()
     if r.numel() == 0:
         raise ValueError("rewards: empty")
     if not bool(torch.isfinite(r).all()):

@@ -45,6 +45,7 @@ ascending).  Redundancy-free plans are run by :mod:`treecompile.runtime.redundan
 from __future__ import annotations
 
 import bisect
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -196,6 +197,36 @@ class _PlanCost:
     def reuse(self) -> Reuse:
         return reuse(self.tree, self.cost)
 
+    def _index(self, i) -> int:
+        """Partition ``i`` checked: an integer in ``[0, len)`` (a negative index would quietly count from the end)."""
+        try:
+            if isinstance(i, bool):
+                raise TypeError
+            i = operator.index(i)  # ints, NumPy integers, one-element integer tensors
+        except TypeError:
+            raise TypeError(f"partition index: expected an integer, got {type(i).__name__}") from None
+        if not 0 <= i < len(self.partitions):
+            raise IndexError(f"partition index {i}: this plan has {len(self.partitions)} partitions (0 to "
+                             f"{len(self.partitions) - 1})")
+        return i
+
+    def _whole_tree_weights(self, weights, what: str = "weights") -> torch.Tensor:
+        """``weights`` given for the whole tree, checked: one finite float per whole-tree DFS token (``[T]``), as
+        :meth:`TreeBatch.from_tokens` checks a batch's own; indexing them by the partition's tokens would
+        otherwise take another tree's weights, or the first T of them, without a word."""
+        T = self.tree.num_tokens
+        w = torch.as_tensor(weights)
+        if w.dtype == torch.bool or w.is_complex():
+            raise ValueError(f"{what}: expected float weights, got dtype {w.dtype}")
+        w = w.to(torch.float64)
+        if w.dim() != 1 or w.numel() != T:
+            raise ValueError(f"{what}: expected the whole tree's weights, shape [{T}] (one per DFS token of the "
+                             f"plan's tree), got {tuple(w.shape)}")
+        if not bool(torch.isfinite(w).all()):
+            t = int(torch.nonzero(~torch.isfinite(w))[0])
+            raise ValueError(f"{what}: whole-tree token {t}: not finite ({w[t].item()})")
+        return w
+
 
 @dataclass
 class PackedPlan(_PlanCost):
@@ -225,8 +256,8 @@ class PackedPlan(_PlanCost):
         ``tree`` is None; ``extras``: ``tokens`` (partition token -> whole-tree DFS index), ``owned``,
         ``whole_tree`` (this plan's tree) and ``paths`` (the whole-tree paths assigned to it), which
         the objectives read (:mod:`treecompile.runtime.objectives`)."""
-        w = self._weights(normalize) if weights is None else weights
-        part = self.partitions[i]
+        w = self._weights(normalize) if weights is None else self._whole_tree_weights(weights)
+        part = self.partitions[self._index(i)]
         tok = part.tokens
         lw = torch.where(part.owned, w[tok], torch.zeros((), dtype=torch.float64))
         b = TreeBatch.from_tokens(self.tree, tok, weights=lw, normalize=normalize, conv_kernel=conv_kernel,
@@ -437,8 +468,13 @@ class RedundancyFreePlan(_PlanCost):
         - ``node_boundary_parent [num_nodes]``: boundary position of the token a local root node hangs
           below (its GDN initial state is the recurrent state after that token), else -1.
         """
-        if weights is None:
-            weights = self._weights(normalize) if self.token_weights is None else self.token_weights
+        i = self._index(i)
+        if weights is not None:
+            weights = self._whole_tree_weights(weights)
+        elif self.token_weights is not None:
+            weights = self._whole_tree_weights(self.token_weights, "token_weights")
+        else:
+            weights = self._weights(normalize)
         tree = self.tree
         tok = self.partitions[i].tokens
         n = tok.numel()

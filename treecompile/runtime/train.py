@@ -231,6 +231,12 @@ def train_step(tmodel, tree_or_trees: Tree | TrajectoryTree | Sequence[Tree | Tr
     # batches carry conv_index at the model's own width (else program.run rebuilds it every step)
     width = tmodel.program.conv_width
     conv_kernel = DEFAULT_CONV_KERNEL if width is None else width + 1
+    # every tree's ids before the first backward: a bad id in a later tree would leave the earlier trees'
+    # gradients accumulated in .grad when the step is refused
+    vocab = getattr(tmodel, "vocab_size", None)
+    for it in items:
+        with _named(it):
+            it.tree.check_ids(vocab)
     if optimizer is not None:
         optimizer.zero_grad(set_to_none=True)
     # the loss, the router losses and the entropy metric's sums (over trained path tokens, and their count),
@@ -330,6 +336,10 @@ def train_step(tmodel, tree_or_trees: Tree | TrajectoryTree | Sequence[Tree | Tr
             for it, n in zip(items, n_tree):
                 computed += n
                 reuses.append(Reuse(it.tree.num_path_tokens, it.tree.num_tokens, n))
+    except BaseException:
+        if optimizer is not None:  # refused mid-step (objective data, ...): the gradients as the step found them
+            optimizer.zero_grad(set_to_none=True)
+        raise
     finally:
         bar.close()
 
