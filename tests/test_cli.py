@@ -370,6 +370,7 @@ def test_rewrite_bad_inputs_exit_1_and_leave_nothing(tmp_path, capsys, hf_dir):
     cases.append((["rewrite", "dense-tiny", "--out", str(a_file / "out")], ["--out", f"{a_file} is a file"]))
     cases.append((["rewrite", "dense-tiny", "--out", str(a_file / "sub" / "out")], [f"{a_file} is a file"]))
     cases.append((["rewrite", "dense-tiny", "--out", str(tmp_path / "none" / "out")], ["does not exist"]))
+    cases.append((["rewrite", "dense-tiny", "--out", str(tmp_path / os.fsdecode(b"nu\xff"))], ["not valid UTF-8"]))
     empty_file = tmp_path / "empty_file"
     empty_file.write_text("")
     cases.append((["rewrite", "dense-tiny", "--out", str(empty_file)], ["empty_file", "is an existing file"]))
@@ -557,6 +558,30 @@ def test_environment_errors_are_one_line(tmp_path, capsys):
         rc, _, err = run_cli(argv, capsys)
         assert rc == 1, argv
         one_line_error(err, "x" * 300, "(ENAMETOOLONG)")
+
+
+def test_inspect_prints_manifest_strings_as_text_and_all_or_nothing(tmp_path, capsys):
+    """A manifest edited (and its digest recorded again) to hold terminal escape codes: ``inspect`` prints them
+    escaped; one with a malformed field prints nothing but the one-line error."""
+    from treecompile import saved
+
+    d = tmp_path / "p"
+    assert run_cli(["rewrite", "dense-tiny", "--out", str(d)], capsys)[0] == 0
+
+    def edit(change):
+        m = json.loads((d / saved.MANIFEST).read_text())
+        change(m)
+        m["sha256"][saved.MANIFEST] = saved.manifest_digest(m)
+        (d / saved.MANIFEST).write_text(json.dumps(m))
+
+    edit(lambda m: m.__setitem__("model_class", "evil\x1b[2J\rclass\x9b"))
+    rc, out, err = run_cli(["inspect", str(d)], capsys)
+    assert rc == 0 and err == ""
+    assert "evil\\x1b[2J\\x0dclass\\x9b" in out and not any(c in out for c in "\x1b\r\x9b")
+    edit(lambda m: m["replaced_ops"].append({"layer_type": "x"}))  # no "replaces" key
+    rc, out, err = run_cli(["inspect", str(d)], capsys)
+    assert rc == 1 and out == ""
+    one_line_error(err, "manifest.json: a field inspect shows is malformed (KeyError")
 
 
 def test_inspect_checks_the_weights_against_the_manifest(tmp_path, capsys):

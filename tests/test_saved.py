@@ -8,6 +8,7 @@ gradient, and the parameters after one SGD step are compared with ``torch.equal`
 from __future__ import annotations
 
 import copy
+import errno
 import json
 import os
 import shutil
@@ -661,6 +662,24 @@ def test_save_refuses_what_it_cannot_keep(saved_models, tmp_path):
     with pytest.raises(FileExistsError, match=r"also holds thesis\.tex"):
         saved.save(tm, lone, overwrite=True)
     assert (lone / "thesis.tex").read_text() == "keep me"
+
+
+def test_save_checks_space_and_path_before_writing(saved_models, tmp_path, monkeypatch):
+    """torch's archive writer aborts the process on a full disk or a path that is not UTF-8 (a training loop that
+    checkpoints would die): ``save`` refuses both before writing, naming the directory, and leaves nothing."""
+    src, _, tm = saved_models["dense"]
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=1 << 20))
+    with pytest.raises(OSError, match=r"not enough space to save \(1 MiB free, about \d+ MiB needed\)") as info:
+        saved.save(tm, tmp_path / "full")
+    assert info.value.errno == errno.ENOSPC and info.value.filename == str(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", real)
+    with pytest.raises(ValueError, match="the path is not valid UTF-8"):
+        saved.save(tm, tmp_path / os.fsdecode(b"nu\xff"))
+    assert list(tmp_path.iterdir()) == []
+    long = tmp_path / ("n" * 250)  # a legal name, whose ".<name>.XXXX.tmp" sibling would not be
+    saved.save(tm, long)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [long.name]
 
 
 def test_save_refuses_a_program_with_a_router_loss(tmp_path):

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import os
+import re
 import signal
 import sys
 import threading
@@ -152,6 +154,11 @@ def _check_out(out: Path, overwrite: bool) -> None:
     ``--out`` is a new directory, an empty one, or (with ``--overwrite``) a previous saved program;
     never a file, never the current directory or one that contains it (it cannot be renamed away).
     """
+    try:
+        str(out).encode("utf-8")
+    except UnicodeEncodeError:  # torch's archive writer takes UTF-8 paths only (it aborts the process on others)
+        shown = str(out).encode("utf-8", "backslashreplace").decode()  # printable wherever stderr goes
+        raise UserError(f"--out {shown}: the path is not valid UTF-8; choose another name") from None
     parent = out.parent if str(out.parent) else Path(".")
     up = parent
     while not up.exists() and up != up.parent:
@@ -253,11 +260,15 @@ def cmd_inspect(args) -> int:
     if args.json:
         print(json.dumps(m, indent=2))
         return 0
+    text = io.StringIO()  # the whole report first: a malformed field stops it before anything is printed
     try:
-        _print_manifest(d, m)
+        with contextlib.redirect_stdout(text):
+            _print_manifest(d, m)
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise UserError(f"{d / saved.MANIFEST}: a field inspect shows is malformed ({type(e).__name__}: {e}); "
                         f"`treecompile inspect --json` prints the manifest as it is") from None
+    # the manifest's strings as text, not as terminal commands (escape sequences, carriage returns)
+    print(re.sub(r"[\x00-\x09\x0b-\x1f\x7f-\x9f]", lambda c: f"\\x{ord(c.group()):02x}", text.getvalue()), end="")
     return 0
 
 

@@ -29,6 +29,7 @@ loading imports ``treecompile.ops``.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import io
 import json
@@ -220,6 +221,10 @@ def _reexport(tmodel, tensors: dict, kinds: dict, tied: dict, non_persistent: se
     return ep
 
 
+# what a save writes beside the weights (program.pt2, the manifest) and the file system's slack, for its space check
+SAVE_SLACK_BYTES = 16 << 20
+
+
 def save(tmodel, directory: str | os.PathLike, *, manifest_extra: dict | None = None,
          overwrite: bool = False) -> Path:
     """Write ``tmodel`` (a :class:`TreeModel`) to ``directory``: program.pt2, model.safetensors, manifest.json.
@@ -249,6 +254,12 @@ def save(tmodel, directory: str | os.PathLike, *, manifest_extra: dict | None = 
     parent = out.parent if str(out.parent) else Path(".")
     if not parent.is_dir():
         raise FileNotFoundError(f"{parent}: no such directory")
+    try:
+        str(out.resolve()).encode("utf-8")
+    except UnicodeEncodeError:  # torch's archive writer takes UTF-8 paths only, and aborts the process on others
+        raise ValueError(f"{str(out).encode('utf-8', 'backslashreplace').decode()}: the path is not valid UTF-8 "
+                         "(torch's program writer needs UTF-8 paths); "
+                         "choose another directory name") from None
     if tmodel.program.boundary is not None:
         raise ValueError("save: this is a partition graph (compile(..., boundary=True)), which takes boundary "
                          "tensors from the partitions before it; save the whole-tree program (boundary=False) and "
@@ -284,6 +295,12 @@ def save(tmodel, directory: str | os.PathLike, *, manifest_extra: dict | None = 
         else:
             first[id(v)] = k
     weights = {k: v.detach().cpu().contiguous() for k, v in tensors.items() if k not in tied}
+    # torch's archive writer aborts the whole process on a full disk instead of raising: refuse first
+    need = sum(v.numel() * v.element_size() for v in weights.values()) + SAVE_SLACK_BYTES
+    free = shutil.disk_usage(parent).free
+    if free < need:
+        raise OSError(errno.ENOSPC, f"not enough space to save ({free / 2**20:.0f} MiB free, about "
+                      f"{need / 2**20:.0f} MiB needed)", str(parent))
 
     ep = _reexport(tmodel, tensors, kinds, tied, non_persistent)
     phs = [s.arg.name for s in ep.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
@@ -313,7 +330,7 @@ def save(tmodel, directory: str | os.PathLike, *, manifest_extra: dict | None = 
     if manifest_extra:
         manifest["extra"] = _jsonable(manifest_extra)
 
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name[:64]}.", suffix=".tmp", dir=parent))
     try:
         ep.example_inputs = None  # torch would pickle them: a saved program holds data only
         with warnings.catch_warnings():  # the zero-stride stand-ins are "incomplete" by design
@@ -330,7 +347,7 @@ def save(tmodel, directory: str | os.PathLike, *, manifest_extra: dict | None = 
         for f in (PROGRAM, WEIGHTS, MANIFEST):
             os.chmod(tmp / f, 0o666 & ~umask)
         if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=parent))
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name[:64]}.", suffix=".old", dir=parent))
             try:
                 os.replace(out, old / "x")
             except BaseException:
