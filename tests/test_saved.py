@@ -276,6 +276,8 @@ def test_load_errors_name_the_file(saved_models, tmp_path):
     src, _, _ = saved_models["dense"]
     with pytest.raises(saved.SavedProgramError, match="no such directory"):
         saved.load(tmp_path / "nope")
+    with pytest.raises(saved.SavedProgramError, match=r"program\.pt2: is a file, not a saved-program directory"):
+        saved.load(src / saved.PROGRAM)
     d = shutil.copytree(src, tmp_path / "a")
     w = d / saved.WEIGHTS
     w.write_bytes(w.read_bytes()[: w.stat().st_size // 2])  # truncated

@@ -388,6 +388,9 @@ def read_manifest(directory: str | os.PathLike) -> dict:
     """The manifest of a saved directory; SavedProgramError naming the file if missing/invalid."""
     d = Path(directory)
     if not d.is_dir():
+        if d.exists():
+            raise SavedProgramError(f"{d}: is a file, not a saved-program directory (pass the directory that "
+                                    f"holds {PROGRAM}, {WEIGHTS} and {MANIFEST})")
         raise SavedProgramError(f"{d}: no such directory")
     p = d / MANIFEST
     if not p.is_file():
