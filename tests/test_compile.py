@@ -270,7 +270,8 @@ def test_sdpa_without_a_batch_dimension_is_refused_by_its_shape():
     """A 3-D query's first dimension is its heads: the refusal names the shape and the layout the rewrite takes,
     not "batch size must be 1"."""
     with pytest.raises(treecompile.passes.PassError, match=r"test_compile.py:\d+ in forward.*attention on a 3-D query "
-                                                          r"of shape \(2, s\d+, 4\).*\[batch, heads, tokens, head_dim\]"):
+                                                          r"of shape \(2, s\d+, 4\)"
+                                                          r".*\[batch, heads, tokens, head_dim\]"):
         treecompile.compile(HeadsFirstSdpa())
 
 
@@ -1280,7 +1281,8 @@ class LogitsInADict(Bidirectional):
 
 @pytest.mark.parametrize("model_cls,pick", [
     (LogitsAndHidden, lambda out: out[0]), (HiddenAndLogits, lambda out: out[1]),
-    (lambda: LogitsInADict("logits"), lambda out: out["logits"]), (lambda: LogitsInADict("out"), lambda out: out["out"])],
+    (lambda: LogitsInADict("logits"), lambda out: out["logits"]),
+    (lambda: LogitsInADict("out"), lambda out: out["out"])],
     ids=["logits_hidden", "hidden_logits", "dict_logits", "dict_other_name"])
 def test_the_oracle_reads_the_logits_the_compiler_trains(model_cls, pick):
     """``reference.run`` on a model that returns a tuple or a mapping takes the logits the compiler takes (HF's
@@ -1302,7 +1304,8 @@ def test_the_oracle_reads_the_logits_the_compiler_trains(model_cls, pick):
     params = list(model.parameters())
     assert rel(flat_grads(out.loss, params), flat_grads(ref.loss, params)) <= 1e-12
     with pytest.raises(ValueError, match=r"expected exactly one \[1, T, V\] logits output, found 2 among the model's "
-                                         r"outputs \(tuple: \[\(1, 3, 11\), \(1, 3, 11\)\]; the input embedding has 11 rows"):
+                                         r"outputs \(tuple: \[\(1, 3, 11\), \(1, 3, 11\)\]; "
+                                         r"the input embedding has 11 rows"):
         reference.run(TwoLogits().double(), paths)
 
 

@@ -157,7 +157,8 @@ def test_plan_tables_cross_together_and_equal_the_plan(paths, pad_to, window):
         assert _plan_pairs(got.key_index, got.cu_seqlens_q, got.cu_seqlens_k, got.tail, T) == \
             {(q, k): 1 for k in range(T) for q in range(k, int(se[k]))}
     for name in ("key_index", "cu_seqlens_q", "cu_seqlens_k"):
-        assert torch.equal(getattr(got, name), getattr(want, name)) and getattr(got, name).dtype == getattr(want, name).dtype
+        a, b_ = getattr(got, name), getattr(want, name)
+        assert torch.equal(a, b_) and a.dtype == b_.dtype
     assert torch.equal(got.copies.tiles, want.copies.tiles) and torch.equal(got.copies.offsets, want.copies.offsets)
     assert (got.copies.tokens, got.copies.rows) == (want.copies.tokens, want.copies.rows)
     assert dataclasses.replace(got, key_index=None, cu_seqlens_q=None, cu_seqlens_k=None, copies=None) == \

@@ -147,6 +147,7 @@ def explain_capture_error(err: BaseException, guards: list[Guard] | tuple = ()) 
     bound = re.search(r"satisfy the generated guard ([^\n]*?)\.?\n", text + "\n")
     if bound:
         nums = re.findall(r"\b(\d{2,})\b", bound.group(1))
+
         def compares(g):  # a bound on a size: sympy writes it either way round (`s0 < 9`, `s27 > 8`)
             return "<" in g.expr or ">" in g.expr
 

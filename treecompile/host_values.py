@@ -23,8 +23,8 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor
 
-__all__ = ["to_device_async", "to_device_together", "to_device", "to_device_with_host", "host_copy", "remember_host", "remembered_host",
-           "repeat_counts", "single_threaded", "single_threaded_for", "SINGLE_THREAD_ROWS"]
+__all__ = ["to_device_async", "to_device_together", "to_device", "to_device_with_host", "host_copy", "remember_host",
+           "remembered_host", "repeat_counts", "single_threaded", "single_threaded_for", "SINGLE_THREAD_ROWS"]
 
 # id(device tensor) -> (weak reference to it, its version counter when remembered, its values on the host)
 _HOST: dict[int, tuple[weakref.ref, int, Tensor]] = {}

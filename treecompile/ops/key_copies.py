@@ -33,7 +33,8 @@ from treecompile.host_values import repeat_counts, to_device_async
 # triton is None on CPU-only installs: sum_copies then uses index_add_
 from treecompile.ops.triton_support import available, interpreting, tl, triton, usable
 
-__all__ = ["CopyRuns", "available", "copy_runs", "copy_run_tables", "sum_copies", "sum_copies_index_add", "usable", "CONFIGS"]
+__all__ = ["CopyRuns", "available", "copy_runs", "copy_run_tables", "sum_copies", "sum_copies_index_add", "usable",
+           "CONFIGS"]
 
 BLOCK_T = 64  # tokens per program (a run is cut into tiles of at most this many)
 # The kernel's configs, (channels per program, column blocks of one tile on consecutive programs, warps), among

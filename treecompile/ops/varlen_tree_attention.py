@@ -491,8 +491,8 @@ def _check_plan(se: Tensor, lo: Tensor, hi: Tensor, first: Tensor, rows: int, cu
     """The plan is the mask, or ValueError naming a token (a non-nested ``subtree_end``).
 
     Segment ``s``'s queries are tokens ``[cu_q[s], cu_q[s+1])``; its key rows ``[cu_k[s], cu_k[s+1])`` hold the
-    tokens of the intervals ``[lo[m], hi[m])`` laid out from row ``first[m]`` (``rows`` key rows in all); FA4's causal mask
-    (aligned bottom-right) lets query ``i`` see key rows up to ``nk - nq + i``.  So a row in the first ``nk - nq``
+    tokens of the intervals ``[lo[m], hi[m])`` laid out from row ``first[m]`` (``rows`` key rows in all); FA4's causal
+    mask (aligned bottom-right) lets query ``i`` see key rows up to ``nk - nq + i``.  So a row in the first ``nk - nq``
     (the prefix) is seen by every query of the segment, and own row ``i`` by the queries from ``cu_q[s] + i`` on.
     The plan is the mask iff (1) every row's queries are in the mask: its key is at most its first query, and its
     subtree reaches past the segment's last query; (2) no key repeats within a segment; (3) every key ``k`` is seen

@@ -337,7 +337,7 @@ def train_step(tmodel, tree_or_trees: Tree | TrajectoryTree | Sequence[Tree | Tr
                 computed += n
                 reuses.append(Reuse(it.tree.num_path_tokens, it.tree.num_tokens, n))
     except BaseException:
-        if optimizer is not None:  # refused mid-step (objective data, ...): the gradients as the step found them
+        if optimizer is not None:  # refused mid-step (objective data, ...): no gradient, as after the zero_grad above
             optimizer.zero_grad(set_to_none=True)
         raise
     finally:
