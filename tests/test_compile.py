@@ -214,6 +214,68 @@ def test_disable_unknown_pass_is_an_error(monkeypatch):
         treecompile.compile(DenseForCausalLM(DenseConfig.tiny()), disable=("rewrite_everything",))
     with pytest.raises(ValueError, match=r"unknown pass name\(s\) \['expose_boundary'\]"):  # a partition-graph pass only
         treecompile.compile(DenseForCausalLM(DenseConfig.tiny()), disable=("expose_boundary",))
+    with pytest.raises(TypeError, match=r"got the string 'rewrite_positions' \(write disable=\('rewrite_positions',\)\)"):
+        treecompile.compile(DenseForCausalLM(DenseConfig.tiny()), disable="rewrite_positions")
+
+
+class RootTensors(torch.nn.Module):
+    """A causal LM whose head weight and an output scale live on the root module (not in a child)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(11, 8)
+        self.head = torch.nn.Parameter(torch.randn(11, 8) * 0.3)
+        self.register_buffer("scale", torch.tensor(1.5))
+
+    def forward(self, ids):
+        return torch.nn.functional.linear(torch.tanh(self.emb(ids)), self.head) * self.scale
+
+
+def test_the_tree_model_follows_the_model_or_refuses():
+    """What the user changes after compile: a root parameter or buffer set on the TreeModel (assignment,
+    ``load_state_dict(assign=True)``) is the model's too, and the tree loss is the per-path one with it; set on the
+    model alone, a module replaced, or the model converted to another dtype, the next call refuses by name (the
+    graph would read one tensor while the optimizer trains another, compute the old module, or keep casts traced for
+    the old dtype)."""
+    paths = [[1, 2, 3, 4], [1, 2, 5], [6, 7]]
+    batch = Tree.from_paths(paths).to_batch()
+
+    def exact(tm, model):
+        out, ref = tm(batch), reference.run(model, paths)
+        assert abs(float(out.loss - ref.loss)) <= 1e-12 * abs(float(ref.loss))
+        params = list(tm.parameters())
+        assert rel(flat_grads(out.loss, params), flat_grads(ref.loss, params)) <= 1e-12
+
+    torch.manual_seed(0)
+    model = RootTensors().double()
+    tm = treecompile.compile(model)
+    exact(tm, model)
+    tm.head = torch.nn.Parameter(torch.randn(11, 8, dtype=torch.float64))  # on the TreeModel: the model's too
+    tm.scale = torch.tensor(4.0, dtype=torch.float64)
+    assert model.head is tm.head and model.scale is tm.scale
+    exact(tm, model)
+    other = RootTensors().double()
+    tm.load_state_dict(other.state_dict(), assign=True)
+    assert model.head is tm.head and torch.equal(model.head, other.head)
+    exact(tm, model)
+    model.head = torch.nn.Parameter(torch.zeros(11, 8, dtype=torch.float64))  # on the model alone
+    with pytest.raises(RuntimeError, match=r"root parameter 'head' was replaced on the model after "
+                                           r"treecompile.compile.*assign it on the TreeModel"):
+        tm(batch)
+    tm.head = model.head
+    exact(tm, model)
+    model.emb = torch.nn.Embedding(11, 8).double()  # a module: the graph was traced through the old one
+    with pytest.raises(RuntimeError, match=r"module 'emb' was replaced after treecompile.compile"):
+        tm(batch)
+    with pytest.raises(RuntimeError, match=r"module 'emb' was replaced"):
+        tm.prepare(batch)
+    dense = DenseForCausalLM(DenseConfig.tiny())  # float32
+    tdense = treecompile.compile(dense)
+    tdense(batch)
+    dense.double()
+    with pytest.raises(ValueError, match=r"model.embed_tokens.weight is float64 but the model was compiled with it "
+                                         r"in float32: convert the model before treecompile.compile"):
+        tdense(batch)
 
 
 # ---------------------------------------------------------------- near misses: refused

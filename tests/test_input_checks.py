@@ -73,6 +73,22 @@ def test_ids_outside_the_vocabulary_are_named_before_the_graph_runs(tmodel):
         tmodel(Tree.from_paths([[3, V + 7]]).to_batch().to("cpu"))
 
 
+def test_the_check_reads_the_batch_ids_the_graph_reads(tmodel):
+    """A batch whose ``input_ids`` were edited after ``to_batch`` (in place, or replaced) is checked on those ids,
+    not on its tree's: the graph reads the batch's."""
+    import dataclasses
+
+    V = tmodel.vocab_size
+    batch = Tree.from_paths([[1, 2, 3], [1, 4]]).to_batch()
+    edited = dataclasses.replace(batch, input_ids=batch.input_ids.clone())
+    edited.input_ids[2] = V + 2
+    with pytest.raises(ValueError, match=rf"^path 0, position 2: token id {V + 2} is outside"):
+        tmodel(edited)
+    with pytest.raises(ValueError, match=rf"token id {V + 2} is outside"):
+        tmodel.prepare(edited)
+    tmodel(batch)  # the tree's own ids are fine
+
+
 def test_ids_outside_the_vocabulary_are_named_in_redundancy_free_partitions(tmodel):
     """Partitions run through program.run directly: the executor checks their ids as forward does."""
     from treecompile.runtime.partition import partition_redundancy_free

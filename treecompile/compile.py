@@ -137,6 +137,9 @@ class TreeModel(nn.Module):
         for name, b in model.named_buffers(recurse=False):
             self.register_buffer(name, b)
         object.__setattr__(self, "model", model)  # the user's module, not registered twice
+        # the modules the graph was traced through, as they were then (_check_bound), and the root tensors' names
+        object.__setattr__(self, "_bound_children", dict(model.named_children()))
+        object.__setattr__(self, "_root_tensors", frozenset(self._parameters) | frozenset(self._buffers))
         object.__setattr__(self, "program", program)
         self.pass_results = dict(pass_results)
         self.router_aux = None  # a router_aux.RouterAux when the graph returns router logits
@@ -212,7 +215,41 @@ class TreeModel(nn.Module):
             batch.check_ids(self.vocab_size)
             return self.program.prepare(batch)
 
+    def __setattr__(self, name, value):
+        """A root parameter or buffer the TreeModel adopted, set on it (``tm.scale = ...``, ``load_state_dict(...,
+        assign=True)``), is set on the model too: the graph reads the model's."""
+        super().__setattr__(name, value)
+        if name in self.__dict__.get("_root_tensors", ()):
+            setattr(self.model, name, value)
+
+    def _apply(self, fn, *args, **kwargs):
+        """``.to()``, ``.double()``, ...: the children are the model's own; a root buffer the conversion replaced
+        on the TreeModel is put on the model too."""
+        out = super()._apply(fn, *args, **kwargs)
+        for name in self.__dict__.get("_root_tensors", ()):
+            for kind in ("_parameters", "_buffers"):
+                if name in getattr(self, kind):
+                    getattr(self.model, kind)[name] = getattr(self, kind)[name]
+        return out
+
+    def _check_bound(self) -> None:
+        """The modules and root tensors this TreeModel adopted are still the model's: the graph reads the model's
+        tensors by name and was traced through its modules, so a module replaced after compile (``m.lm_head =
+        nn.Linear(...)``), or a root tensor replaced on the model alone (``m.scale = ...``), would leave the graph's
+        computation or the optimizer's parameters behind without a word."""
+        model = self.model
+        for name, child in self.__dict__.get("_bound_children", {}).items():
+            if model._modules.get(name) is not child or self._modules.get(name) is not child:
+                raise RuntimeError(f"the model's module {name!r} was replaced after treecompile.compile: the compiled "
+                                   "graph computes the old one; compile the model again")
+        for name, kind in (*((n, "_parameters") for n in self._parameters), *((n, "_buffers") for n in self._buffers)):
+            if getattr(model, kind).get(name) is not getattr(self, kind).get(name):
+                raise RuntimeError(f"the model's root {kind[1:-1]} {name!r} was replaced on the model after "
+                                   "treecompile.compile: the graph reads the model's, the TreeModel's parameters() "
+                                   "list the old one; assign it on the TreeModel (which sets both), or compile again")
+
     def _check_batch(self, batch) -> None:
+        self._check_bound()
         if not isinstance(batch, TreeBatch):
             raise TypeError(f"TreeModel expects a treecompile.TreeBatch, got {type(batch).__name__}")
         if self.program.boundary is not None:

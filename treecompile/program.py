@@ -164,6 +164,9 @@ class TreeProgram:
         self._inputs = LastBatch()  # the last batch's graph inputs (_graph_inputs: kept for prepare and the call)
         self._moved = LastBatch()  # the last batch moved to the model's device (_moved_batch)
         self._walk = _lifted_walk(self.lifted)  # lifted_values' walk of the module dicts
+        # the dtype each lifted placeholder was captured with (casts, rotary tables and kernels were traced for it)
+        vals = {n.name: n.meta.get("val") for n in self.graph_module.graph.nodes if n.op == "placeholder"}
+        self._lifted_dtypes = [getattr(vals.get(x.name), "dtype", None) for x in self.lifted]
         self._tree_names = [f"tree_{n}" for n in self.tree_inputs]  # the tree inputs' placeholders
 
     # ------------------------------------------------------------------ inputs
@@ -186,10 +189,24 @@ class TreeProgram:
                    (mods[owner]._parameters if param else mods[owner]._buffers)[leaf]
                    for owner, leaf, param in tensors]
             if all(t is not None for t in out):
-                return out
+                return self._same_dtypes(out)
         except (KeyError, AttributeError):  # not in the dicts (a submodule set to None)
             pass
-        return [self.lifted_value(x) for x in self.lifted]  # one by one, with nn.Module's lookup and error
+        return self._same_dtypes([self.lifted_value(x) for x in self.lifted])  # one by one, nn.Module's lookup
+
+    def _same_dtypes(self, values: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``values``, when each has the dtype its placeholder was captured with; else ValueError naming the first
+        that does not: a model converted after compile (``.double()``, ``.to(torch.bfloat16)``) would run a graph
+        traced for the old dtype (its casts and float32 rotary tables kept: 4.5e-8 off per path in float64, or a
+        dtype error deep inside)."""
+        if [t.dtype for t in values] == self._lifted_dtypes:
+            return values
+        for x, t, want in zip(self.lifted, values, self._lifted_dtypes):
+            if want is not None and t.dtype != want:
+                raise ValueError(f"{x.target} is {str(t.dtype).removeprefix('torch.')} but the model was compiled "
+                                 f"with it in {str(want).removeprefix('torch.')}: convert the model before "
+                                 "treecompile.compile (the graph is traced for the dtypes it had then)")
+        return values
 
     def lifted_value(self, x: LiftedInput, tensors: nn.Module | None = None) -> torch.Tensor:
         """The tensor ``x`` names, looked up now on ``tensors`` (default: the model)."""

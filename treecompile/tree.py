@@ -858,14 +858,15 @@ class TreeBatch:
         """
         if vocab_size is None:
             return
-        if self.tree is not None:
-            self.tree.check_ids(vocab_size)
-            return
-        ids = host_copy(self.input_ids)[: self.num_tokens]
+        # the batch's own ids (an edited or replaced input_ids is what the graph reads), from the host values
+        ids = host_copy(self.input_ids).reshape(-1)[: self.num_tokens]
         t = _first_outside(ids, vocab_size)
         if t is None:
             return
         what = f"token id {int(ids[t])} is outside the model's vocabulary [0, {vocab_size})"
+        if self.tree is not None and t < self.tree.num_tokens:  # a whole-tree batch: DFS token t is the tree's
+            p, i = self.tree.locate(int(torch.nonzero(self.tree.path_index == t)[0]))
+            raise ValueError(f"path {p}, position {i}: {what}")
         # a partition: its token t is the whole tree's DFS token tokens[t]
         whole, tokens = self.extras.get("whole_tree"), self.extras.get("tokens")
         if whole is None or tokens is None or t >= len(tokens):

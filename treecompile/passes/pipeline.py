@@ -95,6 +95,9 @@ class UnverifiedGraphWarning(UserWarning):
 def check_disable(disable: tuple[str, ...], passes: list[tuple[str, PassFn]] | None = None) -> None:
     """ValueError naming the entries of ``disable`` that are not passes of ``passes`` (default: PASSES)."""
     passes = PASSES if passes is None else passes
+    if isinstance(disable, str):  # one name would be read as its letters
+        raise TypeError(f"disable: expected a sequence of pass names, got the string {disable!r} (write "
+                        f"disable=({disable!r},))")
     unknown = set(disable) - {name for name, _ in passes}
     if unknown:
         raise ValueError(f"disable: unknown pass name(s) {sorted(unknown)}; passes are "
