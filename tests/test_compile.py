@@ -218,6 +218,21 @@ def test_disable_unknown_pass_is_an_error(monkeypatch):
         treecompile.compile(DenseForCausalLM(DenseConfig.tiny()), disable="rewrite_positions")
 
 
+def test_names_from_named_parameters_resolve_on_the_tree_model():
+    """``tm.get_parameter`` / ``get_buffer`` / ``get_submodule`` take the names ``named_parameters()`` and
+    ``state_dict()`` give, also under an adopted child called ``model`` (``tm.model`` is the user's module)."""
+    tm = treecompile.compile(DenseForCausalLM(DenseConfig.tiny()))
+    assert any(n.startswith("model.layers.") for n, _ in tm.named_parameters())
+    for n, p in tm.named_parameters():
+        assert tm.get_parameter(n) is p, n
+    for n, b in tm.named_buffers():
+        assert tm.get_buffer(n) is b, n
+    for n, m in tm.named_modules():
+        assert tm.get_submodule(n) is m, n
+    with pytest.raises(AttributeError):
+        tm.get_submodule("model.nope")
+
+
 class RootTensors(torch.nn.Module):
     """A causal LM whose head weight and an output scale live on the root module (not in a child)."""
 

@@ -232,6 +232,18 @@ class TreeModel(nn.Module):
                     getattr(self.model, kind)[name] = getattr(self, kind)[name]
         return out
 
+    def get_submodule(self, target: str) -> nn.Module:
+        """The submodule ``target`` names, as ``named_modules()`` / ``state_dict()`` name it.  ``tm.model`` is the
+        user's module, so an adopted child called ``model`` (every HF CausalLM's) is reached through
+        ``_modules`` here: nn.Module's lookup would take ``tm.model`` and miss ``model.layers.0``."""
+        if not target:
+            return self
+        head, _, rest = target.partition(".")
+        child = self._modules.get(head)
+        if child is None:
+            return super().get_submodule(target)
+        return child.get_submodule(rest) if rest else child
+
     def _check_bound(self) -> None:
         """The modules and root tensors this TreeModel adopted are still the model's: the graph reads the model's
         tensors by name and was traced through its modules, so a module replaced after compile (``m.lm_head =

@@ -44,8 +44,9 @@ __all__ = ["TreeProgram", "LiftedInput", "SplitGraph", "bucket_length", "module_
 def bucket_length(T: int, *, min_bucket: int = 256, steps_per_octave: int = 8) -> int:
     """Round ``T`` up to a bucket: multiples of 2^(floor(log2 T)) / steps_per_octave (>= min_bucket).
 
-    Padding is below 1/steps_per_octave of T, and lengths up to L fall in about
-    steps_per_octave * log2(L / min_bucket) buckets, one compiled graph each.
+    The step is at least ``min_bucket``: padding is below 1/steps_per_octave of T from ``steps_per_octave *
+    min_bucket`` tokens on (2,048 by default), and below ``min_bucket`` tokens under it (257 -> 512).  Lengths up to
+    L fall in about steps_per_octave * log2(L / min_bucket) buckets, one compiled graph each.
     """
     if T <= min_bucket:
         return min_bucket
