@@ -200,10 +200,10 @@ class TreeProgram:
         that does not: a model converted after compile (``.double()``, ``.to(torch.bfloat16)``) would run a graph
         traced for the old dtype (its casts and float32 rotary tables kept: 4.5e-8 off per path in float64, or a
         dtype error deep inside)."""
-        if [t.dtype for t in values] == self._lifted_dtypes:
+        if [getattr(t, "dtype", None) for t in values] == self._lifted_dtypes:
             return values
         for x, t, want in zip(self.lifted, values, self._lifted_dtypes):
-            if want is not None and t.dtype != want:
+            if want is not None and getattr(t, "dtype", want) != want:
                 raise ValueError(f"{x.target} is {str(t.dtype).removeprefix('torch.')} but the model was compiled "
                                  f"with it in {str(want).removeprefix('torch.')}: convert the model before "
                                  "treecompile.compile (the graph is traced for the dtypes it had then)")
