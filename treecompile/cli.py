@@ -194,15 +194,17 @@ def _check_out(out: Path, overwrite: bool) -> None:
 
 def _check_space(out: Path, model) -> None:
     """Refuse before writing when the weights alone do not fit (torch's archive writer aborts the
-    process on a full disk instead of raising)."""
+    process on a full disk instead of raising): before the capture, which ``saved.save``'s own check follows."""
     import shutil
+
+    from treecompile import saved
 
     seen, need = set(), 0
     for t in list(model.parameters()) + list(model.buffers()):
         if t.data_ptr() not in seen:
             seen.add(t.data_ptr())
             need += t.numel() * t.element_size()
-    need += 16 << 20  # program.pt2, manifest and file-system slack
+    need += saved.SAVE_SLACK_BYTES  # program.pt2, manifest and file-system slack
     parent = out.parent if str(out.parent) else Path(".")
     free = shutil.disk_usage(parent).free
     if free < need:

@@ -43,15 +43,13 @@ def logits_of(out, length: int | None = None, vocab: int | None = None) -> torch
 
 
 def _input_vocab(model: torch.nn.Module) -> int | None:
-    """Rows of the model's input embedding (``get_input_embeddings``, else its one ``nn.Embedding`` size)."""
+    """The vocabulary size capture reads (``frontend._vocab_size``), or None where it finds none."""
+    from treecompile.frontend import CaptureError, _vocab_size
+
     try:
-        emb = model.get_input_embeddings()
-    except (AttributeError, NotImplementedError):  # not an HF model, or one without the method
-        emb = None
-    if isinstance(emb, torch.nn.Embedding):
-        return emb.num_embeddings
-    rows = {m.num_embeddings for m in model.modules() if isinstance(m, torch.nn.Embedding)}
-    return rows.pop() if len(rows) == 1 else None
+        return _vocab_size(model)
+    except CaptureError:
+        return None
 
 
 def path_logprobs(model: torch.nn.Module, path: Sequence[int], device=None, *,

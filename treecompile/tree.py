@@ -129,16 +129,21 @@ def _first_outside(ids: torch.Tensor, vocab_size: int) -> int | None:
     return int(torch.nonzero((ids < 0) | (ids >= vocab_size))[0])
 
 
+def _is_bool(x) -> bool:
+    """A Python, NumPy or torch bool (an int to ``array`` and ``as_tensor``, never an id or a weight)."""
+    return (isinstance(x, bool) or (isinstance(x, torch.Tensor) and x.dtype == torch.bool)
+            or (type(x).__module__ == "numpy" and type(x).__name__ in ("bool", "bool_")))
+
+
 def _refuse_non_int(p, i: int) -> None:
     """Raise ValueError naming the first id of path ``i`` that is not an integer (bools are not ids; a tensor is
     one only when it is a 0-d integer tensor)."""
     for j, x in enumerate(p):
-        if isinstance(x, torch.Tensor):
-            bad = x.dim() != 0 or x.dtype == torch.bool or x.dtype.is_floating_point or x.is_complex()
+        if isinstance(x, torch.Tensor):  # a 0-d integer tensor is an id (array takes it through __index__)
+            integer = x.dim() == 0 and not (x.dtype.is_floating_point or x.is_complex())
         else:
-            bad = isinstance(x, bool) or type(x).__name__ in ("bool", "bool_") and type(x).__module__ == "numpy" \
-                or not isinstance(x, numbers.Integral)
-        if bad:
+            integer = isinstance(x, numbers.Integral)
+        if _is_bool(x) or not integer:
             raise ValueError(f"path {i}: token ids must be integers, got {x!r} ({type(x).__name__}) at position {j}")
 
 
@@ -472,8 +477,7 @@ class Tree:
         if len(path_weights) != P:
             raise ValueError(f"path_weights: expected {P} weights (one per path), got {len(path_weights)}")
         for i, x in enumerate(path_weights):
-            if (isinstance(x, bool) or (isinstance(x, torch.Tensor) and x.dtype == torch.bool)
-                    or (type(x).__module__ == "numpy" and type(x).__name__ in ("bool", "bool_"))):  # numpy's too
+            if _is_bool(x):
                 raise ValueError(f"path {i}: path weight {x!r} is a bool, not a number")
         try:
             w = torch.as_tensor(path_weights, dtype=torch.float64)
@@ -492,7 +496,7 @@ class Tree:
         """Raise ValueError naming the path and position of a token id outside ``[0, vocab_size)`` (None: none)."""
         t = None if vocab_size is None else _first_outside(self.input_ids, vocab_size)
         if t is not None:
-            p, i = self.locate(int(torch.nonzero(self.path_index == t)[0]))
+            p, i = self.token_position(t)
             raise ValueError(f"path {p}, position {i}: token id {int(self.input_ids[t])} is outside the model's "
                              f"vocabulary [0, {vocab_size})")
 
@@ -510,6 +514,10 @@ class Tree:
         """Token ids of path ``p`` (read back from the tree)."""
         s, e = int(self.path_offsets[p]), int(self.path_offsets[p + 1])
         return self.input_ids[self.path_index[s:e]].tolist()
+
+    def token_position(self, t: int) -> tuple[int, int]:
+        """DFS token ``t`` -> (path, position) of its first path (the one error messages name)."""
+        return self.locate(int(torch.nonzero(self.path_index == t)[0]))
 
     def locate(self, j: int) -> tuple[int, int]:
         """Path token ``j`` (an index into the paths laid end to end, as ``path_index``) -> (path, position)."""
@@ -864,15 +872,14 @@ class TreeBatch:
         if t is None:
             return
         what = f"token id {int(ids[t])} is outside the model's vocabulary [0, {vocab_size})"
-        if self.tree is not None and t < self.tree.num_tokens:  # a whole-tree batch: DFS token t is the tree's
-            p, i = self.tree.locate(int(torch.nonzero(self.tree.path_index == t)[0]))
-            raise ValueError(f"path {p}, position {i}: {what}")
-        # a partition: its token t is the whole tree's DFS token tokens[t]
-        whole, tokens = self.extras.get("whole_tree"), self.extras.get("tokens")
-        if whole is None or tokens is None or t >= len(tokens):
-            raise ValueError(f"DFS token {t} of this partition batch: {what}")
-        p, i = whole.locate(int(torch.nonzero(whole.path_index == int(tokens[t]))[0]))
-        raise ValueError(f"path {p}, position {i} (token {t} of this partition): {what}")
+        tree, part = self.tree, ""
+        if tree is None or t >= tree.num_tokens:  # a partition: its token t is the whole tree's DFS token tokens[t]
+            whole, tokens = self.extras.get("whole_tree"), self.extras.get("tokens")
+            if whole is None or tokens is None or t >= len(tokens):
+                raise ValueError(f"DFS token {t} of this partition batch: {what}")
+            tree, part, t = whole, f" (token {t} of this partition)", int(tokens[t])
+        p, i = tree.token_position(t)
+        raise ValueError(f"path {p}, position {i}{part}: {what}")
 
     def path_logprobs(self, logprobs: torch.Tensor) -> list[torch.Tensor]:
         """Per-token DFS tensor ``[T]`` -> one tensor per path (path order); differentiable."""

@@ -20,7 +20,7 @@ elif [ "$mode" = plan48 ]; then
   PYTHONPATH=. timeout ${T:-120} python benchmarks/results/h200_s47/probe_plan.py _old_vta_s48 2>&1 | tee $OUT/probe_plan48.txt | tail -20
   timeout ${T2:-300} python -m pytest -m gpu -q -p no:cacheprovider tests/test_varlen_tree_attention.py \
     tests/test_host_values.py -W ignore -rs 2>&1 | grep -v "torch.__trace" | tee $OUT/gpu48.txt | tail -20
-  PYTHONPATH=. timeout ${T3:-60} python benchmarks/results/h200_s48/prof_plan.py 2>&1 | tee $OUT/prof_plan48.txt | tail -8
+  PYTHONPATH=. timeout ${T3:-60} python benchmarks/results/h200_s47/prof_plan.py 2>&1 | tee $OUT/prof_plan48.txt | tail -8
 elif [ "$mode" = gpu48b ]; then
   source benchmarks/results/h100_s18/pre.sh
   timeout ${T:-300} python -m pytest -m gpu -q -p no:cacheprovider tests/test_train.py \
