@@ -110,14 +110,15 @@ BASELINES = ("eager_per_path", "compiled_per_path", "packed_flex", "compiled_per
              "compiled_per_path_fla", "packed_fla_varlen", "packed_fla_varlen_conv")
 TREE_CONTENDERS = ("tree", "tree_heavy_first", "tree_fa4_varlen", "tree_fa4_flex", "tree_conv_fla",
                    "tree_conv_shifts_inductor", "tree_head_chunked", "tree_head_kept", "tree_keys_gathered",
-                   "tree_fa4_interface", "tree_cpp_wrapper", "tree_cudagraphs", "tree_driver_reads",
-                   "tree_deterministic", "tree_block_sparse_heavy_first", "tree_lex", "tree_packed", "tree_rf")
+                   "tree_fa4_interface", "tree_fa4_bwd_interface", "tree_cpp_wrapper", "tree_cudagraphs",
+                   "tree_driver_reads", "tree_deterministic", "tree_block_sparse_heavy_first", "tree_lex", "tree_packed",
+                   "tree_rf")
 CONTENDERS = BASELINES + TREE_CONTENDERS
 # run when named only: the C++ wrapper's first step compiles for minutes (417 s on the 0.6B, session 43), the CUDA
-# graphs' contender was measured slower (session 45), and the driver-reads, deterministic and block-sparse-order
-# trees and the lexicographic serialisation are A/Bs of one setting against ``tree``
+# graphs' contender was measured slower (session 45), and the driver-reads, deterministic, block-sparse-order and
+# backward-interface trees and the lexicographic serialisation are A/Bs of one setting against ``tree``
 ON_REQUEST = ("tree_cpp_wrapper", "tree_cudagraphs", "tree_driver_reads", "tree_deterministic",
-              "tree_block_sparse_heavy_first", "tree_lex")
+              "tree_block_sparse_heavy_first", "tree_lex", "tree_fa4_bwd_interface")
 DEFAULT_CONTENDERS = tuple(c for c in CONTENDERS if c not in ON_REQUEST)
 
 
@@ -545,11 +546,12 @@ def _with_block_sparse_layout(step: Callable, layout: str) -> Callable:
     return _with_setting(step, varlen_tree_attention, "BLOCK_SPARSE_LAYOUT", layout)
 
 
-def _without_fa4_replay(step: Callable) -> Callable:
-    """``step`` with ``ops.fa4_replay`` off while it runs (FA4's forward interface on every layer)."""
+def _without_fa4_replay(step: Callable, setting: str = "ENABLED") -> Callable:
+    """``step`` with ``ops.fa4_replay`` off while it runs: ``setting`` "ENABLED" (FA4's interfaces on every layer,
+    forward and backward) or "BACKWARD" (the backward's only)."""
     from treecompile.ops import fa4_replay
 
-    return _with_setting(step, fa4_replay, "ENABLED", False)
+    return _with_setting(step, fa4_replay, setting, False)
 
 
 def _with_driver_reads(step: Callable) -> Callable:
@@ -906,10 +908,15 @@ class Steps:
         return self._cuda_tree_step("attention_keys", keys="gathered")
 
     def tree_fa4_interface(self):
-        """``tree`` with FA4's varlen forward called through its Python interface on every layer (``ops.fa4_replay``
-        off: what every step ran before session 42; the tree's first call per plan is recorded and the later layers
-        replay its launch; CUDA)."""
-        return self._cuda_tree_step("FA4's forward replay", replay=False)
+        """``tree`` with FA4's varlen forward and backward called through their Python interfaces on every layer
+        (``ops.fa4_replay`` off: what every step ran before session 42; the tree's first call per plan is recorded
+        and the later layers replay its launches; CUDA)."""
+        return self._cuda_tree_step("FA4's replay", replay=False)
+
+    def tree_fa4_bwd_interface(self):
+        """``tree`` with FA4's varlen backward called through its Python interface on every layer, the forward
+        replayed (``ops.fa4_replay.BACKWARD`` off: sessions 42-48; CUDA)."""
+        return self._cuda_tree_step("FA4's backward replay", replay="forward")
 
     def tree_cpp_wrapper(self):
         """``tree`` compiled with inductor's C++ wrapper (``cpp_wrapper=True``: the lowered graph launches its kernels
@@ -972,8 +979,10 @@ class Steps:
 
         (batch,) = batches = make()
         step = batches_step(tm, batches, self.zero, make)
-        if not replay:
+        if replay is False:
             step = _without_fa4_replay(step)
+        elif replay == "forward":
+            step = _without_fa4_replay(step, "BACKWARD")
         if cpp_wrapper:
             step = _with_cpp_wrapper(step)
         if cudagraphs:
@@ -1082,15 +1091,16 @@ def _with_keys_fit(note: str | None) -> str | None:
 
 
 def _with_fa4_replay(note: str | None) -> str | None:
-    """``note`` and, where FA4's varlen forward ran in this process since the last call, how its calls went
-    (``ops.fa4_replay.pop_counts``): launches replayed, recorded (one per plan), run through the interface."""
+    """``note`` and, where FA4's varlen calls ran in this process since the last call, how they went per kind
+    (``ops.fa4_replay.pop_counts``): calls replayed, recorded (one per plan), run through the interface after a
+    refused record.  Calls with replay off are not counted."""
     from treecompile.ops.fa4_replay import pop_counts
 
-    n = pop_counts()
-    if not any(n.values()):
-        return note
-    return join_notes(note, f"FA4 forward: {n['replayed']} launches replayed, {n['recorded']} recorded, "
-                            f"{n['refused']} through the interface")
+    for kind, n in pop_counts().items():
+        if any(n.values()):
+            note = join_notes(note, f"FA4 {kind}: {n['replayed']} calls replayed, {n['recorded']} recorded, "
+                                    f"{n['refused']} through the interface")
+    return note
 
 
 def _with_run_notes(note: str | None) -> str | None:

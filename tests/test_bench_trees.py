@@ -490,16 +490,21 @@ def test_prof_step_host_top_ranks_host_ops_by_self_time():
     assert names.index("outer") > names.index(mm[0]) and host_self_ms(prof, 0) == []
 
 
-def test_row_notes_count_fa4_forward_calls_since_the_last_row(monkeypatch):
-    """A row's note says how its FA4 forward calls went (``ops.fa4_replay.counts``, then zeroed for the next row);
-    a row without any says nothing."""
+def test_row_notes_count_fa4_calls_since_the_last_row(monkeypatch):
+    """A row's note says how its FA4 calls went per kind (``ops.fa4_replay.counts``, then zeroed for the next row);
+    a kind without calls says nothing, a row without any nothing at all."""
     from benchmarks.harness import _with_fa4_replay
     from treecompile.ops import fa4_replay
 
-    monkeypatch.setattr(fa4_replay, "counts", {"recorded": 12, "replayed": 324, "refused": 0})
-    assert _with_fa4_replay("head kept") == ("head kept; FA4 forward: 324 launches replayed, 12 recorded, 0 through "
+    monkeypatch.setattr(fa4_replay, "counts", {"forward": {"recorded": 12, "replayed": 324, "refused": 0},
+                                               "backward": {"recorded": 11, "replayed": 297, "refused": 1}})
+    assert _with_fa4_replay("head kept") == ("head kept; FA4 forward: 324 calls replayed, 12 recorded, 0 through "
+                                             "the interface; FA4 backward: 297 calls replayed, 11 recorded, 1 through "
                                              "the interface")
-    assert fa4_replay.counts == {"recorded": 0, "replayed": 0, "refused": 0} and _with_fa4_replay(None) is None
+    zero = {"recorded": 0, "replayed": 0, "refused": 0}
+    assert fa4_replay.counts == {"forward": zero, "backward": zero} and _with_fa4_replay(None) is None
+    fa4_replay.counts["backward"]["replayed"] = 3
+    assert _with_fa4_replay(None) == "FA4 backward: 3 calls replayed, 0 recorded, 0 through the interface"
 
 
 def test_prof_step_lead_in_starts_at_the_harness_step():

@@ -1849,7 +1849,8 @@ def test_fa4_forward_replay_is_bitwise_the_interface(pad_to, window, monkeypatch
     from treecompile.ops import fa4_replay
 
     monkeypatch.setattr(fa4_replay, "_records", {})
-    monkeypatch.setattr(fa4_replay, "counts", {"recorded": 0, "replayed": 0, "refused": 0})
+    monkeypatch.setattr(fa4_replay, "counts", {kind: {"recorded": 0, "replayed": 0, "refused": 0}
+                                               for kind in fa4_replay.KINDS})
     b = _batch(forest_paths(900, 2, seed=3), pad_to).to("cuda")
     T, H, Hkv, D = b.seq_len, 16, 8, 128
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -1866,9 +1867,65 @@ def test_fa4_forward_replay_is_bitwise_the_interface(pad_to, window, monkeypatch
 
     ref = run(False)
     got = run(True)
-    assert fa4_replay.counts == {"recorded": 1, "replayed": 2, "refused": 0}
+    assert fa4_replay.counts["forward"] == {"recorded": 1, "replayed": 2, "refused": 0}
     for (o, l_), (o_ref, l_ref) in zip(got, ref):
         assert torch.equal(o, o_ref) and torch.equal(l_, l_ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpu_reason() is not None, reason=str(_gpu_reason()))
+@pytest.mark.parametrize("pad_to", [None, 1024], ids=["no_tail", "tail"])
+@pytest.mark.parametrize("window", [None, 64])
+@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "atomics"])
+def test_fa4_backward_replay_is_bitwise_the_interface(pad_to, window, deterministic, monkeypatch):
+    """Three layers' forward and backward under one plan (FA4's varlen kernels, bf16, GQA): with ``fa4_replay`` the
+    first backward call is recorded (its scratch buffers and five launches) and the two after it replay; dq, dk, dv
+    are bitwise the interface's on every layer in deterministic mode, with and without a padding tail (the given dq
+    and the allocated one), windowed or not.  With atomics (FA4's default backward) the sums' order varies between
+    runs of the interface itself, so there the replays are counted and checked against the interface's to bf16
+    rounding."""
+    from treecompile.ops import fa4_replay
+    from treecompile.ops.varlen_tree_attention import tree_attention_varlen, tree_attention_varlen_windowed
+
+    monkeypatch.setattr(fa4_replay, "_records", {})
+    monkeypatch.setattr(fa4_replay, "counts", {kind: {"recorded": 0, "replayed": 0, "refused": 0}
+                                               for kind in fa4_replay.KINDS})
+    b = _batch(forest_paths(900, 2, seed=3), pad_to).to("cuda")
+    T, H, Hkv, D = b.seq_len, 16, 8, 128
+    g = torch.Generator(device="cuda").manual_seed(0)
+    layers = [[torch.randn(1, T, h, D, generator=g, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+               for h in (H, Hkv, Hkv)] for _ in range(3)]
+    douts = [torch.randn(1, T, H, D, generator=g, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+             for _ in range(3)]
+
+    def run(enabled):
+        monkeypatch.setattr(fa4_replay, "ENABLED", enabled)
+        grads = []
+        for (q, k, v), dout in zip(layers, douts):
+            q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+            if window is None:
+                out = tree_attention_varlen(q, k, v, b.subtree_end, 0.1)
+            else:
+                out = tree_attention_varlen_windowed(q, k, v, b.subtree_end, b.position_ids, window, 0.1)
+            out.backward(dout)
+            grads.append((q.grad, k.grad, v.grad))
+        return grads
+
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        ref = run(False)
+        got = run(True)
+    finally:
+        torch.use_deterministic_algorithms(before)
+    assert fa4_replay.counts["backward"] == {"recorded": 1, "replayed": 2, "refused": 0}
+    for layer, (grads, grads_ref) in enumerate(zip(got, ref)):
+        for name, x, x_ref in zip("qkv", grads, grads_ref):
+            if deterministic:
+                assert torch.equal(x, x_ref), (layer, name)
+            else:
+                err = (x.float() - x_ref.float()).norm() / x_ref.float().norm()
+                assert err < 2 ** -8, (layer, name, float(err))
 
 
 @pytest.mark.slow

@@ -719,7 +719,8 @@ def _fwd(q_t, kg, vg, plan, scale, out=None, lse=None):
                         cu_seqlens_q=plan.cu_seqlens_q, cu_seqlens_k=plan.cu_seqlens_k, max_seqlen_q=plan.max_seqlen_q,
                         max_seqlen_k=plan.max_seqlen_k, out=out, lse=lse, **_window_kw(plan))
     # the layers of one plan: FA4's recorded launch, without its interface's per-call host work (ops/fa4_replay.py)
-    fa4_replay.launch(plan, (scale,), (q_t, kg, vg, out, lse), interface)
+    fa4_replay.launch(plan, (scale,), (q_t, kg, vg, out, lse), interface, kind="forward",
+                      owned=(plan.cu_seqlens_q, plan.cu_seqlens_k))
     return out, lse
 
 
@@ -740,10 +741,17 @@ def _bwd(q_t, kg, vg, out_t, dout_t, lse, plan, scale, dq=None):
                                 mask_mod=cute_tree_mask(), aux_tensors=[plan.mask_end],
                                 block_sparse_tensors=plan.sparse[1])[:3]
         return tuple(g[0] for g in grads)
-    return _flash_attn_bwd(q_t, kg, vg, out_t, dout_t, lse, scale, True,
-                           cu_seqlens_q=plan.cu_seqlens_q, cu_seqlens_k=plan.cu_seqlens_k,
-                           max_seqlen_q=plan.max_seqlen_q, max_seqlen_k=plan.max_seqlen_k, dq=dq,
-                           deterministic=torch.are_deterministic_algorithms_enabled(), **_window_kw(plan))[:3]
+    deterministic = torch.are_deterministic_algorithms_enabled()
+
+    def interface():
+        return _flash_attn_bwd(q_t, kg, vg, out_t, dout_t, lse, scale, True,
+                               cu_seqlens_q=plan.cu_seqlens_q, cu_seqlens_k=plan.cu_seqlens_k,
+                               max_seqlen_q=plan.max_seqlen_q, max_seqlen_k=plan.max_seqlen_k, dq=dq,
+                               deterministic=deterministic, **_window_kw(plan))[:3]
+    # as the forward's: the interface's five launches and scratch buffers recorded once per plan, replayed after
+    tensors = (q_t, kg, vg, out_t, dout_t, lse) + (() if dq is None else (dq,))
+    return fa4_replay.launch(plan, (scale, deterministic), tensors, interface, kind="backward",
+                             owned=(plan.cu_seqlens_q, plan.cu_seqlens_k))
 
 
 def _window_kw(plan: SegmentPlan) -> dict:
