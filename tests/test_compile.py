@@ -233,6 +233,38 @@ def test_names_from_named_parameters_resolve_on_the_tree_model():
         tm.get_submodule("model.nope")
 
 
+class HiddenChildren(torch.nn.Module):
+    """A causal LM whose children are called ``model`` and ``program``: names the TreeModel's own attributes hide."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = torch.nn.Embedding(11, 8)
+        self.program = torch.nn.Linear(8, 11)
+
+    def forward(self, ids):
+        return self.program(torch.tanh(self.model(ids)))
+
+
+@pytest.mark.parametrize("make", [lambda: DenseForCausalLM(DenseConfig.tiny()), HiddenChildren],
+                         ids=["dense", "hidden_children"])
+def test_distributed_checkpoint_state_dict_of_the_tree_model(make):
+    """torch.distributed.checkpoint's ``get_model_state_dict`` / ``set_model_state_dict`` walk a key's parts by
+    attribute; ``tm.model`` / ``tm.program`` are the TreeModel's own, not the adopted children of those names.  The
+    state dict is the model's, and one set through DCP is what the model then holds (tests/test_distributed.py: the
+    same under DDP and FSDP2)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    model = make()
+    tm = treecompile.compile(model)
+    sd = get_model_state_dict(tm)
+    ref = {k: v.clone() for k, v in model.state_dict().items()}  # (the state dict's values are the live tensors)
+    assert sorted(sd) == sorted(ref) and all(torch.equal(sd[k], ref[k]) for k in ref)
+    set_model_state_dict(tm, {k: v + 1 for k, v in sd.items()})
+    assert all(torch.equal(model.state_dict()[k], ref[k] + 1) for k in ref)
+    assert tm._fqn_modifiers() == ({"model": "_adopted_children"} if make is not HiddenChildren
+                                   else {"model": "_adopted_children", "program": "_adopted_children"})
+
+
 class RootTensors(torch.nn.Module):
     """A causal LM whose head weight and an output scale live on the root module (not in a child)."""
 

@@ -232,6 +232,27 @@ class TreeModel(nn.Module):
                     getattr(self.model, kind)[name] = getattr(self, kind)[name]
         return out
 
+    def _fqn_modifiers(self) -> dict[str, str]:
+        """torch.distributed.checkpoint's hook for names its walk cannot follow by attribute: ``get_model_state_dict``
+        / ``set_model_state_dict`` resolve a state-dict key ``a.b.c`` by ``getattr`` one part at a time, and
+        ``tm.model`` is the user's module, not the adopted child called ``model`` (every HF CausalLM's), so
+        ``model.layers.0...`` failed.  For each adopted child that an attribute of the TreeModel hides, DCP is sent
+        through :attr:`_adopted_children` first, where the child is found by its name (the keys stay as they are)."""
+        hidden = {}
+        for name, child in self._modules.items():
+            try:
+                attr = object.__getattribute__(self, name)
+            except AttributeError:  # reached through nn.Module's lookup: the child itself
+                continue
+            if attr is not child:
+                hidden[name] = "_adopted_children"
+        return hidden
+
+    @property
+    def _adopted_children(self) -> "_Children":
+        """The adopted children by name, as attributes (:meth:`_fqn_modifiers`)."""
+        return _Children(self._modules)
+
     def get_submodule(self, target: str) -> nn.Module:
         """The submodule ``target`` names, as ``named_modules()`` / ``state_dict()`` name it.  ``tm.model`` is the
         user's module, so an adopted child called ``model`` (every HF CausalLM's) is reached through
@@ -446,3 +467,19 @@ def compile(model=None, *, disable: tuple[str, ...] = (), debug: bool = False,  
 
         return build_fn
     raise TypeError(f"treecompile.compile expects an nn.Module, a Module class or a factory; got {type(model).__name__}")
+
+
+class _Children:
+    """Attribute access to a TreeModel's adopted children, by the names ``named_children()`` gives (some of which
+    the TreeModel's own attributes hide: ``tm.model``)."""
+
+    __slots__ = ("_modules",)
+
+    def __init__(self, modules: dict):
+        self._modules = modules
+
+    def __getattr__(self, name: str) -> nn.Module:
+        try:
+            return self._modules[name]
+        except KeyError:
+            raise AttributeError(f"the TreeModel has no adopted child {name!r}") from None
