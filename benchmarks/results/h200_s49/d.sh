@@ -5,6 +5,8 @@
 #                             `tree_fa4_bwd_interface` (the backward through FA4's interface: sessions 42-48) in one
 #                             process ($OUT/o49_parallel-tools.txt)
 #   bash d.sh gpuall49 [FILES] `pytest -m gpu` over FILES (default: all of tests/) ($OUT/gpuall49.txt)
+#   bash d.sh mis49           HF Mistral-0.6B-shaped, sliding window 512, agentic parallel-tools: packed FA4 varlen
+#                             (windowed) and `tree` in one process ($OUT/o49_mistral_parallel-tools.txt)
 mode=$1
 if [ "$mode" = replay49 ]; then
   source benchmarks/results/h100_s18/pre.sh
@@ -13,6 +15,9 @@ if [ "$mode" = replay49 ]; then
 elif [ "$mode" = pt49 ]; then
   bash benchmarks/results/h200_s40/d.sh prof o49_parallel-tools ${T:-560} --model qwen3-0.6b --agentic parallel-tools \
     --contenders ${C:-packed_fa4_varlen tree tree_fa4_bwd_interface} --iters 10
+elif [ "$mode" = mis49 ]; then
+  bash benchmarks/results/h200_s40/d.sh prof o49_mistral_parallel-tools ${T:-560} --model hf-mistral-0.6b-w512 \
+    --agentic parallel-tools --contenders packed_fa4_varlen tree --iters 10
 elif [ "$mode" = gpuall49 ]; then
   source benchmarks/results/h100_s18/pre.sh
   shift
