@@ -7,9 +7,9 @@ zero-filled, a view of one passed on), and makes five launches.  Replayed: the r
 tensors and new buffers, the interface not run, results equal to the interface's.  Refused (the interface runs
 every time, same results): a torch write, a device read, a keyword launch, another use of a cache, a tensor the
 call did not pass as given, one tensor in two places, an argument sharing a tensor's storage, a tensor that is
-neither the call's, its buffer's nor the owner's, a fill of part of a buffer, a result from elsewhere.  Also the
-keys (owner alive, caller key, kind, layout), that a record holds no tensor of its first call, another thread's
-launches, and the switches.  GPU: tests/test_varlen_tree_attention.py (``test_fa4_forward_replay_is_bitwise_the_
+neither the call's, its buffer's nor the owner's, a fill of part of a buffer, a buffer no launch takes as a
+tensor, a result from elsewhere.  Also the keys (owner alive, caller key, kind, layout), that a record holds no
+tensor of its first call, another thread's launches, and the switches.  GPU: tests/test_varlen_tree_attention.py (``test_fa4_forward_replay_is_bitwise_the_
 interface``, ``test_fa4_backward_replay_is_bitwise_the_interface``).
 """
 
@@ -268,6 +268,8 @@ def make_bwd_interface(**how):
             dk_accum[:, :1].zero_()
         if how.get("fill"):
             dv_accum.fill_(0.0)
+        if how.get("unread_buffer"):  # a buffer no launch takes as a tensor (as if passed by raw pointer)
+            m.pointer = torch.empty(3, dtype=torch.float64).data_ptr()
         for name, fn in (("pre", _pre), ("main", _main), ("post", _post)):
             cache = getattr(m, f"_bwd_{name}").compile_cache
             if name not in cache:
@@ -323,7 +325,7 @@ def test_backward_replays_its_buffers_and_launches(dq):
     assert len(storages) == 3 * len(got)
 
 
-@pytest.mark.parametrize("how", ["partial_zero", "fill", "elsewhere"])
+@pytest.mark.parametrize("how", ["partial_zero", "fill", "elsewhere", "unread_buffer"])
 def test_backward_calls_that_cannot_be_shown_to_replay_run_the_interface(how):
     m, plan = make_bwd_interface(**{how: True}), Plan()
     got = [_bwd_call(m, plan, _bwd_tensors(seed)) for seed in range(3)]

@@ -23,7 +23,8 @@ it can show is the recorded one:
 * no torch op of the call wrote memory or read a device value: only allocations, views and zero fills of whole
   buffers it allocated ran (a ``TorchDispatchMode`` watches; ``maybe_contiguous``'s copy of a misaligned input, a
   write into a caller's tensor, an ``.item()`` each make the call unreplayable);
-* no two of the call's tensors share storage, and the result is made of the call's tensors and its buffers;
+* no two of the call's tensors share storage, every buffer reaches a launch or the result as a tensor, and the
+  result is made of the call's tensors and its buffers;
 * the later call has the same owner (the plan, alive: the record dies with it; its ``cu_seqlens``, maximum
   lengths and window are the recorded call's), the same caller key (kind, scale, deterministic mode), the same
   CUDA stream, and tensors of the same layout (shape, strides, dtype, device, 16-byte alignment).
@@ -314,11 +315,16 @@ def _steps_record(steps, tensors, owned, result) -> _Record | None:
                 template = tuple(None if any(p == position for p, _ in refs) else a
                                  for position, a in enumerate(args))
                 kept.append(("launch", kernel, template, tuple(refs)))
-        if [i for i, t in enumerate(tensors) if not any(s[0] == "launch" and
-                                                          any(not r.buffer and r.index == i for _, r in s[3])
-                                                          for s in kept)]:
+        read = {(r.buffer, r.index) for s in kept if s[0] == "launch" for _, r in s[3]}
+        if any((False, i) not in read for i in range(len(tensors))):
             raise _Refused  # a tensor of the call that no launch read as given (a copy was made of it, say)
-        return _Record(steps=tuple(kept), result=_result_refs(result, ref))
+        result_refs = _result_refs(result, ref)
+        read |= {(r.buffer, r.index) for r in _refs_in(result_refs)}
+        if any((True, j) not in read for j in range(len(buffers))):
+            # a buffer that no launch took as a tensor, nor the result: it may have reached a kernel some other way
+            # (a raw pointer), which a replay would not give the new buffer
+            raise _Refused
+        return _Record(steps=tuple(kept), result=result_refs)
     except _Refused:
         return None
 
@@ -331,6 +337,14 @@ def _result_refs(x, ref):
     if x is None or isinstance(x, (bool, int, float, str)):
         return x
     raise _Refused
+
+
+def _refs_in(x):
+    if isinstance(x, _Ref):
+        yield x
+    elif isinstance(x, (tuple, list)):
+        for y in x:
+            yield from _refs_in(y)
 
 
 def _storage(t: Tensor) -> tuple:
