@@ -312,6 +312,27 @@ def test_global_norm_counts():
         GlobalNorm.from_trees([], "sum")
 
 
+@pytest.mark.parametrize("derive", ["replace_scale", "replace_counts", "copy", "with_normalize"])
+def test_a_derived_global_norm_weighs_with_its_own_constants(derive):
+    """A norm derived from another after that one weighed a tree (``dataclasses.replace``, ``copy.copy``,
+    ``with_normalize``) weighs it with its own constants: its weight cache is its own."""
+    import dataclasses
+
+    from treecompile.runtime.normalization import tree_batch
+
+    t = Tree.from_paths([[1, 2, 3], [1, 2, 4, 5]])
+    norm = GlobalNorm.from_trees([t], "sum")
+    tree_batch(t, norm)  # fills norm's cache for t
+    derived = {"replace_scale": lambda: dataclasses.replace(norm, grad_scale=2.0),
+               "replace_counts": lambda: dataclasses.replace(norm, normalize="token_mean", num_trained=7.0),
+               "copy": lambda: copy.copy(norm),
+               "with_normalize": lambda: norm.with_normalize("path_mean")}[derive]()
+    fresh = GlobalNorm(derived.normalize, derived.num_paths, derived.num_trained, derived.grad_scale)
+    assert torch.equal(derived.token_weights(t), fresh.token_weights(t))
+    assert torch.equal(tree_batch(t, derived).loss_weight, tree_batch(t, fresh).loss_weight)
+    assert derived._weights is not norm._weights
+
+
 def test_dummy_batch_has_zero_gradient(compiled):
     model, tmodel = compiled
     out = tmodel(dummy_batch())

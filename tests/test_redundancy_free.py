@@ -398,3 +398,39 @@ def test_cuda_partitions_equal_whole_tree(compile_cuda):
     assert abs(float(res.loss) - float(out.loss)) <= 1e-5 * abs(float(out.loss))
     assert float((res.logprobs - out.logprobs.double().cpu()).abs().max()) < 1e-4
     assert rel(g.double(), g_ref.double()) < 1e-4
+
+
+@pytest.mark.parametrize("frozen", ["all_but_head", "embedding_and_first_layer", "embedding"])
+@pytest.mark.parametrize("which", ["dense", "hybrid"])
+def test_partitioned_with_frozen_parameters_equals_whole_tree(dense, hybrid, which, frozen):
+    """Parameters frozen below the head (head-only training, a frozen embedding and first layer): boundary exports
+    that nothing trainable produced carry no gradient, and the partitions' loss and every trainable gradient equal
+    the whole tree's (the exports used to reach ``torch.autograd.backward`` without requiring grad: a crash)."""
+    model, tmodel, bmodel = dense if which == "dense" else hybrid
+
+    def is_frozen(name):
+        if frozen == "all_but_head":
+            return not name.startswith("lm_head")
+        return "embed_tokens" in name or (frozen == "embedding_and_first_layer" and name.startswith("model.layers.0."))
+
+    saved = {n: p.requires_grad for n, p in model.named_parameters()}
+    try:
+        for n, p in model.named_parameters():
+            p.requires_grad_(not is_frozen(n))
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        assert trainable and len(trainable) < len(list(model.parameters()))
+        tree = Tree.from_paths([[1, 3, 4, 5, 9, 5], [1, 3, 4, 6], [1, 3, 7, 8, 10], [1, 2]])
+        out = tmodel(tree.to_batch(normalize="path_mean"))
+        g_ref = torch.autograd.grad(out.loss, trainable)
+        for C in (2, 3):
+            for p in model.parameters():
+                p.grad = None
+            res = run_redundancy_free(bmodel, partition_redundancy_free(tree, C), normalize="path_mean")
+            assert abs(float(res.loss - out.loss)) <= 1e-12 * abs(float(out.loss))
+            assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
+            got = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in trainable])
+            assert rel(got, torch.cat([g.flatten() for g in g_ref])) < 1e-12
+    finally:
+        for n, p in model.named_parameters():
+            p.requires_grad_(saved[n])
+            p.grad = None

@@ -50,8 +50,10 @@ class GlobalNorm:
     num_paths: int
     num_trained: float
     grad_scale: float = 1.0
-    # token weights per tree (no per-path factor), kept for the step: every partition of a tree reads them
-    _weights: dict = field(default_factory=dict, compare=False, repr=False, hash=False)
+    # token weights per tree (no per-path factor), kept for the step: every partition of a tree reads them.  Not an
+    # init field: a norm derived with dataclasses.replace (another grad_scale, normalize...) or copied starts empty,
+    # rather than returning the weights of the constants it was derived from
+    _weights: dict = field(default_factory=dict, init=False, compare=False, repr=False, hash=False)
 
     def __post_init__(self):
         if self.normalize not in NORMALIZATIONS:
@@ -98,7 +100,11 @@ class GlobalNorm:
         """The same step under another normalization (None or the same: this object)."""
         if normalize is None or normalize == self.normalize:
             return self
-        return dataclasses.replace(self, normalize=normalize, _weights={})
+        return dataclasses.replace(self, normalize=normalize)
+
+    def __copy__(self) -> "GlobalNorm":
+        """A copy with its own (empty) weight cache."""
+        return dataclasses.replace(self)
 
     def path_coefficients(self, tree: Tree) -> torch.Tensor:
         """Per-path factor on ``mask * log p`` in the step's loss, times ``grad_scale``."""

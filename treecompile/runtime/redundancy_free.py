@@ -317,7 +317,9 @@ class _Executor:
                 e = t.index_select(0, to_device_async(hpos, dev))
             else:
                 raise ValueError(f"unknown boundary output {kind!r}")
-            leaf = e.detach().requires_grad_()
+            # a leaf for the partitions below, which carries their gradient back to ``e`` (none where ``e`` needs
+            # none: everything it came from is frozen)
+            leaf = e.detach().requires_grad_(e.requires_grad)
             st.exports.append(e)
             st.leaves.append(leaf)
             if kind == "k":
@@ -353,7 +355,7 @@ class _Executor:
         tensors = [st.loss]
         grads = [torch.ones_like(st.loss)]
         for e, leaf in zip(st.exports, st.leaves):
-            if leaf.grad is not None:
+            if leaf.grad is not None and e.requires_grad:
                 tensors.append(e)
                 grads.append(leaf.grad)
         if st.loss.requires_grad or len(tensors) > 1:
