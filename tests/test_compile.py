@@ -325,6 +325,117 @@ def test_the_tree_model_follows_the_model_or_refuses():
         tdense(batch)
 
 
+def _dense_change(change):
+    """A tiny dense model (tied embeddings and head), compiled, then changed by ``change(model)``."""
+    torch.manual_seed(0)
+    model = DenseForCausalLM(DenseConfig.tiny(tie_word_embeddings=True)).double()
+    tm = treecompile.compile(model)
+    change(model)
+    return model, tm
+
+
+def _untie(m):
+    m.lm_head.weight = torch.nn.Parameter(m.lm_head.weight.detach().clone() * 0.5)
+
+
+def _load_untied(m):
+    sd = {k: v.detach().clone() for k, v in m.state_dict().items()}
+    m.load_state_dict(sd, assign=True)  # two tensors from a checkpoint for the two tied names
+
+
+def _set_bias(m):
+    m.model.layers[0].mlp.down_proj.bias = torch.nn.Parameter(torch.ones(m.config.hidden_size, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda m: setattr(m.model, "norm", torch.nn.LayerNorm(m.config.hidden_size).double()),
+     r"module 'model.norm' \(a RMSNorm at compile\) was replaced by a LayerNorm"),
+    (lambda m: m.model.layers.append(m.model.layers[0]), r"model.layers holds 3 modules, 2 at compile \(added: '2'\)"),
+    (lambda m: delattr(m.model, "norm"), r"module 'model.norm' \(a RMSNorm at compile\) was removed"),
+    (_set_bias, r"'model.layers.0.mlp.down_proj.bias' was None at compile and is now a tensor"),
+    (lambda m: delattr(m.model.norm, "weight"), r"'model.norm.weight' was deleted or set to None"),
+    (_untie, r"'model.embed_tokens.weight' and 'lm_head.weight', one tensor at compile \(tied"),
+    (_load_untied, r"'model.embed_tokens.weight' and 'lm_head.weight', one tensor at compile \(tied"),
+    (lambda m: setattr(m.model.layers[1].mlp, "forward", lambda x: x), r"the forward of model.layers.1.mlp was replaced"),
+], ids=["nested_module", "layer_appended", "module_removed", "bias_set", "weight_deleted", "untied", "untied_by_load",
+        "instance_forward"])
+def test_changes_below_the_root_that_the_graph_would_not_follow_are_refused(change, message):
+    """A nested module replaced, removed or added to a container, a parameter that was None set (or one deleted),
+    tied weights made two, a module's forward replaced: the graph computes the model as traced (each of these ran the
+    old computation without a word, 0.17-0.44 relative off in the gradients), so the next call refuses, naming the
+    change; ``prepare`` too."""
+    _, tm = _dense_change(change)
+    batch = Tree.from_paths([[1, 2, 3, 4], [1, 2, 5]]).to_batch()
+    with pytest.raises(RuntimeError, match=message + r".* after treecompile.compile: the compiled graph computes the "
+                                                      r"model as it was traced; compile the model again"):
+        tm(batch)
+    with pytest.raises(RuntimeError, match=message):
+        tm.prepare(batch)
+
+
+class _PatchedClass(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(11, 8)
+        self.head = torch.nn.Linear(8, 11)
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.emb(ids)))
+
+
+def test_a_class_forward_patched_after_compile_is_refused(monkeypatch):
+    tm = treecompile.compile(_PatchedClass().double())
+    monkeypatch.setattr(_PatchedClass, "forward", lambda self, ids: self.head(self.emb(ids)))
+    with pytest.raises(RuntimeError, match=r"_PatchedClass.forward \(the class of the model\) was replaced"):
+        tm(Tree.from_paths([[1, 2, 3]]).to_batch())
+
+
+def test_changes_the_graph_follows_are_not_refused():
+    """New values in the same places (a nested parameter replaced, a tied pair re-tied to a new tensor), a new
+    attribute on a module that is not a container, and a wrapper class that keeps the forward (as FSDP2's
+    ``fully_shard`` swaps classes): the call runs and equals the per-path oracle."""
+    paths = [[1, 2, 3, 4], [1, 2, 5], [6, 7]]
+
+    def change(m):
+        m.model.norm.weight = torch.nn.Parameter(torch.rand_like(m.model.norm.weight) + 0.5)
+        tied = torch.nn.Parameter(m.lm_head.weight.detach() * 0.9)
+        m.lm_head.weight = tied
+        m.model.embed_tokens.weight = tied
+        m.model.probe = torch.nn.Linear(2, 2)
+        layer = m.model.layers[0]
+        layer.__class__ = type("Wrapped" + type(layer).__name__, (type(layer),), {})
+
+    model, tm = _dense_change(change)
+    out, ref = tm(Tree.from_paths(paths).to_batch()), reference.run(model, paths)
+    assert abs(float(out.loss - ref.loss)) <= 1e-12 * abs(float(ref.loss))
+    params = [p for n, p in model.named_parameters() if ".probe." not in n]
+    assert rel(flat_grads(out.loss, params), flat_grads(ref.loss, params)) <= 1e-12
+
+
+def test_split_at_refuses_modules_with_hooks_traced_into_the_graph():
+    """A forward (pre-)hook registered before compile is in the graph; ``split_at`` runs a split module's part through
+    its call, which would run the hook again (a pre-hook doubling its input took the loss from the oracle's 16.638
+    to 16.524).  Refused, naming the module; removed, the split runs and equals the whole graph.  Hooks registered
+    after compile run once, in the split module's call (FSDP2's)."""
+    torch.manual_seed(0)
+    model = DenseForCausalLM(DenseConfig.tiny()).double()
+    handle = model.model.layers[0].register_forward_pre_hook(lambda mod, args: (args[0] * 2.0,) + tuple(args[1:]))
+    tm = treecompile.compile(model)
+    paths = [[1, 2, 3, 4], [1, 2, 5]]
+    batch = Tree.from_paths(paths).to_batch()
+    whole = float(tm(batch).loss)
+    assert whole != float(reference.run(DenseForCausalLM(DenseConfig.tiny()).double(), paths).loss)  # the hook acts
+    with pytest.raises(ValueError, match=r"split_at: 'model.layers.0' has 1 forward hook\(s\) or pre-hook\(s\) "
+                                         r"registered before treecompile.compile"):
+        tm.split_at(list(model.model.layers))
+    handle.remove()
+    tm.split_at(list(model.model.layers))
+    assert abs(float(tm(batch).loss) - whole) <= 1e-12 * abs(whole)
+    calls = []
+    model.model.layers[1].register_forward_pre_hook(lambda mod, args: calls.append(1))
+    assert abs(float(tm(batch).loss) - whole) <= 1e-12 * abs(whole) and calls == [1]
+
+
 # ---------------------------------------------------------------- near misses: refused
 class Bidirectional(torch.nn.Module):
     def __init__(self):

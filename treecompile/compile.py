@@ -27,6 +27,7 @@ from treecompile.passes.base import TREE_INPUTS, CompileOptions
 from treecompile.passes.lower_cuda import CudaOptions
 from treecompile.passes.pipeline import BOUNDARY_PASSES, check_disable
 from treecompile.program import TreeProgram, bucket_length
+from treecompile.traced_modules import TracedModules
 from treecompile.tree import TreeBatch
 
 __all__ = ["compile", "TreeModel", "TreeOutput", "bucket_length"]  # bucket_length: from treecompile.program
@@ -140,6 +141,7 @@ class TreeModel(nn.Module):
         # the modules the graph was traced through, as they were then (_check_bound), and the root tensors' names
         object.__setattr__(self, "_bound_children", dict(model.named_children()))
         object.__setattr__(self, "_root_tensors", frozenset(self._parameters) | frozenset(self._buffers))
+        object.__setattr__(self, "_traced", TracedModules(model))  # what the graph computes (_check_bound)
         object.__setattr__(self, "program", program)
         self.pass_results = dict(pass_results)
         self.router_aux = None  # a router_aux.RouterAux when the graph returns router logits
@@ -170,6 +172,12 @@ class TreeModel(nn.Module):
         for i, m in enumerate(modules):
             if id(m) not in names or names[id(m)] == "":
                 raise ValueError(f"modules[{i}] ({type(m).__name__}) is not a submodule of the compiled model")
+            hooks = self._traced.traced_hooks(m)
+            if hooks:
+                raise ValueError(f"split_at: {names[id(m)]!r} has {hooks} forward hook(s) or pre-hook(s) registered "
+                                 "before treecompile.compile: the graph holds what they did, and running the module's "
+                                 "call for its part of the graph would run them again; remove them (the graph keeps "
+                                 "their effect), or register them before compile on a module that is not split")
             owners.append(names[id(m)])
         self.program.split_at(owners, self._aliases())
         return self
@@ -269,7 +277,9 @@ class TreeModel(nn.Module):
         """The modules and root tensors this TreeModel adopted are still the model's: the graph reads the model's
         tensors by name and was traced through its modules, so a module replaced after compile (``m.lm_head =
         nn.Linear(...)``), or a root tensor replaced on the model alone (``m.scale = ...``), would leave the graph's
-        computation or the optimizer's parameters behind without a word."""
+        computation or the optimizer's parameters behind without a word; below the root, the changes that
+        :class:`~treecompile.traced_modules.TracedModules` lists (a nested module replaced, a bias set, tied weights
+        untied, a forward patched) likewise."""
         model = self.model
         for name, child in self.__dict__.get("_bound_children", {}).items():
             if model._modules.get(name) is not child or self._modules.get(name) is not child:
@@ -280,6 +290,11 @@ class TreeModel(nn.Module):
                 raise RuntimeError(f"the model's root {kind[1:-1]} {name!r} was replaced on the model after "
                                    "treecompile.compile: the graph reads the model's, the TreeModel's parameters() "
                                    "list the old one; assign it on the TreeModel (which sets both), or compile again")
+        traced = self.__dict__.get("_traced")
+        change = traced.change() if traced is not None else None
+        if change is not None:  # below the root: what the graph would not follow (traced_modules)
+            raise RuntimeError(f"{change} after treecompile.compile: the compiled graph computes the model as it was "
+                               "traced; compile the model again")
 
     def _check_batch(self, batch) -> None:
         self._check_bound()

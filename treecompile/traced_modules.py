@@ -1,0 +1,133 @@
+"""What a TreeModel's graph was traced through, and the changes to it that the graph would not follow.
+
+The compiled graph is the model's forward as it was at capture: every module's computation, inlined.  It reads the
+model's parameters and buffers by name on every call, so new values (an optimizer's step, ``load_state_dict``, a
+replaced ``nn.Parameter`` of the same shape and dtype) are what it computes with.  What it cannot follow is a change
+of the computation itself, which after compile would leave the TreeModel computing the old model without a word:
+
+- a submodule replaced or removed (``m.model.norm = nn.LayerNorm(...)``, a LoRA or checkpoint wrapper put in place
+  of a layer), or a module added to a container (``layers.append(...)``; a new attribute of another module, which
+  its traced forward does not read, is not a change);
+- a parameter or buffer that was None set to a tensor, or one deleted (a Linear's bias);
+- tensors that were one tensor at capture (tied embeddings and head) made separate: torch.export reads such a
+  tensor once, through one of its names, so the graph would read one of them for both;
+- a ``forward`` replaced on a module or on its class (a monkeypatched kernel).
+
+:class:`TracedModules` records these at compile time and :meth:`TracedModules.change` names the first one made
+since, which the TreeModel refuses at its next call.  The check is a few C-level passes over flat lists (about
+1,500 entries for a 28-layer model); a module's class swapped by a wrapper that keeps its ``forward`` (FSDP2's
+``fully_shard``) and new values in the same places are not changes.  Hooks are not recorded here: the graph does
+not run module calls, so hooks added after compile run only where ``TreeModel.split_at`` puts a module's call back
+(FSDP2's per-layer hooks); hooks present at compile were traced into the graph (``split_at`` refuses to run those
+modules' calls again).
+"""
+
+from __future__ import annotations
+
+import operator
+from itertools import repeat
+
+from torch import nn
+
+__all__ = ["TracedModules"]
+
+
+class TracedModules:
+    """The module tree of ``model`` as traced (module docstring)."""
+
+    def __init__(self, model: nn.Module):
+        modules = list(model.named_modules(remove_duplicate=False))
+        # submodule slots: (the parent's _modules dict, name, the child then), named by the child's path
+        self._edge_dicts, self._edge_names, self._edges, self._edge_paths = [], [], [], []
+        # parameter / buffer slots: (the owner's dict, name, whether it held None), and the slots of tensors that
+        # were one tensor under several names
+        self._slot_dicts, self._slot_names, self._slot_nones, self._slot_paths = [], [], [], []
+        shared: dict[int, list[int]] = {}
+        for prefix, m in modules:
+            for name, child in m._modules.items():
+                self._edge_dicts.append(m._modules)
+                self._edge_names.append(name)
+                self._edges.append(child)
+                self._edge_paths.append(_join(prefix, name))
+            for kind in ("_parameters", "_buffers"):
+                d = getattr(m, kind)
+                for name, t in d.items():
+                    if t is not None:
+                        shared.setdefault(id(t), []).append(len(self._slot_dicts))
+                    self._slot_dicts.append(d)
+                    self._slot_names.append(name)
+                    self._slot_nones.append(t is None)
+                    self._slot_paths.append(_join(prefix, name))
+        self._tied = [slots for slots in shared.values() if len(slots) > 1]
+        # how many submodules each container holds (a layer added: ``layers.append``), named by its path; a new
+        # attribute of another module is not read by its traced forward (a value head set on the model, say)
+        containers = [(prefix or "the model", m) for prefix, m in modules
+                      if isinstance(m, (nn.ModuleList, nn.ModuleDict, nn.Sequential))]
+        self._container_paths = [p for p, _ in containers]
+        self._module_dicts = [m._modules for _, m in containers]
+        self._module_counts = list(map(len, self._module_dicts))
+        # forwards: each module's own (instance attribute, almost always none) and each class's
+        self._instance_dicts = [m.__dict__ for _, m in modules]
+        self._instance_forwards = [m.__dict__.get("forward") for _, m in modules]
+        self._module_paths = [prefix or "the model" for prefix, _ in modules]
+        classes = {type(m): prefix for prefix, m in reversed(modules)}
+        self._classes = [(cls, cls.forward, prefix or "the model") for cls, prefix in classes.items()]
+        # forward hooks present at compile (traced into the graph), per module, and the global ones
+        self._hooks = {id(m): (m, set(m._forward_pre_hooks), set(m._forward_hooks)) for _, m in modules
+                       if m._forward_pre_hooks or m._forward_hooks}
+        self._global_hooks = (set(nn.modules.module._global_forward_pre_hooks),
+                              set(nn.modules.module._global_forward_hooks))
+
+    def change(self) -> str | None:
+        """The first change since compile that the graph would not follow, in words; None when there is none."""
+        edges = list(map(dict.get, self._edge_dicts, self._edge_names))
+        if not all(map(operator.is_, edges, self._edges)):
+            i = next(i for i, (a, b) in enumerate(zip(edges, self._edges)) if a is not b)
+            was = "none" if self._edges[i] is None else f"a {type(self._edges[i]).__name__}"
+            if edges[i] is None:
+                now = "removed"
+            else:
+                same = self._edges[i] is not None and type(edges[i]) is type(self._edges[i])
+                now = f"replaced by {'another' if same else 'a'} {type(edges[i]).__name__}"
+            return f"module {self._edge_paths[i]!r} ({was} at compile) was {now}"
+        counts = list(map(len, self._module_dicts))
+        if counts != self._module_counts:
+            i = next(i for i, (a, b) in enumerate(zip(counts, self._module_counts)) if a != b)
+            added = sorted(set(self._module_dicts[i]) - {n for d, n in zip(self._edge_dicts, self._edge_names)
+                                                         if d is self._module_dicts[i]})
+            return (f"{self._container_paths[i]} holds {counts[i]} modules, {self._module_counts[i]} at compile"
+                    + (f" (added: {', '.join(map(repr, added[:3]))})" if added else ""))
+        slots = list(map(dict.get, self._slot_dicts, self._slot_names))
+        nones = list(map(operator.is_, slots, repeat(None)))
+        if nones != self._slot_nones:
+            i = next(i for i, (a, b) in enumerate(zip(nones, self._slot_nones)) if a != b)
+            return (f"{self._slot_paths[i]!r} was None at compile and is now a tensor" if self._slot_nones[i]
+                    else f"{self._slot_paths[i]!r} was deleted or set to None")
+        for group in self._tied:
+            first = slots[group[0]]
+            for j in group[1:]:
+                if slots[j] is not first:
+                    return (f"{self._slot_paths[group[0]]!r} and {self._slot_paths[j]!r}, one tensor at compile "
+                            "(tied: the graph reads it once, under one name), became two")
+        forwards = list(map(dict.get, self._instance_dicts, repeat("forward")))
+        if not all(map(operator.is_, forwards, self._instance_forwards)):
+            i = next(i for i, (a, b) in enumerate(zip(forwards, self._instance_forwards)) if a is not b)
+            return f"the forward of {self._module_paths[i]} was replaced"
+        for cls, forward, where in self._classes:
+            if cls.forward is not forward:
+                return f"{cls.__name__}.forward (the class of {where}) was replaced"
+        return None
+
+
+    def traced_hooks(self, module: nn.Module) -> int:
+        """How many of the forward hooks and pre-hooks that ran when the graph was traced would run again in a call of
+        ``module`` now (its own still registered, and the global ones)."""
+        _, pre, post = self._hooks.get(id(module), (None, set(), set()))
+        glob_pre, glob_post = self._global_hooks
+        return (len(pre & set(module._forward_pre_hooks)) + len(post & set(module._forward_hooks))
+                + len(glob_pre & set(nn.modules.module._global_forward_pre_hooks))
+                + len(glob_post & set(nn.modules.module._global_forward_hooks)))
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
