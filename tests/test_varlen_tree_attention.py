@@ -1838,14 +1838,10 @@ def test_compiled_steps_keeping_the_gathered_rows_equal_gathering_them_again(mon
         assert all(same), (mode, [i for i, ok in enumerate(same) if not ok])
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(_gpu_reason() is not None, reason=str(_gpu_reason()))
-@pytest.mark.parametrize("pad_to", [None, 1024], ids=["no_tail", "tail"])
-@pytest.mark.parametrize("window", [None, 64])
-def test_fa4_forward_replay_is_bitwise_the_interface(pad_to, window, monkeypatch):
-    """Three layers' forward calls under one plan (FA4's varlen kernel, bf16): with ``fa4_replay`` the first is
-    recorded and the two after it replay its launch; out and lse are bitwise the interface's on every layer, with and
-    without a padding tail, windowed or not (ops/fa4_replay.py)."""
+def _replay_layers(monkeypatch, pad_to):
+    """The replay GPU tests' setting: ``fa4_replay`` with no records and zero counts, a CUDA forest batch (a padding
+    tail under ``pad_to``), three layers' bf16 q, k, v (16 query heads over 8 kv heads of 128) in the model's
+    ``[1, H, T, D]`` views of ``[1, T, H, D]`` storage, and the generator for more."""
     from treecompile.ops import fa4_replay
 
     monkeypatch.setattr(fa4_replay, "_records", {})
@@ -1856,6 +1852,18 @@ def test_fa4_forward_replay_is_bitwise_the_interface(pad_to, window, monkeypatch
     g = torch.Generator(device="cuda").manual_seed(0)
     layers = [[torch.randn(1, T, h, D, generator=g, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
                for h in (H, Hkv, Hkv)] for _ in range(3)]
+    return fa4_replay, b, layers, g
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpu_reason() is not None, reason=str(_gpu_reason()))
+@pytest.mark.parametrize("pad_to", [None, 1024], ids=["no_tail", "tail"])
+@pytest.mark.parametrize("window", [None, 64])
+def test_fa4_forward_replay_is_bitwise_the_interface(pad_to, window, monkeypatch):
+    """Three layers' forward calls under one plan (FA4's varlen kernel, bf16): with ``fa4_replay`` the first is
+    recorded and the two after it replay its launch; out and lse are bitwise the interface's on every layer, with and
+    without a padding tail, windowed or not (ops/fa4_replay.py)."""
+    fa4_replay, b, layers, _ = _replay_layers(monkeypatch, pad_to)
 
     def run(enabled):
         monkeypatch.setattr(fa4_replay, "ENABLED", enabled)
@@ -1884,18 +1892,10 @@ def test_fa4_backward_replay_is_bitwise_the_interface(pad_to, window, determinis
     and the allocated one), windowed or not.  With atomics (FA4's default backward) the sums' order varies between
     runs of the interface itself, so there the replays are counted and checked against the interface's to bf16
     rounding."""
-    from treecompile.ops import fa4_replay
     from treecompile.ops.varlen_tree_attention import tree_attention_varlen, tree_attention_varlen_windowed
 
-    monkeypatch.setattr(fa4_replay, "_records", {})
-    monkeypatch.setattr(fa4_replay, "counts", {kind: {"recorded": 0, "replayed": 0, "refused": 0}
-                                               for kind in fa4_replay.KINDS})
-    b = _batch(forest_paths(900, 2, seed=3), pad_to).to("cuda")
-    T, H, Hkv, D = b.seq_len, 16, 8, 128
-    g = torch.Generator(device="cuda").manual_seed(0)
-    layers = [[torch.randn(1, T, h, D, generator=g, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
-               for h in (H, Hkv, Hkv)] for _ in range(3)]
-    douts = [torch.randn(1, T, H, D, generator=g, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    fa4_replay, b, layers, g = _replay_layers(monkeypatch, pad_to)
+    douts = [torch.randn(1, b.seq_len, 16, 128, generator=g, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
              for _ in range(3)]
 
     def run(enabled):
