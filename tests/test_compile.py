@@ -848,6 +848,61 @@ class LoopOverLength(Bidirectional):  # a recurrent scan written as a Python loo
         return self.head(torch.stack(outs, 1))
 
 
+class MisconfiguredHead(torch.nn.Module):
+    """A model that fails on its own: its head takes 7 features, its embedding gives 8."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(11, 8)
+        self.head = torch.nn.Linear(7, 11)
+
+    def forward(self, ids):
+        return self.head(self.emb(ids))
+
+
+def test_a_model_that_fails_on_its_own_is_named_so_not_as_a_capture_refusal():
+    """A refused capture of a model that cannot run the example at all (a bad configuration) says so, with the
+    model's own error, rather than reading as torch.export's limitation."""
+    with pytest.raises(CaptureError, match=r"MisconfiguredHead fails on its own, run eagerly without torch.export "
+                                           r"on a 16-token example: RuntimeError: mat1 and mat2 shapes cannot be "
+                                           r"multiplied.*fix the model or its configuration"):
+        treecompile.compile(MisconfiguredHead())
+
+
+class WithDropout(torch.nn.Module):
+    def __init__(self, p):
+        super().__init__()
+        self.emb = torch.nn.Embedding(11, 8)
+        self.drop = torch.nn.Dropout(p)
+        self.head = torch.nn.Linear(8, 11)
+
+    def forward(self, ids):
+        return self.head(self.drop(torch.tanh(self.emb(ids))))
+
+
+def test_a_mode_switch_after_compile_is_refused_where_the_model_has_dropout():
+    """Capture traces the train / eval mode's dropout into the graph.  Compiled in eval mode, a model with dropout
+    switched to train mode would train without it, the per-path model with it: refused, naming the dropout; back in
+    eval mode it runs.  A model without dropout switches freely (``model.train()`` after a compile in eval mode is
+    the usual order) and stays exact."""
+    paths = [[1, 2, 3, 4], [1, 2, 5]]
+    batch = Tree.from_paths(paths).to_batch()
+    torch.manual_seed(0)
+    model = WithDropout(0.1).double().eval()
+    tm = treecompile.compile(model)
+    model.train()
+    with pytest.raises(RuntimeError, match=r"the model was in eval mode at compile and is now in train mode, and the "
+                                           r"model has dropout \(drop p=0.1\): capture traced its dropout off"):
+        tm(batch)
+    model.eval()
+    tm(batch)
+    plain = WithDropout(0.0).double().eval()
+    tplain = treecompile.compile(plain)
+    plain.train()
+    out, ref = tplain(batch), reference.run(plain, paths)
+    assert abs(float(out.loss - ref.loss)) <= 1e-12 * abs(float(ref.loss))
+
+
 def test_capture_refusal_names_the_model_source_line():
     """From Python too (not only ``treecompile rewrite``), a model torch.export cannot capture at every
     length is refused with one line naming the model's own source line; torch's error is the cause."""

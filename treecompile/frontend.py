@@ -166,6 +166,14 @@ def capture(model: torch.nn.Module, *, example_len: int = 16, max_len: int = 1 <
                     del guards[first:]  # the refusal is explained by the first export's guards
                     raise
         except Exception as e:
+            own = _eager_failure(model, ids, seq, is_hf)
+            if own is not None:  # not torch.export's refusal: the model cannot run this input at all
+                msg = str(own).splitlines()[0] if str(own) else ""
+                impl = getattr(getattr(model, "config", None), "_attn_implementation", None) if is_hf else None
+                how = f" with the {impl!r} attention the capture runs it with" if impl else ""
+                raise CaptureError(f"{type(model).__name__} fails on its own, run eagerly{how} without torch.export "
+                                   f"on a {ids.shape[1]}-token example: {type(own).__name__}: {msg}; fix the model or "
+                                   "its configuration") from own
             raw = CaptureError(f"torch.export could not capture {type(model).__name__} with a dynamic "
                                f"sequence length: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
             raw.__cause__ = e
@@ -302,6 +310,21 @@ def _own_functions(mod):
                 fn = getattr(attr, "__func__", attr)
                 if inspect.isfunction(fn):
                     yield from with_wrapped(fn)
+
+
+def _eager_failure(model, ids, seq, is_hf: bool) -> Exception | None:
+    """What the model raises when it runs the capture's example eagerly (no export; gradients off), or None: a
+    refused capture of a model that fails on its own is the model's failure (a bad configuration, say), not
+    torch.export's."""
+    try:
+        with torch.no_grad():
+            if is_hf:
+                model(**_hf_inputs(model, ids, seq)[0])
+            else:
+                model(ids)
+    except Exception as e:  # noqa: BLE001 -- any failure of the model's own code is the answer
+        return e
+    return None
 
 
 def _export(model, ids, seq, is_hf: bool, *, deferred: bool) -> ExportedProgram:

@@ -11,7 +11,9 @@ of the computation itself, which after compile would leave the TreeModel computi
 - a parameter or buffer that was None set to a tensor, or one deleted (a Linear's bias);
 - tensors that were one tensor at capture (tied embeddings and head) made separate: torch.export reads such a
   tensor once, through one of its names, so the graph would read one of them for both;
-- a ``forward`` replaced on a module or on its class (a monkeypatched kernel).
+- a ``forward`` replaced on a module or on its class (a monkeypatched kernel);
+- the train / eval mode switched where the model has dropout: capture traced the mode's dropout into the graph
+  (without dropout the mode does not matter, and ``model.train()`` after a compile in eval mode is common).
 
 :class:`TracedModules` records these at compile time and :meth:`TracedModules.change` names the first one made
 since, which the TreeModel refuses at its next call.  The check is a few C-level passes over flat lists (about
@@ -72,6 +74,10 @@ class TracedModules:
         self._module_paths = [prefix or "the model" for prefix, _ in modules]
         classes = {type(m): prefix for prefix, m in reversed(modules)}
         self._classes = [(cls, cls.forward, prefix or "the model") for cls, prefix in classes.items()]
+        # train / eval mode, where the model has dropout: capture traced the mode's dropout (on, or off) into the graph
+        self._dropout = _dropout_sites(modules)
+        self._modules = [m for _, m in modules] if self._dropout else []
+        self._training = [m.training for m in self._modules]
         # forward hooks present at compile (traced into the graph), per module, and the global ones
         self._hooks = {id(m): (m, set(m._forward_pre_hooks), set(m._forward_hooks)) for _, m in modules
                        if m._forward_pre_hooks or m._forward_hooks}
@@ -116,6 +122,15 @@ class TracedModules:
         for cls, forward, where in self._classes:
             if cls.forward is not forward:
                 return f"{cls.__name__}.forward (the class of {where}) was replaced"
+        if self._modules:
+            training = list(map(_training, self._modules))
+            if training != self._training:
+                i = next(i for i, (a, b) in enumerate(zip(training, self._training)) if a != b)
+                mode = ("eval", "train")
+                return (f"{self._module_paths[i]} was in {mode[self._training[i]]} mode at compile and is now in "
+                        f"{mode[training[i]]} mode, and the model has dropout ({self._dropout[0]}): capture traced "
+                        f"its dropout {'on' if self._training[i] else 'off'} into the graph (compile in the mode "
+                        "you train in; active dropout needs allow_dropout=True)")
         return None
 
 
@@ -127,6 +142,22 @@ class TracedModules:
         return (len(pre & set(module._forward_pre_hooks)) + len(post & set(module._forward_hooks))
                 + len(glob_pre & set(nn.modules.module._global_forward_pre_hooks))
                 + len(glob_post & set(nn.modules.module._global_forward_hooks)))
+
+
+_training = operator.attrgetter("training")
+
+
+def _dropout_sites(modules) -> list[str]:
+    """Where the model has dropout with a probability above 0: dropout modules, and float attributes named for
+    dropout (HF attention modules keep ``attention_dropout`` and apply it only in train mode)."""
+    sites = []
+    for prefix, m in modules:
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
+            sites.append(f"{prefix or 'the model'} p={m.p}")
+        for name, value in vars(m).items():
+            if (("dropout" in name or "pdrop" in name) and isinstance(value, float) and value > 0):
+                sites.append(f"{_join(prefix, name)}={value}")
+    return sites
 
 
 def _join(prefix: str, name: str) -> str:
