@@ -114,7 +114,8 @@ class TracedModules:
             for j in group[1:]:
                 if slots[j] is not first:
                     return (f"{self._slot_paths[group[0]]!r} and {self._slot_paths[j]!r}, one tensor at compile "
-                            "(tied: the graph reads it once, under one name), became two")
+                            "(tied: the graph reads it once, under one name), became two (tie them again, e.g. "
+                            "an HF model's tie_weights(), or compile the untied model)")
         forwards = list(map(dict.get, self._instance_dicts, repeat("forward")))
         if not all(map(operator.is_, forwards, self._instance_forwards)):
             i = next(i for i, (a, b) in enumerate(zip(forwards, self._instance_forwards)) if a is not b)
