@@ -863,10 +863,17 @@ class MisconfiguredHead(torch.nn.Module):
 def test_a_model_that_fails_on_its_own_is_named_so_not_as_a_capture_refusal():
     """A refused capture of a model that cannot run the example at all (a bad configuration) says so, with the
     model's own error, rather than reading as torch.export's limitation."""
-    with pytest.raises(CaptureError, match=r"MisconfiguredHead fails on its own, run eagerly without torch.export "
-                                           r"on a 16-token example: RuntimeError: mat1 and mat2 shapes cannot be "
-                                           r"multiplied.*fix the model or its configuration"):
+    with pytest.raises(CaptureError, match=r"MisconfiguredHead fails on its own: run eagerly \(no torch.export\) on "
+                                           r"a 16-token example, it raises RuntimeError: mat1 and mat2 shapes cannot "
+                                           r"be multiplied.*fix the model or its configuration"):
         treecompile.compile(MisconfiguredHead())
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=3)  # 4 query heads over 3 kv heads
+    with pytest.raises(CaptureError, match=r"LlamaForCausalLM fails on its own: run eagerly \(no torch.export; "
+                                           r"'sdpa' attention, as the capture runs it\) on a 16-token example, it "
+                                           r"raises RuntimeError"):
+        treecompile.compile(transformers.LlamaForCausalLM(cfg))
 
 
 class WithDropout(torch.nn.Module):

@@ -170,10 +170,10 @@ def capture(model: torch.nn.Module, *, example_len: int = 16, max_len: int = 1 <
             if own is not None:  # not torch.export's refusal: the model cannot run this input at all
                 msg = str(own).splitlines()[0] if str(own) else ""
                 impl = getattr(getattr(model, "config", None), "_attn_implementation", None) if is_hf else None
-                how = f" with the {impl!r} attention the capture runs it with" if impl else ""
-                raise CaptureError(f"{type(model).__name__} fails on its own, run eagerly{how} without torch.export "
-                                   f"on a {ids.shape[1]}-token example: {type(own).__name__}: {msg}; fix the model or "
-                                   "its configuration") from own
+                how = f"; {impl!r} attention, as the capture runs it" if impl else ""
+                raise CaptureError(f"{type(model).__name__} fails on its own: run eagerly (no torch.export{how}) on a "
+                                   f"{ids.shape[1]}-token example, it raises {type(own).__name__}: {msg}; fix the "
+                                   "model or its configuration") from own
             raw = CaptureError(f"torch.export could not capture {type(model).__name__} with a dynamic "
                                f"sequence length: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
             raw.__cause__ = e
