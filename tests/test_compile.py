@@ -343,6 +343,18 @@ def _load_untied(m):
     m.load_state_dict(sd, assign=True)  # two tensors from a checkpoint for the two tied names
 
 
+def _swap_mlp_class(m):
+    mlp = m.model.layers[0].mlp
+    mlp.__class__ = type("Doubled" + type(mlp).__name__, (type(mlp),),
+                         {"forward": lambda self, x: 2 * type(mlp).forward(self, x)})
+
+
+def _replace_config(m):
+    import dataclasses
+
+    object.__setattr__(m, "config", dataclasses.replace(m.config, rope_theta=500.0))
+
+
 def _set_bias(m):
     m.model.layers[0].mlp.down_proj.bias = torch.nn.Parameter(torch.ones(m.config.hidden_size, dtype=torch.float64))
 
@@ -357,13 +369,17 @@ def _set_bias(m):
     (_untie, r"'model.embed_tokens.weight' and 'lm_head.weight', one tensor at compile \(tied"),
     (_load_untied, r"'model.embed_tokens.weight' and 'lm_head.weight', one tensor at compile \(tied"),
     (lambda m: setattr(m.model.layers[1].mlp, "forward", lambda x: x), r"the forward of model.layers.1.mlp was replaced"),
+    (_swap_mlp_class, r"the class of model.layers.0.mlp was changed from \w+ to Doubled\w+, whose forward is another"),
+    (lambda m: setattr(m.model.norm, "eps", 0.5), r"model.norm.eps was 1e-06 at compile and was set to 0.5"),
+    (_replace_config, r"config was replaced by a configuration with other values"),
 ], ids=["nested_module", "layer_appended", "module_removed", "bias_set", "weight_deleted", "untied", "untied_by_load",
-        "instance_forward"])
+        "instance_forward", "class_swapped", "eps_set", "config_replaced"])
 def test_changes_below_the_root_that_the_graph_would_not_follow_are_refused(change, message):
     """A nested module replaced, removed or added to a container, a parameter that was None set (or one deleted),
-    tied weights made two, a module's forward replaced: the graph computes the model as traced (each of these ran the
-    old computation without a word, 0.17-0.44 relative off in the gradients), so the next call refuses, naming the
-    change; ``prepare`` too."""
+    tied weights made two, a module's forward replaced (on the instance, or by a class swap), a plain value a
+    forward reads (``eps``) or the configuration changed: the graph computes the model as traced (each of these ran
+    the old computation without a word, 0.02-0.44 relative off in the gradients), so the next call refuses, naming
+    the change; ``prepare`` too."""
     _, tm = _dense_change(change)
     batch = Tree.from_paths([[1, 2, 3, 4], [1, 2, 5]]).to_batch()
     with pytest.raises(RuntimeError, match=message + r".* after treecompile.compile: the compiled graph computes the "

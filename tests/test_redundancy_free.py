@@ -434,3 +434,14 @@ def test_partitioned_with_frozen_parameters_equals_whole_tree(dense, hybrid, whi
         for n, p in model.named_parameters():
             p.requires_grad_(saved[n])
             p.grad = None
+
+
+def test_partitions_refuse_a_model_changed_after_compile():
+    """The partitions run the program directly, not through the TreeModel's call: the same refusal of a change the
+    graph would not follow (here a nested module replaced) holds for them (they ran the traced model silently)."""
+    torch.manual_seed(0)
+    model = tiny_dense(VOCAB)
+    bmodel = treecompile.compile(model, boundary=True)
+    model.model.norm = torch.nn.LayerNorm(model.config.hidden_size).double()
+    with pytest.raises(RuntimeError, match=r"module 'model.norm' \(a RMSNorm at compile\) was replaced by a LayerNorm"):
+        run_redundancy_free(bmodel, partition_redundancy_free(Tree.from_paths([[1, 2, 3], [1, 2, 4]]), 2))

@@ -12,6 +12,10 @@ of the computation itself, which after compile would leave the TreeModel computi
 - tensors that were one tensor at capture (tied embeddings and head) made separate: torch.export reads such a
   tensor once, through one of its names, so the graph would read one of them for both;
 - a ``forward`` replaced on a module or on its class (a monkeypatched kernel);
+- a module's class swapped for one with another forward (FSDP2's swap keeps it);
+- a plain value a forward may read changed or deleted: a module's public numbers, strings, bools and short tuples
+  (``eps``, ``scaling``, ``is_causal``, ``padding_idx``, a dropout probability) and the floats of the
+  configuration objects modules hold (``config.rope_theta``), all traced into the graph as constants;
 - the train / eval mode switched where the model has dropout: capture traced the mode's dropout into the graph
   (without dropout the mode does not matter, and ``model.train()`` after a compile in eval mode is common).
 
@@ -26,6 +30,7 @@ modules' calls again).
 
 from __future__ import annotations
 
+import inspect
 import operator
 from itertools import repeat
 
@@ -74,6 +79,32 @@ class TracedModules:
         self._module_paths = [prefix or "the model" for prefix, _ in modules]
         classes = {type(m): prefix for prefix, m in reversed(modules)}
         self._classes = [(cls, cls.forward, prefix or "the model") for cls, prefix in classes.items()]
+        # each module's class, and the forward it resolved to (a class swapped to one with another forward)
+        self._all_modules = [m for _, m in modules]
+        self._types = list(map(type, self._all_modules))
+        self._type_forwards = [_unwrap(t.forward) for t in self._types]
+        # plain values the forwards may read (``eps``, ``scaling``, ``is_causal``, ``padding_idx``; a config's
+        # ``rope_theta``): traced into the graph as constants
+        self._value_dicts, self._value_keys, self._values, self._value_paths = [], [], [], []
+        seen = set()
+        # the configuration objects modules hold, by identity (a config replaced by another object: its floats are
+        # compared then)
+        self._config_dicts, self._config_names, self._configs, self._config_floats, self._config_paths = \
+            [], [], [], [], []
+        for prefix, m in modules:
+            self._add_values(vars(m), prefix, seen, _is_plain)
+            for name, value in vars(m).items():
+                if _is_config(value):
+                    self._config_dicts.append(vars(m))
+                    self._config_names.append(name)
+                    self._configs.append(value)
+                    self._config_floats.append(_floats(value))
+                    self._config_paths.append(_join(prefix, name))
+                if _is_config(value) and id(value) not in seen:
+                    seen.add(id(value))
+                    # a configuration's floats only (``rope_theta``, ``rms_norm_eps``): its flags and counts are
+                    # mostly read by other code (``use_cache``, ``output_hidden_states``, token ids)
+                    self._add_values(vars(value), _join(prefix, name), seen, _is_float)
         # train / eval mode, where the model has dropout: capture traced the mode's dropout (on, or off) into the graph
         self._dropout = _dropout_sites(modules)
         self._modules = [m for _, m in modules] if self._dropout else []
@@ -83,6 +114,17 @@ class TracedModules:
                        if m._forward_pre_hooks or m._forward_hooks}
         self._global_hooks = (set(nn.modules.module._global_forward_pre_hooks),
                               set(nn.modules.module._global_forward_hooks))
+
+    def _add_values(self, d: dict, prefix: str, seen: set, kind) -> None:
+        if id(d) in seen:
+            return
+        seen.add(id(d))
+        for name, value in d.items():
+            if not name.startswith("_") and name != "training" and kind(value):
+                self._value_dicts.append(d)
+                self._value_keys.append(name)
+                self._values.append(value)
+                self._value_paths.append(_join(prefix, name))
 
     def change(self) -> str | None:
         """The first change since compile that the graph would not follow, in words; None when there is none."""
@@ -123,6 +165,24 @@ class TracedModules:
         for cls, forward, where in self._classes:
             if cls.forward is not forward:
                 return f"{cls.__name__}.forward (the class of {where}) was replaced"
+        types = list(map(type, self._all_modules))
+        if types != self._types:  # a class swapped (FSDP2's keeps the forward)
+            for i, (t, m) in enumerate(zip(types, self._all_modules)):
+                if t is not self._types[i] and _unwrap(t.forward) is not self._type_forwards[i]:
+                    return (f"the class of {self._module_paths[i]} was changed from {self._types[i].__name__} to "
+                            f"{t.__name__}, whose forward is another")
+        configs = list(map(dict.get, self._config_dicts, self._config_names))
+        if not all(map(operator.is_, configs, self._configs)):
+            for i, (c, was) in enumerate(zip(configs, self._config_floats)):
+                if c is not self._configs[i] and _floats(c) != was:
+                    return (f"{self._config_paths[i]} was replaced by a configuration with other values (its floats, "
+                            "which the graph holds as traced)")
+        values = list(map(dict.get, self._value_dicts, self._value_keys, repeat(_MISSING)))
+        if values != self._values:
+            i = next(i for i, (a, b) in enumerate(zip(values, self._values)) if not _same_value(a, b))
+            now = "deleted" if values[i] is _MISSING else f"set to {values[i]!r}"
+            return (f"{self._value_paths[i]} was {self._values[i]!r} at compile and was {now}: the graph holds the "
+                    "value it was traced with")
         if self._modules:
             training = list(map(_training, self._modules))
             if training != self._training:
@@ -146,6 +206,40 @@ class TracedModules:
 
 
 _training = operator.attrgetter("training")
+_MISSING = object()
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _is_plain(value) -> bool:
+    return type(value) in _PLAIN or (type(value) is tuple and len(value) <= 8 and all(type(v) in _PLAIN for v in value))
+
+
+def _is_float(value) -> bool:
+    return type(value) is float
+
+
+def _floats(config) -> dict:
+    return {k: v for k, v in vars(config).items() if not k.startswith("_") and type(v) is float} \
+        if hasattr(config, "__dict__") else {}
+
+
+def _unwrap(fn):
+    """``fn`` without its ``functools.wraps`` wrappers: a subclass of an HF layer gets its inherited forward wrapped
+    again (``GradientCheckpointingLayer.__init_subclass__``), as FSDP2's class swap makes one."""
+    return inspect.unwrap(fn) if callable(fn) else fn
+
+
+def _same_value(a, b) -> bool:
+    return a is b or (type(a) is type(b) and (a == b or (a != a and b != b)))  # NaN == NaN here
+
+
+def _is_config(value) -> bool:
+    """A configuration object a module keeps (HF's ``PretrainedConfig``, a dataclass config): forwards read its
+    values (``config.rope_theta``)."""
+    if isinstance(value, (type, nn.Module)) or not hasattr(value, "__dict__"):
+        return False
+    name = type(value).__name__
+    return name.endswith("Config") or hasattr(type(value), "__dataclass_fields__")
 
 
 def _dropout_sites(modules) -> list[str]:

@@ -417,6 +417,9 @@ def run_redundancy_free(tmodel, plan: RedundancyFreePlan, *, normalize: str = "s
     compiled with ``router_aux``; ``train_step`` computes them); the partitions' router losses are in the
     returned loss and, summed, in ``aux_loss`` / ``z_loss``.
     """
+    check = getattr(tmodel, "_check_bound", None)
+    if check is not None:  # the partitions run the program directly: the TreeModel's own call-time check, here
+        check()
     ex = _Executor(tmodel, plan, normalize, loss_fn, data, router=router)
     _run(ex)
     return RedundancyFreeResult(**ex.results(), tokens_computed=ex.computed, num_partitions=len(plan),

@@ -85,6 +85,9 @@ def count_routes(tmodel, tree: Tree, plan=None, *, conv_kernel: int) -> torch.Te
         [plan.batch(i, conv_kernel=conv_kernel) for i in range(len(plan))]
     if plan is not None and not isinstance(plan, PackedPlan):
         raise TypeError(f"count_routes: expected a PackedPlan or RedundancyFreePlan, got {type(plan).__name__}")
+    check = getattr(tmodel, "_check_bound", None)
+    if check is not None:  # the batches run the program directly: the TreeModel's own call-time check, here
+        check()
     for k, batch in enumerate(batches):
         try:
             batch.check_ids(tmodel.vocab_size)
