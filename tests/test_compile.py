@@ -428,6 +428,30 @@ def test_changes_the_graph_follows_are_not_refused():
     assert rel(flat_grads(out.loss, params), flat_grads(ref.loss, params)) <= 1e-12
 
 
+def test_common_calls_on_an_hf_model_after_compile_are_not_refused():
+    """What users call on an HF model after loading it, which the graph follows or which does not change what it
+    computes: activation checkpointing switched on, train mode without dropout, the output flags of its config,
+    weights tied again, a state dict loaded in place.  Each runs, and equals the per-path oracle."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = transformers.Qwen3ForCausalLM(cfg).double().eval()
+    tm = treecompile.compile(model)
+    model.gradient_checkpointing_enable()
+    model.train()
+    model.config.use_cache = False
+    model.config.output_hidden_states = True
+    model.tie_weights()
+    model.load_state_dict({k: v * 1.01 for k, v in model.state_dict().items()})
+    paths = [[1, 2, 3, 4], [1, 2, 5], [6, 7]]
+    _, _, g_tree, g_ref, out, ref, batch = compare(model, tm, paths, None, None, "sum", retain_ref=True)
+    # HF's float32 RMSNorm / rotary: within 10x two exact per-path computations' disagreement, as the HF zoo test
+    g_noise, loss_noise = reference_noise(model, paths, None, None, batch, ref, list(model.parameters()), g_ref)
+    assert rel(g_tree, g_ref) <= 10 * g_noise + 1e-12
+    assert abs(float(out.loss - ref.loss)) <= 10 * loss_noise + 1e-12 * abs(float(ref.loss))
+
+
 def test_split_at_refuses_modules_with_hooks_traced_into_the_graph():
     """A forward (pre-)hook registered before compile is in the graph; ``split_at`` runs a split module's part through
     its call, which would run the hook again (a pre-hook doubling its input took the loss from the oracle's 16.638

@@ -120,7 +120,7 @@ class TracedModules:
             return
         seen.add(id(d))
         for name, value in d.items():
-            if not name.startswith("_") and name != "training" and kind(value):
+            if not name.startswith("_") and name not in _NOT_TRACED and kind(value):
                 self._value_dicts.append(d)
                 self._value_keys.append(name)
                 self._values.append(value)
@@ -207,6 +207,9 @@ class TracedModules:
 
 _training = operator.attrgetter("training")
 _MISSING = object()
+# module flags that say how a module is called, not what it computes: the mode (checked where the model has dropout)
+# and HF's activation checkpointing switch (``gradient_checkpointing_enable()``; the graph does not call modules)
+_NOT_TRACED = frozenset({"training", "gradient_checkpointing"})
 _PLAIN = (bool, int, float, str, type(None))
 
 
