@@ -428,6 +428,18 @@ def test_changes_the_graph_follows_are_not_refused():
     assert rel(flat_grads(out.loss, params), flat_grads(ref.loss, params)) <= 1e-12
 
 
+def test_a_nan_valued_attribute_is_not_a_change():
+    """A plain value that is NaN (unequal to itself) is unchanged while it stays NaN, and a change from it is named."""
+    model = WithDropout(0.0).double().eval()
+    model.head.limit = float("nan")
+    tm = treecompile.compile(model)
+    batch = Tree.from_paths([[1, 2, 3]]).to_batch()
+    tm(batch)
+    model.head.limit = 1.0
+    with pytest.raises(RuntimeError, match=r"head.limit was nan at compile and was set to 1.0"):
+        tm(batch)
+
+
 def test_common_calls_on_an_hf_model_after_compile_are_not_refused():
     """What users call on an HF model after loading it, which the graph follows or which does not change what it
     computes: activation checkpointing switched on, train mode without dropout, the output flags of its config,
