@@ -88,7 +88,7 @@ class _Record:
     result: object  # the call's result with a _Ref for each tensor (tuples and lists kept)
 
 
-_records: dict = {}  # (id(owner), key, stream, layout) -> (weakref to owner, _Record or None)
+_records: dict = {}  # (id(owner), kind, key, stream, layout) -> (weakref to owner, _Record or None)
 _lock = threading.Lock()  # one recording at a time: the interface's caches are module state
 
 
