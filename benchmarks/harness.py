@@ -970,6 +970,8 @@ class Steps:
                   block_sparse_layout=None, order=None):
         from treecompile import Tree
 
+        if replay not in (True, False, "forward"):
+            raise ValueError(f"tree_step: replay must be True, False or 'forward' (the forward's only), got {replay!r}")
         tree = self.tree if order is None else Tree.from_paths([list(p) for p in self.case.paths], order=order)
         tm = self._tree_model(layout=layout, kernel=kernel, conv=conv, head=head, keys=keys, cpp_wrapper=cpp_wrapper,
                               cudagraphs=cudagraphs)
