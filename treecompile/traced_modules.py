@@ -107,8 +107,7 @@ class TracedModules:
                 self._add_values(vars(value), _join(prefix, name), seen, _is_float)
         # train / eval mode, where the model has dropout: capture traced the mode's dropout (on, or off) into the graph
         self._dropout = _dropout_sites(modules)
-        self._mode_modules = [m for _, m in modules] if self._dropout else []
-        self._training = [m.training for m in self._mode_modules]
+        self._training = list(map(_training, self._all_modules))
         # forward hooks present at compile (traced into the graph), per module, and the global ones
         self._hooks = {id(m): (m, set(m._forward_pre_hooks), set(m._forward_hooks)) for _, m in modules
                        if m._forward_pre_hooks or m._forward_hooks}
@@ -184,8 +183,8 @@ class TracedModules:
                 now = "deleted" if values[i] is _MISSING else f"set to {values[i]!r}"
                 return (f"{self._value_paths[i]} was {self._values[i]!r} at compile and was {now}: the graph holds "
                         "the value it was traced with")
-        if self._mode_modules:
-            training = list(map(_training, self._mode_modules))
+        if self._dropout:
+            training = list(map(_training, self._all_modules))
             if training != self._training:
                 i = next(i for i, (a, b) in enumerate(zip(training, self._training)) if a != b)
                 mode = ("eval", "train")

@@ -148,7 +148,7 @@ def _replay(record: _Record, tensors: tuple[Tensor, ...]):
             buffers.append(t.zero_() if b.zero else t)
         else:
             buffers[step[1]].zero_()
-    return _unref(record.result, tensors, buffers)
+    return _nested_map(record.result, lambda x: _build(x, tensors, buffers) if isinstance(x, _Ref) else x)
 
 
 def _build(ref: _Ref, tensors, buffers) -> Tensor:
@@ -161,12 +161,11 @@ def _build(ref: _Ref, tensors, buffers) -> Tensor:
     return base.as_strided(size, stride, base.storage_offset() + offset)
 
 
-def _unref(x, tensors, buffers):
-    if isinstance(x, _Ref):
-        return _build(x, tensors, buffers)
+def _nested_map(x, fn):
+    """``x`` with ``fn`` applied to each item of its nested tuples and lists (kept as they are)."""
     if isinstance(x, (tuple, list)):
-        return type(x)(_unref(y, tensors, buffers) for y in x)
-    return x
+        return type(x)(_nested_map(y, fn) for y in x)
+    return fn(x)
 
 
 def _stream(t: Tensor):
@@ -312,14 +311,13 @@ def _steps_record(steps, tensors, owned, result) -> _Record | None:
                             refs.append((position, r))
                     elif any(not foreign(t) for t in _tensors_in(a)):
                         raise _Refused
-                template = tuple(None if any(p == position for p, _ in refs) else a
-                                 for position, a in enumerate(args))
+                placed = {p for p, _ in refs}
+                template = tuple(None if position in placed else a for position, a in enumerate(args))
                 kept.append(("launch", kernel, template, tuple(refs)))
         read = {(r.buffer, r.index) for s in kept if s[0] == "launch" for _, r in s[3]}
         if any((False, i) not in read for i in range(len(tensors))):
             raise _Refused  # a tensor of the call that no launch read as given (a copy was made of it, say)
-        result_refs = _result_refs(result, ref)
-        read |= {(r.buffer, r.index) for r in _refs_in(result_refs)}
+        result_refs = _nested_map(result, lambda x: _result_ref(x, ref, read))
         if any((True, j) not in read for j in range(len(buffers))):
             # a buffer that no launch took as a tensor, nor the result: it may have reached a kernel some other way
             # (a raw pointer), which a replay would not give the new buffer
@@ -329,22 +327,16 @@ def _steps_record(steps, tensors, owned, result) -> _Record | None:
         return None
 
 
-def _result_refs(x, ref):
+def _result_ref(x, ref, read: set):
+    """An item of the call's result as the record keeps it: a tensor's :class:`_Ref` (noted in ``read``), a plain
+    value as it is; anything else refuses the record."""
     if isinstance(x, Tensor):
-        return ref(x)
-    if isinstance(x, (tuple, list)):
-        return type(x)(_result_refs(y, ref) for y in x)
+        r = ref(x)
+        read.add((r.buffer, r.index))
+        return r
     if x is None or isinstance(x, (bool, int, float, str)):
         return x
     raise _Refused
-
-
-def _refs_in(x):
-    if isinstance(x, _Ref):
-        yield x
-    elif isinstance(x, (tuple, list)):
-        for y in x:
-            yield from _refs_in(y)
 
 
 def _storage(t: Tensor) -> tuple:

@@ -355,7 +355,7 @@ class _Executor:
         tensors = [st.loss]
         grads = [torch.ones_like(st.loss)]
         for e, leaf in zip(st.exports, st.leaves):
-            if leaf.grad is not None and e.requires_grad:
+            if leaf.grad is not None:  # (none where ``e`` needs none: its leaf does not require grad)
                 tensors.append(e)
                 grads.append(leaf.grad)
         if st.loss.requires_grad or len(tensors) > 1:
