@@ -90,6 +90,8 @@ def copies_index(runs, G: int) -> torch.Tensor:
         assert 0 < t1 - t0 <= BLOCK_T and e0 <= e1
         assert prev is None or t0 == prev, "tiles do not cover the tokens in order"
         prev = t1
+        # a run's copies in interval order (root first: the kernel sums them in this order): rows increasing
+        assert offsets[e0:e1].tolist() == sorted(set(offsets[e0:e1].tolist())), "copies out of interval order"
         for off in offsets[e0:e1].tolist():
             rows = torch.arange(t0, t1) + off
             assert bool((idx[rows] == -1).all()), "a gathered row is read twice"
@@ -107,6 +109,25 @@ def test_copy_runs_read_every_gathered_row_once(paths, pad_to):
     plan = segment_plan(b.subtree_end)
     assert plan.copies.rows == plan.gathered and plan.copies.tokens == plan.tail
     assert torch.equal(copies_index(plan.copies, plan.gathered), plan.key_index.cpu())
+
+
+def test_copy_runs_cut_runs_of_any_length_into_tiles():
+    """Runs of 1, BLOCK_T - 1, BLOCK_T, BLOCK_T + 1, 2 BLOCK_T and 2 BLOCK_T + 1 tokens, each read by one or two
+    intervals: every tile within one run and at most ``BLOCK_T`` tokens, the tiles covering the tokens in order,
+    every gathered row read once, in interval order."""
+    from treecompile.ops.key_copies import BLOCK_T, CopyRuns, copy_run_tables
+
+    bounds = [0]
+    for n in (1, BLOCK_T - 1, BLOCK_T, BLOCK_T + 1, 2 * BLOCK_T, 2 * BLOCK_T + 1):
+        bounds.append(bounds[-1] + n)
+    intervals = [(a, b) for a, b in zip(bounds, bounds[1:])] + [(0, bounds[3]), (bounds[4], bounds[6])]
+    lo, hi = torch.tensor(intervals).unbind(1)
+    first = torch.cumsum(hi - lo, 0) - (hi - lo)
+    tiles, offsets, tokens, rows = copy_run_tables(lo, hi, first)
+    assert (tokens, rows) == (bounds[-1], int((hi - lo).sum()))
+    runs = CopyRuns(tiles=tiles, offsets=offsets, tokens=tokens, rows=rows)
+    assert copies_index(runs, rows).tolist() == [t for a, b in intervals for t in range(a, b)]
+    assert {(t0, t1) for t0, t1, _, _ in tiles.tolist()} >= {(b - 1, b) for b in bounds[1:2]}
 
 
 def test_copy_runs_on_forests_and_deep_trees():
@@ -321,14 +342,14 @@ def test_key_rows_are_the_intervals_one_after_the_other(intervals, device):
     from treecompile.ops import varlen_tree_attention as vta
 
     G = sum(h - l for l, h in intervals)
-    lo, hi, first = vta._rows(intervals, G)
+    lo, hi, first = vta._rows([x for iv in intervals for x in iv], G)
     key_index = vta._key_index(lo, first, G, device)
     assert key_index.device.type == device
     assert key_index.tolist() == [t for l, h in intervals for t in range(l, h)]
     assert first.tolist() == [sum(h - l for l, h in intervals[:m]) for m in range(len(intervals))]
     assert (lo.tolist(), hi.tolist()) == ([l for l, _ in intervals], [h for _, h in intervals])
     with pytest.raises(AssertionError, match="internal error"):
-        vta._rows(intervals, G + 1)
+        vta._rows([x for iv in intervals for x in iv], G + 1)
 
 
 def test_padding_is_the_tail_not_segments():
@@ -363,6 +384,8 @@ def test_bad_subtree_end_is_named():
         segment_plan(torch.tensor([3, 3, 2]))  # token 2 would not see itself
     with pytest.raises(ValueError, match=r"subtree_end\[0\] = 9"):
         segment_plan(torch.tensor([9, 2]))
+    with pytest.raises(ValueError, match=r"subtree_end\[2\] = 2"):  # tokens 1 and 2 share it: 2 is the first past it
+        segment_plan(torch.tensor([4, 2, 2, 4]))
     with pytest.raises(ValueError, match="not the DFS layout of a forest"):
         segment_plan(torch.tensor([2, 4, 4, 4]))  # token 1's subtree [1, 4) sticks out of token 0's [0, 2)
     with pytest.raises(ValueError, match="integer"):
@@ -371,39 +394,45 @@ def test_bad_subtree_end_is_named():
         segment_plan(torch.tensor([[1]]))
 
 
-@settings(max_examples=60, deadline=None)
-@given(path_sets(max_paths=10, max_len=12), st.sampled_from([None, 8, 13]), st.integers(0, 2 ** 31 - 1))
-def test_walk_cuts_are_the_same_searched_per_segment_or_at_once(paths, pad_to, seed):
-    """The walk's parent cuts (how many of a parent segment's tokens see a child segment's start) from one binary
-    search per child segment or one over all tokens (``BATCHED_CUTS_TOKENS``) are the same on any forest, padded or
-    not; on a ``subtree_end`` made non-nested by one changed entry both ways are refused naming a token."""
-    from unittest import mock
+def _first_not_nested(se: list) -> int | None:
+    """Brute force: the first token ``t`` whose subtree sticks out of an ancestor's (some ``k < t < se[k] < se[t]``)."""
+    return min((t for k in range(len(se)) for t in range(k + 1, min(se[k], len(se))) if se[t] > se[k]), default=None)
 
+
+@settings(max_examples=80, deadline=None)
+@given(path_sets(max_paths=10, max_len=12), st.sampled_from([None, 8, 13]), st.integers(0, 2 ** 31 - 1),
+       st.integers(1, 3))
+def test_walk_is_the_brute_force_one_and_names_the_first_token_not_nested(paths, pad_to, seed, changes):
+    """The walk (per run of equal subtree ends: its bounds, segments, parent cuts and prefix lengths) on any forest,
+    padded or not, is the brute force's: each segment's parent is the segment of the last token above its start
+    that sees it, cut after that token, and its prefix is every earlier token that sees its start.  With up to
+    three entries changed inside the bounds, the plan is refused iff ``subtree_end`` is not nested, naming the first
+    token whose subtree sticks out of an ancestor's; else it is the plan of that other forest."""
     from treecompile.ops import varlen_tree_attention as vta
 
     se = _batch(paths, pad_to).subtree_end
-    walks = []
-    for tokens in (0, 10 ** 9):  # every walk per segment, every walk batched
-        with mock.patch.object(vta, "BATCHED_CUTS_TOKENS", tokens):
-            w = vta._walk(se)
-            walks.append((w.starts, w.parents, w.prefix_len, w.n_main, w.gathered))
-    assert walks[0] == walks[1]
-    # one entry moved to a wrong subtree end inside the bounds: refused (not nested) or still a forest, either way
-    # the same verdict and the same plan whichever search ran
-    g = torch.Generator().manual_seed(seed)
     T = se.numel()
+    w = vta._walk(se)
+    L = se.tolist()
+    for j, a in enumerate(w.starts):
+        above = [k for k in range(a) if L[k] > a]
+        assert w.prefix_len[j] == len(above)
+        if not above:
+            assert w.parents[j] is None
+        else:
+            assert w.parents[j] == (max(i for i, s in enumerate(w.starts) if s <= above[-1]), above[-1] + 1)
+    assert w.starts == [0] + [t + 1 for t in range(T - 1) if L[t] == t + 1]
+    g = torch.Generator().manual_seed(seed)
     bad = se.clone()
-    t = int(torch.randint(T, (1,), generator=g))
-    bad[t] = int(torch.randint(t + 1, T + 1, (1,), generator=g))
-    verdicts = []
-    for tokens in (0, 10 ** 9):
-        with mock.patch.object(vta, "BATCHED_CUTS_TOKENS", tokens):
-            try:
-                p = vta.tree_attention_plan(bad.clone(), block_sparse=False)
-                verdicts.append(("plan", p.gathered, p.cu_seqlens_k.tolist()))
-            except ValueError as e:
-                verdicts.append(("refused", "forest" in str(e) or "token" in str(e)))
-    assert verdicts[0] == verdicts[1] and verdicts[0] != ("refused", False), verdicts
+    for _ in range(changes):
+        t = int(torch.randint(T, (1,), generator=g))
+        bad[t] = int(torch.randint(t + 1, T + 1, (1,), generator=g))
+    first = _first_not_nested(bad.tolist())
+    if first is None:
+        assert vta.tree_attention_plan(bad.clone(), block_sparse=False).gathered == vta._walk(bad).gathered
+    else:
+        with pytest.raises(ValueError, match=rf"not the DFS layout of a forest at token {first} "):
+            vta.tree_attention_plan(bad.clone(), block_sparse=False)
 
 
 def test_a_comb_is_refused_with_its_gather_size(monkeypatch):
@@ -1235,7 +1264,7 @@ def test_plan_check_refuses_exactly_the_plans_that_are_not_the_mask(seed):
     corrupted ones (an interval moved by a token, two swapped, a repeated key, another tree's subtree ends)."""
     from treecompile.ops import varlen_tree_attention as V
 
-    rng, (se0, lo, hi, first, G, cu_q, cu_k, tail) = _random_plan_check_args(seed, 9, 5)
+    rng, (se0, lo, hi, first, G, cu_q, cu_k, tail, _) = _random_plan_check_args(seed, 9, 5)
     real = V._check_plan
     T = se0.numel()
 
@@ -1282,9 +1311,10 @@ def test_plan_check_refuses_exactly_the_plans_that_are_not_the_mask(seed):
 
 @pytest.mark.parametrize("seed", range(8))
 def test_counts_plus_key_are_the_brute_force_ones(seed):
-    """``_count_plus_key`` (the plan check's count of queries per key, from second differences) equals the sum
-    over the intervals written out key by key: random prefix and own ranges (empty ones, ranges ending at the last
-    token, one token), any tail."""
+    """``_count_plus_key`` (the plan check's count of queries per key, read off running sums of the ranges'
+    changes) equals the sum over the intervals written out key by key: random prefix and own ranges (empty ones,
+    ranges ending at the last token, one token), any tail; ``_first_count_off`` (the counts compared at the ends of
+    the pieces where both sides are lines) names exactly the one key changed in the subtree ends, or none."""
     import random
 
     from treecompile.ops import varlen_tree_attention as V
@@ -1309,63 +1339,44 @@ def test_counts_plus_key_are_the_brute_force_ones(seed):
         for k in range(tail, T):
             want[k] += 1
         L = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
-        got = V._count_plus_key(T, L(lo), L(ko), L(hi), L(nq), L(c), tail)
+        got = V._count_plus_key(torch.arange(T), L(lo), L(ko), L(hi), L(nq), L(c), tail)
         assert got.tolist() == want, (T, lo, ko, hi, nq, c, tail)
+        # against subtree ends that agree with the counts but at one key (or at none): that key is the first off
+        for k in [None] + [rng.randrange(T) for _ in range(3)]:
+            se = list(want)
+            if k is not None:
+                se[k] += rng.choice([-1, 1, 7])
+            run_se, run_end = V._runs(L(se))
+            assert V._first_count_off(T, L(lo), L(ko), L(hi), L(nq), L(c), tail, run_se, run_end) == k
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_interval_minimum_is_the_brute_force_one(seed, monkeypatch):
-    """``_interval_min`` (the plan check's smallest subtree end per key interval) equals ``min(se[lo:hi])``: on a
-    real plan's intervals as their last tokens' (nested subtree ends do not increase inside a segment), with
-    empty segments in the query offsets; where an inner token's subtree end is raised (not nested) through the O(T)
-    running minimum; and through the intervals' rows for intervals that do not start at a segment's first token or
-    run past its end."""
+def test_interval_minimum_is_the_brute_force_one(seed):
+    """``_interval_min`` (the plan check's smallest subtree end per key interval, a range minimum over the runs of
+    equal subtree ends) equals ``min(se[lo:hi])``: on a real plan's intervals, and on random values (any order,
+    long and one-token runs, 1-70 runs) with random intervals (one key, whole sequence, inside one run, across
+    runs)."""
+    import random
+
     from treecompile.ops import varlen_tree_attention as V
 
-    rng, (se0, lo, hi, first, _, cu_q, cu_k, tail) = _random_plan_check_args(seed, 12, 6)
+    _, (se0, lo, hi, *_rest) = _random_plan_check_args(seed, 12, 6)
 
-    def brute(lo_, hi_, se_=se0):
-        return torch.tensor([int(se_[a:b].min()) for a, b in zip(lo_.tolist(), hi_.tolist())], dtype=torch.int64)
-
-    def interval_min(lo_, hi_, cu=cu_q, se_=se0):
-        return V._interval_min(se_, lo_, hi_, torch.cumsum(hi_ - lo_, 0) - (hi_ - lo_), cu, hi_ - lo_)
+    def check(se_, lo_, hi_):
+        run_se, run_end = V._runs(se_)
+        want = [int(se_[a:b].min()) for a, b in zip(lo_.tolist(), hi_.tolist())]
+        assert V._interval_min(run_se, run_end, lo_, hi_).tolist() == want, (se_.tolist(), lo_, hi_)
 
     keep = hi > lo
-    lo, hi = lo[keep], hi[keep]
-    laid_out, ran = [], []  # calls of the O(G) path, of the running minimum
-    real_reduce, real_cummin = torch._C._VariableFunctions.segment_reduce, torch._C._VariableFunctions.cummin
-    monkeypatch.setattr(torch, "segment_reduce", lambda *a, **k: (laid_out.append(1), real_reduce(*a, **k))[1])
-    monkeypatch.setattr(torch, "cummin", lambda *a, **k: (ran.append(1), real_cummin(*a, **k))[1])
-    assert torch.equal(interval_min(lo, hi), brute(lo, hi)) and not laid_out and not ran
-    # the same intervals under query offsets with empty segments added (at the start, twice inside, at the end)
-    starts = cu_q.tolist()
-    padded = torch.tensor([0] + starts[:2] + [starts[1]] + starts[1:] + [starts[-1]], dtype=torch.int64)
-    assert torch.equal(interval_min(lo, hi, padded), brute(lo, hi)) and not laid_out and not ran
-    # a token inside a segment whose subtree ends after the one before it: not nested, so an interval's minimum
-    # need not be its last token's; the running minimum answers (intervals from segment starts)
-    inner = [t for t in range(1, int(cu_q[-1])) if t not in starts]
-    if inner:
-        se_ = se0.clone()
-        t = rng.choice(inner)
-        se_[t] = se_[t - 1] + 1 if se_[t - 1] < se0.numel() else se_[t]
-        if se_[t] > se_[t - 1]:
-            assert torch.equal(interval_min(lo, hi, se_=se_), brute(lo, hi, se_)) and ran and not laid_out
-            ran.clear()
-    # intervals moved by a token (some still start a segment: either way the brute force's minimum), and one
-    # across the first segment boundary, which only the laid-out rows can answer
-    for trial in range(8):
-        lo_, hi_ = lo.clone(), hi.clone()
-        m = rng.randrange(lo.numel())
-        if trial % 2 and hi_[m] - lo_[m] >= 2:
-            lo_[m] += 1
-        elif hi_[m] < se0.numel():
-            hi_[m] += 1
-        assert torch.equal(interval_min(lo_, hi_), brute(lo_, hi_))
-    if cu_q.numel() > 2:
-        laid_out.clear()
-        b = int(cu_q[1])
-        lo_, hi_ = torch.cat([lo, torch.tensor([b - 1])]), torch.cat([hi, torch.tensor([b + 1])])
-        assert torch.equal(interval_min(lo_, hi_), brute(lo_, hi_)) and laid_out
+    check(se0, lo[keep], hi[keep])
+    rng = random.Random(seed)
+    for _ in range(40):
+        runs = rng.randint(1, 70)
+        se_ = torch.tensor([v for _ in range(runs) for v in [rng.randint(0, 50)] * rng.choice([1, 1, 2, 5, 17])])
+        T = se_.numel()
+        pairs = [(0, T), (T - 1, T)] + [sorted(rng.sample(range(T + 1), 2)) for _ in range(25) if T > 1]
+        lo_, hi_ = torch.tensor(pairs, dtype=torch.int64).unbind(1)
+        check(se_, lo_, hi_)
 
 
 def test_prepare_does_the_step_host_work_once_and_the_step_finds_it(monkeypatch):
@@ -1967,3 +1978,23 @@ def test_lowered_graph_with_run_time_row_counts_is_one_compiled_graph(keys, monk
         explained = torch._dynamo.explain(low.graph_module)(*args)
         assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
         _assert_lowered_equals_rewritten(prog, low, torch.compile(low.graph_module, dynamic=False))
+
+
+def test_plans_are_checked_by_nesting_and_proven_only_when_asked(monkeypatch):
+    """At run time (``VERIFY_PLANS`` off, the default) a segment plan is not proven by ``_check_plan``: the walk's
+    nesting check refuses a non-nested ``subtree_end`` naming its first token that sticks out, and a nested one
+    gets the tree mask.  With ``VERIFY_PLANS`` on (this suite's setting, tests/conftest.py) every plan is proven."""
+    from treecompile.ops import varlen_tree_attention as vta
+
+    calls = []
+    real = vta._check_plan
+    monkeypatch.setattr(vta, "_check_plan", lambda *a: (calls.append(1), real(*a))[1])
+    b = _batch(forest_paths(300, 3, seed=5), 320)
+    for verify in (False, True):
+        monkeypatch.setattr(vta, "VERIFY_PLANS", verify)
+        calls.clear()
+        plan = vta.tree_attention_plan(b.subtree_end.clone(), block_sparse=False)
+        assert torch.equal(plan_mask(plan, b.seq_len), tree_mask(b.subtree_end)) and len(calls) == verify
+        bad = torch.tensor([4, 2, 5, 4, 6, 6])  # token 2's subtree [2, 5) sticks out of token 0's [0, 4)
+        with pytest.raises(ValueError, match=r"not the DFS layout of a forest at token 2 "):
+            vta.tree_attention_plan(bad, block_sparse=False)

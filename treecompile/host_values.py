@@ -157,11 +157,17 @@ def repeat_counts(values: Tensor, counts: Tensor, total: int | None = None) -> T
     total = given
     if total == 0:
         return values.new_empty((0, *values.shape[1:]))
-    # group j starts at ends[j - 1]: one step there (zero counts: several steps at one row, past the empty groups)
-    starts = ends[:-1]
-    starts = starts[starts < total]
-    group = torch.zeros(total, dtype=torch.int64).index_add_(0, starts, torch.ones_like(starts)).cumsum_(0)
-    return values.index_select(0, group)  # serial on the CPU (``values[group]`` splits above a few thousand rows)
+    return values.index_select(0, group_index(ends, total))  # serial on the CPU (``values[group]`` splits above a few
+    # thousand rows)
+
+
+def group_index(ends: Tensor, total: int) -> Tensor:
+    """``[total]`` int64: the group of each element, for consecutive groups ending at ``ends`` (host int64, the running
+    sum of non-negative counts, ``ends[-1] == total``; unchecked: :func:`repeat_counts` checks its counts).  Group
+    ``j`` starts at ``ends[j - 1]``: one step there (zero counts: several steps at one element, past the empty
+    groups), then a running sum."""
+    starts = ends[:-1]  # (an empty last group's start is ``total``: a step past the elements, dropped)
+    return torch.zeros(total + 1, dtype=torch.int64).index_add_(0, starts, torch.ones_like(starts))[:total].cumsum_(0)
 
 
 @functools.cache

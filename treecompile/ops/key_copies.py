@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from treecompile.host_values import repeat_counts, to_device_async
+from treecompile.host_values import group_index, to_device_async
 # triton is None on CPU-only installs: sum_copies then uses index_add_
 from treecompile.ops.triton_support import available, interpreting, tl, triton, usable
 
@@ -72,30 +72,35 @@ def copy_run_tables(lo: Tensor, hi: Tensor, first: Tensor) -> tuple[Tensor, Tens
     tables to the device in one copy builds its :class:`CopyRuns` from them)."""
     lo, hi, first = (x.to("cpu", torch.int64) for x in (lo, hi, first))
     keep = hi > lo
-    lo, hi, first = lo[keep], hi[keep], first[keep]
-    tokens = int(hi.max()) if hi.numel() else 0
-    rows = int((hi - lo).sum())
-    bounds = torch.unique(torch.cat([lo, hi, torch.tensor([0, tokens])]))  # sorted run boundaries
-    r0 = torch.searchsorted(bounds, lo)
-    r1 = torch.searchsorted(bounds, hi)  # interval m covers runs [r0, r1)
-    n_cover = r1 - r0
-    start = torch.cumsum(n_cover, 0) - n_cover
-    entries = int(n_cover.sum())
-    entry_run = repeat_counts(r0 - start, n_cover, entries) + torch.arange(entries)
-    entry_off = repeat_counts(first - lo, n_cover, entries)
+    if not bool(keep.all()):
+        lo, hi, first = lo[keep], hi[keep], first[keep]
+    if not lo.numel():
+        return torch.zeros((0, 4), dtype=torch.int64), lo.new_zeros(0), 0, 0
+    m = lo.numel()
+    bounds, where = torch.unique(torch.cat([lo, hi]), return_inverse=True)  # sorted run boundaries
+    if int(bounds[0]) != 0:  # (the intervals cover [0, tokens): never, but the runs start at token 0)
+        bounds, where = torch.cat([bounds.new_zeros(1), bounds]), where + 1
+    tokens, runs = int(bounds[-1]), bounds.numel() - 1
+    r0 = where[:m]
+    n_cover = where[m:].sub_(r0)  # interval m covers runs [r0, r0 + n_cover)
+    ends = n_cover.cumsum(0)
+    entries = int(ends[-1])  # (= rows' runs: each gathered row in one interval)
+    interval = group_index(ends, entries)  # each entry's interval, in interval order
+    entry_run = torch.arange(entries).add_((r0 - ends + n_cover).index_select(0, interval))
     order = torch.sort(entry_run, stable=True).indices  # by run; within a run, interval order
-    offsets = entry_off[order]
-    n_runs = bounds.numel() - 1
-    ptr = torch.zeros(n_runs + 1, dtype=torch.int64)
-    torch.cumsum(torch.bincount(entry_run, minlength=n_runs), 0, out=ptr[1:])
+    offsets = (first - lo).index_select(0, interval.index_select(0, order))
+    ptr = torch.zeros(runs + 1, dtype=torch.int64)  # run r's offsets are entries [ptr[r], ptr[r + 1])
+    torch.cumsum(torch.bincount(entry_run, minlength=runs), 0, out=ptr[1:])
     run_lo, run_hi = bounds[:-1], bounds[1:]
-    per = (run_hi - run_lo + BLOCK_T - 1) // BLOCK_T  # tiles per run
-    tile_run = repeat_counts(torch.arange(n_runs), per)
-    tile_first = torch.cumsum(per, 0) - per
-    t_lo = run_lo[tile_run] + (torch.arange(int(per.sum())) - tile_first[tile_run]) * BLOCK_T
-    t_hi = torch.minimum(t_lo + BLOCK_T, run_hi[tile_run])
-    tiles = torch.stack([t_lo, t_hi, ptr[:-1][tile_run], ptr[1:][tile_run]], 1)
-    return tiles, offsets, tokens, rows
+    per = (run_hi - run_lo).add_(BLOCK_T - 1).div_(BLOCK_T, rounding_mode="floor")  # tiles per run
+    tile_end = per.cumsum(0)
+    tiles = int(tile_end[-1])
+    tile_run = group_index(tile_end, tiles)
+    t_lo = torch.arange(tiles).sub_((tile_end - per).index_select(0, tile_run)).mul_(BLOCK_T)
+    t_lo += run_lo.index_select(0, tile_run)
+    t_hi = torch.minimum(t_lo + BLOCK_T, run_hi.index_select(0, tile_run))
+    tiles = torch.stack([t_lo, t_hi, ptr.index_select(0, tile_run), ptr.index_select(0, tile_run + 1)], 1)
+    return tiles, offsets, tokens, int((hi - lo).sum())
 
 
 if triton is not None:

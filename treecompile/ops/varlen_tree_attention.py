@@ -67,6 +67,7 @@ Shapes as ``treecompile::tree_attention``: ``q [1, H, T, D]``, ``k``/``v`` ``[1,
 from __future__ import annotations
 
 import math
+import os
 import threading
 from dataclasses import dataclass
 
@@ -158,6 +159,13 @@ class BlockSparsePlan:
         yield slice(0, T), slice(0, T), tree_mask(self.subtree_end.to(device))
 
 
+# Whether each segment plan is proven to be the tree mask once laid out (:func:`_check_plan`: every query-key pair
+# of the mask attended once, nothing else; O(intervals + runs), about 120 small host ops: 0.6 ms at 64k tokens on
+# this repository's CPU, a third of the plan).  The plan is a function of the walk, and the walk is exact on every
+# ``subtree_end`` that the nesting check (:func:`_check_nested`, always run) passes; so this is a check of this
+# module's own layout code, not of the batch: on in the test suite (tests/conftest.py), and for a user who wants
+# the proof at run time (``TREECOMPILE_VERIFY_PLANS=1``).
+VERIFY_PLANS = os.environ.get("TREECOMPILE_VERIFY_PLANS", "0") == "1"
 # most key rows a plan may gather, in units of T (plus MAX_GATHER_ROWS): the deep agentic trees of the
 # benchmark gather 20-22x T; a comb (a long spine with a leaf at every token) would gather O(T^2) rows
 MAX_GATHER_FACTOR = 64
@@ -191,6 +199,8 @@ class _Walk:
     """The segments of one ``subtree_end`` before any key row is laid out (:func:`_walk`)."""
 
     se: Tensor  # [T] int64 on the host
+    run_se: Tensor  # [R] int64: the runs of equal subtree ends (:func:`_walk`), each run's subtree end ...
+    run_end: Tensor  # [R] int64: ... and its end (run r is tokens [run_end[r - 1], run_end[r]))
     starts: list  # segment j is [starts[j], ends[j])
     ends: list
     parents: list  # (parent segment, end of its tokens that segment j sees), None for a root segment
@@ -198,6 +208,7 @@ class _Walk:
     n_main: int  # segments for the kernel (after them: tail tokens that see only themselves)
     tail: int  # the segments cover queries [0, tail)
     gathered: int  # G: the key rows the segments gather
+    not_nested: int | None  # the first token whose subtree is not inside its parent's (:func:`_check_nested`)
 
     @property
     def inner(self) -> Tensor:
@@ -213,26 +224,35 @@ class _Walk:
 
 
 def _walk(subtree_end: Tensor) -> _Walk:
-    """Bounds-check ``subtree_end`` and walk its segments: O(segments) on the host (no device copy for a moved
-    batch's own tensor: :mod:`treecompile.host_values`)."""
+    """Bounds-check ``subtree_end`` and walk its segments (no device copy for a moved batch's own tensor:
+    :mod:`treecompile.host_values`).
+
+    One pass over the tokens cuts them into **runs** of equal subtree ends (:func:`_runs`: a radix node,
+    or a node and the chain of only children that ends with it); everything after is per run or per segment, as
+    every quantity here is constant along a run: the bounds ``t < subtree_end[t] <= T`` hold on run ``r`` iff its
+    end is at most its subtree end and that is at most ``T``; only a run's last token can see only itself (the next
+    token then starts a segment); and a parent segment's tokens that see a child segment's start ``a`` are the
+    runs before its first run whose subtree ends by ``a`` (one binary search for all children, over the runs)."""
     if subtree_end.dim() != 1 or subtree_end.numel() == 0:
         raise ValueError(f"subtree_end: expected a non-empty 1-D tensor [T], got shape {tuple(subtree_end.shape)}")
     if subtree_end.dtype.is_floating_point or subtree_end.dtype == torch.bool:
         raise ValueError(f"subtree_end: expected an integer tensor, got {subtree_end.dtype}")
     se = host_copy(subtree_end).to(torch.int64)  # no device copy for a moved batch's own tensor (host_values)
     T = se.numel()
-    size = se - torch.arange(T)  # each token's subtree size
-    if int(size.min()) < 1 or int(se.max()) > T:
-        t = int(torch.nonzero((size < 1) | (se > T))[0, 0])
-        raise ValueError(f"subtree_end[{t}] = {int(se[t])}: expected {t} < subtree_end[t] <= {T} (token {t} must "
+    run_se, run_end = _runs(se)
+    bad = (run_se < run_end) | (run_se > T)  # run r's tokens are [run_end[r - 1], run_end[r])
+    if bool(bad.any()):
+        r = int(bad.nonzero()[0, 0])
+        a, v = int(run_end[r - 1]) if r else 0, int(run_se[r])
+        t = a if v > T else max(a, v)  # the run's first token past the bound
+        raise ValueError(f"subtree_end[{t}] = {v}: expected {t} < subtree_end[t] <= {T} (token {t} must "
                          f"see itself and the sequence has {T} tokens)")
-    is_start = torch.empty(T, dtype=torch.bool)  # token t + 1 starts a segment where token t's subtree is itself
-    is_start[0] = True
-    torch.le(size[:-1], 1, out=is_start[1:])
-    starts = torch.nonzero(is_start).flatten()
-    ends = torch.cat([starts[1:], torch.tensor([T])])
-    starts_l, ends_l = starts.tolist(), ends.tolist()
-    se_start = se.index_select(0, starts).tolist()  # each segment's first token's subtree end
+    closes = run_se == run_end  # the run's last token sees only itself: the next token starts a segment
+    last_run = closes.nonzero().flatten()  # segment j's last run (the last run closes: its subtree end is T)
+    first_run = torch.cat([last_run.new_zeros(1), last_run[:-1] + 1])
+    ends_l = run_end.index_select(0, last_run).tolist()
+    starts_l = [0] + ends_l[:-1]
+    se_start = run_se.index_select(0, first_run).tolist()  # each segment's first token's subtree end
     # each segment's parent segment (the open ancestor segment), from a stack of the open ancestor segments:
     # O(segments), before any key row is laid out
     parent_seg: list[int] = []  # -1: a root segment
@@ -246,46 +266,50 @@ def _walk(subtree_end: Tensor) -> _Walk:
     child = [j for j, i in enumerate(parent_seg) if i >= 0]
     parents: list[tuple[int, int] | None] = [None] * len(starts_l)
     prefix_len: list[int] = [0] * len(starts_l)
-    for j, p in zip(child, _parent_cuts(se, is_start, starts_l, ends_l, parent_seg, child)):
-        i = parent_seg[j]  # parents come before their children: their prefix lengths are known
-        parents[j] = (i, p)
-        prefix_len[j] = prefix_len[i] + p - starts_l[i]
+    # nested subtrees (:func:`_check_nested`): inside a segment each run's subtree ends before the previous run's ...
+    up = (run_se[1:] > run_se[:-1]).logical_and_(closes[:-1].logical_not())
+    wide = [int(run_end[int(up.nonzero()[0, 0])])] if bool(up.any()) else []  # the first such run's first token
+    if child:
+        cuts, above = _parent_cuts(T, run_se, run_end, closes, first_run, last_run,
+                                   torch.tensor([parent_seg[j] for j in child]),
+                                   torch.tensor([starts_l[j] for j in child]), not wide)
+        for j, p in zip(child, cuts):
+            i = parent_seg[j]  # parents come before their children: their prefix lengths are known
+            parents[j] = (i, p)
+            prefix_len[j] = prefix_len[i] + p - starts_l[i]
+        # ... and a segment's first token's ends no later than that of the last token above it that sees it
+        # (``above``: that token's; one that does not see the start comes from a search misled by a run named above)
+        head = next((starts_l[j] for j, e in zip(child, above) if se_start[j] > e > starts_l[j]), None)
+        wide += [] if head is None else [head]
     # the trailing tokens that see only themselves (no prefix, one token): not for the kernel
     n_main = len(starts_l)
     while n_main and parents[n_main - 1] is None and ends_l[n_main - 1] - starts_l[n_main - 1] == 1:
         n_main -= 1
     tail = ends_l[n_main - 1] if n_main else 0
     G = sum(prefix_len[:n_main]) + tail  # the key rows the segments gather
-    return _Walk(se=se, starts=starts_l, ends=ends_l, parents=parents, prefix_len=prefix_len, n_main=n_main,
-                 tail=tail, gathered=G)
+    return _Walk(se=se, run_se=run_se, run_end=run_end, starts=starts_l, ends=ends_l, parents=parents,
+                 prefix_len=prefix_len, n_main=n_main, tail=tail, gathered=G,
+                 not_nested=min(wide, default=None))
 
 
-# _parent_cuts: one binary search over all tokens (an O(T) key, ~5 ns a token on one CPU thread) rather than one
-# per child segment (~4 us each) from this many tokens per child segment on: a wide tree's few branches keep the
-# searches (64 at 64k tokens: 0.1 ms less), a deep tree's hundreds share one (800 at 19k tokens: the walk 2.7 ->
-# 0.75 ms; benchmarks/results/cpu_s44/walk.txt)
-BATCHED_CUTS_TOKENS = 750
-
-
-def _parent_cuts(se: Tensor, is_start: Tensor, starts: list, ends: list, parent_seg: list, child: list) -> list:
-    """For each segment ``j`` in ``child``, with parent segment ``i = parent_seg[j]`` and first token ``a``: the end
-    of the run of ``i``'s tokens that see ``a`` (their subtrees reach past it).  Subtree ends do not increase inside
-    a segment (nested subtrees), so that is the first of ``i``'s tokens whose subtree ends by ``a``: a binary search
-    of ``-subtree_end`` inside segment ``i``, or, for many child segments, one over all tokens with the keys
-    ``(segment index) * (T + 1) - subtree_end``, which increase along the tokens, ``i * (T + 1) - a`` falling among
-    segment ``i``'s.  Clamped into ``[start, end]`` of ``i``: a non-nested ``subtree_end`` leaves the keys unsorted,
-    and the plan's check refuses it naming the token."""
-    T = se.numel()
-    if not child:
-        return []
-    if len(child) * BATCHED_CUTS_TOKENS > T:
-        keys = (is_start.cumsum(0) - 1).mul_(T + 1).sub_(se)
-        query = torch.tensor([parent_seg[j] * (T + 1) - starts[j] for j in child], dtype=torch.int64)
-        cuts = torch.searchsorted(keys, query).tolist()
-    else:  # negated subtree ends of the parent segments only (a leaf segment's tokens are never searched)
-        neg = {i: -se[starts[i]:ends[i]] for i in {parent_seg[j] for j in child}}
-        cuts = [starts[i] + int(torch.searchsorted(neg[i], -starts[j])) for j, i in ((j, parent_seg[j]) for j in child)]
-    return [min(max(p, starts[parent_seg[j]]), ends[parent_seg[j]]) for j, p in zip(child, cuts)]
+def _parent_cuts(T: int, run_se: Tensor, run_end: Tensor, closes: Tensor, first_run: Tensor, last_run: Tensor,
+                 parent: Tensor, start: Tensor, sorted_runs: bool) -> tuple[list, list]:
+    """For each child segment with parent segment ``parent`` and first token ``start``: the end of the run of the
+    parent's tokens that see ``start`` (their subtrees reach past it), and the last of them's subtree end.  Subtree
+    ends decrease from run to run inside a segment (nested subtrees; runs are maximal), so that is the start of the
+    parent's first run whose subtree ends by ``start``: one binary search over all runs with the keys
+    ``(segment index) * (T + 1) - run_se``, which increase along the runs, ``parent * (T + 1) - start`` falling
+    among the parent's (the keys of every other segment are on the right side of it whatever their order: subtree
+    ends are in ``[1, T]``).  A non-nested ``subtree_end`` may leave the parent's keys unsorted (``sorted_runs``
+    False: some segment's runs are out of order, and the walk's nesting check names the first such run): a binary
+    search still ends among the parent's runs past its first (whose subtree reaches past ``start``: the walk's
+    stack), and there the cut is clamped into them all the same."""
+    seg_of_run = closes.cumsum(0).sub_(closes.long())  # closing runs before run r
+    keys = seg_of_run.mul_(T + 1).sub_(run_se)
+    r = torch.searchsorted(keys, parent * (T + 1) - start).sub_(1)  # the last run that sees the start
+    if not sorted_runs:
+        r = torch.maximum(torch.minimum(r, last_run[parent]), first_run[parent])
+    return run_end.index_select(0, r).tolist(), run_se.index_select(0, r).tolist()
 
 
 _WALKS = LastBatch()  # the last batch's walk: TreeProgram's segments_fit and the op's plan read the same one
@@ -312,32 +336,32 @@ def tree_attention_plan(subtree_end: Tensor, *, block_sparse: bool) -> SegmentPl
     T, G, n_main = w.se.numel(), w.gathered, w.n_main
     if block_sparse and G > VARLEN_GATHER_LIMIT * T:
         return _block_sparse_plan(subtree_end, w)
+    _check_nested(w)  # a non-nested batch is refused naming the token (its walk's counts are not the segments')
     if not w.fits:
         raise ValueError(f"tree_attention_varlen: this tree's {n_main} segments would gather {G:,} key "
                          f"rows for {T:,} tokens ({G / T:.0f}x; at most {MAX_GATHER_FACTOR}x): its paths share "
                          "long prefixes among many short branches; run it through a block-sparse kernel: "
                          "attention_kernel='flex' (any head dim) or 'fa4' (head dim 64/128)")
-    intervals = []
+    intervals = []  # flat: lo, hi of each interval in turn
     for j in range(n_main):  # segment j's keys: its ancestors' visible runs, root first, then itself
-        run, i = [(w.starts[j], w.ends[j])], j
+        run, i = [w.ends[j], w.starts[j]], j  # reversed
         while w.parents[i] is not None:
             i, p = w.parents[i]
-            run.append((w.starts[i], p))
+            run += (p, w.starts[i])
         intervals += run[::-1]
     lo, hi, first = _rows(intervals, G)
     cu_k = torch.tensor([0] + [w.prefix_len[j] + w.ends[j] - w.starts[j] for j in range(n_main)],
                         dtype=torch.int64).cumsum(0)
     cu_q = torch.tensor([0] + w.ends[:n_main], dtype=torch.int64)
-    _check_plan(w.se, lo, hi, first, G, cu_q, cu_k, w.tail)
+    if VERIFY_PLANS:
+        _check_plan(w.se, lo, hi, first, G, cu_q, cu_k, w.tail, (w.run_se, w.run_end))
     return _segment_plan(lo, hi, first, cu_q, cu_k, w.tail, subtree_end.device)
 
 
 def _rows(intervals: list, G: int) -> tuple[Tensor, Tensor, Tensor]:
-    """(lo, hi, first row) of the gathered rows, host int64: the ``[lo, hi)`` intervals one after the other, ``G``
-    rows in all (else an internal error)."""
-    if not intervals:
-        intervals = [(0, 0)]  # no segment for the kernel: an empty plan
-    lo, hi = torch.tensor(intervals, dtype=torch.int64).unbind(1)
+    """(lo, hi, first row) of the gathered rows, host int64: the ``[lo, hi)`` intervals (``intervals``: their
+    bounds, flat) one after the other, ``G`` rows in all (else an internal error)."""
+    lo, hi = torch.tensor(intervals or [0, 0], dtype=torch.int64).view(-1, 2).unbind(1)  # none: an empty plan
     lengths = hi - lo
     ends = torch.cumsum(lengths, 0)
     if bool((lengths < 0).any()) or int(ends[-1]) != G:
@@ -350,17 +374,16 @@ def _rows(intervals: list, G: int) -> tuple[Tensor, Tensor, Tensor]:
 def _key_index_changes(lo: Tensor, first: Tensor, G: int) -> tuple[Tensor, Tensor]:
     """(rows, changes) on the host from which :func:`_key_index_from` builds the key index of intervals laid out
     one after the other (host ``lo`` / ``first``): where an interval starts, the change of its offset ``lo - first``
-    (empty intervals' changes add up)."""
+    (empty intervals' changes add up; those of empty intervals at the end, at row ``G``, fall past the rows)."""
     off = lo - first
-    starts = first < G
-    return first[starts], torch.diff(off, prepend=off.new_zeros(1))[starts]
+    return first, torch.diff(off, prepend=off.new_zeros(1))
 
 
 def _key_index_from(at: Tensor, by: Tensor, G: int) -> Tensor:
     """``[G]`` int64 on ``at``'s device: row ``r`` of interval ``m`` reads token ``r + lo[m] - first[m]``.  As one
     running sum over the rows: 1 per row, plus the changes of :func:`_key_index_changes`.  Built where it is read: on
     the GPU, only the intervals' changes cross (no ``[G]`` host tensor, 1 MB at 64k tokens, nor its copy)."""
-    return torch.ones(G, dtype=torch.int64, device=at.device).index_add_(0, at, by).cumsum_(0).sub_(1)
+    return torch.ones(G + 1, dtype=torch.int64, device=at.device).index_add_(0, at, by)[:G].cumsum_(0).sub_(1)
 
 
 def _key_index(lo: Tensor, first: Tensor, G: int, device) -> Tensor:
@@ -408,13 +431,13 @@ def windowed_plan(subtree_end: Tensor, position_ids: Tensor, window: int) -> Seg
     G = sum(keep) + w.tail
     if G > VARLEN_GATHER_LIMIT * T:
         return None
-    intervals = []
+    intervals = []  # flat: lo, hi of each interval in turn
     for j in range(n_main):  # segment j's keys: the last keep[j] rows of its ancestors' visible runs, then itself
-        run, i, need = [(w.starts[j], w.ends[j])], j, keep[j]
+        run, i, need = [w.ends[j], w.starts[j]], j, keep[j]  # reversed
         while need > 0:
             i, p = w.parents[i]
             take = min(need, p - w.starts[i])
-            run.append((p - take, p))
+            run += (p, p - take)
             need -= take
         intervals += run[::-1]
     lo, hi, first = _rows(intervals, G)
@@ -440,21 +463,17 @@ def _check_depths(w: _Walk, pos: Tensor) -> None:
                          "positions, the segments count tokens (give the depths, or attention_kernel='flex')")
 
 
-def _not_nested(w: _Walk) -> int | None:
-    """The first token where ``subtree_end`` is not nested, read off the walk, or None: inside a segment each
-    token's subtree ends no later than the previous token's, and a segment's first token's ends no later than
-    that of the last token above it that sees it (with those, every token that sees a segment's start is on its
-    chain of parents, which is what the segments' keys are)."""
-    se = w.se
-    bad = torch.nonzero(w.inner[1:] & (se[1:] > se[:-1])).flatten() + 1
-    heads = [a for a, par in zip(w.starts, w.parents) if par is not None and int(se[a]) > int(se[par[1] - 1])]
-    return min(([int(bad[0])] if bad.numel() else []) + heads[:1], default=None)
-
-
 def _check_nested(w: _Walk) -> None:
-    """Raise ValueError naming the first token where ``subtree_end`` is not nested (:func:`_not_nested`)."""
+    """Raise ValueError naming the first token where ``subtree_end`` is not nested, read off the walk
+    (``_Walk.not_nested``): inside a segment each run's subtree ends before the previous run's, and a segment's
+    first token's ends no later than that of the last token above it that sees it.  Those are each token's subtree
+    inside its parent's (inside a segment the parent is the previous token; a segment's first token's is that last
+    token above it, which the walk finds wherever the first condition holds on the tokens before), and a subtree
+    inside its parent's is inside every ancestor's: so the first token where either fails is the first whose
+    subtree sticks out of an ancestor's, and where neither does, every token that sees a segment's start is on its
+    chain of parents, which is what the segments' keys are."""
     se = w.se
-    t = _not_nested(w)
+    t = w.not_nested
     if t is not None:
         raise ValueError(f"subtree_end is not the DFS layout of a forest at token {t} (subtree_end[{t}] = {int(se[t])}:"
                          f" its subtree is not nested in its ancestors' subtrees)")
@@ -469,7 +488,7 @@ def _block_sparse_plan(subtree_end: Tensor, w: _Walk) -> BlockSparsePlan:
     if BLOCK_SPARSE_LAYOUT not in BLOCK_SPARSE_LAYOUTS:
         raise ValueError(f"BLOCK_SPARSE_LAYOUT: expected one of {BLOCK_SPARSE_LAYOUTS}, got {BLOCK_SPARSE_LAYOUT!r}")
     T, order = subtree_end.numel(), None
-    if BLOCK_SPARSE_LAYOUT == "heavy_first" and _not_nested(w) is None:
+    if BLOCK_SPARSE_LAYOUT == "heavy_first" and w.not_nested is None:
         order = heavy_first_order(w.se)  # from the walk's host copy: no second read of the device's tensor
         if subtree_end.device.type != "cpu":
             order = to_device_async(order, subtree_end.device)
@@ -487,7 +506,7 @@ def _block_sparse_plan(subtree_end: Tensor, w: _Walk) -> BlockSparsePlan:
 
 
 def _check_plan(se: Tensor, lo: Tensor, hi: Tensor, first: Tensor, rows: int, cu_q: Tensor, cu_k: Tensor,
-                tail: int) -> None:
+                tail: int, runs: tuple[Tensor, Tensor] | None = None) -> None:
     """The plan is the mask, or ValueError naming a token (a non-nested ``subtree_end``).
 
     Segment ``s``'s queries are tokens ``[cu_q[s], cu_q[s+1])``; its key rows ``[cu_k[s], cu_k[s+1])`` hold the
@@ -498,9 +517,12 @@ def _check_plan(se: Tensor, lo: Tensor, hi: Tensor, first: Tensor, rows: int, cu
     subtree reaches past the segment's last query; (2) no key repeats within a segment; (3) every key ``k`` is seen
     by ``subtree_end[k] - k`` queries in all (the tail's tokens by themselves alone): with (1) and (2), a pair is
     seen at most once and only inside the mask, so equal counts leave none of the mask out.  All three per interval
-    (split where the prefix ends), the counts as sums of ranges (:func:`_count_plus_key`), each interval's smallest
-    subtree end from one pass over the tokens (:func:`_interval_min`): O(T + intervals)."""
+    (split where the prefix ends), each interval's smallest subtree end as a range minimum over the runs of equal
+    subtree ends (:func:`_interval_min`), the counts compared where they can change (:func:`_first_count_off`):
+    O(intervals + runs) after the runs (``runs``: ``(run_se, run_end)`` of ``se``, :func:`_walk`'s; else found
+    here in one pass over the tokens)."""
     T = se.numel()
+    run_se, run_end = runs if runs is not None else _runs(se)
     nq, nk = cu_q.diff(), cu_k.diff()
     keep = hi > lo
     lo, hi, first = lo[keep], hi[keep], first[keep]
@@ -509,7 +531,7 @@ def _check_plan(se: Tensor, lo: Tensor, hi: Tensor, first: Tensor, rows: int, cu
     inside = seg.clamp(0, max(nk.numel() - 1, 0))
     if (bool((nk < nq).any()) or int(cu_k[-1]) != rows or int(cu_q[-1]) != tail
             or not torch.equal(first, torch.cumsum(n, 0) - n) or bool((seg != inside).any())
-            or bool((first + n > cu_k[1:][inside]).any())):
+            or bool((first + n > cu_k[1:][inside]).any()) or bool((lo < 0).any()) or bool((hi > T).any())):
         raise AssertionError("tree_attention_varlen: a segment plan whose key rows do not tile its segments "
                              "(internal error)")
     q0, q1, own = cu_q[:-1][seg], cu_q[1:][seg], cu_k[1:][seg] - nq[seg]  # own: the segment's first own row
@@ -522,17 +544,17 @@ def _check_plan(se: Tensor, lo: Tensor, hi: Tensor, first: Tensor, rows: int, cu
     # every key's subtree ends past the segment's last query (q1 - 1)
     late_prefix = (p > 0) & (lo + p - 1 > q0)
     late_own = (p < n) & (ko > q0 + i0)
-    short = _interval_min(se, lo, hi, first, cu_q, n) < q1
+    short = _interval_min(run_se, run_end, lo, hi) < q1
     # (2) distinct keys within a segment: the segment's intervals, by first key, do not overlap
     order = torch.argsort(seg * (T + 1) + lo)
     s_o, lo_o, hi_o = seg[order], lo[order], hi[order]
     repeated = (s_o[1:] == s_o[:-1]) & (lo_o[1:] < hi_o[:-1])
     # (3) counts: a prefix key is seen by nq queries; own key ko + t by nq - i0 - t = (nq - i0 + ko) - k; a tail
-    # token by itself.  Compared with subtree_end[k] - k, so each key's count plus k (:func:`_count_plus_key`)
-    counts = _count_plus_key(T, lo, ko, hi, nqs, nqs - i0 + ko, tail)
+    # token by itself.  Compared with subtree_end[k] - k, so each key's count plus k (:func:`_first_count_off`)
     bad = []
-    if not torch.equal(counts, se):
-        bad.append(int(torch.nonzero(counts != se)[0, 0]))
+    off = _first_count_off(T, lo, ko, hi, nqs, nqs - i0 + ko, tail, run_se, run_end)
+    if off is not None:
+        bad.append(off)
     outside = torch.nonzero(late_prefix | late_own | short).flatten()
     if outside.numel():  # the first interval with a row outside the mask: its first such key
         m = int(outside[0])
@@ -552,54 +574,64 @@ def _check_plan(se: Tensor, lo: Tensor, hi: Tensor, first: Tensor, rows: int, cu
                          f" its subtree is not nested in its ancestors' subtrees)")
 
 
-def _count_plus_key(T: int, lo: Tensor, ko: Tensor, hi: Tensor, nq: Tensor, c: Tensor, tail: int) -> Tensor:
-    """``[T]``: for each key ``k``, ``k`` plus the number of queries that see it, where interval ``m``'s prefix keys
+def _runs(se: Tensor) -> tuple[Tensor, Tensor]:
+    """``(run_se, run_end)``: the runs of equal entries of ``se`` (host int64 ``[T]``), each run's value and end."""
+    run_se, counts = torch.unique_consecutive(se, return_counts=True)
+    return run_se, counts.cumsum_(0)
+
+
+def _count_plus_key(x: Tensor, lo: Tensor, ko: Tensor, hi: Tensor, nq: Tensor, c: Tensor, tail: int) -> Tensor:
+    """At the keys ``x``: each key ``k`` plus the number of queries that see it, where interval ``m``'s prefix keys
     ``[lo[m], ko[m])`` are each seen by ``nq[m]`` queries, its own keys ``[ko[m], hi[m])`` by ``c[m] - k``, and the
-    tokens from ``tail`` on by themselves.  Every term is a constant or a line on a range of keys, so the sum is the
-    running sum of a running sum of one ``[T + 2]`` buffer of second differences (four entries a range, three for
-    ``k`` and the tail): two passes over the tokens, where the counts and the own keys' number, each a running sum,
-    then ``k`` times the latter took seven (benchmarks/results/cpu_s47)."""
-    d = torch.zeros(T + 2, dtype=torch.int64)
+    tokens from ``tail`` on by themselves.  A line in ``k``, ``A + S k``, between the ranges' ends: ``A`` and ``S``
+    are running sums of the ranges' changes in position order (an empty range's changes cancel), read at ``x``."""
     one = torch.ones(1, dtype=torch.int64)
-    # a constant v on [a, b): +v at a, -v at a + 1, -v at b, +v at b + 1; the line c - k on [a, b): c - a at a,
-    # -(c - a) - 1 at a + 1, -(c - b) at b, c - b + 1 at b + 1 (an empty range adds nothing)
-    at = torch.cat([lo, lo + 1, ko, ko + 1, ko, ko + 1, hi, hi + 1, one, torch.tensor([tail, tail + 1])])
-    by = torch.cat([nq, -nq, -nq, nq, c - ko, ko - c - 1, hi - c, c - hi + 1, one, torch.tensor([1, -1])])
-    return d.index_add_(0, at, by).cumsum_(0).cumsum_(0)[:T]
+    at = torch.cat([lo, ko, ko, hi, torch.tensor([tail])])
+    d_a = torch.cat([nq, -nq, c, -c, one])  # the constant part: nq on [lo, ko), c on [ko, hi), 1 from tail on
+    d_s = torch.cat([torch.zeros_like(lo), torch.zeros_like(ko), -one.expand_as(ko), one.expand_as(hi), one - 1])
+    order = torch.argsort(at)
+    a = torch.cat([one - 1, d_a[order].cumsum(0)])
+    s = torch.cat([one - 1, d_s[order].cumsum(0)])
+    i = torch.searchsorted(at[order], x, right=True)  # the changes at or before each key
+    return a[i] + (s[i] + 1) * x
 
 
-def _interval_min(se: Tensor, lo: Tensor, hi: Tensor, first: Tensor, cu_q: Tensor, n: Tensor) -> Tensor:
-    """``min(se[lo[m]:hi[m]])`` per (non-empty) interval ``m``.  Where every interval lies within one segment
-    (``cu_q``) and ``se`` does not increase inside any segment (a nested ``subtree_end``: there a token's parent
-    is the one before it), its last token's: O(segments) after one pass over the tokens.  Otherwise, where every
-    interval starts at a segment's first token and ends within that segment (a segment plan's intervals: a
-    segment's own tokens, or the first tokens of an ancestor segment), from one running minimum over the tokens
-    that restarts at every segment start (``cummin`` of ``se`` plus a per-segment offset larger than any ``se``,
-    decreasing segment by segment): O(T); ``se`` within ``[0, T]`` (the walk's bounds check).  Otherwise from the
-    intervals' rows laid out on the host (``first``: each interval's first row; O(G))."""
-    T, S = se.numel(), cu_q.numel() - 1
-    if not n.numel():
-        return se.new_zeros(0)
-    if S and int(cu_q[0]) == 0 and bool((cu_q.diff() >= 0).all()) and int(cu_q[-1]) <= T:
-        s_lo = torch.searchsorted(cu_q, lo, right=True) - 1  # the segment holding each interval's first token
-        s_lo = s_lo.clamp(0, S - 1)  # (one outside [0, S) fails the tests below)
-        within = bool(((lo >= cu_q[s_lo]) & (hi <= cu_q[s_lo + 1])).all())
-        tail = int(cu_q[-1])
-        if within and tail > 0 and bool((hi > lo).all()):
-            steps = se[1:tail] <= se[:tail - 1]  # token t + 1's subtree ends by token t's ...
-            starts = cu_q[1:-1]
-            steps[starts[(starts > 0) & (starts < tail)] - 1] = True  # ... unless t + 1 starts a segment
-            if bool(steps.all()):
-                return se[hi - 1]
-        if within and bool((lo == cu_q[s_lo]).all()):
-            # segment of each token: the starts at or before it (an empty segment's too)
-            seg = torch.zeros(tail + 1, dtype=torch.int64)  # + 1: an empty last segment starts at ``tail``
-            seg = seg.index_add_(0, cu_q[1:-1], torch.ones(S - 1, dtype=torch.int64)).cumsum_(0)[:tail]
-            big = T + 1
-            run = torch.cummin(seg.mul_(-big).add_(S * big).add_(se[:tail]), 0).values  # se + (S - seg) * big
-            return run[hi - 1] - (S - s_lo) * big
-    rows = se.double().index_select(0, _key_index(lo, first, int(n.sum()), "cpu"))
-    return torch.segment_reduce(rows, "min", lengths=n, unsafe=True).long()
+def _first_count_off(T: int, lo: Tensor, ko: Tensor, hi: Tensor, nq: Tensor, c: Tensor, tail: int, run_se: Tensor,
+                     run_end: Tensor) -> int | None:
+    """The first key ``k`` in ``[0, T)`` whose :func:`_count_plus_key` is not ``subtree_end[k]`` (given as runs of
+    equal values), or None.  Both sides are lines between the ranges' ends and the runs' ends, so they agree on a
+    piece of keys iff they agree at its first and last key (a line that differs somewhere on a piece and not at its
+    first key differs at the next one)."""
+    starts = torch.cat([lo, ko, hi, torch.tensor([0, tail]), run_end[:-1]])
+    starts = torch.unique(starts[(starts >= 0) & (starts < T)])  # sorted, and 0 is among them
+    lasts = torch.cat([starts[1:], torch.tensor([T])]) - 1
+    x = torch.cat([starts, lasts])
+    want = run_se[torch.searchsorted(run_end, x, right=True)]  # the run holding each key
+    off = (_count_plus_key(x, lo, ko, hi, nq, c, tail) != want).view(2, -1)
+    if not bool(off.any()):
+        return None
+    piece = int(off.any(0).nonzero()[0, 0])
+    return int(starts[piece]) + (0 if bool(off[0, piece]) else 1)
+
+
+def _interval_min(run_se: Tensor, run_end: Tensor, lo: Tensor, hi: Tensor) -> Tensor:
+    """``min(se[lo[m]:hi[m]])`` per non-empty interval ``m`` of keys in ``[0, T)``, ``se`` given as runs of equal
+    values: the minimum of the runs from the one holding ``lo[m]`` to the one holding ``hi[m] - 1``, read off a
+    sparse table of the runs' minima over powers of two (two lookups a range, O(runs log runs) to build)."""
+    if not lo.numel():
+        return lo.new_zeros(0)
+    r0 = torch.searchsorted(run_end, lo, right=True)
+    r1 = torch.searchsorted(run_end, hi - 1, right=True)
+    R = run_se.numel()
+    levels, width = [run_se], 1  # level j: the minimum of the runs [r, r + 2^j), for r in [0, R - 2^j]
+    while 2 * width <= R:
+        levels.append(torch.minimum(levels[-1][:-width], levels[-1][width:]))
+        width *= 2
+    table = torch.cat(levels)
+    base = torch.tensor([0] + [R - (1 << j) + 1 for j in range(len(levels) - 1)]).cumsum(0)
+    j = torch.frexp((r1 - r0 + 1).double()).exponent.long() - 1  # floor(log2(length)), exact
+    at = base[j] + r0
+    return torch.minimum(table[at], table[at + (r1 + 1 - r0) - (1 << j)])
 
 
 _PLANS = LastBatch()
