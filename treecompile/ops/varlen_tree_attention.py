@@ -451,11 +451,17 @@ def _check_depths(w: _Walk, pos: Tensor) -> None:
     """The window counts positions, the segments count rows: they agree (for every key, the kept ones and those
     cut) when each token's position is its parent's plus one, which is checked here on the whole tree (inside a
     segment the parent is the previous token; a segment's first token's is the last token above it that sees it;
-    a root may start anywhere).  Else ValueError naming the token."""
-    bad = torch.nonzero(w.inner[1:] & (pos[1:] != pos[:-1] + 1)).flatten() + 1
-    pairs = [(int(bad[0]) - 1, int(bad[0]))] if bad.numel() else []
-    pairs += [(par[1] - 1, a) for a, par in zip(w.starts, w.parents)
-              if par is not None and int(pos[a]) != int(pos[par[1] - 1]) + 1][:1]
+    a root may start anywhere).  Else ValueError naming the token.  Inside the segments: the tokens whose position
+    is not the previous token's plus one (one pass over the tokens) are segments' first tokens."""
+    changes = torch.sub(pos[1:], pos[:-1]).ne_(1).nonzero().flatten().add_(1)  # tokens not their previous + 1
+    starts = torch.tensor(w.starts)
+    inner = changes[starts[torch.searchsorted(starts, changes).clamp_(max=starts.numel() - 1)] != changes]
+    pairs = [(int(inner[0]) - 1, int(inner[0]))] if inner.numel() else []
+    heads = [(par[1] - 1, a) for a, par in zip(w.starts, w.parents) if par is not None]
+    if heads:
+        above, a = torch.tensor(heads).unbind(1)
+        off = (pos[a] != pos[above] + 1).nonzero()
+        pairs += [(int(above[off[0, 0]]), int(a[off[0, 0]]))] if off.numel() else []
     if pairs:
         a, b = min(pairs, key=lambda x: x[1])
         raise ValueError(f"position_ids are not the depths along the tree's paths: token {b} (position {int(pos[b])}) "
