@@ -160,8 +160,8 @@ class BlockSparsePlan:
 
 
 # Whether each segment plan is proven to be the tree mask once laid out (:func:`_check_plan`: every query-key pair
-# of the mask attended once, nothing else; O(intervals + runs), about 120 small host ops: 0.6 ms at 64k tokens on
-# this repository's CPU, a third of the plan).  The plan is a function of the walk, and the walk is exact on every
+# of the mask attended once, nothing else; O(intervals + runs), about 120 small host ops: 0.7 ms at 64k tokens on
+# this repository's CPU, where the rest of a CUDA batch's plan takes 0.8).  The plan is a function of the walk, and the walk is exact on every
 # ``subtree_end`` that the nesting check (:func:`_check_nested`, always run) passes; so this is a check of this
 # module's own layout code, not of the batch: on in the test suite (tests/conftest.py), and for a user who wants
 # the proof at run time (``TREECOMPILE_VERIFY_PLANS=1``).
