@@ -421,7 +421,12 @@ def test_walk_is_the_brute_force_one_and_names_the_first_token_not_nested(paths,
             assert w.parents[j] is None
         else:
             assert w.parents[j] == (max(i for i, s in enumerate(w.starts) if s <= above[-1]), above[-1] + 1)
-    assert w.starts == [0] + [t + 1 for t in range(T - 1) if L[t] == t + 1]
+    # the tail: the longest run of last tokens that each see only themselves and that no earlier token reaches past
+    tail = T
+    while tail and L[tail - 1] == tail and max(L[:tail - 1], default=0) <= tail - 1:
+        tail -= 1
+    assert w.tail == tail and w.n_main == len(w.starts) == len(w.parents)
+    assert w.starts == ([0] if tail else []) + [t + 1 for t in range(tail - 1) if L[t] == t + 1]
     g = torch.Generator().manual_seed(seed)
     bad = se.clone()
     for _ in range(changes):

@@ -201,21 +201,14 @@ class _Walk:
     se: Tensor  # [T] int64 on the host
     run_se: Tensor  # [R] int64: the runs of equal subtree ends (:func:`_walk`), each run's subtree end ...
     run_end: Tensor  # [R] int64: ... and its end (run r is tokens [run_end[r - 1], run_end[r]))
-    starts: list  # segment j is [starts[j], ends[j])
+    starts: list  # segment j is [starts[j], ends[j]): the segments for the kernel
     ends: list
     parents: list  # (parent segment, end of its tokens that segment j sees), None for a root segment
     prefix_len: list  # keys before segment j's own: its ancestors' visible runs
-    n_main: int  # segments for the kernel (after them: tail tokens that see only themselves)
+    n_main: int  # the segments (after them: the tail, tokens that each see only themselves)
     tail: int  # the segments cover queries [0, tail)
     gathered: int  # G: the key rows the segments gather
     not_nested: int | None  # the first token whose subtree is not inside its parent's (:func:`_check_nested`)
-
-    @property
-    def inner(self) -> Tensor:
-        """[T] bool: the tokens whose parent is the previous token (every token but a segment's first)."""
-        inner = torch.ones(self.se.numel(), dtype=torch.bool)
-        inner[torch.tensor(self.starts, dtype=torch.int64)] = False
-        return inner
 
     @property
     def fits(self) -> bool:
@@ -248,10 +241,17 @@ def _walk(subtree_end: Tensor) -> _Walk:
         raise ValueError(f"subtree_end[{t}] = {v}: expected {t} < subtree_end[t] <= {T} (token {t} must "
                          f"see itself and the sequence has {T} tokens)")
     closes = run_se == run_end  # the run's last token sees only itself: the next token starts a segment
-    last_run = closes.nonzero().flatten()  # segment j's last run (the last run closes: its subtree end is T)
-    first_run = torch.cat([last_run.new_zeros(1), last_run[:-1] + 1])
+    # the tail: the trailing tokens that see only themselves and that no token before sees (a length bucket's
+    # padding), not for the kernel and no segments of the walk.  After the last run that is not one such token (its
+    # end P), the first token that no earlier token reaches past: max(P, the largest subtree end before P)
+    other = (closes & (run_end.diff(prepend=run_end.new_zeros(1)) == 1)).logical_not_().nonzero()
+    f = int(other[-1, 0]) if other.numel() else -1
+    tail = max(int(run_end[f]), int(run_se[:f + 1].max())) if f >= 0 else 0
+    last_run = closes.nonzero().flatten()  # segment j's last run (the last run closes: its subtree end is T) ...
+    last_run = last_run[:int(torch.searchsorted(run_end.index_select(0, last_run), tail, right=True))]  # ... to the tail
+    first_run = torch.cat([last_run.new_zeros(1), last_run[:-1] + 1])[:last_run.numel()]
     ends_l = run_end.index_select(0, last_run).tolist()
-    starts_l = [0] + ends_l[:-1]
+    starts_l = [0, *ends_l[:-1]][:len(ends_l)]
     se_start = run_se.index_select(0, first_run).tolist()  # each segment's first token's subtree end
     # each segment's parent segment (the open ancestor segment), from a stack of the open ancestor segments:
     # O(segments), before any key row is laid out
@@ -281,12 +281,8 @@ def _walk(subtree_end: Tensor) -> _Walk:
         # (``above``: that token's; one that does not see the start comes from a search misled by a run named above)
         head = next((starts_l[j] for j, e in zip(child, above) if se_start[j] > e > starts_l[j]), None)
         wide += [] if head is None else [head]
-    # the trailing tokens that see only themselves (no prefix, one token): not for the kernel
     n_main = len(starts_l)
-    while n_main and parents[n_main - 1] is None and ends_l[n_main - 1] - starts_l[n_main - 1] == 1:
-        n_main -= 1
-    tail = ends_l[n_main - 1] if n_main else 0
-    G = sum(prefix_len[:n_main]) + tail  # the key rows the segments gather
+    G = sum(prefix_len) + tail  # the key rows the segments gather
     return _Walk(se=se, run_se=run_se, run_end=run_end, starts=starts_l, ends=ends_l, parents=parents,
                  prefix_len=prefix_len, n_main=n_main, tail=tail, gathered=G,
                  not_nested=min(wide, default=None))
@@ -454,8 +450,9 @@ def _check_depths(w: _Walk, pos: Tensor) -> None:
     a root may start anywhere).  Else ValueError naming the token.  Inside the segments: the tokens whose position
     is not the previous token's plus one (one pass over the tokens) are segments' first tokens."""
     changes = torch.sub(pos[1:], pos[:-1]).ne_(1).nonzero().flatten().add_(1)  # tokens not their previous + 1
-    starts = torch.tensor(w.starts)
-    inner = changes[starts[torch.searchsorted(starts, changes).clamp_(max=starts.numel() - 1)] != changes]
+    starts = torch.tensor(w.starts, dtype=torch.int64)
+    changes = changes[changes < w.tail]  # (the tail's tokens are roots: they may start anywhere)
+    inner = changes[starts[torch.searchsorted(starts, changes).clamp_(max=max(starts.numel() - 1, 0))] != changes]
     pairs = [(int(inner[0]) - 1, int(inner[0]))] if inner.numel() else []
     heads = [(par[1] - 1, a) for a, par in zip(w.starts, w.parents) if par is not None]
     if heads:
