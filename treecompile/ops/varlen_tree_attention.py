@@ -224,7 +224,9 @@ def _walk(subtree_end: Tensor) -> _Walk:
     or a node and the chain of only children that ends with it); everything after is per run or per segment, as
     every quantity here is constant along a run: the bounds ``t < subtree_end[t] <= T`` hold on run ``r`` iff its
     end is at most its subtree end and that is at most ``T``; only a run's last token can see only itself (the next
-    token then starts a segment); and a parent segment's tokens that see a child segment's start ``a`` are the
+    token then starts a segment); a batch's trailing tokens that each see only themselves and that nothing before
+    reaches past (its padding: the tail) are found from the last run that is not one such token, and only the
+    segments before them are walked; and a parent segment's tokens that see a child segment's start ``a`` are the
     runs before its first run whose subtree ends by ``a`` (one binary search for all children, over the runs)."""
     if subtree_end.dim() != 1 or subtree_end.numel() == 0:
         raise ValueError(f"subtree_end: expected a non-empty 1-D tensor [T], got shape {tuple(subtree_end.shape)}")
