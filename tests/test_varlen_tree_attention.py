@@ -390,6 +390,10 @@ def test_bad_subtree_end_is_named():
         segment_plan(torch.tensor([2, 4, 4, 4]))  # token 1's subtree [1, 4) sticks out of token 0's [0, 2)
     with pytest.raises(ValueError, match="integer"):
         segment_plan(torch.tensor([1.0]))
+    with pytest.raises(ValueError, match="integer"):
+        segment_plan(torch.tensor([1 + 0j]))
+    with pytest.raises(ValueError, match=r"subtree_end\[0\] = 9223372036854775813: "):  # not wrapped to int64
+        segment_plan(torch.tensor([2 ** 63 + 5, 2], dtype=torch.uint64))
     with pytest.raises(ValueError, match="1-D"):
         segment_plan(torch.tensor([[1]]))
 

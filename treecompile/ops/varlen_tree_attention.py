@@ -230,9 +230,10 @@ def _walk(subtree_end: Tensor) -> _Walk:
     runs before its first run whose subtree ends by ``a`` (one binary search for all children, over the runs)."""
     if subtree_end.dim() != 1 or subtree_end.numel() == 0:
         raise ValueError(f"subtree_end: expected a non-empty 1-D tensor [T], got shape {tuple(subtree_end.shape)}")
-    if subtree_end.dtype.is_floating_point or subtree_end.dtype == torch.bool:
+    if subtree_end.dtype.is_floating_point or subtree_end.dtype.is_complex or subtree_end.dtype == torch.bool:
         raise ValueError(f"subtree_end: expected an integer tensor, got {subtree_end.dtype}")
-    se = host_copy(subtree_end).to(torch.int64)  # no device copy for a moved batch's own tensor (host_values)
+    raw = host_copy(subtree_end)  # no device copy for a moved batch's own tensor (host_values)
+    se = raw.to(torch.int64)  # (a uint64 past int64 wraps to a negative value: out of bounds all the same)
     T = se.numel()
     run_se, run_end = _runs(se)
     bad = (run_se < run_end) | (run_se > T)  # run r's tokens are [run_end[r - 1], run_end[r])
@@ -240,6 +241,7 @@ def _walk(subtree_end: Tensor) -> _Walk:
         r = int(bad.nonzero()[0, 0])
         a, v = int(run_end[r - 1]) if r else 0, int(run_se[r])
         t = a if v > T else max(a, v)  # the run's first token past the bound
+        v = raw[t].item()  # as given (a uint64 past int64 by its own value: int() of it overflows)
         raise ValueError(f"subtree_end[{t}] = {v}: expected {t} < subtree_end[t] <= {T} (token {t} must "
                          f"see itself and the sequence has {T} tokens)")
     closes = run_se == run_end  # the run's last token sees only itself: the next token starts a segment
