@@ -157,8 +157,8 @@ def repeat_counts(values: Tensor, counts: Tensor, total: int | None = None) -> T
     total = given
     if total == 0:
         return values.new_empty((0, *values.shape[1:]))
-    return values.index_select(0, group_index(ends, total))  # serial on the CPU (``values[group]`` splits above a few
-    # thousand rows)
+    # index_select: serial on the CPU (``values[group]`` splits above a few thousand rows)
+    return values.index_select(0, group_index(ends, total))
 
 
 def group_index(ends: Tensor, total: int) -> Tensor:

@@ -78,13 +78,13 @@ def copy_run_tables(lo: Tensor, hi: Tensor, first: Tensor) -> tuple[Tensor, Tens
         return torch.zeros((0, 4), dtype=torch.int64), lo.new_zeros(0), 0, 0
     m = lo.numel()
     bounds, where = torch.unique(torch.cat([lo, hi]), return_inverse=True)  # sorted run boundaries
-    if int(bounds[0]) != 0:  # (the intervals cover [0, tokens): never, but the runs start at token 0)
+    if int(bounds[0]) != 0:  # the runs start at token 0 (a segment plan's intervals always hold it)
         bounds, where = torch.cat([bounds.new_zeros(1), bounds]), where + 1
     tokens, runs = int(bounds[-1]), bounds.numel() - 1
     r0 = where[:m]
     n_cover = where[m:].sub_(r0)  # interval m covers runs [r0, r0 + n_cover)
     ends = n_cover.cumsum(0)
-    entries = int(ends[-1])  # (= rows' runs: each gathered row in one interval)
+    entries = int(ends[-1])  # (interval, run) pairs
     interval = group_index(ends, entries)  # each entry's interval, in interval order
     entry_run = torch.arange(entries).add_((r0 - ends + n_cover).index_select(0, interval))
     order = torch.sort(entry_run, stable=True).indices  # by run; within a run, interval order
@@ -94,9 +94,9 @@ def copy_run_tables(lo: Tensor, hi: Tensor, first: Tensor) -> tuple[Tensor, Tens
     run_lo, run_hi = bounds[:-1], bounds[1:]
     per = (run_hi - run_lo).add_(BLOCK_T - 1).div_(BLOCK_T, rounding_mode="floor")  # tiles per run
     tile_end = per.cumsum(0)
-    tiles = int(tile_end[-1])
-    tile_run = group_index(tile_end, tiles)
-    t_lo = torch.arange(tiles).sub_((tile_end - per).index_select(0, tile_run)).mul_(BLOCK_T)
+    n_tiles = int(tile_end[-1])
+    tile_run = group_index(tile_end, n_tiles)
+    t_lo = torch.arange(n_tiles).sub_((tile_end - per).index_select(0, tile_run)).mul_(BLOCK_T)
     t_lo += run_lo.index_select(0, tile_run)
     t_hi = torch.minimum(t_lo + BLOCK_T, run_hi.index_select(0, tile_run))
     tiles = torch.stack([t_lo, t_hi, ptr.index_select(0, tile_run), ptr.index_select(0, tile_run + 1)], 1)
