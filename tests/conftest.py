@@ -23,10 +23,7 @@ if os.environ.get("CI"):
 # Every varlen segment plan a test builds, here and in the processes the tests start, is proven to be the tree mask
 # (off by default at run time: the nesting check is what the batch needs; this checks the layout code,
 # ops/varlen_tree_attention.py's VERIFY_PLANS).
-os.environ["TREECOMPILE_VERIFY_PLANS"] = "1"
-from treecompile.ops import varlen_tree_attention as _varlen  # noqa: E402
-
-_varlen.VERIFY_PLANS = True  # (read at import: set again in case the module was imported before this file)
+os.environ["TREECOMPILE_VERIFY_PLANS"] = "1"  # read when the module is imported, after this file
 
 CUDA = torch.cuda.is_available()
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not CUDA, reason="needs a CUDA device"))]

@@ -337,14 +337,16 @@ def test_layout_helpers_equal_their_plain_forms(layout):
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device")])])
 def test_key_rows_are_the_intervals_one_after_the_other(intervals, device):
-    """``_rows`` and ``_key_index``: the key index (built on the tokens' device) is the intervals' tokens laid out in
+    """``_rows`` and the key index (its changes on the host, built on the tokens' device) is the intervals' tokens laid out in
     order (empty intervals anywhere), ``first`` each interval's first row; a total that is not the plan's is an
     internal error."""
+    from treecompile.host_values import to_device_async
     from treecompile.ops import varlen_tree_attention as vta
 
     G = sum(h - l for l, h in intervals)
     lo, hi, first = vta._rows([x for iv in intervals for x in iv], G)
-    key_index = vta._key_index(lo, first, G, device)
+    at, by = (to_device_async(x, torch.device(device)) for x in vta._key_index_changes(lo, first, G))
+    key_index = vta._key_index_from(at, by, G)
     assert key_index.device.type == device
     assert key_index.tolist() == [t for l, h in intervals for t in range(l, h)]
     assert first.tolist() == [sum(h - l for l, h in intervals[:m]) for m in range(len(intervals))]

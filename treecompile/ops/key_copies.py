@@ -77,12 +77,11 @@ def copy_run_tables(lo: Tensor, hi: Tensor, first: Tensor) -> tuple[Tensor, Tens
     if not lo.numel():
         return torch.zeros((0, 4), dtype=torch.int64), lo.new_zeros(0), 0, 0
     m = lo.numel()
-    bounds, where = torch.unique(torch.cat([lo, hi]), return_inverse=True)  # sorted run boundaries
-    if int(bounds[0]) != 0:  # the runs start at token 0 (a segment plan's intervals always hold it)
-        bounds, where = torch.cat([bounds.new_zeros(1), bounds]), where + 1
+    # sorted run boundaries, from token 0 (lo, hi, then 0)
+    bounds, where = torch.unique(torch.cat([lo, hi, lo.new_zeros(1)]), return_inverse=True)
     tokens, runs = int(bounds[-1]), bounds.numel() - 1
     r0 = where[:m]
-    n_cover = where[m:].sub_(r0)  # interval m covers runs [r0, r0 + n_cover)
+    n_cover = where[m:2 * m].sub_(r0)  # interval m covers runs [r0, r0 + n_cover)
     ends = n_cover.cumsum(0)
     entries = int(ends[-1])  # (interval, run) pairs
     interval = group_index(ends, entries)  # each entry's interval, in interval order

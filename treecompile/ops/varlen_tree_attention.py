@@ -251,8 +251,8 @@ def _walk(subtree_end: Tensor) -> _Walk:
     other = (closes & (run_end.diff(prepend=run_end.new_zeros(1)) == 1)).logical_not_().nonzero()
     f = int(other[-1, 0]) if other.numel() else -1
     tail = max(int(run_end[f]), int(run_se[:f + 1].max())) if f >= 0 else 0
-    last_run = closes.nonzero().flatten()  # segment j's last run (the last run closes: its subtree end is T) ...
-    last_run = last_run[:int(torch.searchsorted(run_end.index_select(0, last_run), tail, right=True))]  # ... to the tail
+    # segment j's last run, among the runs before the tail (the last of them closes: it ends where the tail starts)
+    last_run = closes[:int(torch.searchsorted(run_end, tail, right=True))].nonzero().flatten()
     first_run = torch.cat([last_run.new_zeros(1), last_run[:-1] + 1])[:last_run.numel()]
     ends_l = run_end.index_select(0, last_run).tolist()
     starts_l = [0, *ends_l[:-1]][:len(ends_l)]
@@ -384,12 +384,6 @@ def _key_index_from(at: Tensor, by: Tensor, G: int) -> Tensor:
     running sum over the rows: 1 per row, plus the changes of :func:`_key_index_changes`.  Built where it is read: on
     the GPU, only the intervals' changes cross (no ``[G]`` host tensor, 1 MB at 64k tokens, nor its copy)."""
     return torch.ones(G + 1, dtype=torch.int64, device=at.device).index_add_(0, at, by)[:G].cumsum_(0).sub_(1)
-
-
-def _key_index(lo: Tensor, first: Tensor, G: int, device) -> Tensor:
-    """The key index of the intervals ``lo`` laid out from rows ``first`` (host tensors), on ``device``."""
-    at, by = _key_index_changes(lo, first, G)
-    return _key_index_from(*(to_device_async(x, torch.device(device)) for x in (at, by)), G)
 
 
 def _segment_plan(lo, hi, first, cu_q: Tensor, cu_k: Tensor, tail: int, dev, window: int = 0) -> SegmentPlan:

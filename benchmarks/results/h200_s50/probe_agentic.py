@@ -8,20 +8,30 @@ from treecompile import Tree
 from treecompile.host_values import to_device_with_host
 from treecompile.ops import varlen_tree_attention as new
 
-torch.set_num_threads(1)
-mods = [("new", new)] + ([("old", importlib.import_module("treecompile.ops." + sys.argv[1]))] if len(sys.argv) > 1 else [])
-for rnd in range(2):
-    for spec in agentic_specs(1.0, ["parallel-tools", "deep-agent"]):
-        se = Tree.from_paths(agentic_paths(spec)).to_batch().subtree_end
-        for name, mod in mods[::(1 if rnd == 0 else -1)]:
-            ses = [to_device_with_host(se, "cuda") for _ in range(210)]
-            torch.cuda.synchronize()
-            ts = []
-            for s in ses:
-                t0 = time.perf_counter()
-                mod.tree_attention_plan(s, block_sparse=False)
-                ts.append(time.perf_counter() - t0)
-            torch.cuda.synchronize()
-            ts = sorted(ts[10:])
-            print(f"round {rnd} {name} {spec.name:15s} T {se.numel():6d}  plan ms median {ts[len(ts) // 2] * 1e3:.3f}"
-                  f"  min {ts[0] * 1e3:.3f}", flush=True)
+
+def plan_ms(mod, se: torch.Tensor) -> tuple[float, float]:
+    """(median, min) ms of ``mod.tree_attention_plan`` over 200 builds after 10, each on a fresh CUDA copy of ``se``
+    moved with its host values (also ``probe_pad50.py``'s)."""
+    ses = [to_device_with_host(se, "cuda") for _ in range(210)]
+    torch.cuda.synchronize()
+    ts = []
+    for s in ses:
+        t0 = time.perf_counter()
+        mod.tree_attention_plan(s, block_sparse=False)
+        ts.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    ts = sorted(ts[10:])
+    return ts[len(ts) // 2] * 1e3, ts[0] * 1e3
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    mods = [("new", new)] + ([("old", importlib.import_module("treecompile.ops." + sys.argv[1]))]
+                             if len(sys.argv) > 1 else [])
+    for rnd in range(2):
+        for spec in agentic_specs(1.0, ["parallel-tools", "deep-agent"]):
+            se = Tree.from_paths(agentic_paths(spec)).to_batch().subtree_end
+            for name, mod in mods[::(1 if rnd == 0 else -1)]:
+                med, low = plan_ms(mod, se)
+                print(f"round {rnd} {name} {spec.name:15s} T {se.numel():6d}  plan ms median {med:.3f}  min {low:.3f}",
+                      flush=True)

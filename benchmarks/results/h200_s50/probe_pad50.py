@@ -2,10 +2,10 @@
 # measurement: moved with their host values, one intra-op thread, median of 200 builds after 10, each on a fresh
 # tensor) with this checkout's module, on 64 x 2,048 POR 0.5, 56 x 2,048 padded to 64k (8,192 tokens that see only
 # themselves: a length bucket's tail), parallel-tools and deep-agent; two rounds.  PYTHONPATH=. python probe_pad50.py
-import time, torch
+import torch
+from benchmarks.results.h200_s50.probe_agentic import plan_ms
 from benchmarks.trees import agentic_paths, agentic_specs, synthetic_paths
 from treecompile import Tree
-from treecompile.host_values import to_device_with_host
 from treecompile.ops import varlen_tree_attention as vta
 
 torch.set_num_threads(1)
@@ -16,14 +16,5 @@ for rnd in range(2):
         se = Tree.from_paths(paths).to_batch().subtree_end
         if "pad" in name:
             se = torch.cat([se, torch.arange(se.numel() + 1, 65537)])
-        ses = [to_device_with_host(se, "cuda") for _ in range(210)]
-        torch.cuda.synchronize()
-        ts = []
-        for s in ses:
-            t0 = time.perf_counter()
-            vta.tree_attention_plan(s, block_sparse=False)
-            ts.append(time.perf_counter() - t0)
-        torch.cuda.synchronize()
-        ts = sorted(ts[10:])
-        print(f"round {rnd} {name:18s} T {se.numel():6d}  plan ms median {ts[len(ts) // 2] * 1e3:.3f}  min {ts[0] * 1e3:.3f}",
-              flush=True)
+        med, low = plan_ms(vta, se)
+        print(f"round {rnd} {name:18s} T {se.numel():6d}  plan ms median {med:.3f}  min {low:.3f}", flush=True)
