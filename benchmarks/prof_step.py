@@ -2,7 +2,7 @@
 
     python -m benchmarks.prof_step --model qwen3-30b-a3b-4l --contenders tree packed_fa4_varlen [--por 0.5]
                                    [--paths 16] [--path-len 2048] [--agentic NAME [--agentic-scale S]]
-                                   [--iters 3] [--top 20]
+                                   [--iters 3] [--top 20] [--loop N]
 
 The model, tree and step closures are the harness's own (:class:`benchmarks.harness.Steps`, one synthetic
 tree of ``--paths`` x ``--path-len`` tokens at ``--por``, or the agentic tree ``--agentic``).  Per contender: the
@@ -11,7 +11,9 @@ final synchronize), then one profiled step (torch.profiler, CPU + CUDA): kernel 
 share of the step, the time the GPU was busy (union of the kernels' intervals), and kernel time by kind
 (attention, Triton fusions, grouped/MoE GEMMs, GDN and short-conv kernels of hybrids, dense GEMMs,
 copies/memsets, other) with the top kernels, the host's lead-in before the first kernel and the GPU's idle gaps,
-both named by the host events under them.
+both named by the host events under them.  ``--loop N``: also N steps back to back with one synchronize (what a
+training loop that does not wait for the GPU each step gets: the host's lead-in and host-bound stretches overlap
+the GPU's work of the step before), alternating with N synchronized steps, 3 rounds, and 3 such steps profiled.
 One JSON line per contender, then a readable summary.
 """
 
@@ -164,6 +166,53 @@ def profile_step(step, *, stacks: bool = False, host_top: int = 0) -> dict:
             "host_top": host_self_ms(prof, host_top)}
 
 
+def synced_step_s(step) -> float:
+    """One step between two synchronizes: seconds."""
+    _sync()
+    t0 = time.perf_counter()
+    step()
+    _sync()
+    return time.perf_counter() - t0
+
+
+def loop_step_s(step, n: int) -> float:
+    """Seconds a step over ``n`` steps run back to back with one synchronize before and after: a training loop that
+    does not wait for the GPU each step (no ``loss.item()`` per step), where the host prepares step i+1 while the
+    GPU still runs step i.  Only a step with no wait of its own (a copy to the host, a read of a device value)
+    overlaps so; the synchronized step counts the host's lead-in and every host-bound stretch."""
+    _sync()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        step()
+    _sync()
+    return (time.perf_counter() - t0) / n
+
+
+def profile_loop(step, n: int) -> dict:
+    """``n`` steps back to back, profiled (kernels, no stacks): per step, the wall time, the kernel time and the
+    time the GPU was busy; in all, the GPU's idle in gaps of 0.2 ms or more after its first kernel, named by the
+    host events at their middle, and the lead-in before it (the first step's only)."""
+    _sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            step()
+        _sync()
+        wall = time.perf_counter() - t0
+    intervals, host, kernel_us = [], [], 0.0
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CPU:
+            host.append((e.name, e.time_range.start, e.time_range.end))
+        if is_kernel(e):
+            intervals.append((e.time_range.start, e.time_range.end))
+            kernel_us += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+    idle = idle_gaps(intervals, host)
+    first = min(a for a, _ in intervals) if intervals else None
+    return {"wall_ms": round(wall * 1e3 / n, 2), "kernel_ms": round(kernel_us / 1e3 / n, 2),
+            "gpu_busy_ms": round(busy_ms(intervals) / n, 2), "idle_ms": round(sum(ms for _, ms, _ in idle), 2),
+            "idle": idle, "lead_in_ms": round((first - step_start(host)) / 1e3, 3) if intervals and host else None}
+
+
 def host_self_ms(prof, n: int) -> list[tuple[str, float, int]]:
     """The ``n`` host ops of ``prof`` with the most self time (time in the op less its children's): ``(name, ms,
     calls)``.  Where a phase is host-bound, this says what the host spends it on."""
@@ -209,6 +258,10 @@ def main(argv=None) -> int:
                     "recorded: the profiled step's host runs slower)")
     ap.add_argument("--host-top", type=int, default=0, metavar="N",
                     help="also print the N host ops of most self time in the profiled step")
+    ap.add_argument("--loop", type=int, default=0, metavar="N",
+                    help="also time N steps back to back, one synchronize before and after (a training loop that "
+                    "does not wait for the GPU each step), in rounds alternating with the synchronized steps; and "
+                    "profile 3 steps back to back")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("prof_step: needs a CUDA device")
@@ -231,10 +284,18 @@ def main(argv=None) -> int:
             hosts.append(time.perf_counter() - t0)
             _sync()
             times.append(time.perf_counter() - t0)
+        loops, synced = [], []
+        for _ in range(3 if args.loop else 0):  # rounds: N steps back to back, then N synchronized ones (median)
+            loops.append(loop_step_s(step, args.loop))
+            synced.append(statistics.median(synced_step_s(step) for _ in range(args.loop)))
         row = {"contender": name, "model": args.model, "tree": case.name, "tree_tokens": steps.tree.num_tokens,
                "path_tokens": steps.tree.num_path_tokens, "first_s": round(first, 3),
                "step_s": round(statistics.median(times), 4), "host_s": round(statistics.median(hosts), 4),
+               **({"loop_step_s": [round(x, 4) for x in loops], "synced_step_s": [round(x, 4) for x in synced]}
+                  if loops else {}),
                **profile_step(step, stacks=args.stacks, host_top=args.host_top)}
+        if args.loop:
+            row["loop_profile"] = profile_loop(step, 3)
         row["kernel_share"] = round(row["kernel_ms"] / 1e3 / row["step_s"], 3)
         row["note"] = harness._with_run_notes(None)
         top, idle, lead_in, host_top = row.pop("top"), row.pop("idle"), row.pop("lead_in"), row.pop("host_top")
@@ -242,6 +303,15 @@ def main(argv=None) -> int:
         print(f"# {name}: step {row['step_s'] * 1e3:.1f} ms, host {row['host_s'] * 1e3:.1f} ms, "
               f"{row['kernels']} kernels {row['kernel_ms']:.1f} ms ({row['kernel_share']:.0%} of the step), "
               f"GPU busy {row['gpu_busy_ms']:.1f} ms")
+        if loops:
+            lp = row["loop_profile"]
+            print(f"#   back to back ({args.loop} steps, one synchronize; 3 rounds): "
+                  + ", ".join(f"{x * 1e3:.1f}" for x in loops) + " ms a step (synchronized, each round's median: "
+                  + ", ".join(f"{x * 1e3:.1f}" for x in synced) + "); profiled 3 steps: "
+                  f"{lp['wall_ms']:.1f} ms a step, kernels {lp['kernel_ms']:.1f} ms, GPU busy {lp['gpu_busy_ms']:.1f} ms,"
+                  f" idle in gaps >= 0.2 ms {lp['idle_ms']:.1f} ms (lead-in {lp['lead_in_ms']} ms, once)")
+            for hname, ms, n in lp["idle"][:8]:
+                print(f"#     {ms:8.2f} ms  x{n:<5d} {hname}")
         for kind, ms in row["by_kind_ms"].items():
             print(f"#   {kind:13s} {ms:8.2f} ms")
         for kname, ms, n in top[:args.top]:
