@@ -13,7 +13,8 @@ share of the step, the time the GPU was busy (union of the kernels' intervals), 
 copies/memsets, other) with the top kernels, the host's lead-in before the first kernel and the GPU's idle gaps,
 both named by the host events under them.  ``--loop N``: also N steps back to back with one synchronize (what a
 training loop that does not wait for the GPU each step gets: the host's lead-in and host-bound stretches overlap
-the GPU's work of the step before), alternating with N synchronized steps, 3 rounds, and 3 such steps profiled.
+the GPU's work of the step before), alternating with N synchronized steps, 3 rounds, and 3 such steps profiled for
+the GPU's idle time between kernels.
 One JSON line per contender, then a readable summary.
 """
 
@@ -189,28 +190,51 @@ def loop_step_s(step, n: int) -> float:
 
 
 def profile_loop(step, n: int) -> dict:
-    """``n`` steps back to back, profiled (kernels, no stacks): per step, the wall time, the kernel time and the
-    time the GPU was busy; in all, the GPU's idle in gaps of 0.2 ms or more after its first kernel, named by the
-    host events at their middle, and the lead-in before it (the first step's only)."""
+    """``n`` steps back to back under a CUDA-only profiler (no host op events: the host runs nearly as fast as
+    unprofiled, where a CPU profile of the same loop made it host-bound), per step: the wall time, the kernel time,
+    the time the GPU was busy, and its idle time (after the first kernel) by gap length (:func:`gaps_by_length`), with
+    the kernels on both sides of the largest gaps."""
     _sync()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
         for _ in range(n):
             step()
         _sync()
         wall = time.perf_counter() - t0
-    intervals, host, kernel_us = [], [], 0.0
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CPU:
-            host.append((e.name, e.time_range.start, e.time_range.end))
-        if is_kernel(e):
-            intervals.append((e.time_range.start, e.time_range.end))
-            kernel_us += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
-    idle = idle_gaps(intervals, host)
-    first = min(a for a, _ in intervals) if intervals else None
+    kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events() if is_kernel(e)]
+    kernel_us = sum(e - s for _, s, e in kernels)
     return {"wall_ms": round(wall * 1e3 / n, 2), "kernel_ms": round(kernel_us / 1e3 / n, 2),
-            "gpu_busy_ms": round(busy_ms(intervals) / n, 2), "idle_ms": round(sum(ms for _, ms, _ in idle), 2),
-            "idle": idle, "lead_in_ms": round((first - step_start(host)) / 1e3, 3) if intervals and host else None}
+            "gpu_busy_ms": round(busy_ms([(s, e) for _, s, e in kernels]) / n, 2), **gaps_by_length(kernels, n)}
+
+
+GAP_BINS_US = (10.0, 50.0, 200.0)  # the bins' upper ends; a last bin holds the rest
+
+
+def gaps_by_length(kernels, steps: int = 1, *, top: int = 10) -> dict:
+    """The GPU's idle time between kernels (``(name, start, end)`` us; overlapping kernels merged), per step of
+    ``steps``: ``idle_ms`` in all, ``gaps`` per length bin (``"<10us"``, ``"10-50us"``, ``"50-200us"``,
+    ``">=200us"``: ``[gaps, ms]``; the short ones are the GPU's own bubbles between kernels fed from a full launch
+    queue, the long ones a wait for the host or for another stream), and the ``top`` longest gaps in all as
+    ``(ms, kernel before, kernel after)``."""
+    order = sorted(kernels, key=lambda k: (k[1], k[2]))
+    labels = [f"<{GAP_BINS_US[0]:g}us"] + [f"{a:g}-{b:g}us" for a, b in zip(GAP_BINS_US, GAP_BINS_US[1:])] \
+        + [f">={GAP_BINS_US[-1]:g}us"]
+    bins = {label: [0, 0.0] for label in labels}
+    longest = []
+    end, before = None, None
+    for name, s, e in order:
+        if end is not None and s > end:
+            gap = s - end
+            label = labels[sum(gap >= b for b in GAP_BINS_US)]
+            bins[label][0] += 1
+            bins[label][1] += gap / 1e3
+            longest.append((round(gap / 1e3, 3), before[:80], name[:80]))
+        if end is None or e >= end:
+            end, before = e, name
+    longest.sort(key=lambda g: -g[0])
+    return {"idle_ms": round(sum(ms for _, ms in bins.values()) / steps, 3),
+            "gaps": {label: [round(k / steps, 1), round(ms / steps, 3)] for label, (k, ms) in bins.items()},
+            "largest": longest[:top]}
 
 
 def host_self_ms(prof, n: int) -> list[tuple[str, float, int]]:
@@ -307,11 +331,12 @@ def main(argv=None) -> int:
             lp = row["loop_profile"]
             print(f"#   back to back ({args.loop} steps, one synchronize; 3 rounds): "
                   + ", ".join(f"{x * 1e3:.1f}" for x in loops) + " ms a step (synchronized, each round's median: "
-                  + ", ".join(f"{x * 1e3:.1f}" for x in synced) + "); profiled 3 steps: "
+                  + ", ".join(f"{x * 1e3:.1f}" for x in synced) + "); 3 steps under a CUDA-only profiler: "
                   f"{lp['wall_ms']:.1f} ms a step, kernels {lp['kernel_ms']:.1f} ms, GPU busy {lp['gpu_busy_ms']:.1f} ms,"
-                  f" idle in gaps >= 0.2 ms {lp['idle_ms']:.1f} ms (lead-in {lp['lead_in_ms']} ms, once)")
-            for hname, ms, n in lp["idle"][:8]:
-                print(f"#     {ms:8.2f} ms  x{n:<5d} {hname}")
+                  f" idle {lp['idle_ms']:.1f} ms: " + ", ".join(f"{label} {k:g} gaps {ms:.2f} ms"
+                                                           for label, (k, ms) in lp["gaps"].items()))
+            for ms, before, after in lp["largest"][:8]:
+                print(f"#     {ms:8.3f} ms  after {before}  before {after}")
         for kind, ms in row["by_kind_ms"].items():
             print(f"#   {kind:13s} {ms:8.2f} ms")
         for kname, ms, n in top[:args.top]:

@@ -708,3 +708,17 @@ def test_prof_step_loop_runs_the_steps_back_to_back_between_two_synchronizes(mon
     calls.clear()
     prof_step.synced_step_s(lambda: calls.append("step"))
     assert calls == ["sync", "step", "sync"]
+
+
+def test_prof_step_gaps_by_length_bins_the_idle_between_merged_kernels():
+    """The loop profile's idle time: gaps between kernels (one inside another or touching it leaves none), binned by
+    length per step, the longest named by the kernels on both sides."""
+    from benchmarks.prof_step import gaps_by_length
+
+    kernels = [("e", 500, 600), ("a", 0, 10), ("b", 15, 30), ("c", 20, 25), ("d", 100, 110), ("f", 600, 700),
+               ("g", 1000, 1010)]  # gaps: a-b 5 us, b-d 70 (c inside b), d-e 390, f-g 300; e-f touch
+    got = gaps_by_length(kernels, 2, top=2)
+    assert got["gaps"] == {"<10us": [0.5, 0.003], "10-50us": [0.0, 0.0], "50-200us": [0.5, 0.035],
+                           ">=200us": [1.0, 0.345]}
+    assert got["idle_ms"] == pytest.approx(0.3825, abs=1e-3) and got["largest"] == [(0.39, "d", "e"), (0.3, "f", "g")]
+    assert gaps_by_length([], 1) == {"idle_ms": 0.0, "gaps": {k: [0.0, 0.0] for k in got["gaps"]}, "largest": []}
