@@ -157,12 +157,14 @@ def _launch_tuned(src: Tensor, out: Tensor, runs: CopyRuns, C: int, acc) -> None
         src, out, runs.tiles, runs.offsets, C, n_tiles, ACC=acc, BLOCK_T=BLOCK_T)
 
 
-def sum_copies(src: Tensor, runs: CopyRuns, key_index: Tensor, T: int, config: tuple | None = None) -> Tensor:
+def sum_copies(src: Tensor, runs: CopyRuns, key_index: Tensor, T: int, config: tuple | None = None, *,
+               zero_tail: bool = True) -> Tensor:
     """``out [T, ...]`` in ``src``'s dtype: ``out[t]`` = the sum of ``src[g]`` over the gathered rows ``g`` with
     ``key_index[g] == t`` (``src [G, ...]``), accumulated in float32 (float64 for float64) and rounded once; rows the
-    runs do not cover (``t >= runs.tokens``: the plan's tail) are zero.  ``config``: one of :data:`CONFIGS` (tests,
-    benchmarks); None: the autotuner's pick on CUDA, the first config under Triton's interpreter (no timing there).
-    Every config gives the same values."""
+    runs do not cover (``t >= runs.tokens``: the plan's tail) are zero, or, with ``zero_tail=False``, left for the
+    caller to write (uninitialised where the kernel runs).  ``config``: one of :data:`CONFIGS` (tests, benchmarks);
+    None: the autotuner's pick on CUDA, the first config under Triton's interpreter (no timing there).  Every config
+    gives the same values."""
     G = src.shape[0]
     if G != runs.rows or key_index.numel() != G:
         raise ValueError(f"sum_copies: {G} gathered rows, the runs read {runs.rows} and key_index has "
@@ -171,7 +173,7 @@ def sum_copies(src: Tensor, runs: CopyRuns, key_index: Tensor, T: int, config: t
         return sum_copies_index_add(src, key_index, T)
     acc_dtype = torch.promote_types(src.dtype, torch.float32)
     out = torch.empty((T,) + tuple(src.shape[1:]), dtype=src.dtype, device=src.device)
-    if runs.tokens < T:
+    if runs.tokens < T and zero_tail:
         out[runs.tokens:] = 0
     if config is not None and config not in CONFIGS:
         raise ValueError(f"sum_copies: config {config!r} is not one of {CONFIGS}")

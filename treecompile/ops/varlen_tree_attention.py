@@ -18,7 +18,8 @@ summed back per token in float32 (the root's rows appear in every segment) by on
 tokens with the same copies (:mod:`treecompile.ops.key_copies`; ``index_add_`` where Triton cannot run).  A
 trailing run of tokens that see only themselves (the padding of a length bucket: up to T/8 of them) is not
 handed to the kernel as that many one-token sequences: each one's output is its own value row (softmax over one
-key), computed directly.
+key), written with its log-sum-exp, and in the backward its gradients, by one small kernel each way
+(:mod:`treecompile.ops.varlen_tail`).
 The plan (host work, one sync) is built once per batch and kept while the same ``subtree_end`` tensor comes
 back (:class:`last_batch.LastBatch`).  The backward needs the gathered rows again: it gathers them again, or reads
 the forward's, kept as the op's third and fourth results (``keep``: always, never, or where the device's memory
@@ -81,6 +82,7 @@ from . import fa4_replay
 from .last_batch import LastBatch
 from .logprobs_kept import allocator_bytes, fit_margin_bytes, headroom_bytes
 from .tree_attention import tree_mask
+from .varlen_tail import tail_backward, tail_forward
 
 __all__ = ["SegmentPlan", "BlockSparsePlan", "segment_plan", "segments_fit", "tree_attention_plan",
            "tree_attention_varlen", "varlen_attention_reference", "varlen_attention_reference_bwd",
@@ -947,7 +949,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, plan, scale: float,
     the gathered key/value rows when ``keep`` (else empty)."""
     n = plan.tail
     q_t, k_t, v_t = _tokens_major(q), _tokens_major(k), _tokens_major(v)
-    T, H, Hkv = q_t.shape[0], q_t.shape[1], k_t.shape[1]
+    T, H = q_t.shape[0], q_t.shape[1]
     keys = plan.keys(k_t, v_t) if n else None
     kept = keys if keep and keys is not None else _no_keys(k_t, v_t)  # keep: only a segment plan (keeps_keys)
     if isinstance(plan, BlockSparsePlan):  # every query is the kernel's: its fresh tensors, in the kernels' order
@@ -961,14 +963,9 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, plan, scale: float,
         return _heads_major(out), lse, *kept
     if n:
         _fwd(q_t[:n], *keys, plan, scale, out=out[:n], lse=lse[:, :n])
-    # tokens that see only themselves, softmax over one key: the output is the token's value row (its kv head's,
-    # for each query head of the group), the log-sum-exp its one score.  Few ops (each costs host time per layer):
-    # the value rows broadcast over the group's query heads, the scores as one batched [r, D] @ [D, 1] per token
-    # and kv head, scaled into the lse rows
-    m, r = T - n, H // Hkv
-    out[n:].view(m, Hkv, r, -1).copy_(v_t[n:].unsqueeze(2))
-    scores = torch.bmm(q_t[n:].view(m * Hkv, r, -1), k_t[n:].view(m * Hkv, -1, 1))
-    torch.mul(scores.view(m, H).T, scale, out=lse[:, n:])
+    # tokens that see only themselves, softmax over one key: the output is the token's value row, the log-sum-exp its
+    # one score (one kernel: ops/varlen_tail.py)
+    tail_forward(q_t, k_t, v_t, out, lse, n, scale)
     return _heads_major(out), lse, *kept
 
 
@@ -1012,27 +1009,35 @@ def _backward_grads(q, k, v, out, lse, dout, plan, scale: float, kept_k: Tensor 
         grads = _bwd(plan.to_kernel(q_t), *plan.keys(k_t, v_t), plan.to_kernel(_tokens_major(out)),
                      plan.to_kernel(dout_t), plan.to_kernel(lse, 1).contiguous(), plan, scale)
         return tuple(_heads_major(plan.to_batch(g)) for g in grads)
-    T, H, Hkv = q_t.shape[0], q_t.shape[1], k_t.shape[1]
+    T = q_t.shape[0]
     if not n:
-        dq, dk, dv = torch.zeros_like(q_t), torch.zeros_like(k_t), torch.zeros_like(v_t)
+        dq, dk, dv = torch.empty_like(q_t), torch.empty_like(k_t), torch.empty_like(v_t)
     else:
         keys = (kept_k, kept_v) if kept_k is not None and kept_k.shape[0] else plan.keys(k_t, v_t)
         if keys[0].shape[0] != plan.gathered:
             raise AssertionError(f"tree_attention_varlen: the forward kept {keys[0].shape[0]} gathered rows, the plan "
                                  f"has {plan.gathered} (internal error)")
-        args = (q_t[:n], *keys, _tokens_major(out)[:n], dout_t[:n], lse[:, :n].contiguous(), plan, scale)
+        args = (q_t[:n], *keys, _tokens_major(out)[:n], dout_t[:n], _lse_rows(lse, n), plan, scale)
         if n == T:
             dq, dkg, dvg = _bwd(*args)
-        else:  # the kernel writes the first n rows of dq in place; the tail's queries (softmax over one key) have none
+        else:  # the kernel writes the first n rows of dq in place; the tail's rows come after
             dq = torch.empty_like(q_t)
-            dq[n:].zero_()
             dkg, dvg = _bwd(*args, dq=dq[:n])[1:]
-        # each token's key/value gradient: the sum over its gathered copies (float32, rounded once; rows >= n zero)
-        dk = sum_copies(dkg, plan.copies, plan.key_index, T)
-        dv = sum_copies(dvg, plan.copies, plan.key_index, T)
-    if n < T:  # the tail's value rows receive their own output gradient, summed over the query heads of a group
-        dv[n:] = dout_t[n:].unflatten(1, (Hkv, H // Hkv)).sum(2, dtype=torch.promote_types(torch.float32, v.dtype))
+        # each token's key/value gradient: the sum over its gathered copies (float32, rounded once); rows >= n next
+        dk = sum_copies(dkg, plan.copies, plan.key_index, T, zero_tail=False)
+        dv = sum_copies(dvg, plan.copies, plan.key_index, T, zero_tail=False)
+    # the tail (softmax over one key): no query or key gradient; the value rows receive their own output gradient,
+    # summed over the query heads of a group (one kernel: ops/varlen_tail.py)
+    tail_backward(dout_t, dq, dk, dv, n)
     return _heads_major(dq), _heads_major(dk), _heads_major(dv)
+
+
+def _lse_rows(lse: Tensor, n: int) -> Tensor:
+    """The segments' ``[H, n]`` columns of the forward's ``[H, T]`` lse for the backward kernel: in place where FA4
+    takes them as they are (rows 16-byte aligned: its ``maybe_contiguous`` would copy otherwise, and a copy inside
+    the call keeps it from being replayed, ops/fa4_replay.py), else one contiguous copy."""
+    rows = lse[:, :n]
+    return rows if rows.is_contiguous() or (lse.stride(0) * lse.element_size()) % 16 == 0 else rows.contiguous()
 
 
 @tree_attention_varlen_bwd.register_fake

@@ -1,0 +1,127 @@
+"""The varlen tree attention's tail (ops/varlen_tail.py): the tokens after the segments that see only themselves.
+
+Against a softmax written out over each token's one key (float64), the torch path on the CPU and the Triton kernels
+under Triton's CPU interpreter: every shape of group (one, three and four query heads per kv head), head dims that
+are not powers of two and differ between keys and values, strided inputs, an empty tail and a tail that is the whole
+sequence; rows before the tail are never written.
+"""
+
+import pytest
+import torch
+
+from tests.helpers import run_interpreted
+from treecompile.ops import varlen_tail
+from treecompile.ops.varlen_tree_attention import _lse_rows
+
+
+def one_key_softmax(q_t, k_t, v_t, dout_t, n, scale):
+    """(out, lse, dq, dk, dv) of rows [n, T), each token attending to itself alone, by autograd in float64."""
+    q, k, v = (x[n:].double().detach().requires_grad_() for x in (q_t, k_t, v_t))
+    r = q.shape[1] // k.shape[1]
+    kk, vv = k.repeat_interleave(r, 1), v.repeat_interleave(r, 1)
+    s = (q * kk).sum(-1, keepdim=True) * scale  # [m, H, 1]: one score per query head
+    lse = torch.logsumexp(s, -1)
+    out = torch.softmax(s, -1) * vv
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout_t[n:].double())
+    return out.detach(), lse.detach().T, dq, dk, dv
+
+
+def inputs(T, H, Hkv, D, Dv, dtype, seed, strided=False):
+    g = torch.Generator().manual_seed(seed)
+
+    def make(h, d):
+        if strided:  # [T, h, d] views of [h, T, d] storage
+            return torch.randn(h, T, d, generator=g, dtype=torch.float64).to(dtype).transpose(0, 1)
+        return torch.randn(T, h, d, generator=g, dtype=torch.float64).to(dtype)
+    return make(H, D), make(Hkv, D), make(Hkv, Dv), make(H, Dv)
+
+
+def sentinels(T, H, Hkv, D, Dv, dtype):
+    """Output buffers full of NaN: a row the tail functions should not write stays NaN."""
+    nan = float("nan")
+    return (torch.full((T, H, Dv), nan, dtype=dtype), torch.full((H, T), nan),
+            torch.full((T, H, D), nan, dtype=dtype), torch.full((T, Hkv, D), nan, dtype=dtype),
+            torch.full((T, Hkv, Dv), nan, dtype=dtype))
+
+
+CASES = [  # T, H, Hkv, D, Dv, n, strided
+    (9, 4, 4, 40, 24, 5, False), (9, 6, 2, 40, 24, 5, True), (7, 8, 2, 16, 16, 0, False), (6, 3, 1, 8, 5, 6, True),
+    (11, 4, 1, 33, 40, 10, False),
+]
+
+
+@pytest.mark.parametrize("T,H,Hkv,D,Dv,n,strided", CASES)
+def test_tail_torch_path_is_the_one_key_softmax_and_writes_only_the_tail(T, H, Hkv, D, Dv, n, strided, monkeypatch):
+    monkeypatch.setattr(varlen_tail, "usable", lambda t: False)  # the torch path (as on a CPU without the interpreter)
+    q, k, v, do = inputs(T, H, Hkv, D, Dv, torch.float64, seed=T + n, strided=strided)
+    out, lse, dq, dk, dv = sentinels(T, H, Hkv, D, Dv, torch.float64)
+    varlen_tail.tail_forward(q, k, v, out, lse, n, 0.3)
+    varlen_tail.tail_backward(do, dq, dk, dv, n)
+    want = one_key_softmax(q, k, v, do, n, 0.3)
+    for got, ref, rows in zip((out, lse, dq, dk, dv), want, (0, 1, 0, 0, 0)):
+        tail = got[n:] if rows == 0 else got[:, n:]
+        head = got[:n] if rows == 0 else got[:, :n]
+        assert head.isnan().all()  # rows before the tail untouched
+        # the float64 result is exact up to the dot product's rounding (lse, against float32 storage)
+        tol = 1e-6 if rows == 1 else 1e-14
+        torch.testing.assert_close(tail.double(), ref, rtol=tol, atol=tol)
+    assert (dq[n:] == 0).all() and (dk[n:] == 0).all()
+
+
+def test_lse_rows_are_read_in_place_where_fa4_takes_them():
+    """FA4's backward copies an lse whose rows are not 16-byte aligned (``maybe_contiguous``), a copy that keeps its
+    call from being replayed: those get one contiguous copy here, the others are the forward's lse itself."""
+    aligned, odd = torch.zeros(4, 12), torch.zeros(4, 10)  # rows of 48 and 40 bytes
+    rows = _lse_rows(aligned, 7)
+    assert rows.data_ptr() == aligned.data_ptr() and rows.stride() == (12, 1) and rows.shape == (4, 7)
+    rows = _lse_rows(odd, 7)
+    assert rows.is_contiguous() and rows.data_ptr() != odd.data_ptr() and torch.equal(rows, odd[:, :7])
+    assert _lse_rows(odd, 10) is not None and _lse_rows(odd, 10).data_ptr() == odd.data_ptr()  # no tail: as it is
+
+
+_INTERPRETED = r"""
+import torch
+from tests.helpers import count_launches
+from tests.test_varlen_tail import CASES, inputs, one_key_softmax, sentinels
+from treecompile.ops import varlen_tail
+
+fwd = count_launches(varlen_tail, "_tail_fwd_kernel")
+bwd = count_launches(varlen_tail, "_tail_bwd_kernel")
+def mx(x):
+    return float(x.max()) if x.numel() else 0.0
+
+
+worst = {"float64": 0.0, "lse": 0.0, "bf16_ulps": 0.0, "head_written": 0.0, "grads_nonzero": 0.0}
+for i, (T, H, Hkv, D, Dv, n, strided) in enumerate(CASES):
+    for dtype in (torch.float64, torch.bfloat16):
+        q, k, v, do = inputs(T, H, Hkv, D, Dv, dtype, seed=i, strided=strided)
+        out, lse, dq, dk, dv = sentinels(T, H, Hkv, D, Dv, dtype)
+        varlen_tail.tail_forward(q, k, v, out, lse, n, 0.3)
+        varlen_tail.tail_backward(do, dq, dk, dv, n)
+        ref = one_key_softmax(q, k, v, do, n, 0.3)
+        worst["head_written"] += sum(int(not x[:n].isnan().all()) for x in (out, dq, dk, dv))
+        worst["head_written"] += int(not lse[:, :n].isnan().all())
+        worst["grads_nonzero"] += int((dq[n:] != 0).any()) + int((dk[n:] != 0).any())
+        # lse: accumulated in float32 (float64), stored float32
+        worst["lse"] = max(worst["lse"], mx((lse[:, n:].double() - ref[1]).abs() / ref[1].abs().clamp(min=1)))
+        if dtype == torch.float64:
+            for got, want in ((out[n:], ref[0]), (dv[n:], ref[4])):
+                worst["float64"] = max(worst["float64"], mx((got - want).abs()))
+        else:  # the value rows exact; the group sums accumulated in float32 and rounded once (truncated here)
+            worst["float64"] = max(worst["float64"], mx((out[n:].double() - ref[0]).abs()))
+            want = ref[4]
+            ulp = torch.exp2(torch.floor(torch.log2(want.abs().clamp(min=1e-30))) - 7)
+            worst["bf16_ulps"] = max(worst["bf16_ulps"], mx((dv[n:].double() - want).abs() / ulp))
+assert len(fwd) == len(bwd) == 2 * sum(T > n for T, _, _, _, _, n, _ in CASES), (len(fwd), len(bwd))
+print(worst)
+"""
+
+
+def test_tail_kernels_in_interpreter():
+    """The Triton kernels (Triton's CPU interpreter) on every case above, float64 and bf16: the value rows copied
+    exactly, the group sums within one bf16 unit of the float64 sum (float32 accumulation rounded once; the
+    interpreter truncates), the lse within float32's rounding, zero query / key gradients, nothing before the tail."""
+    pytest.importorskip("triton")
+    worst = run_interpreted(_INTERPRETED)
+    assert worst["head_written"] == 0 and worst["grads_nonzero"] == 0
+    assert worst["float64"] <= 1e-14 and worst["lse"] <= 1e-6 and worst["bf16_ulps"] <= 1.0, worst
