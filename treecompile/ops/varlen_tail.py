@@ -47,11 +47,8 @@ def tail_forward(q_t: Tensor, k_t: Tensor, v_t: Tensor, out: Tensor, lse: Tensor
         return
     Hkv, r = _shape(q_t, k_t)
     if usable(q_t):
-        D, Dv = q_t.shape[2], v_t.shape[2]
-        _tail_fwd_kernel[(m, Hkv)](
-            q_t, k_t, v_t, out, lse, n, *q_t.stride()[:2], *k_t.stride()[:2], *v_t.stride()[:2], *out.stride()[:2],
-            lse.stride(0), float(scale), r, D, Dv, ACC=_tl_acc(q_t.dtype), BLOCK_R=triton.next_power_of_2(r),
-            BLOCK_D=triton.next_power_of_2(D), BLOCK_DV=triton.next_power_of_2(Dv), num_warps=_warps(r, D, Dv))
+        _tail_fwd_kernel[(m, Hkv)](q_t, k_t, v_t, out, lse, n, *_rows(q_t, k_t, v_t, out), lse.stride(0), float(scale),
+                                   **_sizes(q_t, v_t, r))
         return
     acc = _acc(q_t.dtype)
     out[n:].view(m, Hkv, r, -1).copy_(v_t[n:].unsqueeze(2))
@@ -69,24 +66,26 @@ def tail_backward(dout_t: Tensor, dq: Tensor, dk: Tensor, dv: Tensor, n: int) ->
         return
     Hkv, r = _shape(dq, dk)
     if usable(dq):
-        D, Dv = dq.shape[2], dv.shape[2]
-        _tail_bwd_kernel[(m, Hkv)](
-            dout_t, dq, dk, dv, n, *dout_t.stride()[:2], *dq.stride()[:2], *dk.stride()[:2], *dv.stride()[:2], r, D,
-            Dv, ACC=_tl_acc(dout_t.dtype), BLOCK_R=triton.next_power_of_2(r), BLOCK_D=triton.next_power_of_2(D),
-            BLOCK_DV=triton.next_power_of_2(Dv), num_warps=_warps(r, D, Dv))
+        _tail_bwd_kernel[(m, Hkv)](dout_t, dq, dk, dv, n, *_rows(dout_t, dq, dk, dv), **_sizes(dq, dv, r))
         return
     dq[n:].zero_()
     dk[n:].zero_()
     dv[n:] = dout_t[n:].unflatten(1, (Hkv, r)).sum(2, dtype=_acc(dv.dtype))
 
 
-def _tl_acc(dtype: torch.dtype):
-    return tl.float64 if dtype == torch.float64 else tl.float32
+def _rows(*xs: Tensor) -> tuple[int, ...]:
+    """The token and head strides of each ``[T, heads, D]`` tensor, in order (the kernels' stride arguments)."""
+    return tuple(s for x in xs for s in x.stride()[:2])
 
 
-def _warps(r: int, D: int, Dv: int) -> int:
-    """Warps for a program's ``[r, max(D, Dv)]`` tile: one for up to 512 entries (a 0.6B model's 2 x 128), else 4."""
-    return 1 if triton.next_power_of_2(r) * triton.next_power_of_2(max(D, Dv)) <= 512 else 4
+def _sizes(qd: Tensor, vd: Tensor, r: int) -> dict:
+    """The kernels' sizes and meta-parameters: query heads per kv head, the query/key and value head dims, their
+    power-of-two blocks, the accumulation type (float64 for float64, else float32) and the warps: one for a
+    program's ``[r, max(D, Dv)]`` tile of up to 512 entries (a 0.6B model's 2 x 128), else 4."""
+    D, Dv = qd.shape[2], vd.shape[2]
+    block_r, block_d, block_dv = (triton.next_power_of_2(x) for x in (r, D, Dv))
+    return dict(R=r, D=D, DV=Dv, ACC=tl.float64 if qd.dtype == torch.float64 else tl.float32, BLOCK_R=block_r,
+                BLOCK_D=block_d, BLOCK_DV=block_dv, num_warps=1 if block_r * max(block_d, block_dv) <= 512 else 4)
 
 
 if triton is not None:
