@@ -5,7 +5,9 @@ Run from a source checkout: ``python -m benchmarks.harness ARGS`` (or ``python b
 command: the harness, its baselines and tree generators are checkout tools, not library code.
 Every contender times one training step = forward + backward over all paths of one tree (gradients
 accumulated in ``.grad``; **optimizer step excluded**), median of ``--iters`` after one warm-up step
-(whose time, compile included, is reported as ``first_s``).  Contenders:
+(whose time, compile included, is reported as ``first_s``); each step between two synchronizes, or with
+``--loop N`` the median of 3 rounds of N steps run back to back (the host runs ahead, as in a training loop
+that does not wait for the GPU each step).  Contenders:
 
 - ``eager_per_path``: the unmodified model run on each path alone (what per-branch trainers do);
 - ``compiled_per_path``: the same under ``torch.compile(dynamic=True)`` (one graph for all path
@@ -291,6 +293,7 @@ class BenchConfig:
     compile_baselines: bool = True  # False on CPU: the "compiled" baselines then run eagerly (said in the row)
     rf_on_cuda: bool = False
     budget_s: float = float("inf")
+    loop: int = 0  # > 0: steps timed back to back in rounds of this many (time_steps)
 
 
 @dataclass
@@ -1126,8 +1129,14 @@ def _with_attention_setup(note: str | None, dev) -> str | None:
     return join_notes(note, f"attention without FA4 ({reason})")
 
 
-def time_steps(step: Callable, dev, iters: int):
-    """(first step seconds, every timed step's seconds, peak GiB, loss of the first step)."""
+LOOP_ROUNDS = 3  # --loop N: rounds of N back-to-back steps, each round one timed figure
+
+
+def time_steps(step: Callable, dev, iters: int, loop: int = 0):
+    """(first step seconds, every timed step's seconds, peak GiB, loss of the first step).  ``loop`` 0: ``iters``
+    steps, each between two synchronizes.  ``loop`` N: :data:`LOOP_ROUNDS` rounds of N steps back to back with one
+    synchronize before and after, each round's seconds per step (a training loop that does not wait for the GPU
+    each step: the host's work for step i+1 overlaps the GPU's for step i)."""
     _sync(dev)
     t0 = time.perf_counter()
     loss = float(step())
@@ -1136,12 +1145,13 @@ def time_steps(step: Callable, dev, iters: int):
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     ts = []
-    for _ in range(iters):
+    for _ in range(LOOP_ROUNDS if loop else iters):
         _sync(dev)
         t0 = time.perf_counter()
-        step()
+        for _ in range(max(loop, 1)):
+            step()
         _sync(dev)
-        ts.append(time.perf_counter() - t0)
+        ts.append((time.perf_counter() - t0) / max(loop, 1))
     peak = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None
     return first, ts, peak, loss
 
@@ -1212,7 +1222,7 @@ def run_contenders(model, spec: ModelSpec, case: TreeCase, cfg: BenchConfig, con
                 flops = fm.train(tokens, entries)
             r.note, steps.note = steps.note, None
             stage = "steps"
-            first, times, peak, loss = time_steps(step, dev, cfg.iters)
+            first, times, peak, loss = time_steps(step, dev, cfg.iters, cfg.loop)
             med = statistics.median(times)
             r.step_times_s = [round(t, 5) for t in times]
             stage = "gradient copy"
@@ -1316,7 +1326,8 @@ def child_command(args, *, model: str, case_index: int, contender: str, out: str
     options; its row goes to ``out``/results.jsonl."""
     cmd = [sys.executable, "-m", "benchmarks.harness", "--no-isolate", "--device", args.device, "--dtype", args.dtype,
            "--model", model, "--contenders", contender, "--case-index", str(case_index), "--out", out,
-           "--iters", str(args.iters), "--capacity", str(args.capacity), "--paths", str(args.paths),
+           "--iters", str(args.iters), "--loop", str(args.loop), "--capacity", str(args.capacity),
+           "--paths", str(args.paths),
            "--path-len", str(args.path_len), "--agentic-scale", repr(args.agentic_scale), "--por", *map(repr, args.por),
            "--group", *map(str, args.group)]
     for suite in suites_of(args):
@@ -1577,6 +1588,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"default: all but {', '.join(ON_REQUEST)} (run when named)")
     ap.add_argument("--capacity", type=int, default=16384, help="token budget of partitioned contenders and of each packed_flex pack")
     ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--loop", type=int, default=0, metavar="N",
+                    help="time steps back to back: 3 rounds of N steps with one synchronize before and after each "
+                    "(a training loop that does not wait for the GPU each step), the median round's time a step; "
+                    "default: --iters steps, each between two synchronizes")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, help="default bfloat16 on CUDA, float32 on CPU")
     ap.add_argument("--tiny", action="store_true", help="tiny models and trees (a CPU smoke run)")
@@ -1645,9 +1660,13 @@ def main(argv=None) -> int:
     isolate = not child and (args.isolate if args.isolate is not None else args.device == "cuda")
     # eager_per_path first: the others' loss and gradient are compared with it
     contenders = sorted(dict.fromkeys(args.contenders), key=lambda c: c != "eager_per_path")
+    if args.loop < 0:
+        raise SystemExit(f"--loop: expected a number of steps >= 0, got {args.loop}")
     cfg = BenchConfig(device=args.device, dtype=args.dtype, iters=args.iters, capacity=args.capacity,
-                      compile_baselines=args.device == "cuda", rf_on_cuda=args.rf_on_cuda, budget_s=args.budget_s)
+                      compile_baselines=args.device == "cuda", rf_on_cuda=args.rf_on_cuda, budget_s=args.budget_s,
+                      loop=args.loop)
     env = environment(args.device, query_gpu=not isolate)
+    env["timing"] = f"loop {args.loop}" if args.loop else "synchronized"  # how step_s was timed (time_steps)
     print(json.dumps(env), flush=True)
     if args.device == "cuda":
         for knob in ("recompile_limit", "cache_size_limit"):

@@ -722,3 +722,31 @@ def test_prof_step_gaps_by_length_bins_the_idle_between_merged_kernels():
                            ">=200us": [1.0, 0.345]}
     assert got["idle_ms"] == pytest.approx(0.3825, abs=1e-3) and got["largest"] == [(0.39, "d", "e"), (0.3, "f", "g")]
     assert gaps_by_length([], 1) == {"idle_ms": 0.0, "gaps": {k: [0.0, 0.0] for k in got["gaps"]}, "largest": []}
+
+
+def test_harness_loop_times_rounds_of_back_to_back_steps(tmp_path):
+    """``--loop N``: after the first step, 3 rounds of N steps each timed as one (per step), no synchronize between
+    the steps of a round; the setting reaches the isolated children and env.json says how steps were timed."""
+    import argparse
+    import json
+
+    from benchmarks import harness
+
+    calls, cpu = [], torch.device("cpu")
+    first, ts, peak, loss = harness.time_steps(lambda: calls.append(1) or torch.tensor(2.0), cpu, iters=5, loop=4)
+    assert len(calls) == 1 + harness.LOOP_ROUNDS * 4 and len(ts) == harness.LOOP_ROUNDS and loss == 2.0
+    calls.clear()
+    assert len(harness.time_steps(lambda: calls.append(1) or torch.tensor(0.0), cpu, iters=5)[1]) == 5
+    assert len(calls) == 6
+    args = argparse.Namespace(device="cuda", dtype="bfloat16", iters=3, loop=7, capacity=64, paths=2, path_len=8,
+                              agentic_scale=1.0, por=[0.5], group=[], suite=["sweep"], agentic=None, rf_on_cuda=False)
+    cmd = harness.child_command(args, model="dense-tiny", case_index=0, contender="tree", out=str(tmp_path))
+    assert cmd[cmd.index("--loop") + 1] == "7"
+    with pytest.raises(SystemExit, match="--loop"):
+        harness.main(["--device", "cpu", "--tiny", "--model", "dense-tiny", "--loop", "-1"])
+    rc = harness.main(["--device", "cpu", "--tiny", "--model", "dense-tiny", "--dtype", "float64", "--suite", "sweep",
+                       "--por", "0.5", "--paths", "4", "--path-len", "32", "--contenders", "packed_flex", "--loop", "2",
+                       "--out", str(tmp_path)])
+    assert rc == 0 and json.load(open(tmp_path / "env.json"))["timing"] == "loop 2"
+    (row,) = _jsonl(tmp_path / "results.jsonl")
+    assert row["status"] == "ok" and len(row["step_times_s"]) == harness.LOOP_ROUNDS
