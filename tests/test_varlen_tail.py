@@ -76,7 +76,12 @@ def test_lse_rows_are_read_in_place_where_fa4_takes_them():
     assert rows.data_ptr() == aligned.data_ptr() and rows.stride() == (12, 1) and rows.shape == (4, 7)
     rows = _lse_rows(odd, 7)
     assert rows.is_contiguous() and rows.data_ptr() != odd.data_ptr() and torch.equal(rows, odd[:, :7])
-    assert _lse_rows(odd, 10) is not None and _lse_rows(odd, 10).data_ptr() == odd.data_ptr()  # no tail: as it is
+    assert _lse_rows(odd, 10).data_ptr() == odd.data_ptr()  # no tail: the contiguous whole, as it is
+    shifted = torch.zeros(4 * 12 + 1)[1:].view(4, 12)  # rows of 48 bytes from a start 4 bytes off
+    rows = _lse_rows(shifted, 7)
+    assert rows.is_contiguous() and torch.equal(rows, shifted[:, :7])
+    every_other = torch.zeros(4, 24)[:, ::2]  # [4, 12], aligned rows, a last dim that is not contiguous
+    assert _lse_rows(every_other, 7).is_contiguous()
 
 
 _INTERPRETED = r"""

@@ -12,8 +12,9 @@ parallel-tools tree, whose back-to-back steps are GPU-bound and lose about 4 us 
 (benchmarks/results/h200_s51).  Here the forward is one kernel and the backward one; FA4 reads the lse's first
 ``n`` columns in place where their rows are 16-byte aligned.
 
-One program per tail token and kv head.  Scores and the group sum accumulate in float32 (float64 for float64
-inputs) and are rounded once, as :func:`~treecompile.ops.varlen_tree_attention.varlen_attention_reference` does.
+One program per tail token and kv head.  The scores' dot products and the group sums accumulate in float32 (float64
+for float64 inputs), as :func:`~treecompile.ops.varlen_tree_attention.varlen_attention_reference` does; the group
+sums are rounded once, the scores stored as float32 (the lse's dtype).
 Where Triton cannot run (CPU without ``TRITON_INTERPRET=1``) the same values come from torch ops.
 """
 
@@ -39,8 +40,8 @@ def _shape(q_t: Tensor, k_t: Tensor) -> tuple[int, int]:
 
 def tail_forward(q_t: Tensor, k_t: Tensor, v_t: Tensor, out: Tensor, lse: Tensor, n: int, scale: float) -> None:
     """Write ``out[n:]`` (``[T, H, Dv]``: each token's value row for every query head of its kv head's group) and
-    ``lse[:, n:]`` (``[H, T]`` float32: ``scale * q . k``, accumulated in float32 / float64) for the tokens ``[n, T)``
-    that see only themselves; ``q_t [T, H, D]``, ``k_t`` / ``v_t`` ``[T, Hkv, D / Dv]``."""
+    ``lse[:, n:]`` (``[H, T]`` float32: ``scale * q . k``, the dot product accumulated in float32 / float64) for the
+    tokens ``[n, T)`` that see only themselves; ``q_t [T, H, D]``, ``k_t`` / ``v_t`` ``[T, Hkv, D / Dv]``."""
     T = q_t.shape[0]
     m = T - n
     if m <= 0:

@@ -1034,10 +1034,12 @@ def _backward_grads(q, k, v, out, lse, dout, plan, scale: float, kept_k: Tensor 
 
 def _lse_rows(lse: Tensor, n: int) -> Tensor:
     """The segments' ``[H, n]`` columns of the forward's ``[H, T]`` lse for the backward kernel: in place where FA4
-    takes them as they are (rows 16-byte aligned: its ``maybe_contiguous`` would copy otherwise, and a copy inside
-    the call keeps it from being replayed, ops/fa4_replay.py), else one contiguous copy."""
+    takes them as they are (FA4's ``maybe_contiguous`` keeps a tensor that is contiguous, or whose last dim is and
+    whose start and row stride are 16-byte aligned; it copies any other, and a copy inside the call keeps the call
+    from being replayed, ops/fa4_replay.py), else one contiguous copy here."""
     rows = lse[:, :n]
-    return rows if rows.is_contiguous() or (lse.stride(0) * lse.element_size()) % 16 == 0 else rows.contiguous()
+    aligned = rows.stride(1) == 1 and (rows.stride(0) * rows.element_size()) % 16 == 0 and rows.data_ptr() % 16 == 0
+    return rows if rows.is_contiguous() or aligned else rows.contiguous()
 
 
 @tree_attention_varlen_bwd.register_fake
