@@ -130,3 +130,28 @@ def test_tail_kernels_in_interpreter():
     worst = run_interpreted(_INTERPRETED)
     assert worst["head_written"] == 0 and worst["grads_nonzero"] == 0
     assert worst["float64"] <= 1e-14 and worst["lse"] <= 1e-6 and worst["bf16_ulps"] <= 1.0, worst
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_tail_kernels_on_cuda(dtype):
+    """The Triton kernels on the GPU, every case above: nothing written before the tail, the value rows exact, the
+    scores and the group sums within float32 accumulation's error (a float32 unit of the sum of the terms'
+    magnitudes per term) plus one rounding to the stored dtype (half a unit: the GPU rounds to nearest) of the
+    float64 results."""
+    for i, (T, H, Hkv, D, Dv, n, strided) in enumerate(CASES):
+        q, k, v, do = (x.cuda() for x in inputs(T, H, Hkv, D, Dv, dtype, seed=i, strided=strided))
+        out, lse, dq, dk, dv = (x.cuda() for x in sentinels(T, H, Hkv, D, Dv, dtype))
+        varlen_tail.tail_forward(q, k, v, out, lse, n, 0.3)
+        varlen_tail.tail_backward(do, dq, dk, dv, n)
+        ref = one_key_softmax(q, k, v, do, n, 0.3)
+        assert all(x[:n].isnan().all() for x in (out, dq, dk, dv)) and lse[:, :n].isnan().all()
+        assert (dq[n:] == 0).all() and (dk[n:] == 0).all() and torch.equal(out[n:].double(), ref[0])
+        r = H // Hkv
+        # the scores: D products summed in float32, then stored as float32
+        qk = 0.3 * (q[n:].double() * k[n:].double().repeat_interleave(r, 1)).abs().sum(-1).T
+        assert ((lse[:, n:].double() - ref[1]).abs() <= D * 2.0 ** -24 * qk + 2.0 ** -24 * ref[1].abs()).all()
+        ulp = torch.exp2(torch.floor(torch.log2(ref[4].abs().clamp(min=1e-30))) - (7 if dtype == torch.bfloat16 else 23))
+        magnitude = do[n:].double().abs().unflatten(1, (Hkv, r)).sum(2)
+        assert ((dv[n:].double() - ref[4]).abs() <= 0.5 * ulp + (r - 1) * 2.0 ** -24 * magnitude + 1e-30).all()
