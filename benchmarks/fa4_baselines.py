@@ -152,10 +152,13 @@ def compiled_per_path_fa4(steps):
     return steps.per_path_step("per_path_fa4_fn", swaps=lambda: [patched_sdpa(fa4_causal_sdpa)], cudnn_first=False)
 
 
-def packed_fa4_varlen(steps, capacity: int):
+def packed_fa4_varlen(steps, capacity: int, *, cudagraphs: bool = False):
     """Packed step: paths packed whole under ``capacity`` (``harness.pack_plan``: first-fit decreasing, each
     pack one sequence padded to one of at most ``PACK_SHAPES`` lengths chosen to waste the fewest tokens)
-    with FA4 varlen causal attention over its documents."""
+    with FA4 varlen causal attention over its documents.  ``cudagraphs``: the compiled forward and backward of
+    each pack shape captured whole as CUDA graphs (inductor's ``mode="reduce-overhead"``; FA4's calls are
+    captured with the rest, their inputs, ``cu_seqlens`` among them, copied into the graphs' buffers on each
+    replay), one CUDA-graph step per pack (``cudagraph_mark_step_begin``)."""
     try:
         from benchmarks.harness import pack_plan
     except ImportError:
@@ -183,7 +186,7 @@ def packed_fa4_varlen(steps, capacity: int):
         logits = _upcast(spec.logits(model, ids[None])[0])  # [1, n, V] for ours and HF models alike
         return (F.cross_entropy(logits, targets, reduction="none") * same).sum()
 
-    fn = torch.compile(loss_fn, dynamic=False)
+    fn = torch.compile(loss_fn, dynamic=False, mode="reduce-overhead" if cudagraphs else None)
 
     def step():
         steps.zero()
@@ -191,6 +194,8 @@ def packed_fa4_varlen(steps, capacity: int):
         with steps.spec.baseline_context(steps.model), patched_sdpa(fa4_varlen_sdpa):
             for ids, targets, same, cu in packs:
                 Varlen.cu_seqlens, Varlen.max_seqlen = cu, mx
+                if cudagraphs:  # the last pack's graph outputs are used up (its loss summed, its backward run)
+                    torch.compiler.cudagraph_mark_step_begin()
                 loss = fn(ids, targets, same)
                 loss.backward()
                 total += loss.detach()

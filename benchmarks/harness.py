@@ -14,7 +14,8 @@ that does not wait for the GPU each step).  Contenders:
   lengths), causal SDPA with cuDNN first in the backend priority;
 - ``compiled_per_path_fa4`` / ``packed_fa4_varlen``: the same per-path and packed steps with attention
   through FlashAttention-4 (causal; varlen causal over ``cu_seqlens``), see :mod:`benchmarks.fa4_baselines`
-  (CUDA with flash-attn-4 only; a skipped row elsewhere);
+  (CUDA with flash-attn-4 only; a skipped row elsewhere); ``packed_fa4_varlen_cudagraphs`` (on request): the
+  packed step captured whole as CUDA graphs (``tree_cudagraphs``' counterpart);
 - ``compiled_per_path_fla`` / ``packed_fla_varlen``: the hybrid (GDN) baselines, see
   :mod:`benchmarks.hybrid_baselines`: per path compiled with fla's GDN kernel; packed with fla varlen
   GDN (state reset per sequence), the short conv reset per sequence and FA4 varlen (or flex document
@@ -109,7 +110,7 @@ else:  # run as a script: benchmarks/ is on sys.path
     from trees import agentic_paths, agentic_specs, group_paths, max_por, synthetic_paths
 
 BASELINES = ("eager_per_path", "compiled_per_path", "packed_flex", "compiled_per_path_fa4", "packed_fa4_varlen",
-             "compiled_per_path_fla", "packed_fla_varlen", "packed_fla_varlen_conv")
+             "packed_fa4_varlen_cudagraphs", "compiled_per_path_fla", "packed_fla_varlen", "packed_fla_varlen_conv")
 TREE_CONTENDERS = ("tree", "tree_heavy_first", "tree_fa4_varlen", "tree_fa4_flex", "tree_conv_fla",
                    "tree_conv_shifts_inductor", "tree_head_chunked", "tree_head_kept", "tree_keys_gathered",
                    "tree_fa4_interface", "tree_fa4_bwd_interface", "tree_cpp_wrapper", "tree_cudagraphs",
@@ -117,10 +118,11 @@ TREE_CONTENDERS = ("tree", "tree_heavy_first", "tree_fa4_varlen", "tree_fa4_flex
                    "tree_rf")
 CONTENDERS = BASELINES + TREE_CONTENDERS
 # run when named only: the C++ wrapper's first step compiles for minutes (417 s on the 0.6B, session 43), the CUDA
-# graphs' contender was measured slower (session 45), and the driver-reads, deterministic, block-sparse-order and
-# backward-interface trees and the lexicographic serialisation are A/Bs of one setting against ``tree``
-ON_REQUEST = ("tree_cpp_wrapper", "tree_cudagraphs", "tree_driver_reads", "tree_deterministic",
-              "tree_block_sparse_heavy_first", "tree_lex", "tree_fa4_bwd_interface")
+# graphs' contender was measured slower (session 45; its packed counterpart is not yet measured), and the
+# driver-reads, deterministic, block-sparse-order and backward-interface trees and the lexicographic serialisation
+# are A/Bs of one setting against ``tree``
+ON_REQUEST = ("tree_cpp_wrapper", "tree_cudagraphs", "packed_fa4_varlen_cudagraphs", "tree_driver_reads",
+              "tree_deterministic", "tree_block_sparse_heavy_first", "tree_lex", "tree_fa4_bwd_interface")
 DEFAULT_CONTENDERS = tuple(c for c in CONTENDERS if c not in ON_REQUEST)
 
 
@@ -816,6 +818,13 @@ class Steps:
     def packed_fa4_varlen(self):
         return self._fa4_baseline("packed_fa4_varlen")
 
+    def packed_fa4_varlen_cudagraphs(self):
+        """``packed_fa4_varlen`` with each pack's compiled forward and backward captured whole as CUDA graphs
+        (``fa4_baselines.packed_fa4_varlen(cudagraphs=True)``): the packed baseline without the GPU's gaps between
+        launches, to time against ``tree_cudagraphs`` in back-to-back steps (``--loop``).  On request; CUDA with
+        flash-attn-4."""
+        return self._fa4_baseline("packed_fa4_varlen_cudagraphs")
+
     def _fa4_baseline(self, name):
         """The FA4 baselines (benchmarks/fa4_baselines.py); a skipped row where FA4 cannot run."""
         if __package__:
@@ -824,14 +833,16 @@ class Steps:
             import fa4_baselines
         from treecompile.ops.fa4_tree_attention import fa4_unusable_reason
 
-        refusal = self.spec.packing_refusal(self.model, windows=True) if name == "packed_fa4_varlen" else None
+        packed = name.startswith("packed_fa4_varlen")
+        refusal = self.spec.packing_refusal(self.model, windows=True) if packed else None
         if refusal:
             raise _Skip(refusal)
         reason = fa4_unusable_reason() if self.dev.type == "cuda" else "FA4 runs on CUDA only"
         if reason:
             raise _Skip(reason)
-        if name == "packed_fa4_varlen":
-            return fa4_baselines.packed_fa4_varlen(self, self.cfg.capacity)
+        if packed:
+            return fa4_baselines.packed_fa4_varlen(self, self.cfg.capacity,
+                                                   cudagraphs=name == "packed_fa4_varlen_cudagraphs")
         return fa4_baselines.compiled_per_path_fa4(self)
 
     def pack_tensors(self, members: list[int], n: int, wdtype) -> "PackTensors":

@@ -750,3 +750,23 @@ def test_harness_loop_times_rounds_of_back_to_back_steps(tmp_path):
     assert rc == 0 and json.load(open(tmp_path / "env.json"))["timing"] == "loop 2"
     (row,) = _jsonl(tmp_path / "results.jsonl")
     assert row["status"] == "ok" and len(row["step_times_s"]) == harness.LOOP_ROUNDS
+
+
+def test_packed_fa4_varlen_cudagraphs_compiles_the_packed_step_for_cuda_graphs(monkeypatch):
+    """The packed baseline's CUDA-graph form (on request): the same packs, compiled with inductor's
+    ``mode="reduce-overhead"`` (the plain one with the default mode)."""
+    from types import SimpleNamespace
+
+    from benchmarks import fa4_baselines, harness
+
+    assert "packed_fa4_varlen_cudagraphs" in harness.BASELINES and "packed_fa4_varlen_cudagraphs" in harness.ON_REQUEST
+    modes = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: modes.append(kw.get("mode")) or fn)
+    pack = SimpleNamespace(ids=torch.zeros(4, dtype=torch.long), targets=torch.zeros(4, dtype=torch.long),
+                           same=torch.zeros(4), cu=torch.tensor([0, 4]))
+    steps = SimpleNamespace(spec=SimpleNamespace(packing_refusal=lambda model, windows: None),
+                            dev=torch.device("cuda"), case=SimpleNamespace(paths=[[1, 2], [3, 4]]),
+                            pack_tensors=lambda members, n, wdtype: pack, model=torch.nn.Linear(2, 2))
+    for cudagraphs in (False, True):
+        assert callable(fa4_baselines.packed_fa4_varlen(steps, 16, cudagraphs=cudagraphs))
+    assert modes == [None, "reduce-overhead"]
