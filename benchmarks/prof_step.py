@@ -287,6 +287,8 @@ def main(argv=None) -> int:
                     "does not wait for the GPU each step), in rounds alternating with the synchronized steps; and "
                     "profile 3 steps back to back")
     args = ap.parse_args(argv)
+    if args.loop < 0:
+        raise SystemExit(f"prof_step: --loop expects a number of steps >= 0, got {args.loop}")
     if not torch.cuda.is_available():
         raise SystemExit("prof_step: needs a CUDA device")
     steps = harness.cuda_steps(args.model, agentic=args.agentic, agentic_scale=args.agentic_scale, por=args.por,
