@@ -155,3 +155,23 @@ def test_tail_kernels_on_cuda(dtype):
         ulp = torch.exp2(torch.floor(torch.log2(ref[4].abs().clamp(min=1e-30))) - (7 if dtype == torch.bfloat16 else 23))
         magnitude = do[n:].double().abs().unflatten(1, (Hkv, r)).sum(2)
         assert ((dv[n:].double() - ref[4]).abs() <= 0.5 * ulp + (r - 1) * 2.0 ** -24 * magnitude + 1e-30).all()
+
+
+def test_backward_refuses_key_sums_that_do_not_cover_the_segments():
+    """The backward leaves the key sums' rows from the segments' end to the tail kernel: sums that stopped short of
+    the segments (a plan whose copies disagree with its tail) would leave rows unwritten, so it raises instead."""
+    import dataclasses
+
+    from treecompile import Tree
+    from treecompile.ops import varlen_tree_attention as vta
+
+    b = Tree.from_paths([[1, 2, 3], [1, 4]]).to_batch(pad_to_multiple=8)
+    plan = vta.segment_plan(b.subtree_end)
+    assert 0 < plan.tail < b.seq_len and plan.copies.tokens == plan.tail
+    T, g = b.seq_len, torch.Generator().manual_seed(0)
+    q, k, v, do = (torch.randn(1, 2, T, 4, generator=g, dtype=torch.float64) for _ in range(4))
+    out, lse, *_ = vta._forward(q, k, v, plan, 0.5)
+    vta._backward_grads(q, k, v, out, lse, do, plan, 0.5)  # the plan as built
+    short = dataclasses.replace(plan, copies=dataclasses.replace(plan.copies, tokens=plan.tail - 1))
+    with pytest.raises(AssertionError, match="key copies cover"):
+        vta._backward_grads(q, k, v, out, lse, do, short, 0.5)

@@ -1024,6 +1024,9 @@ def _backward_grads(q, k, v, out, lse, dout, plan, scale: float, kept_k: Tensor 
             dq = torch.empty_like(q_t)
             dkg, dvg = _bwd(*args, dq=dq[:n])[1:]
         # each token's key/value gradient: the sum over its gathered copies (float32, rounded once); rows >= n next
+        if plan.copies.tokens != n:  # every segment token is a key of its own segment: the sums cover [0, n)
+            raise AssertionError(f"tree_attention_varlen: the key copies cover {plan.copies.tokens} tokens, the "
+                                 f"segments {n} (internal error)")
         dk = sum_copies(dkg, plan.copies, plan.key_index, T, zero_tail=False)
         dv = sum_copies(dvg, plan.copies, plan.key_index, T, zero_tail=False)
     # the tail (softmax over one key): no query or key gradient; the value rows receive their own output gradient,
