@@ -770,3 +770,14 @@ def test_packed_fa4_varlen_cudagraphs_compiles_the_packed_step_for_cuda_graphs(m
     for cudagraphs in (False, True):
         assert callable(fa4_baselines.packed_fa4_varlen(steps, 16, cudagraphs=cudagraphs))
     assert modes == [None, "reduce-overhead"]
+    # its gradients: zeroed views of one buffer per dtype, which a backward adds into in place (a graph's own
+    # gradient outputs are overwritten by the next pack's replay)
+    first, second = torch.nn.Linear(3, 2), torch.nn.Linear(2, 2).double()
+    params = [*first.parameters(), *second.parameters()]
+    fa4_baselines.zeroed_grads(params)
+    assert all(torch.equal(p.grad, torch.zeros_like(p)) and p.grad.shape == p.shape for p in params)
+    assert len({p.grad.untyped_storage().data_ptr() for p in params}) == 2  # one buffer per dtype
+    grads = [p.grad for p in params]
+    for _ in range(2):
+        second(first(torch.ones(1, 3)).double()).sum().backward()
+    assert all(p.grad is g for p, g in zip(params, grads)) and all(p.grad.abs().sum() > 0 for p in params)

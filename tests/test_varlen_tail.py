@@ -118,6 +118,20 @@ for i, (T, H, Hkv, D, Dv, n, strided) in enumerate(CASES):
             ulp = torch.exp2(torch.floor(torch.log2(want.abs().clamp(min=1e-30))) - 7)
             worst["bf16_ulps"] = max(worst["bf16_ulps"], mx((dv[n:].double() - want).abs() / ulp))
 assert len(fwd) == len(bwd) == 2 * sum(T > n for T, _, _, _, _, n, _ in CASES), (len(fwd), len(bwd))
+# the kernels index last dims as contiguous: any other layout is refused, not misread
+q, k, v, do = inputs(9, 4, 2, 8, 8, torch.float64, seed=0)
+out, lse, dq, dk, dv = sentinels(9, 4, 2, 8, 8, torch.float64)
+refused = 0
+for args in ((q.transpose(1, 2).contiguous().transpose(1, 2), k, v, out, lse), (q, k, v, out, lse.T.contiguous().T)):
+    try:
+        varlen_tail.tail_forward(*args, 5, 0.3)
+    except ValueError:
+        refused += 1
+try:
+    varlen_tail.tail_backward(do, dq, dk.transpose(1, 2).contiguous().transpose(1, 2), dv, 5)
+except ValueError:
+    refused += 1
+worst["refused"] = refused
 print(worst)
 """
 
@@ -128,7 +142,7 @@ def test_tail_kernels_in_interpreter():
     interpreter truncates), the lse within float32's rounding, zero query / key gradients, nothing before the tail."""
     pytest.importorskip("triton")
     worst = run_interpreted(_INTERPRETED)
-    assert worst["head_written"] == 0 and worst["grads_nonzero"] == 0
+    assert worst["head_written"] == 0 and worst["grads_nonzero"] == 0 and worst["refused"] == 3
     assert worst["float64"] <= 1e-14 and worst["lse"] <= 1e-6 and worst["bf16_ulps"] <= 1.0, worst
 
 

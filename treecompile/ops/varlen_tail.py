@@ -40,15 +40,16 @@ def _shape(q_t: Tensor, k_t: Tensor) -> tuple[int, int]:
 
 def tail_forward(q_t: Tensor, k_t: Tensor, v_t: Tensor, out: Tensor, lse: Tensor, n: int, scale: float) -> None:
     """Write ``out[n:]`` (``[T, H, Dv]``: each token's value row for every query head of its kv head's group) and
-    ``lse[:, n:]`` (``[H, T]`` float32: ``scale * q . k``, the dot product accumulated in float32 / float64) for the
-    tokens ``[n, T)`` that see only themselves; ``q_t [T, H, D]``, ``k_t`` / ``v_t`` ``[T, Hkv, D / Dv]``."""
+    ``lse[:, n:]`` (``[H, T]`` float32: ``scale * q . k``, the dot product accumulated in float32 / float64, the
+    kernel's ``scale`` a float32) for the tokens ``[n, T)`` that see only themselves; ``q_t [T, H, D]``, ``k_t`` /
+    ``v_t`` ``[T, Hkv, D / Dv]``."""
     T = q_t.shape[0]
     m = T - n
     if m <= 0:
         return
     Hkv, r = _shape(q_t, k_t)
     if usable(q_t):
-        _tail_fwd_kernel[(m, Hkv)](q_t, k_t, v_t, out, lse, n, *_rows(q_t, k_t, v_t, out), lse.stride(0), float(scale),
+        _tail_fwd_kernel[(m, Hkv)](q_t, k_t, v_t, out, lse, n, *_rows(q_t, k_t, v_t, out, lse), float(scale),
                                    **_sizes(q_t, v_t, r))
         return
     acc = _acc(q_t.dtype)
@@ -75,8 +76,13 @@ def tail_backward(dout_t: Tensor, dq: Tensor, dk: Tensor, dv: Tensor, n: int) ->
 
 
 def _rows(*xs: Tensor) -> tuple[int, ...]:
-    """The token and head strides of each ``[T, heads, D]`` tensor, in order (the kernels' stride arguments)."""
-    return tuple(s for x in xs for s in x.stride()[:2])
+    """The strides of each tensor but its last, in order (the kernels' stride arguments: token and head of a
+    ``[T, heads, D]`` tensor, head of the ``[H, T]`` lse).  The kernels index the last dim as contiguous: any other
+    layout is a ValueError (the torch path takes any)."""
+    if any(x.stride(-1) != 1 for x in xs):
+        raise ValueError("varlen_tail: the kernels read rows whose last dim is contiguous; got strides "
+                         f"{[x.stride() for x in xs]}")
+    return tuple(s for x in xs for s in x.stride()[:-1])
 
 
 def _sizes(qd: Tensor, vd: Tensor, r: int) -> dict:
