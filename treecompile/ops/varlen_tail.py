@@ -97,19 +97,22 @@ def _sizes(qd: Tensor, vd: Tensor, r: int) -> dict:
 
 if triton is not None:
 
+    @triton.jit
+    def _program(n, R, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+        """A program's tail token ``n + program 0`` and kv head ``program 1`` (int64), the ``BLOCK_R`` query heads of
+        its group (the first ``R`` real: mask) and the aranges of the query/key and value head dims."""
+        t = n + tl.program_id(0).to(tl.int64)
+        g = tl.program_id(1).to(tl.int64)
+        j = tl.arange(0, BLOCK_R)
+        return t, g, g * R + j, j < R, tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
+
     @triton.jit(do_not_specialize=["n"])  # the tail's start changes with every batch: one compiled kernel
     def _tail_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, n, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h,
                          sl_h, scale, R, D, DV, ACC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
                          BLOCK_DV: tl.constexpr):
         """Tail token ``n + program 0``, kv head ``program 1``: the scores of its ``R`` query heads with its key,
         scaled into the lse rows; its value row into their output rows."""
-        t = n + tl.program_id(0).to(tl.int64)
-        g = tl.program_id(1).to(tl.int64)
-        j = tl.arange(0, BLOCK_R)
-        d = tl.arange(0, BLOCK_D)
-        e = tl.arange(0, BLOCK_DV)
-        heads = g * R + j
-        rmask = j < R
+        t, g, heads, rmask, d, e = _program(n, R, BLOCK_R, BLOCK_D, BLOCK_DV)
         k = tl.load(k_ptr + t * sk_t + g * sk_h + d, mask=d < D, other=0.0).to(ACC)
         q = tl.load(q_ptr + t * sq_t + heads[:, None] * sq_h + d[None, :], mask=rmask[:, None] & (d < D)[None, :],
                     other=0.0).to(ACC)
@@ -124,13 +127,7 @@ if triton is not None:
                          ACC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
         """Tail token ``n + program 0``, kv head ``program 1``: zero query rows of its ``R`` query heads and zero key
         row; its value row the sum of their output gradients."""
-        t = n + tl.program_id(0).to(tl.int64)
-        g = tl.program_id(1).to(tl.int64)
-        j = tl.arange(0, BLOCK_R)
-        d = tl.arange(0, BLOCK_D)
-        e = tl.arange(0, BLOCK_DV)
-        heads = g * R + j
-        rmask = j < R
+        t, g, heads, rmask, d, e = _program(n, R, BLOCK_R, BLOCK_D, BLOCK_DV)
         do = tl.load(do_ptr + t * sd_t + heads[:, None] * sd_h + e[None, :], mask=rmask[:, None] & (e < DV)[None, :],
                      other=0.0).to(ACC)
         tl.store(dv_ptr + t * sv_t + g * sv_h + e, tl.sum(do, axis=0).to(dv_ptr.dtype.element_ty), mask=e < DV)
