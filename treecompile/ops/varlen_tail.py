@@ -32,10 +32,11 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _shape(q_t: Tensor, k_t: Tensor) -> tuple[int, int]:
-    """(kv heads, query heads per kv head) of ``[T, H, D]`` queries over ``[T, Hkv, D]`` keys."""
+def _shape(q_t: Tensor, k_t: Tensor, n: int) -> tuple[int, int, int]:
+    """(tail tokens ``T - n``, kv heads, query heads per kv head) of ``[T, H, D]`` queries over ``[T, Hkv, D]``
+    keys."""
     Hkv = k_t.shape[1]
-    return Hkv, q_t.shape[1] // Hkv
+    return q_t.shape[0] - n, Hkv, q_t.shape[1] // Hkv
 
 
 def tail_forward(q_t: Tensor, k_t: Tensor, v_t: Tensor, out: Tensor, lse: Tensor, n: int, scale: float) -> None:
@@ -43,11 +44,9 @@ def tail_forward(q_t: Tensor, k_t: Tensor, v_t: Tensor, out: Tensor, lse: Tensor
     ``lse[:, n:]`` (``[H, T]`` float32: ``scale * q . k``, the dot product accumulated in float32 / float64, the
     kernel's ``scale`` a float32) for the tokens ``[n, T)`` that see only themselves; ``q_t [T, H, D]``, ``k_t`` /
     ``v_t`` ``[T, Hkv, D / Dv]``."""
-    T = q_t.shape[0]
-    m = T - n
+    m, Hkv, r = _shape(q_t, k_t, n)
     if m <= 0:
         return
-    Hkv, r = _shape(q_t, k_t)
     if usable(q_t):
         _tail_fwd_kernel[(m, Hkv)](q_t, k_t, v_t, out, lse, n, *_rows(q_t, k_t, v_t, out, lse), float(scale),
                                    **_sizes(q_t, v_t, r))
@@ -62,11 +61,9 @@ def tail_backward(dout_t: Tensor, dq: Tensor, dk: Tensor, dv: Tensor, n: int) ->
     """Write the gradients of the tokens ``[n, T)`` that see only themselves: ``dq[n:]`` and ``dk[n:]`` zero, ``dv[n:]``
     the sum of ``dout_t[n:]`` over each kv head's query heads (accumulated in float32 / float64, rounded once);
     ``dout_t`` / ``dq`` ``[T, H, Dv / D]``, ``dk`` / ``dv`` ``[T, Hkv, D / Dv]``."""
-    T = dq.shape[0]
-    m = T - n
+    m, Hkv, r = _shape(dq, dk, n)
     if m <= 0:
         return
-    Hkv, r = _shape(dq, dk)
     if usable(dq):
         _tail_bwd_kernel[(m, Hkv)](dout_t, dq, dk, dv, n, *_rows(dout_t, dq, dk, dv), **_sizes(dq, dv, r))
         return
