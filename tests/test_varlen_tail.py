@@ -84,6 +84,47 @@ def test_lse_rows_are_read_in_place_where_fa4_takes_them():
     assert _lse_rows(every_other, 7).is_contiguous()
 
 
+def op_against_reference(dtypes=(torch.float64, torch.bfloat16)) -> dict:
+    """The op (forward and every gradient) on padded, unpadded and all-padding batches, GQA groups of 1, 2 and 4,
+    keeping the gathered rows or not, under ``torch.use_deterministic_algorithms(True)``: every tensor made by
+    ``empty`` is NaN-filled there, so a row nobody writes is a NaN in the results.  Returns the worst float64 error
+    against the dense reference and whether any result held a NaN."""
+    from tests.helpers import deterministic_algorithms
+    from treecompile import Tree
+    from treecompile.ops.tree_attention import tree_attention_reference
+    from treecompile.ops.varlen_tree_attention import tree_attention_varlen
+
+    paths = [[1, 2, 3, 4], [1, 2, 5], [6, 7]]
+    batches = {"padded": Tree.from_paths(paths).to_batch(pad_to_multiple=16).subtree_end,
+               "unpadded": Tree.from_paths(paths).to_batch().subtree_end, "all padding": torch.arange(1, 10)}
+    worst = {"float64": 0.0, "nan": 0}
+    with deterministic_algorithms():
+        for se in batches.values():
+            for (H, Hkv), dtype, keep in ((hs, dt, kp) for hs in ((4, 1), (4, 2), (2, 2)) for dt in dtypes
+                                           for kp in ("none", "all")):
+                T = se.numel()
+                g = torch.Generator().manual_seed(T + H)
+                q, k, v = (torch.randn(1, T, h, 24, generator=g, dtype=torch.float64).to(dtype).transpose(1, 2)
+                           .requires_grad_() for h in (H, Hkv, Hkv))
+                do = torch.randn(1, H, T, 24, generator=g, dtype=torch.float64).to(dtype)
+                out = tree_attention_varlen(q, k, v, se, scale=0.3, keep=keep)
+                got = (out, *torch.autograd.grad(out, (q, k, v), do))
+                worst["nan"] += sum(int(x.detach().isnan().any()) for x in got)
+                if dtype == torch.float64:
+                    ref = tree_attention_reference(q, k, v, se, scale=0.3)
+                    ref = (ref, *torch.autograd.grad(ref, (q, k, v), do))
+                    errors = (float((x - r).detach().abs().max()) for x, r in zip(got, ref))
+                    worst["float64"] = max(worst["float64"], *errors)
+    return worst
+
+
+def test_op_writes_every_row_torch_path():
+    """The op's torch paths (a CPU without Triton's interpreter: the key sums by ``index_add_``, the tail by torch
+    ops) with uninitialised memory NaN-filled: no NaN, float64 equal to the dense reference."""
+    worst = op_against_reference()
+    assert worst["nan"] == 0 and worst["float64"] < 1e-12, worst
+
+
 _INTERPRETED = r"""
 import torch
 from tests.helpers import count_launches
@@ -132,6 +173,11 @@ try:
 except ValueError:
     refused += 1
 worst["refused"] = refused
+# the op with the kernels, uninitialised memory NaN-filled (the key sums leave the rows after the segments to the
+# tail kernel)
+from tests.test_varlen_tail import op_against_reference
+op = op_against_reference()
+worst["op_nan"], worst["op_float64"] = op["nan"], op["float64"]
 print(worst)
 """
 
@@ -143,6 +189,7 @@ def test_tail_kernels_in_interpreter():
     pytest.importorskip("triton")
     worst = run_interpreted(_INTERPRETED)
     assert worst["head_written"] == 0 and worst["grads_nonzero"] == 0 and worst["refused"] == 3
+    assert worst["op_nan"] == 0 and worst["op_float64"] < 1e-12, worst
     assert worst["float64"] <= 1e-14 and worst["lse"] <= 1e-6 and worst["bf16_ulps"] <= 1.0, worst
 
 
@@ -166,7 +213,8 @@ def test_tail_kernels_on_cuda(dtype):
         # the scores: D products summed in float32, then stored as float32
         qk = 0.3 * (q[n:].double() * k[n:].double().repeat_interleave(r, 1)).abs().sum(-1).T
         assert ((lse[:, n:].double() - ref[1]).abs() <= D * 2.0 ** -24 * qk + 2.0 ** -24 * ref[1].abs()).all()
-        ulp = torch.exp2(torch.floor(torch.log2(ref[4].abs().clamp(min=1e-30))) - (7 if dtype == torch.bfloat16 else 23))
+        bits = 7 if dtype == torch.bfloat16 else 23  # mantissa bits of the stored dtype
+        ulp = torch.exp2(torch.floor(torch.log2(ref[4].abs().clamp(min=1e-30))) - bits)
         magnitude = do[n:].double().abs().unflatten(1, (Hkv, r)).sum(2)
         assert ((dv[n:].double() - ref[4]).abs() <= 0.5 * ulp + (r - 1) * 2.0 ** -24 * magnitude + 1e-30).all()
 
