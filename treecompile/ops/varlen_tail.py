@@ -6,7 +6,7 @@ head's, for each query head of the group), its log-sum-exp its one score ``scale
 and key get no gradient (the softmax's weight is 1 whatever the score) and its value row the sum of its output
 gradient over the group's query heads.  Written with torch ops that was three kernels in the forward (the value rows'
 copy, a batched dot product, its scaling into the lse rows) and six in the backward (the query rows' zero fill, the
-key and value rows' zero fills after their copies were summed, the group sum and its copy, the lse's contiguous copy
+key and value rows' zero fills in the copies' sums, the group sum and its copy, the lse's contiguous copy
 for FA4), on every attention layer of a padded batch: 252 launches of a Qwen3-0.6B step on the agentic
 parallel-tools tree, whose back-to-back steps are GPU-bound and lose about 4 us between kernels
 (benchmarks/results/h200_s51).  Here the forward is one kernel and the backward one; FA4 reads the lse's first
