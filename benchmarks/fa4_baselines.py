@@ -152,18 +152,20 @@ def compiled_per_path_fa4(steps):
     return steps.per_path_step("per_path_fa4_fn", swaps=lambda: [patched_sdpa(fa4_causal_sdpa)], cudnn_first=False)
 
 
-def zeroed_grads(params) -> None:
-    """Give each parameter a zero ``.grad`` that is a view of one new zeroed buffer per dtype (one fill per dtype, not
-    one per parameter), for backward passes to add into in place."""
+def zeroed_grads(params) -> list[Tensor]:
+    """Give each parameter a zero ``.grad`` that is a view of one new zeroed buffer per dtype, for backward passes
+    to add into in place; returns the buffers (a later step zeroes them: one fill per dtype, not one per parameter)."""
     by_dtype: dict = {}
     for p in params:
         by_dtype.setdefault((p.dtype, p.device), []).append(p)
+    flats = []
     for (dtype, device), ps in by_dtype.items():
-        flat = torch.zeros(sum(p.numel() for p in ps), dtype=dtype, device=device)
+        flats.append(torch.zeros(sum(p.numel() for p in ps), dtype=dtype, device=device))
         offset = 0
         for p in ps:
-            p.grad = flat[offset:offset + p.numel()].view_as(p)
+            p.grad = flats[-1][offset:offset + p.numel()].view_as(p)
             offset += p.numel()
+    return flats
 
 
 def packed_fa4_varlen(steps, capacity: int, *, cudagraphs: bool = False):
@@ -173,9 +175,10 @@ def packed_fa4_varlen(steps, capacity: int, *, cudagraphs: bool = False):
     each pack shape captured whole as CUDA graphs (inductor's ``mode="reduce-overhead"``; FA4's calls are
     captured with the rest, their inputs, ``cu_seqlens`` among them, copied into the graphs' buffers on each
     replay), one CUDA-graph step per pack (``cudagraph_mark_step_begin``).  Its gradients then accumulate into
-    zeroed buffers of the step's own (:func:`zeroed_grads`: one allocation and fill per dtype): a graph's gradient
-    outputs live in its pool, and the next pack's replay overwrites them, so autograd must not keep them as
-    ``.grad`` to add the next pack's into (torch raises on that)."""
+    buffers of its own, made once and zeroed at each step's start (:func:`zeroed_grads`: one fill per dtype, as
+    ``optimizer.zero_grad(set_to_none=False)`` would): a graph's gradient outputs live in its pool, and the next
+    pack's replay overwrites them, so autograd must not keep them as ``.grad`` to add the next pack's into (torch
+    raises on that)."""
     try:
         from benchmarks.harness import pack_plan
     except ImportError:
@@ -205,12 +208,19 @@ def packed_fa4_varlen(steps, capacity: int, *, cudagraphs: bool = False):
 
     fn = torch.compile(loss_fn, dynamic=False, mode="reduce-overhead" if cudagraphs else None)
 
-    params = [p for p in model.parameters() if p.requires_grad]
+    params = [p for p in model.parameters() if p.requires_grad] if cudagraphs else []
+    flats = zeroed_grads(params)
+    views = [p.grad for p in params]
 
     def step():
-        steps.zero()
-        if cudagraphs:
-            zeroed_grads(params)
+        if not cudagraphs:
+            steps.zero()
+        else:
+            for flat in flats:
+                flat.zero_()
+            if not all(p.grad is g for p, g in zip(params, views)):  # set to None between steps (the harness does)
+                for p, g in zip(params, views):
+                    p.grad = g
         total = 0.0
         with steps.spec.baseline_context(steps.model), patched_sdpa(fa4_varlen_sdpa):
             for ids, targets, same, cu in packs:

@@ -114,8 +114,8 @@ BASELINES = ("eager_per_path", "compiled_per_path", "packed_flex", "compiled_per
 TREE_CONTENDERS = ("tree", "tree_heavy_first", "tree_fa4_varlen", "tree_fa4_flex", "tree_conv_fla",
                    "tree_conv_shifts_inductor", "tree_head_chunked", "tree_head_kept", "tree_keys_gathered",
                    "tree_fa4_interface", "tree_fa4_bwd_interface", "tree_cpp_wrapper", "tree_cudagraphs",
-                   "tree_driver_reads", "tree_deterministic", "tree_block_sparse_heavy_first", "tree_lex", "tree_packed",
-                   "tree_rf")
+                   "tree_driver_reads", "tree_deterministic", "tree_block_sparse_heavy_first", "tree_lex",
+                   "tree_packed", "tree_rf")
 CONTENDERS = BASELINES + TREE_CONTENDERS
 # run when named only: the C++ wrapper's first step compiles for minutes (417 s on the 0.6B, session 43), the CUDA
 # graphs' contender was measured slower (session 45; its packed counterpart is not yet measured), and the
@@ -1143,6 +1143,19 @@ def _with_attention_setup(note: str | None, dev) -> str | None:
 LOOP_ROUNDS = 3  # --loop N: rounds of N back-to-back steps, each round one timed figure
 
 
+def steps_seconds(step: Callable, dev, n: int = 1) -> float:
+    """Seconds a step over ``n`` steps run back to back between two synchronizes (``n`` 1: one synchronized step).
+    Back to back, the host's work for step i+1 overlaps the GPU's for step i, as in a training loop that does not
+    wait for the GPU each step (no ``loss.item()`` per step); a step with a wait of its own (a copy to the host, a
+    read of a device value) does not overlap so."""
+    _sync(dev)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        step()
+    _sync(dev)
+    return (time.perf_counter() - t0) / n
+
+
 def time_steps(step: Callable, dev, iters: int, loop: int = 0):
     """(first step seconds, every timed step's seconds, peak GiB, loss of the first step).  ``loop`` 0: ``iters``
     steps, each between two synchronizes.  ``loop`` N: :data:`LOOP_ROUNDS` rounds of N steps back to back with one
@@ -1155,14 +1168,7 @@ def time_steps(step: Callable, dev, iters: int, loop: int = 0):
     first = time.perf_counter() - t0
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    ts = []
-    for _ in range(LOOP_ROUNDS if loop else iters):
-        _sync(dev)
-        t0 = time.perf_counter()
-        for _ in range(max(loop, 1)):
-            step()
-        _sync(dev)
-        ts.append((time.perf_counter() - t0) / max(loop, 1))
+    ts = [steps_seconds(step, dev, max(loop, 1)) for _ in range(LOOP_ROUNDS if loop else iters)]
     peak = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None
     return first, ts, peak, loss
 

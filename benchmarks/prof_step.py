@@ -167,28 +167,6 @@ def profile_step(step, *, stacks: bool = False, host_top: int = 0) -> dict:
             "host_top": host_self_ms(prof, host_top)}
 
 
-def synced_step_s(step) -> float:
-    """One step between two synchronizes: seconds."""
-    _sync()
-    t0 = time.perf_counter()
-    step()
-    _sync()
-    return time.perf_counter() - t0
-
-
-def loop_step_s(step, n: int) -> float:
-    """Seconds a step over ``n`` steps run back to back with one synchronize before and after: a training loop that
-    does not wait for the GPU each step (no ``loss.item()`` per step), where the host prepares step i+1 while the
-    GPU still runs step i.  Only a step with no wait of its own (a copy to the host, a read of a device value)
-    overlaps so; the synchronized step counts the host's lead-in and every host-bound stretch."""
-    _sync()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        step()
-    _sync()
-    return (time.perf_counter() - t0) / n
-
-
 def profile_loop(step, n: int) -> dict:
     """``n`` steps back to back under a CUDA-only profiler (no host op events: the host runs nearly as fast as
     unprofiled, where a CPU profile of the same loop made it host-bound), per step: the wall time, the kernel time,
@@ -311,9 +289,10 @@ def main(argv=None) -> int:
             _sync()
             times.append(time.perf_counter() - t0)
         loops, synced = [], []
+        cuda = torch.device("cuda")
         for _ in range(3 if args.loop else 0):  # rounds: N steps back to back, then N synchronized ones (median)
-            loops.append(loop_step_s(step, args.loop))
-            synced.append(statistics.median(synced_step_s(step) for _ in range(args.loop)))
+            loops.append(harness.steps_seconds(step, cuda, args.loop))
+            synced.append(statistics.median(harness.steps_seconds(step, cuda) for _ in range(args.loop)))
         row = {"contender": name, "model": args.model, "tree": case.name, "tree_tokens": steps.tree.num_tokens,
                "path_tokens": steps.tree.num_path_tokens, "first_s": round(first, 3),
                "step_s": round(statistics.median(times), 4), "host_s": round(statistics.median(hosts), 4),
@@ -334,7 +313,8 @@ def main(argv=None) -> int:
             print(f"#   back to back ({args.loop} steps, one synchronize; 3 rounds): "
                   + ", ".join(f"{x * 1e3:.1f}" for x in loops) + " ms a step (synchronized, each round's median: "
                   + ", ".join(f"{x * 1e3:.1f}" for x in synced) + "); 3 steps under a CUDA-only profiler: "
-                  f"{lp['wall_ms']:.1f} ms a step, kernels {lp['kernel_ms']:.1f} ms, GPU busy {lp['gpu_busy_ms']:.1f} ms,"
+                  f"{lp['wall_ms']:.1f} ms a step, kernels {lp['kernel_ms']:.1f} ms, "
+                  f"GPU busy {lp['gpu_busy_ms']:.1f} ms,"
                   f" idle {lp['idle_ms']:.1f} ms: " + ", ".join(f"{label} {k:g} gaps {ms:.2f} ms"
                                                            for label, (k, ms) in lp["gaps"].items()))
             for ms, before, after in lp["largest"][:8]:

@@ -697,16 +697,17 @@ def test_cuda_tree_contenders_pass_options_that_tree_step_takes(monkeypatch):
 
 
 def test_prof_step_loop_runs_the_steps_back_to_back_between_two_synchronizes(monkeypatch):
-    """``--loop``: N steps with one synchronize before and one after, none between (the steps overlap on the GPU as
-    in a training loop that does not wait each step); a synchronized step waits before and after."""
-    from benchmarks import prof_step
+    """``--loop`` (``prof_step``'s and the harness's: ``harness.steps_seconds``): N steps with one synchronize before
+    and one after, none between (the steps overlap on the GPU as in a training loop that does not wait each step); a
+    synchronized step waits before and after."""
+    from benchmarks import harness
 
     calls = []
-    monkeypatch.setattr(prof_step, "_sync", lambda: calls.append("sync"))
-    assert prof_step.loop_step_s(lambda: calls.append("step"), 4) >= 0
+    monkeypatch.setattr(harness, "_sync", lambda dev: calls.append("sync"))
+    assert harness.steps_seconds(lambda: calls.append("step"), torch.device("cuda"), 4) >= 0
     assert calls == ["sync"] + ["step"] * 4 + ["sync"]
     calls.clear()
-    prof_step.synced_step_s(lambda: calls.append("step"))
+    harness.steps_seconds(lambda: calls.append("step"), torch.device("cuda"))
     assert calls == ["sync", "step", "sync"]
 
 

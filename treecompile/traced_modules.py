@@ -204,6 +204,15 @@ class TracedModules:
                 + len(glob_post & set(nn.modules.module._global_forward_hooks)))
 
 
+def check_unchanged(tmodel) -> None:
+    """The TreeModel's call-time refusal of a model changed after compile (``TreeModel._check_bound``, over
+    :class:`TracedModules`), for the runners that call its program directly (redundancy-free partitions, the
+    router's counting pass); nothing for an object without that check."""
+    check = getattr(tmodel, "_check_bound", None)
+    if check is not None:
+        check()
+
+
 _training = operator.attrgetter("training")
 _MISSING = object()
 # module flags that say how a module is called, not what it computes: the mode (checked where the model has dropout)

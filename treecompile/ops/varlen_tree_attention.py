@@ -163,10 +163,10 @@ class BlockSparsePlan:
 
 # Whether each segment plan is proven to be the tree mask once laid out (:func:`_check_plan`: every query-key pair
 # of the mask attended once, nothing else; O(intervals + runs), about 120 small host ops: 0.7 ms at 64k tokens on
-# this repository's CPU, where the rest of a CUDA batch's plan takes 0.8).  The plan is a function of the walk, and the walk is exact on every
-# ``subtree_end`` that the nesting check (:func:`_check_nested`, always run) passes; so this is a check of this
-# module's own layout code, not of the batch: on in the test suite (tests/conftest.py), and for a user who wants
-# the proof at run time (``TREECOMPILE_VERIFY_PLANS=1``).
+# this repository's CPU, where the rest of a CUDA batch's plan takes 0.8).  The plan is a function of the walk, and
+# the walk is exact on every ``subtree_end`` that the nesting check (:func:`_check_nested`, always run) passes; so
+# this is a check of this module's own layout code, not of the batch: on in the test suite (tests/conftest.py), and
+# for a user who wants the proof at run time (``TREECOMPILE_VERIFY_PLANS=1``).
 VERIFY_PLANS = os.environ.get("TREECOMPILE_VERIFY_PLANS", "0") == "1"
 # most key rows a plan may gather, in units of T (plus MAX_GATHER_ROWS): the deep agentic trees of the
 # benchmark gather 20-22x T; a comb (a long spine with a leaf at every token) would gather O(T^2) rows
@@ -452,7 +452,7 @@ def _check_depths(w: _Walk, pos: Tensor) -> None:
     changes = torch.sub(pos[1:], pos[:-1]).ne_(1).nonzero().flatten().add_(1)  # tokens not their previous + 1
     starts = torch.tensor(w.starts, dtype=torch.int64)
     changes = changes[changes < w.tail]  # (the tail's tokens are roots: they may start anywhere)
-    inner = changes[starts[torch.searchsorted(starts, changes).clamp_(max=max(starts.numel() - 1, 0))] != changes]
+    inner = changes[torch.isin(changes, starts, invert=True)]
     pairs = [(int(inner[0]) - 1, int(inner[0]))] if inner.numel() else []
     heads = [(par[1] - 1, a) for a, par in zip(w.starts, w.parents) if par is not None]
     if heads:

@@ -68,6 +68,7 @@ from treecompile.passes.expose_boundary import BoundarySpec
 from treecompile.router_aux import ROUTER_WEIGHTS
 from treecompile.runtime.metrics import Reuse, reuse
 from treecompile.runtime.partition import RedundancyFreePlan
+from treecompile.traced_modules import check_unchanged
 
 __all__ = ["run_redundancy_free", "RedundancyFreeResult", "prepass_redundancy_free", "PrePass"]
 
@@ -417,9 +418,7 @@ def run_redundancy_free(tmodel, plan: RedundancyFreePlan, *, normalize: str = "s
     compiled with ``router_aux``; ``train_step`` computes them); the partitions' router losses are in the
     returned loss and, summed, in ``aux_loss`` / ``z_loss``.
     """
-    check = getattr(tmodel, "_check_bound", None)
-    if check is not None:  # the partitions run the program directly: the TreeModel's own call-time check, here
-        check()
+    check_unchanged(tmodel)  # the program runs directly here: the TreeModel's own call-time check
     ex = _Executor(tmodel, plan, normalize, loss_fn, data, router=router)
     _run(ex)
     return RedundancyFreeResult(**ex.results(), tokens_computed=ex.computed, num_partitions=len(plan),

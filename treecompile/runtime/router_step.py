@@ -35,6 +35,7 @@ from treecompile.host_values import host_copy, repeat_counts
 from treecompile.ops.router_loss import ancestor_sums
 from treecompile.router_aux import RouterAux, RouterWeights
 from treecompile.runtime.normalization import GlobalNorm
+from treecompile.traced_modules import check_unchanged
 from treecompile.tree import Tree
 
 __all__ = ["TreeRouterWeights", "needs_counts", "count_routes", "step_router_weights"]
@@ -85,9 +86,7 @@ def count_routes(tmodel, tree: Tree, plan=None, *, conv_kernel: int) -> torch.Te
         [plan.batch(i, conv_kernel=conv_kernel) for i in range(len(plan))]
     if plan is not None and not isinstance(plan, PackedPlan):
         raise TypeError(f"count_routes: expected a PackedPlan or RedundancyFreePlan, got {type(plan).__name__}")
-    check = getattr(tmodel, "_check_bound", None)
-    if check is not None:  # the batches run the program directly: the TreeModel's own call-time check, here
-        check()
+    check_unchanged(tmodel)  # the program runs directly here: the TreeModel's own call-time check
     for k, batch in enumerate(batches):
         try:
             batch.check_ids(tmodel.vocab_size)
