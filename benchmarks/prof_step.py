@@ -14,7 +14,8 @@ copies/memsets, other) with the top kernels, the host's lead-in before the first
 both named by the host events under them.  ``--loop N``: also N steps back to back with one synchronize (what a
 training loop that does not wait for the GPU each step gets: the host's lead-in and host-bound stretches overlap
 the GPU's work of the step before), alternating with N synchronized steps, 3 rounds, and 3 such steps profiled for
-the GPU's idle time between kernels.
+the GPU's idle time between kernels; the SM clock, power and clock caps of each kind of round are sampled
+(:mod:`benchmarks.gpu_clocks`).
 One JSON line per contender, then a readable summary.
 """
 
@@ -31,6 +32,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks import harness
+from benchmarks.gpu_clocks import GpuClocks, device_id
 
 # kernel name -> kind; the first pattern that matches wins (names of cuDNN/FA4/flex/cuBLAS/CUTLASS/Triton)
 KINDS = [
@@ -290,14 +292,18 @@ def main(argv=None) -> int:
             times.append(time.perf_counter() - t0)
         loops, synced = [], []
         cuda = torch.device("cuda")
+        # the SM clock and power each kind of round ran at (a GPU with fewer idle gaps may hold a lower clock)
+        clocks = {"loop": GpuClocks(device_id()), "synced": GpuClocks(device_id())} if args.loop else {}
         for _ in range(3 if args.loop else 0):  # rounds: N steps back to back, then N synchronized ones (median)
-            loops.append(harness.steps_seconds(step, cuda, args.loop))
-            synced.append(statistics.median(harness.steps_seconds(step, cuda) for _ in range(args.loop)))
+            with clocks["loop"]:
+                loops.append(harness.steps_seconds(step, cuda, args.loop))
+            with clocks["synced"]:
+                synced.append(statistics.median(harness.steps_seconds(step, cuda) for _ in range(args.loop)))
         row = {"contender": name, "model": args.model, "tree": case.name, "tree_tokens": steps.tree.num_tokens,
                "path_tokens": steps.tree.num_path_tokens, "first_s": round(first, 3),
                "step_s": round(statistics.median(times), 4), "host_s": round(statistics.median(hosts), 4),
-               **({"loop_step_s": [round(x, 4) for x in loops], "synced_step_s": [round(x, 4) for x in synced]}
-                  if loops else {}),
+               **({"loop_step_s": [round(x, 4) for x in loops], "synced_step_s": [round(x, 4) for x in synced],
+                   "clocks": {kind: c.summary() for kind, c in clocks.items()}} if loops else {}),
                **profile_step(step, stacks=args.stacks, host_top=args.host_top)}
         if args.loop:
             row["loop_profile"] = profile_loop(step, 3)
@@ -317,6 +323,12 @@ def main(argv=None) -> int:
                   f"GPU busy {lp['gpu_busy_ms']:.1f} ms,"
                   f" idle {lp['idle_ms']:.1f} ms: " + ", ".join(f"{label} {k:g} gaps {ms:.2f} ms"
                                                            for label, (k, ms) in lp["gaps"].items()))
+            for kind, c in row["clocks"].items():
+                print(f"#   {kind} rounds: " + (f"SM clock {c['sm_mhz']:.0f} MHz (lowest {c['sm_mhz_min']:.0f}), "
+                                              f"{c['power_w']:.0f} W, {c['temp_c']:.0f} C, samples capped: "
+                                              + ", ".join(f"{k} {v:.0%}" for k, v in c["capped"].items() if v)
+                                              + f" ({c['samples']} busy samples)"
+                                              if "error" not in c else f"clocks not read: {c['error']}"))
             for ms, before, after in lp["largest"][:8]:
                 print(f"#     {ms:8.3f} ms  after {before}  before {after}")
         for kind, ms in row["by_kind_ms"].items():

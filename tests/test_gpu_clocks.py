@@ -1,0 +1,71 @@
+"""benchmarks.gpu_clocks: the SM clock / power sampler behind ``prof_step --loop``'s clock lines (issue 16)."""
+
+import os
+import stat
+import sys
+import time
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from benchmarks.gpu_clocks import GpuClocks, summarize  # noqa: E402
+
+
+def test_summarize_drops_idle_samples_and_counts_the_unreadable():
+    lines = ["1980, 300.0, 40, 0x0000000000000001",  # idle: left out
+             "1755, 690.5, 61, 0x0000000000000004",  # software power cap
+             "1800, 650.0, 62, 0x0000000000000000",
+             "1700, 700.0, 63, 0x0000000000000024",  # power cap and software thermal slowdown
+             "[N/A], 650.0, 62, 0x0",  # unreadable clock
+             "1750, 6",  # a line cut off when the sampler was stopped
+             ""]
+    s = summarize(lines)
+    assert s["samples"] == 3 and s["idle_samples"] == 1 and s["bad_samples"] == 2
+    assert s["sm_mhz"] == 1755 and s["sm_mhz_min"] == 1700 and s["power_w"] == 690.5 and s["temp_c"] == 62
+    assert s["capped"]["sw_power_cap"] == pytest.approx(2 / 3, abs=1e-3)
+    assert s["capped"]["sw_thermal"] == pytest.approx(1 / 3, abs=1e-3)
+    assert s["capped"]["hw_thermal"] == 0
+
+
+def test_summarize_without_busy_samples_says_so():
+    assert "no busy samples (1 idle, 1 unreadable)" in summarize(["1980, 300, 40, 0x1", "garbage"])["error"]
+
+
+def test_missing_nvidia_smi_is_an_error_not_numbers(monkeypatch):
+    monkeypatch.setattr("shutil.which", lambda name: None)
+    with GpuClocks() as c:
+        pass
+    assert c.summary() == {"error": "nvidia-smi not found"}
+
+
+def _fake_smi(tmp_path, refuse_new_field: bool):
+    p = tmp_path / "nvidia-smi"
+    refuse = 'case "$*" in *clocks_event_reasons*) echo "Field \\"clocks_event_reasons.active\\" is not a valid field" >&2; exit 2;; esac\n' if refuse_new_field else ""
+    p.write_text("#!/bin/bash\n" + refuse + 'echo "$*" > "$(dirname "$0")/args"\n'
+                 'while true; do echo "1755, 690.5, 61, 0x0000000000000004"; sleep 0.02; done\n')
+    p.chmod(p.stat().st_mode | stat.S_IEXEC)
+    return str(p)
+
+
+@pytest.mark.parametrize("refuse_new_field", [False, True])
+def test_sampler_runs_for_the_block_and_falls_back_to_the_old_field_name(tmp_path, refuse_new_field):
+    c = GpuClocks("00000000:19:00.0", interval_ms=20, smi=_fake_smi(tmp_path, refuse_new_field))
+    for _ in range(2):  # rounds of one kind add up
+        with c:
+            time.sleep(0.4)
+    s = c.summary()
+    assert "error" not in s, s
+    assert s["samples"] >= 4 and s["sm_mhz"] == 1755 and s["capped"]["sw_power_cap"] == 1.0
+    args = (tmp_path / "args").read_text()
+    assert "-i 00000000:19:00.0" in args and "-lms 20" in args
+    assert ("clocks_throttle_reasons.active" if refuse_new_field else "clocks_event_reasons.active") in args
+
+
+def test_a_refused_query_is_an_error_with_nvidia_smis_words(tmp_path):
+    p = tmp_path / "nvidia-smi"
+    p.write_text('#!/bin/bash\necho "No devices were found" >&2\nexit 6\n')
+    p.chmod(p.stat().st_mode | stat.S_IEXEC)
+    with GpuClocks(smi=str(p)) as c:
+        pass
+    assert "rc 6: No devices were found" in c.summary()["error"]
