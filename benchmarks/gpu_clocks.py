@@ -103,11 +103,13 @@ class GpuClocks:
         return {"error": self._error} if self._error else summarize(self._lines)
 
 
-def device_id(index: int = 0) -> str:
-    """``nvidia-smi -i``'s id for torch's CUDA device ``index``: its PCI bus id where torch reports one (the indices
-    differ under ``CUDA_VISIBLE_DEVICES``), else the index."""
+def device_id(index: int | None = None) -> str:
+    """``nvidia-smi -i``'s id for torch's CUDA device ``index`` (None: the current one): its PCI bus id where torch
+    reports one (the indices differ under ``CUDA_VISIBLE_DEVICES``), else the index."""
     import torch
 
+    if index is None:
+        index = torch.cuda.current_device()
     props = torch.cuda.get_device_properties(index)
     bus = getattr(props, "pci_bus_id", None)
     if bus is None:

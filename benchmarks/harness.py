@@ -102,11 +102,13 @@ if __package__:
     from benchmarks import hf_models
     from benchmarks.child_process import run_child
     from benchmarks.flops import FlopModel, path_attention_entries, tree_attention_entries
+    from benchmarks.gpu_clocks import GpuClocks, device_id
     from benchmarks.trees import agentic_paths, agentic_specs, group_paths, max_por, synthetic_paths
 else:  # run as a script: benchmarks/ is on sys.path
     import hf_models
     from child_process import run_child
     from flops import FlopModel, path_attention_entries, tree_attention_entries
+    from gpu_clocks import GpuClocks, device_id
     from trees import agentic_paths, agentic_specs, group_paths, max_por, synthetic_paths
 
 BASELINES = ("eager_per_path", "compiled_per_path", "packed_flex", "compiled_per_path_fa4", "packed_fa4_varlen",
@@ -329,6 +331,7 @@ class Result:
     note: str | None = None  # what a contender chose at run time (e.g. its attention kernel)
     pid: int | None = None  # the process that ran it (with --isolate: one per contender)
     step_times_s: list | None = None  # every timed step (step_s is their median): noisy hosts show here
+    clocks: dict | None = None  # CUDA: the SM clock, power and clock caps over the timed steps (gpu_clocks)
 
 
 # ---------------------------------------------------------------------------------------------- trees
@@ -1156,11 +1159,12 @@ def steps_seconds(step: Callable, dev, n: int = 1) -> float:
     return (time.perf_counter() - t0) / n
 
 
-def time_steps(step: Callable, dev, iters: int, loop: int = 0):
+def time_steps(step: Callable, dev, iters: int, loop: int = 0, clocks=None):
     """(first step seconds, every timed step's seconds, peak GiB, loss of the first step).  ``loop`` 0: ``iters``
     steps, each between two synchronizes.  ``loop`` N: :data:`LOOP_ROUNDS` rounds of N steps back to back with one
     synchronize before and after, each round's seconds per step (a training loop that does not wait for the GPU
-    each step: the host's work for step i+1 overlaps the GPU's for step i)."""
+    each step: the host's work for step i+1 overlaps the GPU's for step i).  ``clocks``: a context manager (a
+    :class:`benchmarks.gpu_clocks.GpuClocks`) entered around the timed steps only, not the first."""
     _sync(dev)
     t0 = time.perf_counter()
     loss = float(step())
@@ -1168,7 +1172,8 @@ def time_steps(step: Callable, dev, iters: int, loop: int = 0):
     first = time.perf_counter() - t0
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    ts = [steps_seconds(step, dev, max(loop, 1)) for _ in range(LOOP_ROUNDS if loop else iters)]
+    with clocks if clocks is not None else contextlib.nullcontext():
+        ts = [steps_seconds(step, dev, max(loop, 1)) for _ in range(LOOP_ROUNDS if loop else iters)]
     peak = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None
     return first, ts, peak, loss
 
@@ -1239,9 +1244,11 @@ def run_contenders(model, spec: ModelSpec, case: TreeCase, cfg: BenchConfig, con
                 flops = fm.train(tokens, entries)
             r.note, steps.note = steps.note, None
             stage = "steps"
-            first, times, peak, loss = time_steps(step, dev, cfg.iters, cfg.loop)
+            clocks = GpuClocks(device_id(dev.index)) if dev.type == "cuda" else None
+            first, times, peak, loss = time_steps(step, dev, cfg.iters, cfg.loop, clocks=clocks)
             med = statistics.median(times)
             r.step_times_s = [round(t, 5) for t in times]
+            r.clocks = clocks.summary() if clocks is not None else None
             stage = "gradient copy"
             g = flat_grads(model)  # the reference waits on the host, not in the next contender's memory
             if name == "eager_per_path":

@@ -751,6 +751,26 @@ def test_harness_loop_times_rounds_of_back_to_back_steps(tmp_path):
     assert rc == 0 and json.load(open(tmp_path / "env.json"))["timing"] == "loop 2"
     (row,) = _jsonl(tmp_path / "results.jsonl")
     assert row["status"] == "ok" and len(row["step_times_s"]) == harness.LOOP_ROUNDS
+    assert row["clocks"] is None  # sampled on CUDA only
+
+
+def test_harness_samples_the_clocks_over_the_timed_steps_only():
+    """``time_steps(clocks=...)``: the sampler runs around the timed steps, not the first (compiling) one."""
+    import contextlib
+
+    from benchmarks import harness
+
+    calls = []
+
+    @contextlib.contextmanager
+    def clocks():
+        calls.append("clocks on")
+        yield
+        calls.append("clocks off")
+
+    harness.time_steps(lambda: calls.append("step") or torch.tensor(1.0), torch.device("cpu"), iters=2,
+                       clocks=clocks())
+    assert calls == ["step", "clocks on", "step", "step", "clocks off"]
 
 
 def test_packed_fa4_varlen_cudagraphs_compiles_the_packed_step_for_cuda_graphs(monkeypatch):
