@@ -117,14 +117,15 @@ TREE_CONTENDERS = ("tree", "tree_heavy_first", "tree_fa4_varlen", "tree_fa4_flex
                    "tree_conv_shifts_inductor", "tree_head_chunked", "tree_head_kept", "tree_keys_gathered",
                    "tree_fa4_interface", "tree_fa4_bwd_interface", "tree_cpp_wrapper", "tree_cudagraphs",
                    "tree_driver_reads", "tree_deterministic", "tree_block_sparse_heavy_first", "tree_lex",
-                   "tree_packed", "tree_rf")
+                   "tree_kv_expanded", "tree_packed", "tree_rf")
 CONTENDERS = BASELINES + TREE_CONTENDERS
 # run when named only: the C++ wrapper's first step compiles for minutes (417 s on the 0.6B, session 43), the CUDA
 # graphs' contender was measured slower (session 45; its packed counterpart is not yet measured), and the
-# driver-reads, deterministic, block-sparse-order and backward-interface trees and the lexicographic serialisation
-# are A/Bs of one setting against ``tree``
+# driver-reads, deterministic, block-sparse-order, backward-interface and expanded-K/V trees and the lexicographic
+# serialisation are A/Bs of one setting against ``tree``
 ON_REQUEST = ("tree_cpp_wrapper", "tree_cudagraphs", "packed_fa4_varlen_cudagraphs", "tree_driver_reads",
-              "tree_deterministic", "tree_block_sparse_heavy_first", "tree_lex", "tree_fa4_bwd_interface")
+              "tree_deterministic", "tree_block_sparse_heavy_first", "tree_lex", "tree_fa4_bwd_interface",
+              "tree_kv_expanded")
 DEFAULT_CONTENDERS = tuple(c for c in CONTENDERS if c not in ON_REQUEST)
 
 
@@ -554,6 +555,16 @@ def _with_block_sparse_layout(step: Callable, layout: str) -> Callable:
     return _with_setting(step, varlen_tree_attention, "BLOCK_SPARSE_LAYOUT", layout)
 
 
+def _with_kv_heads(step: Callable, kv_heads: str) -> Callable:
+    """``step`` with the varlen op's segments reading K/V as ``kv_heads`` ("grouped" or "expanded":
+    ``varlen_tree_attention.KV_HEADS``) while it runs; refused at once if not one of those."""
+    from treecompile.ops import varlen_tree_attention
+
+    if kv_heads not in varlen_tree_attention.KV_HEADS_CHOICES:
+        raise ValueError(f"kv_heads: expected one of {varlen_tree_attention.KV_HEADS_CHOICES}, got {kv_heads!r}")
+    return _with_setting(step, varlen_tree_attention, "KV_HEADS", kv_heads)
+
+
 def _without_fa4_replay(step: Callable, setting: str = "ENABLED") -> Callable:
     """``step`` with ``ops.fa4_replay`` off while it runs: ``setting`` "ENABLED" (FA4's interfaces on every layer,
     forward and backward) or "BACKWARD" (the backward's only)."""
@@ -971,6 +982,14 @@ class Steps:
         POR 0.9) run that plan; the same TreeModel as ``tree`` (the plan is kept per setting) (CUDA)."""
         return self._cuda_tree_step("the block-sparse plan's order", block_sparse_layout="heavy_first")
 
+    def tree_kv_expanded(self):
+        """``tree`` with the varlen op's segments reading grouped-query K/V expanded to the query heads
+        (``varlen_tree_attention.KV_HEADS = "expanded"``): FA4's backward writes per-head dK/dV instead of
+        accumulating each group's in zero-filled float32 buffers over the gathered rows and converting them; the
+        gather and the copy sums move twice the bytes (``results/h200_s52/probe_gqa52.txt``: per layer of the 0.6B
+        on parallel-tools, FA4's backward 1.303 -> 1.082 ms).  The same TreeModel as ``tree`` (CUDA)."""
+        return self._cuda_tree_step("the varlen op's K/V heads", kv_heads="expanded")
+
     def tree_lex(self):
         """``tree`` on the same paths serialised in lexicographic order (``Tree.from_paths(order="lex")``, the
         default until session 46) instead of heaviest child first; the same TreeModel as ``tree``."""
@@ -984,7 +1003,7 @@ class Steps:
 
     def tree_step(self, layout="dfs", kernel="auto", conv="auto", head="auto", keys="auto", replay=True,
                   cpp_wrapper=False, driver_reads=False, deterministic=False, cudagraphs=False,
-                  block_sparse_layout=None, order=None):
+                  block_sparse_layout=None, order=None, kv_heads=None):
         from treecompile import Tree
 
         if replay not in (True, False, "forward"):
@@ -1012,6 +1031,8 @@ class Steps:
             step = _with_deterministic(step)
         if block_sparse_layout is not None:
             step = _with_block_sparse_layout(step, block_sparse_layout)
+        if kv_heads is not None:
+            step = _with_kv_heads(step, kv_heads)
         return step, tree.num_tokens, _tree_entries([batch.position_ids[:tree.num_tokens]])
 
     def tree_packed(self):

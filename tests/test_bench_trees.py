@@ -98,6 +98,23 @@ def test_block_sparse_heavy_first_contender_sets_the_order_only_while_its_step_r
     assert vta.BLOCK_SPARSE_LAYOUT == "dfs" and "tree_block_sparse_heavy_first" in harness.ON_REQUEST
 
 
+def test_kv_expanded_contender_sets_the_kv_heads_only_while_its_step_runs():
+    """``tree_kv_expanded``'s step runs the varlen op with K/V expanded to the query heads, and the default comes
+    back after, also when the step raises; an unknown setting is refused before any step; on request only."""
+    from benchmarks import harness
+    from treecompile.ops import varlen_tree_attention as vta
+
+    assert harness._with_kv_heads(lambda: vta.KV_HEADS, "expanded")() == "expanded" and vta.KV_HEADS == "grouped"
+
+    def boom():
+        raise RuntimeError("boom")
+    with pytest.raises(RuntimeError, match="boom"):
+        harness._with_kv_heads(boom, "expanded")()
+    assert vta.KV_HEADS == "grouped" and "tree_kv_expanded" in harness.ON_REQUEST
+    with pytest.raises(ValueError, match="kv_heads: expected one of"):
+        harness._with_kv_heads(boom, "repeated")
+
+
 def test_attention_bench_refuses_unknown_contenders(monkeypatch):
     """``bench_fa4_attention --contenders`` names each contender it runs: a misspelt one is refused by name (it
     used to be dropped without a word), every documented one is accepted, and each has its row in ``tree_fns``."""
@@ -692,7 +709,7 @@ def test_cuda_tree_contenders_pass_options_that_tree_step_takes(monkeypatch):
         getattr(steps, name)()
     assert {"keys": "gathered"} in seen and {"replay": False} in seen and {"cpp_wrapper": True} in seen
     assert {"driver_reads": True} in seen and {"cudagraphs": True} in seen and {"deterministic": True} in seen
-    assert {"block_sparse_layout": "heavy_first"} in seen
+    assert {"block_sparse_layout": "heavy_first"} in seen and {"kv_heads": "expanded"} in seen
     assert len(seen) == len(names)
 
 

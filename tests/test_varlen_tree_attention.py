@@ -1618,9 +1618,9 @@ def _count_gathers(monkeypatch) -> list:
     calls = []
     keys = vta.SegmentPlan.keys
 
-    def counted(self, k_t, v_t):
+    def counted(self, k_t, v_t, rep=1):
         calls.append(self.gathered)
-        return keys(self, k_t, v_t)
+        return keys(self, k_t, v_t, rep)
 
     monkeypatch.setattr(vta.SegmentPlan, "keys", counted)
     return calls

@@ -19,10 +19,15 @@ autotuner fails, every call runs that first config, with one warning.)
 
 Where Triton cannot run (CPU without ``TRITON_INTERPRET=1``) :func:`sum_copies` falls back to ``index_add_`` with
 the same float32/float64 accumulation: the same sums, possibly in another order.
+
+Grouped-query K/V expanded to the query heads (``varlen_tree_attention.KV_HEADS = "expanded"``): :func:`gather_rows`
+gathers the rows with each kv head repeated for its query heads (one kernel, each source row read once), and
+``sum_copies(rep=)`` sums a group's heads with the copies in the same accumulator.
 """
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass
 
@@ -33,8 +38,8 @@ from treecompile.host_values import group_index, to_device_async
 # triton is None on CPU-only installs: sum_copies then uses index_add_
 from treecompile.ops.triton_support import available, interpreting, tl, triton, usable
 
-__all__ = ["CopyRuns", "available", "copy_runs", "copy_run_tables", "sum_copies", "sum_copies_index_add", "usable",
-           "CONFIGS"]
+__all__ = ["CopyRuns", "available", "copy_runs", "copy_run_tables", "gather_rows", "sum_copies",
+           "sum_copies_index_add", "usable", "CONFIGS"]
 
 BLOCK_T = 64  # tokens per program (a run is cut into tiles of at most this many)
 # The kernel's configs, (channels per program, column blocks of one tile on consecutive programs, warps), among
@@ -105,11 +110,15 @@ def copy_run_tables(lo: Tensor, hi: Tensor, first: Tensor) -> tuple[Tensor, Tens
 if triton is not None:
 
     @triton.jit(do_not_specialize=["n_tiles"])  # a count that changes with every batch: one compiled kernel
-    def _sum_copies_kernel(src_ptr, out_ptr, tiles_ptr, off_ptr, C, n_tiles, ACC: tl.constexpr,
-                           BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, COLS_FIRST: tl.constexpr):
+    def _sum_copies_kernel(src_ptr, out_ptr, tiles_ptr, off_ptr, C, n_tiles, SC, D, ACC: tl.constexpr,
+                           BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, COLS_FIRST: tl.constexpr,
+                           REP: tl.constexpr = 1):
         """out[t] = sum over the run's offsets of src[t + off] (ACC), for the tile's tokens x BLOCK_C channels.
         One program per (tile, column block), on a 1-D grid: ``COLS_FIRST``, the column blocks of one tile on
-        consecutive programs; else one column block of consecutive tiles."""
+        consecutive programs; else one column block of consecutive tiles.  ``REP`` > 1: a source row holds
+        ``REP`` heads of ``D`` channels for each output head (``SC = REP * C`` channels; the key/value rows
+        expanded to the query heads), summed too: out[t, h, d] = sum over copies, then over p, of
+        src[t + off, h * REP + p, d]."""
         pid = tl.program_id(0).to(tl.int64)
         n_cblk = tl.cdiv(C, BLOCK_C)
         if COLS_FIRST:
@@ -120,6 +129,10 @@ if triton is not None:
             cblk = pid // n_tiles
         cols = cblk * BLOCK_C + tl.arange(0, BLOCK_C)
         cmask = cols < C
+        if REP == 1:
+            scols = cols
+        else:  # output channel h * D + d reads source channels (h * REP + p) * D + d
+            scols = (cols // D) * (REP * D) + cols % D
         t0 = tl.load(tiles_ptr + tile * 4)
         t1 = tl.load(tiles_ptr + tile * 4 + 1)
         e0 = tl.load(tiles_ptr + tile * 4 + 2)
@@ -129,8 +142,25 @@ if triton is not None:
         acc = tl.zeros((BLOCK_T, BLOCK_C), ACC)
         for e in range(e0, e1):
             off = tl.load(off_ptr + e)
-            acc += tl.load(src_ptr + (rows + off)[:, None] * C + cols[None, :], mask=m2, other=0.0).to(ACC)
+            base = src_ptr + (rows + off)[:, None] * SC
+            for p in tl.static_range(REP):
+                acc += tl.load(base + (scols + p * D)[None, :], mask=m2, other=0.0).to(ACC)
         tl.store(out_ptr + rows[:, None] * C + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=m2)
+
+    @triton.jit
+    def _gather_rows_kernel(src_ptr, idx_ptr, out_ptr, G, D, s_t, s_h, REP: tl.constexpr, BLOCK_G: tl.constexpr,
+                            BLOCK_D: tl.constexpr):
+        """out[g, h * REP + p] = src[idx[g], h] for p < REP: one program per block of rows and kv head ``h``, each
+        source row read once and written REP times (out contiguous ``[G, Hkv * REP, D]``)."""
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_G + tl.arange(0, BLOCK_G)
+        h = tl.program_id(1).to(tl.int64)
+        H = tl.num_programs(1).to(tl.int64) * REP
+        d = tl.arange(0, BLOCK_D)
+        m = (rows < G)[:, None] & (d < D)[None, :]
+        tok = tl.load(idx_ptr + rows, mask=rows < G, other=0)
+        x = tl.load(src_ptr + tok[:, None] * s_t + h * s_h + d[None, :], mask=m)
+        for p in tl.static_range(REP):
+            tl.store(out_ptr + rows[:, None] * (H * D) + (h * REP + p) * D + d[None, :], x, mask=m)
 
     def _bench(kernel_call, quantiles):  # the autotuner's timing: short (the step's first backward waits for it)
         return triton.testing.do_bench(kernel_call, warmup=5, rep=20, quantiles=quantiles)
@@ -139,63 +169,97 @@ if triton is not None:
     # repeated launches only overwrite ``out`` with the same values
     _sum_copies_tuned = triton.autotune(
         configs=[triton.Config({"BLOCK_C": c, "COLS_FIRST": f}, num_warps=w) for c, f, w in CONFIGS],
-        key=["C"], do_bench=_bench)(_sum_copies_kernel)
+        key=["C", "SC"], do_bench=_bench)(_sum_copies_kernel)
 
 
-def sum_copies_index_add(src: Tensor, key_index: Tensor, T: int) -> Tensor:
+GATHER_BLOCK_G = 32  # rows per program of the expanded gather
+
+
+def gather_rows(src: Tensor, index: Tensor, rep: int = 1) -> Tensor:
+    """The gathered key/value rows: ``src [T, Hkv, D]`` -> ``[G, Hkv * rep, D]`` with ``out[g, h * rep + p] =
+    src[index[g], h]`` (``index [G]`` int64): each kv head repeated for the ``rep`` query heads of its group, so a
+    kernel reads them as plain multi-head keys.  ``rep`` 1: ``index_select``.  One Triton kernel where it runs (each
+    source row read once); else ``index_select`` then one copy of the broadcast rows."""
+    if rep == 1:
+        return src.index_select(0, index)
+    if rep < 1 or src.dim() != 3:
+        raise ValueError(f"gather_rows: rep {rep} needs src [T, Hkv, D], got {tuple(src.shape)}")
+    G, (_, Hkv, D) = index.numel(), src.shape
+    if not usable(src) or src.stride(-1) != 1:
+        return src.index_select(0, index)[:, :, None].expand(G, Hkv, rep, D).reshape(G, Hkv * rep, D)
+    out = torch.empty((G, Hkv * rep, D), dtype=src.dtype, device=src.device)
+    if G and Hkv and D:
+        _gather_rows_kernel[(triton.cdiv(G, GATHER_BLOCK_G), Hkv)](
+            src, index, out, G, D, src.stride(0), src.stride(1), REP=rep, BLOCK_G=GATHER_BLOCK_G,
+            BLOCK_D=triton.next_power_of_2(D))
+    return out
+
+
+def sum_copies_index_add(src: Tensor, key_index: Tensor, T: int, rep: int = 1) -> Tensor:
     """:func:`sum_copies` by ``index_add_`` into a zeroed float32 (float64) buffer, then rounded: where Triton cannot
-    run, and the way the op summed before its kernel (``bench_fa4_attention``'s ``fa4_varlen_index_add``)."""
+    run, and the way the op summed before its kernel (``bench_fa4_attention``'s ``fa4_varlen_index_add``).
+    ``rep``: as :func:`sum_copies`' (the head groups summed in the same buffer before the rounding)."""
     acc_dtype = torch.promote_types(src.dtype, torch.float32)
     acc = torch.zeros((T,) + tuple(src.shape[1:]), dtype=acc_dtype, device=src.device)
-    return acc.index_add_(0, key_index, src.to(acc_dtype)).to(src.dtype)
+    acc.index_add_(0, key_index, src.to(acc_dtype))
+    if rep > 1:
+        acc = acc.unflatten(1, (src.shape[1] // rep, rep)).sum(2)
+    return acc.to(src.dtype)
 
 
-def _launch_tuned(src: Tensor, out: Tensor, runs: CopyRuns, C: int, acc) -> None:
-    """The kernel under the autotuner's config for ``C`` channels (timed at the first call with that ``C``)."""
+def _launch_tuned(src: Tensor, out: Tensor, runs: CopyRuns, C: int, acc, rep: int = 1) -> None:
+    """The kernel under the autotuner's config for ``C`` output channels (and ``rep``: :func:`sum_copies`'), timed
+    at the first call with those channel counts."""
     n_tiles = runs.tiles.shape[0]
     _sum_copies_tuned[lambda meta: (n_tiles * triton.cdiv(C, meta["BLOCK_C"]),)](
-        src, out, runs.tiles, runs.offsets, C, n_tiles, ACC=acc, BLOCK_T=BLOCK_T)
+        src, out, runs.tiles, runs.offsets, C, n_tiles, C * rep, src.shape[-1] if rep > 1 else 1, ACC=acc,
+        BLOCK_T=BLOCK_T, REP=rep)
 
 
 def sum_copies(src: Tensor, runs: CopyRuns, key_index: Tensor, T: int, config: tuple | None = None, *,
-               zero_tail: bool = True) -> Tensor:
+               zero_tail: bool = True, rep: int = 1) -> Tensor:
     """``out [T, ...]`` in ``src``'s dtype: ``out[t]`` = the sum of ``src[g]`` over the gathered rows ``g`` with
     ``key_index[g] == t`` (``src [G, ...]``), accumulated in float32 (float64 for float64) and rounded once; rows the
     runs do not cover (``t >= runs.tokens``: the plan's tail) are zero, or, with ``zero_tail=False``, left for the
-    caller to write (uninitialised where the kernel runs).  ``config``: one of :data:`CONFIGS` (tests, benchmarks);
-    None: the autotuner's pick on CUDA, the first config under Triton's interpreter (no timing there).  Every config
-    gives the same values."""
+    caller to write (uninitialised where the kernel runs).  ``rep`` > 1: ``src [G, Hkv * rep, D]`` holds each kv
+    head's ``rep`` query heads (the rows :func:`gather_rows` expanded), summed into ``out [T, Hkv, D]`` in the same
+    accumulator.  ``config``: one of :data:`CONFIGS` (tests, benchmarks); None: the autotuner's pick on CUDA, the
+    first config under Triton's interpreter (no timing there).  Every config gives the same values."""
     G = src.shape[0]
     if G != runs.rows or key_index.numel() != G:
         raise ValueError(f"sum_copies: {G} gathered rows, the runs read {runs.rows} and key_index has "
                          f"{key_index.numel()}")
+    if rep < 1 or (rep > 1 and (src.dim() != 3 or src.shape[1] % rep)):
+        raise ValueError(f"sum_copies: rep {rep} needs src [G, heads, D] with heads a multiple of it, got "
+                         f"{tuple(src.shape)}")
     if not usable(src):
-        return sum_copies_index_add(src, key_index, T)
+        return sum_copies_index_add(src, key_index, T, rep)
     acc_dtype = torch.promote_types(src.dtype, torch.float32)
-    out = torch.empty((T,) + tuple(src.shape[1:]), dtype=src.dtype, device=src.device)
+    out_shape = (T, src.shape[1] // rep, *src.shape[2:])
+    out = torch.empty(out_shape, dtype=src.dtype, device=src.device)
     if runs.tokens < T and zero_tail:
         out[runs.tokens:] = 0
     if config is not None and config not in CONFIGS:
         raise ValueError(f"sum_copies: config {config!r} is not one of {CONFIGS}")
-    C = src[0].numel() if G else 0
+    C = math.prod(out_shape[1:]) if G else 0
     if G and C:
         src = src.contiguous()
         n_tiles = runs.tiles.shape[0]
         acc = tl.float64 if acc_dtype == torch.float64 else tl.float32
-        if config is None and not interpreting() and not _TUNING_FAILED and _tuned(src, out, runs, C, acc):
+        if config is None and not interpreting() and not _TUNING_FAILED and _tuned(src, out, runs, C, acc, rep):
             return out
         block_c, cols_first, warps = config or CONFIGS[0]  # the interpreter has no clock to tune by
         _sum_copies_kernel[(n_tiles * triton.cdiv(C, block_c),)](
-            src, out, runs.tiles, runs.offsets, C, n_tiles, ACC=acc, BLOCK_T=BLOCK_T, BLOCK_C=block_c,
-            COLS_FIRST=cols_first, num_warps=warps)
+            src, out, runs.tiles, runs.offsets, C, n_tiles, C * rep, src.shape[-1] if rep > 1 else 1, ACC=acc,
+            BLOCK_T=BLOCK_T, BLOCK_C=block_c, COLS_FIRST=cols_first, REP=rep, num_warps=warps)
     return out
 
 
-def _tuned(src: Tensor, out: Tensor, runs: CopyRuns, C: int, acc) -> bool:
+def _tuned(src: Tensor, out: Tensor, runs: CopyRuns, C: int, acc, rep: int = 1) -> bool:
     """:func:`_launch_tuned`; False, with one warning per process, where the autotuner fails (its timing's buffers
     on a full device, a config that cannot launch): the caller then runs the first config, as every later call."""
     try:
-        _launch_tuned(src, out, runs, C, acc)
+        _launch_tuned(src, out, runs, C, acc, rep)
         return True
     except (torch.OutOfMemoryError, RuntimeError) as e:
         _TUNING_FAILED.append(repr(e))

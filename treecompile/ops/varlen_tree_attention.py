@@ -45,6 +45,20 @@ varlen kernel up to ``MAX_GATHER_FACTOR`` (:func:`segments_fit`: past it the op 
 ``"auto"`` runs such a batch through flex instead).  Off CUDA both plans run float64-exact reference kernels, so
 the CPU tests cover the choice and the wiring of both.
 
+**K/V heads.** With grouped-query attention (``H > Hkv``) a segment plan hands FA4 the gathered rows with the
+model's ``Hkv`` heads (:data:`KV_HEADS` = ``"grouped"``, the default): FA4's backward then accumulates each kv head's
+dK/dV over the query heads of its group in float32 buffers of the gathered rows' size, which it zero-fills, and
+converts them (two more kernels); the op sums the copies per token.  With ``"expanded"`` the gather repeats each kv
+head for its query heads (``[G, H, D]``, :func:`key_copies.gather_rows`, one kernel), FA4 runs as multi-head
+attention and writes per-head dK/dV, and the copy sums add the heads of a group in the same float32 accumulator
+(``sum_copies(rep=)``): no accumulators, fills or conversions, for twice the gathered and summed bytes and twice
+the kept rows' memory (kept as ``[G * rep, Hkv, D]`` views, the op's declared layout; the backward tells the two
+forms apart by their count, so the setting may differ between a forward and its backward).  Measured per layer on
+an H200 (Qwen3-0.6B shapes, parallel-tools' plan, ``benchmarks/results/h200_s52/``): FA4's backward 1.303 ->
+1.082 ms, its forward 0.386 -> 0.397 ms, and at their bytes a gather 0.055 -> 0.113 ms and the copy sums 0.050 ->
+0.091 ms: about 0.11 ms a layer less.  Not yet timed in a step, so not the default; the harness's
+``tree_kv_expanded`` times it.  The block-sparse plan reads K/V in place and keeps its groups.
+
 Under ``torch.use_deterministic_algorithms(True)`` FA4's backward runs its deterministic form (semaphores order
 the dQ, and for GQA the dK/dV, accumulations; the key copies' sums have a fixed order anyway), so a step's
 gradients repeat bit for bit.  FA4's deterministic block-sparse backward needs write orders this op does not
@@ -77,7 +91,7 @@ from torch import Tensor
 
 from treecompile.host_values import host_copy, to_device_async, to_device_together
 
-from .key_copies import CopyRuns, copy_run_tables, sum_copies
+from .key_copies import CopyRuns, copy_run_tables, gather_rows, sum_copies
 from . import fa4_replay
 from .last_batch import LastBatch
 from .logprobs_kept import allocator_bytes, fit_margin_bytes, headroom_bytes
@@ -114,9 +128,10 @@ class SegmentPlan:
         """G: key rows the kernel reads (T when the tree is one chain)."""
         return self.cu_seqlens_k_host[-1]
 
-    def keys(self, k_t: Tensor, v_t: Tensor) -> tuple[Tensor, Tensor]:
-        """The key/value rows the varlen kernel reads: each segment's path prefix and itself, gathered."""
-        return k_t.index_select(0, self.key_index), v_t.index_select(0, self.key_index)
+    def keys(self, k_t: Tensor, v_t: Tensor, rep: int = 1) -> tuple[Tensor, Tensor]:
+        """The key/value rows the varlen kernel reads: each segment's path prefix and itself, gathered; ``rep`` > 1:
+        each kv head repeated for that many query heads (``[G, Hkv * rep, D]``, :func:`_kv_rep`)."""
+        return gather_rows(k_t, self.key_index, rep), gather_rows(v_t, self.key_index, rep)
 
     def pieces(self, device):
         """Per segment: (query rows, gathered key rows, the bottom-right causal ``[n, m]`` visibility)."""
@@ -187,6 +202,12 @@ VARLEN_GATHER_LIMIT = 6.0
 # module docstring; the harness's ``tree_block_sparse_heavy_first``).  Read when a batch's plan is built.
 BLOCK_SPARSE_LAYOUT = "dfs"
 BLOCK_SPARSE_LAYOUTS = ("heavy_first", "dfs")
+# How a segment plan hands grouped-query K/V to the kernel (module docstring, "K/V heads"): "grouped" (the model's kv
+# heads; FA4 accumulates their dK/dV over the query heads of a group in float32 and converts them) or "expanded"
+# (each kv head repeated for its query heads in the gather; FA4 writes per-head dK/dV, summed with the copies).
+# Read at run time, by every forward and backward of a segment plan (the harness's ``tree_kv_expanded``).
+KV_HEADS = "grouped"
+KV_HEADS_CHOICES = ("grouped", "expanded")
 
 
 def segment_plan(subtree_end: Tensor) -> SegmentPlan:
@@ -867,11 +888,20 @@ def _check_keep(keep: str) -> None:
         raise ValueError(f"tree_attention_varlen: keep must be one of {KEEP}, got {keep!r}")
 
 
-def gathered_bytes(plan, k: Tensor, v: Tensor) -> int:
-    """The bytes of the gathered key and value rows that ``plan`` reads (0 for a plan that gathers none)."""
+def _kv_rep(H: int, Hkv: int) -> int:
+    """How many times a segment plan's gather repeats each kv head under :data:`KV_HEADS`: the query heads per kv
+    head when "expanded", else 1."""
+    if KV_HEADS not in KV_HEADS_CHOICES:
+        raise ValueError(f"varlen_tree_attention.KV_HEADS: expected one of {KV_HEADS_CHOICES}, got {KV_HEADS!r}")
+    return H // Hkv if KV_HEADS == "expanded" else 1
+
+
+def gathered_bytes(plan, k: Tensor, v: Tensor, rep: int = 1) -> int:
+    """The bytes of the gathered key and value rows that ``plan`` reads (0 for a plan that gathers none), with each
+    kv head repeated ``rep`` times (:func:`_kv_rep`)."""
     if not isinstance(plan, SegmentPlan):
         return 0
-    return plan.gathered * sum(x.shape[1] * x.shape[3] * x.element_size() for x in (k, v))
+    return plan.gathered * rep * sum(x.shape[1] * x.shape[3] * x.element_size() for x in (k, v))
 
 
 def keeps_keys(keep: str, plan, q: Tensor, k: Tensor, v: Tensor, layer: int = 0, layers: int = 1,
@@ -919,7 +949,7 @@ def _fit(plan, q: Tensor, k: Tensor, v: Tensor, layer: int, layers: int, reserve
             return False
         allocator = allocator_bytes(q.device)
         per_layer = max(0, allocator[0] - start)
-        rows = gathered_bytes(plan, k, v)
+        rows = gathered_bytes(plan, k, v, _kv_rep(q.shape[1], k.shape[1]))
         reserve = reserve_per_token * q.shape[2]
         margin = fit_margin_bytes(q.device)
         headroom = headroom_bytes(q.device, allocator)
@@ -950,8 +980,13 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, plan, scale: float,
     n = plan.tail
     q_t, k_t, v_t = _tokens_major(q), _tokens_major(k), _tokens_major(v)
     T, H = q_t.shape[0], q_t.shape[1]
-    keys = plan.keys(k_t, v_t) if n else None
-    kept = keys if keep and keys is not None else _no_keys(k_t, v_t)  # keep: only a segment plan (keeps_keys)
+    if isinstance(plan, SegmentPlan):
+        keys = plan.keys(k_t, v_t, _kv_rep(H, k_t.shape[1])) if n else None
+    else:
+        keys = plan.keys(k_t, v_t) if n else None
+    # keep: only a segment plan (keeps_keys); rows expanded to the query heads are kept as [G * rep, Hkv, D] views
+    # (the op's declared layout: the backward tells them apart by their count)
+    kept = _as_kept(keys, k_t.shape[1]) if keep and keys is not None else _no_keys(k_t, v_t)
     if isinstance(plan, BlockSparsePlan):  # every query is the kernel's: its fresh tensors, in the kernels' order
         out, lse = _fwd(plan.to_kernel(q_t), *keys, plan, scale)
         return _heads_major(plan.to_batch(out).contiguous()), plan.to_batch(lse.float(), 1).contiguous(), *kept
@@ -967,6 +1002,22 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, plan, scale: float,
     # one score (one kernel: ops/varlen_tail.py)
     tail_forward(q_t, k_t, v_t, out, lse, n, scale)
     return _heads_major(out), lse, *kept
+
+
+def _as_kept(keys: tuple[Tensor, Tensor], Hkv: int) -> tuple[Tensor, Tensor]:
+    """The gathered rows ``[G, Hkv * rep, D]`` as the op's kept results ``[G * rep, Hkv, D]`` (the same memory)."""
+    return tuple(x.view(-1, Hkv, x.shape[-1]) for x in keys)
+
+
+def _kept_keys(kept_k: Tensor, kept_v: Tensor, plan: SegmentPlan, H: int) -> tuple[tuple[Tensor, Tensor], int]:
+    """The forward's kept rows back as the kernel's ``[G, Hkv * rep, D]`` and their ``rep`` (1, or the query heads
+    per kv head where the forward expanded them: :data:`KV_HEADS` when it ran)."""
+    G, Hkv = plan.gathered, kept_k.shape[1]
+    rep = kept_k.shape[0] // G if G else 0
+    if rep not in (1, H // Hkv) or kept_k.shape[0] != G * rep or kept_v.shape[0] != kept_k.shape[0]:
+        raise AssertionError(f"tree_attention_varlen: the forward kept {kept_k.shape[0]} / {kept_v.shape[0]} gathered "
+                             f"rows of {Hkv} kv heads, the plan has {G} for {H} query heads (internal error)")
+    return tuple(x.view(G, Hkv * rep, x.shape[-1]) for x in (kept_k, kept_v)), rep
 
 
 def _no_keys(k_t: Tensor, v_t: Tensor) -> tuple[Tensor, Tensor]:
@@ -1009,14 +1060,15 @@ def _backward_grads(q, k, v, out, lse, dout, plan, scale: float, kept_k: Tensor 
         grads = _bwd(plan.to_kernel(q_t), *plan.keys(k_t, v_t), plan.to_kernel(_tokens_major(out)),
                      plan.to_kernel(dout_t), plan.to_kernel(lse, 1).contiguous(), plan, scale)
         return tuple(_heads_major(plan.to_batch(g)) for g in grads)
-    T = q_t.shape[0]
+    T, H = q_t.shape[0], q_t.shape[1]
     if not n:
         dq, dk, dv = torch.empty_like(q_t), torch.empty_like(k_t), torch.empty_like(v_t)
     else:
-        keys = (kept_k, kept_v) if kept_k is not None and kept_k.shape[0] else plan.keys(k_t, v_t)
-        if keys[0].shape[0] != plan.gathered:
-            raise AssertionError(f"tree_attention_varlen: the forward kept {keys[0].shape[0]} gathered rows, the plan "
-                                 f"has {plan.gathered} (internal error)")
+        if kept_k is not None and kept_k.shape[0]:
+            keys, rep = _kept_keys(kept_k, kept_v, plan, H)
+        else:
+            rep = _kv_rep(H, k_t.shape[1])
+            keys = plan.keys(k_t, v_t, rep)
         args = (q_t[:n], *keys, _tokens_major(out)[:n], dout_t[:n], _lse_rows(lse, n), plan, scale)
         if n == T:
             dq, dkg, dvg = _bwd(*args)
@@ -1027,8 +1079,8 @@ def _backward_grads(q, k, v, out, lse, dout, plan, scale: float, kept_k: Tensor 
         if plan.copies.tokens != n:  # every segment token is a key of its own segment: the sums cover [0, n)
             raise AssertionError(f"tree_attention_varlen: the key copies cover {plan.copies.tokens} tokens, the "
                                  f"segments {n} (internal error)")
-        dk = sum_copies(dkg, plan.copies, plan.key_index, T, zero_tail=False)
-        dv = sum_copies(dvg, plan.copies, plan.key_index, T, zero_tail=False)
+        dk = sum_copies(dkg, plan.copies, plan.key_index, T, zero_tail=False, rep=rep)
+        dv = sum_copies(dvg, plan.copies, plan.key_index, T, zero_tail=False, rep=rep)
     # the tail (softmax over one key): no query or key gradient; the value rows receive their own output gradient,
     # summed over the query heads of a group (one kernel: ops/varlen_tail.py)
     tail_backward(dout_t, dq, dk, dv, n)

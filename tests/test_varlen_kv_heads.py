@@ -1,0 +1,284 @@
+"""The varlen tree attention with grouped-query K/V expanded to the query heads (``varlen_tree_attention.KV_HEADS =
+"expanded"``): the gather that repeats each kv head (``key_copies.gather_rows``), the copy sums that add the
+heads of a group back (``sum_copies(rep=)``), and the op on both settings, exact in float64 against the dense
+tree mask (issue 16: FA4's GQA backward accumulates dK/dV in float32 buffers over the gathered rows; expanded,
+it writes them per head)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers import run_interpreted
+from tests.test_fa4_tree_attention import forest_paths
+from tests.test_flex_tree_attention import out_and_grads
+from treecompile import Tree
+from treecompile.ops import key_copies
+from treecompile.ops import varlen_tree_attention as vta
+from treecompile.ops.tree_attention import tree_attention_reference
+
+
+def _tokens_major(T, Hkv, D, seed, dtype=torch.float64):
+    """``[T, Hkv, D]`` rows laid out as the op sees them: a view of the model's ``[1, T, Hkv, D]`` storage."""
+    return torch.randn(1, T, Hkv, D, generator=torch.Generator().manual_seed(seed), dtype=dtype)[0]
+
+
+def _expected_gather(src, index, rep):
+    return torch.stack([src[index, h // rep] for h in range(src.shape[1] * rep)], 1)
+
+
+@pytest.mark.parametrize("rep", [1, 2, 3, 4])
+@pytest.mark.parametrize("D", [5, 16, 40])
+def test_gather_rows_repeats_each_kv_head_for_its_query_heads(rep, D):
+    src = _tokens_major(23, 3, D, seed=rep)
+    index = torch.randint(0, 23, (57,), generator=torch.Generator().manual_seed(D))
+    got = key_copies.gather_rows(src, index, rep)
+    assert got.shape == (57, 3 * rep, D) and got.is_contiguous()
+    assert torch.equal(got, _expected_gather(src, index, rep))
+    assert key_copies.gather_rows(src, index[:0], rep).shape == (0, 3 * rep, D)
+
+
+def test_gather_rows_refuses_what_it_cannot_expand():
+    with pytest.raises(ValueError, match="rep 2 needs src"):
+        key_copies.gather_rows(torch.zeros(4, 8), torch.zeros(2, dtype=torch.int64), 2)
+    with pytest.raises(ValueError, match="rep 0"):
+        key_copies.gather_rows(torch.zeros(4, 2, 8), torch.zeros(2, dtype=torch.int64), 0)
+
+
+def _plan(paths, pad_to=None):
+    return vta.segment_plan(Tree.from_paths(paths).to_batch(pad_to_multiple=pad_to).subtree_end)
+
+
+@pytest.mark.parametrize("rep", [1, 2, 4])
+def test_sum_copies_adds_the_heads_of_a_group_with_the_copies(rep):
+    """``rep`` > 1: out[t, h] = the sum over t's gathered copies and the ``rep`` heads of group h, accumulated in
+    float32 and rounded once (float64 here: exact to rounding); rows past the runs zero."""
+    plan = _plan(forest_paths(80, 3, seed=2), pad_to=16)
+    T, G = plan.tail + 5, plan.gathered
+    src = torch.randn(G, 2 * rep, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(rep))
+    got = key_copies.sum_copies(src, plan.copies, plan.key_index, T, rep=rep)
+    want = torch.zeros(T, 2 * rep, 6, dtype=torch.float64).index_add_(0, plan.key_index, src)
+    want = want.unflatten(1, (2, rep)).sum(2)
+    assert got.shape == (T, 2, 6)
+    torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-13)
+    assert not got[plan.tail:].any()
+    for bad in (0, 5):  # 2, 4 or 8 heads: not groups of 5
+        with pytest.raises(ValueError, match="heads a multiple"):
+            key_copies.sum_copies(src, plan.copies, plan.key_index, T, rep=bad)
+
+
+def _qkv(T, H, Hkv, D, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(1, T, h, D, generator=g, dtype=torch.float64).transpose(1, 2).requires_grad_()
+            for h in (H, Hkv, Hkv)]
+
+
+@pytest.mark.parametrize("H,Hkv", [(4, 4), (4, 2), (8, 2), (6, 2)])
+@pytest.mark.parametrize("pad_to", [None, 16])
+@pytest.mark.parametrize("keep", ["none", "all"])
+def test_expanded_kv_heads_equal_the_tree_mask(H, Hkv, pad_to, keep, monkeypatch):
+    """Under ``KV_HEADS = "expanded"`` the op's out and q/k/v gradients equal the dense tree mask's in float64
+    (GQA 1-4, a padding tail, rows kept or gathered again), the kept rows are the expanded gather (``[G * rep,
+    Hkv, D]`` views of ``[G, H, D]``), and the backward reads them without gathering again."""
+    monkeypatch.setattr(vta, "KV_HEADS", "expanded")
+    b = Tree.from_paths(forest_paths(90, 3, seed=H + Hkv)).to_batch(pad_to_multiple=pad_to)
+    se, T = b.subtree_end, b.seq_len
+    q, k, v = _qkv(T, H, Hkv, 8, seed=pad_to or 1)
+    do = torch.randn(1, H, T, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+
+    def op(q, k, v):
+        return torch.ops.treecompile.tree_attention_varlen_fwd(q, k, v, se, 0.3, keep)[0]
+
+    got = out_and_grads(op, q, k, v, do, torch.float64)
+    ref = out_and_grads(lambda q, k, v: tree_attention_reference(q, k, v, se, scale=0.3), q, k, v, do, torch.float64)
+    for name, x, r in zip(("out", "dq", "dk", "dv"), got, ref):
+        torch.testing.assert_close(x, r, rtol=1e-12, atol=1e-12, msg=name)
+    plan, rep = vta._plan(se, q), H // Hkv
+    kept_k, kept_v = torch.ops.treecompile.tree_attention_varlen_fwd(q, k, v, se, 0.3, keep)[2:]
+    if keep == "all":
+        assert kept_k.shape == (plan.gathered * rep, Hkv, 8) == kept_v.shape
+        kt = k.detach()[0].transpose(0, 1)
+        assert torch.equal(kept_k.view(plan.gathered, H, 8), _expected_gather(kt, plan.key_index, rep))
+    else:
+        assert kept_k.shape == (0, Hkv, 8)
+
+
+@pytest.mark.parametrize("forward,backward", [("expanded", "grouped"), ("grouped", "expanded")])
+def test_kept_rows_of_either_setting_serve_a_backward_under_the_other(forward, backward, monkeypatch):
+    """The backward tells the kept rows' form by their count, so a setting changed between a forward and its
+    backward still gives the same gradients (the setting changes how the kernel reads K/V, not the result)."""
+    b = Tree.from_paths(forest_paths(70, 2, seed=4)).to_batch(pad_to_multiple=16)
+    se = b.subtree_end
+    q, k, v = _qkv(b.seq_len, 4, 2, 8, seed=2)
+    do = torch.randn(1, 4, b.seq_len, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    ref = torch.autograd.grad(tree_attention_reference(q, k, v, se, scale=0.3), (q, k, v), do)
+    monkeypatch.setattr(vta, "KV_HEADS", forward)
+    out = torch.ops.treecompile.tree_attention_varlen_fwd(q, k, v, se, 0.3, "all")[0]
+    monkeypatch.setattr(vta, "KV_HEADS", backward)
+    for x, r in zip(torch.autograd.grad(out, (q, k, v), do), ref):
+        torch.testing.assert_close(x, r, rtol=1e-12, atol=1e-12)
+
+
+def test_expanded_windowed_op_equals_the_gathered_one(monkeypatch):
+    """The sliding-window op shares the forward and backward: expanded K/V give its gradients too."""
+    b = Tree.from_paths(forest_paths(90, 3, seed=6)).to_batch(pad_to_multiple=16)
+    se, pos = b.subtree_end, b.position_ids
+    q, k, v = _qkv(b.seq_len, 4, 2, 8, seed=5)
+    do = torch.randn(1, 4, b.seq_len, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+
+    def run():
+        out = torch.ops.treecompile.tree_attention_varlen_windowed_fwd(q, k, v, se, pos, 7, 0.3, "all")[0]
+        return (out, *torch.autograd.grad(out, (q, k, v), do))
+
+    want = run()
+    monkeypatch.setattr(vta, "KV_HEADS", "expanded")
+    for x, r in zip(run(), want):
+        torch.testing.assert_close(x, r, rtol=1e-12, atol=1e-12)
+
+
+def test_kept_rows_of_another_count_are_an_internal_error():
+    plan = _plan(forest_paths(40, 2, seed=1))
+    rows = torch.zeros(plan.gathered * 3, 2, 8)
+    with pytest.raises(AssertionError, match="the forward kept"):
+        vta._kept_keys(rows, rows, plan, 4)  # 3 copies of each row, for a group of 2
+    keys, rep = vta._kept_keys(rows[:plan.gathered * 2], rows[:plan.gathered * 2], plan, 4)
+    assert rep == 2 and keys[0].shape == (plan.gathered, 4, 8)
+
+
+def test_an_unknown_setting_is_refused(monkeypatch):
+    monkeypatch.setattr(vta, "KV_HEADS", "repeated")
+    b = Tree.from_paths(forest_paths(30, 2, seed=1)).to_batch()
+    q, k, v = _qkv(b.seq_len, 4, 2, 8, seed=1)
+    with pytest.raises(ValueError, match="KV_HEADS: expected one of"):
+        torch.ops.treecompile.tree_attention_varlen_fwd(q, k, v, b.subtree_end, 0.3, "none")
+
+
+def test_fit_counts_the_expanded_rows(monkeypatch):
+    """``keep="fit"`` weighs the rows it would keep: expanded, ``rep`` times the grouped bytes."""
+    plan = _plan(forest_paths(40, 2, seed=1))
+    k = v = torch.zeros(1, 2, 10, 8)
+    assert vta.gathered_bytes(plan, k, v, 4) == 4 * vta.gathered_bytes(plan, k, v) == 4 * plan.gathered * 2 * 2 * 8 * 4
+
+
+_INTERPRETED = r"""
+import torch
+from treecompile import Tree
+from treecompile.ops import key_copies
+from treecompile.ops import varlen_tree_attention as vta
+from treecompile.ops.tree_attention import tree_attention_reference
+from tests.test_fa4_tree_attention import forest_paths
+from tests.helpers import count_launches
+
+gathers = count_launches(key_copies, "_gather_rows_kernel")
+sums = count_launches(key_copies, "_sum_copies_kernel")
+worst = {"gather": 0, "f64": 0.0, "bf16_ulps": 0.0, "configs": 0, "op": 0.0}
+g = torch.Generator().manual_seed(0)
+# the gather: a copy, bitwise, for groups of 2-4, head dims not a power of two, strided rows, more rows than a block
+for rep, D, Hkv in [(2, 5, 3), (3, 40, 2), (4, 128, 1), (2, 33, 8)]:
+    src = torch.randn(1, 50, Hkv, D, generator=g).to(torch.bfloat16)[0]
+    index = torch.randint(0, 50, (77,), generator=g)
+    got = key_copies.gather_rows(src, index, rep)
+    want = src.index_select(0, index)[:, :, None].expand(77, Hkv, rep, D).reshape(77, Hkv * rep, D)
+    worst["gather"] += not torch.equal(got, want)
+# the sums with the heads of a group: float64 to rounding, bf16 within one unit of the exact sum, every config the same
+plan = vta.segment_plan(Tree.from_paths([[1] * 70 + [2 + i] * 5 for i in range(48)]).to_batch(
+    pad_to_multiple=16).subtree_end)
+for rep, D in [(2, 24), (4, 40), (3, 16)]:
+    for dtype in (torch.float64, torch.bfloat16):
+        src = torch.randn(plan.gathered, 2 * rep, D, generator=g).to(dtype)
+        outs = [key_copies.sum_copies(src, plan.copies, plan.key_index, plan.tail + 7, config=c, rep=rep)
+                for c in key_copies.CONFIGS]
+        worst["configs"] += sum(not torch.equal(o, outs[0]) for o in outs)
+        want = torch.zeros(plan.tail + 7, 2 * rep, D, dtype=torch.float64).index_add_(0, plan.key_index, src.double())
+        want = want.unflatten(1, (2, rep)).sum(2)
+        if dtype == torch.float64:
+            worst["f64"] = max(worst["f64"], float((outs[0] - want).abs().max() / want.abs().max()))
+        else:
+            ulp = torch.exp2(torch.floor(torch.log2(want.abs().clamp(min=1e-30))) - 7)
+            worst["bf16_ulps"] = max(worst["bf16_ulps"],
+                                     float(((outs[0].double() - want).abs() / (ulp + 1e-6 * want.abs().max())).max()))
+# the op, expanded, in float64 with both kernels: the dense tree mask's gradients
+vta.KV_HEADS = "expanded"
+for it in range(4):
+    b = Tree.from_paths(forest_paths(120, 3, seed=it)).to_batch(pad_to_multiple=[None, 16][it % 2])
+    T, H, Hkv = b.seq_len, [4, 6][it % 2], 2
+    q, k, v = (torch.randn(1, T, h, 8, generator=g, dtype=torch.float64).transpose(1, 2).requires_grad_()
+               for h in (H, Hkv, Hkv))
+    do = torch.randn(1, H, T, 8, generator=g, dtype=torch.float64)
+    out = torch.ops.treecompile.tree_attention_varlen_fwd(q, k, v, b.subtree_end, 0.3, ["none", "all"][it // 2])[0]
+    got = torch.autograd.grad(out, (q, k, v), do)
+    ref = torch.autograd.grad(tree_attention_reference(q, k, v, b.subtree_end, scale=0.3), (q, k, v), do)
+    for x, r in zip(got, ref):
+        worst["op"] = max(worst["op"], float((x - r).abs().max() / r.abs().max()))
+assert len(gathers) >= 4 + 4 and len(sums) >= 3 * 2 * len(key_copies.CONFIGS), (len(gathers), len(sums))
+print(repr(worst))
+"""
+
+
+def test_expanded_kernels_in_interpreter():
+    """The gather and the grouped copy sums through their Triton kernels (Triton's CPU interpreter): the gather is
+    the broadcast rows bit for bit; the sums in float64 within rounding of the exact sum and in bf16 within one
+    bf16 unit (float32 accumulation, rounded once; the interpreter truncates), the same bits under every config;
+    the op expanded in float64 with both kernels equals the dense tree mask.  (Triton 3.6's interpreter needs
+    numpy < 2 for the sums' loop over loaded bounds.)"""
+    pytest.importorskip("triton")
+    worst = run_interpreted(_INTERPRETED)
+    assert worst["gather"] == 0 and worst["configs"] == 0, worst
+    assert worst["f64"] < 1e-14 and worst["bf16_ulps"] <= 1.0 and worst["op"] < 1e-12, worst
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("rep", [2, 4])
+def test_expanded_kernels_on_cuda(rep):
+    """The gather bitwise on CUDA; the grouped sums of bf16 rows within float32 accumulation's error (a float32 unit
+    of the terms' magnitudes per term) plus half a bf16 unit (the GPU rounds to nearest) of the float64 sum."""
+    plan = vta.segment_plan(Tree.from_paths(forest_paths(600, 4, seed=rep)).to_batch(pad_to_multiple=64)
+                            .subtree_end.cuda())
+    g = torch.Generator(device="cuda").manual_seed(rep)
+    src = torch.randn(1, plan.tail + 9, 8 // rep, 128, generator=g, device="cuda").to(torch.bfloat16)[0]
+    got = key_copies.gather_rows(src, plan.key_index, rep)
+    assert torch.equal(got, src.index_select(0, plan.key_index)[:, :, None].expand(-1, -1, rep, -1).flatten(1, 2))
+    rows = torch.randn(plan.gathered, 8, 128, generator=g, device="cuda").to(torch.bfloat16)
+    out = key_copies.sum_copies(rows, plan.copies, plan.key_index, plan.tail + 9, rep=rep)
+    want = torch.zeros(plan.tail + 9, 8, 128, dtype=torch.float64, device="cuda").index_add_(
+        0, plan.key_index, rows.double()).unflatten(1, (8 // rep, rep)).sum(2)
+    mag = torch.zeros(plan.tail + 9, 8, 128, dtype=torch.float64, device="cuda").index_add_(
+        0, plan.key_index, rows.double().abs()).unflatten(1, (8 // rep, rep)).sum(2)
+    copies = torch.bincount(plan.key_index, minlength=plan.tail + 9)[:, None, None] * rep
+    bound = mag * copies * 2.0 ** -24 + want.abs() * 2.0 ** -9
+    assert ((out.double() - want).abs() <= bound + 1e-30).all()
+
+
+def _fa4_reason():
+    if not torch.cuda.is_available():
+        return "needs a CUDA device"
+    from treecompile.ops import fa4_tree_attention as fa4
+
+    return fa4.fa4_unusable_reason()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_fa4_reason() is not None, reason=str(_fa4_reason()))
+@pytest.mark.parametrize("T,roots,pad_to,H,Hkv,D", [(1000, 3, 1024, 4, 2, 128), (2900, 1, 3072, 16, 8, 128),
+                                                   (700, 1, None, 8, 2, 64)])
+@pytest.mark.parametrize("keep", ["none", "all"])
+def test_fa4_expanded_kv_heads_vs_fp64_oracle(T, roots, pad_to, H, Hkv, D, keep, monkeypatch):
+    """FA4 over the segments with K/V expanded to the query heads: bf16 output and q/k/v gradients within 2x the
+    bf16 dense kernel's error against the float64 dense-mask oracle (rows kept for the backward or gathered again)."""
+    from tests.test_fa4_tree_attention import assert_bf16_tree_kernel_near_oracle
+
+    monkeypatch.setattr(vta, "KV_HEADS", "expanded")
+    monkeypatch.setattr(vta, "VARLEN_GATHER_LIMIT", float("inf"))
+    kept = []
+
+    def attend(b, scale):
+        def fn(q, k, v):
+            res = torch.ops.treecompile.tree_attention_varlen_fwd(q, k, v, b.subtree_end, scale, keep)
+            kept.append(res[2].shape[0])
+            return res[0]
+        return fn
+
+    assert_bf16_tree_kernel_near_oracle(attend, T, roots, pad_to, H, Hkv, D)
+    if keep == "all":
+        assert kept and all(n % (H // Hkv) == 0 and n > 0 for n in kept)
