@@ -282,3 +282,54 @@ def test_fa4_expanded_kv_heads_vs_fp64_oracle(T, roots, pad_to, H, Hkv, D, keep,
     assert_bf16_tree_kernel_near_oracle(attend, T, roots, pad_to, H, Hkv, D)
     if keep == "all":
         assert kept and all(n % (H // Hkv) == 0 and n > 0 for n in kept)
+
+
+def test_one_compiled_graph_serves_either_setting(monkeypatch):
+    """Under ``torch.compile`` (inductor, CPU, a lowered graph's dynamo settings) the kept rows' count is an unbacked
+    size, so grouped and expanded calls, keeping rows or not, run the same one graph with the reference's gradients."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from treecompile.ops.varlen_tree_attention import tree_attention_varlen
+    from treecompile.passes.lower_cuda import CudaOptions
+    from treecompile.program import dynamo_config
+
+    b = Tree.from_paths(forest_paths(60, 2, seed=2)).to_batch(pad_to_multiple=16)
+    q, k, v = _qkv(b.seq_len, 4, 2, 8, seed=1)
+    counter = CompileCounterWithBackend("inductor")
+    fn = torch.compile(lambda q, k, v, se: (tree_attention_varlen(q * 1, k, v, se, 0.3, keep="fit") * 1.5).sum(),
+                       backend=counter, dynamic=False)
+    want = torch.autograd.grad((tree_attention_reference(q, k, v, b.subtree_end, 0.3) * 1.5).sum(), (q, k, v))
+    keeps = vta.keeps_keys
+    for heads, keep in (("grouped", True), ("expanded", True), ("expanded", False), ("grouped", True)):
+        monkeypatch.setattr(vta, "KV_HEADS", heads)
+        monkeypatch.setattr(vta, "keeps_keys", lambda *a, keep=keep: keep and keeps(*a))
+        with torch._dynamo.config.patch(**dynamo_config(CudaOptions())):
+            got = torch.autograd.grad(fn(q, k, v, b.subtree_end), (q, k, v))
+        for x, r in zip(got, want):
+            torch.testing.assert_close(x, r, rtol=1e-12, atol=1e-12)
+    assert counter.frame_count == 1
+
+
+def test_expanded_op_opcheck(monkeypatch):
+    monkeypatch.setattr(vta, "KV_HEADS", "expanded")
+    b = Tree.from_paths(forest_paths(40, 2, seed=3)).to_batch(pad_to_multiple=8)
+    q, k, v = (x.detach().requires_grad_() for x in _qkv(b.seq_len, 4, 2, 8, seed=0))
+    torch.library.opcheck(torch.ops.treecompile.tree_attention_varlen_fwd.default, (q, k, v, b.subtree_end, 0.35, "all"))
+
+
+def test_lowered_model_with_expanded_kv_heads_equals_the_rewritten_graph(monkeypatch):
+    """The tiny model lowered to the varlen op, its rows kept, run with K/V expanded: loss, log-probs and every
+    gradient as the rewritten graph's (CPU, float64, reference kernels)."""
+    from helpers import cached_compile, cached_model, tiny_dense
+    from tests.test_varlen_tree_attention import _assert_lowered_equals_rewritten, _lower_fa4_varlen
+
+    model = cached_model("dense-tiny", tiny_dense)
+    assert model.config.num_attention_heads > model.config.num_key_value_heads  # GQA: something to expand
+    prog = cached_compile(model).program
+    low = _lower_fa4_varlen(prog, monkeypatch, attention_keys="kept")
+    monkeypatch.setattr(vta, "KV_HEADS", "expanded")
+    reps = []
+    real = key_copies.gather_rows
+    monkeypatch.setattr(vta, "gather_rows", lambda src, index, rep=1: reps.append(rep) or real(src, index, rep))
+    _assert_lowered_equals_rewritten(prog, low)
+    assert reps and set(reps) == {model.config.num_attention_heads // model.config.num_key_value_heads}
