@@ -8,6 +8,8 @@
 #   gqa:      gather K, V [G, 8, D]; FA4 forward; FA4 backward; sum the copies of dK, dV [T, 8, D]
 #   expanded: gather K, V [G, 16, D] (one index_select each from a broadcast view); FA4 forward; FA4 backward;
 #             sum the copies of dK, dV over 16 heads, then the head pairs
+#   kernels:  the expanded form through treecompile's own gather_rows and sum_copies(rep=2) (added after the run
+#             recorded in probe_gqa52.txt; the next run prints these rows too)
 # Trees: agentic parallel-tools, and 16 x 2,048 at POR 0.5.  Run on the device after `source pre.sh`:
 #   python benchmarks/results/h200_s52/probe_gqa52.py   ($OUT/probe_gqa52.txt by the caller)
 import statistics
@@ -21,6 +23,12 @@ from treecompile import Tree  # noqa: E402
 from treecompile.host_values import to_device_with_host  # noqa: E402
 from treecompile.ops import varlen_tree_attention as vta  # noqa: E402
 from treecompile.ops.key_copies import sum_copies  # noqa: E402
+
+try:  # session 52's kernels for the expanded form (the first run predates them)
+    from treecompile.ops.key_copies import gather_rows  # noqa: E402
+    KERNELS = True
+except ImportError:
+    KERNELS = False
 
 R = 15
 dev = torch.device("cuda")
@@ -63,6 +71,8 @@ def run(name, paths):
     rep = H // HKV
 
     def gather(expanded):
+        if expanded == "kernels":  # treecompile's own (varlen_tree_attention.KV_HEADS = "expanded"; after the run)
+            return gather_rows(k, idx, rep), gather_rows(v, idx, rep)
         if expanded:  # [T, HKV, rep, D] broadcast view, gathered to [G, HKV * rep, D] in one kernel each
             return (k[:, :, None].expand(T, HKV, rep, D).index_select(0, idx).view(G, H, D),
                     v[:, :, None].expand(T, HKV, rep, D).index_select(0, idx).view(G, H, D))
@@ -75,13 +85,15 @@ def run(name, paths):
         return _flash_attn_bwd(q, kg, vg, o, dout, lse, scale, True, **kw)[:3]
 
     def sums(dkg, dvg, expanded):
+        if expanded == "kernels":  # the heads of a group summed inside the copy sums
+            return (sum_copies(dkg, plan.copies, idx, T, rep=rep), sum_copies(dvg, plan.copies, idx, T, rep=rep))
         dk, dv = sum_copies(dkg, plan.copies, idx, T), sum_copies(dvg, plan.copies, idx, T)
         if expanded:
             dk, dv = dk.view(T, HKV, rep, D).sum(2), dv.view(T, HKV, rep, D).sum(2)
         return dk, dv
 
     ref = None
-    for expanded in (False, True, False, True):
+    for expanded in (False, True, False, True) + (("kernels",) * 2 if KERNELS else ()):
         kg, vg = gather(expanded)
         o, lse = fwd(kg, vg)
         dq, dkg, dvg = bwd(kg, vg, o, lse)
@@ -97,7 +109,8 @@ def run(name, paths):
              "bwd": timed(lambda: bwd(kg, vg, o, lse)),
              "sums": timed(lambda: sums(dkg, dvg, expanded))}
         t["total"] = sum(t.values())
-        print(f"{name:15s} T {T:6d} G {G:6d} {'expanded' if expanded else 'gqa     '}: "
+        form = {False: "gqa     ", True: "expanded", "kernels": "kernels "}[expanded]
+        print(f"{name:15s} T {T:6d} G {G:6d} {form}: "
               + "  ".join(f"{key} {ms:7.3f}" for key, ms in t.items()) + " ms"
               + ("" if not expanded else "   max rel diff to gqa (out, dq, dk, dv): "
                  + ", ".join(f"{x:.1e}" for x in diff)), flush=True)
