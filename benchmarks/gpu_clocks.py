@@ -16,6 +16,7 @@ from __future__ import annotations
 import shutil
 import statistics
 import subprocess
+import tempfile
 
 __all__ = ["GpuClocks", "summarize", "CAP_REASONS"]
 
@@ -60,43 +61,71 @@ def summarize(lines: list[str]) -> dict:
 
 class GpuClocks:
     """Sample the GPU (``device``: an ``nvidia-smi -i`` id, an index or a PCI bus id) every ``interval_ms``.  The
-    object may be entered several times (rounds of one kind); :meth:`summary` covers every round's samples."""
+    object may be entered several times, one block at a time (rounds of one kind); :meth:`summary` covers every
+    round's samples.  Which name of the reasons' field this driver takes is asked once, at the first entry, by a
+    one-shot query run to completion (up to ``probe_timeout_s``); later entries only start the sampling process, so
+    a round is not preceded by the GPU idling while a query starts.  The samples go to a temporary file (a pipe
+    that nobody reads would stop the sampler once full).  If a later entry cannot start, the summary is that error
+    (the earlier rounds' samples are not reported alone)."""
 
-    def __init__(self, device: str | int = 0, interval_ms: int = 50, smi: str | None = None):
+    def __init__(self, device: str | int = 0, interval_ms: int = 50, smi: str | None = None,
+                 probe_timeout_s: float = 10.0):
         self.device = str(device)
         self.interval_ms = int(interval_ms)
         self.smi = smi or shutil.which("nvidia-smi")
+        self.probe_timeout_s = probe_timeout_s
         self._proc = None
+        self._out = None
         self._error = None if self.smi else "nvidia-smi not found"
         self._lines: list[str] = []
         self._field = None
 
-    def _start(self, reason_field: str):
-        cmd = [self.smi, "-i", self.device, f"--query-gpu={','.join(FIELDS + (reason_field,))}",
-               "--format=csv,noheader,nounits", "-lms", str(self.interval_ms)]
-        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    def _query(self, reason_field: str) -> list[str]:
+        return [self.smi, "-i", self.device, f"--query-gpu={','.join(FIELDS + (reason_field,))}",
+                "--format=csv,noheader,nounits"]
+
+    def _choose_field(self) -> None:
+        """The first reasons' field name a one-shot query accepts, else ``_error`` with nvidia-smi's words."""
+        for field in REASON_FIELDS:
+            try:
+                res = subprocess.run(self._query(field), capture_output=True, text=True,
+                                     timeout=self.probe_timeout_s)
+            except subprocess.TimeoutExpired:
+                self._error = f"nvidia-smi {field}: no answer in {self.probe_timeout_s:g} s"
+                return
+            if res.returncode == 0:
+                self._field, self._error = field, None
+                return
+            self._error = f"nvidia-smi {field}: rc {res.returncode}: {(res.stderr or res.stdout).strip()[:200]}"
 
     def __enter__(self):
+        if self._proc is not None:
+            raise RuntimeError("GpuClocks: already sampling (enter one block at a time)")
+        if self._field is None and self._error is None:
+            self._choose_field()
         if self._error:
             return self
-        fields = REASON_FIELDS if self._field is None else (self._field,)
-        for field in fields:
-            proc = self._start(field)
-            try:  # a refused query exits at once; a running one is still there after 0.3 s
-                proc.wait(timeout=0.3)
-            except subprocess.TimeoutExpired:
-                self._proc, self._field, self._error = proc, field, None
-                return self
-            out, err = proc.communicate()
-            self._error = f"nvidia-smi {field}: rc {proc.returncode}: {(err or out).strip()[:200]}"
+        self._out = tempfile.TemporaryFile(mode="w+")
+        try:
+            self._proc = subprocess.Popen(self._query(self._field) + ["-lms", str(self.interval_ms)],
+                                          stdout=self._out, stderr=subprocess.STDOUT, text=True)
+        except OSError as e:
+            self._out.close()
+            self._out, self._error = None, f"nvidia-smi: {e}"
         return self
 
     def __exit__(self, *exc):
         if self._proc is not None:
             self._proc.terminate()
-            out, _ = self._proc.communicate()
-            self._lines.extend(out.splitlines())
-            self._proc = None
+            try:
+                self._proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+            self._out.seek(0)
+            self._lines.extend(self._out.read().splitlines())
+            self._out.close()
+            self._proc, self._out = None, None
         return False
 
     def summary(self) -> dict:

@@ -326,7 +326,8 @@ def main(argv=None) -> int:
             for kind, c in row["clocks"].items():
                 print(f"#   {kind} rounds: " + (f"SM clock {c['sm_mhz']:.0f} MHz (lowest {c['sm_mhz_min']:.0f}), "
                                               f"{c['power_w']:.0f} W, {c['temp_c']:.0f} C, samples capped: "
-                                              + ", ".join(f"{k} {v:.0%}" for k, v in c["capped"].items() if v)
+                                              + (", ".join(f"{k} {v:.0%}" for k, v in c["capped"].items() if v)
+                                                 or "none")
                                               + f" ({c['samples']} busy samples)"
                                               if "error" not in c else f"clocks not read: {c['error']}"))
             for ms, before, after in lp["largest"][:8]:

@@ -39,11 +39,18 @@ def test_missing_nvidia_smi_is_an_error_not_numbers(monkeypatch):
     assert c.summary() == {"error": "nvidia-smi not found"}
 
 
-def _fake_smi(tmp_path, refuse_new_field: bool):
+def _fake_smi(tmp_path, refuse_new_field: bool = False, burst: int = 0, hang: bool = False):
+    """A stand-in ``nvidia-smi``: one line for a one-shot query, a line every 20 ms with ``-lms`` (``burst``: that many
+    lines at once first); it refuses the new reasons' field name if asked, or never answers (``hang``)."""
     p = tmp_path / "nvidia-smi"
-    refuse = 'case "$*" in *clocks_event_reasons*) echo "Field \\"clocks_event_reasons.active\\" is not a valid field" >&2; exit 2;; esac\n' if refuse_new_field else ""
-    p.write_text("#!/bin/bash\n" + refuse + 'echo "$*" > "$(dirname "$0")/args"\n'
-                 'while true; do echo "1755, 690.5, 61, 0x0000000000000004"; sleep 0.02; done\n')
+    line = "1755, 690.5, 61, 0x0000000000000004"
+    p.write_text("#!/bin/bash\n"
+                 + ("sleep 30\n" if hang else "")
+                 + ('case "$*" in *clocks_event_reasons*) echo "Field \\"clocks_event_reasons.active\\" is not a '
+                    'valid field" >&2; exit 2;; esac\n' if refuse_new_field else "")
+                 + 'case "$*" in *-lms*) echo "$*" > "$(dirname "$0")/args";; *) echo "' + line + '"; exit 0;; esac\n'
+                 + (f'for i in $(seq {burst}); do echo "{line}"; done\n' if burst else "")
+                 + f'while true; do echo "{line}"; sleep 0.02; done\n')
     p.chmod(p.stat().st_mode | stat.S_IEXEC)
     return str(p)
 
@@ -60,6 +67,30 @@ def test_sampler_runs_for_the_block_and_falls_back_to_the_old_field_name(tmp_pat
     args = (tmp_path / "args").read_text()
     assert "-i 00000000:19:00.0" in args and "-lms 20" in args
     assert ("clocks_throttle_reasons.active" if refuse_new_field else "clocks_event_reasons.active") in args
+
+
+def test_a_fast_sampler_is_read_whole(tmp_path):
+    """The samples go to a file, not a pipe nobody reads while the block runs (a full pipe would stop the sampler):
+    a burst of 20,000 lines (about 740 KB) is all there."""
+    c = GpuClocks(interval_ms=20, smi=_fake_smi(tmp_path, burst=20000))
+    with c:
+        time.sleep(1.0)
+    assert c.summary()["samples"] >= 20000
+
+
+def test_a_sampler_is_entered_one_block_at_a_time(tmp_path):
+    c = GpuClocks(interval_ms=20, smi=_fake_smi(tmp_path))
+    with c:
+        with pytest.raises(RuntimeError, match="already sampling"):
+            c.__enter__()
+        time.sleep(0.3)
+    assert c.summary()["samples"] >= 1
+
+
+def test_an_nvidia_smi_that_does_not_answer_is_an_error(tmp_path):
+    with GpuClocks(smi=_fake_smi(tmp_path, hang=True), probe_timeout_s=0.5) as c:
+        pass
+    assert "no answer in 0.5 s" in c.summary()["error"]
 
 
 def test_a_refused_query_is_an_error_with_nvidia_smis_words(tmp_path):

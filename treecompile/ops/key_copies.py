@@ -117,8 +117,8 @@ if triton is not None:
         One program per (tile, column block), on a 1-D grid: ``COLS_FIRST``, the column blocks of one tile on
         consecutive programs; else one column block of consecutive tiles.  ``REP`` > 1: a source row holds
         ``REP`` heads of ``D`` channels for each output head (``SC = REP * C`` channels; the key/value rows
-        expanded to the query heads), summed too: out[t, h, d] = sum over copies, then over p, of
-        src[t + off, h * REP + p, d]."""
+        expanded to the query heads), summed too: out[t, h, d] = the sum of src[t + off, h * REP + p, d] over the
+        copies (in interval order) and, within each copy, over p."""
         pid = tl.program_id(0).to(tl.int64)
         n_cblk = tl.cdiv(C, BLOCK_C)
         if COLS_FIRST:
@@ -157,7 +157,7 @@ if triton is not None:
         H = tl.num_programs(1).to(tl.int64) * REP
         d = tl.arange(0, BLOCK_D)
         m = (rows < G)[:, None] & (d < D)[None, :]
-        tok = tl.load(idx_ptr + rows, mask=rows < G, other=0)
+        tok = tl.load(idx_ptr + rows, mask=rows < G, other=0).to(tl.int64)
         x = tl.load(src_ptr + tok[:, None] * s_t + h * s_h + d[None, :], mask=m)
         for p in tl.static_range(REP):
             tl.store(out_ptr + rows[:, None] * (H * D) + (h * REP + p) * D + d[None, :], x, mask=m)
@@ -180,10 +180,13 @@ def gather_rows(src: Tensor, index: Tensor, rep: int = 1) -> Tensor:
     src[index[g], h]`` (``index [G]`` int64): each kv head repeated for the ``rep`` query heads of its group, so a
     kernel reads them as plain multi-head keys.  ``rep`` 1: ``index_select``.  One Triton kernel where it runs (each
     source row read once); else ``index_select`` then one copy of the broadcast rows."""
+    if index.dim() != 1:
+        raise ValueError(f"gather_rows: index must be 1-D, got shape {tuple(index.shape)}")
     if rep == 1:
         return src.index_select(0, index)
     if rep < 1 or src.dim() != 3:
         raise ValueError(f"gather_rows: rep {rep} needs src [T, Hkv, D], got {tuple(src.shape)}")
+    index = index.to(torch.int64).contiguous()  # the kernel reads it as a dense int64 vector
     G, (_, Hkv, D) = index.numel(), src.shape
     if not usable(src) or src.stride(-1) != 1:
         return src.index_select(0, index)[:, :, None].expand(G, Hkv, rep, D).reshape(G, Hkv * rep, D)
