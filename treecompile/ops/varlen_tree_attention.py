@@ -205,7 +205,8 @@ BLOCK_SPARSE_LAYOUTS = ("heavy_first", "dfs")
 # How a segment plan hands grouped-query K/V to the kernel (module docstring, "K/V heads"): "grouped" (the model's kv
 # heads; FA4 accumulates their dK/dV over the query heads of a group in float32 and converts them) or "expanded"
 # (each kv head repeated for its query heads in the gather; FA4 writes per-head dK/dV, summed with the copies).
-# Read at run time, by every forward and backward of a segment plan (the harness's ``tree_kv_expanded``).
+# Read at run time, by every forward and backward of a segment plan (the harness's ``tree_kv_expanded``).  Expanded
+# rows take H / Hkv times the gathered (and kept) memory: 16x for a 16-head model with one kv head.
 KV_HEADS = "grouped"
 KV_HEADS_CHOICES = ("grouped", "expanded")
 
