@@ -22,6 +22,10 @@ model's layout: ``[B, T, H, D]`` storage viewed as ``[B, H, T, D]``):
 - ``fa4_varlen_index_add``: ``fa4_varlen`` with the key/value gradients of the gathered copies summed the way the
   op did before session 20 (``index_add_`` into a zeroed float32 buffer, then rounded) instead of
   ``ops/key_copies.py``'s kernel: the same-machine comparison for that change;
+- ``fa4_varlen_kv_expanded``: ``fa4_varlen`` with grouped-query K/V expanded to the query heads in the segments'
+  gather (``varlen_tree_attention.KV_HEADS = "expanded"``: FA4's backward writes per-head dK/dV, no float32
+  accumulators over the gathered rows); the same as ``fa4_varlen`` where the tree takes the block-sparse plan or
+  H == Hkv;
 - ``fa4_flex_heavy``: ``fa4_flex`` in the heaviest-first order (``attention_layout="heavy_first"``,
   ops/tree_layout.py): q/k/v gathered into that order, the BlockMask of that order, the output gathered
   back, all inside the timed call (what the lowering runs);
@@ -228,8 +232,16 @@ def index_add_sums(fn, *args, **kw):
     session 20)."""
     from treecompile.ops.key_copies import sum_copies_index_add
 
-    return _with_op_setting("sum_copies", lambda src, runs, key_index, T: sum_copies_index_add(src, key_index, T),
-                            fn, *args, **kw)
+    def sums(src, runs, key_index, T, config=None, *, zero_tail=True, rep=1):  # sum_copies' signature
+        return sum_copies_index_add(src, key_index, T, rep)  # (its tail rows zero: what zero_tail=False allows)
+
+    return _with_op_setting("sum_copies", sums, fn, *args, **kw)
+
+
+def kv_expanded(fn, *args, **kw):
+    """``fn(*args, **kw)`` with the varlen op's segments reading K/V expanded to the query heads (forward and
+    backward)."""
+    return _with_op_setting("KV_HEADS", "expanded", fn, *args, **kw)
 
 
 def plan_kind(se, q) -> str:
@@ -250,6 +262,8 @@ def tree_fns(se, bm, which, heavy=None):
         out["fa4_varlen"] = lambda q, k, v: tree_attention_varlen(q, k, v, se)
     if "fa4_varlen_index_add" in which:  # main() runs its row under index_add_sums (the backward too)
         out["fa4_varlen_index_add"] = lambda q, k, v: tree_attention_varlen(q, k, v, se)
+    if "fa4_varlen_kv_expanded" in which:  # main() runs its row under kv_expanded (the backward too)
+        out["fa4_varlen_kv_expanded"] = lambda q, k, v: tree_attention_varlen(q, k, v, se)
     if "fa4_varlen_heavy_first" in which:  # main() runs its row in that order (the backward too)
         se_hf = se.clone()  # a tensor of its own: the op keeps one plan per subtree_end tensor
         out["fa4_varlen_heavy_first"] = lambda q, k, v: tree_attention_varlen(q, k, v, se_hf)
@@ -278,7 +292,7 @@ def tree_fns(se, bm, which, heavy=None):
 
 # the tree contenders (module docstring); FA4's and cuDNN's causal kernels run at every T as the reference
 CONTENDERS = ("flex_triton", "fa4_flex", "fa4_direct", "fa4_varlen", "fa4_varlen_index_add", "fa4_varlen_heavy_first",
-              "fa4_segments", "fa4_prefix_block", "fa4_flex_heavy", "fa4_flex_heavy_kernel", "flex_triton_heavy",
+              "fa4_varlen_kv_expanded", "fa4_segments", "fa4_prefix_block", "fa4_flex_heavy", "fa4_flex_heavy_kernel", "flex_triton_heavy",
               "paths_fa4_varlen")
 
 
@@ -383,9 +397,12 @@ def main() -> None:
                 r = index_add_sums(row, case, name, fn, q, k, v, do, nnz, se)
             elif name == "fa4_varlen_heavy_first":
                 r = block_sparse_heavy_first(row, case, name, fn, q, k, v, do, nnz, se)
+            elif name == "fa4_varlen_kv_expanded":
+                r = kv_expanded(row, case, name, fn, q, k, v, do, nnz, se)
             else:
                 r = row(case, name, fn, q, k, v, do, nnz, se)
-            if name in ("fa4_varlen", "fa4_varlen_index_add", "fa4_segments", "fa4_varlen_heavy_first"):
+            if name in ("fa4_varlen", "fa4_varlen_index_add", "fa4_segments", "fa4_varlen_heavy_first",
+                        "fa4_varlen_kv_expanded"):
                 r["plan"] = "segments" if name == "fa4_segments" else plan_kind(se, q)
             if name == "fa4_prefix_block":
                 from prefix_block_attention import prefix_block_plan

@@ -98,6 +98,41 @@ def test_block_sparse_heavy_first_contender_sets_the_order_only_while_its_step_r
     assert vta.BLOCK_SPARSE_LAYOUT == "dfs" and "tree_block_sparse_heavy_first" in harness.ON_REQUEST
 
 
+@pytest.mark.parametrize("kv_heads", ["grouped", "expanded"])
+def test_index_add_sums_take_the_ops_call(kv_heads, monkeypatch):
+    """``bench_fa4_attention.index_add_sums`` (the ``fa4_varlen_index_add`` row) stands in for ``sum_copies`` as the
+    op calls it (``zero_tail=``, ``rep=``: its lambda of four arguments failed on every call from session 51 to 52,
+    unseen off the GPU), and the op's gradients stay the dense mask's (CPU, float64)."""
+    import inspect
+
+    from benchmarks import bench_fa4_attention as bench
+    from tests.test_fa4_tree_attention import forest_paths
+    from treecompile import Tree
+    from treecompile.ops import key_copies
+    from treecompile.ops import varlen_tree_attention as vta
+    from treecompile.ops.tree_attention import tree_attention_reference
+
+    monkeypatch.setattr(vta, "KV_HEADS", kv_heads)
+    b = Tree.from_paths(forest_paths(60, 2, seed=1)).to_batch(pad_to_multiple=16)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, b.seq_len, h, 8, generator=g, dtype=torch.float64).transpose(1, 2).requires_grad_()
+               for h in (4, 2, 2))
+    do = torch.randn(1, 4, b.seq_len, 8, generator=g, dtype=torch.float64)
+    seen = []
+
+    def grads():
+        seen.append(vta.sum_copies)
+        out = vta.tree_attention_varlen(q, k, v, b.subtree_end, 0.3)
+        return torch.autograd.grad(out, (q, k, v), do)
+
+    got = bench.index_add_sums(grads)
+    assert seen[0] is not key_copies.sum_copies and vta.sum_copies is key_copies.sum_copies
+    assert list(inspect.signature(seen[0]).parameters) == list(inspect.signature(key_copies.sum_copies).parameters)
+    want = torch.autograd.grad(tree_attention_reference(q, k, v, b.subtree_end, scale=0.3), (q, k, v), do)
+    for x, r in zip(got, want):
+        torch.testing.assert_close(x, r, rtol=1e-12, atol=1e-12)
+
+
 def test_kv_expanded_contender_sets_the_kv_heads_only_while_its_step_runs():
     """``tree_kv_expanded``'s step runs the varlen op with K/V expanded to the query heads, and the default comes
     back after, also when the step raises; an unknown setting is refused before any step; on request only."""
@@ -113,6 +148,11 @@ def test_kv_expanded_contender_sets_the_kv_heads_only_while_its_step_runs():
     assert vta.KV_HEADS == "grouped" and "tree_kv_expanded" in harness.ON_REQUEST
     with pytest.raises(ValueError, match="kv_heads: expected one of"):
         harness._with_kv_heads(boom, "repeated")
+    # the attention benchmark's row of the same setting
+    from benchmarks import bench_fa4_attention as bench
+
+    assert bench.kv_expanded(lambda: vta.KV_HEADS) == "expanded" and vta.KV_HEADS == "grouped"
+    assert "fa4_varlen_kv_expanded" in bench.contender_names("fa4_varlen,fa4_varlen_kv_expanded")
 
 
 def test_attention_bench_refuses_unknown_contenders(monkeypatch):

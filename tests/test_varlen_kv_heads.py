@@ -1,5 +1,5 @@
 """The varlen tree attention with grouped-query K/V expanded to the query heads (``varlen_tree_attention.KV_HEADS =
-"expanded"``): the gather that repeats each kv head (``key_copies.gather_rows``), the copy sums that add the
+"expanded"``): the gather that repeats each kv head (``key_copies.gather_keys``), the copy sums that add the
 heads of a group back (``sum_copies(rep=)``), and the op on both settings, exact in float64 against the dense
 tree mask (issue 16: FA4's GQA backward accumulates dK/dV in float32 buffers over the gathered rows; expanded,
 it writes them per head)."""
@@ -41,30 +41,30 @@ def _expected_gather(src, index, rep):
 
 @pytest.mark.parametrize("rep", [1, 2, 3, 4])
 @pytest.mark.parametrize("D", [5, 16, 40])
-def test_gather_rows_repeats_each_kv_head_for_its_query_heads(rep, D):
+def test_gather_keys_repeats_each_kv_head_for_its_query_heads(rep, D):
     src = _tokens_major(23, 3, D, seed=rep)
     index = torch.randint(0, 23, (57,), generator=torch.Generator().manual_seed(D))
-    got = key_copies.gather_rows(src, index, rep)
+    got = key_copies.gather_keys(src, index, rep)
     assert got.shape == (57, 3 * rep, D) and got.is_contiguous()
     assert torch.equal(got, _expected_gather(src, index, rep))
-    assert key_copies.gather_rows(src, index[:0], rep).shape == (0, 3 * rep, D)
+    assert key_copies.gather_keys(src, index[:0], rep).shape == (0, 3 * rep, D)
 
 
-def test_gather_rows_takes_any_1d_index():
+def test_gather_keys_takes_any_1d_index():
     """A strided or int32 index gathers the same rows (the kernel reads a dense int64 copy); a 2-D one is refused."""
     src = _tokens_major(30, 2, 8, seed=0)
     index = torch.randint(0, 30, (40,), generator=torch.Generator().manual_seed(1))
     for idx in (index[::2], index[::2].to(torch.int32)):
-        assert torch.equal(key_copies.gather_rows(src, idx, 2), _expected_gather(src, idx.long(), 2))
+        assert torch.equal(key_copies.gather_keys(src, idx, 2), _expected_gather(src, idx.long(), 2))
     with pytest.raises(ValueError, match="index must be 1-D"):
-        key_copies.gather_rows(src, index.view(4, 10), 2)
+        key_copies.gather_keys(src, index.view(4, 10), 2)
 
 
-def test_gather_rows_refuses_what_it_cannot_expand():
+def test_gather_keys_refuses_what_it_cannot_expand():
     with pytest.raises(ValueError, match="rep 2 needs src"):
-        key_copies.gather_rows(torch.zeros(4, 8), torch.zeros(2, dtype=torch.int64), 2)
+        key_copies.gather_keys(torch.zeros(4, 8), torch.zeros(2, dtype=torch.int64), 2)
     with pytest.raises(ValueError, match="rep 0"):
-        key_copies.gather_rows(torch.zeros(4, 2, 8), torch.zeros(2, dtype=torch.int64), 0)
+        key_copies.gather_keys(torch.zeros(4, 2, 8), torch.zeros(2, dtype=torch.int64), 0)
 
 
 def _plan(paths, pad_to=None):
@@ -196,7 +196,7 @@ from treecompile.ops.tree_attention import tree_attention_reference
 from tests.test_fa4_tree_attention import forest_paths
 from tests.helpers import count_launches
 
-gathers = count_launches(key_copies, "_gather_rows_kernel")
+gathers = count_launches(key_copies, "_gather_keys_kernel")
 sums = count_launches(key_copies, "_sum_copies_kernel")
 worst = {"gather": 0, "f64": 0.0, "bf16_ulps": 0.0, "configs": 0, "op": 0.0}
 g = torch.Generator().manual_seed(0)
@@ -204,12 +204,12 @@ g = torch.Generator().manual_seed(0)
 for rep, D, Hkv in [(2, 5, 3), (3, 40, 2), (4, 128, 1), (2, 33, 8)]:
     src = torch.randn(1, 50, Hkv, D, generator=g).to(torch.bfloat16)[0]
     index = torch.randint(0, 50, (77,), generator=g)
-    got = key_copies.gather_rows(src, index, rep)
+    got = key_copies.gather_keys(src, index, rep)
     want = src.index_select(0, index)[:, :, None].expand(77, Hkv, rep, D).reshape(77, Hkv * rep, D)
     worst["gather"] += not torch.equal(got, want)
     # a strided int32 index, a head slice of the rows (row and head strides of their own)
     sub = torch.randn(50, 2 * Hkv, D + 3, generator=g)[:, ::2, :D]
-    worst["gather"] += not torch.equal(key_copies.gather_rows(sub, index[::2].int(), rep),
+    worst["gather"] += not torch.equal(key_copies.gather_keys(sub, index[::2].int(), rep),
                                        sub.index_select(0, index[::2])[:, :, None].expand(-1, -1, rep, -1)
                                        .reshape(-1, Hkv * rep, D))
 # the sums with the heads of a group: float64 to rounding, bf16 within one unit of the exact sum, every config the same
@@ -269,7 +269,7 @@ def test_expanded_kernels_on_cuda(rep):
                             .subtree_end.cuda())
     g = torch.Generator(device="cuda").manual_seed(rep)
     src = torch.randn(1, plan.tail + 9, 8 // rep, 128, generator=g, device="cuda").to(torch.bfloat16)[0]
-    got = key_copies.gather_rows(src, plan.key_index, rep)
+    got = key_copies.gather_keys(src, plan.key_index, rep)
     assert torch.equal(got, src.index_select(0, plan.key_index)[:, :, None].expand(-1, -1, rep, -1).flatten(1, 2))
     rows = torch.randn(plan.gathered, 8, 128, generator=g, device="cuda").to(torch.bfloat16)
     out = key_copies.sum_copies(rows, plan.copies, plan.key_index, plan.tail + 9, rep=rep)
@@ -316,32 +316,6 @@ def test_fa4_expanded_kv_heads_vs_fp64_oracle(T, roots, pad_to, H, Hkv, D, keep,
         assert kept and all(n == G * (H // Hkv) > 0 for n, G in kept), kept
 
 
-def test_one_compiled_graph_serves_either_setting(monkeypatch):
-    """Under ``torch.compile`` (inductor, CPU, a lowered graph's dynamo settings) the kept rows' count is an unbacked
-    size, so grouped and expanded calls, keeping rows or not, run the same one graph with the reference's gradients."""
-    from torch._dynamo.testing import CompileCounterWithBackend
-
-    from treecompile.ops.varlen_tree_attention import tree_attention_varlen
-    from treecompile.passes.lower_cuda import CudaOptions
-    from treecompile.program import dynamo_config
-
-    b = Tree.from_paths(forest_paths(60, 2, seed=2)).to_batch(pad_to_multiple=16)
-    q, k, v = _qkv(b.seq_len, 4, 2, 8, seed=1)
-    counter = CompileCounterWithBackend("inductor")
-    fn = torch.compile(lambda q, k, v, se: (tree_attention_varlen(q * 1, k, v, se, 0.3, keep="fit") * 1.5).sum(),
-                       backend=counter, dynamic=False)
-    want = torch.autograd.grad((tree_attention_reference(q, k, v, b.subtree_end, 0.3) * 1.5).sum(), (q, k, v))
-    keeps = vta.keeps_keys
-    for heads, keep in (("grouped", True), ("expanded", True), ("expanded", False), ("grouped", True)):
-        monkeypatch.setattr(vta, "KV_HEADS", heads)
-        monkeypatch.setattr(vta, "keeps_keys", lambda *a, keep=keep: keep and keeps(*a))
-        with torch._dynamo.config.patch(**dynamo_config(CudaOptions())):
-            got = torch.autograd.grad(fn(q, k, v, b.subtree_end), (q, k, v))
-        for x, r in zip(got, want):
-            torch.testing.assert_close(x, r, rtol=1e-12, atol=1e-12)
-    assert counter.frame_count == 1
-
-
 def test_expanded_op_opcheck(monkeypatch):
     monkeypatch.setattr(vta, "KV_HEADS", "expanded")
     b = Tree.from_paths(forest_paths(40, 2, seed=3)).to_batch(pad_to_multiple=8)
@@ -361,7 +335,7 @@ def test_lowered_model_with_expanded_kv_heads_equals_the_rewritten_graph(monkeyp
     low = _lower_fa4_varlen(prog, monkeypatch, attention_keys="kept")
     monkeypatch.setattr(vta, "KV_HEADS", "expanded")
     reps = []
-    real = key_copies.gather_rows
-    monkeypatch.setattr(vta, "gather_rows", lambda src, index, rep=1: reps.append(rep) or real(src, index, rep))
+    real = key_copies.gather_keys
+    monkeypatch.setattr(vta, "gather_keys", lambda src, index, rep=1: reps.append(rep) or real(src, index, rep))
     _assert_lowered_equals_rewritten(prog, low)
     assert reps and set(reps) == {model.config.num_attention_heads // model.config.num_key_value_heads}

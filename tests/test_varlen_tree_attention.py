@@ -1784,8 +1784,8 @@ def test_lowered_model_keeping_rows_equals_the_rewritten_graph(keys, monkeypatch
 def test_one_compiled_graph_serves_kept_and_gathered_calls(monkeypatch):
     """Under ``torch.compile`` (inductor, CPU, the settings a lowered graph runs with: ``program.dynamo_config``; not
     ``fullgraph``, which captures such ops by itself) the kept rows' count is an unbacked size: a call that keeps and
-    one that does not (the "fit" decision changing between steps) run the same one graph, with the reference's
-    gradients."""
+    one that does not (the "fit" decision changing between steps), with K/V grouped or expanded to the query heads
+    (``KV_HEADS``: G or G * rep kept rows), run the same one graph, with the reference's gradients."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     from treecompile.ops import varlen_tree_attention as vta
@@ -1799,7 +1799,9 @@ def test_one_compiled_graph_serves_kept_and_gathered_calls(monkeypatch):
                        backend=counter, dynamic=False)
     want = torch.autograd.grad((tree_attention_reference(q, k, v, b.subtree_end, 0.3) * 1.5).sum(), (q, k, v))
     keeps = vta.keeps_keys
-    for keep in (True, False, True):
+    for heads, keep in (("grouped", True), ("grouped", False), ("expanded", True), ("expanded", False),
+                        ("grouped", True)):
+        monkeypatch.setattr(vta, "KV_HEADS", heads)
         monkeypatch.setattr(vta, "keeps_keys", lambda *a, keep=keep: keep and keeps(*a))
         with torch._dynamo.config.patch(**dynamo_config(CudaOptions())):
             got = torch.autograd.grad(fn(q, k, v, b.subtree_end), (q, k, v))

@@ -20,7 +20,7 @@ autotuner fails, every call runs that first config, with one warning.)
 Where Triton cannot run (CPU without ``TRITON_INTERPRET=1``) :func:`sum_copies` falls back to ``index_add_`` with
 the same float32/float64 accumulation: the same sums, possibly in another order.
 
-Grouped-query K/V expanded to the query heads (``varlen_tree_attention.KV_HEADS = "expanded"``): :func:`gather_rows`
+Grouped-query K/V expanded to the query heads (``varlen_tree_attention.KV_HEADS = "expanded"``): :func:`gather_keys`
 gathers the rows with each kv head repeated for its query heads (one kernel, each source row read once), and
 ``sum_copies(rep=)`` sums a group's heads with the copies in the same accumulator.
 """
@@ -38,7 +38,7 @@ from treecompile.host_values import group_index, to_device_async
 # triton is None on CPU-only installs: sum_copies then uses index_add_
 from treecompile.ops.triton_support import available, interpreting, tl, triton, usable
 
-__all__ = ["CopyRuns", "available", "copy_runs", "copy_run_tables", "gather_rows", "sum_copies",
+__all__ = ["CopyRuns", "available", "copy_runs", "copy_run_tables", "gather_keys", "sum_copies",
            "sum_copies_index_add", "usable", "CONFIGS"]
 
 BLOCK_T = 64  # tokens per program (a run is cut into tiles of at most this many)
@@ -148,7 +148,7 @@ if triton is not None:
         tl.store(out_ptr + rows[:, None] * C + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=m2)
 
     @triton.jit
-    def _gather_rows_kernel(src_ptr, idx_ptr, out_ptr, G, D, s_t, s_h, REP: tl.constexpr, BLOCK_G: tl.constexpr,
+    def _gather_keys_kernel(src_ptr, idx_ptr, out_ptr, G, D, s_t, s_h, REP: tl.constexpr, BLOCK_G: tl.constexpr,
                             BLOCK_D: tl.constexpr):
         """out[g, h * REP + p] = src[idx[g], h] for p < REP: one program per block of rows and kv head ``h``, each
         source row read once and written REP times (out contiguous ``[G, Hkv * REP, D]``)."""
@@ -175,24 +175,24 @@ if triton is not None:
 GATHER_BLOCK_G = 32  # rows per program of the expanded gather
 
 
-def gather_rows(src: Tensor, index: Tensor, rep: int = 1) -> Tensor:
+def gather_keys(src: Tensor, index: Tensor, rep: int = 1) -> Tensor:
     """The gathered key/value rows: ``src [T, Hkv, D]`` -> ``[G, Hkv * rep, D]`` with ``out[g, h * rep + p] =
     src[index[g], h]`` (``index [G]`` int64): each kv head repeated for the ``rep`` query heads of its group, so a
     kernel reads them as plain multi-head keys.  ``rep`` 1: ``index_select``.  One Triton kernel where it runs (each
     source row read once); else ``index_select`` then one copy of the broadcast rows."""
     if index.dim() != 1:
-        raise ValueError(f"gather_rows: index must be 1-D, got shape {tuple(index.shape)}")
+        raise ValueError(f"gather_keys: index must be 1-D, got shape {tuple(index.shape)}")
     if rep == 1:
         return src.index_select(0, index)
     if rep < 1 or src.dim() != 3:
-        raise ValueError(f"gather_rows: rep {rep} needs src [T, Hkv, D], got {tuple(src.shape)}")
+        raise ValueError(f"gather_keys: rep {rep} needs src [T, Hkv, D], got {tuple(src.shape)}")
     index = index.to(torch.int64).contiguous()  # the kernel reads it as a dense int64 vector
     G, (_, Hkv, D) = index.numel(), src.shape
     if not usable(src) or src.stride(-1) != 1:
         return src.index_select(0, index)[:, :, None].expand(G, Hkv, rep, D).reshape(G, Hkv * rep, D)
     out = torch.empty((G, Hkv * rep, D), dtype=src.dtype, device=src.device)
     if G and Hkv and D:
-        _gather_rows_kernel[(triton.cdiv(G, GATHER_BLOCK_G), Hkv)](
+        _gather_keys_kernel[(triton.cdiv(G, GATHER_BLOCK_G), Hkv)](
             src, index, out, G, D, src.stride(0), src.stride(1), REP=rep, BLOCK_G=GATHER_BLOCK_G,
             BLOCK_D=triton.next_power_of_2(D))
     return out
@@ -225,7 +225,7 @@ def sum_copies(src: Tensor, runs: CopyRuns, key_index: Tensor, T: int, config: t
     ``key_index[g] == t`` (``src [G, ...]``), accumulated in float32 (float64 for float64) and rounded once; rows the
     runs do not cover (``t >= runs.tokens``: the plan's tail) are zero, or, with ``zero_tail=False``, left for the
     caller to write (uninitialised where the kernel runs).  ``rep`` > 1: ``src [G, Hkv * rep, D]`` holds each kv
-    head's ``rep`` query heads (the rows :func:`gather_rows` expanded), summed into ``out [T, Hkv, D]`` in the same
+    head's ``rep`` query heads (the rows :func:`gather_keys` expanded), summed into ``out [T, Hkv, D]`` in the same
     accumulator.  ``config``: one of :data:`CONFIGS` (tests, benchmarks); None: the autotuner's pick on CUDA, the
     first config under Triton's interpreter (no timing there).  Every config gives the same values."""
     G = src.shape[0]

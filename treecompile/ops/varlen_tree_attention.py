@@ -49,7 +49,7 @@ the CPU tests cover the choice and the wiring of both.
 model's ``Hkv`` heads (:data:`KV_HEADS` = ``"grouped"``, the default): FA4's backward then accumulates each kv head's
 dK/dV over the query heads of its group in float32 buffers of the gathered rows' size, which it zero-fills, and
 converts them (two more kernels); the op sums the copies per token.  With ``"expanded"`` the gather repeats each kv
-head for its query heads (``[G, H, D]``, :func:`key_copies.gather_rows`, one kernel), FA4 runs as multi-head
+head for its query heads (``[G, H, D]``, :func:`key_copies.gather_keys`, one kernel), FA4 runs as multi-head
 attention and writes per-head dK/dV, and the copy sums add the heads of a group in the same float32 accumulator
 (``sum_copies(rep=)``): no accumulators, fills or conversions, for twice the gathered and summed bytes and twice
 the kept rows' memory (kept as ``[G * rep, Hkv, D]`` views, the op's declared layout; the backward tells the two
@@ -91,7 +91,7 @@ from torch import Tensor
 
 from treecompile.host_values import host_copy, to_device_async, to_device_together
 
-from .key_copies import CopyRuns, copy_run_tables, gather_rows, sum_copies
+from .key_copies import CopyRuns, copy_run_tables, gather_keys, sum_copies
 from . import fa4_replay
 from .last_batch import LastBatch
 from .logprobs_kept import allocator_bytes, fit_margin_bytes, headroom_bytes
@@ -131,7 +131,7 @@ class SegmentPlan:
     def keys(self, k_t: Tensor, v_t: Tensor, rep: int = 1) -> tuple[Tensor, Tensor]:
         """The key/value rows the varlen kernel reads: each segment's path prefix and itself, gathered; ``rep`` > 1:
         each kv head repeated for that many query heads (``[G, Hkv * rep, D]``, :func:`_kv_rep`)."""
-        return gather_rows(k_t, self.key_index, rep), gather_rows(v_t, self.key_index, rep)
+        return gather_keys(k_t, self.key_index, rep), gather_keys(v_t, self.key_index, rep)
 
     def pieces(self, device):
         """Per segment: (query rows, gathered key rows, the bottom-right causal ``[n, m]`` visibility)."""

@@ -1,6 +1,6 @@
 # session 52 device calls (one H200 per lease); any other mode goes to h200_s51/d.sh (and on to earlier sessions')
 #   bash d.sh gqa52     probe_gqa52.py: the segments plan's attention per layer with FA4's GQA path against K/V
-#                       expanded to the query heads, and (after this session's kernels) through gather_rows and
+#                       expanded to the query heads, and (after this session's kernels) through gather_keys and
 #                       sum_copies(rep=) ($OUT/probe_gqa52.txt)
 #   bash d.sh kv52      the next lease's first call for K/V expanded: `pytest -m gpu tests/test_varlen_kv_heads.py`
 #                       ($OUT/gpu52_kv.txt), then gqa52

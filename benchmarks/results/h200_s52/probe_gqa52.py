@@ -8,7 +8,7 @@
 #   gqa:      gather K, V [G, 8, D]; FA4 forward; FA4 backward; sum the copies of dK, dV [T, 8, D]
 #   expanded: gather K, V [G, 16, D] (one index_select each from a broadcast view); FA4 forward; FA4 backward;
 #             sum the copies of dK, dV over 16 heads, then the head pairs
-#   kernels:  the expanded form through treecompile's own gather_rows and sum_copies(rep=2) (added after the run
+#   kernels:  the expanded form through treecompile's own gather_keys and sum_copies(rep=2) (added after the run
 #             recorded in probe_gqa52.txt; the next run prints these rows too)
 # Trees: agentic parallel-tools, and 16 x 2,048 at POR 0.5.  Run on the device after `source pre.sh`:
 #   python benchmarks/results/h200_s52/probe_gqa52.py   ($OUT/probe_gqa52.txt by the caller)
@@ -25,7 +25,7 @@ from treecompile.ops import varlen_tree_attention as vta  # noqa: E402
 from treecompile.ops.key_copies import sum_copies  # noqa: E402
 
 try:  # session 52's kernels for the expanded form (the first run predates them)
-    from treecompile.ops.key_copies import gather_rows  # noqa: E402
+    from treecompile.ops.key_copies import gather_keys  # noqa: E402
     KERNELS = True
 except ImportError:
     KERNELS = False
@@ -72,7 +72,7 @@ def run(name, paths):
 
     def gather(expanded):
         if expanded == "kernels":  # treecompile's own (varlen_tree_attention.KV_HEADS = "expanded"; after the run)
-            return gather_rows(k, idx, rep), gather_rows(v, idx, rep)
+            return gather_keys(k, idx, rep), gather_keys(v, idx, rep)
         if expanded:  # [T, HKV, rep, D] broadcast view, gathered to [G, HKV * rep, D] in one kernel each
             return (k[:, :, None].expand(T, HKV, rep, D).index_select(0, idx).view(G, H, D),
                     v[:, :, None].expand(T, HKV, rep, D).index_select(0, idx).view(G, H, D))
