@@ -292,8 +292,8 @@ def tree_fns(se, bm, which, heavy=None):
 
 # the tree contenders (module docstring); FA4's and cuDNN's causal kernels run at every T as the reference
 CONTENDERS = ("flex_triton", "fa4_flex", "fa4_direct", "fa4_varlen", "fa4_varlen_index_add", "fa4_varlen_heavy_first",
-              "fa4_varlen_kv_expanded", "fa4_segments", "fa4_prefix_block", "fa4_flex_heavy", "fa4_flex_heavy_kernel", "flex_triton_heavy",
-              "paths_fa4_varlen")
+              "fa4_varlen_kv_expanded", "fa4_segments", "fa4_prefix_block", "fa4_flex_heavy", "fa4_flex_heavy_kernel",
+              "flex_triton_heavy", "paths_fa4_varlen")
 
 
 def contender_names(arg: str) -> list[str]:

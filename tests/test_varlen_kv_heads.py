@@ -320,7 +320,8 @@ def test_expanded_op_opcheck(monkeypatch):
     monkeypatch.setattr(vta, "KV_HEADS", "expanded")
     b = Tree.from_paths(forest_paths(40, 2, seed=3)).to_batch(pad_to_multiple=8)
     q, k, v = (x.detach().requires_grad_() for x in _qkv(b.seq_len, 4, 2, 8, seed=0))
-    torch.library.opcheck(torch.ops.treecompile.tree_attention_varlen_fwd.default, (q, k, v, b.subtree_end, 0.35, "all"))
+    torch.library.opcheck(torch.ops.treecompile.tree_attention_varlen_fwd.default,
+                          (q, k, v, b.subtree_end, 0.35, "all"))
 
 
 def test_lowered_model_with_expanded_kv_heads_equals_the_rewritten_graph(monkeypatch):
