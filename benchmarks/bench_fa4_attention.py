@@ -244,6 +244,11 @@ def kv_expanded(fn, *args, **kw):
     return _with_op_setting("KV_HEADS", "expanded", fn, *args, **kw)
 
 
+# the varlen op's rows timed under one of its module settings: row name -> the wrapper that sets it
+SETTING_ROWS = {"fa4_varlen_index_add": index_add_sums, "fa4_varlen_heavy_first": block_sparse_heavy_first,
+                "fa4_varlen_kv_expanded": kv_expanded}
+
+
 def plan_kind(se, q) -> str:
     """Which plan the varlen op takes for this tree and these inputs: "segments" or "block_sparse"."""
     return "block_sparse" if isinstance(vta._plan(se, q), vta.BlockSparsePlan) else "segments"
@@ -258,11 +263,13 @@ def tree_fns(se, bm, which, heavy=None):
                                                                     kernel_options=fta.kernel_options_for(q))
     if "fa4_flex" in which:
         out["fa4_flex"] = lambda q, k, v: fa4.tree_attention_fa4(q, k, v, bm, enable_gqa=True)
-    if "fa4_varlen" in which:  # no BlockMask: the op's plan, built on the first call and kept for se
+    # no BlockMask: the op's plan, built on the first call and kept for se; main() runs the rows of SETTING_ROWS
+    # under their setting (the backward too)
+    if "fa4_varlen" in which:
         out["fa4_varlen"] = lambda q, k, v: tree_attention_varlen(q, k, v, se)
-    if "fa4_varlen_index_add" in which:  # main() runs its row under index_add_sums (the backward too)
+    if "fa4_varlen_index_add" in which:
         out["fa4_varlen_index_add"] = lambda q, k, v: tree_attention_varlen(q, k, v, se)
-    if "fa4_varlen_kv_expanded" in which:  # main() runs its row under kv_expanded (the backward too)
+    if "fa4_varlen_kv_expanded" in which:
         out["fa4_varlen_kv_expanded"] = lambda q, k, v: tree_attention_varlen(q, k, v, se)
     if "fa4_varlen_heavy_first" in which:  # main() runs its row in that order (the backward too)
         se_hf = se.clone()  # a tensor of its own: the op keeps one plan per subtree_end tensor
@@ -393,16 +400,11 @@ def main() -> None:
                 qh, kh, vh = (x.detach()[:, heavy[0][0]].requires_grad_() for x in (q, k, v))
                 r = row(case, name, fn, qh, kh, vh, do, nnz)
                 del qh, kh, vh
-            elif name == "fa4_varlen_index_add":
-                r = index_add_sums(row, case, name, fn, q, k, v, do, nnz, se)
-            elif name == "fa4_varlen_heavy_first":
-                r = block_sparse_heavy_first(row, case, name, fn, q, k, v, do, nnz, se)
-            elif name == "fa4_varlen_kv_expanded":
-                r = kv_expanded(row, case, name, fn, q, k, v, do, nnz, se)
+            elif name in SETTING_ROWS:
+                r = SETTING_ROWS[name](row, case, name, fn, q, k, v, do, nnz, se)
             else:
                 r = row(case, name, fn, q, k, v, do, nnz, se)
-            if name in ("fa4_varlen", "fa4_varlen_index_add", "fa4_segments", "fa4_varlen_heavy_first",
-                        "fa4_varlen_kv_expanded"):
+            if name == "fa4_varlen" or name == "fa4_segments" or name in SETTING_ROWS:
                 r["plan"] = "segments" if name == "fa4_segments" else plan_kind(se, q)
             if name == "fa4_prefix_block":
                 from prefix_block_attention import prefix_block_plan

@@ -18,7 +18,7 @@ import statistics
 import subprocess
 import tempfile
 
-__all__ = ["GpuClocks", "summarize", "CAP_REASONS"]
+__all__ = ["GpuClocks", "summarize", "describe", "device_id", "CAP_REASONS"]
 
 # nvidia-smi's clocks_event_reasons bits (nvml's nvmlClocksEventReason*): idle, and the caps that lower the clock
 IDLE = 0x1
@@ -57,6 +57,15 @@ def summarize(lines: list[str]) -> dict:
             "sm_mhz": statistics.median(sm), "sm_mhz_min": min(sm), "power_w": statistics.median(watts),
             "temp_c": statistics.median(temp),
             "capped": {name: round(sum(bool(r & bit) for r in reasons) / n, 3) for name, bit in CAP_REASONS.items()}}
+
+
+def describe(summary: dict) -> str:
+    """One line of a :func:`summarize` result (or its error) for a benchmark's printout."""
+    if "error" in summary:
+        return f"clocks not read: {summary['error']}"
+    capped = ", ".join(f"{k} {v:.0%}" for k, v in summary["capped"].items() if v) or "none"
+    return (f"SM clock {summary['sm_mhz']:.0f} MHz (lowest {summary['sm_mhz_min']:.0f}), {summary['power_w']:.0f} W, "
+            f"{summary['temp_c']:.0f} C, samples capped: {capped} ({summary['samples']} busy samples)")
 
 
 class GpuClocks:

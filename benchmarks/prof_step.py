@@ -32,7 +32,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks import harness
-from benchmarks.gpu_clocks import GpuClocks, device_id
+from benchmarks.gpu_clocks import GpuClocks, describe, device_id
 
 # kernel name -> kind; the first pattern that matches wins (names of cuDNN/FA4/flex/cuBLAS/CUTLASS/Triton)
 KINDS = [
@@ -293,7 +293,7 @@ def main(argv=None) -> int:
         loops, synced = [], []
         cuda = torch.device("cuda")
         # the SM clock and power each kind of round ran at (a GPU with fewer idle gaps may hold a lower clock)
-        clocks = {"loop": GpuClocks(device_id()), "synced": GpuClocks(device_id())} if args.loop else {}
+        clocks = {kind: GpuClocks(device_id()) for kind in ("loop", "synced")} if args.loop else {}
         for _ in range(3 if args.loop else 0):  # rounds: N steps back to back, then N synchronized ones (median)
             with clocks["loop"]:
                 loops.append(harness.steps_seconds(step, cuda, args.loop))
@@ -324,12 +324,7 @@ def main(argv=None) -> int:
                   f" idle {lp['idle_ms']:.1f} ms: " + ", ".join(f"{label} {k:g} gaps {ms:.2f} ms"
                                                            for label, (k, ms) in lp["gaps"].items()))
             for kind, c in row["clocks"].items():
-                print(f"#   {kind} rounds: " + (f"SM clock {c['sm_mhz']:.0f} MHz (lowest {c['sm_mhz_min']:.0f}), "
-                                              f"{c['power_w']:.0f} W, {c['temp_c']:.0f} C, samples capped: "
-                                              + (", ".join(f"{k} {v:.0%}" for k, v in c["capped"].items() if v)
-                                                 or "none")
-                                              + f" ({c['samples']} busy samples)"
-                                              if "error" not in c else f"clocks not read: {c['error']}"))
+                print(f"#   {kind} rounds: {describe(c)}")
             for ms, before, after in lp["largest"][:8]:
                 print(f"#     {ms:8.3f} ms  after {before}  before {after}")
         for kind, ms in row["by_kind_ms"].items():

@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from benchmarks.gpu_clocks import GpuClocks, summarize  # noqa: E402
+from benchmarks.gpu_clocks import GpuClocks, describe, summarize  # noqa: E402
 
 
 def test_summarize_drops_idle_samples_and_counts_the_unreadable():
@@ -26,6 +26,14 @@ def test_summarize_drops_idle_samples_and_counts_the_unreadable():
     assert s["capped"]["sw_power_cap"] == pytest.approx(2 / 3, abs=1e-3)
     assert s["capped"]["sw_thermal"] == pytest.approx(1 / 3, abs=1e-3)
     assert s["capped"]["hw_thermal"] == 0
+
+
+def test_describe_says_the_clock_or_why_there_is_none():
+    s = summarize(["1755, 690.5, 61, 0x4", "1700, 650.0, 60, 0x0"])
+    assert describe(s) == ("SM clock 1728 MHz (lowest 1700), 670 W, 60 C, samples capped: sw_power_cap 50% "
+                           "(2 busy samples)")
+    assert "samples capped: none" in describe(summarize(["1755, 690.5, 61, 0x0"]))
+    assert describe({"error": "nvidia-smi not found"}) == "clocks not read: nvidia-smi not found"
 
 
 def test_summarize_without_busy_samples_says_so():

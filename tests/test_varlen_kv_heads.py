@@ -12,6 +12,7 @@ import torch
 from tests.helpers import run_interpreted
 from tests.test_fa4_tree_attention import forest_paths
 from tests.test_flex_tree_attention import out_and_grads
+from tests.test_varlen_tree_attention import _gpu_reason, _qkv
 from treecompile import Tree
 from treecompile.ops import key_copies
 from treecompile.ops import varlen_tree_attention as vta
@@ -87,12 +88,6 @@ def test_sum_copies_adds_the_heads_of_a_group_with_the_copies(rep):
     for bad in (0, 5):  # 2, 4 or 8 heads: not groups of 5
         with pytest.raises(ValueError, match="heads a multiple"):
             key_copies.sum_copies(src, plan.copies, plan.key_index, T, rep=bad)
-
-
-def _qkv(T, H, Hkv, D, seed):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(1, T, h, D, generator=g, dtype=torch.float64).transpose(1, 2).requires_grad_()
-            for h in (H, Hkv, Hkv)]
 
 
 @pytest.mark.parametrize("H,Hkv", [(4, 4), (4, 2), (8, 2), (6, 2)])
@@ -307,16 +302,8 @@ def test_expanded_kernels_on_cuda(rep):
     assert ((out.double() - want).abs() <= bound + 1e-30).all()
 
 
-def _fa4_reason():
-    if not torch.cuda.is_available():
-        return "needs a CUDA device"
-    from treecompile.ops import fa4_tree_attention as fa4
-
-    return fa4.fa4_unusable_reason()
-
-
 @pytest.mark.gpu
-@pytest.mark.skipif(_fa4_reason() is not None, reason=str(_fa4_reason()))
+@pytest.mark.skipif(_gpu_reason() is not None, reason=str(_gpu_reason()))
 @pytest.mark.parametrize("T,roots,pad_to,H,Hkv,D", [(1000, 3, 1024, 4, 2, 128), (2900, 1, 3072, 16, 8, 128),
                                                    (700, 1, None, 8, 2, 64)])
 @pytest.mark.parametrize("keep", ["none", "all"])

@@ -210,13 +210,18 @@ def sum_copies_index_add(src: Tensor, key_index: Tensor, T: int, rep: int = 1) -
     return acc.to(src.dtype)
 
 
+def _kernel_args(src: Tensor, out: Tensor, runs: CopyRuns, C: int, rep: int) -> tuple:
+    """``_sum_copies_kernel``'s positional arguments: ``C`` output channels, the source rows' ``SC = C * rep``
+    channels and (``rep`` > 1) their head dim ``D``."""
+    return src, out, runs.tiles, runs.offsets, C, runs.tiles.shape[0], C * rep, src.shape[-1] if rep > 1 else 1
+
+
 def _launch_tuned(src: Tensor, out: Tensor, runs: CopyRuns, C: int, acc, rep: int = 1) -> None:
     """The kernel under the autotuner's config for ``C`` output channels (and ``rep``: :func:`sum_copies`'), timed
     at the first call with those channel counts."""
     n_tiles = runs.tiles.shape[0]
     _sum_copies_tuned[lambda meta: (n_tiles * triton.cdiv(C, meta["BLOCK_C"]),)](
-        src, out, runs.tiles, runs.offsets, C, n_tiles, C * rep, src.shape[-1] if rep > 1 else 1, ACC=acc,
-        BLOCK_T=BLOCK_T, REP=rep)
+        *_kernel_args(src, out, runs, C, rep), ACC=acc, BLOCK_T=BLOCK_T, REP=rep)
 
 
 def sum_copies(src: Tensor, runs: CopyRuns, key_index: Tensor, T: int, config: tuple | None = None, *,
@@ -253,8 +258,8 @@ def sum_copies(src: Tensor, runs: CopyRuns, key_index: Tensor, T: int, config: t
             return out
         block_c, cols_first, warps = config or CONFIGS[0]  # the interpreter has no clock to tune by
         _sum_copies_kernel[(n_tiles * triton.cdiv(C, block_c),)](
-            src, out, runs.tiles, runs.offsets, C, n_tiles, C * rep, src.shape[-1] if rep > 1 else 1, ACC=acc,
-            BLOCK_T=BLOCK_T, BLOCK_C=block_c, COLS_FIRST=cols_first, REP=rep, num_warps=warps)
+            *_kernel_args(src, out, runs, C, rep), ACC=acc, BLOCK_T=BLOCK_T, BLOCK_C=block_c,
+            COLS_FIRST=cols_first, REP=rep, num_warps=warps)
     return out
 
 

@@ -981,10 +981,9 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, plan, scale: float,
     n = plan.tail
     q_t, k_t, v_t = _tokens_major(q), _tokens_major(k), _tokens_major(v)
     T, H = q_t.shape[0], q_t.shape[1]
-    if isinstance(plan, SegmentPlan):
-        keys = plan.keys(k_t, v_t, _kv_rep(H, k_t.shape[1])) if n else None
-    else:
-        keys = plan.keys(k_t, v_t) if n else None
+    keys = None
+    if n:  # a segment plan's rows as KV_HEADS says; the block-sparse plan's in place, in its order
+        keys = plan.keys(k_t, v_t, _kv_rep(H, k_t.shape[1])) if isinstance(plan, SegmentPlan) else plan.keys(k_t, v_t)
     # keep: only a segment plan (keeps_keys); rows expanded to the query heads are kept as [G * rep, Hkv, D] views
     # (the op's declared layout: the backward tells them apart by their count)
     kept = _as_kept(keys, k_t.shape[1]) if keep and keys is not None else _no_keys(k_t, v_t)
