@@ -12,6 +12,7 @@
 #             recorded in probe_gqa52.txt; the next run prints these rows too)
 # Trees: agentic parallel-tools, and 16 x 2,048 at POR 0.5.  Run on the device after `source pre.sh`:
 #   python benchmarks/results/h200_s52/probe_gqa52.py   ($OUT/probe_gqa52.txt by the caller)
+import os
 import statistics
 import sys
 
@@ -32,7 +33,8 @@ except ImportError:
 
 R = 15
 dev = torch.device("cuda")
-H, HKV, D = 16, 8, 128
+# heads from the environment (session 53: H=32 HKV=8, Qwen3-4B's groups of four); session 52 ran 16 / 8
+H, HKV, D = int(os.environ.get("H", 16)), int(os.environ.get("HKV", 8)), 128
 scale = D ** -0.5
 
 
@@ -117,7 +119,7 @@ def run(name, paths):
 
 
 if __name__ == "__main__":
-    print(torch.__version__, torch.cuda.get_device_name())
+    print(torch.__version__, torch.cuda.get_device_name(), f"H {H} HKV {HKV} D {D}")
     spec = list(agentic_specs(1.0, ["parallel-tools"]))[0]
     run("parallel-tools", agentic_paths(spec))
     run("16x2048 POR 0.5", synthetic_paths(16, 2048, 0.5, seed=0))
