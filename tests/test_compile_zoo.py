@@ -10,7 +10,7 @@ import torch
 import treecompile
 from treecompile import Tree, reference
 from treecompile.passes import PassError
-from helpers import flat_grads, materialized_run_is_exact, reference_noise, rel
+from helpers import KeepFloat64, flat_grads, float64_reference, materialized_run_is_exact, reference_noise, rel
 
 transformers = pytest.importorskip("transformers")
 
@@ -140,6 +140,24 @@ def test_hf_sliding_window_on_a_tree(family, window):
     if eager:
         assert info.info["softcapped"] == layers
     assert_tree_equals_per_path(model, tmodel, DEEP_PATHS)
+
+
+def test_float64_reference_measures_the_models_float32_steps():
+    """The upper bounds' last noise figure, (e) of ``helpers.reference_noise``: Gemma 2 runs its eager softmax in
+    float32 (a tree row sums a path's keys in other vector lanes than the path's own row, so the tree rounds
+    otherwise where every per-path computation rounds alike, on AVX2 machines); under ``KeepFloat64`` the same model
+    keeps them in float64, and its distance from the reference is float32-sized: nonzero, and far below what a
+    wrong attention gives."""
+    with KeepFloat64():
+        x = torch.randn(5, dtype=torch.float64)
+        assert torch.softmax(x, -1, dtype=torch.float32).dtype == torch.float64 and x.float() is x
+        assert x.to(torch.float32).dtype == torch.float64 == torch.zeros(2, dtype=torch.float32).dtype
+    model = _sliding_model("gemma2", 4096).double()
+    params = [p for p in model.parameters() if p.requires_grad]
+    ref = reference.run(model, DEEP_PATHS)
+    loss, g = float64_reference(model, DEEP_PATHS, None, None, params)
+    assert 1e-12 < abs(float(loss - ref.loss)) / abs(float(ref.loss)) < 1e-7
+    assert 1e-12 < rel(g, flat_grads(ref.loss, params)) < 1e-5
 
 
 @pytest.mark.parametrize("family, window, message", [
