@@ -117,15 +117,15 @@ TREE_CONTENDERS = ("tree", "tree_heavy_first", "tree_fa4_varlen", "tree_fa4_flex
                    "tree_conv_shifts_inductor", "tree_head_chunked", "tree_head_kept", "tree_keys_gathered",
                    "tree_fa4_interface", "tree_fa4_bwd_interface", "tree_cpp_wrapper", "tree_cudagraphs",
                    "tree_driver_reads", "tree_deterministic", "tree_block_sparse_heavy_first", "tree_lex",
-                   "tree_kv_expanded", "tree_packed", "tree_rf")
+                   "tree_kv_expanded", "tree_kv_grouped", "tree_packed", "tree_rf")
 CONTENDERS = BASELINES + TREE_CONTENDERS
 # run when named only: the C++ wrapper's first step compiles for minutes (417 s on the 0.6B, session 43), the CUDA
 # graphs' contender was measured slower (session 45; its packed counterpart is not yet measured), and the
-# driver-reads, deterministic, block-sparse-order, backward-interface and expanded-K/V trees and the lexicographic
-# serialisation are A/Bs of one setting against ``tree``
+# driver-reads, deterministic, block-sparse-order, backward-interface and expanded/grouped-K/V trees and the
+# lexicographic serialisation are A/Bs of one setting against ``tree``
 ON_REQUEST = ("tree_cpp_wrapper", "tree_cudagraphs", "packed_fa4_varlen_cudagraphs", "tree_driver_reads",
               "tree_deterministic", "tree_block_sparse_heavy_first", "tree_lex", "tree_fa4_bwd_interface",
-              "tree_kv_expanded")
+              "tree_kv_expanded", "tree_kv_grouped")
 DEFAULT_CONTENDERS = tuple(c for c in CONTENDERS if c not in ON_REQUEST)
 
 
@@ -556,8 +556,8 @@ def _with_block_sparse_layout(step: Callable, layout: str) -> Callable:
 
 
 def _with_kv_heads(step: Callable, kv_heads: str) -> Callable:
-    """``step`` with the varlen op's segments reading K/V as ``kv_heads`` ("grouped" or "expanded":
-    ``varlen_tree_attention.KV_HEADS``) while it runs; refused at once if not one of those."""
+    """``step`` with the varlen op's segments reading K/V as ``kv_heads`` (one of
+    ``varlen_tree_attention.KV_HEADS_CHOICES``) while it runs; refused at once if not one of those."""
     from treecompile.ops import varlen_tree_attention
 
     if kv_heads not in varlen_tree_attention.KV_HEADS_CHOICES:
@@ -983,12 +983,19 @@ class Steps:
         return self._cuda_tree_step("the block-sparse plan's order", block_sparse_layout="heavy_first")
 
     def tree_kv_expanded(self):
-        """``tree`` with the varlen op's segments reading grouped-query K/V expanded to the query heads
-        (``varlen_tree_attention.KV_HEADS = "expanded"``): FA4's backward writes per-head dK/dV instead of
-        accumulating each group's in zero-filled float32 buffers over the gathered rows and converting them; the
-        gather and the copy sums move twice the bytes (``results/h200_s52/probe_gqa52.txt``: per layer of the 0.6B
-        on parallel-tools, FA4's backward 1.303 -> 1.082 ms).  The same TreeModel as ``tree`` (CUDA)."""
+        """``tree`` with the varlen op's segments reading grouped-query K/V expanded to the query heads whatever the
+        group size (``varlen_tree_attention.KV_HEADS = "expanded"``; the default "auto" expands groups of at most
+        ``EXPAND_MAX_GROUP``): FA4's backward writes per-head dK/dV instead of accumulating each group's in
+        zero-filled float32 buffers over the gathered rows and converting them; the gather and the copy sums move
+        group-size times the bytes (``results/h200_s52/probe_gqa52.txt``: per layer of the 0.6B on parallel-tools,
+        FA4's backward 1.303 -> 1.082 ms).  The same TreeModel as ``tree`` (CUDA)."""
         return self._cuda_tree_step("the varlen op's K/V heads", kv_heads="expanded")
+
+    def tree_kv_grouped(self):
+        """``tree`` with the varlen op's segments handing FA4 the model's kv heads whatever the group size
+        (``varlen_tree_attention.KV_HEADS = "grouped"``, the default before session 53): the A/B of "auto"'s
+        expansion of small groups.  The same TreeModel as ``tree`` (CUDA)."""
+        return self._cuda_tree_step("the varlen op's K/V heads", kv_heads="grouped")
 
     def tree_lex(self):
         """``tree`` on the same paths serialised in lexicographic order (``Tree.from_paths(order="lex")``, the

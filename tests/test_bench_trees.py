@@ -139,19 +139,20 @@ def test_kv_expanded_contender_sets_the_kv_heads_only_while_its_step_runs():
     from benchmarks import harness
     from treecompile.ops import varlen_tree_attention as vta
 
-    assert harness._with_kv_heads(lambda: vta.KV_HEADS, "expanded")() == "expanded" and vta.KV_HEADS == "grouped"
+    assert harness._with_kv_heads(lambda: vta.KV_HEADS, "expanded")() == "expanded" and vta.KV_HEADS == "auto"
+    assert harness._with_kv_heads(lambda: vta.KV_HEADS, "grouped")() == "grouped" and vta.KV_HEADS == "auto"
 
     def boom():
         raise RuntimeError("boom")
     with pytest.raises(RuntimeError, match="boom"):
         harness._with_kv_heads(boom, "expanded")()
-    assert vta.KV_HEADS == "grouped" and "tree_kv_expanded" in harness.ON_REQUEST
+    assert vta.KV_HEADS == "auto" and {"tree_kv_expanded", "tree_kv_grouped"} <= set(harness.ON_REQUEST)
     with pytest.raises(ValueError, match="kv_heads: expected one of"):
         harness._with_kv_heads(boom, "repeated")
     # the attention benchmark's row of the same setting
     from benchmarks import bench_fa4_attention as bench
 
-    assert bench.kv_expanded(lambda: vta.KV_HEADS) == "expanded" and vta.KV_HEADS == "grouped"
+    assert bench.kv_expanded(lambda: vta.KV_HEADS) == "expanded" and vta.KV_HEADS == "auto"
     assert "fa4_varlen_kv_expanded" in bench.contender_names("fa4_varlen,fa4_varlen_kv_expanded")
 
 

@@ -196,6 +196,38 @@ def test_an_unknown_setting_is_refused(monkeypatch):
         torch.ops.treecompile.tree_attention_varlen_fwd(q, k, v, b.subtree_end, 0.3, "none")
 
 
+@pytest.mark.parametrize("H,Hkv,want", [(4, 4, 1), (4, 2, 2), (6, 2, 1), (8, 2, 1), (32, 8, 1), (16, 8, 2)])
+def test_auto_expands_groups_of_at_most_two(H, Hkv, want):
+    """The default ``"auto"`` expands a group of two query heads (measured faster in a step) and keeps larger
+    groups (a group of four measured no faster); ``"expanded"`` / ``"grouped"`` force either form."""
+    assert vta.KV_HEADS == "auto" and vta.EXPAND_MAX_GROUP == 2
+    assert vta._kv_rep(H, Hkv) == want
+
+
+@pytest.mark.parametrize("setting", ["expanded", "grouped"])
+def test_forced_settings_ignore_the_group_size(setting, monkeypatch):
+    monkeypatch.setattr(vta, "KV_HEADS", setting)
+    assert [vta._kv_rep(H, Hkv) for H, Hkv in ((4, 2), (8, 2), (32, 8))] == (
+        [2, 4, 4] if setting == "expanded" else [1, 1, 1])
+
+
+@pytest.mark.parametrize("H,Hkv", [(4, 2), (8, 2)])
+def test_the_default_op_expands_a_group_of_two_only(H, Hkv, monkeypatch):
+    """Under the default setting the op gathers a group of two expanded and a group of four as it is, and both
+    equal the dense tree mask in float64."""
+    b = Tree.from_paths(forest_paths(60, 3, seed=H)).to_batch(pad_to_multiple=16)
+    se = b.subtree_end
+    q, k, v = _qkv(b.seq_len, H, Hkv, 8, seed=3)
+    do = torch.randn(1, H, b.seq_len, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    calls = _count_gathers(monkeypatch)
+    got = out_and_grads(lambda q, k, v: torch.ops.treecompile.tree_attention_varlen_fwd(q, k, v, se, 0.3, "all")[0],
+                        q, k, v, do, torch.float64)
+    assert calls == [2 if H // Hkv == 2 else 1]
+    ref = out_and_grads(lambda q, k, v: tree_attention_reference(q, k, v, se, scale=0.3), q, k, v, do, torch.float64)
+    for name, x, r in zip(("out", "dq", "dk", "dv"), got, ref):
+        torch.testing.assert_close(x, r, rtol=1e-12, atol=1e-12, msg=name)
+
+
 def test_fit_counts_the_expanded_rows(monkeypatch):
     """``keep="fit"`` weighs the rows it would keep: expanded, ``rep`` times the grouped bytes."""
     plan = _plan(forest_paths(40, 2, seed=1))

@@ -1628,11 +1628,17 @@ def _count_gathers(monkeypatch) -> list:
 
 @pytest.mark.parametrize("windowed", [False, True])
 @pytest.mark.parametrize("pad_to", [None, 16])
-def test_kept_rows_are_the_gathered_rows_and_the_backward_does_not_gather_again(windowed, pad_to, monkeypatch):
+@pytest.mark.parametrize("kv_heads", ["grouped", "expanded"])
+def test_kept_rows_are_the_gathered_rows_and_the_backward_does_not_gather_again(windowed, pad_to, kv_heads,
+                                                                                monkeypatch):
     """``keep="all"``: the forward returns the plan's gathered K/V rows, the backward reads them instead of gathering
     again (one gather per forward + backward instead of two), and out and every gradient are bitwise those of
-    ``keep="none"`` (the same rows, the same kernels); a tail of padding tokens and the windowed op alike."""
+    ``keep="none"`` (the same rows, the same kernels); a tail of padding tokens and the windowed op alike.  K/V
+    expanded to the query heads are kept as ``[G * 2, Hkv, D]`` views of the ``[G, Hkv * 2, D]`` rows."""
     from treecompile.ops import varlen_tree_attention as vta
+
+    monkeypatch.setattr(vta, "KV_HEADS", kv_heads)
+    rep = 2 if kv_heads == "expanded" else 1  # 4 query heads on 2 kv heads
 
     b = _batch(forest_paths(90, 3, seed=5), pad_to)
     se, pos = b.subtree_end, b.position_ids
@@ -1656,7 +1662,8 @@ def test_kept_rows_are_the_gathered_rows_and_the_backward_does_not_gather_again(
     (out1, _, k1, v1), grads1 = run("all")
     assert calls == [plan.gathered] and 0 < plan.gathered
     kt, vt = (x[0].transpose(0, 1) for x in (k, v))
-    assert torch.equal(k1, kt[plan.key_index]) and torch.equal(v1, vt[plan.key_index])
+    for kept, x in ((k1, kt), (v1, vt)):  # each kv head repeated rep times in place, as [G * rep, 2, 8]
+        assert torch.equal(kept, x[plan.key_index].repeat_interleave(rep, dim=1).view(-1, 2, 8))
     assert not k1.requires_grad and torch.equal(out1, out0)
     assert all(torch.equal(a, b_) for a, b_ in zip(grads1, grads0))
 
@@ -1690,6 +1697,7 @@ def test_fit_decides_once_per_forward_from_the_memory_one_layer_took(monkeypatch
     from treecompile.ops import logprobs_kept
     from treecompile.ops import varlen_tree_attention as vta
 
+    monkeypatch.setattr(vta, "KV_HEADS", "grouped")  # the kv heads as they are (test_varlen_kv_heads: expanded)
     b = _batch(forest_paths(40, 2, seed=1))
     T = b.seq_len
     q, k, v = _qkv(T, 2, 1, 8, seed=0)

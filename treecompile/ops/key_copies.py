@@ -20,7 +20,8 @@ autotuner fails, every call runs that first config, with one warning.)
 Where Triton cannot run (CPU without ``TRITON_INTERPRET=1``) :func:`sum_copies` falls back to ``index_add_`` with
 the same float32/float64 accumulation: the same sums, possibly in another order.
 
-Grouped-query K/V expanded to the query heads (``varlen_tree_attention.KV_HEADS = "expanded"``): :func:`gather_keys`
+Grouped-query K/V expanded to the query heads (``varlen_tree_attention.KV_HEADS``: "auto" expands groups of two):
+:func:`gather_keys`
 gathers the rows with each kv head repeated for its query heads (one kernel, each source row read once), and
 ``sum_copies(rep=)`` sums a group's heads with the copies in the same accumulator.
 """

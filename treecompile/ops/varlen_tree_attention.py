@@ -46,7 +46,7 @@ varlen kernel up to ``MAX_GATHER_FACTOR`` (:func:`segments_fit`: past it the op 
 the CPU tests cover the choice and the wiring of both.
 
 **K/V heads.** With grouped-query attention (``H > Hkv``) a segment plan hands FA4 the gathered rows with the
-model's ``Hkv`` heads (:data:`KV_HEADS` = ``"grouped"``, the default): FA4's backward then accumulates each kv head's
+model's ``Hkv`` heads (:data:`KV_HEADS` = ``"grouped"``): FA4's backward then accumulates each kv head's
 dK/dV over the query heads of its group in float32 buffers of the gathered rows' size, which it zero-fills, and
 converts them (two more kernels); the op sums the copies per token.  With ``"expanded"`` the gather repeats each kv
 head for its query heads (``[G, H, D]``, :func:`key_copies.gather_keys`, one kernel), FA4 runs as multi-head
@@ -56,8 +56,10 @@ the kept rows' memory (kept as ``[G * rep, Hkv, D]`` views, the op's declared la
 forms apart by their count, so the setting may differ between a forward and its backward).  Measured per layer on
 an H200 (Qwen3-0.6B shapes, parallel-tools' plan, ``benchmarks/results/h200_s52/``): FA4's backward 1.303 ->
 1.082 ms, its forward 0.386 -> 0.397 ms, and at their bytes a gather 0.055 -> 0.113 ms and the copy sums 0.050 ->
-0.091 ms: about 0.11 ms a layer less.  Not yet timed in a step, so not the default; the harness's
-``tree_kv_expanded`` times it.  The block-sparse plan reads K/V in place and keeps its groups.
+0.091 ms, and through this module's kernels 0.083 and 0.084 ms: 1.789 -> 1.648 ms a layer (session 53).  In a
+step it pays for groups of two query heads and not for four (:data:`EXPAND_MAX_GROUP`, where the measurements are),
+so ``"auto"``, the default, expands groups of at most two; the harness's ``tree_kv_expanded`` and
+``tree_kv_grouped`` time either form.  The block-sparse plan reads K/V in place and keeps its groups.
 
 Under ``torch.use_deterministic_algorithms(True)`` FA4's backward runs its deterministic form (semaphores order
 the dQ, and for GQA the dK/dV, accumulations; the key copies' sums have a fixed order anyway), so a step's
@@ -203,12 +205,20 @@ VARLEN_GATHER_LIMIT = 6.0
 BLOCK_SPARSE_LAYOUT = "dfs"
 BLOCK_SPARSE_LAYOUTS = ("heavy_first", "dfs")
 # How a segment plan hands grouped-query K/V to the kernel (module docstring, "K/V heads"): "grouped" (the model's kv
-# heads; FA4 accumulates their dK/dV over the query heads of a group in float32 and converts them) or "expanded"
-# (each kv head repeated for its query heads in the gather; FA4 writes per-head dK/dV, summed with the copies).
-# Read at run time, by every forward and backward of a segment plan (the harness's ``tree_kv_expanded``).  Expanded
-# rows take H / Hkv times the gathered (and kept) memory: 16x for a 16-head model with one kv head.
-KV_HEADS = "grouped"
-KV_HEADS_CHOICES = ("grouped", "expanded")
+# heads; FA4 accumulates their dK/dV over the query heads of a group in float32 and converts them), "expanded"
+# (each kv head repeated for its query heads in the gather; FA4 writes per-head dK/dV, summed with the copies), or
+# "auto" (the default): expanded where a group has at most EXPAND_MAX_GROUP query heads, grouped otherwise.
+# Read at run time, by every forward and backward of a segment plan (the harness's ``tree_kv_expanded`` and
+# ``tree_kv_grouped`` force one).  Expanded rows take H / Hkv times the gathered (and kept) memory.
+KV_HEADS = "auto"
+KV_HEADS_CHOICES = ("auto", "grouped", "expanded")
+# "auto"'s largest group to expand.  Measured on one H200 (session 53, benchmarks/results/h200_s53/), a step of the
+# expanded form against the grouped one: groups of 2 (Qwen3-0.6B, 16 / 8 heads) 156.0 against 161.2 ms at
+# 16 x 2,048 POR 0.5, 124.4-125.3 against 127.9-131.3 ms back to back on agentic parallel-tools, and the sliding-window
+# Mistral-0.6B there 84.0-85.5 against 87.0-95.3 ms; groups of 4 (Qwen3-4B, 32 / 8) 758.5 against 757.0 ms at
+# 16 x 2,048 (its kernels 736.8 against 728.8 ms: the gather and sums of four copies cost what FA4's backward saves).
+# Groups of 3 or 5+ are unmeasured and stay grouped.
+EXPAND_MAX_GROUP = 2
 
 
 def segment_plan(subtree_end: Tensor) -> SegmentPlan:
@@ -891,10 +901,13 @@ def _check_keep(keep: str) -> None:
 
 def _kv_rep(H: int, Hkv: int) -> int:
     """How many times a segment plan's gather repeats each kv head under :data:`KV_HEADS`: the query heads per kv
-    head when "expanded", else 1."""
+    head when "expanded", or "auto" with groups of at most :data:`EXPAND_MAX_GROUP`; else 1."""
     if KV_HEADS not in KV_HEADS_CHOICES:
         raise ValueError(f"varlen_tree_attention.KV_HEADS: expected one of {KV_HEADS_CHOICES}, got {KV_HEADS!r}")
-    return H // Hkv if KV_HEADS == "expanded" else 1
+    group = H // Hkv
+    if KV_HEADS == "expanded" or (KV_HEADS == "auto" and group <= EXPAND_MAX_GROUP):
+        return group
+    return 1
 
 
 def gathered_bytes(plan, k: Tensor, v: Tensor, rep: int = 1) -> int:
