@@ -25,7 +25,9 @@ model's layout: ``[B, T, H, D]`` storage viewed as ``[B, H, T, D]``):
 - ``fa4_varlen_kv_expanded``: ``fa4_varlen`` with grouped-query K/V expanded to the query heads in the segments'
   gather (``varlen_tree_attention.KV_HEADS = "expanded"``: FA4's backward writes per-head dK/dV, no float32
   accumulators over the gathered rows); the same as ``fa4_varlen`` where the tree takes the block-sparse plan or
-  H == Hkv;
+  H == Hkv, and where "auto" (the default since session 53) expands already, groups of at most two;
+- ``fa4_varlen_kv_grouped``: ``fa4_varlen`` with the model's kv heads whatever the group size (``KV_HEADS =
+  "grouped"``, the default before session 53);
 - ``fa4_flex_heavy``: ``fa4_flex`` in the heaviest-first order (``attention_layout="heavy_first"``,
   ops/tree_layout.py): q/k/v gathered into that order, the BlockMask of that order, the output gathered
   back, all inside the timed call (what the lowering runs);
@@ -244,9 +246,15 @@ def kv_expanded(fn, *args, **kw):
     return _with_op_setting("KV_HEADS", "expanded", fn, *args, **kw)
 
 
+def kv_grouped(fn, *args, **kw):
+    """``fn(*args, **kw)`` with the varlen op's segments handing the kernel the model's kv heads (forward and
+    backward)."""
+    return _with_op_setting("KV_HEADS", "grouped", fn, *args, **kw)
+
+
 # the varlen op's rows timed under one of its module settings: row name -> the wrapper that sets it
 SETTING_ROWS = {"fa4_varlen_index_add": index_add_sums, "fa4_varlen_heavy_first": block_sparse_heavy_first,
-                "fa4_varlen_kv_expanded": kv_expanded}
+                "fa4_varlen_kv_expanded": kv_expanded, "fa4_varlen_kv_grouped": kv_grouped}
 
 
 def plan_kind(se, q) -> str:
@@ -271,6 +279,8 @@ def tree_fns(se, bm, which, heavy=None):
         out["fa4_varlen_index_add"] = lambda q, k, v: tree_attention_varlen(q, k, v, se)
     if "fa4_varlen_kv_expanded" in which:
         out["fa4_varlen_kv_expanded"] = lambda q, k, v: tree_attention_varlen(q, k, v, se)
+    if "fa4_varlen_kv_grouped" in which:
+        out["fa4_varlen_kv_grouped"] = lambda q, k, v: tree_attention_varlen(q, k, v, se)
     if "fa4_varlen_heavy_first" in which:  # main() runs its row in that order (the backward too)
         se_hf = se.clone()  # a tensor of its own: the op keeps one plan per subtree_end tensor
         out["fa4_varlen_heavy_first"] = lambda q, k, v: tree_attention_varlen(q, k, v, se_hf)
@@ -299,8 +309,8 @@ def tree_fns(se, bm, which, heavy=None):
 
 # the tree contenders (module docstring); FA4's and cuDNN's causal kernels run at every T as the reference
 CONTENDERS = ("flex_triton", "fa4_flex", "fa4_direct", "fa4_varlen", "fa4_varlen_index_add", "fa4_varlen_heavy_first",
-              "fa4_varlen_kv_expanded", "fa4_segments", "fa4_prefix_block", "fa4_flex_heavy", "fa4_flex_heavy_kernel",
-              "flex_triton_heavy", "paths_fa4_varlen")
+              "fa4_varlen_kv_expanded", "fa4_varlen_kv_grouped", "fa4_segments", "fa4_prefix_block", "fa4_flex_heavy",
+              "fa4_flex_heavy_kernel", "flex_triton_heavy", "paths_fa4_varlen")
 
 
 def contender_names(arg: str) -> list[str]:

@@ -153,7 +153,9 @@ def test_kv_expanded_contender_sets_the_kv_heads_only_while_its_step_runs():
     from benchmarks import bench_fa4_attention as bench
 
     assert bench.kv_expanded(lambda: vta.KV_HEADS) == "expanded" and vta.KV_HEADS == "auto"
-    assert "fa4_varlen_kv_expanded" in bench.contender_names("fa4_varlen,fa4_varlen_kv_expanded")
+    assert bench.kv_grouped(lambda: vta.KV_HEADS) == "grouped" and vta.KV_HEADS == "auto"
+    assert bench.contender_names("fa4_varlen,fa4_varlen_kv_expanded,fa4_varlen_kv_grouped") == [
+        "fa4_varlen", "fa4_varlen_kv_expanded", "fa4_varlen_kv_grouped"]
 
 
 def test_attention_bench_refuses_unknown_contenders(monkeypatch):
