@@ -51,8 +51,8 @@ dK/dV over the query heads of its group in float32 buffers of the gathered rows'
 converts them (two more kernels); the op sums the copies per token.  With ``"expanded"`` the gather repeats each kv
 head for its query heads (``[G, H, D]``, :func:`key_copies.gather_keys`, one kernel), FA4 runs as multi-head
 attention and writes per-head dK/dV, and the copy sums add the heads of a group in the same float32 accumulator
-(``sum_copies(rep=)``): no accumulators, fills or conversions, for twice the gathered and summed bytes and twice
-the kept rows' memory (kept as ``[G * rep, Hkv, D]`` views, the op's declared layout; the backward tells the two
+(``sum_copies(rep=)``): no accumulators, fills or conversions, for ``H / Hkv`` times the gathered and summed bytes
+and the kept rows' memory (kept as ``[G * rep, Hkv, D]`` views, the op's declared layout; the backward tells the two
 forms apart by their count, so the setting may differ between a forward and its backward).  Measured per layer on
 an H200 (Qwen3-0.6B shapes, parallel-tools' plan, ``benchmarks/results/h200_s52/``): FA4's backward 1.303 ->
 1.082 ms, its forward 0.386 -> 0.397 ms, and at their bytes a gather 0.055 -> 0.113 ms and the copy sums 0.050 ->
