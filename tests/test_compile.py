@@ -448,10 +448,16 @@ def test_common_calls_on_an_hf_model_after_compile_are_not_refused():
     model.load_state_dict({k: v * 1.01 for k, v in model.state_dict().items()})
     paths = [[1, 2, 3, 4], [1, 2, 5], [6, 7]]
     _, _, g_tree, g_ref, out, ref, batch = compare(model, tm, paths, None, None, "sum", retain_ref=True)
-    # HF's float32 RMSNorm / rotary: within 10x two exact per-path computations' disagreement, as the HF zoo test
-    g_noise, loss_noise = reference_noise(model, paths, None, None, batch, ref, list(model.parameters()), g_ref)
-    assert rel(g_tree, g_ref) <= 10 * g_noise + 1e-12
-    assert abs(float(out.loss - ref.loss)) <= 10 * loss_noise + 1e-12 * abs(float(ref.loss))
+    # HF's float32 RMSNorm / rotary: within 10x the reference's own rounding, as the HF zoo test (an upper bound:
+    # ``enough``, so (e) joins where the exact per-path computations all round alike)
+    g_err, loss_err = rel(g_tree, g_ref), abs(float(out.loss - ref.loss))
+
+    def within(g_noise, loss_noise):
+        return g_err <= 10 * g_noise + 1e-12 and loss_err <= 10 * loss_noise + 1e-12 * abs(float(ref.loss))
+
+    g_noise, loss_noise = reference_noise(model, paths, None, None, batch, ref, list(model.parameters()), g_ref,
+                                          enough=within)
+    assert within(g_noise, loss_noise), (g_err, loss_err, g_noise, loss_noise)
 
 
 def test_split_at_refuses_modules_with_hooks_traced_into_the_graph():
