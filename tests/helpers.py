@@ -77,15 +77,23 @@ def equal_per_path_computations(model, paths, masks, weights, batch, ref=None):
 
 def float64_reference(model, paths, masks, weights, params):
     """(e): the per-path run under :class:`KeepFloat64` (the same model without its forced float32 steps: the
-    reference's distance from its own computation in float64), as ``(loss, flat gradients)``, the backward inside
-    the mode too (activation checkpointing recomputes the forward there).  A float32 reduction over a tree's
+    reference's distance from its own computation in float64), as ``(loss, flat gradients)``.  A float32 reduction over a tree's
     attention row (Gemma 2's softmax) adds a path's keys in other vector lanes than over the path's own row, so it
     rounds otherwise at depths where the per-path runs (a)-(d) all round alike (which depths depends on the CPU's
     vector width: this repository's CI machines with AVX2 and with AVX-512 differ); (e) bounds such roundings by
     the reference's own."""
-    with KeepFloat64():
-        loss = reference.run(model, paths, loss_masks=masks, path_weights=weights, normalize="sum").loss
+    # activation checkpointing recomputes in the autograd engine, outside the mode (float32 where the forward was
+    # float64): the HF layers' flag is off while (e) runs (checkpointing changes no value)
+    checkpointed = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
+    try:
+        for m in checkpointed:
+            m.gradient_checkpointing = False
+        with KeepFloat64():
+            loss = reference.run(model, paths, loss_masks=masks, path_weights=weights, normalize="sum").loss
         return loss.detach(), flat_grads(loss, params)
+    finally:
+        for m in checkpointed:
+            m.gradient_checkpointing = True
 
 
 EXTRA_TOKENS = 5

@@ -160,6 +160,23 @@ def test_float64_reference_measures_the_models_float32_steps():
     assert 1e-12 < rel(g, flat_grads(ref.loss, params)) < 1e-5
 
 
+def test_float64_reference_of_a_checkpointed_model():
+    """Activation checkpointing recomputes in the autograd engine, where ``KeepFloat64`` does not reach (the
+    recompute would be float32 where the forward was float64): (e) runs with the HF layers' flag off, gives the
+    unchecked model's values, and leaves the flag on."""
+    cfg = transformers.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    torch.manual_seed(0)
+    model = transformers.Qwen3ForCausalLM(cfg).double()
+    params, paths = list(model.parameters()), [[1, 2, 3, 4], [1, 2, 5]]
+    want = float64_reference(model, paths, None, None, params)
+    model.gradient_checkpointing_enable()
+    model.train()
+    got = float64_reference(model, paths, None, None, params)
+    assert float(got[0]) == float(want[0]) and torch.equal(got[1], want[1])
+    assert all(m.gradient_checkpointing for m in model.model.layers)
+
+
 @pytest.mark.parametrize("family, window, message", [
     ("mistral", 100_000, r"compares positions with 100000 .*at most 8192"),  # too large to check past: refused by name
     # eager attention probes its scores up to 8,192 tokens too
