@@ -144,8 +144,8 @@ def test_hf_sliding_window_on_a_tree(family, window):
 
 def test_float64_reference_measures_the_models_float32_steps():
     """The upper bounds' last noise figure, (e) of ``helpers.reference_noise``: Gemma 2 runs its eager softmax in
-    float32 (a tree row sums a path's keys in other vector lanes than the path's own row, so the tree rounds
-    otherwise where every per-path computation rounds alike, on AVX2 machines); under ``KeepFloat64`` the same model
+    float32 (a tree row sums a path's keys in other vector lanes than the path's own row, so the tree can round
+    otherwise where every per-path computation rounds alike); under ``KeepFloat64`` the same model
     keeps them in float64, and its distance from the reference is float32-sized: nonzero, and far below what a
     wrong attention gives."""
     with KeepFloat64():
