@@ -77,11 +77,11 @@ def equal_per_path_computations(model, paths, masks, weights, batch, ref=None):
 
 def float64_reference(model, paths, masks, weights, params):
     """(e): the per-path run under :class:`KeepFloat64` (the same model without its forced float32 steps: the
-    reference's distance from its own computation in float64), as ``(loss, flat gradients)``.  A float32 reduction over a tree's
-    attention row (Gemma 2's softmax) adds a path's keys in other vector lanes than over the path's own row, so it
-    rounds otherwise at depths where the per-path runs (a)-(d) all round alike (which depths, if any, depends on
-    the CPU's vector kernels: three HF zoo checks that passed in session 52's CI failed on session 53's AVX2
-    machine, a loss 2.6e-9 off against (a)-(d)'s 7e-15); (e) bounds such roundings by the reference's own."""
+    reference's distance from its own computation in float64), as ``(loss, flat gradients)``.  A float32 reduction
+    over a tree's attention row (Gemma 2's softmax) adds a path's keys in other vector lanes than over the path's own
+    row, so it rounds otherwise at depths where the per-path runs (a)-(d) all round alike (which depths, if any,
+    depends on the CPU's vector kernels: three HF zoo checks that passed in session 52's CI failed on session 53's
+    AVX2 machine, a loss 2.6e-9 off against (a)-(d)'s 7e-15); (e) bounds such roundings by the reference's own."""
     # activation checkpointing recomputes in the autograd engine, outside the mode (float32 where the forward was
     # float64): the HF layers' flag is off while (e) runs (checkpointing changes no value)
     checkpointed = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
