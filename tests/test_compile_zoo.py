@@ -163,7 +163,7 @@ def test_float64_reference_measures_the_models_float32_steps():
 def test_float64_reference_of_a_checkpointed_model():
     """Activation checkpointing recomputes in the autograd engine, where ``KeepFloat64`` does not reach (the
     recompute would be float32 where the forward was float64): (e) runs with the HF layers' flag off, gives the
-    unchecked model's values, and leaves the flag on."""
+    values it gives without checkpointing, and leaves the flag on."""
     cfg = transformers.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, head_dim=8)
     torch.manual_seed(0)
