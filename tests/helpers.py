@@ -22,15 +22,15 @@ def rel(a, b):
 class KeepFloat64(torch.overrides.TorchFunctionMode):
     """Inside it, a float64 model's float32 steps stay in float64: every ``torch.float32`` handed to a torch function
     or Tensor method (``x.to(torch.float32)``, ``softmax(..., dtype=torch.float32)``, ``torch.zeros(...,
-    dtype=torch.float32)``) becomes ``torch.float64``, and ``x.float()`` of a float64 ``x`` is ``x``.  HF models
+    dtype=torch.float32)``) becomes ``torch.float64``, and ``x.float()`` is ``x.double()`` (``x`` itself if float64:
+    integer positions made float meet a float64 ``inv_freq`` in a matmul, which does not promote).  HF models
     force float32 in their RMSNorm, rotary, softmax (Gemma 2's eager attention) and attention sinks (GraniteSWA):
     run under it, such a model computes the same function without those roundings."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = {k: torch.float64 if v is torch.float32 else v for k, v in (kwargs or {}).items()}
-        if func is torch.Tensor.float and args and isinstance(args[0], torch.Tensor) \
-                and args[0].dtype == torch.float64:
-            return args[0]
+        if func is torch.Tensor.float and args and isinstance(args[0], torch.Tensor):
+            return args[0] if args[0].dtype == torch.float64 else args[0].to(torch.float64)
         return func(*(torch.float64 if a is torch.float32 else a for a in args), **kwargs)
 
 

@@ -152,6 +152,7 @@ def test_float64_reference_measures_the_models_float32_steps():
         x = torch.randn(5, dtype=torch.float64)
         assert torch.softmax(x, -1, dtype=torch.float32).dtype == torch.float64 and x.float() is x
         assert x.to(torch.float32).dtype == torch.float64 == torch.zeros(2, dtype=torch.float32).dtype
+        assert torch.arange(3).float().dtype == torch.float64  # positions made float, as rotary embeddings do
     model = _sliding_model("gemma2", 4096).double()
     params = [p for p in model.parameters() if p.requires_grad]
     ref = reference.run(model, DEEP_PATHS)
