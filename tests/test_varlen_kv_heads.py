@@ -228,11 +228,23 @@ def test_the_default_op_expands_a_group_of_two_only(H, Hkv, monkeypatch):
         torch.testing.assert_close(x, r, rtol=1e-12, atol=1e-12, msg=name)
 
 
-def test_fit_counts_the_expanded_rows(monkeypatch):
-    """``keep="fit"`` weighs the rows it would keep: expanded, ``rep`` times the grouped bytes."""
+@pytest.mark.parametrize("setting,rep", [("grouped", 1), ("expanded", 2), ("auto", 2)])
+def test_fit_counts_the_expanded_rows(setting, rep, monkeypatch):
+    """``keep="fit"`` weighs the rows it would keep: expanded, ``rep`` times the grouped bytes (the decision's
+    recorded ``keys``, memory queries stubbed as in the varlen file's fit test)."""
     plan = _plan(forest_paths(40, 2, seed=1))
     k = v = torch.zeros(1, 2, 10, 8)
     assert vta.gathered_bytes(plan, k, v, 4) == 4 * vta.gathered_bytes(plan, k, v) == 4 * plan.gathered * 2 * 2 * 8 * 4
+    monkeypatch.setattr(vta, "KV_HEADS", setting)
+    monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", lambda device=None: {
+        "allocated_bytes": {"all": {"current": 0}}, "reserved_bytes": {"all": {"current": 0}}})
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device=None: type("P", (), {"total_memory": 1 << 30})())
+    monkeypatch.setattr(vta, "headroom_bytes", lambda device, allocator=None: 1 << 30)
+    q = torch.zeros(1, 4, 10, 8)  # 4 query heads on 2 kv heads: a group of two
+    vta._fit(plan, q, k, v, 0, 3, 0)
+    vta._fit(plan, q, k, v, 1, 3, 0)
+    assert vta.last_keys_fit.keys == rep * vta.gathered_bytes(plan, k, v)
 
 
 _INTERPRETED = r"""

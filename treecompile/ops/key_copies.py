@@ -21,9 +21,8 @@ Where Triton cannot run (CPU without ``TRITON_INTERPRET=1``) :func:`sum_copies` 
 the same float32/float64 accumulation: the same sums, possibly in another order.
 
 Grouped-query K/V expanded to the query heads (``varlen_tree_attention.KV_HEADS``: "auto" expands groups of two):
-:func:`gather_keys`
-gathers the rows with each kv head repeated for its query heads (one kernel, each source row read once), and
-``sum_copies(rep=)`` sums a group's heads with the copies in the same accumulator.
+:func:`gather_keys` gathers the rows with each kv head repeated for its query heads (one kernel, each source row
+read once), and ``sum_copies(rep=)`` sums a group's heads with the copies in the same accumulator.
 """
 
 from __future__ import annotations

@@ -1,20 +1,24 @@
-# Session 53: the host cost of the expanded K/V gather.  Session 52's loop (loop53_pt.txt) had tree_kv_expanded's
-# kernels 5.5 ms under the grouped tree's but its forward's host time 16 ms over it (tree_attention_varlen_fwd's
-# self time 0.38 -> 0.65 ms a call) and the GPU idle 8 ms in its forward.  Here, per call: host microseconds (200
-# calls enqueued, no synchronize) and GPU ms (CUDA events) of each way to gather K/V [G, 16, D] from [T, 8, D]:
+# Session 53: the host cost of the expanded K/V gather.  This session's first loop (loop53_pt.txt) had
+# tree_kv_expanded's kernels 5.5 ms under the grouped tree's but its profiled forward's host time 16 ms over it
+# (tree_attention_varlen_fwd's self time 0.38 -> 0.65 ms a call) and the GPU idle 8 ms in its forward.  Here, per
+# call: host microseconds (200 calls enqueued, no synchronize) and GPU ms (CUDA events) of each way to gather K/V
+# [G, 16, D] from [T, 8, D]:
 #   triton:   key_copies.gather_keys (the Triton kernel, launched through triton's JIT)
 #   flat64 / flat32: one index_select of the [T * 8, D] rows by a precomputed [G * 16] index (int64 / int32)
 #   grouped:  index_select [G, 8, D] (the grouped form's gather, for scale)
-# and of sum_copies (rep 1 and 2), then a cProfile of the Triton launches.  Pure torch + triton (no FA4).
+# and of sum_copies (rep 1 and 2), then a cProfile of the Triton launches.  Pure torch + triton (no FA4).  GPU ms:
+# probe_gqa52.py's timing (its copy here was folded into an import after the run).
 import cProfile
+import os
 import pstats
-import statistics
 import sys
 import time
 
 import torch
 
 sys.path.insert(0, ".")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "h200_s52"))
+from probe_gqa52 import timed as gpu_ms  # noqa: E402  (events around each call, the host held back; medians of 15)
 from benchmarks.trees import agentic_paths, agentic_specs  # noqa: E402
 from treecompile import Tree  # noqa: E402
 from treecompile.host_values import to_device_with_host  # noqa: E402
@@ -38,19 +42,6 @@ def host_us(fn):
         out.append((time.perf_counter() - t0) / N * 1e6)
         torch.cuda.synchronize()
     return min(out)
-
-
-def gpu_ms(fn, reps=15):
-    out = []
-    for _ in range(reps):
-        torch.cuda._sleep(20_000_000)
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        out.append(a.elapsed_time(b))
-    return statistics.median(out)
 
 
 def main():
