@@ -61,9 +61,8 @@ def prefix_block_plan(subtree_end: Tensor) -> tuple[vta.SegmentPlan, list[tuple[
         intervals += run[::-1]
         cu_k.append(cu_k[-1] + sum(h - lo for lo, h in run))
     device = subtree_end.device
-    lo, hi, first = vta._rows(intervals, cu_k[-1])
-    cu_q = torch.tensor([0] + w.ends[:w.n_main], dtype=torch.int64)
-    plan = vta._segment_plan(lo, hi, first, cu_q, torch.tensor(cu_k, dtype=torch.int64), w.tail, device)
+    lo, hi, first = vta._rows([x for iv in intervals for x in iv], cu_k[-1])
+    plan = vta._segment_plan(lo, hi, first, [0, *w.ends[:w.n_main]], cu_k, w.tail, device)
     return plan, blocks
 
 

@@ -172,43 +172,60 @@ def test_compiled_step_on_a_moved_batch_does_not_wait_for_the_gpu(kind):
 
 
 def _tables():
-    """Host tables of every kind a plan sends: int64 and int32 of odd lengths, empty, 0-d, bool, 2-D, a
-    non-contiguous view, one over the staging alignment."""
-    return [torch.arange(5), torch.tensor([7, -2, 3], dtype=torch.int32), torch.zeros(0, 4, dtype=torch.int64),
-            torch.tensor(11), torch.tensor([True, False, True]), torch.arange(12).view(3, 4).T,
-            torch.arange(300, dtype=torch.int64).view(75, 4), torch.tensor([1.5, -2.0], dtype=torch.float64)]
+    """Tables of every kind a plan sends: lists of int64 and int32 values of odd lengths (extremes included), empty
+    lists, a 2-D int64 tensor over the staging alignment, an empty [0, 4] tensor, a non-contiguous view."""
+    return [[5, -(2 ** 63), 2 ** 63 - 1], [7, -2, 3, 2 ** 31 - 1, -(2 ** 31)], [], torch.arange(300).view(75, 4), [],
+            torch.zeros(0, 4, dtype=torch.int64), list(range(70)), torch.arange(12).view(3, 4).T, [1]]
 
 
-def test_tables_staged_together_keep_dtype_shape_values_and_alignment():
-    """``to_device_together``'s staging (run on the CPU, unpinned): each table comes back with its own dtype, shape
-    and values, contiguous, as a view of one buffer at an offset aligned to ``STAGING_ALIGN`` bytes; the tables do
-    not overlap.  Another device (meta here) gets ``to_device_async`` of each; device tensors are refused."""
+INT32 = (1, 4, 8)  # the tables of _tables() sent as int32
+
+
+def _check_tables(tables, out, device):
+    """Each table came back equal, on ``device``, with its dtype (int32 where asked) and shape, contiguous, as a view
+    of one buffer at an aligned offset; no two share a byte."""
     from treecompile import host_values
 
-    tables = _tables()
-    out = host_values._together(tables, torch.device("cpu"), pin=False)
     assert len(out) == len(tables)
     spans = []
-    for t, o in zip(tables, out):
-        assert o.dtype == t.dtype and o.shape == t.shape and o.is_contiguous() and torch.equal(o, t)
+    for i, (t, o) in enumerate(zip(tables, out)):
+        want = t if isinstance(t, torch.Tensor) else torch.tensor(t, dtype=torch.int32 if i in INT32 else torch.int64)
+        assert o.device.type == device and o.dtype == want.dtype and o.shape == want.shape and o.is_contiguous()
+        assert torch.equal(o.cpu(), want)
         assert o.untyped_storage().data_ptr() == out[0].untyped_storage().data_ptr()  # one buffer
         start = o.storage_offset() * o.element_size()
         assert start % host_values.STAGING_ALIGN == 0
+        assert device != "cuda" or o.data_ptr() % host_values.STAGING_ALIGN == 0  # (the CUDA allocator aligns blocks)
         spans.append((start, start + o.numel() * o.element_size()))
     spans = sorted(s for s in spans if s[1] > s[0])
     assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # no two tables share a byte
-    tables[0].add_(100)  # the staged copy is the device's own, not the caller's table
-    assert torch.equal(out[0], torch.arange(5))
-    meta = host_values.to_device_together(tables, "meta")
-    assert all(m.device.type == "meta" and m.shape == t.shape and m.dtype == t.dtype for m, t in zip(meta, tables))
-    assert host_values.to_device_together([], "meta") == ()
-    with pytest.raises(ValueError, match="expected host tensors, got one on meta"):
-        host_values._together([torch.arange(3), meta[0]], torch.device("cpu"), pin=False)
+
+
+def test_tables_sent_together_keep_dtype_shape_values_and_alignment():
+    """``to_device_tables`` on the CPU: each list comes back as int64 (int32 where asked) and each tensor with its
+    shape, equal, as views of one buffer at offsets aligned to ``STAGING_ALIGN`` bytes, not overlapping; the tables
+    are copies (the caller's tensors may change after).  Values out of a table's dtype, anything but an int64 host
+    tensor, and non-integers are refused naming the table."""
+    from treecompile import host_values
+
+    tables = _tables()
+    out = host_values.to_device_tables(tables, "cpu", int32=INT32)
+    _check_tables(tables, out, "cpu")
+    tables[3].add_(100)  # the sent copy is the device's own, not the caller's table
+    assert torch.equal(out[3], torch.arange(300).view(75, 4))
+    assert host_values.to_device_tables([], "cpu") == ()
+    assert [t.tolist() for t in host_values.to_device_tables([[], []], "cpu")] == [[], []]
+    for bad, match in (([[1], [2 ** 31]], "table 1 is not a list of torch.int32"), ([[2 ** 63]], "table 0 is not a list"),
+                       ([[1.5]], "table 0 is not a list"), ([[1], torch.arange(3, dtype=torch.int32)],
+                                                          "table 1: expected an int64 host tensor, got torch.int32"),
+                       ([torch.arange(3, device="meta")], "table 0: expected an int64 host tensor")):
+        with pytest.raises(ValueError, match=match):
+            host_values.to_device_tables(bad, "cpu", int32=(1,))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_tables_staged_together_reach_cuda_in_one_copy_without_waiting():
+def test_tables_sent_together_reach_cuda_in_one_copy_without_waiting():
     """On CUDA: the tables arrive equal, in one device buffer, each at an aligned address, and the copy does not
     wait for the GPU's queue (CUDA's sync debug mode raises on a blocking copy)."""
     from treecompile import host_values
@@ -217,13 +234,10 @@ def test_tables_staged_together_reach_cuda_in_one_copy_without_waiting():
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        out = host_values.to_device_together(tables, "cuda")
+        out = host_values.to_device_tables(tables, "cuda", int32=INT32)
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    for t, o in zip(tables, out):
-        assert o.is_cuda and o.dtype == t.dtype and o.shape == t.shape and torch.equal(o.cpu(), t)
-        assert o.data_ptr() % host_values.STAGING_ALIGN == 0
-    assert len({o.untyped_storage().data_ptr() for o in out}) == 1
+    _check_tables(tables, out, "cuda")
 
 
 def test_to_device_sends_host_tables_without_a_blocking_copy(monkeypatch):

@@ -16,14 +16,16 @@ one-element grain, for the same reason, wherever it is called from.  Part of the
 from __future__ import annotations
 
 import functools
+import math
 import weakref
+from array import array
 from collections.abc import Sequence
 from contextlib import contextmanager
 
 import torch
 from torch import Tensor
 
-__all__ = ["to_device_async", "to_device_together", "to_device", "to_device_with_host", "host_copy", "remember_host",
+__all__ = ["to_device_async", "to_device_tables", "to_device", "to_device_with_host", "host_copy", "remember_host",
            "remembered_host", "repeat_counts", "single_threaded", "single_threaded_for", "SINGLE_THREAD_ROWS"]
 
 # id(device tensor) -> (weak reference to it, its version counter when remembered, its values on the host)
@@ -56,32 +58,55 @@ def to_device_async(t: Tensor, device: torch.device) -> Tensor:
 STAGING_ALIGN = 512
 
 
-def to_device_together(tensors: Sequence[Tensor], device: torch.device) -> tuple[Tensor, ...]:
-    """:func:`to_device_async` of several host tensors (a plan's tables), for CUDA through one pinned staging
-    buffer and one copy: each result is a view of one device buffer, at an offset aligned to
-    :data:`STAGING_ALIGN` bytes, with its tensor's dtype, shape and values (contiguous).  Per tensor that saves the
-    pinned copy's own allocation and ``is_pinned`` query and a ``cudaMemcpyAsync`` (about 60 us a table on the
-    H200's host, session 47's ``h200_s47/prof_plan.txt``).  Any other device: :func:`to_device_async` of each."""
+def to_device_tables(tables: Sequence[Sequence[int] | Tensor], device: torch.device,
+                     int32: Sequence[int] = ()) -> tuple[Tensor, ...]:
+    """A plan's integer tables on ``device`` in one copy that does not block the host: each result is a view of
+    one buffer, at an offset aligned to :data:`STAGING_ALIGN` bytes.  A table is a list of ints (1-D int64 on
+    ``device``; int32 where its index is in ``int32``) or an int64 host tensor (its shape kept).
+
+    A plan's host time is tensor-op dispatch, 3-7 us an op whatever its size (ops/varlen_tree_attention.py, "The
+    plan's host time"), so the lists reach the staging buffer as one ``array`` of bytes (one copy, no op per list)
+    and each result is one view; the tensors are copied in one op each.  For CUDA the buffer is pinned and crosses
+    in one ``cudaMemcpyAsync``, which saves per table the pinned copy's own allocation and ``is_pinned`` query and a
+    copy (about 60 us a table on the H200's host, session 47's ``h200_s47/prof_plan.txt``).  Any other device gets
+    the buffer itself (CPU) or its copy."""
     device = torch.device(device)
-    if device.type != "cuda":
-        return tuple(to_device_async(t, device) for t in tensors)
-    return _together(tensors, device, pin=True)
-
-
-def _together(tensors: Sequence[Tensor], device: torch.device, pin: bool) -> tuple[Tensor, ...]:
-    """:func:`to_device_together`'s staging (``pin``: pinned host memory; the tests run it on the CPU unpinned)."""
-    sizes = [t.numel() * t.element_size() for t in tensors]
-    offsets, total = [], 0
-    for t, n in zip(tensors, sizes):
-        if t.device.type != "cpu":
-            raise ValueError(f"to_device_together: expected host tensors, got one on {t.device}")
-        offsets.append(total)
-        total += -(-n // STAGING_ALIGN) * STAGING_ALIGN
-    staged = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
-    for t, o, n in zip(tensors, offsets, sizes):
-        staged[o:o + n].view(t.dtype).view(t.shape).copy_(t)
-    moved = staged.to(device, non_blocking=True)
-    return tuple(moved[o:o + n].view(t.dtype).view(t.shape) for t, o, n in zip(tensors, offsets, sizes))
+    head = bytearray()  # the lists' bytes, each from an aligned offset
+    spans = []  # per table: (byte offset, dtype, shape)
+    for i, t in enumerate(tables):
+        if isinstance(t, Tensor):
+            continue
+        code, dtype = ("i", torch.int32) if i in int32 else ("q", torch.int64)
+        try:
+            data = array(code, t)
+        except (OverflowError, TypeError) as e:
+            raise ValueError(f"to_device_tables: table {i} is not a list of {dtype} values ({e})") from None
+        spans.append((i, len(head), dtype, (len(data),)))
+        head += data.tobytes()
+        head += bytes(-len(head) % STAGING_ALIGN)
+    total = len(head)
+    for i, t in enumerate(tables):
+        if not isinstance(t, Tensor):
+            continue
+        if t.device.type != "cpu" or t.dtype != torch.int64:
+            raise ValueError(f"to_device_tables: table {i}: expected an int64 host tensor, got {t.dtype} on {t.device}")
+        spans.append((i, total, torch.int64, tuple(t.shape)))
+        total += -(-t.numel() * 8 // STAGING_ALIGN) * STAGING_ALIGN
+    staged = torch.empty(total, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    if head:
+        staged[:len(head)].copy_(torch.frombuffer(head, dtype=torch.uint8))
+    words = staged.view(torch.int64)
+    for i, o, _, shape in spans[len(spans) - sum(isinstance(t, Tensor) for t in tables):]:
+        words[o // 8:o // 8 + tables[i].numel()].view(shape).copy_(tables[i])
+    moved = staged if device.type == "cpu" else staged.to(device, non_blocking=True)
+    views = {torch.int64: moved.view(torch.int64), torch.int32: moved.view(torch.int32)}
+    out: list = [None] * len(tables)
+    for i, o, dtype, shape in spans:
+        n = math.prod(shape)
+        w = views[dtype]
+        k = o // w.element_size()
+        out[i] = w[k:k + n] if len(shape) == 1 else w[k:k + n].view(shape)
+    return tuple(out)
 
 
 def to_device(t: Tensor, device: torch.device, dtype: torch.dtype | None = None) -> Tensor:

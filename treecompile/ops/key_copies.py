@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import math
 import warnings
+from array import array
 from dataclasses import dataclass
+from itertools import accumulate, chain
 
 import torch
 from torch import Tensor
@@ -38,7 +40,7 @@ from treecompile.host_values import group_index, to_device_async
 # triton is None on CPU-only installs: sum_copies then uses index_add_
 from treecompile.ops.triton_support import available, interpreting, tl, triton, usable
 
-__all__ = ["CopyRuns", "available", "copy_runs", "copy_run_tables", "gather_keys", "sum_copies",
+__all__ = ["CopyRuns", "available", "copy_runs", "copy_run_lists", "copy_run_tables", "gather_keys", "sum_copies",
            "sum_copies_index_add", "usable", "CONFIGS"]
 
 BLOCK_T = 64  # tokens per program (a run is cut into tiles of at most this many)
@@ -72,39 +74,44 @@ def copy_runs(lo: Tensor, hi: Tensor, first: Tensor, device) -> CopyRuns:
                     rows=rows)
 
 
-def copy_run_tables(lo: Tensor, hi: Tensor, first: Tensor) -> tuple[Tensor, Tensor, int, int]:
-    """:func:`copy_runs`' tables on the host, ``(tiles, offsets, tokens, rows)`` (a caller that sends several
-    tables to the device in one copy builds its :class:`CopyRuns` from them)."""
-    lo, hi, first = (x.to("cpu", torch.int64) for x in (lo, hi, first))
-    keep = hi > lo
-    if not bool(keep.all()):
-        lo, hi, first = lo[keep], hi[keep], first[keep]
-    if not lo.numel():
-        return torch.zeros((0, 4), dtype=torch.int64), lo.new_zeros(0), 0, 0
-    m = lo.numel()
-    # sorted run boundaries, from token 0 (lo, hi, then 0)
-    bounds, where = torch.unique(torch.cat([lo, hi, lo.new_zeros(1)]), return_inverse=True)
-    tokens, runs = int(bounds[-1]), bounds.numel() - 1
-    r0 = where[:m]
-    n_cover = where[m:2 * m].sub_(r0)  # interval m covers runs [r0, r0 + n_cover)
-    ends = n_cover.cumsum(0)
-    entries = int(ends[-1])  # (interval, run) pairs
-    interval = group_index(ends, entries)  # each entry's interval, in interval order
-    entry_run = torch.arange(entries).add_((r0 - ends + n_cover).index_select(0, interval))
-    order = torch.sort(entry_run, stable=True).indices  # by run; within a run, interval order
-    offsets = (first - lo).index_select(0, interval.index_select(0, order))
-    ptr = torch.zeros(runs + 1, dtype=torch.int64)  # run r's offsets are entries [ptr[r], ptr[r + 1])
-    torch.cumsum(torch.bincount(entry_run, minlength=runs), 0, out=ptr[1:])
-    run_lo, run_hi = bounds[:-1], bounds[1:]
-    per = (run_hi - run_lo).add_(BLOCK_T - 1).div_(BLOCK_T, rounding_mode="floor")  # tiles per run
-    tile_end = per.cumsum(0)
-    n_tiles = int(tile_end[-1])
-    tile_run = group_index(tile_end, n_tiles)
-    t_lo = torch.arange(n_tiles).sub_((tile_end - per).index_select(0, tile_run)).mul_(BLOCK_T)
-    t_lo += run_lo.index_select(0, tile_run)
-    t_hi = torch.minimum(t_lo + BLOCK_T, run_hi.index_select(0, tile_run))
-    tiles = torch.stack([t_lo, t_hi, ptr.index_select(0, tile_run), ptr.index_select(0, tile_run + 1)], 1)
-    return tiles, offsets, tokens, int((hi - lo).sum())
+def copy_run_tables(lo, hi, first) -> tuple[Tensor, Tensor, int, int]:
+    """:func:`copy_runs`' tables on the host, ``(tiles, offsets, tokens, rows)``, from host tensors or lists of
+    ints ``lo``, ``hi``, ``first`` (:func:`copy_run_lists`, its offsets as a tensor)."""
+    tiles, offsets, tokens, rows = copy_run_lists(lo, hi, first)
+    return tiles, torch.tensor(offsets, dtype=torch.int64), tokens, rows
+
+
+def copy_run_lists(lo, hi, first) -> tuple[Tensor, list, int, int]:
+    """:func:`copy_run_tables` with the offsets as a list (a caller that sends several tables to the device in one
+    copy, ``host_values.to_device_tables``, builds its :class:`CopyRuns` from them).
+
+    The runs and their offsets are Python over the intervals and runs (a plan has a few hundred of each; a tensor op
+    costs 3-7 us of dispatch on the host whatever its size); the tiles, about one per ``BLOCK_T`` tokens, are a few
+    tensor ops."""
+    lo, hi, first = (x.tolist() if isinstance(x, Tensor) else list(x) for x in (lo, hi, first))
+    kept = [(a, b, f - a) for a, b, f in zip(lo, hi, first) if b > a]  # (lo, hi, offset) of each non-empty interval
+    if not kept:
+        return torch.zeros((0, 4), dtype=torch.int64), [], 0, 0
+    bounds = sorted({0, *(a for a, _, _ in kept), *(b for _, b, _ in kept)})  # run boundaries, from token 0
+    run_at = {x: r for r, x in enumerate(bounds)}
+    per_run: list[list[int]] = [[] for _ in range(len(bounds) - 1)]  # each run's offsets, in interval order
+    for a, b, off in kept:
+        for offs in per_run[run_at[a]:run_at[b]]:
+            offs.append(off)
+    ptr = list(accumulate(map(len, per_run), initial=0))  # run r's offsets are entries [ptr[r], ptr[r + 1])
+    offsets = list(chain.from_iterable(per_run))
+    per = [(y - x + BLOCK_T - 1) // BLOCK_T for x, y in zip(bounds, bounds[1:])]  # tiles per run
+    tile_end = list(accumulate(per))
+    n_tiles = tile_end[-1]
+    # per run: its tiles' first token less BLOCK_T times their index, its end, its offsets' entries (one buffer
+    # through an ``array``: a nested list to ``torch.tensor`` costs about twice as much)
+    base = [x - BLOCK_T * (e - k) for x, k, e in zip(bounds, per, tile_end)]
+    table = torch.frombuffer(array("q", chain.from_iterable(zip(base, bounds[1:], ptr, ptr[1:]))),
+                             dtype=torch.int64).view(-1, 4)
+    tiles = table.index_select(0, group_index(torch.tensor(tile_end), n_tiles))
+    tiles[:, 0].add_(torch.arange(0, BLOCK_T * n_tiles, BLOCK_T))
+    torch.minimum(tiles[:, 0] + BLOCK_T, tiles[:, 1], out=tiles[:, 1])
+    return tiles, offsets, bounds[-1], sum(b - a for a, b, _ in kept)
 
 
 if triton is not None:

@@ -45,6 +45,13 @@ varlen kernel up to ``MAX_GATHER_FACTOR`` (:func:`segments_fit`: past it the op 
 ``"auto"`` runs such a batch through flex instead).  Off CUDA both plans run float64-exact reference kernels, so
 the CPU tests cover the choice and the wiring of both.
 
+**The plan's host time.** A batch's plan is host work over a few numbers per node: a 64 x 2,048-token POR 0.5
+tree has 125 runs of equal subtree ends, 64 segments and 173 key intervals, where each tensor op costs 3-7 us of
+dispatch on the host whatever its size (and twice that on the H200's VM host).  So after the one pass over the tokens
+(:func:`_runs`) and the bounds check, the walk, the intervals, the copy runs' offsets and both ``cu_seqlens`` are
+Python over lists, and tensors are built only for what the device reads: about 100 tensor ops a plan where there
+were 414 (session 54; its times are in ``benchmarks/results/h200_s54/``).
+
 **K/V heads.** With grouped-query attention (``H > Hkv``) a segment plan hands FA4 the gathered rows with the
 model's ``Hkv`` heads (:data:`KV_HEADS` = ``"grouped"``): FA4's backward then accumulates each kv head's
 dK/dV over the query heads of its group in float32 buffers of the gathered rows' size, which it zero-fills, and
@@ -83,17 +90,20 @@ Shapes as ``treecompile::tree_attention``: ``q [1, H, T, D]``, ``k``/``v`` ``[1,
 
 from __future__ import annotations
 
+import bisect
 import math
+import operator
 import os
 import threading
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 from torch import Tensor
 
-from treecompile.host_values import host_copy, to_device_async, to_device_together
+from treecompile.host_values import host_copy, to_device_async, to_device_tables
 
-from .key_copies import CopyRuns, copy_run_tables, gather_keys, sum_copies
+from .key_copies import CopyRuns, copy_run_lists, gather_keys, sum_copies
 from . import fa4_replay
 from .last_batch import LastBatch
 from .logprobs_kept import allocator_bytes, fit_margin_bytes, headroom_bytes
@@ -261,7 +271,11 @@ def _walk(subtree_end: Tensor) -> _Walk:
     token then starts a segment); a batch's trailing tokens that each see only themselves and that nothing before
     reaches past (its padding: the tail) are found from the last run that is not one such token, and only the
     segments before them are walked; and a parent segment's tokens that see a child segment's start ``a`` are the
-    runs before its first run whose subtree ends by ``a`` (one binary search for all children, over the runs)."""
+    runs before its first run whose subtree ends by ``a`` (a binary search over the parent's runs).
+
+    After the runs (and the bounds and a padded batch's tail: a few tensor ops over all runs), the walk is Python
+    over lists of the runs before the tail: about two runs per leaf (125 for 64 x 2,048 POR 0.5), where a tensor
+    op costs 3-7 us of dispatch on the host whatever its size (module docstring, "The plan's host time")."""
     if subtree_end.dim() != 1 or subtree_end.numel() == 0:
         raise ValueError(f"subtree_end: expected a non-empty 1-D tensor [T], got shape {tuple(subtree_end.shape)}")
     if subtree_end.dtype.is_floating_point or subtree_end.dtype.is_complex or subtree_end.dtype == torch.bool:
@@ -278,19 +292,27 @@ def _walk(subtree_end: Tensor) -> _Walk:
         v = raw[t].item()  # as given (a uint64 past int64 by its own value: int() of it overflows)
         raise ValueError(f"subtree_end[{t}] = {v}: expected {t} < subtree_end[t] <= {T} (token {t} must "
                          f"see itself and the sequence has {T} tokens)")
-    closes = run_se == run_end  # the run's last token sees only itself: the next token starts a segment
     # the tail: the trailing tokens that see only themselves and that no token before sees (a length bucket's
     # padding), not for the kernel and no segments of the walk.  After the last run that is not one such token (its
-    # end P), the first token that no earlier token reaches past: max(P, the largest subtree end before P)
-    other = (closes & (run_end.diff(prepend=run_end.new_zeros(1)) == 1)).logical_not_().nonzero()
-    f = int(other[-1, 0]) if other.numel() else -1
-    tail = max(int(run_end[f]), int(run_se[:f + 1].max())) if f >= 0 else 0
-    # segment j's last run, among the runs before the tail (the last of them closes: it ends where the tail starts)
-    last_run = closes[:int(torch.searchsorted(run_end, tail, right=True))].nonzero().flatten()
-    first_run = torch.cat([last_run.new_zeros(1), last_run[:-1] + 1])[:last_run.numel()]
-    ends_l = run_end.index_select(0, last_run).tolist()
+    # end P), the first token that no earlier token reaches past: max(P, the largest subtree end before P).  Only a
+    # batch whose last run is that one token has one to look for (over the runs, as tensors: a padded batch has a
+    # run per padding token); else the tail is empty (the bounds hold: the last token's subtree ends at T)
+    R = run_se.numel()
+    if T == 1 or int(se[-2]) != T:
+        lone = (run_se == run_end).logical_and_(run_end.diff(prepend=run_end.new_zeros(1)) == 1)
+        other = lone.logical_not_().nonzero()
+        f = int(other[-1, 0]) if other.numel() else -1
+        tail = max(int(run_end[f]), int(run_se[:f + 1].max())) if f >= 0 else 0
+        R = int(torch.searchsorted(run_end, tail, right=True))  # the runs before the tail
+    else:
+        tail = T
+    rse, rend = run_se[:R].tolist(), run_end[:R].tolist()
+    # segment j's last run (it closes: its last token sees only itself; the last run before the tail closes)
+    last_run = [r for r, v, e in zip(range(R), rse, rend) if v == e]
+    ends_l = [rend[r] for r in last_run]
     starts_l = [0, *ends_l[:-1]][:len(ends_l)]
-    se_start = run_se.index_select(0, first_run).tolist()  # each segment's first token's subtree end
+    first_run = [0, *(r + 1 for r in last_run[:-1])][:len(last_run)]
+    se_start = [rse[r] for r in first_run]  # each segment's first token's subtree end
     # each segment's parent segment (the open ancestor segment), from a stack of the open ancestor segments:
     # O(segments), before any key row is laid out
     parent_seg: list[int] = []  # -1: a root segment
@@ -300,50 +322,30 @@ def _walk(subtree_end: Tensor) -> _Walk:
             stack.pop()
         parent_seg.append(stack[-1] if stack else -1)
         stack.append(j)
-    # then how many of its parent segment's tokens each segment's start sees, and its prefix length
-    child = [j for j, i in enumerate(parent_seg) if i >= 0]
+    # nested subtrees (:func:`_check_nested`): inside a segment each run's subtree ends before the previous run's ...
+    up = next((e for v, e, w in zip(rse, rend, rse[1:]) if w > v > e), None)  # (v > e: the run does not close)
+    wide = [] if up is None else [up]  # the first such run's next token
+    # then how many of its parent segment's tokens each segment's start sees (:func:`_parent_cut`), and its prefix
+    # length
     parents: list[tuple[int, int] | None] = [None] * len(starts_l)
     prefix_len: list[int] = [0] * len(starts_l)
-    # nested subtrees (:func:`_check_nested`): inside a segment each run's subtree ends before the previous run's ...
-    up = (run_se[1:] > run_se[:-1]).logical_and_(closes[:-1].logical_not())
-    wide = [int(run_end[int(up.nonzero()[0, 0])])] if bool(up.any()) else []  # the first such run's first token
-    if child:
-        cuts, above = _parent_cuts(T, run_se, run_end, closes, first_run, last_run,
-                                   torch.tensor([parent_seg[j] for j in child]),
-                                   torch.tensor([starts_l[j] for j in child]), not wide)
-        for j, p in zip(child, cuts):
-            i = parent_seg[j]  # parents come before their children: their prefix lengths are known
-            parents[j] = (i, p)
-            prefix_len[j] = prefix_len[i] + p - starts_l[i]
-        # ... and a segment's first token's ends no later than that of the last token above it that sees it
-        # (``above``: that token's; one that does not see the start comes from a search misled by a run named above)
-        head = next((starts_l[j] for j, e in zip(child, above) if se_start[j] > e > starts_l[j]), None)
-        wide += [] if head is None else [head]
+    neg = [-v for v in rse]  # increasing along a segment's runs where subtree_end is nested
+    head = None  # ... and a segment's first token's ends no later than that of the last token above it that sees it
+    for j, i in enumerate(parent_seg):
+        if i < 0:
+            continue
+        a = starts_l[j]
+        r = max(bisect.bisect_left(neg, -a, first_run[i], last_run[i] + 1) - 1, first_run[i])
+        parents[j] = (i, rend[r])  # parents come before their children: their prefix lengths are known
+        prefix_len[j] = prefix_len[i] + rend[r] - starts_l[i]
+        if head is None and se_start[j] > rse[r] > a:
+            head = a
+    wide += [] if head is None else [head]
     n_main = len(starts_l)
     G = sum(prefix_len) + tail  # the key rows the segments gather
     return _Walk(se=se, run_se=run_se, run_end=run_end, starts=starts_l, ends=ends_l, parents=parents,
                  prefix_len=prefix_len, n_main=n_main, tail=tail, gathered=G,
                  not_nested=min(wide, default=None))
-
-
-def _parent_cuts(T: int, run_se: Tensor, run_end: Tensor, closes: Tensor, first_run: Tensor, last_run: Tensor,
-                 parent: Tensor, start: Tensor, sorted_runs: bool) -> tuple[list, list]:
-    """For each child segment with parent segment ``parent`` and first token ``start``: the end of the run of the
-    parent's tokens that see ``start`` (their subtrees reach past it), and the last of them's subtree end.  Subtree
-    ends decrease from run to run inside a segment (nested subtrees; runs are maximal), so that is the start of the
-    parent's first run whose subtree ends by ``start``: one binary search over all runs with the keys
-    ``(segment index) * (T + 1) - run_se``, which increase along the runs, ``parent * (T + 1) - start`` falling
-    among the parent's (the keys of every other segment are on the right side of it whatever their order: subtree
-    ends are in ``[1, T]``).  A non-nested ``subtree_end`` may leave the parent's keys unsorted (``sorted_runs``
-    False: some segment's runs are out of order, and the walk's nesting check names the first such run): a binary
-    search still ends among the parent's runs past its first (whose subtree reaches past ``start``: the walk's
-    stack), and there the cut is clamped into them all the same."""
-    seg_of_run = closes.cumsum(0).sub_(closes.long())  # closing runs before run r
-    keys = seg_of_run.mul_(T + 1).sub_(run_se)
-    r = torch.searchsorted(keys, parent * (T + 1) - start).sub_(1)  # the last run that sees the start
-    if not sorted_runs:
-        r = torch.maximum(torch.minimum(r, last_run[parent]), first_run[parent])
-    return run_end.index_select(0, r).tolist(), run_se.index_select(0, r).tolist()
 
 
 _WALKS = LastBatch()  # the last batch's walk: TreeProgram's segments_fit and the op's plan read the same one
@@ -384,33 +386,36 @@ def tree_attention_plan(subtree_end: Tensor, *, block_sparse: bool) -> SegmentPl
             run += (p, w.starts[i])
         intervals += run[::-1]
     lo, hi, first = _rows(intervals, G)
-    cu_k = torch.tensor([0] + [w.prefix_len[j] + w.ends[j] - w.starts[j] for j in range(n_main)],
-                        dtype=torch.int64).cumsum(0)
-    cu_q = torch.tensor([0] + w.ends[:n_main], dtype=torch.int64)
+    cu_k = list(accumulate((w.prefix_len[j] + w.ends[j] - w.starts[j] for j in range(n_main)), initial=0))
+    cu_q = [0, *w.ends[:n_main]]
     if VERIFY_PLANS:
-        _check_plan(w.se, lo, hi, first, G, cu_q, cu_k, w.tail, (w.run_se, w.run_end))
+        _check_plan(w.se, *_host_tensors(lo, hi, first), G, *_host_tensors(cu_q, cu_k), w.tail, (w.run_se, w.run_end))
     return _segment_plan(lo, hi, first, cu_q, cu_k, w.tail, subtree_end.device)
 
 
-def _rows(intervals: list, G: int) -> tuple[Tensor, Tensor, Tensor]:
-    """(lo, hi, first row) of the gathered rows, host int64: the ``[lo, hi)`` intervals (``intervals``: their
+def _host_tensors(*lists: list) -> tuple[Tensor, ...]:
+    return tuple(torch.tensor(x, dtype=torch.int64) for x in lists)
+
+
+def _rows(intervals: list, G: int) -> tuple[list, list, list]:
+    """(lo, hi, first row) of the gathered rows, host lists: the ``[lo, hi)`` intervals (``intervals``: their
     bounds, flat) one after the other, ``G`` rows in all (else an internal error)."""
-    lo, hi = torch.tensor(intervals or [0, 0], dtype=torch.int64).view(-1, 2).unbind(1)  # none: an empty plan
-    lengths = hi - lo
-    ends = torch.cumsum(lengths, 0)
-    if bool((lengths < 0).any()) or int(ends[-1]) != G:
-        raise AssertionError(f"tree_attention_varlen: key row intervals of {int(ends[-1])} rows for a plan of {G} "
+    lo, hi = (intervals[0::2], intervals[1::2]) if intervals else ([0], [0])  # none: an empty plan
+    lengths = list(map(operator.sub, hi, lo))
+    first = list(accumulate(lengths, initial=0))
+    if min(lengths) < 0 or first.pop() != G:
+        raise AssertionError(f"tree_attention_varlen: key row intervals of {sum(lengths)} rows for a plan of {G} "
                              "(internal error)")
-    first = ends - lengths
     return lo, hi, first
 
 
-def _key_index_changes(lo: Tensor, first: Tensor, G: int) -> tuple[Tensor, Tensor]:
+def _key_index_changes(lo: list, first: list) -> tuple[list, list]:
     """(rows, changes) on the host from which :func:`_key_index_from` builds the key index of intervals laid out
-    one after the other (host ``lo`` / ``first``): where an interval starts, the change of its offset ``lo - first``
-    (empty intervals' changes add up; those of empty intervals at the end, at row ``G``, fall past the rows)."""
-    off = lo - first
-    return first, torch.diff(off, prepend=off.new_zeros(1))
+    one after the other (``lo`` / ``first``, lists): where an interval starts, the change of its offset
+    ``lo - first`` (empty intervals' changes add up; those of empty intervals at the end, at row ``G``, fall past
+    the rows)."""
+    off = list(map(operator.sub, lo, first))
+    return first, list(map(operator.sub, off, [0, *off[:-1]]))
 
 
 def _key_index_from(at: Tensor, by: Tensor, G: int) -> Tensor:
@@ -420,20 +425,21 @@ def _key_index_from(at: Tensor, by: Tensor, G: int) -> Tensor:
     return torch.ones(G + 1, dtype=torch.int64, device=at.device).index_add_(0, at, by)[:G].cumsum_(0).sub_(1)
 
 
-def _segment_plan(lo, hi, first, cu_q: Tensor, cu_k: Tensor, tail: int, dev, window: int = 0) -> SegmentPlan:
-    """The :class:`SegmentPlan` of laid-out rows.  Its six device tables (the key index's changes, both
-    ``cu_seqlens``, the copy runs' tiles and offsets) cross in one copy (:func:`to_device_together`), without
-    blocking; the key index is then built on ``dev``."""
-    segments = cu_q.numel() - 1
-    G = int(cu_k[-1])
-    at, by = _key_index_changes(lo, first, G)
-    tiles, offsets, tokens, rows = copy_run_tables(lo, hi, first)
-    at, by, cu_q32, cu_k32, tiles, offsets = to_device_together(
-        (at, by, cu_q.to(torch.int32), cu_k.to(torch.int32), tiles, offsets), dev)
+def _segment_plan(lo: list, hi: list, first: list, cu_q: list, cu_k: list, tail: int, dev,
+                  window: int = 0) -> SegmentPlan:
+    """The :class:`SegmentPlan` of laid-out rows (host lists: :func:`_rows`' intervals, both ``cu_seqlens``).  Its
+    six device tables (the key index's changes, both ``cu_seqlens``, the copy runs' tiles and offsets) cross in one
+    copy (:func:`to_device_tables`), without blocking; the key index is then built on ``dev``."""
+    segments = len(cu_q) - 1
+    G = cu_k[-1]
+    at, by = _key_index_changes(lo, first)
+    tiles, offsets, tokens, rows = copy_run_lists(lo, hi, first)
+    at, by, cu_q32, cu_k32, tiles, offsets = to_device_tables((at, by, cu_q, cu_k, tiles, offsets), dev, int32=(2, 3))
     return SegmentPlan(copies=CopyRuns(tiles=tiles, offsets=offsets, tokens=tokens, rows=rows),
         key_index=_key_index_from(at, by, G), cu_seqlens_q=cu_q32, cu_seqlens_k=cu_k32,
-        cu_seqlens_q_host=tuple(cu_q.tolist()), cu_seqlens_k_host=tuple(cu_k.tolist()),
-        max_seqlen_q=int(cu_q.diff().max()) if segments else 0, max_seqlen_k=int(cu_k.diff().max()) if segments else 0,
+        cu_seqlens_q_host=tuple(cu_q), cu_seqlens_k_host=tuple(cu_k),
+        max_seqlen_q=max(map(operator.sub, cu_q[1:], cu_q[:-1])) if segments else 0,
+        max_seqlen_k=max(map(operator.sub, cu_k[1:], cu_k[:-1])) if segments else 0,
         tail=tail, window=window)
 
 
@@ -469,8 +475,8 @@ def windowed_plan(subtree_end: Tensor, position_ids: Tensor, window: int) -> Seg
             need -= take
         intervals += run[::-1]
     lo, hi, first = _rows(intervals, G)
-    cu_k = torch.tensor([0] + [keep[j] + w.ends[j] - w.starts[j] for j in range(n_main)], dtype=torch.int64).cumsum(0)
-    cu_q = torch.tensor([0] + w.ends[:n_main], dtype=torch.int64)
+    cu_k = list(accumulate((keep[j] + w.ends[j] - w.starts[j] for j in range(n_main)), initial=0))
+    cu_q = [0, *w.ends[:n_main]]
     _check_depths(w, pos)
     return _segment_plan(lo, hi, first, cu_q, cu_k, w.tail, subtree_end.device, window)
 
