@@ -215,9 +215,10 @@ def test_tables_sent_together_keep_dtype_shape_values_and_alignment():
     assert torch.equal(out[3], torch.arange(300).view(75, 4))
     assert host_values.to_device_tables([], "cpu") == ()
     assert [t.tolist() for t in host_values.to_device_tables([[], []], "cpu")] == [[], []]
-    for bad, match in (([[1], [2 ** 31]], "table 1 is not a list of torch.int32"), ([[2 ** 63]], "table 0 is not a list"),
-                       ([[1.5]], "table 0 is not a list"), ([[1], torch.arange(3, dtype=torch.int32)],
-                                                          "table 1: expected an int64 host tensor, got torch.int32"),
+    for bad, match in (([[1], [2 ** 31]], "table 1 is not a list of torch.int32"),
+                       ([[2 ** 63]], "table 0 is not a list"), ([[1.5]], "table 0 is not a list"),
+                       ([[1], torch.arange(3, dtype=torch.int32)],
+                        "table 1: expected an int64 host tensor, got torch.int32"),
                        ([torch.arange(3, device="meta")], "table 0: expected an int64 host tensor")):
         with pytest.raises(ValueError, match=match):
             host_values.to_device_tables(bad, "cpu", int32=(1,))

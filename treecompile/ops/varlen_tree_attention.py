@@ -325,8 +325,8 @@ def _walk(subtree_end: Tensor) -> _Walk:
     # nested subtrees (:func:`_check_nested`): inside a segment each run's subtree ends before the previous run's ...
     up = next((e for v, e, w in zip(rse, rend, rse[1:]) if w > v > e), None)  # (v > e: the run does not close)
     wide = [] if up is None else [up]  # the first such run's next token
-    # then how many of its parent segment's tokens each segment's start sees (:func:`_parent_cut`), and its prefix
-    # length
+    # then how many of its parent segment's tokens each segment's start sees (the parent's runs before its first
+    # run whose subtree ends by the start: one binary search over the parent's runs), and its prefix length
     parents: list[tuple[int, int] | None] = [None] * len(starts_l)
     prefix_len: list[int] = [0] * len(starts_l)
     neg = [-v for v in rse]  # increasing along a segment's runs where subtree_end is nested
@@ -389,7 +389,8 @@ def tree_attention_plan(subtree_end: Tensor, *, block_sparse: bool) -> SegmentPl
     cu_k = list(accumulate((w.prefix_len[j] + w.ends[j] - w.starts[j] for j in range(n_main)), initial=0))
     cu_q = [0, *w.ends[:n_main]]
     if VERIFY_PLANS:
-        _check_plan(w.se, *_host_tensors(lo, hi, first), G, *_host_tensors(cu_q, cu_k), w.tail, (w.run_se, w.run_end))
+        _check_plan(w.se, *_host_tensors(lo, hi, first), G, *_host_tensors(cu_q, cu_k), w.tail,
+                    (w.run_se, w.run_end))
     return _segment_plan(lo, hi, first, cu_q, cu_k, w.tail, subtree_end.device)
 
 
