@@ -283,30 +283,30 @@ def _walk(subtree_end: Tensor) -> _Walk:
     raw = host_copy(subtree_end)  # no device copy for a moved batch's own tensor (host_values)
     se = raw.to(torch.int64)  # (a uint64 past int64 wraps to a negative value: out of bounds all the same)
     T = se.numel()
-    run_se, run_end = _runs(se)
-    bad = (run_se < run_end) | (run_se > T)  # run r's tokens are [run_end[r - 1], run_end[r])
-    if bool(bad.any()):
-        r = int(bad.nonzero()[0, 0])
-        a, v = int(run_end[r - 1]) if r else 0, int(run_se[r])
-        t = a if v > T else max(a, v)  # the run's first token past the bound
-        v = raw[t].item()  # as given (a uint64 past int64 by its own value: int() of it overflows)
-        raise ValueError(f"subtree_end[{t}] = {v}: expected {t} < subtree_end[t] <= {T} (token {t} must "
-                         f"see itself and the sequence has {T} tokens)")
+    run_se, counts = torch.unique_consecutive(se, return_counts=True)  # the runs (:func:`_runs`)
+    run_end = counts.cumsum(0)
     # the tail: the trailing tokens that see only themselves and that no token before sees (a length bucket's
     # padding), not for the kernel and no segments of the walk.  After the last run that is not one such token (its
     # end P), the first token that no earlier token reaches past: max(P, the largest subtree end before P).  Only a
     # batch whose last run is that one token has one to look for (over the runs, as tensors: a padded batch has a
-    # run per padding token); else the tail is empty (the bounds hold: the last token's subtree ends at T)
+    # run per padding token); else the tail is empty.  A run out of bounds is not one such token (its subtree end is
+    # not its end), so the tail's runs are in bounds, and the bounds are checked on the runs before it
     R = run_se.numel()
-    if T == 1 or int(se[-2]) != T:
-        lone = (run_se == run_end).logical_and_(run_end.diff(prepend=run_end.new_zeros(1)) == 1)
-        other = lone.logical_not_().nonzero()
+    if T == 1 or operator.ne(*se[-2:].tolist()):
+        other = (run_se == run_end).logical_and_(counts == 1).logical_not_().nonzero()
         f = int(other[-1, 0]) if other.numel() else -1
         tail = max(int(run_end[f]), int(run_se[:f + 1].max())) if f >= 0 else 0
-        R = int(torch.searchsorted(run_end, tail, right=True))  # the runs before the tail
+        R = int(torch.searchsorted(run_end, min(tail, T), right=True))  # the runs before the tail
     else:
         tail = T
     rse, rend = run_se[:R].tolist(), run_end[:R].tolist()
+    r = next((r for r, v, e in zip(range(R), rse, rend) if v < e or v > T), None)  # run r: [rend[r - 1], rend[r])
+    if r is not None:
+        a, v = rend[r - 1] if r else 0, rse[r]
+        t = a if v > T else max(a, v)  # the run's first token past the bound
+        v = raw[t].item()  # as given (a uint64 past int64 by its own value: int() of it overflows)
+        raise ValueError(f"subtree_end[{t}] = {v}: expected {t} < subtree_end[t] <= {T} (token {t} must "
+                         f"see itself and the sequence has {T} tokens)")
     # segment j's last run (it closes: its last token sees only itself; the last run before the tail closes)
     last_run = [r for r, v, e in zip(range(R), rse, rend) if v == e]
     ends_l = [rend[r] for r in last_run]
