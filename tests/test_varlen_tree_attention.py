@@ -392,6 +392,31 @@ def test_bad_subtree_end_is_named():
         segment_plan(torch.tensor([[1]]))
 
 
+@settings(max_examples=60, deadline=None)
+@given(path_sets(max_paths=8, max_len=10), st.sampled_from([None, 8, 13]),
+       st.lists(st.tuples(st.booleans(), st.integers(0, 40), st.sampled_from(["self", "before", "past", "neg", "end"])),
+                min_size=1, max_size=3))
+def test_entries_out_of_bounds_are_refused_naming_the_first(paths, pad_to, changes):
+    """Entries out of bounds anywhere (near the end and in a padded tail too, where the walk looks for the tail
+    before it checks the bounds on the runs before it) are refused naming the first token ``t`` without
+    ``t < subtree_end[t] <= T``, by the brute force."""
+    se = _batch(paths, pad_to).subtree_end.clone()
+    T = se.numel()
+    for from_end, n, kind in changes:
+        t = (T - 1 - n if from_end else n) % T
+        se[t] = {"self": t, "before": t // 2, "past": T + 1 + n, "neg": -1 - n, "end": T}[kind]
+    L = se.tolist()
+    first = next((t for t in range(T) if not t < L[t] <= T), None)
+    if first is None:  # every change in bounds: the batch is planned or refused as not nested, not out of bounds
+        try:
+            segment_plan(se)
+        except ValueError as e:
+            assert "not the DFS layout of a forest" in str(e)
+        return
+    with pytest.raises(ValueError, match=rf"subtree_end\[{first}\] = {L[first]}: expected {first} < "):
+        segment_plan(se)
+
+
 def _first_not_nested(se: list) -> int | None:
     """Brute force: the first token ``t`` whose subtree sticks out of an ancestor's (some ``k < t < se[k] < se[t]``)."""
     return min((t for k in range(len(se)) for t in range(k + 1, min(se[k], len(se))) if se[t] > se[k]), default=None)

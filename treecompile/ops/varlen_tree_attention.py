@@ -296,7 +296,7 @@ def _walk(subtree_end: Tensor) -> _Walk:
         other = (run_se == run_end).logical_and_(counts == 1).logical_not_().nonzero()
         f = int(other[-1, 0]) if other.numel() else -1
         tail = max(int(run_end[f]), int(run_se[:f + 1].max())) if f >= 0 else 0
-        R = int(torch.searchsorted(run_end, min(tail, T), right=True))  # the runs before the tail
+        R = int(torch.searchsorted(run_end, tail, right=True))  # the runs before the tail
     else:
         tail = T
     rse, rend = run_se[:R].tolist(), run_end[:R].tolist()
