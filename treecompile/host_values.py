@@ -72,7 +72,7 @@ def to_device_tables(tables: Sequence[Sequence[int] | Tensor], device: torch.dev
     the buffer itself (CPU) or its copy."""
     device = torch.device(device)
     head = bytearray()  # the lists' bytes, each from an aligned offset
-    spans = []  # per table: (byte offset, dtype, shape)
+    lists, tensors = [], []  # per table: (its index, byte offset, dtype, shape)
     for i, t in enumerate(tables):
         if isinstance(t, Tensor):
             continue
@@ -81,29 +81,28 @@ def to_device_tables(tables: Sequence[Sequence[int] | Tensor], device: torch.dev
             data = array(code, t)
         except (OverflowError, TypeError) as e:
             raise ValueError(f"to_device_tables: table {i} is not a list of {dtype} values ({e})") from None
-        spans.append((i, len(head), dtype, (len(data),)))
+        lists.append((i, len(head), dtype, (len(data),)))
         head += data.tobytes()
         head += bytes(-len(head) % STAGING_ALIGN)
-    total = len(head)
+    total = len(head)  # the tensors after the lists
     for i, t in enumerate(tables):
         if not isinstance(t, Tensor):
             continue
         if t.device.type != "cpu" or t.dtype != torch.int64:
             raise ValueError(f"to_device_tables: table {i}: expected an int64 host tensor, got {t.dtype} on {t.device}")
-        spans.append((i, total, torch.int64, tuple(t.shape)))
+        tensors.append((i, total, torch.int64, tuple(t.shape)))
         total += -(-t.numel() * 8 // STAGING_ALIGN) * STAGING_ALIGN
     staged = torch.empty(total, dtype=torch.uint8, pin_memory=device.type == "cuda")
     if head:
         staged[:len(head)].copy_(torch.frombuffer(head, dtype=torch.uint8))
     words = staged.view(torch.int64)
-    for i, o, _, shape in spans[len(spans) - sum(isinstance(t, Tensor) for t in tables):]:
+    for i, o, _, shape in tensors:
         words[o // 8:o // 8 + tables[i].numel()].view(shape).copy_(tables[i])
     moved = staged if device.type == "cpu" else staged.to(device, non_blocking=True)
     views = {torch.int64: moved.view(torch.int64), torch.int32: moved.view(torch.int32)}
     out: list = [None] * len(tables)
-    for i, o, dtype, shape in spans:
-        n = math.prod(shape)
-        w = views[dtype]
+    for i, o, dtype, shape in lists + tensors:
+        n, w = math.prod(shape), views[dtype]
         k = o // w.element_size()
         out[i] = w[k:k + n] if len(shape) == 1 else w[k:k + n].view(shape)
     return tuple(out)

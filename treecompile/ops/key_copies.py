@@ -88,7 +88,7 @@ def copy_run_lists(lo, hi, first) -> tuple[Tensor, list, int, int]:
     The runs and their offsets are Python over the intervals and runs (a plan has a few hundred of each; a tensor op
     costs 3-7 us of dispatch on the host whatever its size); the tiles, about one per ``BLOCK_T`` tokens, are a few
     tensor ops."""
-    lo, hi, first = (x.tolist() if isinstance(x, Tensor) else list(x) for x in (lo, hi, first))
+    lo, hi, first = (x.tolist() if isinstance(x, Tensor) else x for x in (lo, hi, first))
     kept = [(a, b, f - a) for a, b, f in zip(lo, hi, first) if b > a]  # (lo, hi, offset) of each non-empty interval
     if not kept:
         return torch.zeros((0, 4), dtype=torch.int64), [], 0, 0

@@ -47,10 +47,10 @@ the CPU tests cover the choice and the wiring of both.
 
 **The plan's host time.** A batch's plan is host work over a few numbers per node: a 64 x 2,048-token POR 0.5
 tree has 125 runs of equal subtree ends, 64 segments and 173 key intervals, where each tensor op costs 3-7 us of
-dispatch on the host whatever its size (and twice that on the H200's VM host).  So after the one pass over the tokens
-(:func:`_runs`) and the bounds check, the walk, the intervals, the copy runs' offsets and both ``cu_seqlens`` are
-Python over lists, and tensors are built only for what the device reads: about 100 tensor ops a plan where there
-were 414 (session 54; its times are in ``benchmarks/results/h200_s54/``).
+dispatch on the host whatever its size (and up to twice that on the H200's VM host).  So after the one pass over
+the tokens (the runs of equal subtree ends), the bounds check, the walk, the intervals, the copy runs' offsets and
+both ``cu_seqlens`` are Python over lists, and tensors are built only for what the device reads: about 100 tensor
+ops a plan where there were 414 (session 54; its times are in ``benchmarks/results/h200_s54/``).
 
 **K/V heads.** With grouped-query attention (``H > Hkv``) a segment plan hands FA4 the gathered rows with the
 model's ``Hkv`` heads (:data:`KV_HEADS` = ``"grouped"``): FA4's backward then accumulates each kv head's
@@ -273,9 +273,10 @@ def _walk(subtree_end: Tensor) -> _Walk:
     segments before them are walked; and a parent segment's tokens that see a child segment's start ``a`` are the
     runs before its first run whose subtree ends by ``a`` (a binary search over the parent's runs).
 
-    After the runs (and the bounds and a padded batch's tail: a few tensor ops over all runs), the walk is Python
-    over lists of the runs before the tail: about two runs per leaf (125 for 64 x 2,048 POR 0.5), where a tensor
-    op costs 3-7 us of dispatch on the host whatever its size (module docstring, "The plan's host time")."""
+    After the runs (and a padded batch's tail: a few tensor ops over all runs), the walk, the bounds check
+    included, is Python over lists of the runs before the tail: about two runs per leaf (125 for 64 x 2,048 POR
+    0.5), where a tensor op costs 3-7 us of dispatch on the host whatever its size (module docstring, "The plan's
+    host time")."""
     if subtree_end.dim() != 1 or subtree_end.numel() == 0:
         raise ValueError(f"subtree_end: expected a non-empty 1-D tensor [T], got shape {tuple(subtree_end.shape)}")
     if subtree_end.dtype.is_floating_point or subtree_end.dtype.is_complex or subtree_end.dtype == torch.bool:
