@@ -96,7 +96,7 @@ import operator
 import os
 import threading
 from dataclasses import dataclass
-from itertools import accumulate
+from itertools import accumulate, compress, repeat
 
 import torch
 from torch import Tensor
@@ -301,18 +301,18 @@ def _walk(subtree_end: Tensor) -> _Walk:
     else:
         tail = T
     rse, rend = run_se[:R].tolist(), run_end[:R].tolist()
-    r = next((r for r, v, e in zip(range(R), rse, rend) if v < e or v > T), None)  # run r: [rend[r - 1], rend[r])
-    if r is not None:
+    if rse and (min(map(operator.sub, rse, rend)) < 0 or max(rse) > T):  # (map, min, max: loops in C)
+        r = next(r for r, v, e in zip(range(R), rse, rend) if v < e or v > T)  # run r: [rend[r - 1], rend[r])
         a, v = rend[r - 1] if r else 0, rse[r]
         t = a if v > T else max(a, v)  # the run's first token past the bound
         v = raw[t].item()  # as given (a uint64 past int64 by its own value: int() of it overflows)
         raise ValueError(f"subtree_end[{t}] = {v}: expected {t} < subtree_end[t] <= {T} (token {t} must "
                          f"see itself and the sequence has {T} tokens)")
     # segment j's last run (it closes: its last token sees only itself; the last run before the tail closes)
-    last_run = [r for r, v, e in zip(range(R), rse, rend) if v == e]
+    last_run = list(compress(range(R), map(operator.eq, rse, rend)))
     ends_l = [rend[r] for r in last_run]
     starts_l = [0, *ends_l[:-1]][:len(ends_l)]
-    first_run = [0, *(r + 1 for r in last_run[:-1])][:len(last_run)]
+    first_run = [0, *[r + 1 for r in last_run[:-1]]][:len(last_run)]
     se_start = [rse[r] for r in first_run]  # each segment's first token's subtree end
     # each segment's parent segment (the open ancestor segment), from a stack of the open ancestor segments:
     # O(segments), before any key row is laid out
@@ -324,25 +324,29 @@ def _walk(subtree_end: Tensor) -> _Walk:
         parent_seg.append(stack[-1] if stack else -1)
         stack.append(j)
     # nested subtrees (:func:`_check_nested`): inside a segment each run's subtree ends before the previous run's ...
-    up = next((e for v, e, w in zip(rse, rend, rse[1:]) if w > v > e), None)  # (v > e: the run does not close)
+    up = next(compress(rend, map(operator.and_, map(operator.lt, rse, rse[1:]), map(operator.gt, rse, rend))),
+              None)  # (a run whose subtree ends past its end does not close)
     wide = [] if up is None else [up]  # the first such run's next token
     # then how many of its parent segment's tokens each segment's start sees (the parent's runs before its first
     # run whose subtree ends by the start: one binary search over the parent's runs), and its prefix length
-    parents: list[tuple[int, int] | None] = [None] * len(starts_l)
-    prefix_len: list[int] = [0] * len(starts_l)
-    neg = [-v for v in rse]  # increasing along a segment's runs where subtree_end is nested
+    n_main = len(starts_l)
+    parents: list[tuple[int, int] | None] = [None] * n_main
+    prefix_len: list[int] = [0] * n_main
+    lo_run = [first_run[i] if i >= 0 else 0 for i in parent_seg]  # each segment's parent's runs: [lo_run, hi_run)
+    hi_run = [last_run[i] + 1 if i >= 0 else 0 for i in parent_seg]
+    neg = list(map(operator.neg, rse))  # increasing along a segment's runs where subtree_end is nested
+    seen = list(map(bisect.bisect_left, repeat(neg, n_main), map(operator.neg, starts_l), lo_run, hi_run))
     head = None  # ... and a segment's first token's ends no later than that of the last token above it that sees it
-    for j, i in enumerate(parent_seg):
+    for j, i, r, lo, a, e in zip(range(n_main), parent_seg, seen, lo_run, starts_l, se_start):
         if i < 0:
             continue
-        a = starts_l[j]
-        r = max(bisect.bisect_left(neg, -a, first_run[i], last_run[i] + 1) - 1, first_run[i])
-        parents[j] = (i, rend[r])  # parents come before their children: their prefix lengths are known
-        prefix_len[j] = prefix_len[i] + rend[r] - starts_l[i]
-        if head is None and se_start[j] > rse[r] > a:
+        r = r - 1 if r > lo else lo  # the parent's last run that sees the start (its first does: the stack's rule)
+        p = rend[r]
+        parents[j] = (i, p)  # parents come before their children: their prefix lengths are known
+        prefix_len[j] = prefix_len[i] + p - starts_l[i]
+        if head is None and e > rse[r] > a:
             head = a
     wide += [] if head is None else [head]
-    n_main = len(starts_l)
     G = sum(prefix_len) + tail  # the key rows the segments gather
     return _Walk(se=se, run_se=run_se, run_end=run_end, starts=starts_l, ends=ends_l, parents=parents,
                  prefix_len=prefix_len, n_main=n_main, tail=tail, gathered=G,

@@ -102,3 +102,38 @@ for tag, mod in (("new", new), ("old", old)):
     print(f"{tag}: {calls} aten calls in one 64k build; the most frequent:")
     for e in sorted(ev, key=lambda e: -e.count)[:8]:
         print(f"    {e.key:32s} x{e.count}")
+
+# the walk alone (runs, bounds, segments, cuts) on trees of very short nodes, where it has the most runs: DFS
+# trees of random 1-L-token nodes (whose segments would gather hundreds of times T: the block-sparse plan's trees)
+import random
+
+
+def short_node_tree(T, max_len, branch_p, seed):
+    rng = random.Random(seed)
+    se, t, stack = [0] * T, 0, []
+    while t < T:
+        n = min(rng.randint(1, max_len), T - t)
+        stack += range(t, t + n)  # a node's tokens: each one's subtree open
+        t += n
+        if rng.random() > branch_p:  # close some of the open tokens' subtrees here
+            while stack and rng.random() < 0.7:
+                se[stack.pop()] = t
+    for s in stack:
+        se[s] = T
+    return torch.tensor(se)
+
+
+for T, L, p in ((65536, 4, 0.5), (65536, 32, 0.6), (16384, 2, 0.5)):
+    se = short_node_tree(T, L, p, 0)
+    w = new._walk(se)
+    row = f"walk, {T} tokens of 1-{L}-token nodes ({w.run_se.numel()} runs, {w.n_main} segments):"
+    for tag, mod in (("new", new), ("old", old), ("new", new), ("old", old)):
+        ses = [to_device_with_host(se, DEV) for _ in range(30)]
+        sync()
+        ts = []
+        for s in ses:
+            t0 = time.perf_counter()
+            mod._walk(s)
+            ts.append(time.perf_counter() - t0)
+        row += f"  {tag} {statistics.median(ts[5:]) * 1e3:.2f} ms"
+    print(row, flush=True)
