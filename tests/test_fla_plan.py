@@ -341,7 +341,7 @@ def test_padding_and_host_plans_do_not_wait_for_the_gpu():
     assert torch.equal(padded.to("cpu").node_end, host.padded(host.seq_len + 7).node_end)
     ref = fla_gdn._materialize(segs, fla_gdn._schedule(segs, 8), torch.device("cpu"))
     assert torch.equal(plan.index.cpu(), ref.index) and torch.equal(plan.out_rows.cpu(), ref.out_rows)
-    assert runs.tiles.device.type == "cuda"
+    assert runs.runs.device.type == "cuda" and runs.offsets.device.type == "cuda"
 
 
 def run_slots_in_torch(xs, h0, L):

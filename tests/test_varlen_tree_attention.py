@@ -86,7 +86,7 @@ def copies_index(runs, G: int) -> torch.Tensor:
     idx = torch.full((G,), -1, dtype=torch.int64)
     offsets = runs.offsets.cpu()
     prev = None
-    for t0, t1, e0, e1 in runs.tiles.cpu().tolist():
+    for t0, t1, e0, e1 in runs.tiles().tolist():
         assert 0 < t1 - t0 <= BLOCK_T and e0 <= e1
         assert prev is None or t0 == prev, "tiles do not cover the tokens in order"
         prev = t1
@@ -115,7 +115,7 @@ def test_copy_runs_cut_runs_of_any_length_into_tiles():
     """Runs of 1, BLOCK_T - 1, BLOCK_T, BLOCK_T + 1, 2 BLOCK_T and 2 BLOCK_T + 1 tokens, each read by one or two
     intervals: every tile within one run and at most ``BLOCK_T`` tokens, the tiles covering the tokens in order,
     every gathered row read once, in interval order."""
-    from treecompile.ops.key_copies import BLOCK_T, CopyRuns, copy_run_tables
+    from treecompile.ops.key_copies import BLOCK_T, CopyRuns, copy_run_lists
 
     bounds = [0]
     for n in (1, BLOCK_T - 1, BLOCK_T, BLOCK_T + 1, 2 * BLOCK_T, 2 * BLOCK_T + 1):
@@ -123,11 +123,14 @@ def test_copy_runs_cut_runs_of_any_length_into_tiles():
     intervals = [(a, b) for a, b in zip(bounds, bounds[1:])] + [(0, bounds[3]), (bounds[4], bounds[6])]
     lo, hi = torch.tensor(intervals).unbind(1)
     first = torch.cumsum(hi - lo, 0) - (hi - lo)
-    tiles, offsets, tokens, rows = copy_run_tables(lo, hi, first)
+    table, offsets, tokens, rows, n_tiles = copy_run_lists(lo, hi, first)
     assert (tokens, rows) == (bounds[-1], int((hi - lo).sum()))
-    runs = CopyRuns(tiles=tiles, offsets=offsets, tokens=tokens, rows=rows)
+    runs = CopyRuns(runs=torch.tensor(table).view(-1, 5), offsets=torch.tensor(offsets), tokens=tokens, rows=rows,
+                    n_tiles=n_tiles)
     assert copies_index(runs, rows).tolist() == [t for a, b in intervals for t in range(a, b)]
     cuts = {x for iv in intervals for x in iv}  # the runs' bounds: no tile crosses one
+    tiles = runs.tiles()
+    assert n_tiles == tiles.shape[0] == sum(-(-(b - a) // BLOCK_T) for a, b in zip(bounds, bounds[1:]))
     assert not [(t0, t1) for t0, t1, _, _ in tiles.tolist() if any(t0 < c < t1 for c in cuts)]
 
 
@@ -176,7 +179,7 @@ def test_plan_tables_cross_together_and_equal_the_plan(paths, pad_to, window):
         se, T = b.subtree_end, b.seq_len
         assert _plan_pairs(got.key_index, got.cu_seqlens_q, got.cu_seqlens_k, got.tail, T) == \
             {(q, k): 1 for k in range(T) for q in range(k, int(se[k]))}
-    storages = {t.untyped_storage().data_ptr() for t in (got.cu_seqlens_q, got.cu_seqlens_k, got.copies.tiles,
+    storages = {t.untyped_storage().data_ptr() for t in (got.cu_seqlens_q, got.cu_seqlens_k, got.copies.runs,
                                                          got.copies.offsets)}
     assert len(storages) == 1
 

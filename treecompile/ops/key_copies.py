@@ -11,7 +11,9 @@ over the run's offsets ``off = first_m - lo_m``: contiguous rows, read once, sum
 inputs) in interval order (root first) and rounded once.  The runs (:class:`CopyRuns`) are built on the host with
 the segment plan, once per batch.
 
-One program per tile of a run and block of channels.  Which block width, program order and warp count
+One program per tile of a run (at most ``BLOCK_T`` tokens) and block of channels; a program finds its run by a
+binary search over the runs' running tile counts, so the host sends one row per run, not per tile (session 54: the
+tiles' expansion was about 13 of a 64k plan's 100 host tensor ops).  Which block width, program order and warp count
 (:data:`CONFIGS`) is Triton's autotuner's choice on the GPU, timed at the first call for each channel count; every
 config sums in the same order, so the values do not depend on it.  (Added in session 38 without a GPU to time
 it: the first config is the kernel as it was, so the choice matches or beats it within the timing's noise; if the
@@ -29,18 +31,17 @@ from __future__ import annotations
 
 import math
 import warnings
-from array import array
 from dataclasses import dataclass
 from itertools import accumulate, chain
 
 import torch
 from torch import Tensor
 
-from treecompile.host_values import group_index, to_device_async
+from treecompile.host_values import to_device_tables
 # triton is None on CPU-only installs: sum_copies then uses index_add_
 from treecompile.ops.triton_support import available, interpreting, tl, triton, usable
 
-__all__ = ["CopyRuns", "available", "copy_runs", "copy_run_lists", "copy_run_tables", "gather_keys", "sum_copies",
+__all__ = ["CopyRuns", "available", "copy_runs", "copy_run_lists", "gather_keys", "sum_copies",
            "sum_copies_index_add", "usable", "CONFIGS"]
 
 BLOCK_T = 64  # tokens per program (a run is cut into tiles of at most this many)
@@ -58,10 +59,21 @@ CONFIGS = ((128, False, 4), (128, True, 4), (128, True, 8), (256, True, 8), (256
 class CopyRuns:
     """Runs of tokens with the same copies, cut into tiles of at most ``BLOCK_T`` tokens (module docstring)."""
 
-    tiles: Tensor  # [n_tiles, 4] int64, device: (first token, end token, first offset entry, end offset entry)
-    offsets: Tensor  # [E] int64, device: gathered row - token, per run (CSR through tiles' entry columns)
+    # [R, 5] int64, device, per run: (its first token less BLOCK_T times its first tile's index, its end token, its
+    # first and end offset entries, the tiles of the runs up to and including it)
+    runs: Tensor
+    offsets: Tensor  # [E] int64, device: gathered row - token, per run (CSR through the runs' entry columns)
     tokens: int  # the runs cover tokens [0, tokens)
     rows: int  # G: the gathered rows they read
+    n_tiles: int  # the runs' tiles: the kernel's programs per column block
+
+    def tiles(self) -> Tensor:
+        """``[n_tiles, 4]`` int64 on the host: each tile's (first token, end token, first and end offset entry), as
+        the kernel finds them (tests, introspection)."""
+        runs = self.runs.cpu()
+        r = torch.searchsorted(runs[:, 4], torch.arange(self.n_tiles), right=True)  # each tile's run
+        t0 = runs[r, 0] + BLOCK_T * torch.arange(self.n_tiles)
+        return torch.stack([t0, torch.minimum(t0 + BLOCK_T, runs[r, 1]), runs[r, 2], runs[r, 3]], 1)
 
 
 def copy_runs(lo: Tensor, hi: Tensor, first: Tensor, device) -> CopyRuns:
@@ -69,29 +81,21 @@ def copy_runs(lo: Tensor, hi: Tensor, first: Tensor, device) -> CopyRuns:
     ``[first[m], first[m] + hi[m] - lo[m])`` (host int64 tensors, the intervals covering ``[0, max(hi))``, each
     gathered row in exactly one interval).  Runs: the tokens between consecutive interval ends; a run's offsets
     are those of the intervals covering it, in interval order."""
-    tiles, offsets, tokens, rows = copy_run_tables(lo, hi, first)
-    return CopyRuns(tiles=to_device_async(tiles, device), offsets=to_device_async(offsets, device), tokens=tokens,
-                    rows=rows)
+    runs, offsets, tokens, rows, n_tiles = copy_run_lists(lo, hi, first)
+    runs, offsets = to_device_tables((runs, offsets), device)
+    return CopyRuns(runs=runs.view(-1, 5), offsets=offsets, tokens=tokens, rows=rows, n_tiles=n_tiles)
 
 
-def copy_run_tables(lo, hi, first) -> tuple[Tensor, Tensor, int, int]:
-    """:func:`copy_runs`' tables on the host, ``(tiles, offsets, tokens, rows)``, from host tensors or lists of
-    ints ``lo``, ``hi``, ``first`` (:func:`copy_run_lists`, its offsets as a tensor)."""
-    tiles, offsets, tokens, rows = copy_run_lists(lo, hi, first)
-    return tiles, torch.tensor(offsets, dtype=torch.int64), tokens, rows
-
-
-def copy_run_lists(lo, hi, first) -> tuple[Tensor, list, int, int]:
-    """:func:`copy_run_tables` with the offsets as a list (a caller that sends several tables to the device in one
-    copy, ``host_values.to_device_tables``, builds its :class:`CopyRuns` from them).
-
-    The runs and their offsets are Python over the intervals and runs (a plan has a few hundred of each; a tensor op
-    costs 3-7 us of dispatch on the host whatever its size); the tiles, about one per ``BLOCK_T`` tokens, are a few
-    tensor ops."""
+def copy_run_lists(lo, hi, first) -> tuple[list, list, int, int, int]:
+    """:func:`copy_runs`' tables on the host as lists, ``(runs, offsets, tokens, rows, n_tiles)`` (``runs``: the
+    :class:`CopyRuns` table's rows one after the other), from host tensors or lists of ints ``lo``, ``hi``,
+    ``first``; a caller that sends several tables to the device in one copy (``host_values.to_device_tables``)
+    builds its :class:`CopyRuns` from them.  Python over the intervals and runs (a plan has a few hundred of each,
+    where a tensor op costs 3-7 us of dispatch on the host whatever its size)."""
     lo, hi, first = (x.tolist() if isinstance(x, Tensor) else x for x in (lo, hi, first))
     kept = [(a, b, f - a) for a, b, f in zip(lo, hi, first) if b > a]  # (lo, hi, offset) of each non-empty interval
     if not kept:
-        return torch.zeros((0, 4), dtype=torch.int64), [], 0, 0
+        return [], [], 0, 0, 0
     bounds = sorted({0, *(a for a, _, _ in kept), *(b for _, b, _ in kept)})  # run boundaries, from token 0
     run_at = {x: r for r, x in enumerate(bounds)}
     per_run: list[list[int]] = [[] for _ in range(len(bounds) - 1)]  # each run's offsets, in interval order
@@ -99,33 +103,26 @@ def copy_run_lists(lo, hi, first) -> tuple[Tensor, list, int, int]:
         for offs in per_run[run_at[a]:run_at[b]]:
             offs.append(off)
     ptr = list(accumulate(map(len, per_run), initial=0))  # run r's offsets are entries [ptr[r], ptr[r + 1])
-    offsets = list(chain.from_iterable(per_run))
     per = [(y - x + BLOCK_T - 1) // BLOCK_T for x, y in zip(bounds, bounds[1:])]  # tiles per run
     tile_end = list(accumulate(per))
-    n_tiles = tile_end[-1]
-    # per run: its tiles' first token less BLOCK_T times their index, its end, its offsets' entries (one buffer
-    # through an ``array``: a nested list to ``torch.tensor`` costs about twice as much)
-    base = [x - BLOCK_T * (e - k) for x, k, e in zip(bounds, per, tile_end)]
-    table = torch.frombuffer(array("q", chain.from_iterable(zip(base, bounds[1:], ptr, ptr[1:]))),
-                             dtype=torch.int64).view(-1, 4)
-    tiles = table.index_select(0, group_index(torch.tensor(tile_end), n_tiles))
-    tiles[:, 0].add_(torch.arange(0, BLOCK_T * n_tiles, BLOCK_T))
-    torch.minimum(tiles[:, 0] + BLOCK_T, tiles[:, 1], out=tiles[:, 1])
-    return tiles, offsets, bounds[-1], sum(b - a for a, b, _ in kept)
+    base = [x - BLOCK_T * (e - k) for x, k, e in zip(bounds, per, tile_end)]  # first token - BLOCK_T * first tile
+    runs = list(chain.from_iterable(zip(base, bounds[1:], ptr, ptr[1:], tile_end)))
+    return runs, list(chain.from_iterable(per_run)), bounds[-1], sum(b - a for a, b, _ in kept), tile_end[-1]
 
 
 if triton is not None:
 
-    @triton.jit(do_not_specialize=["n_tiles"])  # a count that changes with every batch: one compiled kernel
-    def _sum_copies_kernel(src_ptr, out_ptr, tiles_ptr, off_ptr, C, n_tiles, SC, D, ACC: tl.constexpr,
+    @triton.jit(do_not_specialize=["n_tiles", "R", "STEPS"])  # counts that change with every batch: one kernel
+    def _sum_copies_kernel(src_ptr, out_ptr, runs_ptr, off_ptr, C, n_tiles, R, STEPS, SC, D, ACC: tl.constexpr,
                            BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, COLS_FIRST: tl.constexpr,
                            REP: tl.constexpr = 1):
         """out[t] = sum over the run's offsets of src[t + off] (ACC), for the tile's tokens x BLOCK_C channels.
         One program per (tile, column block), on a 1-D grid: ``COLS_FIRST``, the column blocks of one tile on
-        consecutive programs; else one column block of consecutive tiles.  ``REP`` > 1: a source row holds
-        ``REP`` heads of ``D`` channels for each output head (``SC = REP * C`` channels; the key/value rows
-        expanded to the query heads), summed too: out[t, h, d] = the sum of src[t + off, h * REP + p, d] over the
-        copies (in interval order) and, within each copy, over p."""
+        consecutive programs; else one column block of consecutive tiles.  The tile's run: the first of the ``R``
+        runs whose running tile count (``runs[r, 4]``) passes the tile, by ``STEPS`` >= log2(R + 1) halvings.
+        ``REP`` > 1: a source row holds ``REP`` heads of ``D`` channels for each output head (``SC = REP * C``
+        channels; the key/value rows expanded to the query heads), summed too: out[t, h, d] = the sum of
+        src[t + off, h * REP + p, d] over the copies (in interval order) and, within each copy, over p."""
         pid = tl.program_id(0).to(tl.int64)
         n_cblk = tl.cdiv(C, BLOCK_C)
         if COLS_FIRST:
@@ -134,16 +131,24 @@ if triton is not None:
         else:
             tile = pid % n_tiles
             cblk = pid // n_tiles
+        lo = tile * 0  # the run: [lo, hi) holds it, lo the first run whose tile count passes the tile
+        hi = lo + R
+        for _ in range(STEPS):
+            mid = (lo + hi) // 2
+            inside = lo < hi
+            passed = tl.load(runs_ptr + mid * 5 + 4, mask=inside, other=0) > tile
+            hi = tl.where(inside & passed, mid, hi)
+            lo = tl.where(inside & (passed == 0), mid + 1, lo)
         cols = cblk * BLOCK_C + tl.arange(0, BLOCK_C)
         cmask = cols < C
         if REP == 1:
             scols = cols
         else:  # output channel h * D + d reads source channels (h * REP + p) * D + d
             scols = (cols // D) * (REP * D) + cols % D
-        t0 = tl.load(tiles_ptr + tile * 4)
-        t1 = tl.load(tiles_ptr + tile * 4 + 1)
-        e0 = tl.load(tiles_ptr + tile * 4 + 2)
-        e1 = tl.load(tiles_ptr + tile * 4 + 3)
+        t0 = tl.load(runs_ptr + lo * 5) + BLOCK_T * tile
+        t1 = tl.minimum(t0 + BLOCK_T, tl.load(runs_ptr + lo * 5 + 1))
+        e0 = tl.load(runs_ptr + lo * 5 + 2)
+        e1 = tl.load(runs_ptr + lo * 5 + 3)
         rows = t0 + tl.arange(0, BLOCK_T)
         m2 = (rows < t1)[:, None] & cmask[None, :]
         acc = tl.zeros((BLOCK_T, BLOCK_C), ACC)
@@ -218,15 +223,17 @@ def sum_copies_index_add(src: Tensor, key_index: Tensor, T: int, rep: int = 1) -
 
 
 def _kernel_args(src: Tensor, out: Tensor, runs: CopyRuns, C: int, rep: int) -> tuple:
-    """``_sum_copies_kernel``'s positional arguments: ``C`` output channels, the source rows' ``SC = C * rep``
-    channels and (``rep`` > 1) their head dim ``D``."""
-    return src, out, runs.tiles, runs.offsets, C, runs.tiles.shape[0], C * rep, src.shape[-1] if rep > 1 else 1
+    """``_sum_copies_kernel``'s positional arguments: ``C`` output channels, the runs and the halvings that find a
+    tile's run among them, the source rows' ``SC = C * rep`` channels and (``rep`` > 1) their head dim ``D``."""
+    R = runs.runs.shape[0]
+    return (src, out, runs.runs, runs.offsets, C, runs.n_tiles, R, R.bit_length(), C * rep,
+            src.shape[-1] if rep > 1 else 1)
 
 
 def _launch_tuned(src: Tensor, out: Tensor, runs: CopyRuns, C: int, acc, rep: int = 1) -> None:
     """The kernel under the autotuner's config for ``C`` output channels (and ``rep``: :func:`sum_copies`'), timed
     at the first call with those channel counts."""
-    n_tiles = runs.tiles.shape[0]
+    n_tiles = runs.n_tiles
     _sum_copies_tuned[lambda meta: (n_tiles * triton.cdiv(C, meta["BLOCK_C"]),)](
         *_kernel_args(src, out, runs, C, rep), ACC=acc, BLOCK_T=BLOCK_T, REP=rep)
 
@@ -259,7 +266,7 @@ def sum_copies(src: Tensor, runs: CopyRuns, key_index: Tensor, T: int, config: t
     C = math.prod(out_shape[1:]) if G else 0
     if G and C:
         src = src.contiguous()
-        n_tiles = runs.tiles.shape[0]
+        n_tiles = runs.n_tiles
         acc = tl.float64 if acc_dtype == torch.float64 else tl.float32
         if config is None and not interpreting() and not _TUNING_FAILED and _tuned(src, out, runs, C, acc, rep):
             return out

@@ -434,14 +434,15 @@ def _key_index_from(at: Tensor, by: Tensor, G: int) -> Tensor:
 def _segment_plan(lo: list, hi: list, first: list, cu_q: list, cu_k: list, tail: int, dev,
                   window: int = 0) -> SegmentPlan:
     """The :class:`SegmentPlan` of laid-out rows (host lists: :func:`_rows`' intervals, both ``cu_seqlens``).  Its
-    six device tables (the key index's changes, both ``cu_seqlens``, the copy runs' tiles and offsets) cross in one
+    six device tables (the key index's changes, both ``cu_seqlens``, the copy runs and their offsets) cross in one
     copy (:func:`to_device_tables`), without blocking; the key index is then built on ``dev``."""
     segments = len(cu_q) - 1
     G = cu_k[-1]
     at, by = _key_index_changes(lo, first)
-    tiles, offsets, tokens, rows = copy_run_lists(lo, hi, first)
-    at, by, cu_q32, cu_k32, tiles, offsets = to_device_tables((at, by, cu_q, cu_k, tiles, offsets), dev, int32=(2, 3))
-    return SegmentPlan(copies=CopyRuns(tiles=tiles, offsets=offsets, tokens=tokens, rows=rows),
+    runs, offsets, tokens, rows, n_tiles = copy_run_lists(lo, hi, first)
+    at, by, cu_q32, cu_k32, runs, offsets = to_device_tables((at, by, cu_q, cu_k, runs, offsets), dev, int32=(2, 3))
+    return SegmentPlan(copies=CopyRuns(runs=runs.view(-1, 5), offsets=offsets, tokens=tokens, rows=rows,
+                                       n_tiles=n_tiles),
         key_index=_key_index_from(at, by, G), cu_seqlens_q=cu_q32, cu_seqlens_k=cu_k32,
         cu_seqlens_q_host=tuple(cu_q), cu_seqlens_k_host=tuple(cu_k),
         max_seqlen_q=max(map(operator.sub, cu_q[1:], cu_q[:-1])) if segments else 0,
