@@ -77,10 +77,10 @@ cu_k = [0]
 for j in range(w.n_main):
     cu_k.append(cu_k[-1] + w.prefix_len[j] + w.ends[j] - w.starts[j])
 at, by = new._key_index_changes(lo, first)
-tiles, offsets, _, _ = kc.copy_run_lists(lo, hi, first)
-tables = (at, by, cu_q, cu_k, tiles, offsets)
+runs, offsets, _, _, n_tiles = kc.copy_run_lists(lo, hi, first)
+tables = (at, by, cu_q, cu_k, runs, offsets)
 moved = new.to_device_tables(tables, DEV, int32=(2, 3))
-print(f"stages at 64k ({w.run_se.numel()} runs, {w.n_main} segments, {len(lo)} intervals, {tiles.shape[0]} tiles, "
+print(f"stages at 64k ({w.run_se.numel()} runs, {w.n_main} segments, {len(lo)} intervals, {n_tiles} tiles, "
       f"{len(offsets)} offsets), us:")
 print(f"  runs {stage_us(lambda: new._runs(se)):.1f}  walk (runs included) {stage_us(lambda: new._walk(se)):.1f}  "
       f"rows {stage_us(lambda: new._rows(intervals, w.gathered)):.1f}  "
