@@ -71,7 +71,7 @@ class CopyRuns:
         """``[n_tiles, 4]`` int64 on the host: each tile's (first token, end token, first and end offset entry), as
         the kernel finds them (tests, introspection)."""
         runs = self.runs.cpu()
-        r = torch.searchsorted(runs[:, 4], torch.arange(self.n_tiles), right=True)  # each tile's run
+        r = torch.searchsorted(runs[:, 4].contiguous(), torch.arange(self.n_tiles), right=True)  # each tile's run
         t0 = runs[r, 0] + BLOCK_T * torch.arange(self.n_tiles)
         return torch.stack([t0, torch.minimum(t0 + BLOCK_T, runs[r, 1]), runs[r, 2], runs[r, 3]], 1)
 
