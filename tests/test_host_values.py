@@ -221,7 +221,10 @@ def test_tables_sent_together_keep_dtype_shape_values_and_alignment():
                         "table 1: expected an int64 host tensor, got torch.int32"),
                        ([torch.arange(3, device="meta")], "table 0: expected an int64 host tensor")):
         with pytest.raises(ValueError, match=match):
-            host_values.to_device_tables(bad, "cpu", int32=(1,))
+            host_values.to_device_tables(bad, "cpu", int32=(1,) if len(bad) > 1 and isinstance(bad[1], list) else ())
+    for int32 in ((1,), (2,), (-1,)):  # a tensor table, or none at all
+        with pytest.raises(ValueError, match=r"int32 names tables \["):
+            host_values.to_device_tables([[1], torch.arange(2)], "cpu", int32=int32)
 
 
 @pytest.mark.gpu

@@ -71,6 +71,9 @@ def to_device_tables(tables: Sequence[Sequence[int] | Tensor], device: torch.dev
     copy (about 60 us a table on the H200's host, session 47's ``h200_s47/prof_plan.txt``).  Any other device gets
     the buffer itself (CPU) or its copy."""
     device = torch.device(device)
+    if bad := [i for i in int32 if not (0 <= i < len(tables)) or isinstance(tables[i], Tensor)]:
+        raise ValueError(f"to_device_tables: int32 names tables {bad}, which are not lists of the {len(tables)} "
+                         "given (a tensor table keeps its own dtype, int64)")
     head = bytearray()  # the lists' bytes, each from an aligned offset
     lists, tensors = [], []  # per table: (its index, byte offset, dtype, shape)
     for i, t in enumerate(tables):
