@@ -11,6 +11,7 @@ against a float64 oracle, and a compiled model's step with it against the flex l
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -398,11 +399,30 @@ def test_bad_subtree_end_is_named():
 @settings(max_examples=60, deadline=None)
 @given(path_sets(max_paths=8, max_len=10), st.sampled_from([None, 8, 13]),
        st.lists(st.tuples(st.booleans(), st.integers(0, 40), st.sampled_from(["self", "before", "past", "neg", "end"])),
-                min_size=1, max_size=3))
-def test_entries_out_of_bounds_are_refused_naming_the_first(paths, pad_to, changes):
+                min_size=1, max_size=3), st.booleans())
+def test_entries_out_of_bounds_are_refused_naming_the_first(paths, pad_to, changes, tensor_runs):
     """Entries out of bounds anywhere (near the end and in a padded tail too, where the walk looks for the tail
     before it checks the bounds on the runs before it) are refused naming the first token ``t`` without
-    ``t < subtree_end[t] <= T``, by the brute force."""
+    ``t < subtree_end[t] <= T``, by the brute force; with the walk's per-run checks in Python and as tensor ops
+    (``WALK_TENSOR_RUNS``)."""
+    with _walk_runs_as_tensors(tensor_runs):
+        _refused_naming_the_first(paths, pad_to, changes)
+
+
+@contextlib.contextmanager
+def _walk_runs_as_tensors(on: bool):
+    """The walk's per-run checks and lists as tensor ops for any number of runs (``on``), else in Python for all."""
+    from treecompile.ops import varlen_tree_attention as vta
+
+    real = vta.WALK_TENSOR_RUNS
+    vta.WALK_TENSOR_RUNS = -1 if on else 1 << 62
+    try:
+        yield
+    finally:
+        vta.WALK_TENSOR_RUNS = real
+
+
+def _refused_naming_the_first(paths, pad_to, changes):
     se = _batch(paths, pad_to).subtree_end.clone()
     T = se.numel()
     for from_end, n, kind in changes:
@@ -427,13 +447,19 @@ def _first_not_nested(se: list) -> int | None:
 
 @settings(max_examples=80, deadline=None)
 @given(path_sets(max_paths=10, max_len=12), st.sampled_from([None, 8, 13]), st.integers(0, 2 ** 31 - 1),
-       st.integers(1, 3))
-def test_walk_is_the_brute_force_one_and_names_the_first_token_not_nested(paths, pad_to, seed, changes):
+       st.integers(1, 3), st.booleans())
+def test_walk_is_the_brute_force_one_and_names_the_first_token_not_nested(paths, pad_to, seed, changes, tensor_runs):
     """The walk (per run of equal subtree ends: its bounds, segments, parent cuts and prefix lengths) on any forest,
     padded or not, is the brute force's: each segment's parent is the segment of the last token above its start
     that sees it, cut after that token, and its prefix is every earlier token that sees its start.  With up to
     three entries changed inside the bounds, the plan is refused iff ``subtree_end`` is not nested, naming the first
-    token whose subtree sticks out of an ancestor's; else it is the plan of that other forest."""
+    token whose subtree sticks out of an ancestor's; else it is the plan of that other forest.  With the walk's
+    per-run checks and lists in Python and as tensor ops (``WALK_TENSOR_RUNS``)."""
+    with _walk_runs_as_tensors(tensor_runs):
+        _walk_is_the_brute_force_one(paths, pad_to, seed, changes)
+
+
+def _walk_is_the_brute_force_one(paths, pad_to, seed, changes):
     from treecompile.ops import varlen_tree_attention as vta
 
     se = _batch(paths, pad_to).subtree_end

@@ -232,6 +232,11 @@ KV_HEADS_CHOICES = ("auto", "grouped", "expanded")
 # 16 x 2,048 (its kernels 736.8 against 728.8 ms: the gather and sums of four copies cost what FA4's backward saves).
 # Groups of 3 or 5+ are unmeasured and stay grouped.
 EXPAND_MAX_GROUP = 2
+# The walk's per-run checks and lists (:func:`_walk`): Python loops in C over the runs up to this many runs, a few
+# tensor ops over them past it.  A tree has about two runs per leaf (125 at 64 x 2,048 POR 0.5), where the loops
+# cost less than the ops' dispatch; trees of very short nodes have thousands (17k at 64k tokens of 1-4-token nodes),
+# where the loops took about 5 ms of a 14 ms walk on this repository's CPU (session 54).
+WALK_TENSOR_RUNS = 2048
 
 
 def segment_plan(subtree_end: Tensor) -> SegmentPlan:
@@ -304,7 +309,12 @@ def _walk(subtree_end: Tensor) -> _Walk:
     else:
         tail = T
     rse, rend = run_se[:R].tolist(), run_end[:R].tolist()
-    if rse and (min(map(operator.sub, rse, rend)) < 0 or max(rse) > T):  # (map, min, max: loops in C)
+    # per-run values below from Python loops in C over the lists, or, past WALK_TENSOR_RUNS runs, from a few tensor
+    # ops over all of them (the same values either way)
+    big = R > WALK_TENSOR_RUNS
+    rs, re = (run_se[:R], run_end[:R]) if big else (None, None)
+    if (bool((rs < re).logical_or_(rs > T).any()) if big else
+            rse and (min(map(operator.sub, rse, rend)) < 0 or max(rse) > T)):
         r = next(r for r, v, e in zip(range(R), rse, rend) if v < e or v > T)  # run r: [rend[r - 1], rend[r])
         a, v = rend[r - 1] if r else 0, rse[r]
         t = a if v > T else max(a, v)  # the run's first token past the bound
@@ -312,7 +322,7 @@ def _walk(subtree_end: Tensor) -> _Walk:
         raise ValueError(f"subtree_end[{t}] = {v}: expected {t} < subtree_end[t] <= {T} (token {t} must "
                          f"see itself and the sequence has {T} tokens)")
     # segment j's last run (it closes: its last token sees only itself; the last run before the tail closes)
-    last_run = list(compress(range(R), map(operator.eq, rse, rend)))
+    last_run = rs.eq(re).nonzero().flatten().tolist() if big else list(compress(range(R), map(operator.eq, rse, rend)))
     ends_l = [rend[r] for r in last_run]
     starts_l = [0, *ends_l[:-1]][:len(ends_l)]
     first_run = [0, *[r + 1 for r in last_run[:-1]]][:len(last_run)]
@@ -327,8 +337,12 @@ def _walk(subtree_end: Tensor) -> _Walk:
         parent_seg.append(stack[-1] if stack else -1)
         stack.append(j)
     # nested subtrees (:func:`_check_nested`): inside a segment each run's subtree ends before the previous run's ...
-    up = next(compress(rend, map(operator.and_, map(operator.lt, rse, rse[1:]), map(operator.gt, rse, rend))),
-              None)  # (a run whose subtree ends past its end does not close)
+    if big:  # (a run whose subtree ends past its end does not close)
+        wider = (rs[:-1] < rs[1:]).logical_and_(rs[:-1] > re[:-1]).nonzero()
+        up = rend[int(wider[0, 0])] if wider.numel() else None
+    else:
+        up = next(compress(rend, map(operator.and_, map(operator.lt, rse, rse[1:]), map(operator.gt, rse, rend))),
+                  None)
     wide = [] if up is None else [up]  # the first such run's next token
     # then how many of its parent segment's tokens each segment's start sees (the parent's runs before its first
     # run whose subtree ends by the start: one binary search over the parent's runs), and its prefix length
@@ -337,7 +351,7 @@ def _walk(subtree_end: Tensor) -> _Walk:
     prefix_len: list[int] = [0] * n_main
     lo_run = [first_run[i] if i >= 0 else 0 for i in parent_seg]  # each segment's parent's runs: [lo_run, hi_run)
     hi_run = [last_run[i] + 1 if i >= 0 else 0 for i in parent_seg]
-    neg = list(map(operator.neg, rse))  # increasing along a segment's runs where subtree_end is nested
+    neg = rs.neg().tolist() if big else list(map(operator.neg, rse))  # increasing along a nested segment's runs
     seen = list(map(bisect.bisect_left, repeat(neg, n_main), map(operator.neg, starts_l), lo_run, hi_run))
     head = None  # ... and a segment's first token's ends no later than that of the last token above it that sees it
     for j, i, r, lo, a, e in zip(range(n_main), parent_seg, seen, lo_run, starts_l, se_start):
