@@ -52,8 +52,8 @@ the tokens (the runs of equal subtree ends), the bounds check, the walk, the int
 both ``cu_seqlens`` are Python over lists, and tensors are built only for what the device reads (the copy runs one
 row per run: the sums kernel finds its tiles, :mod:`treecompile.ops.key_copies`): under 90 tensor ops a plan where
 there were 414; 0.76-0.80 ms at 64k tokens on the H200's host against 1.17-1.22 (session 54,
-``benchmarks/results/h200_s54/``).  Trees of very short nodes (thousands of runs) walk up to a quarter slower in
-Python than they did as tensors; their batches run the block-sparse plan.
+``benchmarks/results/h200_s54/``).  Trees of very short nodes have thousands of runs, where loops over them cost
+more than the ops: past :data:`WALK_TENSOR_RUNS` runs the walk's per-run work is tensor ops.
 
 **K/V heads.** With grouped-query attention (``H > Hkv``) a segment plan hands FA4 the gathered rows with the
 model's ``Hkv`` heads (:data:`KV_HEADS` = ``"grouped"``): FA4's backward then accumulates each kv head's
