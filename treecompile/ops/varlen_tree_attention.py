@@ -284,7 +284,7 @@ def _walk(subtree_end: Tensor) -> _Walk:
     After the runs (and a padded batch's tail: a few tensor ops over all runs), the walk, the bounds check
     included, is Python over lists of the runs before the tail: about two runs per leaf (125 for 64 x 2,048 POR
     0.5), where a tensor op costs 3-7 us of dispatch on the host whatever its size (module docstring, "The plan's
-    host time")."""
+    host time"); past :data:`WALK_TENSOR_RUNS` runs its per-run checks and lists are tensor ops instead."""
     if subtree_end.dim() != 1 or subtree_end.numel() == 0:
         raise ValueError(f"subtree_end: expected a non-empty 1-D tensor [T], got shape {tuple(subtree_end.shape)}")
     if subtree_end.dtype.is_floating_point or subtree_end.dtype.is_complex or subtree_end.dtype == torch.bool:
