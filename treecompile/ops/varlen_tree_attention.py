@@ -312,8 +312,8 @@ def _walk(subtree_end: Tensor) -> _Walk:
     # per-run values below from Python loops in C over the lists, or, past WALK_TENSOR_RUNS runs, from a few tensor
     # ops over all of them (the same values either way)
     big = R > WALK_TENSOR_RUNS
-    rs, re = (run_se[:R], run_end[:R]) if big else (None, None)
-    if (bool((rs < re).logical_or_(rs > T).any()) if big else
+    t_se, t_end = (run_se[:R], run_end[:R]) if big else (None, None)
+    if (bool((t_se < t_end).logical_or_(t_se > T).any()) if big else
             rse and (min(map(operator.sub, rse, rend)) < 0 or max(rse) > T)):
         r = next(r for r, v, e in zip(range(R), rse, rend) if v < e or v > T)  # run r: [rend[r - 1], rend[r])
         a, v = rend[r - 1] if r else 0, rse[r]
@@ -322,7 +322,8 @@ def _walk(subtree_end: Tensor) -> _Walk:
         raise ValueError(f"subtree_end[{t}] = {v}: expected {t} < subtree_end[t] <= {T} (token {t} must "
                          f"see itself and the sequence has {T} tokens)")
     # segment j's last run (it closes: its last token sees only itself; the last run before the tail closes)
-    last_run = rs.eq(re).nonzero().flatten().tolist() if big else list(compress(range(R), map(operator.eq, rse, rend)))
+    last_run = (t_se.eq(t_end).nonzero().flatten().tolist() if big else
+                list(compress(range(R), map(operator.eq, rse, rend))))
     ends_l = [rend[r] for r in last_run]
     starts_l = [0, *ends_l[:-1]][:len(ends_l)]
     first_run = [0, *[r + 1 for r in last_run[:-1]]][:len(last_run)]
@@ -338,7 +339,7 @@ def _walk(subtree_end: Tensor) -> _Walk:
         stack.append(j)
     # nested subtrees (:func:`_check_nested`): inside a segment each run's subtree ends before the previous run's ...
     if big:  # (a run whose subtree ends past its end does not close)
-        wider = (rs[:-1] < rs[1:]).logical_and_(rs[:-1] > re[:-1]).nonzero()
+        wider = (t_se[:-1] < t_se[1:]).logical_and_(t_se[:-1] > t_end[:-1]).nonzero()
         up = rend[int(wider[0, 0])] if wider.numel() else None
     else:
         up = next(compress(rend, map(operator.and_, map(operator.lt, rse, rse[1:]), map(operator.gt, rse, rend))),
@@ -351,7 +352,7 @@ def _walk(subtree_end: Tensor) -> _Walk:
     prefix_len: list[int] = [0] * n_main
     lo_run = [first_run[i] if i >= 0 else 0 for i in parent_seg]  # each segment's parent's runs: [lo_run, hi_run)
     hi_run = [last_run[i] + 1 if i >= 0 else 0 for i in parent_seg]
-    neg = rs.neg().tolist() if big else list(map(operator.neg, rse))  # increasing along a nested segment's runs
+    neg = t_se.neg().tolist() if big else list(map(operator.neg, rse))  # increasing along a nested segment's runs
     seen = list(map(bisect.bisect_left, repeat(neg, n_main), map(operator.neg, starts_l), lo_run, hi_run))
     head = None  # ... and a segment's first token's ends no later than that of the last token above it that sees it
     for j, i, r, lo, a, e in zip(range(n_main), parent_seg, seen, lo_run, starts_l, se_start):
