@@ -144,7 +144,7 @@ def test_copy_runs_on_forests_and_deep_trees():
 
 @settings(max_examples=30, deadline=None)
 @given(path_sets(max_paths=8, max_len=10), st.sampled_from([None, 8]), st.sampled_from([0, 3]))
-def test_plan_tables_cross_together_and_equal_the_plan(paths, pad_to, window):
+def test_plan_tables_cross_together_and_are_what_they_stand_for(paths, pad_to, window):
     """A segment plan's six device tables (the key index's changes, both ``cu_seqlens``, the copy runs' tiles and
     offsets) go to the device in one ``to_device_tables`` call (here the CPU: views of its one buffer), and each is
     the table it stands for (windowed plans too)."""
@@ -1403,7 +1403,7 @@ def test_counts_plus_key_are_the_brute_force_ones(seed):
             se = list(want)
             if k is not None:
                 se[k] += rng.choice([-1, 1, 7])
-            run_se, run_end = V._runs(L(se))
+            run_se, run_end, _ = V._runs(L(se))
             assert V._first_count_off(T, L(lo), L(ko), L(hi), L(nq), L(c), tail, run_se, run_end) == k
 
 
@@ -1420,7 +1420,7 @@ def test_interval_minimum_is_the_brute_force_one(seed):
     _, (se0, lo, hi, *_rest) = _random_plan_check_args(seed, 12, 6)
 
     def check(se_, lo_, hi_):
-        run_se, run_end = V._runs(se_)
+        run_se, run_end, _ = V._runs(se_)
         want = [int(se_[a:b].min()) for a, b in zip(lo_.tolist(), hi_.tolist())]
         assert V._interval_min(run_se, run_end, lo_, hi_).tolist() == want, (se_.tolist(), lo_, hi_)
 

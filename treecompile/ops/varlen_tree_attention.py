@@ -292,8 +292,7 @@ def _walk(subtree_end: Tensor) -> _Walk:
     raw = host_copy(subtree_end)  # no device copy for a moved batch's own tensor (host_values)
     se = raw.to(torch.int64)  # (a uint64 past int64 wraps to a negative value: out of bounds all the same)
     T = se.numel()
-    run_se, counts = torch.unique_consecutive(se, return_counts=True)  # the runs (:func:`_runs`)
-    run_end = counts.cumsum(0)
+    run_se, run_end, counts = _runs(se)
     # the tail: the trailing tokens that see only themselves and that no token before sees (a length bucket's
     # padding), not for the kernel and no segments of the walk.  After the last run that is not one such token (its
     # end P), the first token that no earlier token reaches past: max(P, the largest subtree end before P).  Only a
@@ -588,7 +587,7 @@ def _check_plan(se: Tensor, lo: Tensor, hi: Tensor, first: Tensor, rows: int, cu
     O(intervals + runs) after the runs (``runs``: ``(run_se, run_end)`` of ``se``, :func:`_walk`'s; else found
     here in one pass over the tokens)."""
     T = se.numel()
-    run_se, run_end = runs if runs is not None else _runs(se)
+    run_se, run_end = runs if runs is not None else _runs(se)[:2]
     nq, nk = cu_q.diff(), cu_k.diff()
     keep = hi > lo
     lo, hi, first = lo[keep], hi[keep], first[keep]
@@ -640,10 +639,11 @@ def _check_plan(se: Tensor, lo: Tensor, hi: Tensor, first: Tensor, rows: int, cu
                          f" its subtree is not nested in its ancestors' subtrees)")
 
 
-def _runs(se: Tensor) -> tuple[Tensor, Tensor]:
-    """``(run_se, run_end)``: the runs of equal entries of ``se`` (host int64 ``[T]``), each run's value and end."""
+def _runs(se: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(run_se, run_end, counts)``: the runs of equal entries of ``se`` (host int64 ``[T]``), each run's value, end
+    and length."""
     run_se, counts = torch.unique_consecutive(se, return_counts=True)
-    return run_se, counts.cumsum_(0)
+    return run_se, counts.cumsum(0), counts
 
 
 def _count_plus_key(x: Tensor, lo: Tensor, ko: Tensor, hi: Tensor, nq: Tensor, c: Tensor, tail: int) -> Tensor:

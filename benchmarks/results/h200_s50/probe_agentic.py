@@ -9,17 +9,19 @@ from treecompile.host_values import to_device_with_host
 from treecompile.ops import varlen_tree_attention as new
 
 
-def plan_ms(mod, se: torch.Tensor) -> tuple[float, float]:
-    """(median, min) ms of ``mod.tree_attention_plan`` over 200 builds after 10, each on a fresh CUDA copy of ``se``
-    moved with its host values (also ``probe_pad50.py``'s)."""
-    ses = [to_device_with_host(se, "cuda") for _ in range(210)]
-    torch.cuda.synchronize()
+def plan_ms(mod, se: torch.Tensor, dev: str = "cuda") -> tuple[float, float]:
+    """(median, min) ms of ``mod.tree_attention_plan`` over 200 builds after 10, each on a fresh copy of ``se`` on
+    ``dev`` moved with its host values (also ``probe_pad50.py``'s and ``../h200_s54/probe_plan54.py``'s; ``dev``
+    added in session 54, CUDA as before by default)."""
+    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+    ses = [to_device_with_host(se, dev) for _ in range(210)]
+    sync()
     ts = []
     for s in ses:
         t0 = time.perf_counter()
         mod.tree_attention_plan(s, block_sparse=False)
         ts.append(time.perf_counter() - t0)
-    torch.cuda.synchronize()
+    sync()
     ts = sorted(ts[10:])
     return ts[len(ts) // 2] * 1e3, ts[0] * 1e3
 

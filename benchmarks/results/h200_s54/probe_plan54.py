@@ -2,7 +2,8 @@
 # its host values remembered, TreeBatch.to's way: no device read), one intra-op thread, median and min of 200 builds
 # after 10, each on a fresh tensor (no cached walk): this checkout's module against MODULE's (the code before the
 # change, loaded as treecompile.ops.MODULE), alternating, in two rounds; then this checkout's plan at 64k split into
-# its stages, and the tensor ops of one build of each (torch.profiler, CPU activity).
+# its stages, and the tensor ops of one build of each (torch.profiler, CPU activity).  (Its timing loop, a copy of
+# ../h200_s50/probe_agentic.py's, was folded into an import of it after the runs.)
 #   PYTHONPATH=. python probe_plan54.py MODULE
 import importlib, os, statistics, sys, time
 
@@ -13,6 +14,9 @@ from treecompile import Tree
 from treecompile.host_values import to_device_with_host
 from treecompile.ops import key_copies as kc
 from treecompile.ops import varlen_tree_attention as new
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "h200_s50"))
+from probe_agentic import plan_ms  # noqa: E402  (200 builds after 10 on fresh moved copies: median, min ms)
 
 torch.set_num_threads(1)
 DEV = os.environ.get("DEV", "cuda")
@@ -27,26 +31,12 @@ trees += [(s.name, Tree.from_paths(agentic_paths(s)).to_batch().subtree_end)
 se56 = Tree.from_paths(synthetic_paths(56, 2048, 0.5, seed=0)).to_batch().subtree_end
 trees += [("56 x 2048 + 8k pad", torch.cat([se56, torch.arange(se56.numel() + 1, 65537)]))]
 
-
-def build_ms(mod, se, n=210):
-    ses = [to_device_with_host(se, DEV) for _ in range(n)]
-    sync()
-    ts = []
-    for s in ses:
-        t0 = time.perf_counter()
-        mod.tree_attention_plan(s, block_sparse=False)
-        ts.append(time.perf_counter() - t0)
-    sync()
-    ts = sorted(ts[10:])
-    return ts[len(ts) // 2] * 1e3, ts[0] * 1e3
-
-
 print(f"device {DEV}; old = {sys.argv[1]}")
 for rnd in range(2):
     for name, se in trees:
         row = f"round {rnd}  {name:20s} T {se.numel():6d}"
         for tag, mod in (("new", new), ("old", old))[::1 if rnd == 0 else -1]:
-            med, mn = build_ms(mod, se)
+            med, mn = plan_ms(mod, se, DEV)
             row += f"  {tag} median {med:.3f} min {mn:.3f} ms"
         print(row, flush=True)
 
