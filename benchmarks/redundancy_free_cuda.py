@@ -86,7 +86,8 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=450.0, help="skip rows that would end past this wall time")
     ap.add_argument("--graphs", default="eager,compiled", help="graph modes to run, in order")
     ap.add_argument("--model", default="qwen3-0.6b", help="a benchmarks.harness.model_specs() name")
-    ap.add_argument("--attention-kernel", default="flex", choices=["flex", "fa4"], help="tree and boundary attention")
+    ap.add_argument("--attention-kernel", default="flex", choices=["flex", "fa4", "auto", "fa4_varlen"],
+                    help="tree and boundary attention (auto: FA4 varlen for both where it runs)")
     ap.add_argument("--device", default="cuda", help="cuda; cpu only checks the plumbing (graphs run eagerly)")
     ap.add_argument("--bounds", default="chain,partition", help="partition_redundancy_free bounds of the rf rows")
     ap.add_argument("--compiled-at", default="1", help="compiled rows at C = T / each of these (1: rf only; else "

@@ -340,6 +340,42 @@ def test_padded_partitions_equal_whole_tree(which, dense, hybrid, monkeypatch):
     assert sum(moved) > 0
 
 
+@pytest.mark.parametrize("pad", [0, 7])
+def test_partitions_through_the_varlen_boundary_lowering_equal_whole_tree(pad, dense, monkeypatch):
+    """The lowering's varlen boundary attention (``attention_kernel="fa4_varlen"``, what "auto" takes on Hopper:
+    ``ops.varlen_boundary_attention``, its reference kernel on the CPU) run for every partition, padded as the CUDA
+    buckets pad them or not: the whole tree's loss, log-probs and every gradient (float64).  A partition whose
+    segments would gather too much runs the flex lowering: the check the runner makes is the op's own bound."""
+    from treecompile.passes import lower_cuda as lc
+
+    model, tmodel, bmodel = dense
+    program = bmodel.program
+    monkeypatch.setattr(lc, "fa4_unusable_reason", lambda q=None: None)
+    monkeypatch.setattr(lc, "varlen_input_reason", lambda q: None)
+    low = lc.lower_cuda(program.graph_module, lc.CudaOptions(compile_cuda=False, gdn_kernel="reference",
+                                                             attention_kernel="fa4_varlen"), boundary=True)
+    assert (low.boundary_varlen, low.attention) == (2, 0)
+    calls = []
+
+    def run(batch, boundary_inputs=(), **kw):
+        T = batch.seq_len
+        b, ins = program.padded_call(batch, boundary_inputs, T + pad) if pad else (batch, list(boundary_inputs))
+        mask = program._boundary_mask_args(ins)
+        calls.append(mask["num_boundary"])
+        args = program.batch_args(b) + ins + lc.attention_inputs(b.subtree_end, low, **mask)
+        assert args[-1] is None  # no block mask
+        out = tuple(low.graph_module(*program.lifted_values(), *args))
+        return program.unpadded_outputs(out, T) if pad else out
+
+    monkeypatch.setattr(program, "run", run)
+    tree = Tree.from_paths([[1, 2, 3, 4, 5, 6], [1, 2, 3, 7, 8], [1, 2, 9, 10, 2, 3, 4], [3, 4], [3, 5, 6],
+                            [1, 2, 3, 4, 9, 9, 9, 1]])
+    whole = _whole(model, tmodel, tree, "token_mean")
+    for C in (1, 3, 5):
+        check_partitioned(model, tmodel, bmodel, tree, C, "token_mean", whole=whole)
+    assert max(calls) > 0  # partitions read boundary rows
+
+
 def test_padded_partition_on_a_device_keeps_host_values(hybrid, monkeypatch):
     """A partition moved to a device (``meta`` here: no values) and padded by ``padded_call`` keeps the host
     values of its tree tensors, the fed-row shift of ``pred_index``/``conv_index`` included: the CUDA plans read

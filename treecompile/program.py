@@ -30,6 +30,7 @@ from torch.export.graph_signature import InputKind
 
 from treecompile.host_values import remember_host, remembered_host, single_threaded
 from treecompile.passes.expose_boundary import BoundarySpec
+from treecompile.ops.varlen_boundary_attention import boundary_segments_fit
 from treecompile.ops.varlen_tree_attention import segments_fit
 from treecompile.ops import tree_conv_shifts
 from treecompile.ops.last_batch import LastBatch, device_stream
@@ -434,9 +435,17 @@ class TreeProgram:
                       "(varlen_tree_attention.MAX_GATHER_FACTOR) runs tree attention through flex's Triton kernel "
                       "(a second compiled graph; at head dims FA4's block-sparse tiles do not take)")
             state = self._cuda_state(varlen=False)
+        mask_args = self._boundary_mask_args(boundary_inputs)
+        if state.lowering.boundary_varlen and not boundary_segments_fit(
+                batch.subtree_end, mask_args["boundary_visible"], mask_args["num_boundary"]):
+            # a partition whose segments would each read the boundary again past the bound (many short segments
+            # below a long boundary): the flex lowering
+            warn_once("attention_kernel='auto'/'fa4_varlen': a redundancy-free partition whose varlen segments "
+                      "would gather past varlen_tree_attention.VARLEN_GATHER_LIMIT x its rows runs its boundary "
+                      "attention through flex's Triton kernel (a second graph)")
+            state = self._cuda_state(varlen=False)
         args = self.batch_args(batch) + boundary_inputs
-        args += attention_inputs(batch.subtree_end, state.lowering, position_ids=batch.position_ids,
-                                 **self._boundary_mask_args(boundary_inputs))
+        args += attention_inputs(batch.subtree_end, state.lowering, position_ids=batch.position_ids, **mask_args)
         return state, args
 
     # ------------------------------------------------------------------ padding (CUDA buckets)

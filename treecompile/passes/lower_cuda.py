@@ -43,9 +43,15 @@ The routed experts ``treecompile::moe_experts`` become ``treecompile::moe_expert
 the offsets on the host, so they keep the reference op.
 
 ``treecompile::tree_attention_boundary`` (a partition of a redundancy-free plan,
-``expose_boundary``) is lowered the same way, to FlexAttention over ``[boundary ; local]`` keys under one
-BlockMask of the partition (``ops.flex_tree_attention_boundary``); "auto" takes flex's Triton kernel there
-(FA4 is exact there but measured slower: :func:`_boundary_kernel`; only ``attention_kernel="fa4"`` asks).
+``expose_boundary``) is lowered the same way.  Under ``"fa4_varlen"``, and ``"auto"`` where the whole-tree
+attention takes the varlen op, it becomes ``treecompile::tree_attention_boundary_varlen_fwd``
+(``ops.varlen_boundary_attention``: the partition's segments, each with the boundary rows its queries see in front
+of its path prefix, through FA4's varlen kernel; no BlockMask).  A partition whose segments would gather more than
+``VARLEN_GATHER_LIMIT`` x (T + boundary rows) key rows runs a second lowering with flex, chosen per batch by
+``TreeProgram`` (:func:`~treecompile.ops.varlen_boundary_attention.boundary_segments_fit`).  Elsewhere (and in
+that lowering) FlexAttention over ``[boundary ; local]`` keys under one BlockMask of the partition
+(``ops.flex_tree_attention_boundary``) with flex's Triton kernel (FA4 through flex is exact there but measured
+slower: :func:`_boundary_kernel`; only ``attention_kernel="fa4"`` asks).
 
 ``treecompile::tree_attention_windowed`` (a sliding window of W tokens along each path) is lowered to
 FlexAttention under a window BlockMask of its own (``ops.flex_tree_attention.tree_window_block_mask``: the tree's
@@ -102,6 +108,7 @@ from treecompile.ops.flex_tree_attention import (kernel_options_for, tree_attent
                                                  tree_window_block_mask, window_kernel_options_for)
 from treecompile.ops import varlen_tree_attention
 from treecompile.ops.logprobs_kept import logits_bytes
+from treecompile.ops.varlen_boundary_attention import tree_attention_boundary_varlen
 from treecompile.ops.varlen_tree_attention import tree_attention_varlen, tree_attention_varlen_windowed
 from treecompile.ops.tree_conv_shifts import tree_causal_conv1d_shifts, tree_causal_conv1d_shifts_inductor
 from treecompile.ops.flex_tree_attention_boundary import boundary_block_mask, tree_attention_boundary_flex
@@ -244,6 +251,10 @@ class CudaLowering:
     # tree_attention_windowed calls lowered to tree_attention_varlen_windowed_fwd (FA4's window over the segments;
     # no block mask: a batch its segments do not suit runs the window block mask inside the op)
     windowed_varlen: int = 0
+    # tree_attention_boundary calls lowered to tree_attention_boundary_varlen_fwd (FA4's varlen kernel over the
+    # partition's segments, ops/varlen_boundary_attention.py; no block mask: a batch whose segments would gather past
+    # ops.varlen_boundary_attention.boundary_segments_fit runs the flex lowering, TreeProgram)
+    boundary_varlen: int = 0
     # what the varlen ops keep of their gathered K/V for the backward (ops.varlen_tree_attention.KEEP: "none", "all",
     # "fit"; the windowed ops' under "auto" is "none") and, under "fit", the head's kept logits per token (bytes)
     # that the decision leaves room for
@@ -558,13 +569,22 @@ def _auto_varlen(q: fx.Node, layout: str, setup_reason) -> str | None:
 
 
 def _boundary_kernel(kernel: str) -> str:
-    """The kernel of boundary attention: "auto" (and "fa4_varlen", which has no boundary form) takes flex's
-    Triton kernel.  FA4 (flex's FLASH backend) over
-    ``[boundary ; zeros ; local]`` keys is exact (its GPU test passes; redundancy-free steps with it match the
-    whole tree, H100 session 7) but slower there: eager RF steps of Qwen3-0.6B at C = T/2 took 1.63 s with
-    FA4 vs 0.97 s with flex's Triton kernel (benchmarks/RESULTS.md, session 7), so only an explicit
-    ``attention_kernel="fa4"`` asks for it."""
+    """The flex kernel of boundary attention where the varlen op does not take it ("auto" where FA4's varlen kernel
+    cannot run, and the flex graph of ``varlen=False`` for "auto" and "fa4_varlen"): flex's Triton kernel.  FA4
+    (flex's FLASH backend) over ``[boundary ; zeros ; local]`` keys is exact (its GPU test passes; redundancy-free
+    steps with it match the whole tree, H100 session 7) but slower there: eager RF steps of Qwen3-0.6B at C = T/2
+    took 1.63 s with FA4 vs 0.97 s with flex's Triton kernel (benchmarks/RESULTS.md, session 7), so only an
+    explicit ``attention_kernel="fa4"`` asks for it."""
     return "flex" if kernel in ("auto", "fa4_varlen") else kernel
+
+
+def _varlen_boundary(q, k, v, subtree_end, boundary_k, boundary_v, boundary_visible, scale, setup_reason=None,
+                     kernel="fa4_varlen"):
+    """``tree_attention_boundary`` under ``attention_kernel="fa4_varlen"``, or ``"auto"`` where FA4's varlen kernel
+    runs (:func:`_auto_varlen`): ``treecompile::tree_attention_boundary_varlen_fwd`` (the partition's segments with
+    the boundary rows in front of their keys; an opaque op with its own backward op).  Checked as :func:`_varlen`."""
+    _check_varlen(q, setup_reason, kernel)
+    return tree_attention_boundary_varlen(q, k, v, subtree_end, boundary_k, boundary_v, boundary_visible, scale)
 
 
 def _flex_boundary(q, k, v, boundary_k, boundary_v, block_mask, scale, kernel="flex", setup_reason=None):
@@ -719,7 +739,7 @@ def lower_cuda(gm: fx.GraphModule, options: CudaOptions, *, boundary: bool = Fal
         with graph.inserting_after(mask):
             order = graph.placeholder("tree_attention_order")
     attention = gdn_fla = triton_head = conv_fla = conv_shifts = moe_grouped = attention_varlen = segments_only = 0
-    windowed = windowed_varlen = 0
+    windowed = windowed_varlen = boundary_varlen = 0
     plans: list = []  # VarlenPlanInput, GdnPlanInput, ConvPlanInput (None: an op that plans in the step)
     window_masks: dict[int, fx.Node] = {}  # one block mask placeholder per distinct window, after the others
     head_kept = None
@@ -748,8 +768,14 @@ def lower_cuda(gm: fx.GraphModule, options: CudaOptions, *, boundary: bool = Fal
                                                                              setup_reason, order))
                 attention += 1
         elif n.op == "call_function" and n.target == TREE_ATTENTION_BOUNDARY:
-            q, k, v, _subtree_end, boundary_k, boundary_v, _visible = n.args[:7]
+            q, k, v, subtree_end, boundary_k, boundary_v, visible = n.args[:7]
             scale = n.args[7] if len(n.args) > 7 else n.kwargs.get("scale")
+            auto = _auto_varlen(q, "dfs", setup_reason) if options.attention_kernel == "auto" and varlen else None
+            if (options.attention_kernel == "fa4_varlen" and varlen) or auto:  # no block mask: planned in the op
+                _replace(graph, n, _varlen_boundary, (q, k, v, subtree_end, boundary_k, boundary_v, visible, scale,
+                                                      setup_reason, options.attention_kernel))
+                boundary_varlen += 1
+                continue
             _replace(graph, n, _flex_boundary if compiled else _flex_boundary_eager,
                      (q, k, v, boundary_k, boundary_v, mask, scale, _boundary_kernel(options.attention_kernel),
                       setup_reason))
@@ -807,6 +833,7 @@ def lower_cuda(gm: fx.GraphModule, options: CudaOptions, *, boundary: bool = Fal
                         moe_grouped=moe_grouped, attention_varlen=attention_varlen,
                         attention_segments_only=segments_only, head_keep=head_kept,
                         windows=tuple(window_masks), windowed_varlen=windowed_varlen,
+                        boundary_varlen=boundary_varlen,
                         attention_keep=keys_keep if attention_varlen else windowed_keep if windowed_varlen else "none",
                         keys_reserve_per_token=reserve,
                         plans=tuple(dict.fromkeys(p for p in plans if p is not None)))

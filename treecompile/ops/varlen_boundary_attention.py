@@ -1,0 +1,285 @@
+"""Boundary tree attention as varlen causal attention over node segments
+(``treecompile::tree_attention_boundary_varlen_fwd``).
+
+A partition of a redundancy-free plan attends to its own tokens under the tree rule and to its **boundary**: the
+K/V rows of the tokens from the root to the token it hangs below, computed by earlier partitions
+(``ops/tree_attention_boundary.py``: query ``q`` sees boundary entry ``j`` iff ``j < boundary_visible[q]`` and local
+key ``k`` iff ``k <= q < subtree_end[k]``).  This is the varlen segments op of
+:mod:`treecompile.ops.varlen_tree_attention` with one more interval in front of each segment's keys: a segment's
+queries ``[a, b)`` whose ``boundary_visible`` is ``beta`` throughout see the boundary rows ``[0, beta)``, then their
+local path prefix, then the segment's own tokens up to themselves, which is again bottom-right causal attention of
+``b - a`` queries over ``beta + len(prefix) + b - a`` keys.  A segment whose queries see different boundary lengths
+is cut where the length changes (the part ``[c, b)`` keeps the prefix and the rows ``[a, c)`` among its keys, and
+stays bottom-right causal); a redundancy-free partition never needs a cut, since a segment lies in one subtree of
+the partition and every token of a subtree hangs below the same boundary token.  A trailing token that sees only
+itself and no boundary (a length bucket's padding: ``TreeProgram.padded_call`` pads ``boundary_visible`` with 0)
+is the op's tail, as in the whole-tree op.
+
+The keys are read from ``[boundary ; local]`` rows (``boundary_rows`` + T, the boundary first), gathered per segment
+with the whole-tree op's gather, and their gradients summed per source row by its copy sums (one float32 sum over
+each row's copies, rounded once); the boundary rows' gradients flow back to the partitions that computed them.
+The whole-tree op's FA4 varlen kernels run the segments on CUDA in bf16/fp16 (FA4's launch recorded once per plan,
+``ops/fa4_replay.py``); elsewhere its float64-exact reference kernel runs the same plan, so the CPU tests check the
+plan, the gather, the sums and the autograd wiring.  K/V heads as the whole-tree op's :data:`KV_HEADS`.
+
+Where the segments would gather more than ``VARLEN_GATHER_LIMIT`` x (T + boundary rows) key rows (a deep
+partition whose many short segments each read the whole boundary), :func:`boundary_segments_fit` says so and
+``TreeProgram`` runs that batch through the flex lowering (``ops/flex_tree_attention_boundary.py``); the op itself
+refuses past ``MAX_GATHER_FACTOR``, naming the sizes.
+
+What it does not do yet: read the boundary rows where the ancestors keep them.  The executor gathers a partition's
+boundary rows from its ancestors' kept rows (one copy of B rows per layer, ``runtime/redundancy_free.py``), and the
+op concatenates ``[boundary ; local]`` once per call (B + T rows of K and of V, freed after the gather; the flex
+lowering does the same and saves it for its backward).
+
+Shapes as ``treecompile::tree_attention_boundary``: ``q [1, H, T, D]``, ``k``/``v`` ``[1, Hkv, T, D]``,
+``subtree_end [T]`` int64, ``boundary_k``/``boundary_v`` ``[1, Hkv, B, D]`` (B may be 0), ``boundary_visible [T]``
+int64 in ``[0, B]``.  Returns ``[1, H, T, Dv]``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+
+import torch
+from torch import Tensor
+
+from treecompile.host_values import host_copy
+
+from .key_copies import sum_copies
+from .last_batch import LastBatch
+from .varlen_tail import tail_backward, tail_forward
+from .varlen_tree_attention import (
+    MAX_GATHER_FACTOR,
+    MAX_GATHER_ROWS,
+    VARLEN_GATHER_LIMIT,
+    SegmentPlan,
+    _bwd,
+    _check_nested,
+    _fwd,
+    _heads_major,
+    _kv_rep,
+    _lse_rows,
+    _rows,
+    _segment_plan,
+    _tokens_major,
+    _walk,
+)
+
+__all__ = ["boundary_segment_plan", "boundary_segments_fit", "tree_attention_boundary_varlen"]
+
+
+def _visible_host(boundary_visible: Tensor, T: int, boundary_rows: int) -> Tensor:
+    """``boundary_visible`` on the host, checked: int64 ``[T]`` with every entry in ``[0, boundary_rows]``
+    (ValueError naming the first token that is not)."""
+    if boundary_visible.shape != (T,) or boundary_visible.dtype != torch.int64:
+        raise ValueError(f"tree_attention_boundary_varlen: boundary_visible must be int64 [T={T}], got "
+                         f"{boundary_visible.dtype} {tuple(boundary_visible.shape)}")
+    bv = host_copy(boundary_visible)
+    bad = ((bv < 0) | (bv > boundary_rows)).nonzero()
+    if bad.numel():
+        t = int(bad[0, 0])
+        raise ValueError(f"boundary_visible[{t}] = {int(bv[t])}: expected 0 <= boundary_visible[t] <= "
+                         f"{boundary_rows} (the boundary K/V rows fed)")
+    return bv
+
+
+def _layout(subtree_end: Tensor, boundary_visible: Tensor, boundary_rows: int):
+    """The segments' key intervals over ``[boundary ; local]`` rows (flat ``lo, hi`` pairs), both ``cu_seqlens`` and
+    the tail, as host lists (module docstring)."""
+    w = _walk(subtree_end)
+    T = w.se.numel()
+    bvt = _visible_host(boundary_visible, T, boundary_rows)
+    _check_nested(w)
+    Bs = boundary_rows
+    cuts = (bvt[1:] != bvt[:-1]).nonzero().flatten().add_(1).tolist()  # where the boundary length changes
+    bv = bvt.tolist()
+    intervals: list[int] = []
+    cu_q, cu_k = [0], [0]
+    for j in range(w.n_main):
+        a, b = w.starts[j], w.ends[j]
+        local, i = [], j  # the ancestors' visible runs, reversed
+        while w.parents[i] is not None:
+            i, p = w.parents[i]
+            local += (Bs + p, Bs + w.starts[i])
+        local.reverse()  # root first, as lo, hi pairs
+        c, x = a, bisect.bisect_right(cuts, a)  # cuts[x]: the first change after a
+        while c < b:  # the parts of [a, b) with one boundary length: [c, e)
+            e = min(b, cuts[x]) if x < len(cuts) else b
+            x += 1
+            beta = bv[c]
+            if beta:
+                intervals += (0, beta)
+            intervals += local
+            intervals += (Bs + a, Bs + e)
+            cu_q.append(e)
+            cu_k.append(cu_k[-1] + beta + w.prefix_len[j] + e - a)
+            c = e
+    # the whole-tree tail's tokens see only themselves locally; those that see boundary rows are segments of their own
+    seen = bvt[w.tail:].nonzero()
+    tail = w.tail + int(seen[-1, 0]) + 1 if seen.numel() else w.tail
+    for t in range(w.tail, tail):
+        if bv[t]:
+            intervals += (0, bv[t])
+        intervals += (Bs + t, Bs + t + 1)
+        cu_q.append(t + 1)
+        cu_k.append(cu_k[-1] + bv[t] + 1)
+    return intervals, cu_q, cu_k, tail
+
+
+def boundary_segment_plan(subtree_end: Tensor, boundary_visible: Tensor, boundary_rows: int) -> SegmentPlan:
+    """The :class:`~treecompile.ops.varlen_tree_attention.SegmentPlan` of one partition (module docstring): its
+    ``key_index`` reads ``[boundary (boundary_rows rows) ; local (T rows)]``, its copies sum into those rows, its
+    tail is the trailing tokens that see only themselves and no boundary.  Raises ValueError naming the first token
+    where ``subtree_end`` is out of bounds or not nested or ``boundary_visible`` is outside ``[0, boundary_rows]``,
+    and when the segments would gather more than ``MAX_GATHER_FACTOR`` x the rows plus ``MAX_GATHER_ROWS``."""
+    intervals, cu_q, cu_k, tail = _layout(subtree_end, boundary_visible, boundary_rows)
+    G, rows = cu_k[-1], boundary_rows + subtree_end.numel()
+    if G > MAX_GATHER_FACTOR * rows + MAX_GATHER_ROWS:
+        raise ValueError(f"tree_attention_boundary_varlen: this partition's {len(cu_q) - 1} segments would gather "
+                         f"{G:,} key rows for {subtree_end.numel():,} tokens and {boundary_rows:,} boundary rows "
+                         f"(at most {MAX_GATHER_FACTOR}x): run it through flex (attention_kernel='flex')")
+    lo, hi, first = _rows(intervals, G)
+    return _segment_plan(lo, hi, first, cu_q, cu_k, tail, subtree_end.device)
+
+
+_FITS = LastBatch()
+_PLANS = LastBatch()
+
+
+def boundary_segments_fit(subtree_end: Tensor, boundary_visible: Tensor, boundary_rows: int) -> bool:
+    """Whether this partition's segments gather at most ``VARLEN_GATHER_LIMIT`` x (T + ``boundary_rows``) key rows
+    (``TreeProgram`` runs a batch past it through the flex lowering).  Host work over the segments, kept for the
+    last partition's tensors."""
+
+    def fits():
+        cu_k = _layout(subtree_end, boundary_visible, boundary_rows)[2]
+        return cu_k[-1] <= VARLEN_GATHER_LIMIT * (subtree_end.numel() + boundary_rows)
+
+    return _FITS.get((subtree_end, boundary_visible), boundary_rows, fits)
+
+
+def _plan(subtree_end: Tensor, boundary_visible: Tensor, boundary_rows: int) -> SegmentPlan:
+    """The partition's plan, kept while the same tensors come back (every attention layer of a partition)."""
+    return _PLANS.get((subtree_end, boundary_visible), boundary_rows,
+                      lambda: boundary_segment_plan(subtree_end, boundary_visible, boundary_rows))
+
+
+def _check(q, k, v, subtree_end, boundary_k, boundary_v):
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or q.shape[0] != 1 or k.shape[0] != 1 or v.shape[0] != 1:
+        raise ValueError(f"tree_attention_boundary_varlen: expected q [1,H,T,D], k/v [1,Hkv,T,D]; got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if q.shape[1] % k.shape[1] or k.shape[1] != v.shape[1]:
+        raise ValueError(f"tree_attention_boundary_varlen: {q.shape[1]} query heads over {k.shape[1]} key / "
+                         f"{v.shape[1]} value heads (query heads must be a multiple of the kv heads)")
+    if not (q.shape[2] == k.shape[2] == v.shape[2] == subtree_end.shape[-1]):
+        raise ValueError(f"tree_attention_boundary_varlen: sequence lengths differ: q {q.shape[2]}, k {k.shape[2]}, "
+                         f"v {v.shape[2]}, subtree_end {subtree_end.shape[-1]}")
+    for name, x, y in (("boundary_k", boundary_k, k), ("boundary_v", boundary_v, v)):
+        if x.dim() != 4 or x.shape[:2] != y.shape[:2] or x.shape[3] != y.shape[3] or x.dtype != y.dtype:
+            raise ValueError(f"tree_attention_boundary_varlen: {name} must be [1, {y.shape[1]}, B, {y.shape[3]}] "
+                             f"{y.dtype}, got {x.dtype} {tuple(x.shape)}")
+    if boundary_k.shape[2] != boundary_v.shape[2]:
+        raise ValueError(f"tree_attention_boundary_varlen: {boundary_k.shape[2]} boundary key rows, "
+                         f"{boundary_v.shape[2]} value rows")
+
+
+def _sources(k_t: Tensor, v_t: Tensor, boundary_k: Tensor, boundary_v: Tensor) -> tuple[Tensor, Tensor]:
+    """``[boundary ; local]`` key and value rows ``[B + T, Hkv, D]`` (the plan's key index reads them)."""
+    if not boundary_k.shape[2]:
+        return k_t, v_t
+    return torch.cat([_tokens_major(boundary_k), k_t]), torch.cat([_tokens_major(boundary_v), v_t])
+
+
+@torch.library.custom_op("treecompile::tree_attention_boundary_varlen_fwd", mutates_args=())
+def tree_attention_boundary_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, subtree_end: Tensor, boundary_k: Tensor,
+                                       boundary_v: Tensor, boundary_visible: Tensor,
+                                       scale: float) -> tuple[Tensor, Tensor]:
+    """(out ``[1, H, T, Dv]`` as a view of ``[T, H, Dv]`` storage, lse ``[H, T]`` float32)."""
+    _check(q, k, v, subtree_end, boundary_k, boundary_v)
+    plan = _plan(subtree_end, boundary_visible, boundary_k.shape[2])
+    n = plan.tail
+    q_t, k_t, v_t = _tokens_major(q), _tokens_major(k), _tokens_major(v)
+    T, H = q_t.shape[0], q_t.shape[1]
+    out = q_t.new_empty((T, H, v_t.shape[-1]))
+    lse = torch.empty((H, T), dtype=torch.float32, device=q.device)
+    if n:
+        keys = plan.keys(*_sources(k_t, v_t, boundary_k, boundary_v), _kv_rep(H, k_t.shape[1]))
+        _fwd(q_t[:n], *keys, plan, scale, out=out[:n], lse=lse[:, :n])
+    if n < T:  # tokens that see only themselves (ops/varlen_tail.py)
+        tail_forward(q_t, k_t, v_t, out, lse, n, scale)
+    return _heads_major(out), lse
+
+
+@tree_attention_boundary_varlen_fwd.register_fake
+def _(q, k, v, subtree_end, boundary_k, boundary_v, boundary_visible, scale):
+    T, H = q.shape[2], q.shape[1]
+    return _heads_major(q.new_empty((T, H, v.shape[-1]))), q.new_empty((H, T), dtype=torch.float32)
+
+
+@torch.library.custom_op("treecompile::tree_attention_boundary_varlen_bwd", mutates_args=())
+def tree_attention_boundary_varlen_bwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor,
+                                       subtree_end: Tensor, boundary_k: Tensor, boundary_v: Tensor,
+                                       boundary_visible: Tensor,
+                                       scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, d boundary_k, d boundary_v) in the inputs' layouts; each source row's key/value gradient summed
+    over its gathered copies in float32 and rounded once (the backward gathers the rows again)."""
+    Bs = boundary_k.shape[2]
+    plan = _plan(subtree_end, boundary_visible, Bs)
+    n = plan.tail
+    q_t, k_t, v_t, dout_t = _tokens_major(q), _tokens_major(k), _tokens_major(v), _tokens_major(dout)
+    T, H = q_t.shape[0], q_t.shape[1]
+    dq = torch.empty_like(q_t)
+    if n:
+        rep = _kv_rep(H, k_t.shape[1])
+        keys = plan.keys(*_sources(k_t, v_t, boundary_k, boundary_v), rep)
+        dkg, dvg = _bwd(q_t[:n], *keys, _tokens_major(out)[:n], dout_t[:n], _lse_rows(lse, n), plan, scale,
+                        dq=dq[:n])[1:]
+        if plan.copies.tokens != Bs + n:  # the last segment's own rows end at local token n
+            raise AssertionError(f"tree_attention_boundary_varlen: the key copies cover {plan.copies.tokens} rows, "
+                                 f"the segments {Bs} + {n} (internal error)")
+        # rows [0, Bs + n): the sums (0 for a boundary row no query sees); [Bs + n, Bs + T): the tail's, below
+        dks = sum_copies(dkg, plan.copies, plan.key_index, Bs + T, zero_tail=False, rep=rep)
+        dvs = sum_copies(dvg, plan.copies, plan.key_index, Bs + T, zero_tail=False, rep=rep)
+    else:
+        dks = k_t.new_zeros((Bs + T, *k_t.shape[1:]))
+        dvs = v_t.new_zeros((Bs + T, *v_t.shape[1:]))
+    dk, dv = dks[Bs:], dvs[Bs:]
+    tail_backward(dout_t, dq, dk, dv, n)
+    # the boundary rows as tensors of their own (outputs of an op may not share storage)
+    dbk, dbv = dks[:Bs].clone(), dvs[:Bs].clone()
+    return tuple(_heads_major(x) for x in (dq, dk, dv, dbk, dbv))
+
+
+@tree_attention_boundary_varlen_bwd.register_fake
+def _(q, k, v, out, lse, dout, subtree_end, boundary_k, boundary_v, boundary_visible, scale):
+    return tuple(_heads_major(x.new_empty((x.shape[2], x.shape[1], x.shape[3])))
+                 for x in (q, k, v, boundary_k, boundary_v))
+
+
+def _setup(ctx, inputs, output):
+    q, k, v, subtree_end, boundary_k, boundary_v, boundary_visible, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, subtree_end, boundary_k, boundary_v, boundary_visible)
+    ctx.scale = scale
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, dout, _dlse):
+    q, k, v, out, lse, subtree_end, boundary_k, boundary_v, boundary_visible = ctx.saved_tensors
+    dq, dk, dv, dbk, dbv = torch.ops.treecompile.tree_attention_boundary_varlen_bwd(
+        q, k, v, out, lse, dout, subtree_end, boundary_k, boundary_v, boundary_visible, ctx.scale)
+    return dq, dk, dv, None, dbk, dbv, None, None
+
+
+tree_attention_boundary_varlen_fwd.register_autograd(_backward, setup_context=_setup)
+
+
+def tree_attention_boundary_varlen(q: Tensor, k: Tensor, v: Tensor, subtree_end: Tensor, boundary_k: Tensor,
+                                   boundary_v: Tensor, boundary_visible: Tensor, scale: float | None = None) -> Tensor:
+    """Boundary tree attention through varlen causal attention over node segments (module docstring)."""
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    return torch.ops.treecompile.tree_attention_boundary_varlen_fwd(q, k, v, subtree_end, boundary_k, boundary_v,
+                                                                    boundary_visible, float(scale))[0]
