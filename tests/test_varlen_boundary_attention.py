@@ -326,3 +326,51 @@ def test_cuda_partitions_through_fa4_varlen_equal_whole_tree(compile_cuda):
     assert float((res.logprobs.float() - out.logprobs.float().cpu()).abs().max()) < 0.1
     cos = float(got.double() @ g_ref.double() / (got.double().norm() * g_ref.double().norm()))
     assert cos > 0.999, cos
+
+
+_INTERPRETED = r"""
+import random
+import torch
+from treecompile import Tree
+from treecompile.ops import key_copies, varlen_tail
+from treecompile.ops import varlen_tree_attention as vta
+from treecompile.ops.tree_attention_boundary import tree_attention_boundary_reference
+from treecompile.ops.varlen_boundary_attention import tree_attention_boundary_varlen
+from tests.test_fa4_tree_attention import forest_paths
+from tests.test_varlen_boundary_attention import _inputs, piece_visible
+from tests.helpers import count_launches
+
+gathers = count_launches(key_copies, "_gather_keys_kernel")
+sums = count_launches(key_copies, "_sum_copies_kernel")
+tails = count_launches(varlen_tail, "_tail_bwd_kernel")
+torch.use_deterministic_algorithms(True)  # every new tensor NaN-filled: a row no kernel writes would show
+worst = 0.0
+for kv_heads, B in (("grouped", 40), ("expanded", 40), ("expanded", 0)):
+    vta.KV_HEADS = kv_heads
+    b = Tree.from_paths(forest_paths(70, 2, seed=5)).to_batch(pad_to_multiple=16)
+    T = b.seq_len
+    # boundary rows 30-39 seen by no query: their gradients are the sums' empty runs (zero)
+    visible = piece_visible(b.subtree_end, min(B, 30), random.Random(1), pad_from=b.num_tokens)
+    xs = _inputs(T, B, 4, 2, 8, seed=3)
+    do = torch.randn(1, 4, T, 8, dtype=torch.float64)
+    res = []
+    for fn in (tree_attention_boundary_varlen, tree_attention_boundary_reference):
+        ys = [x.detach().clone().requires_grad_() for x in xs]
+        o = fn(ys[0], ys[1], ys[2], b.subtree_end, ys[3], ys[4], visible, 0.3)
+        o.backward(do)
+        res.append([o.detach()] + [y.grad for y in ys])
+    for x, r in zip(*res):
+        worst = max(worst, float((x - r).abs().max()) if x.numel() else 0.0)
+print({"worst": worst, "gathers": len(gathers), "sums": len(sums), "tails": len(tails)})
+"""
+
+
+def test_op_with_its_triton_kernels_in_interpreter():
+    """The op through its Triton kernels (Triton's CPU interpreter: the gather reading the boundary rows in place, the
+    copy sums over ``[boundary ; local]`` rows with runs no query reads, the tail), in float64 with every new tensor
+    NaN-filled, equals the dense-mask reference: out and the gradients of q, k, v and both boundary tensors."""
+    from tests.helpers import run_interpreted
+
+    pytest.importorskip("triton")
+    got = run_interpreted(_INTERPRETED)
+    assert got["worst"] < 1e-12 and got["gathers"] >= 6 and got["sums"] >= 6 and got["tails"] >= 3, got

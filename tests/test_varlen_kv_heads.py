@@ -61,6 +61,20 @@ def test_gather_keys_takes_any_1d_index():
         key_copies.gather_keys(src, index.view(4, 10), 2)
 
 
+@pytest.mark.parametrize("rep", [1, 2, 3])
+def test_gather_keys_reads_front_rows_then_the_source(rep):
+    """``front``: the index reads ``[front ; src]`` (a partition's boundary rows, then its own), each row where it
+    lies; an empty front is none; a front that does not continue the source is refused."""
+    src, front = _tokens_major(23, 3, 8, seed=rep), _tokens_major(9, 3, 8, seed=rep + 10)
+    index = torch.randint(0, 32, (57,), generator=torch.Generator().manual_seed(rep))
+    got = key_copies.gather_keys(src, index, rep, front)
+    assert got.shape == (57, 3 * rep, 8) and torch.equal(got, _expected_gather(torch.cat([front, src]), index, rep))
+    assert torch.equal(key_copies.gather_keys(src, index % 23, rep, front[:0]), _expected_gather(src, index % 23, rep))
+    for bad in (front[:, :2], front.float(), front[None]):
+        with pytest.raises(ValueError, match="do not continue src"):
+            key_copies.gather_keys(src, index, rep, bad)
+
+
 def test_gather_keys_refuses_what_it_cannot_expand():
     with pytest.raises(ValueError, match="rep 2 needs src"):
         key_copies.gather_keys(torch.zeros(4, 8), torch.zeros(2, dtype=torch.int64), 2)
@@ -272,6 +286,16 @@ for rep, D, Hkv in [(2, 5, 3), (3, 40, 2), (4, 128, 1), (2, 33, 8)]:
     worst["gather"] += not torch.equal(key_copies.gather_keys(sub, index[::2].int(), rep),
                                        sub.index_select(0, index[::2])[:, :, None].expand(-1, -1, rep, -1)
                                        .reshape(-1, Hkv * rep, D))
+# the gather with front rows (a partition's boundary, ops/varlen_boundary_attention.py): each row read where it lies,
+# rep 1 (a kernel launch too) to 4, an empty index, the front strided
+for rep, D, Hkv, F in [(1, 16, 2, 9), (2, 5, 3, 40), (4, 33, 1, 1)]:
+    src = torch.randn(1, 30, Hkv, D, generator=g).to(torch.bfloat16)[0]
+    front = torch.randn(F, 2 * Hkv, D, generator=g).to(torch.bfloat16)[:, ::2]
+    for index in (torch.randint(0, F + 30, (77,), generator=g), torch.zeros(0, dtype=torch.int64)):
+        got = key_copies.gather_keys(src, index, rep, front)
+        both = torch.cat([front, src]).index_select(0, index)
+        worst["gather"] += not torch.equal(got, both[:, :, None].expand(-1, Hkv, rep, D).reshape(-1, Hkv * rep, D))
+worst["gather"] += len(gathers) != 4 * 2 + 3  # every gather above ran the kernel (none for an empty index)
 # the sums with the heads of a group: float64 to rounding, bf16 within one unit of the exact sum, every config the same
 plan = vta.segment_plan(Tree.from_paths([[1] * 70 + [2 + i] * 5 for i in range(48)]).to_batch(
     pad_to_multiple=16).subtree_end)
@@ -336,6 +360,11 @@ def test_expanded_kernels_on_cuda(rep):
     src = torch.randn(1, plan.tail + 9, 8 // rep, 128, generator=g, device="cuda").to(torch.bfloat16)[0]
     got = key_copies.gather_keys(src, plan.key_index, rep)
     assert torch.equal(got, src.index_select(0, plan.key_index)[:, :, None].expand(-1, -1, rep, -1).flatten(1, 2))
+    front = torch.randn(1, 300, 8 // rep, 128, generator=g, device="cuda").to(torch.bfloat16)[0]  # boundary rows
+    index = torch.randint(0, 300 + src.shape[0], (5000,), generator=g, device="cuda")
+    got = key_copies.gather_keys(src, index, rep, front)
+    both = torch.cat([front, src]).index_select(0, index)
+    assert torch.equal(got, both[:, :, None].expand(-1, -1, rep, -1).flatten(1, 2))
     rows = torch.randn(plan.gathered, 8, 128, generator=g, device="cuda").to(torch.bfloat16)
     out = key_copies.sum_copies(rows, plan.copies, plan.key_index, plan.tail + 9, rep=rep)
     want = torch.zeros(plan.tail + 9, 8, 128, dtype=torch.float64, device="cuda").index_add_(

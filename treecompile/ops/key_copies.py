@@ -160,17 +160,22 @@ if triton is not None:
         tl.store(out_ptr + rows[:, None] * C + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=m2)
 
     @triton.jit
-    def _gather_keys_kernel(src_ptr, idx_ptr, out_ptr, G, D, s_t, s_h, REP: tl.constexpr, BLOCK_G: tl.constexpr,
-                            BLOCK_D: tl.constexpr):
-        """out[g, h * REP + p] = src[idx[g], h] for p < REP: one program per block of rows and kv head ``h``, each
-        source row read once and written REP times (out contiguous ``[G, Hkv * REP, D]``)."""
+    def _gather_keys_kernel(src_ptr, idx_ptr, out_ptr, G, D, s_t, s_h, front_ptr, F, f_t, f_h, REP: tl.constexpr,
+                            BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
+        """out[g, h * REP + p] = row ``idx[g]`` of ``[front ; src]``, kv head ``h``, for p < REP: ``front[idx[g]]``
+        where ``idx[g] < F``, else ``src[idx[g] - F]`` (F = 0: no front rows).  One program per block of rows and
+        kv head ``h``, each source row read once where it lies and written REP times (out contiguous
+        ``[G, Hkv * REP, D]``)."""
         rows = tl.program_id(0).to(tl.int64) * BLOCK_G + tl.arange(0, BLOCK_G)
         h = tl.program_id(1).to(tl.int64)
         H = tl.num_programs(1).to(tl.int64) * REP
         d = tl.arange(0, BLOCK_D)
         m = (rows < G)[:, None] & (d < D)[None, :]
         tok = tl.load(idx_ptr + rows, mask=rows < G, other=0).to(tl.int64)
-        x = tl.load(src_ptr + tok[:, None] * s_t + h * s_h + d[None, :], mask=m)
+        front = (tok < F)[:, None]
+        x = tl.load(front_ptr + tok[:, None] * f_t + h * f_h + d[None, :], mask=m & front)
+        y = tl.load(src_ptr + (tok - F)[:, None] * s_t + h * s_h + d[None, :], mask=m & ~front)
+        x = tl.where(front, x, y)
         for p in tl.static_range(REP):
             tl.store(out_ptr + rows[:, None] * (H * D) + (h * REP + p) * D + d[None, :], x, mask=m)
 
@@ -187,26 +192,36 @@ if triton is not None:
 GATHER_BLOCK_G = 32  # rows per program of the expanded gather
 
 
-def gather_keys(src: Tensor, index: Tensor, rep: int = 1) -> Tensor:
+def gather_keys(src: Tensor, index: Tensor, rep: int = 1, front: Tensor | None = None) -> Tensor:
     """The gathered key/value rows: ``src [T, Hkv, D]`` -> ``[G, Hkv * rep, D]`` with ``out[g, h * rep + p] =
     src[index[g], h]`` (``index [G]`` int64): each kv head repeated for the ``rep`` query heads of its group, so a
-    kernel reads them as plain multi-head keys.  ``rep`` 1: ``index_select``.  One Triton kernel where it runs (each
-    source row read once); else ``index_select`` then one copy of the broadcast rows."""
+    kernel reads them as plain multi-head keys.  ``front [F, Hkv, D]``: the index reads the rows of ``[front ;
+    src]`` (a redundancy-free partition's boundary rows, then its own: ``ops/varlen_boundary_attention.py``), each
+    where it lies.  ``rep`` 1 without a front: ``index_select``.  Else one Triton kernel where it runs (each source
+    row read once); else ``index_select`` (of the concatenation) then one copy of the broadcast rows."""
     if index.dim() != 1:
         raise ValueError(f"gather_keys: index must be 1-D, got shape {tuple(index.shape)}")
-    if rep == 1:
-        return src.index_select(0, index)
-    if rep < 1 or src.dim() != 3:
+    if rep < 1 or (rep > 1 or front is not None) and src.dim() != 3:
         raise ValueError(f"gather_keys: rep {rep} needs src [T, Hkv, D], got {tuple(src.shape)}")
+    if front is not None and (front.dim() != 3 or front.shape[1:] != src.shape[1:] or front.dtype != src.dtype
+                              or front.device != src.device):
+        raise ValueError(f"gather_keys: front rows {front.dtype} {tuple(front.shape)} on {front.device} do not "
+                         f"continue src {src.dtype} {tuple(src.shape)} on {src.device}")
+    if front is not None and not front.shape[0]:
+        front = None
+    if rep == 1 and front is None:
+        return src.index_select(0, index)
     index = index.to(torch.int64).contiguous()  # the kernel reads it as a dense int64 vector
     G, (_, Hkv, D) = index.numel(), src.shape
-    if not usable(src) or src.stride(-1) != 1:
-        return src.index_select(0, index)[:, :, None].expand(G, Hkv, rep, D).reshape(G, Hkv * rep, D)
+    if not usable(src) or src.stride(-1) != 1 or (front is not None and front.stride(-1) != 1):
+        rows = (src if front is None else torch.cat([front, src])).index_select(0, index)
+        return rows if rep == 1 else rows[:, :, None].expand(G, Hkv, rep, D).reshape(G, Hkv * rep, D)
     out = torch.empty((G, Hkv * rep, D), dtype=src.dtype, device=src.device)
+    f = src if front is None else front  # F = 0: never read
     if G and Hkv and D:
         _gather_keys_kernel[(triton.cdiv(G, GATHER_BLOCK_G), Hkv)](
-            src, index, out, G, D, src.stride(0), src.stride(1), REP=rep, BLOCK_G=GATHER_BLOCK_G,
-            BLOCK_D=triton.next_power_of_2(D))
+            src, index, out, G, D, src.stride(0), src.stride(1), f, 0 if front is None else front.shape[0],
+            f.stride(0), f.stride(1), REP=rep, BLOCK_G=GATHER_BLOCK_G, BLOCK_D=triton.next_power_of_2(D))
     return out
 
 

@@ -27,10 +27,12 @@ partition whose many short segments each read the whole boundary), :func:`bounda
 ``TreeProgram`` runs that batch through the flex lowering (``ops/flex_tree_attention_boundary.py``); the op itself
 refuses past ``MAX_GATHER_FACTOR``, naming the sizes.
 
-What it does not do yet: read the boundary rows where the ancestors keep them.  The executor gathers a partition's
-boundary rows from its ancestors' kept rows (one copy of B rows per layer, ``runtime/redundancy_free.py``), and the
-op concatenates ``[boundary ; local]`` once per call (B + T rows of K and of V, freed after the gather; the flex
-lowering does the same and saves it for its backward).
+The gather reads each row where it lies (:func:`~treecompile.ops.key_copies.gather_keys` with the boundary as its
+``front`` rows: one Triton kernel), so nothing concatenates ``[boundary ; local]`` (the flex lowering copies B + T rows
+of K and of V per layer and saves the copy for its backward).  What it does not do: read the boundary rows where the
+ancestors keep them.  The executor gathers a partition's boundary rows from its ancestors' kept rows into one
+``[1, Hkv, B, D]`` input per layer (``runtime/redundancy_free.py``), which the op saves for its backward: 0.11 /
+0.19 GiB of the 15.2 / 8.1 GiB peaks of Qwen3-0.6B at C = T/2 / T/4 (``benchmarks/results/h200_s55``).
 
 Shapes as ``treecompile::tree_attention_boundary``: ``q [1, H, T, D]``, ``k``/``v`` ``[1, Hkv, T, D]``,
 ``subtree_end [T]`` int64, ``boundary_k``/``boundary_v`` ``[1, Hkv, B, D]`` (B may be 0), ``boundary_visible [T]``
@@ -185,11 +187,10 @@ def _check(q, k, v, subtree_end, boundary_k, boundary_v):
                          f"{boundary_v.shape[2]} value rows")
 
 
-def _sources(k_t: Tensor, v_t: Tensor, boundary_k: Tensor, boundary_v: Tensor) -> tuple[Tensor, Tensor]:
-    """``[boundary ; local]`` key and value rows ``[B + T, Hkv, D]`` (the plan's key index reads them)."""
-    if not boundary_k.shape[2]:
-        return k_t, v_t
-    return torch.cat([_tokens_major(boundary_k), k_t]), torch.cat([_tokens_major(boundary_v), v_t])
+def _front(boundary_k: Tensor, boundary_v: Tensor) -> tuple[Tensor, Tensor]:
+    """The boundary's key and value rows ``[B, Hkv, D]``, in front of the partition's own (the plan's key index reads
+    ``[boundary ; local]``; the gather reads each where it lies)."""
+    return _tokens_major(boundary_k), _tokens_major(boundary_v)
 
 
 @torch.library.custom_op("treecompile::tree_attention_boundary_varlen_fwd", mutates_args=())
@@ -205,7 +206,7 @@ def tree_attention_boundary_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, subtree_
     out = q_t.new_empty((T, H, v_t.shape[-1]))
     lse = torch.empty((H, T), dtype=torch.float32, device=q.device)
     if n:
-        keys = plan.keys(*_sources(k_t, v_t, boundary_k, boundary_v), _kv_rep(H, k_t.shape[1]))
+        keys = plan.keys(k_t, v_t, _kv_rep(H, k_t.shape[1]), _front(boundary_k, boundary_v))
         _fwd(q_t[:n], *keys, plan, scale, out=out[:n], lse=lse[:, :n])
     if n < T:  # tokens that see only themselves (ops/varlen_tail.py)
         tail_forward(q_t, k_t, v_t, out, lse, n, scale)
@@ -233,7 +234,7 @@ def tree_attention_boundary_varlen_bwd(q: Tensor, k: Tensor, v: Tensor, out: Ten
     dq = torch.empty_like(q_t)
     if n:
         rep = _kv_rep(H, k_t.shape[1])
-        keys = plan.keys(*_sources(k_t, v_t, boundary_k, boundary_v), rep)
+        keys = plan.keys(k_t, v_t, rep, _front(boundary_k, boundary_v))
         dkg, dvg = _bwd(q_t[:n], *keys, _tokens_major(out)[:n], dout_t[:n], _lse_rows(lse, n), plan, scale,
                         dq=dq[:n])[1:]
         if plan.copies.tokens != Bs + n:  # the last segment's own rows end at local token n

@@ -143,10 +143,13 @@ class SegmentPlan:
         """G: key rows the kernel reads (T when the tree is one chain)."""
         return self.cu_seqlens_k_host[-1]
 
-    def keys(self, k_t: Tensor, v_t: Tensor, rep: int = 1) -> tuple[Tensor, Tensor]:
+    def keys(self, k_t: Tensor, v_t: Tensor, rep: int = 1, front: tuple | None = None) -> tuple[Tensor, Tensor]:
         """The key/value rows the varlen kernel reads: each segment's path prefix and itself, gathered; ``rep`` > 1:
-        each kv head repeated for that many query heads (``[G, Hkv * rep, D]``, :func:`_kv_rep`)."""
-        return gather_keys(k_t, self.key_index, rep), gather_keys(v_t, self.key_index, rep)
+        each kv head repeated for that many query heads (``[G, Hkv * rep, D]``, :func:`_kv_rep`); ``front``: (key,
+        value) rows in front of the sequence's, which the key index reads first (a partition's boundary rows)."""
+        if front is None:
+            return gather_keys(k_t, self.key_index, rep), gather_keys(v_t, self.key_index, rep)
+        return gather_keys(k_t, self.key_index, rep, front[0]), gather_keys(v_t, self.key_index, rep, front[1])
 
     def pieces(self, device):
         """Per segment: (query rows, gathered key rows, the bottom-right causal ``[n, m]`` visibility)."""
