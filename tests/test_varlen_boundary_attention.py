@@ -190,6 +190,27 @@ def test_a_deep_partition_below_a_long_boundary_does_not_fit():
     assert boundary_segments_fit(b.subtree_end, torch.zeros(T, dtype=torch.int64), B)
 
 
+def test_fit_check_and_plan_lay_out_a_partition_once(monkeypatch):
+    """``TreeProgram``'s fit check and the op's plan of the same partition tensors share one layout (host work per
+    partition, not per layer); the plan is kept for every layer; another partition builds its own."""
+    from treecompile.ops import varlen_boundary_attention as vba
+
+    calls = []
+    layout = vba._layout
+    monkeypatch.setattr(vba, "_layout", lambda *a: calls.append(a) or layout(*a))
+    monkeypatch.setattr(vba, "_LAYOUTS", vba.LastBatch())
+    monkeypatch.setattr(vba, "_PLANS", vba.LastBatch())
+    b = _batch(forest_paths(50, 2, seed=6), 8)
+    visible = piece_visible(b.subtree_end, 7, random.Random(2), pad_from=b.num_tokens)
+    assert boundary_segments_fit(b.subtree_end, visible, 7)
+    xs = [x.detach() for x in _inputs(b.seq_len, 7, 2, 1, 8, seed=0)]
+    for _ in range(3):  # three layers
+        tree_attention_boundary_varlen(*xs[:3], b.subtree_end, *xs[3:], visible)
+    assert len(calls) == 1
+    tree_attention_boundary_varlen(*xs[:3], b.subtree_end, *xs[3:], visible.clone())
+    assert len(calls) == 2
+
+
 def test_auto_runs_partitions_the_segments_cannot_take_through_the_flex_lowering(monkeypatch):
     """The per-batch choice of ``TreeProgram`` for a boundary program under "auto": a partition whose segments fit
     runs the varlen lowering, one of many short segments below a long boundary the flex lowering, with one warning.

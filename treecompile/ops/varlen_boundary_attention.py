@@ -136,7 +136,12 @@ def boundary_segment_plan(subtree_end: Tensor, boundary_visible: Tensor, boundar
     tail is the trailing tokens that see only themselves and no boundary.  Raises ValueError naming the first token
     where ``subtree_end`` is out of bounds or not nested or ``boundary_visible`` is outside ``[0, boundary_rows]``,
     and when the segments would gather more than ``MAX_GATHER_FACTOR`` x the rows plus ``MAX_GATHER_ROWS``."""
-    intervals, cu_q, cu_k, tail = _layout(subtree_end, boundary_visible, boundary_rows)
+    return _segment_plan_of(subtree_end, boundary_rows, _layout(subtree_end, boundary_visible, boundary_rows))
+
+
+def _segment_plan_of(subtree_end: Tensor, boundary_rows: int, layout) -> SegmentPlan:
+    """:func:`boundary_segment_plan` from the partition's :func:`_layout`."""
+    intervals, cu_q, cu_k, tail = layout
     G, rows = cu_k[-1], boundary_rows + subtree_end.numel()
     if G > MAX_GATHER_FACTOR * rows + MAX_GATHER_ROWS:
         raise ValueError(f"tree_attention_boundary_varlen: this partition's {len(cu_q) - 1} segments would gather "
@@ -146,26 +151,27 @@ def boundary_segment_plan(subtree_end: Tensor, boundary_visible: Tensor, boundar
     return _segment_plan(lo, hi, first, cu_q, cu_k, tail, subtree_end.device)
 
 
-_FITS = LastBatch()
+_LAYOUTS = LastBatch()  # the last partition's layout: TreeProgram's fit check and the op's plan read the same one
 _PLANS = LastBatch()
+
+
+def _last_layout(subtree_end: Tensor, boundary_visible: Tensor, boundary_rows: int):
+    return _LAYOUTS.get((subtree_end, boundary_visible), boundary_rows,
+                        lambda: _layout(subtree_end, boundary_visible, boundary_rows))
 
 
 def boundary_segments_fit(subtree_end: Tensor, boundary_visible: Tensor, boundary_rows: int) -> bool:
     """Whether this partition's segments gather at most ``VARLEN_GATHER_LIMIT`` x (T + ``boundary_rows``) key rows
-    (``TreeProgram`` runs a batch past it through the flex lowering).  Host work over the segments, kept for the
-    last partition's tensors."""
-
-    def fits():
-        cu_k = _layout(subtree_end, boundary_visible, boundary_rows)[2]
-        return cu_k[-1] <= VARLEN_GATHER_LIMIT * (subtree_end.numel() + boundary_rows)
-
-    return _FITS.get((subtree_end, boundary_visible), boundary_rows, fits)
+    (``TreeProgram`` runs a batch past it through the flex lowering).  Host work over the segments, kept for the op's
+    plan of the same tensors."""
+    cu_k = _last_layout(subtree_end, boundary_visible, boundary_rows)[2]
+    return cu_k[-1] <= VARLEN_GATHER_LIMIT * (subtree_end.numel() + boundary_rows)
 
 
 def _plan(subtree_end: Tensor, boundary_visible: Tensor, boundary_rows: int) -> SegmentPlan:
     """The partition's plan, kept while the same tensors come back (every attention layer of a partition)."""
-    return _PLANS.get((subtree_end, boundary_visible), boundary_rows,
-                      lambda: boundary_segment_plan(subtree_end, boundary_visible, boundary_rows))
+    return _PLANS.get((subtree_end, boundary_visible), boundary_rows, lambda: _segment_plan_of(
+        subtree_end, boundary_rows, _last_layout(subtree_end, boundary_visible, boundary_rows)))
 
 
 def _check(q, k, v, subtree_end, boundary_k, boundary_v):
