@@ -4,12 +4,14 @@ the packed plan at the same budget and the whole tree.
 One training step (fwd+bwd, optimizer excluded) of a Qwen3-0.6B-shaped dense model (bf16, the harness's
 seeded random init) on a synthetic tree (``trees.synthetic_paths``, default 16 x 2,048 tokens, POR 0.5,
 16,384 tree tokens), every attention through one kernel for every row (``--attention-kernel``, default
-``"flex"``: FlexAttention's Triton kernel; ``"fa4"``: FlashAttention-4 through flex's FLASH backend):
+``"flex"``: FlexAttention's Triton kernel; ``"fa4"``: FlashAttention-4 through flex's FLASH backend; ``"auto"`` /
+``"fa4_varlen"``: FA4's varlen kernel over the tree's segments, and over each partition's segments with its boundary
+rows in front, ``ops/varlen_boundary_attention.py``):
 
 - ``whole``: ``treecompile.compile(model)`` on the whole tree;
 - ``packed C``: ``runtime.partition.pack`` at budget C, every partition's fwd+bwd (shared prefixes repeated);
 - ``rf C``: ``partition_redundancy_free`` at budget C through ``run_redundancy_free`` (each token once,
-  boundary attention through ``ops.flex_tree_attention_boundary``), under each of ``--bounds``: ``chain``
+  boundary attention through the kernel above), under each of ``--bounds``: ``chain``
   (every chain of partitions alive at once within C tokens, as a packed partition) and ``partition`` (each
   partition within C; a chain up to the longest path + C).
 
