@@ -340,21 +340,24 @@ def test_padded_partitions_equal_whole_tree(which, dense, hybrid, monkeypatch):
     assert sum(moved) > 0
 
 
+@pytest.mark.parametrize("which", ["dense", "hybrid"])
 @pytest.mark.parametrize("pad", [0, 7])
-def test_partitions_through_the_varlen_boundary_lowering_equal_whole_tree(pad, dense, monkeypatch):
+def test_partitions_through_the_varlen_boundary_lowering_equal_whole_tree(pad, which, dense, hybrid, monkeypatch):
     """The lowering's varlen boundary attention (``attention_kernel="fa4_varlen"``, what "auto" takes on Hopper:
     ``ops.varlen_boundary_attention``, its reference kernel on the CPU) run for every partition, padded as the CUDA
     buckets pad them or not: the whole tree's loss, log-probs and every gradient (float64).  A partition whose
     segments would gather too much runs the flex lowering: the check the runner makes is the op's own bound."""
     from treecompile.passes import lower_cuda as lc
 
-    model, tmodel, bmodel = dense
+    model, tmodel, bmodel = dense if which == "dense" else hybrid
     program = bmodel.program
     monkeypatch.setattr(lc, "fa4_unusable_reason", lambda q=None: None)
     monkeypatch.setattr(lc, "varlen_input_reason", lambda q: None)
     low = lc.lower_cuda(program.graph_module, lc.CudaOptions(compile_cuda=False, gdn_kernel="reference",
-                                                             attention_kernel="fa4_varlen"), boundary=True)
-    assert (low.boundary_varlen, low.attention) == (2, 0)
+                                                             conv_kernel="reference", attention_kernel="fa4_varlen"),
+                        boundary=True)
+    layers = sum(kind == "boundary_k" for kind, _ in program.boundary.inputs)
+    assert (low.boundary_varlen, low.attention) == (layers, 0) and layers > 0
     calls = []
 
     def run(batch, boundary_inputs=(), **kw):
