@@ -381,9 +381,10 @@ def test_partitions_through_the_varlen_boundary_lowering_equal_whole_tree(pad, w
 
 def test_padded_partition_on_a_device_keeps_host_values(hybrid, monkeypatch):
     """A partition moved to a device (``meta`` here: no values) and padded by ``padded_call`` keeps the host
-    values of its tree tensors, the fed-row shift of ``pred_index``/``conv_index`` included: the CUDA plans read
-    them instead of the device (``treecompile.host_values``)."""
-    from treecompile.host_values import remembered_host
+    values of its tree tensors, the fed-row shift of ``pred_index``/``conv_index`` included, and of its
+    ``boundary_visible`` (moved as the executor moves it): the CUDA plans read them instead of the device
+    (``treecompile.host_values``; the varlen boundary attention plans from ``boundary_visible``)."""
+    from treecompile.host_values import remembered_host, to_device_with_host
     from treecompile.tree import _TENSOR_FIELDS
 
     model, tmodel, bmodel = hybrid
@@ -402,9 +403,14 @@ def test_padded_partition_on_a_device_keeps_host_values(hybrid, monkeypatch):
     for batch, ins in seen:
         L = batch.seq_len + 7
         want, _ = program.padded_call(batch, ins, L)
-        got, _ = program.padded_call(batch.to("meta"), [x.detach().to("meta") for x in ins], L)
+        kinds = [kind for kind, _ in program.boundary.inputs]
+        moved = [to_device_with_host(x, "meta") if kind == "boundary_visible" else x.detach().to("meta")
+                 for kind, x in zip(kinds, ins)]
+        got, got_ins = program.padded_call(batch.to("meta"), moved, L)
         for f in _TENSOR_FIELDS:
             assert torch.equal(remembered_host(getattr(got, f)), getattr(want, f)), f
+        visible = kinds.index("boundary_visible")
+        assert torch.equal(remembered_host(got_ins[visible]), program.padded_call(batch, ins, L)[1][visible])
         shifted += int((want.conv_index >= L).sum())
     assert len(seen) > 1 and shifted > 0  # the partitions read fed rows: the shift moved indices
 

@@ -454,7 +454,7 @@ class TreeProgram:
 
         The batch gets :meth:`TreeBatch.padded`'s padding tokens.  For a boundary program also: the
         ``pred_index``/``conv_index`` entries that read fed rows (``T + r``) move to ``length + r``,
-        ``boundary_visible`` is padded with 0 (padding tokens see no boundary), and the boundary
+        ``boundary_visible`` is padded with 0 (padding tokens see no boundary; its host values too), and the boundary
         K/V ``[1, Hkv, B, D]`` get zero rows up to ``bucket_length(B)`` (B > 0), never visible since
         ``boundary_visible <= B``; their gradients are the first B rows'.
         """
@@ -472,8 +472,10 @@ class TreeProgram:
         padded = dataclasses.replace(padded, pred_index=moved(padded.pred_index), conv_index=moved(padded.conv_index))
         out = []
         for (kind, _), x in zip(self.boundary.inputs, boundary_inputs):
-            if kind == "boundary_visible":
+            if kind == "boundary_visible":  # its host values follow, as the indices' do
+                host = remembered_host(x)
                 x = F.pad(x, (0, shift))
+                x = x if host is None else remember_host(x, F.pad(host, (0, shift)))
             elif kind in ("boundary_k", "boundary_v") and x.shape[2]:
                 x = F.pad(x, (0, 0, 0, bucket_length(x.shape[2]) - x.shape[2]))
             out.append(x)

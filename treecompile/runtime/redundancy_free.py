@@ -63,7 +63,7 @@ from typing import Callable, Mapping
 
 import torch
 
-from treecompile.host_values import single_threaded_for, to_device_async
+from treecompile.host_values import single_threaded_for, to_device_async, to_device_with_host
 from treecompile.passes.expose_boundary import BoundarySpec
 from treecompile.router_aux import ROUTER_WEIGHTS
 from treecompile.runtime.metrics import Reuse, reuse
@@ -267,7 +267,8 @@ class _Executor:
                 j = 0 if kind == "boundary_k" else 1
                 extra.append(self._take(kv_at, lambda a: alive[a].kv[layer][j], 2) if kv_at else self._empty(k, 0))
             elif kind == "boundary_visible":
-                extra.append(to_device_async(ex["boundary_visible"], self.device))
+                # its host values kept: the varlen boundary attention plans from them without a device copy
+                extra.append(to_device_with_host(ex["boundary_visible"], self.device))
             elif kind == "initial_state":
                 extra.append(self._take(last_at, lambda a: alive[a].states[layer], 0)[0] if last_at
                              else self._empty(k, 0))
