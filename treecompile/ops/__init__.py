@@ -11,13 +11,14 @@ the partition-boundary variants ``::tree_attention_boundary``, ``::tree_gated_de
 where ``lower_cuda`` has inductor compute a position-only value (RoPE's tables) once, and
 ``::tree_attention_varlen_fwd`` / ``_bwd``, tree attention as FA4 varlen over the tree's segments, or per
 batch FA4's block-sparse kernels where the segments would gather too much (``attention_kernel="fa4_varlen"``,
-and what ``"auto"`` takes where FA4 runs).  The CUDA attention paths (``flex_tree_attention``,
+and what ``"auto"`` takes where FA4 runs), and ``::tree_attention_boundary_varlen_fwd`` / ``_bwd``, a
+redundancy-free partition's boundary attention on the same kernel.  The CUDA attention paths (``flex_tree_attention``,
 ``flex_tree_attention_boundary``) are imported only where they are used.
 """
 
 from treecompile.ops import (  # noqa: F401
     experts_module, materialize, moe, moe_grouped, tree_attention_boundary, tree_conv, tree_conv_boundary, tree_gdn,
-    tree_gdn_boundary, tree_mixers, varlen_tree_attention)
+    tree_gdn_boundary, tree_mixers, varlen_boundary_attention, varlen_tree_attention)
 from treecompile.ops.logprobs import gather_logprobs, linear_logprobs
 from treecompile.ops.tree_attention import tree_attention, tree_attention_reference, tree_mask
 
