@@ -183,7 +183,7 @@ def test_bad_inputs_are_named():
 def test_a_deep_partition_below_a_long_boundary_does_not_fit():
     """Many one-token segments that each read a long boundary: past ``VARLEN_GATHER_LIMIT`` x the rows the lowering
     takes flex (``boundary_segments_fit``); a partition whose segments read little fits."""
-    comb = [[0] * 0 + list(range(i + 1)) + [100 + i] for i in range(40)]  # a spine with a leaf at every token
+    comb = [list(range(i + 1)) + [100 + i] for i in range(40)]  # a spine with a leaf at every token
     b = _batch(comb)
     T, B = b.seq_len, 400
     assert not boundary_segments_fit(b.subtree_end, torch.full((T,), B, dtype=torch.int64), B)
