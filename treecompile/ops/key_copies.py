@@ -15,9 +15,9 @@ One program per tile of a run (at most ``BLOCK_T`` tokens) and block of channels
 binary search over the runs' running tile counts, so the host sends one row per run, not per tile (session 54: the
 tiles' expansion was about 13 of a 64k plan's 100 host tensor ops; session 55 timed the kernel with its search at
 0.084 ms a layer on parallel-tools' plan, as without it, ``benchmarks/results/h200_s55``).  Which block width,
-program order and warp count (:data:`CONFIGS`) is Triton's autotuner's choice on the GPU, timed at the first call for each channel count; every
-config sums in the same order, so the values do not depend on it.  (Added in session 38 without a GPU to time
-it: the first config is the kernel as it was, so the choice matches or beats it within the timing's noise; if the
+program order and warp count (:data:`CONFIGS`) is Triton's autotuner's choice on the GPU, timed at the first call
+for each channel count; every config sums in the same order, so the values do not depend on it.  (Added in
+session 38 without a GPU to time it: the first config is the kernel as it was, so the choice matches or beats it within the timing's noise; if the
 autotuner fails, every call runs that first config, with one warning.)
 
 Where Triton cannot run (CPU without ``TRITON_INTERPRET=1``) :func:`sum_copies` falls back to ``index_add_`` with
