@@ -17,8 +17,8 @@ tiles' expansion was about 13 of a 64k plan's 100 host tensor ops; session 55 ti
 0.084 ms a layer on parallel-tools' plan, as without it, ``benchmarks/results/h200_s55``).  Which block width,
 program order and warp count (:data:`CONFIGS`) is Triton's autotuner's choice on the GPU, timed at the first call
 for each channel count; every config sums in the same order, so the values do not depend on it.  (Added in
-session 38 without a GPU to time it: the first config is the kernel as it was, so the choice matches or beats it within the timing's noise; if the
-autotuner fails, every call runs that first config, with one warning.)
+session 38 without a GPU to time it: the first config is the kernel as it was, so the choice matches or beats it
+within the timing's noise; if the autotuner fails, every call runs that first config, with one warning.)
 
 Where Triton cannot run (CPU without ``TRITON_INTERPRET=1``) :func:`sum_copies` falls back to ``index_add_`` with
 the same float32/float64 accumulation: the same sums, possibly in another order.
