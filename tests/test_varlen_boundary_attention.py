@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from tests.strategies import ODD_TREES, path_sets
 from tests.test_fa4_tree_attention import forest_paths
+from tests.test_varlen_tree_attention import plan_mask
 from treecompile import Tree
 from treecompile.ops import varlen_tree_attention as vta
 from treecompile.ops.tree_attention_boundary import boundary_tree_mask, tree_attention_boundary_reference
@@ -29,22 +30,6 @@ from treecompile.ops.varlen_boundary_attention import (
     boundary_segments_fit,
     tree_attention_boundary_varlen,
 )
-
-
-def plan_mask(plan, T: int, Bs: int) -> torch.Tensor:
-    """The ``[T, Bs + T]`` visibility the plan computes over ``[boundary ; local]`` rows (segment j's query i sees
-    its first ``keys - n + i + 1`` keys; a tail token sees itself)."""
-    m = torch.zeros(T, Bs + T, dtype=torch.bool)
-    m[torch.arange(plan.tail, T), Bs + torch.arange(plan.tail, T)] = True
-    cq, ck = plan.cu_seqlens_q_host, plan.cu_seqlens_k_host
-    idx = plan.key_index.cpu()
-    assert cq[-1] == plan.tail
-    for j in range(plan.segments):
-        n, keys = cq[j + 1] - cq[j], idx[ck[j]:ck[j + 1]]
-        assert keys.unique().numel() == keys.numel(), "a segment reads a row twice"
-        for i in range(n):
-            m[cq[j] + i, keys[:keys.numel() - n + i + 1]] = True
-    return m
 
 
 def piece_visible(subtree_end: torch.Tensor, B: int, rng: random.Random, pad_from: int | None = None) -> torch.Tensor:

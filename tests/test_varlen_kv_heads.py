@@ -23,9 +23,9 @@ def _count_gathers(monkeypatch) -> list:
     """The ``rep`` of every gather of a segment plan's rows while the test runs."""
     calls, keys = [], vta.SegmentPlan.keys
 
-    def counted(self, k_t, v_t, rep=1):
+    def counted(self, k_t, v_t, rep=1, front=None):
         calls.append(rep)
-        return keys(self, k_t, v_t, rep)
+        return keys(self, k_t, v_t, rep, front)
 
     monkeypatch.setattr(vta.SegmentPlan, "keys", counted)
     return calls

@@ -30,12 +30,13 @@ from treecompile.ops.tree_attention import tree_attention_reference, tree_mask
 from treecompile.ops.varlen_tree_attention import segment_plan, tree_attention_varlen
 
 
-def plan_mask(plan, T: int) -> torch.Tensor:
-    """The [T, T] visibility the plan computes: segment j's query i sees its first prefix + i + 1 keys; the
-    tail's tokens see themselves."""
-    m = torch.zeros(T, T, dtype=torch.bool)
-    m[torch.arange(plan.tail, T), torch.arange(plan.tail, T)] = True
+def plan_mask(plan, T: int, front: int = 0) -> torch.Tensor:
+    """The [T, front + T] visibility the plan computes over ``front`` rows (a partition's boundary) and the T
+    tokens: segment j's query i sees its first prefix + i + 1 keys; the tail's tokens see themselves."""
+    m = torch.zeros(T, front + T, dtype=torch.bool)
+    m[torch.arange(plan.tail, T), front + torch.arange(plan.tail, T)] = True
     cq, ck = plan.cu_seqlens_q_host, plan.cu_seqlens_k_host
+    assert cq[-1] == plan.tail
     idx = plan.key_index.cpu()
     for j in range(plan.segments):
         n, keys = cq[j + 1] - cq[j], idx[ck[j]:ck[j + 1]]
@@ -1663,9 +1664,9 @@ def _count_gathers(monkeypatch) -> list:
     calls = []
     keys = vta.SegmentPlan.keys
 
-    def counted(self, k_t, v_t, rep=1):
+    def counted(self, k_t, v_t, rep=1, front=None):
         calls.append(self.gathered)
-        return keys(self, k_t, v_t, rep)
+        return keys(self, k_t, v_t, rep, front)
 
     monkeypatch.setattr(vta.SegmentPlan, "keys", counted)
     return calls

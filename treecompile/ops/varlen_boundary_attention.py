@@ -49,20 +49,18 @@ from torch import Tensor
 
 from treecompile.host_values import host_copy
 
-from .key_copies import sum_copies
 from .last_batch import LastBatch
-from .varlen_tail import tail_backward, tail_forward
 from .varlen_tree_attention import (
     MAX_GATHER_FACTOR,
     MAX_GATHER_ROWS,
     VARLEN_GATHER_LIMIT,
     SegmentPlan,
-    _bwd,
+    _backward_grads,
+    _check as _check_qkv,
     _check_nested,
-    _fwd,
+    _forward,
     _heads_major,
-    _kv_rep,
-    _lse_rows,
+    _prefix_intervals,
     _rows,
     _segment_plan,
     _tokens_major,
@@ -101,11 +99,7 @@ def _layout(subtree_end: Tensor, boundary_visible: Tensor, boundary_rows: int):
     cu_q, cu_k = [0], [0]
     for j in range(w.n_main):
         a, b = w.starts[j], w.ends[j]
-        local, i = [], j  # the ancestors' visible runs, reversed
-        while w.parents[i] is not None:
-            i, p = w.parents[i]
-            local += (Bs + p, Bs + w.starts[i])
-        local.reverse()  # root first, as lo, hi pairs
+        local = _prefix_intervals(w, j, Bs)  # the ancestors' visible runs, root first, after the boundary rows
         c, x = a, bisect.bisect_right(cuts, a)  # cuts[x]: the first change after a
         while c < b:  # the parts of [a, b) with one boundary length: [c, e)
             e = min(b, cuts[x]) if x < len(cuts) else b
@@ -175,15 +169,7 @@ def _plan(subtree_end: Tensor, boundary_visible: Tensor, boundary_rows: int) -> 
 
 
 def _check(q, k, v, subtree_end, boundary_k, boundary_v):
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or q.shape[0] != 1 or k.shape[0] != 1 or v.shape[0] != 1:
-        raise ValueError(f"tree_attention_boundary_varlen: expected q [1,H,T,D], k/v [1,Hkv,T,D]; got "
-                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    if q.shape[1] % k.shape[1] or k.shape[1] != v.shape[1]:
-        raise ValueError(f"tree_attention_boundary_varlen: {q.shape[1]} query heads over {k.shape[1]} key / "
-                         f"{v.shape[1]} value heads (query heads must be a multiple of the kv heads)")
-    if not (q.shape[2] == k.shape[2] == v.shape[2] == subtree_end.shape[-1]):
-        raise ValueError(f"tree_attention_boundary_varlen: sequence lengths differ: q {q.shape[2]}, k {k.shape[2]}, "
-                         f"v {v.shape[2]}, subtree_end {subtree_end.shape[-1]}")
+    _check_qkv(q, k, v, subtree_end)
     for name, x, y in (("boundary_k", boundary_k, k), ("boundary_v", boundary_v, v)):
         if x.dim() != 4 or x.shape[:2] != y.shape[:2] or x.shape[3] != y.shape[3] or x.dtype != y.dtype:
             raise ValueError(f"tree_attention_boundary_varlen: {name} must be [1, {y.shape[1]}, B, {y.shape[3]}] "
@@ -203,20 +189,11 @@ def _front(boundary_k: Tensor, boundary_v: Tensor) -> tuple[Tensor, Tensor]:
 def tree_attention_boundary_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, subtree_end: Tensor, boundary_k: Tensor,
                                        boundary_v: Tensor, boundary_visible: Tensor,
                                        scale: float) -> tuple[Tensor, Tensor]:
-    """(out ``[1, H, T, Dv]`` as a view of ``[T, H, Dv]`` storage, lse ``[H, T]`` float32)."""
+    """(out ``[1, H, T, Dv]`` as a view of ``[T, H, Dv]`` storage, lse ``[H, T]`` float32): the whole-tree op's
+    forward with the boundary rows in front (nothing kept for the backward, which gathers again)."""
     _check(q, k, v, subtree_end, boundary_k, boundary_v)
     plan = _plan(subtree_end, boundary_visible, boundary_k.shape[2])
-    n = plan.tail
-    q_t, k_t, v_t = _tokens_major(q), _tokens_major(k), _tokens_major(v)
-    T, H = q_t.shape[0], q_t.shape[1]
-    out = q_t.new_empty((T, H, v_t.shape[-1]))
-    lse = torch.empty((H, T), dtype=torch.float32, device=q.device)
-    if n:
-        keys = plan.keys(k_t, v_t, _kv_rep(H, k_t.shape[1]), _front(boundary_k, boundary_v))
-        _fwd(q_t[:n], *keys, plan, scale, out=out[:n], lse=lse[:, :n])
-    if n < T:  # tokens that see only themselves (ops/varlen_tail.py)
-        tail_forward(q_t, k_t, v_t, out, lse, n, scale)
-    return _heads_major(out), lse
+    return _forward(q, k, v, plan, scale, front=_front(boundary_k, boundary_v))[:2]
 
 
 @tree_attention_boundary_varlen_fwd.register_fake
@@ -230,33 +207,10 @@ def tree_attention_boundary_varlen_bwd(q: Tensor, k: Tensor, v: Tensor, out: Ten
                                        subtree_end: Tensor, boundary_k: Tensor, boundary_v: Tensor,
                                        boundary_visible: Tensor,
                                        scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(dq, dk, dv, d boundary_k, d boundary_v) in the inputs' layouts; each source row's key/value gradient summed
-    over its gathered copies in float32 and rounded once (the backward gathers the rows again)."""
-    Bs = boundary_k.shape[2]
-    plan = _plan(subtree_end, boundary_visible, Bs)
-    n = plan.tail
-    q_t, k_t, v_t, dout_t = _tokens_major(q), _tokens_major(k), _tokens_major(v), _tokens_major(dout)
-    T, H = q_t.shape[0], q_t.shape[1]
-    dq = torch.empty_like(q_t)
-    if n:
-        rep = _kv_rep(H, k_t.shape[1])
-        keys = plan.keys(k_t, v_t, rep, _front(boundary_k, boundary_v))
-        dkg, dvg = _bwd(q_t[:n], *keys, _tokens_major(out)[:n], dout_t[:n], _lse_rows(lse, n), plan, scale,
-                        dq=dq[:n])[1:]
-        if plan.copies.tokens != Bs + n:  # the last segment's own rows end at local token n
-            raise AssertionError(f"tree_attention_boundary_varlen: the key copies cover {plan.copies.tokens} rows, "
-                                 f"the segments {Bs} + {n} (internal error)")
-        # rows [0, Bs + n): the sums (0 for a boundary row no query sees); [Bs + n, Bs + T): the tail's, below
-        dks = sum_copies(dkg, plan.copies, plan.key_index, Bs + T, zero_tail=False, rep=rep)
-        dvs = sum_copies(dvg, plan.copies, plan.key_index, Bs + T, zero_tail=False, rep=rep)
-    else:
-        dks = k_t.new_zeros((Bs + T, *k_t.shape[1:]))
-        dvs = v_t.new_zeros((Bs + T, *v_t.shape[1:]))
-    dk, dv = dks[Bs:], dvs[Bs:]
-    tail_backward(dout_t, dq, dk, dv, n)
-    # the boundary rows as tensors of their own (outputs of an op may not share storage)
-    dbk, dbv = dks[:Bs].clone(), dvs[:Bs].clone()
-    return tuple(_heads_major(x) for x in (dq, dk, dv, dbk, dbv))
+    """(dq, dk, dv, d boundary_k, d boundary_v) in the inputs' layouts: the whole-tree op's backward with the boundary
+    rows in front, each row's key/value gradient summed over its gathered copies in float32 and rounded once."""
+    plan = _plan(subtree_end, boundary_visible, boundary_k.shape[2])
+    return _backward_grads(q, k, v, out, lse, dout, plan, scale, front=_front(boundary_k, boundary_v))
 
 
 @tree_attention_boundary_varlen_bwd.register_fake

@@ -405,11 +405,8 @@ def tree_attention_plan(subtree_end: Tensor, *, block_sparse: bool) -> SegmentPl
                          "attention_kernel='flex' (any head dim) or 'fa4' (head dim 64/128)")
     intervals = []  # flat: lo, hi of each interval in turn
     for j in range(n_main):  # segment j's keys: its ancestors' visible runs, root first, then itself
-        run, i = [w.ends[j], w.starts[j]], j  # reversed
-        while w.parents[i] is not None:
-            i, p = w.parents[i]
-            run += (p, w.starts[i])
-        intervals += run[::-1]
+        intervals += _prefix_intervals(w, j)
+        intervals += (w.starts[j], w.ends[j])
     lo, hi, first = _rows(intervals, G)
     cu_k = list(accumulate((w.prefix_len[j] + w.ends[j] - w.starts[j] for j in range(n_main)), initial=0))
     cu_q = [0, *w.ends[:n_main]]
@@ -417,6 +414,17 @@ def tree_attention_plan(subtree_end: Tensor, *, block_sparse: bool) -> SegmentPl
         _check_plan(w.se, *_host_tensors(lo, hi, first), G, *_host_tensors(cu_q, cu_k), w.tail,
                     (w.run_se, w.run_end))
     return _segment_plan(lo, hi, first, cu_q, cu_k, w.tail, subtree_end.device)
+
+
+def _prefix_intervals(w: _Walk, j: int, shift: int = 0) -> list:
+    """Segment ``j``'s path prefix as flat ``lo, hi`` token intervals, root first (its ancestors' runs it sees), each
+    moved by ``shift`` rows (a partition's boundary rows in front: ``ops/varlen_boundary_attention.py``)."""
+    run, i = [], j  # reversed
+    while w.parents[i] is not None:
+        i, p = w.parents[i]
+        run += (shift + p, shift + w.starts[i])
+    run.reverse()
+    return run
 
 
 def _host_tensors(*lists: list) -> tuple[Tensor, ...]:
@@ -1021,16 +1029,21 @@ def tree_attention_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, subtree_end: Tens
     return _forward(q, k, v, plan, scale, keeps_keys(keep, plan, q, k, v, layer, layers, reserve_per_token))
 
 
-def _forward(q: Tensor, k: Tensor, v: Tensor, plan, scale: float,
-             keep: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _forward(q: Tensor, k: Tensor, v: Tensor, plan, scale: float, keep: bool = False,
+             front: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The forward ops' work under ``plan`` (a segment plan, windowed or not, or a block-sparse plan): out, lse and
-    the gathered key/value rows when ``keep`` (else empty)."""
+    the gathered key/value rows when ``keep`` (else empty).  ``front``: ``[F, Hkv, D]`` key and value rows in front of
+    the sequence's, which a segment plan's key index reads first (a partition's boundary rows,
+    ``ops/varlen_boundary_attention.py``)."""
     n = plan.tail
     q_t, k_t, v_t = _tokens_major(q), _tokens_major(k), _tokens_major(v)
     T, H = q_t.shape[0], q_t.shape[1]
     keys = None
+    if front is not None and not isinstance(plan, SegmentPlan):
+        raise AssertionError("_forward: rows in front need a segment plan (internal error)")
     if n:  # a segment plan's rows as KV_HEADS says; the block-sparse plan's in place, in its order
-        keys = plan.keys(k_t, v_t, _kv_rep(H, k_t.shape[1])) if isinstance(plan, SegmentPlan) else plan.keys(k_t, v_t)
+        keys = (plan.keys(k_t, v_t, _kv_rep(H, k_t.shape[1]), front) if isinstance(plan, SegmentPlan)
+                else plan.keys(k_t, v_t))
     # keep: only a segment plan (keeps_keys); rows expanded to the query heads are kept as [G * rep, Hkv, D] views
     # (the op's declared layout: the backward tells them apart by their count)
     kept = _as_kept(keys, k_t.shape[1]) if keep and keys is not None else _no_keys(k_t, v_t)
@@ -1099,8 +1112,12 @@ def tree_attention_varlen_bwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse:
 
 
 def _backward_grads(q, k, v, out, lse, dout, plan, scale: float, kept_k: Tensor | None = None,
-                    kept_v: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """The backward ops' work under ``plan`` (``kept_k``/``kept_v``: the forward's gathered rows, when it kept any)."""
+                    kept_v: Tensor | None = None, front: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, ...]:
+    """The backward ops' work under ``plan`` (``kept_k``/``kept_v``: the forward's gathered rows, when it kept any):
+    (dq, dk, dv), then with ``front`` (:func:`_forward`'s) the gradients of those rows too, each row's summed over its
+    copies as the sequence's are."""
+    if front is not None and not isinstance(plan, SegmentPlan):
+        raise AssertionError("_backward_grads: rows in front need a segment plan (internal error)")
     n = plan.tail
     q_t, k_t, v_t, dout_t = _tokens_major(q), _tokens_major(k), _tokens_major(v), _tokens_major(dout)
     if isinstance(plan, BlockSparsePlan):  # every key once (no copies to sum), every query the kernel's
@@ -1108,30 +1125,35 @@ def _backward_grads(q, k, v, out, lse, dout, plan, scale: float, kept_k: Tensor 
                      plan.to_kernel(dout_t), plan.to_kernel(lse, 1).contiguous(), plan, scale)
         return tuple(_heads_major(plan.to_batch(g)) for g in grads)
     T, H = q_t.shape[0], q_t.shape[1]
+    F = 0 if front is None else front[0].shape[0]
     if not n:
         dq, dk, dv = torch.empty_like(q_t), torch.empty_like(k_t), torch.empty_like(v_t)
+        dfront = () if front is None else tuple(torch.zeros_like(x) for x in front)
     else:
         if kept_k is not None and kept_k.shape[0]:
             keys, rep = _kept_keys(kept_k, kept_v, plan, H)
         else:
             rep = _kv_rep(H, k_t.shape[1])
-            keys = plan.keys(k_t, v_t, rep)
+            keys = plan.keys(k_t, v_t, rep, front)
         args = (q_t[:n], *keys, _tokens_major(out)[:n], dout_t[:n], _lse_rows(lse, n), plan, scale)
         if n == T:
             dq, dkg, dvg = _bwd(*args)
         else:  # the kernel writes the first n rows of dq in place; the tail's rows come after
             dq = torch.empty_like(q_t)
             dkg, dvg = _bwd(*args, dq=dq[:n])[1:]
-        # each token's key/value gradient: the sum over its gathered copies (float32, rounded once); rows >= n next
-        if plan.copies.tokens != n:  # every segment token is a key of its own segment: the sums cover [0, n)
-            raise AssertionError(f"tree_attention_varlen: the key copies cover {plan.copies.tokens} tokens, the "
-                                 f"segments {n} (internal error)")
-        dk = sum_copies(dkg, plan.copies, plan.key_index, T, zero_tail=False, rep=rep)
-        dv = sum_copies(dvg, plan.copies, plan.key_index, T, zero_tail=False, rep=rep)
+        # each row's key/value gradient: the sum over its gathered copies (float32, rounded once); rows >= F + n next
+        if plan.copies.tokens != F + n:  # every segment token is a key of its own segment: the sums cover [0, F + n)
+            raise AssertionError(f"tree_attention_varlen: the key copies cover {plan.copies.tokens} rows, the "
+                                 f"segments {F} + {n} (internal error)")
+        dks = sum_copies(dkg, plan.copies, plan.key_index, F + T, zero_tail=False, rep=rep)
+        dvs = sum_copies(dvg, plan.copies, plan.key_index, F + T, zero_tail=False, rep=rep)
+        dk, dv = (dks, dvs) if front is None else (dks[F:], dvs[F:])
+        # the front rows as tensors of their own (an op's outputs may not share storage); 0 where no query sees one
+        dfront = () if front is None else (dks[:F].clone(), dvs[:F].clone())
     # the tail (softmax over one key): no query or key gradient; the value rows receive their own output gradient,
     # summed over the query heads of a group (one kernel: ops/varlen_tail.py)
     tail_backward(dout_t, dq, dk, dv, n)
-    return _heads_major(dq), _heads_major(dk), _heads_major(dv)
+    return tuple(_heads_major(x) for x in (dq, dk, dv, *dfront))
 
 
 def _lse_rows(lse: Tensor, n: int) -> Tensor:
