@@ -94,7 +94,12 @@ def main(argv=None) -> int:
     ap.add_argument("--bounds", default="chain,partition", help="partition_redundancy_free bounds of the rf rows")
     ap.add_argument("--compiled-at", default="1", help="compiled rows at C = T / each of these (1: rf only; else "
                                                         "packed and rf per bound)")
+    ap.add_argument("--modes", default="packed,rf", help="the rows besides the whole tree (the reference of each "
+                                                         "graph mode): packed, rf or both")
     args = ap.parse_args(argv)
+    modes = args.modes.split(",")
+    if not modes or set(modes) - {"packed", "rf"}:
+        ap.error(f"--modes: expected packed and/or rf, got {args.modes!r}")
     dev = torch.device(args.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float64
 
@@ -170,7 +175,7 @@ def main(argv=None) -> int:
         tm = treecompile.compile(model, **opts)
         bm = treecompile.compile(model, boundary=True, **opts)
         reference: dict = {}
-        for name, C, bound in [("whole", None, None)] + plans[graph]:
+        for name, C, bound in [("whole", None, None)] + [row for row in plans[graph] if row[0] in modes]:
             if time.perf_counter() - t_start + ROW_ESTIMATE_S[graph] > args.budget_s:
                 row = {"mode": name, "graph": graph, "C": C, "error": f"skipped: over --budget-s {args.budget_s}"}
             else:

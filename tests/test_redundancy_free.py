@@ -490,3 +490,70 @@ def test_partitions_refuse_a_model_changed_after_compile():
     model.model.norm = torch.nn.LayerNorm(model.config.hidden_size).double()
     with pytest.raises(RuntimeError, match=r"module 'model.norm' \(a RMSNorm at compile\) was replaced by a LayerNorm"):
         run_redundancy_free(bmodel, partition_redundancy_free(Tree.from_paths([[1, 2, 3], [1, 2, 4]]), 2))
+
+
+@pytest.mark.parametrize("which", ["dense", "hybrid"])
+def test_compiled_varlen_boundary_program_compiles_with_dynamic_shapes(which, dense, hybrid, monkeypatch):
+    """A compiled boundary program with no block mask (the varlen boundary lowering) runs under dynamo's automatic
+    dynamic shapes (``CudaLowering.dynamic``).  Partitions below a long chain, padded to buckets as the CUDA run pads
+    them, fall in four boundary-length buckets.  Static shapes compile each bucket (the dense model: 4 graphs);
+    dynamic ones compile the roots' B = 0 and then one graph with the boundary length symbolic (2), and the hybrid
+    model twice more: its partitions' counts of boundary states run 0, 1, 2, and dynamo specialises sizes 0 and 1.
+    The partitions still give the whole tree's loss, log-probs and every gradient (float64; dynamo's ``aot_eager``
+    backend on the CPU, inductor in the CUDA run).  The flex lowering and whole-tree programs keep static shapes."""
+    import dataclasses
+
+    from torch._dynamo.backends.debugging import aot_eager
+
+    from treecompile.passes import lower_cuda as lc
+    from treecompile.program import bucket_length, compile_lowered, dynamo_config
+
+    model, tmodel, bmodel = dense if which == "dense" else hybrid
+    program = bmodel.program
+    monkeypatch.setattr(lc, "fa4_unusable_reason", lambda q=None: None)
+    monkeypatch.setattr(lc, "varlen_input_reason", lambda q: None)
+
+    def lower(program, kernel, boundary=True):
+        return lc.lower_cuda(program.graph_module, lc.CudaOptions(compile_cuda=True, gdn_kernel="reference",
+                                                                  conv_kernel="reference", attention_kernel=kernel),
+                             boundary=boundary)
+
+    low = lower(program, "fa4_varlen")
+    assert low.dynamic and low.boundary_varlen > 0 and low.attention == 0
+    assert not lower(program, "flex").dynamic and not lower(tmodel.program, "fa4_varlen", boundary=False).dynamic
+    g = torch.Generator().manual_seed(3)
+    chain = torch.randint(1, VOCAB, (700,), generator=g).tolist()
+    paths = [chain[:n] + torch.randint(1, VOCAB, (m,), generator=g).tolist()
+             for n, m in ((700, 30), (120, 40), (300, 25), (520, 35), (650, 20))]
+    tree = Tree.from_paths(paths)
+    whole = _whole(model, tmodel, tree, "token_mean")
+    results = {}
+    for dynamic in (True, False) if which == "dense" else (True,):
+        compiles, shapes = [], set()
+
+        def counting(gm, example_inputs):
+            compiles.append(len(example_inputs))
+            return aot_eager(gm, example_inputs)
+
+        torch._dynamo.reset()
+        run_graph = compile_lowered(dataclasses.replace(low, dynamic=dynamic), low.graph_module, backend=counting)
+
+        def run(batch, boundary_inputs=(), **kw):
+            T = batch.seq_len
+            b, ins = program.padded_call(batch, boundary_inputs, bucket_length(T))
+            mask = program._boundary_mask_args(ins)
+            shapes.add((b.seq_len, mask["num_boundary"]))
+            args = program.batch_args(b) + ins + lc.attention_inputs(b.subtree_end, low, **mask)
+            with torch._dynamo.config.patch(**dynamo_config(program.options)):
+                out = tuple(run_graph(*program.lifted_values(), *args))
+            return program.unpadded_outputs(out, T)
+
+        monkeypatch.setattr(program, "run", run)
+        check_partitioned(model, tmodel, bmodel, tree, 150, "token_mean", whole=whole)
+        results[dynamic] = len(compiles), shapes
+    torch._dynamo.reset()
+    n_dynamic, shapes = results[True]
+    assert {B for _, B in shapes} == {0, 256, 512, 768}, shapes  # the chain's partitions: four boundary buckets
+    assert n_dynamic == (2 if which == "dense" else 4), results
+    if which == "dense":
+        assert results[False][0] == len(shapes) == 4, results

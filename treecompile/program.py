@@ -140,6 +140,16 @@ def dynamo_config(options: CudaOptions) -> dict:
                 capture_dynamic_output_shape_ops=True)
 
 
+def compile_lowered(lowering: CudaLowering, fn, **kwargs):
+    """``fn`` (the lowered graph or a segment of it) as ``lowering`` runs it: itself when it runs eagerly, else under
+    ``torch.compile`` with static shapes (one compile per length bucket), or with dynamo's automatic dynamic shapes
+    where ``lowering.dynamic`` says so (a boundary program with no block mask).  ``kwargs`` go to ``torch.compile``
+    (a test's ``backend``)."""
+    if not lowering.compiled:
+        return fn
+    return torch.compile(fn, dynamic=None if lowering.dynamic else False, **kwargs)
+
+
 class TreeProgram:
     """The rewritten graph of one model and the one way to run it (module docstring)."""
 
@@ -334,7 +344,7 @@ class TreeProgram:
                                   constants=self.constant_inputs(), varlen=varlen)
 
             def wrap(fn):
-                return torch.compile(fn, dynamic=False) if lowering.compiled else fn
+                return compile_lowered(lowering, fn)
 
             run = self.split_graph(lowering.graph_module, wrap=wrap) if self.split_owners \
                 else wrap(lowering.graph_module)

@@ -68,11 +68,12 @@ with its own window over the segments, each gathering at most ``W - 1`` rows of 
 
 The lowering also decides how the copy runs (:class:`CudaLowering`): under ``torch.compile`` with
 static shapes and sequence lengths padded to buckets (``program.bucket_length``: at most one compile
-per bucket), or eagerly.  A *boundary* program is compiled and bucketed like any other:
+per bucket), or eagerly.  A *boundary* program is bucketed like any other:
 ``TreeProgram`` pads its batch to the bucket, moves the ``pred_index``/``conv_index`` entries that read
 boundary rows (``T + r``) past the padding, pads ``boundary_visible`` with 0 (padding tokens see no
-boundary) and the boundary K/V to a bucket of their own with zero rows nobody sees; one compile per
-(T bucket, B bucket, fed hidden rows).  ``attention_layout`` applies to whole-tree programs; a boundary
+boundary) and the boundary K/V to a bucket of their own with zero rows nobody sees.  Under the flex lowering it
+compiles once per (T bucket, B bucket, fed hidden rows); with no block mask (every boundary attention varlen) it
+compiles with dynamo's automatic dynamic shapes (``CudaLowering.dynamic``), about three compiles in all.  ``attention_layout`` applies to whole-tree programs; a boundary
 program attends in DFS order.
 
 Unlike the passes of ``pipeline.py`` it runs at the first CUDA call, not at compile time, and
@@ -232,7 +233,7 @@ class CudaLowering:
     boundary: bool  # a boundary program: the block mask is ops.flex_tree_attention_boundary's
     gdn_fla: int  # tree GDN calls lowered to fla
     triton_head: int  # fused heads lowered to linear_logprobs_triton (when they run chunked)
-    compiled: bool  # run under torch.compile(dynamic=False)
+    compiled: bool  # run under torch.compile: dynamic=False, or dynamo's automatic dynamic shapes (``dynamic``)
     bucket: bool  # pad the batch to bucket_length(T) and cut the outputs back to T
     conv_fla: int = 0  # tree causal convs lowered to fla's varlen conv
     conv_shifts: int = 0  # tree causal convs lowered to shifted products (ops.tree_conv_shifts)
@@ -255,6 +256,12 @@ class CudaLowering:
     # partition's segments, ops/varlen_boundary_attention.py; no block mask: a batch whose segments would gather past
     # ops.varlen_boundary_attention.boundary_segments_fit runs the flex lowering, TreeProgram)
     boundary_varlen: int = 0
+    # compiled with dynamo's automatic dynamic shapes (``torch.compile(dynamic=None)``: the first shape static, the
+    # sizes that change on a recompile symbolic from then on) instead of one static graph per shape: a compiled
+    # boundary program with no block mask (no flex kernel; its ops take symbolic sizes).  Its partitions cost about
+    # three compiles (the roots' B = 0, one more boundary length, one more T bucket) instead of one per (T bucket,
+    # B bucket): 9 programs at 60-70 s each for Qwen3-0.6B's 11 partitions of a 16k tree at C = T/4 (session 55)
+    dynamic: bool = False
     # what the varlen ops keep of their gathered K/V for the backward (ops.varlen_tree_attention.KEEP: "none", "all",
     # "fit"; the windowed ops' under "auto" is "none") and, under "fit", the head's kept logits per token (bytes)
     # that the decision leaves room for
@@ -827,13 +834,14 @@ def lower_cuda(gm: fx.GraphModule, options: CudaOptions, *, boundary: bool = Fal
         new.kwargs = {**new.kwargs, "layers": len(fit_calls)}
     graph.eliminate_dead_code()
     materialized = materialize_position_values(graph, constants, gm) if compiled else 0
+    dynamic = compiled and boundary and attention == 0 and not window_masks
     return CudaLowering(graph_module=fx.GraphModule(gm, graph), attention=attention, materialized=materialized,
                         layout=layout, boundary=boundary, gdn_fla=gdn_fla, triton_head=triton_head,
                         compiled=compiled, bucket=options.bucket, conv_fla=conv_fla, conv_shifts=conv_shifts,
                         moe_grouped=moe_grouped, attention_varlen=attention_varlen,
                         attention_segments_only=segments_only, head_keep=head_kept,
                         windows=tuple(window_masks), windowed_varlen=windowed_varlen,
-                        boundary_varlen=boundary_varlen,
+                        boundary_varlen=boundary_varlen, dynamic=dynamic,
                         attention_keep=keys_keep if attention_varlen else windowed_keep if windowed_varlen else "none",
                         keys_reserve_per_token=reserve,
                         plans=tuple(dict.fromkeys(p for p in plans if p is not None)))
