@@ -18,6 +18,7 @@ redundancy-free executor (``runtime.redundancy_free``, with boundary inputs), sp
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -343,9 +344,7 @@ class TreeProgram:
             lowering = lower_cuda(self.graph_module, self.options, boundary=self.boundary is not None,
                                   constants=self.constant_inputs(), varlen=varlen)
 
-            def wrap(fn):
-                return compile_lowered(lowering, fn)
-
+            wrap = functools.partial(compile_lowered, lowering)
             run = self.split_graph(lowering.graph_module, wrap=wrap) if self.split_owners \
                 else wrap(lowering.graph_module)
             state = _CudaState(lowering, run)

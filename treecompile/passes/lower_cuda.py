@@ -73,8 +73,8 @@ per bucket), or eagerly.  A *boundary* program is bucketed like any other:
 boundary rows (``T + r``) past the padding, pads ``boundary_visible`` with 0 (padding tokens see no
 boundary) and the boundary K/V to a bucket of their own with zero rows nobody sees.  Under the flex lowering it
 compiles once per (T bucket, B bucket, fed hidden rows); with no block mask (every boundary attention varlen) it
-compiles with dynamo's automatic dynamic shapes (``CudaLowering.dynamic``), about three compiles in all.  ``attention_layout`` applies to whole-tree programs; a boundary
-program attends in DFS order.
+compiles with dynamo's automatic dynamic shapes (``CudaLowering.dynamic``), about three compiles in all.
+``attention_layout`` applies to whole-tree programs; a boundary program attends in DFS order.
 
 Unlike the passes of ``pipeline.py`` it runs at the first CUDA call, not at compile time, and
 returns a new graph module: the rewritten graph (the one ``treecompile.save`` writes) is untouched.
@@ -258,9 +258,10 @@ class CudaLowering:
     boundary_varlen: int = 0
     # compiled with dynamo's automatic dynamic shapes (``torch.compile(dynamic=None)``: the first shape static, the
     # sizes that change on a recompile symbolic from then on) instead of one static graph per shape: a compiled
-    # boundary program with no block mask (no flex kernel; its ops take symbolic sizes).  Its partitions cost about
-    # three compiles (the roots' B = 0, one more boundary length, one more T bucket) instead of one per (T bucket,
-    # B bucket): 9 programs at 60-70 s each for Qwen3-0.6B's 11 partitions of a 16k tree at C = T/4 (session 55)
+    # boundary program with no block mask (no flex kernel; its ops take symbolic sizes).  Qwen3-0.6B's 11 partitions
+    # of a 16k tree at C = T/4 compile 3 times (the roots' B = 0 static, then T and B symbolic, then once more for a
+    # range guard inductor adds), where static shapes compiled 9 programs, one per (T bucket, B bucket), at 60-70 s
+    # each (H200, sessions 55-56)
     dynamic: bool = False
     # what the varlen ops keep of their gathered K/V for the backward (ops.varlen_tree_attention.KEEP: "none", "all",
     # "fit"; the windowed ops' under "auto" is "none") and, under "fit", the head's kept logits per token (bytes)

@@ -67,8 +67,8 @@ for b in batches:
     t1 = time.perf_counter()
     out.loss.backward()
     torch.cuda.synchronize()
-    print(f"== batch {b.num_tokens} tokens (seq {b.seq_len}): fwd {t1 - t0:.4f} s, bwd {time.perf_counter() - t1:.4f} s",
-          flush=True)
+    t2 = time.perf_counter()
+    print(f"== batch {b.num_tokens} tokens (seq {b.seq_len}): fwd {t1 - t0:.4f} s, bwd {t2 - t1:.4f} s", flush=True)
 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                         torch.profiler.ProfilerActivity.CUDA]) as prof:
     step()

@@ -1,7 +1,9 @@
-"""Session 56 (from ../h200_s55/probe_rf55.py, its graphs compiled or eager by argv 3): where a redundancy-free step's time goes, boundary attention through FA4's varlen op ("auto")
-against flex's Triton kernel ("flex"), Qwen3-0.6B shape, 16 x 2,048 POR 0.5, C = 4,096 (11 partitions, chain
-bound), bf16, one H200: the median of 3 steps after 2 warm-ups, then one profiled step (kernels by CUDA time, host
-ops by self CPU time).  Usage: python benchmarks/results/h200_s56/probe_rf56.py [auto,flex] [C] [compiled|eager]"""
+"""Session 56, from ../h200_s55/probe_rf55.py: where a redundancy-free step's time goes, eager or compiled graphs
+(argv 3), boundary attention through FA4's varlen op ("auto") or flex's Triton kernel ("flex"), Qwen3-0.6B shape,
+16 x 2,048 POR 0.5, C = 4,096 (11 partitions, chain bound), bf16, one H200: the first step timed, one more, the
+median of 3 steps, then one profiled step (kernels by CUDA time, host ops by self CPU time) and, with
+``--cprofile``, one step under cProfile.
+Usage: python benchmarks/results/h200_s56/probe_rf56.py [auto,flex] [C] [compiled|eager] [--cprofile]"""
 
 import statistics
 import sys
@@ -25,7 +27,8 @@ tree = Tree.from_paths(synthetic_paths(16, 2048, 0.5, vocab=spec.config.vocab_si
 C = int(sys.argv[2]) if len(sys.argv) > 2 else tree.num_tokens // 4
 plan = partition_redundancy_free(tree, C)
 for kernel in kernels:
-    bm = treecompile.compile(model, boundary=True, compile_cuda=len(sys.argv) > 3 and sys.argv[3] == "compiled", attention_kernel=kernel)
+    compiled = len(sys.argv) > 3 and sys.argv[3] == "compiled"
+    bm = treecompile.compile(model, boundary=True, compile_cuda=compiled, attention_kernel=kernel)
 
     def step():
         model.zero_grad(set_to_none=True)
