@@ -380,7 +380,7 @@ from tests.test_fa4_tree_attention import forest_paths
 from tests.test_varlen_boundary_attention import _inputs, piece_visible
 from tests.helpers import count_launches
 
-gathers = count_launches(key_copies, "_gather_keys_kernel")
+gathers = count_launches(key_copies, "_gather_key_values_kernel")  # keys and values, one launch
 sums = count_launches(key_copies, "_sum_copies_kernel")
 tails = count_launches(varlen_tail, "_tail_bwd_kernel")
 torch.use_deterministic_algorithms(True)  # every new tensor NaN-filled: a row no kernel writes would show

@@ -271,6 +271,7 @@ from tests.test_fa4_tree_attention import forest_paths
 from tests.helpers import count_launches
 
 gathers = count_launches(key_copies, "_gather_keys_kernel")
+pairs = count_launches(key_copies, "_gather_key_values_kernel")
 sums = count_launches(key_copies, "_sum_copies_kernel")
 worst = {"gather": 0, "f64": 0.0, "bf16_ulps": 0.0, "configs": 0, "op": 0.0}
 g = torch.Generator().manual_seed(0)
@@ -296,6 +297,19 @@ for rep, D, Hkv, F in [(1, 16, 2, 9), (2, 5, 3, 40), (4, 33, 1, 1)]:
         both = torch.cat([front, src]).index_select(0, index)
         worst["gather"] += not torch.equal(got, both[:, :, None].expand(-1, Hkv, rep, D).reshape(-1, Hkv * rep, D))
 worst["gather"] += len(gathers) != 4 * 2 + 3  # every gather above ran the kernel (none for an empty index)
+# keys and values in one launch: each the single gather's rows, head dims of their own, fronts strided or none
+for rep, Dk, Dv, Hkv, F in [(1, 16, 8, 2, 9), (2, 5, 40, 3, 0), (4, 33, 33, 1, 1), (3, 128, 64, 2, 40)]:
+    k = torch.randn(1, 30, Hkv, Dk, generator=g).to(torch.bfloat16)[0]
+    v = torch.randn(30, 2 * Hkv, Dv, generator=g).to(torch.bfloat16)[:, ::2]  # a head stride of its own
+    front = None
+    if F:
+        front = (torch.randn(F, 2 * Hkv, Dk, generator=g).to(torch.bfloat16)[:, ::2],
+                 torch.randn(F, Hkv, Dv, generator=g).to(torch.bfloat16))
+    index = torch.randint(0, F + 30, (77,), generator=g)
+    got = key_copies.gather_key_values(k, v, index, rep, front)
+    want = [key_copies.gather_keys(x, index, rep, None if front is None else front[i]) for i, x in enumerate((k, v))]
+    worst["gather"] += sum(not torch.equal(a, b) for a, b in zip(got, want))
+worst["gather"] += len(pairs) != 4  # one launch each
 # the sums with the heads of a group: float64 to rounding, bf16 within one unit of the exact sum, every config the same
 plan = vta.segment_plan(Tree.from_paths([[1] * 70 + [2 + i] * 5 for i in range(48)]).to_batch(
     pad_to_multiple=16).subtree_end)
@@ -316,6 +330,7 @@ for rep, D in [(2, 24), (4, 40), (3, 16)]:
 # the op, expanded, in float64 with both kernels: the dense tree mask's gradients, every new tensor NaN-filled
 # (deterministic mode) so that a row no kernel writes would show
 vta.KV_HEADS = "expanded"
+paired = len(pairs)
 torch.use_deterministic_algorithms(True)
 for it in range(4):
     b = Tree.from_paths(forest_paths(120, 3, seed=it)).to_batch(pad_to_multiple=[None, 16][it % 2])
@@ -329,18 +344,19 @@ for it in range(4):
     for x, r in zip(got, ref):
         worst["op"] = max(worst["op"], float((x - r).abs().max() / r.abs().max()))  # NaN fails the comparison
         worst["op"] = worst["op"] if bool(torch.isfinite(x).all()) else float("inf")
-assert len(gathers) >= 4 + 4 and len(sums) >= 3 * 2 * len(key_copies.CONFIGS), (len(gathers), len(sums))
+# the op's keys and values: one launch per forward, and per backward that did not keep them
+assert len(pairs) - paired >= 4 + 2 and len(sums) >= 3 * 2 * len(key_copies.CONFIGS), (len(pairs), len(sums))
 print(repr(worst))
 """
 
 
 def test_expanded_kernels_in_interpreter():
     """The gather and the grouped copy sums through their Triton kernels (Triton's CPU interpreter): the gather is
-    the broadcast rows bit for bit; the sums in float64 within rounding of the exact sum and in bf16 within one
-    bf16 unit (float32 accumulation, rounded once; the interpreter truncates), the same bits under every config;
-    the op expanded in float64 with both kernels equals the dense tree mask, with every new tensor NaN-filled
-    (deterministic mode).  (Triton 3.6's interpreter needs
-    numpy < 2 for the sums' loop over loaded bounds.)"""
+    the broadcast rows bit for bit, and keys and values gathered in one launch are each the single gather's rows; the
+    sums in float64 within rounding of the exact sum and in bf16 within one bf16 unit (float32 accumulation, rounded
+    once; the interpreter truncates), the same bits under every config; the op expanded in float64 with both kernels
+    equals the dense tree mask, with every new tensor NaN-filled (deterministic mode).  (Triton 3.6's interpreter
+    needs numpy < 2 for the sums' loop over loaded bounds.)"""
     pytest.importorskip("triton")
     worst = run_interpreted(_INTERPRETED)
     assert worst["gather"] == 0 and worst["configs"] == 0, worst
@@ -351,9 +367,10 @@ def test_expanded_kernels_in_interpreter():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("rep", [1, 2, 4])
 def test_expanded_kernels_on_cuda(rep):
-    """The gather bitwise on CUDA; the grouped sums of bf16 rows within float32 accumulation's error (a float32 unit
-    of the terms' magnitudes per term) plus half a bf16 unit (the GPU rounds to nearest) of the float64 sum.  (rep 1:
-    the plain sums, each tile's run found by the kernel's binary search over the forest's runs.)"""
+    """The gather bitwise on CUDA (keys and values in one launch too); the grouped sums of bf16 rows within float32
+    accumulation's error (a float32 unit of the terms' magnitudes per term) plus half a bf16 unit (the GPU rounds to
+    nearest) of the float64 sum.  (rep 1: the plain sums, each tile's run found by the kernel's binary search over the
+    forest's runs.)"""
     plan = vta.segment_plan(Tree.from_paths(forest_paths(600, 4, seed=rep)).to_batch(pad_to_multiple=64)
                             .subtree_end.cuda())
     g = torch.Generator(device="cuda").manual_seed(rep)
@@ -365,6 +382,10 @@ def test_expanded_kernels_on_cuda(rep):
     got = key_copies.gather_keys(src, index, rep, front)
     both = torch.cat([front, src]).index_select(0, index)
     assert torch.equal(got, both[:, :, None].expand(-1, -1, rep, -1).flatten(1, 2))
+    # keys and values in one launch (values of head dim 64 here, strided): each the single gather's rows
+    pair = key_copies.gather_key_values(src, src[:, :, :64], index, rep, (front, front[:, :, :64]))
+    assert torch.equal(pair[0], got)
+    assert torch.equal(pair[1], key_copies.gather_keys(src[:, :, :64], index, rep, front[:, :, :64]))
     rows = torch.randn(plan.gathered, 8, 128, generator=g, device="cuda").to(torch.bfloat16)
     out = key_copies.sum_copies(rows, plan.copies, plan.key_index, plan.tail + 9, rep=rep)
     want = torch.zeros(plan.tail + 9, 8, 128, dtype=torch.float64, device="cuda").index_add_(
@@ -422,7 +443,28 @@ def test_lowered_model_with_expanded_kv_heads_equals_the_rewritten_graph(monkeyp
     low = _lower_fa4_varlen(prog, monkeypatch, attention_keys="kept")
     monkeypatch.setattr(vta, "KV_HEADS", "expanded")
     reps = []
-    real = key_copies.gather_keys
-    monkeypatch.setattr(vta, "gather_keys", lambda src, index, rep=1: reps.append(rep) or real(src, index, rep))
+    real = key_copies.gather_key_values
+    monkeypatch.setattr(vta, "gather_key_values",
+                        lambda k, v, index, rep=1, front=None: reps.append(rep) or real(k, v, index, rep, front))
     _assert_lowered_equals_rewritten(prog, low)
     assert reps and set(reps) == {model.config.num_attention_heads // model.config.num_key_value_heads}
+
+
+@pytest.mark.parametrize("rep", [1, 2, 3])
+@pytest.mark.parametrize("with_front", [False, True])
+def test_gather_key_values_equals_a_gather_of_each(rep, with_front):
+    """Keys and values under one index (head dims of their own, strided rows, front rows or none) are each
+    :func:`gather_keys`' rows; fronts of different lengths, or sources with different kv heads, gather each alone."""
+    k, v = _tokens_major(23, 3, 8, seed=rep), torch.randn(23, 6, 6, dtype=torch.float64)[:, ::2]
+    fk = fv = None
+    if with_front:
+        fk, fv = _tokens_major(9, 3, 8, seed=rep + 10), _tokens_major(9, 3, 6, seed=rep + 20)
+    index = torch.randint(0, 32 if with_front else 23, (57,), generator=torch.Generator().manual_seed(rep))
+    got = key_copies.gather_key_values(k, v, index, rep, (fk, fv) if with_front else None)
+    assert torch.equal(got[0], key_copies.gather_keys(k, index, rep, fk))
+    assert torch.equal(got[1], key_copies.gather_keys(v, index, rep, fv))
+    if with_front:
+        got = key_copies.gather_key_values(k, v, index % 28, rep, (fk, fv[:5]))
+        assert torch.equal(got[1], key_copies.gather_keys(v, index % 28, rep, fv[:5]))
+        with pytest.raises(ValueError, match="do not continue src"):
+            key_copies.gather_key_values(k, v, index, rep, (fk, fk))

@@ -106,7 +106,7 @@ from torch import Tensor
 
 from treecompile.host_values import host_copy, to_device_async, to_device_tables
 
-from .key_copies import CopyRuns, copy_run_lists, gather_keys, sum_copies
+from .key_copies import CopyRuns, copy_run_lists, gather_key_values, sum_copies
 from . import fa4_replay
 from .last_batch import LastBatch
 from .logprobs_kept import allocator_bytes, fit_margin_bytes, headroom_bytes
@@ -147,9 +147,7 @@ class SegmentPlan:
         """The key/value rows the varlen kernel reads: each segment's path prefix and itself, gathered; ``rep`` > 1:
         each kv head repeated for that many query heads (``[G, Hkv * rep, D]``, :func:`_kv_rep`); ``front``: (key,
         value) rows in front of the sequence's, which the key index reads first (a partition's boundary rows)."""
-        if front is None:
-            return gather_keys(k_t, self.key_index, rep), gather_keys(v_t, self.key_index, rep)
-        return gather_keys(k_t, self.key_index, rep, front[0]), gather_keys(v_t, self.key_index, rep, front[1])
+        return gather_key_values(k_t, v_t, self.key_index, rep, front)
 
     def pieces(self, device):
         """Per segment: (query rows, gathered key rows, the bottom-right causal ``[n, m]`` visibility)."""
