@@ -862,3 +862,22 @@ def test_packed_fa4_varlen_cudagraphs_compiles_the_packed_step_for_cuda_graphs(m
     for _ in range(2):
         second(first(torch.ones(1, 3)).double()).sum().backward()
     assert all(p.grad is g for p, g in zip(params, grads)) and all(p.grad.abs().sum() > 0 for p in params)
+
+
+def test_redundancy_free_bench_cpu_rows_and_modes(tmp_path):
+    """``benchmarks.redundancy_free_cuda`` on the CPU (float64, graphs run eagerly: the plumbing): ``--modes rf`` runs
+    the whole tree and the RF rows only, each equal to the whole tree; an unknown mode is refused by name."""
+    import json
+
+    from benchmarks import redundancy_free_cuda as bench
+
+    out = tmp_path / "rf"
+    args = ["--device", "cpu", "--model", "dense-tiny", "--paths", "4", "--path-len", "48", "--graphs", "eager",
+            "--bounds", "chain", "--out", str(out)]
+    assert bench.main(args + ["--modes", "rf"]) == 0
+    rows = [json.loads(line) for line in (out / "rf_cuda.jsonl").read_text().splitlines()]
+    assert [r["mode"] for r in rows][0] == "whole" and {r["mode"] for r in rows[1:]} == {"rf"}
+    ran = [r for r in rows[1:] if "error" not in r]
+    assert ran and all(r["loss_rel_diff"] < 1e-12 and r["grad_cos"] > 1 - 1e-12 for r in ran), rows
+    with pytest.raises(SystemExit):
+        bench.main(args + ["--modes", "rf,whole"])
