@@ -249,9 +249,10 @@ def gather_key_values(k: Tensor, v: Tensor, index: Tensor, rep: int = 1,
     fk, fv = (None, None) if front is None else front
     fk, fv = _checked_front(k, index, rep, fk), _checked_front(v, index, rep, fv)
     F = 0 if fk is None else fk.shape[0]
-    if (rep == 1 and fk is None and fv is None) or k.dim() != 3 or v.dim() != 3 or k.shape[1] != v.shape[1] \
-            or F != (0 if fv is None else fv.shape[0]) or k.device != v.device \
-            or not (_kernel_reads(k, fk) and _kernel_reads(v, fv)):
+    # (past the checks, rep > 1 or a front means [T, Hkv, D] rows; rep 1 without fronts is index_select's)
+    one_launch = (rep > 1 or fk is not None) and F == (0 if fv is None else fv.shape[0]) \
+        and k.shape[1] == v.shape[1] and k.device == v.device and _kernel_reads(k, fk) and _kernel_reads(v, fv)
+    if not one_launch:
         return gather_keys(k, index, rep, fk), gather_keys(v, index, rep, fv)
     index = index.to(torch.int64).contiguous()
     G, Hkv, Dk, Dv = index.numel(), k.shape[1], k.shape[2], v.shape[2]

@@ -256,13 +256,6 @@ class CudaLowering:
     # partition's segments, ops/varlen_boundary_attention.py; no block mask: a batch whose segments would gather past
     # ops.varlen_boundary_attention.boundary_segments_fit runs the flex lowering, TreeProgram)
     boundary_varlen: int = 0
-    # compiled with dynamo's automatic dynamic shapes (``torch.compile(dynamic=None)``: the first shape static, the
-    # sizes that change on a recompile symbolic from then on) instead of one static graph per shape: a compiled
-    # boundary program with no block mask (no flex kernel; its ops take symbolic sizes).  Qwen3-0.6B's 11 partitions
-    # of a 16k tree at C = T/4 compile 3 times (the roots' B = 0 static, then T and B symbolic, then once more for a
-    # range guard inductor adds), where static shapes compiled 9 programs, one per (T bucket, B bucket), at 60-70 s
-    # each (H200, sessions 55-56)
-    dynamic: bool = False
     # what the varlen ops keep of their gathered K/V for the backward (ops.varlen_tree_attention.KEEP: "none", "all",
     # "fit"; the windowed ops' under "auto" is "none") and, under "fit", the head's kept logits per token (bytes)
     # that the decision leaves room for
@@ -271,6 +264,16 @@ class CudaLowering:
     # the per-batch host plans of the graph's ops, one per distinct input (:func:`prepare_plans`: built ahead of a
     # step): VarlenPlanInput, GdnPlanInput, ConvPlanInput
     plans: tuple = ()
+
+    @property
+    def dynamic(self) -> bool:
+        """Compiled with dynamo's automatic dynamic shapes (``torch.compile(dynamic=None)``: the first shape static,
+        the sizes that change on a recompile symbolic from then on) instead of one static graph per shape: a compiled
+        boundary program with no block mask (no flex kernel; its ops take symbolic sizes).  Qwen3-0.6B's 11
+        partitions of a 16k tree at C = T/4 compile 3 times (the roots' B = 0 static, then T and B symbolic, then
+        once more for a range guard inductor adds), where static shapes compiled 9 programs, one per (T bucket, B
+        bucket), at 60-70 s each (H200, sessions 55-56)."""
+        return self.compiled and self.boundary and self.attention == 0 and not self.windows
 
 
 @dataclass(frozen=True)
@@ -835,14 +838,13 @@ def lower_cuda(gm: fx.GraphModule, options: CudaOptions, *, boundary: bool = Fal
         new.kwargs = {**new.kwargs, "layers": len(fit_calls)}
     graph.eliminate_dead_code()
     materialized = materialize_position_values(graph, constants, gm) if compiled else 0
-    dynamic = compiled and boundary and attention == 0 and not window_masks
     return CudaLowering(graph_module=fx.GraphModule(gm, graph), attention=attention, materialized=materialized,
                         layout=layout, boundary=boundary, gdn_fla=gdn_fla, triton_head=triton_head,
                         compiled=compiled, bucket=options.bucket, conv_fla=conv_fla, conv_shifts=conv_shifts,
                         moe_grouped=moe_grouped, attention_varlen=attention_varlen,
                         attention_segments_only=segments_only, head_keep=head_kept,
                         windows=tuple(window_masks), windowed_varlen=windowed_varlen,
-                        boundary_varlen=boundary_varlen, dynamic=dynamic,
+                        boundary_varlen=boundary_varlen,
                         attention_keep=keys_keep if attention_varlen else windowed_keep if windowed_varlen else "none",
                         keys_reserve_per_token=reserve,
                         plans=tuple(dict.fromkeys(p for p in plans if p is not None)))
