@@ -468,3 +468,99 @@ def test_gather_key_values_equals_a_gather_of_each(rep, with_front):
         assert torch.equal(got[1], key_copies.gather_keys(v, index % 28, rep, fv[:5]))
         with pytest.raises(ValueError, match="do not continue src"):
             key_copies.gather_key_values(k, v, index, rep, (fk, fk))
+
+
+# ---------------------------------------------------------------- the block-sparse plan with K/V expanded
+def _count_block_sparse_keys(monkeypatch) -> list:
+    """The ``rep`` of every K/V read of a block-sparse plan while the test runs."""
+    calls, keys = [], vta.BlockSparsePlan.keys
+
+    def counted(self, k_t, v_t, rep=1):
+        calls.append(rep)
+        return keys(self, k_t, v_t, rep)
+
+    monkeypatch.setattr(vta.BlockSparsePlan, "keys", counted)
+    return calls
+
+
+@pytest.mark.parametrize("H,Hkv", [(4, 2), (6, 2), (3, 3)])
+@pytest.mark.parametrize("layout,pad_to", [("dfs", None), ("dfs", 32), ("heavy_first", 48)])
+def test_expanded_block_sparse_plan_equals_the_tree_mask(H, Hkv, layout, pad_to, monkeypatch):
+    """Under ``KV_HEADS = "expanded"`` a block-sparse plan hands the kernels each kv head repeated for its query heads
+    (in either token order: the heavy-first plan gathers them permuted) and adds a group's per-head key/value
+    gradients after the backward: out and q/k/v gradients equal the dense tree mask's in float64 (a deep tree in
+    lexicographic order, so heavy-first is a real permutation; padded or not), and both the forward and the backward
+    read the expanded rows."""
+    from tests.test_varlen_tree_attention import _batch, _deep_paths
+
+    monkeypatch.setattr(vta, "VARLEN_GATHER_LIMIT", 0.0)
+    monkeypatch.setattr(vta, "BLOCK_SPARSE_LAYOUT", layout)
+    monkeypatch.setattr(vta, "KV_HEADS", "expanded")
+    b = _batch(_deep_paths(8, 2), pad_to, order="lex")
+    se = b.subtree_end.clone()
+    q, k, v = _qkv(b.seq_len, H, Hkv, 8, seed=H * 10 + Hkv)
+    plan = vta._plan(se, q)
+    assert isinstance(plan, vta.BlockSparsePlan) and (plan.order is not None) == (layout == "heavy_first")
+    do = torch.randn(1, H, b.seq_len, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(H))
+    calls = _count_block_sparse_keys(monkeypatch)
+    got = out_and_grads(lambda q, k, v: torch.ops.treecompile.tree_attention_varlen_fwd(q, k, v, se, 0.3)[0],
+                        q, k, v, do, torch.float64)
+    assert calls == [H // Hkv] * 2  # the forward's rows and the backward's, expanded
+    ref = out_and_grads(lambda q, k, v: tree_attention_reference(q, k, v, se, scale=0.3), q, k, v, do, torch.float64)
+    for name, x, r in zip(("out", "dq", "dk", "dv"), got, ref):
+        torch.testing.assert_close(x, r, rtol=1e-12, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize("rep", [2, 3])
+@pytest.mark.parametrize("ordered", [False, True])
+def test_block_sparse_keys_repeat_each_kv_head_in_the_kernels_order(rep, ordered):
+    """:meth:`BlockSparsePlan.keys` with ``rep``: the sequence's rows in the kernels' order (permuted or not), each kv
+    head repeated for its query heads, keys and values alike (values of another head dim)."""
+    T = 19
+    order = None
+    if ordered:
+        perm = torch.randperm(T, generator=torch.Generator().manual_seed(rep))
+        order = torch.stack([perm, torch.argsort(perm)])
+    plan = vta.BlockSparsePlan(subtree_end=torch.full((T,), T), mask_end=None, sparse=None, gathered=0, tail=T,
+                               order=order)
+    k, v = _tokens_major(T, 2, 8, seed=1), _tokens_major(T, 2, 5, seed=2)
+    rows = torch.arange(T) if order is None else order[0]
+    got = plan.keys(k, v, rep)
+    assert torch.equal(got[0], _expected_gather(k, rows, rep)) and torch.equal(got[1], _expected_gather(v, rows, rep))
+    assert all(torch.equal(x, y) for x, y in zip(plan.keys(k, v), (k[rows], v[rows])))
+
+
+@pytest.mark.parametrize("H,Hkv", [(4, 2), (16, 8), (32, 8)])
+def test_auto_keeps_the_groups_of_a_block_sparse_plan(H, Hkv, monkeypatch):
+    """``"auto"`` expands a block-sparse plan's groups up to :data:`BLOCK_SPARSE_EXPAND_MAX_GROUP` (its own bound,
+    apart from the segments'); ``"expanded"`` and ``"grouped"`` force either form on both plans."""
+    want = H // Hkv if H // Hkv <= vta.BLOCK_SPARSE_EXPAND_MAX_GROUP else 1
+    assert vta._kv_rep(H, Hkv, block_sparse=True) == want
+    monkeypatch.setattr(vta, "BLOCK_SPARSE_EXPAND_MAX_GROUP", 0)
+    assert vta._kv_rep(H, Hkv, block_sparse=True) == 1 and vta._kv_rep(H, Hkv) == (2 if H // Hkv == 2 else 1)
+    for setting, rep in (("expanded", H // Hkv), ("grouped", 1)):
+        monkeypatch.setattr(vta, "KV_HEADS", setting)
+        assert vta._kv_rep(H, Hkv, block_sparse=True) == rep == vta._kv_rep(H, Hkv)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpu_reason() is not None, reason=str(_gpu_reason()))
+@pytest.mark.parametrize("T,roots,pad_to,H,Hkv,D", [(1000, 3, 1024, 4, 2, 128), (2900, 1, 3072, 16, 8, 128),
+                                                   (1500, 2, None, 8, 2, 64)])
+@pytest.mark.parametrize("layout", ["dfs", "heavy_first"])
+def test_fa4_block_sparse_expanded_kv_heads_vs_fp64_oracle(T, roots, pad_to, H, Hkv, D, layout, monkeypatch):
+    """FA4's block-sparse kernels with K/V expanded to the query heads (the plan forced: gather limit 0), in either
+    token order: bf16 output and q/k/v gradients within 2x the bf16 dense kernel's error against the float64
+    dense-mask oracle."""
+    from tests.test_fa4_tree_attention import assert_bf16_tree_kernel_near_oracle
+
+    monkeypatch.setattr(vta, "KV_HEADS", "expanded")
+    monkeypatch.setattr(vta, "VARLEN_GATHER_LIMIT", 0.0)
+    monkeypatch.setattr(vta, "BLOCK_SPARSE_LAYOUT", layout)
+    calls = _count_block_sparse_keys(monkeypatch)
+
+    def attend(b, scale):
+        return lambda q, k, v: torch.ops.treecompile.tree_attention_varlen_fwd(q, k, v, b.subtree_end, scale)[0]
+
+    assert_bf16_tree_kernel_near_oracle(attend, T, roots, pad_to, H, Hkv, D)
+    assert calls and set(calls) == {H // Hkv}
