@@ -175,13 +175,9 @@ class BlockSparsePlan:
     # kernels' position i, order[1][t] the kernels' position of the batch's token t; None: the batch's order
     order: Tensor | None = None
 
-    def keys(self, k_t: Tensor, v_t: Tensor, rep: int = 1) -> tuple[Tensor, Tensor]:
-        """The sequence's own key/value rows (the mask picks them), in the kernels' order, each kv head repeated
-        ``rep`` times (``[T, Hkv * rep, D]``: :func:`_kv_rep`; one gather of both where ``rep > 1``)."""
-        if rep == 1:
-            return self.to_kernel(k_t), self.to_kernel(v_t)
-        rows = self.order[0] if self.order is not None else torch.arange(k_t.shape[0], device=k_t.device)
-        return gather_key_values(k_t, v_t, rows, rep)
+    def keys(self, k_t: Tensor, v_t: Tensor) -> tuple[Tensor, Tensor]:
+        """The sequence's own key/value rows (the mask picks them), in the kernels' order."""
+        return self.to_kernel(k_t), self.to_kernel(v_t)
 
     def to_kernel(self, x: Tensor, dim: int = 0) -> Tensor:
         """``x`` (tokens along ``dim``, the batch's order) in the kernels' order."""
@@ -237,10 +233,6 @@ KV_HEADS_CHOICES = ("auto", "grouped", "expanded")
 # 16 x 2,048 (its kernels 736.8 against 728.8 ms: the gather and sums of four copies cost what FA4's backward saves).
 # Groups of 3 or 5+ are unmeasured and stay grouped.
 EXPAND_MAX_GROUP = 2
-# "auto"'s largest group to expand in a block-sparse plan (the sequence's own K/V rows, each kv head repeated for its
-# query heads by one gather; FA4's block-sparse backward then writes per-head dK/dV, added per group after it, where
-# grouped it accumulates them in float32 buffers with atomics and converts them).  0: "auto" keeps the groups there.
-BLOCK_SPARSE_EXPAND_MAX_GROUP = 0
 # The walk's per-run checks and lists (:func:`_walk`): Python loops in C over the runs up to this many runs, a few
 # tensor ops over them past it.  A tree has about two runs per leaf (125 at 64 x 2,048 POR 0.5), where the loops
 # cost less than the ops' dispatch; trees of very short nodes have thousands (17k at 64k tokens of 1-4-token nodes),
@@ -947,15 +939,13 @@ def _check_keep(keep: str) -> None:
         raise ValueError(f"tree_attention_varlen: keep must be one of {KEEP}, got {keep!r}")
 
 
-def _kv_rep(H: int, Hkv: int, block_sparse: bool = False) -> int:
-    """How many times a plan's K/V rows repeat each kv head under :data:`KV_HEADS`: the query heads per kv head when
-    "expanded", or "auto" with groups of at most :data:`EXPAND_MAX_GROUP` (a segment plan) or
-    :data:`BLOCK_SPARSE_EXPAND_MAX_GROUP` (a block-sparse plan); else 1."""
+def _kv_rep(H: int, Hkv: int) -> int:
+    """How many times a segment plan's gather repeats each kv head under :data:`KV_HEADS`: the query heads per kv
+    head when "expanded", or "auto" with groups of at most :data:`EXPAND_MAX_GROUP`; else 1."""
     if KV_HEADS not in KV_HEADS_CHOICES:
         raise ValueError(f"varlen_tree_attention.KV_HEADS: expected one of {KV_HEADS_CHOICES}, got {KV_HEADS!r}")
     group = H // Hkv
-    auto_max = BLOCK_SPARSE_EXPAND_MAX_GROUP if block_sparse else EXPAND_MAX_GROUP
-    if KV_HEADS == "expanded" or (KV_HEADS == "auto" and group <= auto_max):
+    if KV_HEADS == "expanded" or (KV_HEADS == "auto" and group <= EXPAND_MAX_GROUP):
         return group
     return 1
 
@@ -1051,7 +1041,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, plan, scale: float, keep: bool = F
         raise AssertionError("_forward: rows in front need a segment plan (internal error)")
     if n:  # a segment plan's rows as KV_HEADS says; the block-sparse plan's in place, in its order
         keys = (plan.keys(k_t, v_t, _kv_rep(H, k_t.shape[1]), front) if isinstance(plan, SegmentPlan)
-                else plan.keys(k_t, v_t, _kv_rep(H, k_t.shape[1], block_sparse=True)))
+                else plan.keys(k_t, v_t))
     # keep: only a segment plan (keeps_keys); rows expanded to the query heads are kept as [G * rep, Hkv, D] views
     # (the op's declared layout: the backward tells them apart by their count)
     kept = _as_kept(keys, k_t.shape[1]) if keep and keys is not None else _no_keys(k_t, v_t)
@@ -1129,13 +1119,9 @@ def _backward_grads(q, k, v, out, lse, dout, plan, scale: float, kept_k: Tensor 
     n = plan.tail
     q_t, k_t, v_t, dout_t = _tokens_major(q), _tokens_major(k), _tokens_major(v), _tokens_major(dout)
     if isinstance(plan, BlockSparsePlan):  # every key once (no copies to sum), every query the kernel's
-        Hkv = k_t.shape[1]
-        rep = _kv_rep(q_t.shape[1], Hkv, block_sparse=True)
-        dq, dk, dv = _bwd(plan.to_kernel(q_t), *plan.keys(k_t, v_t, rep), plan.to_kernel(_tokens_major(out)),
-                          plan.to_kernel(dout_t), plan.to_kernel(lse, 1).contiguous(), plan, scale)
-        if rep > 1:  # per query head: a group's heads added (float32 accumulation, one rounding)
-            dk, dv = (g.unflatten(1, (Hkv, rep)).sum(2) for g in (dk, dv))
-        return tuple(_heads_major(plan.to_batch(g)) for g in (dq, dk, dv))
+        grads = _bwd(plan.to_kernel(q_t), *plan.keys(k_t, v_t), plan.to_kernel(_tokens_major(out)),
+                     plan.to_kernel(dout_t), plan.to_kernel(lse, 1).contiguous(), plan, scale)
+        return tuple(_heads_major(plan.to_batch(g)) for g in grads)
     T, H = q_t.shape[0], q_t.shape[1]
     F = 0 if front is None else front[0].shape[0]
     if not n:

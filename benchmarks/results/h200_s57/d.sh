@@ -5,6 +5,15 @@
 #   bash d.sh attn57   bench_fa4_attention on the block-sparse trees (deep-16k, deep-32k, deep-agent): fa4_varlen
 #                      ("auto") against fa4_varlen_kv_expanded (K/V expanded to the query heads), FA4 causal at each T
 #                      ($OUT/attn57/, $OUT/attn57_log.txt)
+#   bash d.sh sweep57  bench_fa4_attention's fa4_varlen ("auto", the lowering's default on Hopper) and paths_fa4_varlen (FA4's
+#                      varlen causal kernel over the same tree's paths: what the baselines run) on every tree shape of
+#                      the target: synthetic POR 0.5 / 0.75 / 0.9 at 16k, 32k, 64k, the harness's 16 and 32 x 2,048
+#                      POR 0.5, deep-16k, deep-32k, deep-agent, parallel-tools ($OUT/sweep57/, $OUT/sweep57_log.txt)
+#   bash d.sh por57 P POR   prof_step on Qwen3-0.6B, P x 2,048 paths at POR (the synthetic POR sweep, dense): packed
+#                      FA4 varlen and `tree` in one process, ITERS steps (default 10) ($OUT/o57_PxPOR.txt)
+#   bash d.sh lim57    bench_fa4_attention on the end-to-end POR sweep's trees (32 / 64 x 2,048 POR 0.75, 80 / 160 x 2,048
+#                      POR 0.9): fa4_varlen ("auto": block-sparse past VARLEN_GATHER_LIMIT x T gathered rows), the
+#                      segments forced (fa4_segments) and the paths ($OUT/lim57/, $OUT/lim57_log.txt)
 #   bash d.sh deep57   prof_step on deep-agent (Qwen3-0.6B): `tree` against `tree_kv_expanded` in one process
 #                      ($OUT/o57_deep-agent.txt)
 mode=$1
@@ -18,6 +27,20 @@ elif [ "$mode" = attn57 ]; then
   timeout ${T:-300} python benchmarks/bench_fa4_attention.py --sizes "" --deep deep-16k,deep-32k \
     --agentic deep-agent --contenders fa4_varlen,fa4_varlen_kv_expanded --out $OUT/attn57 2>&1 \
     | grep -v -i 'warn\|aux_data\|exe_args\|TileLang' | tee $OUT/attn57_log.txt | tail -16
+elif [ "$mode" = sweep57 ]; then
+  source benchmarks/results/h100_s18/pre.sh
+  timeout ${T:-540} python benchmarks/bench_fa4_attention.py --sizes 16384,32768,65536 --pors 0.5,0.75,0.9 \
+    --deep deep-16k,deep-32k --agentic deep-agent,parallel-tools --harness 16x2048@0.5,32x2048@0.5 \
+    --contenders fa4_varlen,paths_fa4_varlen --out $OUT/sweep57 2>&1 \
+    | grep -v -i 'warn\|aux_data\|exe_args\|TileLang' | tee $OUT/sweep57_log.txt | tail -45
+elif [ "$mode" = por57 ]; then
+  bash benchmarks/results/h200_s40/d.sh prof o57_${2}x${3} ${T:-400} --model qwen3-0.6b --paths $2 --path-len 2048 \
+    --por $3 --contenders packed_fa4_varlen tree --iters ${ITERS:-10}
+elif [ "$mode" = lim57 ]; then
+  source benchmarks/results/h100_s18/pre.sh
+  timeout ${T:-300} python benchmarks/bench_fa4_attention.py --sizes "" --deep none \
+    --harness 32x2048@0.75,64x2048@0.75,80x2048@0.9,160x2048@0.9 --contenders fa4_varlen,fa4_segments,paths_fa4_varlen \
+    --out $OUT/lim57 2>&1 | grep -v -i 'warn\|aux_data\|exe_args\|TileLang' | tee $OUT/lim57_log.txt | tail -30
 elif [ "$mode" = deep57 ]; then
   bash benchmarks/results/h200_s40/d.sh prof o57_deep-agent ${T:-400} --model qwen3-0.6b --agentic deep-agent \
     --contenders ${C:-tree tree_kv_expanded} --iters 10
