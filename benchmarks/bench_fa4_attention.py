@@ -13,6 +13,9 @@ model's layout: ``[B, T, H, D]`` storage viewed as ``[B, H, T, D]``):
   and scatter timed), or, where the segments would gather more than ``VARLEN_GATHER_LIMIT`` x T rows, FA4's
   block-sparse kernels under the tree mask; the row's ``plan`` says which;
 - ``fa4_segments``: the same op held to the segments whatever they gather (the varlen kernel's own rate);
+- ``fa4_block_sparse``: the same op held to its block-sparse plan whatever the segments would gather (FA4's
+  block-sparse kernels under the tree mask, the op's own call): with ``fa4_segments``, both sides of
+  ``VARLEN_GATHER_LIMIT`` on one tree;
 - ``fa4_varlen_heavy_first``: ``fa4_varlen`` with its block-sparse plan in the heaviest-child-first order
   (``varlen_tree_attention.BLOCK_SPARSE_LAYOUT = "heavy_first"``: q/k/v permuted in and the output back inside the
   op, timed); the same as ``fa4_varlen`` where the tree takes the segments;
@@ -26,6 +29,9 @@ model's layout: ``[B, T, H, D]`` storage viewed as ``[B, H, T, D]``):
   gather (``varlen_tree_attention.KV_HEADS = "expanded"``: FA4's backward writes per-head dK/dV, no float32
   accumulators over the gathered rows); the same as ``fa4_varlen`` where the tree takes the block-sparse plan or
   H == Hkv, and where "auto" (the default since session 53) expands already, groups of at most two;
+- ``fa4_varlen_unkept_block_sparse``: ``fa4_varlen`` with its forward on FA4's block-sparse kernels where a segment
+  plan keeps no rows (``varlen_tree_attention.UNKEPT_FORWARD = "block_sparse"``; the bench keeps none): no gather in
+  the forward, the segments' backward (which gathers) as before;
 - ``fa4_varlen_kv_grouped``: ``fa4_varlen`` with the model's kv heads whatever the group size (``KV_HEADS =
   "grouped"``, the default before session 53);
 - ``fa4_flex_heavy``: ``fa4_flex`` in the heaviest-first order (``attention_layout="heavy_first"``,
@@ -223,6 +229,12 @@ def segments_only(fn, *args):
     return _with_op_setting("VARLEN_GATHER_LIMIT", float("inf"), fn, *args)
 
 
+def block_sparse_only(fn, *args):
+    """``fn(*args)`` with the varlen op held to its block-sparse plan (where FA4's block-sparse tiles take the head
+    dim; else the segments, as the op chooses)."""
+    return _with_op_setting("VARLEN_GATHER_LIMIT", 0.0, fn, *args)
+
+
 def block_sparse_heavy_first(fn, *args, **kw):
     """``fn(*args, **kw)`` with the varlen op's block-sparse plan in the heaviest-child-first order (the op keeps its
     plan per order)."""
@@ -246,6 +258,11 @@ def kv_expanded(fn, *args, **kw):
     return _with_op_setting("KV_HEADS", "expanded", fn, *args, **kw)
 
 
+def unkept_block_sparse(fn, *args, **kw):
+    """``fn(*args, **kw)`` with the varlen op's forwards that keep no rows on the block-sparse kernels."""
+    return _with_op_setting("UNKEPT_FORWARD", "block_sparse", fn, *args, **kw)
+
+
 def kv_grouped(fn, *args, **kw):
     """``fn(*args, **kw)`` with the varlen op's segments handing the kernel the model's kv heads (forward and
     backward)."""
@@ -254,7 +271,8 @@ def kv_grouped(fn, *args, **kw):
 
 # the varlen op's rows timed under one of its module settings: row name -> the wrapper that sets it
 SETTING_ROWS = {"fa4_varlen_index_add": index_add_sums, "fa4_varlen_heavy_first": block_sparse_heavy_first,
-                "fa4_varlen_kv_expanded": kv_expanded, "fa4_varlen_kv_grouped": kv_grouped}
+                "fa4_varlen_kv_expanded": kv_expanded, "fa4_varlen_kv_grouped": kv_grouped,
+                "fa4_varlen_unkept_block_sparse": unkept_block_sparse}
 
 
 def plan_kind(se, q) -> str:
@@ -281,12 +299,17 @@ def tree_fns(se, bm, which, heavy=None):
         out["fa4_varlen_kv_expanded"] = lambda q, k, v: tree_attention_varlen(q, k, v, se)
     if "fa4_varlen_kv_grouped" in which:
         out["fa4_varlen_kv_grouped"] = lambda q, k, v: tree_attention_varlen(q, k, v, se)
+    if "fa4_varlen_unkept_block_sparse" in which:
+        out["fa4_varlen_unkept_block_sparse"] = lambda q, k, v: tree_attention_varlen(q, k, v, se)
     if "fa4_varlen_heavy_first" in which:  # main() runs its row in that order (the backward too)
         se_hf = se.clone()  # a tensor of its own: the op keeps one plan per subtree_end tensor
         out["fa4_varlen_heavy_first"] = lambda q, k, v: tree_attention_varlen(q, k, v, se_hf)
     if "fa4_segments" in which:  # a tensor of its own: the op keeps one plan per subtree_end tensor
         se_seg = se.clone()
         out["fa4_segments"] = lambda q, k, v: segments_only(tree_attention_varlen, q, k, v, se_seg)
+    if "fa4_block_sparse" in which:  # a tensor of its own, as fa4_segments'
+        se_bs = se.clone()
+        out["fa4_block_sparse"] = lambda q, k, v: block_sparse_only(tree_attention_varlen, q, k, v, se_bs)
     if "fa4_prefix_block" in which:  # the prototype: each tree's shared prefix as one full block, read in place
         from prefix_block_attention import prefix_block_attention
 
@@ -309,7 +332,7 @@ def tree_fns(se, bm, which, heavy=None):
 
 # the tree contenders (module docstring); FA4's and cuDNN's causal kernels run at every T as the reference
 CONTENDERS = ("flex_triton", "fa4_flex", "fa4_direct", "fa4_varlen", "fa4_varlen_index_add", "fa4_varlen_heavy_first",
-              "fa4_varlen_kv_expanded", "fa4_varlen_kv_grouped", "fa4_segments", "fa4_prefix_block", "fa4_flex_heavy",
+              "fa4_varlen_kv_expanded", "fa4_varlen_kv_grouped", "fa4_varlen_unkept_block_sparse", "fa4_segments", "fa4_block_sparse", "fa4_prefix_block", "fa4_flex_heavy",
               "fa4_flex_heavy_kernel", "flex_triton_heavy", "paths_fa4_varlen")
 
 
@@ -416,6 +439,8 @@ def main() -> None:
                 r = row(case, name, fn, q, k, v, do, nnz, se)
             if name == "fa4_varlen" or name == "fa4_segments" or name in SETTING_ROWS:
                 r["plan"] = "segments" if name == "fa4_segments" else plan_kind(se, q)
+            if name == "fa4_block_sparse":  # the plan its own subtree_end got under the forced limit
+                r["plan"] = "block_sparse" if fa4.fa4_input_reason(q) is None else "segments"
             if name == "fa4_prefix_block":
                 from prefix_block_attention import prefix_block_plan
 

@@ -117,15 +117,17 @@ TREE_CONTENDERS = ("tree", "tree_heavy_first", "tree_fa4_varlen", "tree_fa4_flex
                    "tree_conv_shifts_inductor", "tree_head_chunked", "tree_head_kept", "tree_keys_gathered",
                    "tree_fa4_interface", "tree_fa4_bwd_interface", "tree_cpp_wrapper", "tree_cudagraphs",
                    "tree_driver_reads", "tree_deterministic", "tree_block_sparse_heavy_first", "tree_lex",
-                   "tree_kv_expanded", "tree_kv_grouped", "tree_packed", "tree_rf")
+                   "tree_kv_expanded", "tree_kv_grouped", "tree_unkept_block_sparse",
+                   "tree_keys_gathered_block_sparse_forward", "tree_packed", "tree_rf")
 CONTENDERS = BASELINES + TREE_CONTENDERS
 # run when named only: the C++ wrapper's first step compiles for minutes (417 s on the 0.6B, session 43), the CUDA
 # graphs' contender was measured slower (session 45; its packed counterpart is not yet measured), and the
-# driver-reads, deterministic, block-sparse-order, backward-interface and expanded/grouped-K/V trees and the
-# lexicographic serialisation are A/Bs of one setting against ``tree``
+# driver-reads, deterministic, block-sparse-order, backward-interface, expanded/grouped-K/V and block-sparse-forward
+# trees and the lexicographic serialisation are A/Bs of one setting against ``tree``
 ON_REQUEST = ("tree_cpp_wrapper", "tree_cudagraphs", "packed_fa4_varlen_cudagraphs", "tree_driver_reads",
               "tree_deterministic", "tree_block_sparse_heavy_first", "tree_lex", "tree_fa4_bwd_interface",
-              "tree_kv_expanded", "tree_kv_grouped")
+              "tree_kv_expanded", "tree_kv_grouped", "tree_unkept_block_sparse",
+              "tree_keys_gathered_block_sparse_forward")
 DEFAULT_CONTENDERS = tuple(c for c in CONTENDERS if c not in ON_REQUEST)
 
 
@@ -565,6 +567,17 @@ def _with_kv_heads(step: Callable, kv_heads: str) -> Callable:
     return _with_setting(step, varlen_tree_attention, "KV_HEADS", kv_heads)
 
 
+def _with_unkept_forward(step: Callable, forward: str) -> Callable:
+    """``step`` with the varlen op's forwards that keep no rows run as ``forward`` (one of
+    ``varlen_tree_attention.UNKEPT_FORWARD_CHOICES``) while it runs; refused at once if not one of those."""
+    from treecompile.ops import varlen_tree_attention
+
+    if forward not in varlen_tree_attention.UNKEPT_FORWARD_CHOICES:
+        raise ValueError(f"unkept_forward: expected one of {varlen_tree_attention.UNKEPT_FORWARD_CHOICES}, "
+                         f"got {forward!r}")
+    return _with_setting(step, varlen_tree_attention, "UNKEPT_FORWARD", forward)
+
+
 def _without_fa4_replay(step: Callable, setting: str = "ENABLED") -> Callable:
     """``step`` with ``ops.fa4_replay`` off while it runs: ``setting`` "ENABLED" (FA4's interfaces on every layer,
     forward and backward) or "BACKWARD" (the backward's only)."""
@@ -991,6 +1004,19 @@ class Steps:
         FA4's backward 1.303 -> 1.082 ms).  The same TreeModel as ``tree`` (CUDA)."""
         return self._cuda_tree_step("the varlen op's K/V heads", kv_heads="expanded")
 
+    def tree_unkept_block_sparse(self):
+        """``tree`` with the varlen op's forwards that keep no rows for the backward run on FA4's block-sparse kernels
+        (``varlen_tree_attention.UNKEPT_FORWARD = "block_sparse"``: no gather in the forward; the backward gathers
+        and runs the segments, as for any forward that kept none).  Layers whose rows "auto" keeps run as in ``tree``
+        (the forward gathers them anyway); the first layer of a forward never keeps (CUDA)."""
+        return self._cuda_tree_step("the varlen op's forward", unkept_forward="block_sparse")
+
+    def tree_keys_gathered_block_sparse_forward(self):
+        """``tree_keys_gathered`` (no rows kept) with every forward on FA4's block-sparse kernels, as
+        ``tree_unkept_block_sparse`` runs them: against ``tree``, what keeping the rows is worth when the forward
+        need not gather them (CUDA)."""
+        return self._cuda_tree_step("the varlen op's forward", keys="gathered", unkept_forward="block_sparse")
+
     def tree_kv_grouped(self):
         """``tree`` with the varlen op's segments handing FA4 the model's kv heads whatever the group size
         (``varlen_tree_attention.KV_HEADS = "grouped"``, the default before session 53): the A/B of "auto"'s
@@ -1010,7 +1036,7 @@ class Steps:
 
     def tree_step(self, layout="dfs", kernel="auto", conv="auto", head="auto", keys="auto", replay=True,
                   cpp_wrapper=False, driver_reads=False, deterministic=False, cudagraphs=False,
-                  block_sparse_layout=None, order=None, kv_heads=None):
+                  block_sparse_layout=None, order=None, kv_heads=None, unkept_forward=None):
         from treecompile import Tree
 
         if replay not in (True, False, "forward"):
@@ -1040,6 +1066,8 @@ class Steps:
             step = _with_block_sparse_layout(step, block_sparse_layout)
         if kv_heads is not None:
             step = _with_kv_heads(step, kv_heads)
+        if unkept_forward is not None:
+            step = _with_unkept_forward(step, unkept_forward)
         return step, tree.num_tokens, _tree_entries([batch.position_ids[:tree.num_tokens]])
 
     def tree_packed(self):

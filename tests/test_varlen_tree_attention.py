@@ -2066,3 +2066,152 @@ def test_plans_are_checked_by_nesting_and_proven_only_when_asked(monkeypatch):
         bad = torch.tensor([4, 2, 5, 4, 6, 6])  # token 2's subtree [2, 5) sticks out of token 0's [0, 4)
         with pytest.raises(ValueError, match=r"not the DFS layout of a forest at token 2 "):
             vta.tree_attention_plan(bad, block_sparse=False)
+
+
+# ------------------------------------------------- the forward without kept rows on the block-sparse plan (CPU, GPU)
+def _record_plans(monkeypatch) -> dict:
+    """The plan kind of every forward and backward of the op while the test runs."""
+    from treecompile.ops import varlen_tree_attention as vta
+
+    seen = {"forward": [], "backward": []}
+    fwd, bwd = vta._forward, vta._backward_grads
+
+    def forward(q, k, v, plan, *a, **kw):
+        seen["forward"].append(type(plan).__name__)
+        return fwd(q, k, v, plan, *a, **kw)
+
+    def backward(q, k, v, out, lse, dout, plan, *a, **kw):
+        seen["backward"].append(type(plan).__name__)
+        return bwd(q, k, v, out, lse, dout, plan, *a, **kw)
+
+    monkeypatch.setattr(vta, "_forward", forward)
+    monkeypatch.setattr(vta, "_backward_grads", backward)
+    return seen
+
+
+@pytest.mark.parametrize("H,Hkv,pad_to,layout", [(4, 2, 16, "dfs"), (3, 3, None, "dfs"), (4, 2, 48, "heavy_first")])
+@pytest.mark.parametrize("keep", ["none", "all"])
+def test_unkept_forward_on_the_block_sparse_plan_equals_the_tree_mask(H, Hkv, pad_to, layout, keep, monkeypatch):
+    """Under ``UNKEPT_FORWARD = "block_sparse"`` a batch that takes the segments runs a forward that keeps no rows on
+    the block-sparse plan (no gather) and its backward on the segments (gathering the rows): out, log-sum-exp and the
+    q/k/v gradients equal the dense tree mask's and the segment forward's in float64 (padded or not, GQA, the
+    block-sparse plan in either order; a lexicographic forest, so heavy-first reorders).  A forward that keeps its
+    rows gathers them for the segments as before, and the backward reads them."""
+    from treecompile.ops import varlen_tree_attention as vta
+
+    b = _batch(forest_paths(90, 3, seed=H + Hkv), pad_to, order="lex")
+    T = b.seq_len
+    q, k, v = _qkv(T, H, Hkv, 8, seed=H * 7 + (pad_to or 0))
+    do = torch.randn(1, H, T, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(H))
+    se = b.subtree_end.clone()
+    assert isinstance(vta._plan(se, q), vta.SegmentPlan)  # a wide forest: the segments' batch
+    want_out, want_lse, *_ = torch.ops.treecompile.tree_attention_varlen_fwd(q, k, v, se, 0.3, keep)
+    monkeypatch.setattr(vta, "UNKEPT_FORWARD", "block_sparse")
+    monkeypatch.setattr(vta, "BLOCK_SPARSE_LAYOUT", layout)
+    seen = _record_plans(monkeypatch)
+
+    def op(q, k, v):
+        return torch.ops.treecompile.tree_attention_varlen_fwd(q, k, v, se, 0.3, keep)[0]
+
+    got = out_and_grads(op, q, k, v, do, torch.float64)
+    fwd = "SegmentPlan" if keep == "all" else "BlockSparsePlan"
+    assert seen == {"forward": [fwd], "backward": ["SegmentPlan"]}, seen
+    if keep == "none" and layout == "heavy_first":
+        assert vta._FORWARD_PLANS.get((se,), layout, None).order is not None  # a real permutation ran
+    ref = out_and_grads(lambda q, k, v: tree_attention_reference(q, k, v, se, scale=0.3), q, k, v, do, torch.float64)
+    for name, x, r in zip(("out", "dq", "dk", "dv"), got, ref):
+        torch.testing.assert_close(x, r, rtol=1e-12, atol=1e-12, msg=name)
+    out, lse, kept_k, _ = torch.ops.treecompile.tree_attention_varlen_fwd(q, k, v, se, 0.3, keep)
+    torch.testing.assert_close(out, want_out, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-12, atol=1e-12)
+    assert (kept_k.shape[0] > 0) == (keep == "all")
+
+
+def test_unkept_forward_keeps_the_segments_where_it_cannot_run_block_sparse(monkeypatch):
+    """The setting changes only what it can: a deep batch already runs block-sparse both ways; the windowed op keeps
+    its segments (its own plan); under the default "segments" the forward gathers.  An unknown setting is refused
+    naming it."""
+    from treecompile.ops import varlen_tree_attention as vta
+
+    monkeypatch.setattr(vta, "UNKEPT_FORWARD", "block_sparse")
+    seen = _record_plans(monkeypatch)
+    deep = _batch(_deep_paths(9, 3), 32)
+    monkeypatch.setattr(vta, "VARLEN_GATHER_LIMIT", 0.0)
+    q, k, v = _qkv(deep.seq_len, 4, 2, 8, seed=1)
+    se = deep.subtree_end.clone()
+    torch.ops.treecompile.tree_attention_varlen_fwd(q, k, v, se, 0.3)[0].sum().backward()
+    assert seen == {"forward": ["BlockSparsePlan"], "backward": ["BlockSparsePlan"]}
+    monkeypatch.setattr(vta, "VARLEN_GATHER_LIMIT", 6.0)
+    b = _batch(forest_paths(60, 2, seed=2), 16)
+    q, k, v = _qkv(b.seq_len, 4, 2, 8, seed=2)
+    seen["forward"].clear(), seen["backward"].clear()
+    out = torch.ops.treecompile.tree_attention_varlen_windowed_fwd(q, k, v, b.subtree_end, b.position_ids, 9, 0.3)[0]
+    out.sum().backward()
+    assert seen == {"forward": ["SegmentPlan"], "backward": ["SegmentPlan"]}
+    monkeypatch.setattr(vta, "UNKEPT_FORWARD", "gathered")
+    with pytest.raises(ValueError, match="UNKEPT_FORWARD: expected one of"):
+        torch.ops.treecompile.tree_attention_varlen_fwd(q, k, v, b.subtree_end.clone(), 0.3)
+
+
+def test_prepare_builds_the_unkept_forward_plan_too(monkeypatch):
+    """``prepare`` (a batch's host work while the GPU runs the step before) builds the forward's block-sparse plan
+    under the setting, so the op's forward finds it; under the default it builds none."""
+    from treecompile.ops import varlen_tree_attention as vta
+
+    b = _batch(forest_paths(70, 3, seed=5), 16)
+    q = torch.zeros(1, 4, 1, 8, dtype=torch.float64)
+    se = b.subtree_end.clone()
+    vta._FORWARD_PLANS.clear()
+    vta.prepare(se, q)
+    assert vta._FORWARD_PLANS._entry == ()
+    monkeypatch.setattr(vta, "UNKEPT_FORWARD", "block_sparse")
+    vta.prepare(se, q)
+    plan = vta._FORWARD_PLANS._entry[3]
+    assert isinstance(plan, vta.BlockSparsePlan)
+
+    def no_second_build(_):
+        raise AssertionError("the forward built its plan again")
+
+    build = vta._build_forward_plan
+    monkeypatch.setattr(vta, "_build_forward_plan", no_second_build)
+    qq, k, v = _qkv(b.seq_len, 4, 2, 8, seed=5)
+    torch.ops.treecompile.tree_attention_varlen_fwd(qq, k, v, se, 0.3)
+    monkeypatch.setattr(vta, "_build_forward_plan", build)  # opcheck's calls may build their own
+    torch.library.opcheck(torch.ops.treecompile.tree_attention_varlen_fwd.default,
+                          (qq.detach().requires_grad_(), k.detach().requires_grad_(), v.detach().requires_grad_(),
+                           se, 0.3))
+
+
+def test_lowered_model_with_block_sparse_unkept_forwards_equals_the_rewritten_graph(monkeypatch):
+    """The tiny model lowered to the varlen op with no rows kept (``attention_keys="gathered"``) and every forward on
+    the block-sparse plan: loss, log-probs and every gradient as the rewritten graph's (CPU, float64)."""
+    from helpers import cached_compile, cached_model, tiny_dense
+    from treecompile.ops import varlen_tree_attention as vta
+
+    prog = cached_compile(cached_model("dense-tiny", tiny_dense)).program
+    low = _lower_fa4_varlen(prog, monkeypatch, attention_keys="gathered")
+    monkeypatch.setattr(vta, "UNKEPT_FORWARD", "block_sparse")
+    seen = _record_plans(monkeypatch)
+    _assert_lowered_equals_rewritten(prog, low)
+    assert set(seen["forward"]) == {"BlockSparsePlan"} and set(seen["backward"]) == {"SegmentPlan"}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpu_reason() is not None, reason=str(_gpu_reason()))
+@pytest.mark.parametrize("T,roots,pad_to,H,Hkv,D", [(1000, 3, 1024, 4, 2, 128), (2900, 1, 3072, 16, 8, 128),
+                                                   (1500, 2, None, 4, 4, 64), (900, 2, None, 8, 2, 256)])
+def test_fa4_unkept_forward_on_the_block_sparse_plan_vs_fp64_oracle(T, roots, pad_to, H, Hkv, D, monkeypatch):
+    """FA4's block-sparse forward with the segments' backward (``UNKEPT_FORWARD = "block_sparse"``, no rows kept):
+    bf16 output and q/k/v gradients within 2x the bf16 dense kernel's error against the float64 dense-mask oracle;
+    head dim 256 (no block-sparse tiles) keeps the segments' forward."""
+    from treecompile.ops import varlen_tree_attention as vta
+
+    monkeypatch.setattr(vta, "UNKEPT_FORWARD", "block_sparse")
+    seen = _record_plans(monkeypatch)
+
+    def attend(b, scale):
+        return lambda q, k, v: tree_attention_varlen(q, k, v, b.subtree_end, scale=scale)
+
+    assert_bf16_tree_kernel_near_oracle(attend, T, roots, pad_to, H, Hkv, D)
+    want = "SegmentPlan" if D == 256 else "BlockSparsePlan"
+    assert seen["forward"] and set(seen["forward"]) == {want} and set(seen["backward"]) == {"SegmentPlan"}, seen

@@ -71,6 +71,12 @@ step it pays for groups of two query heads and not for four (:data:`EXPAND_MAX_G
 so ``"auto"``, the default, expands groups of at most two; the harness's ``tree_kv_expanded`` and
 ``tree_kv_grouped`` time either form.  The block-sparse plan reads K/V in place and keeps its groups.
 
+**The forward without kept rows.**  A segment plan's forward gathers the path prefixes (``G`` rows) to hand them to
+the varlen kernel; where it keeps them the backward reads them, else the backward gathers them again.  A forward that
+keeps none may instead run FA4's block-sparse kernels on the sequence's own rows (no gather: :data:`UNKEPT_FORWARD` =
+``"block_sparse"``, off by default): the same attention, whose out and log-sum-exp the segments' backward takes as
+FA4's backward takes its own forward's.  Its plan is kept per batch beside the op's (:func:`prepare` builds both).
+
 Under ``torch.use_deterministic_algorithms(True)`` FA4's backward runs its deterministic form (semaphores order
 the dQ, and for GQA the dK/dV, accumulations; the key copies' sums have a fixed order anyway), so a step's
 gradients repeat bit for bit.  FA4's deterministic block-sparse backward needs write orders this op does not
@@ -233,6 +239,15 @@ KV_HEADS_CHOICES = ("auto", "grouped", "expanded")
 # 16 x 2,048 (its kernels 736.8 against 728.8 ms: the gather and sums of four copies cost what FA4's backward saves).
 # Groups of 3 or 5+ are unmeasured and stay grouped.
 EXPAND_MAX_GROUP = 2
+# The forward of a segment plan that keeps no rows for its backward (module docstring, "The forward without kept
+# rows"): "segments" (FA4's varlen kernel over the gathered rows, as the backward runs) or "block_sparse" (FA4's
+# block-sparse kernels on the sequence's own rows: no gather; the backward gathers and runs the segments as before).
+# Measured at attention level on one H200 (session 57, benchmarks/results/h200_s57/bs57): on the harness's POR 0.75
+# trees (G = 4 x T) the block-sparse forward takes 0.501 / 1.113 / 2.157 ms against the segments' 0.643 / 1.333 / 2.864
+# (16k / 32k / 64k), while the segments' backward stays the faster (1.768 / 3.505 / 7.154 against 1.990 / 4.048 /
+# 8.263).  Not timed in a step, nor at POR 0.5: off by default.  Read by every forward.
+UNKEPT_FORWARD = "segments"
+UNKEPT_FORWARD_CHOICES = ("segments", "block_sparse")
 # The walk's per-run checks and lists (:func:`_walk`): Python loops in C over the runs up to this many runs, a few
 # tensor ops over them past it.  A tree has about two runs per leaf (125 at 64 x 2,048 POR 0.5), where the loops
 # cost less than the ops' dispatch; trees of very short nodes have thousands (17k at 64k tokens of 1-4-token nodes),
@@ -737,7 +752,9 @@ def prepare(subtree_end: Tensor, q: Tensor, position_ids: Tensor | None = None, 
     (``TreeProgram.prepare``: a step's host work done while the GPU runs the step before).  ``q``: any tensor with
     the attention inputs' device, dtype and head dim (the plan's kind depends on them, not on the values)."""
     if window is None:
-        _plan(subtree_end, q)
+        plan = _plan(subtree_end, q)
+        if UNKEPT_FORWARD != "segments":  # the forward's own plan, where it may run one (UNKEPT_FORWARD)
+            _unkept_forward_plan(plan, subtree_end, q)
     else:
         _window_plan(subtree_end, position_ids, window)
 
@@ -745,6 +762,33 @@ def prepare(subtree_end: Tensor, q: Tensor, position_ids: Tensor | None = None, 
 def _build_plan(subtree_end: Tensor, block_sparse: bool) -> SegmentPlan | BlockSparsePlan:
     with torch.profiler.record_function("treecompile::attention_plan"):  # host work, once per batch: named in profiles
         return tree_attention_plan(subtree_end, block_sparse=block_sparse)
+
+
+_FORWARD_PLANS = LastBatch()
+
+
+def _unkept_forward_plan(plan, subtree_end: Tensor, q: Tensor):
+    """The plan the forward runs when it keeps no rows: under :data:`UNKEPT_FORWARD` = "block_sparse" a segment plan's
+    batch runs its forward on the block-sparse plan where that plan's kernels take ``q`` (off the FA4 kernels: the
+    reference, always), kept per ``subtree_end`` tensor as the op's plan is; else ``plan`` itself.  The backward
+    reads the batch's segment plan (:func:`_plan`) and gathers the rows, as it does for any forward that kept none:
+    the same attention, its out and log-sum-exp from either kernel."""
+    if UNKEPT_FORWARD not in UNKEPT_FORWARD_CHOICES:
+        raise ValueError(f"varlen_tree_attention.UNKEPT_FORWARD: expected one of {UNKEPT_FORWARD_CHOICES}, "
+                         f"got {UNKEPT_FORWARD!r}")
+    if UNKEPT_FORWARD == "segments" or not isinstance(plan, SegmentPlan) or plan.window or not plan.tail:
+        return plan
+    if _fa4(q):
+        from .fa4_tree_attention import fa4_input_reason
+
+        if fa4_input_reason(q) is not None:  # a head dim the block-sparse tiles do not take
+            return plan
+    return _FORWARD_PLANS.get((subtree_end,), BLOCK_SPARSE_LAYOUT, lambda: _build_forward_plan(subtree_end))
+
+
+def _build_forward_plan(subtree_end: Tensor) -> BlockSparsePlan:
+    with torch.profiler.record_function("treecompile::attention_plan"):
+        return _block_sparse_plan(subtree_end, _last_walk(subtree_end))
 
 
 def _segments(q: Tensor, k: Tensor, v: Tensor, plan):
@@ -1024,7 +1068,10 @@ def tree_attention_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, subtree_end: Tens
     _check(q, k, v, subtree_end)
     _check_keep(keep)
     plan = _plan(subtree_end, q)
-    return _forward(q, k, v, plan, scale, keeps_keys(keep, plan, q, k, v, layer, layers, reserve_per_token))
+    keep_rows = keeps_keys(keep, plan, q, k, v, layer, layers, reserve_per_token)
+    if not keep_rows:  # nothing kept: the forward may read the rows in place (UNKEPT_FORWARD)
+        plan = _unkept_forward_plan(plan, subtree_end, q)
+    return _forward(q, k, v, plan, scale, keep_rows)
 
 
 def _forward(q: Tensor, k: Tensor, v: Tensor, plan, scale: float, keep: bool = False,

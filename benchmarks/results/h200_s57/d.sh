@@ -14,6 +14,8 @@
 #   bash d.sh lim57    bench_fa4_attention on the end-to-end POR sweep's trees (32 / 64 x 2,048 POR 0.75, 80 / 160 x 2,048
 #                      POR 0.9): fa4_varlen ("auto": block-sparse past VARLEN_GATHER_LIMIT x T gathered rows), the
 #                      segments forced (fa4_segments) and the paths ($OUT/lim57/, $OUT/lim57_log.txt)
+#   bash d.sh bs57     the POR 0.75 end-to-end trees (32 / 64 / 128 x 2,048, G = 4 x T): the op's choice (segments)
+#                      against its block-sparse plan forced (fa4_block_sparse) ($OUT/bs57/, $OUT/bs57_log.txt)
 #   bash d.sh deep57   prof_step on deep-agent (Qwen3-0.6B): `tree` against `tree_kv_expanded` in one process
 #                      ($OUT/o57_deep-agent.txt)
 mode=$1
@@ -41,6 +43,11 @@ elif [ "$mode" = lim57 ]; then
   timeout ${T:-300} python benchmarks/bench_fa4_attention.py --sizes "" --deep none \
     --harness 32x2048@0.75,64x2048@0.75,80x2048@0.9,160x2048@0.9 --contenders fa4_varlen,fa4_segments,paths_fa4_varlen \
     --out $OUT/lim57 2>&1 | grep -v -i 'warn\|aux_data\|exe_args\|TileLang' | tee $OUT/lim57_log.txt | tail -30
+elif [ "$mode" = bs57 ]; then
+  source benchmarks/results/h100_s18/pre.sh
+  timeout ${T:-200} python benchmarks/bench_fa4_attention.py --sizes "" --deep none \
+    --harness 32x2048@0.75,64x2048@0.75,128x2048@0.75 --contenders fa4_varlen,fa4_block_sparse \
+    --out $OUT/bs57 2>&1 | grep -v -i 'warn\|aux_data\|exe_args\|TileLang' | tee $OUT/bs57_log.txt | tail -16
 elif [ "$mode" = deep57 ]; then
   bash benchmarks/results/h200_s40/d.sh prof o57_deep-agent ${T:-400} --model qwen3-0.6b --agentic deep-agent \
     --contenders ${C:-tree tree_kv_expanded} --iters 10
