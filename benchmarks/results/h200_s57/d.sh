@@ -16,8 +16,10 @@
 #                      segments forced (fa4_segments) and the paths ($OUT/lim57/, $OUT/lim57_log.txt)
 #   bash d.sh bs57     the POR 0.75 end-to-end trees (32 / 64 / 128 x 2,048, G = 4 x T): the op's choice (segments)
 #                      against its block-sparse plan forced (fa4_block_sparse) ($OUT/bs57/, $OUT/bs57_log.txt)
-#   bash d.sh deep57   prof_step on deep-agent (Qwen3-0.6B): `tree` against `tree_kv_expanded` in one process
-#                      ($OUT/o57_deep-agent.txt)
+#   bash d.sh unkept57    for the next lease (not run here): the GPU oracle test of UNKEPT_FORWARD, then prof_step
+#                         on Qwen3-0.6B 128 x 2,048 POR 0.75 (64k: rows not kept) `tree` against
+#                         `tree_unkept_block_sparse`, and 32 x 2,048 POR 0.75 (16k) `tree`, `tree_keys_gathered` and
+#                         `tree_keys_gathered_block_sparse_forward` ($OUT/gpu57_unkept.txt, $OUT/o57_unkept_*.txt)
 mode=$1
 if [ "$mode" = gpu57 ]; then
   source benchmarks/results/h100_s18/pre.sh
@@ -48,9 +50,14 @@ elif [ "$mode" = bs57 ]; then
   timeout ${T:-200} python benchmarks/bench_fa4_attention.py --sizes "" --deep none \
     --harness 32x2048@0.75,64x2048@0.75,128x2048@0.75 --contenders fa4_varlen,fa4_block_sparse \
     --out $OUT/bs57 2>&1 | grep -v -i 'warn\|aux_data\|exe_args\|TileLang' | tee $OUT/bs57_log.txt | tail -16
-elif [ "$mode" = deep57 ]; then
-  bash benchmarks/results/h200_s40/d.sh prof o57_deep-agent ${T:-400} --model qwen3-0.6b --agentic deep-agent \
-    --contenders ${C:-tree tree_kv_expanded} --iters 10
+elif [ "$mode" = unkept57 ]; then
+  source benchmarks/results/h100_s18/pre.sh
+  timeout 200 python -m pytest -m gpu -q -p no:cacheprovider tests/test_varlen_tree_attention.py -k unkept -W ignore \
+    -rs 2>&1 | grep -v "torch.__trace" | tee $OUT/gpu57_unkept.txt | tail -5
+  bash benchmarks/results/h200_s40/d.sh prof o57_unkept_128x0.75 300 --model qwen3-0.6b --paths 128 --path-len 2048 \
+    --por 0.75 --contenders tree tree_unkept_block_sparse --iters 5
+  bash benchmarks/results/h200_s40/d.sh prof o57_unkept_32x0.75 300 --model qwen3-0.6b --paths 32 --path-len 2048 \
+    --por 0.75 --contenders tree tree_keys_gathered tree_keys_gathered_block_sparse_forward --iters 10
 else
   bash benchmarks/results/h200_s56/d.sh "$@"
 fi
