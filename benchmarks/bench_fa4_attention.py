@@ -439,6 +439,8 @@ def main() -> None:
                 r = row(case, name, fn, q, k, v, do, nnz, se)
             if name == "fa4_varlen" or name == "fa4_segments" or name in SETTING_ROWS:
                 r["plan"] = "segments" if name == "fa4_segments" else plan_kind(se, q)
+            if name == "fa4_varlen_unkept_block_sparse" and r["plan"] == "segments" and fa4.fa4_input_reason(q) is None:
+                r["plan"] = "block_sparse fwd, segments bwd"  # no rows kept in the bench: every forward reads in place
             if name == "fa4_block_sparse":  # the plan its own subtree_end got under the forced limit
                 r["plan"] = "block_sparse" if fa4.fa4_input_reason(q) is None else "segments"
             if name == "fa4_prefix_block":
