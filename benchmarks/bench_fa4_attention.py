@@ -332,8 +332,9 @@ def tree_fns(se, bm, which, heavy=None):
 
 # the tree contenders (module docstring); FA4's and cuDNN's causal kernels run at every T as the reference
 CONTENDERS = ("flex_triton", "fa4_flex", "fa4_direct", "fa4_varlen", "fa4_varlen_index_add", "fa4_varlen_heavy_first",
-              "fa4_varlen_kv_expanded", "fa4_varlen_kv_grouped", "fa4_varlen_unkept_block_sparse", "fa4_segments", "fa4_block_sparse", "fa4_prefix_block", "fa4_flex_heavy",
-              "fa4_flex_heavy_kernel", "flex_triton_heavy", "paths_fa4_varlen")
+              "fa4_varlen_kv_expanded", "fa4_varlen_kv_grouped", "fa4_varlen_unkept_block_sparse", "fa4_segments",
+              "fa4_block_sparse", "fa4_prefix_block", "fa4_flex_heavy", "fa4_flex_heavy_kernel", "flex_triton_heavy",
+              "paths_fa4_varlen")
 
 
 def contender_names(arg: str) -> list[str]:
@@ -439,8 +440,9 @@ def main() -> None:
                 r = row(case, name, fn, q, k, v, do, nnz, se)
             if name == "fa4_varlen" or name == "fa4_segments" or name in SETTING_ROWS:
                 r["plan"] = "segments" if name == "fa4_segments" else plan_kind(se, q)
-            if name == "fa4_varlen_unkept_block_sparse" and r["plan"] == "segments" and fa4.fa4_input_reason(q) is None:
-                r["plan"] = "block_sparse fwd, segments bwd"  # no rows kept in the bench: every forward reads in place
+            if (name == "fa4_varlen_unkept_block_sparse" and r["plan"] == "segments"
+                    and fa4.fa4_input_reason(q) is None):  # no rows kept in the bench: every forward reads in place
+                r["plan"] = "block_sparse fwd, segments bwd"
             if name == "fa4_block_sparse":  # the plan its own subtree_end got under the forced limit
                 r["plan"] = "block_sparse" if fa4.fa4_input_reason(q) is None else "segments"
             if name == "fa4_prefix_block":
