@@ -2149,8 +2149,11 @@ def test_unkept_forward_keeps_the_segments_where_it_cannot_run_block_sparse(monk
     out.sum().backward()
     assert seen == {"forward": ["SegmentPlan"], "backward": ["SegmentPlan"]}
     monkeypatch.setattr(vta, "UNKEPT_FORWARD", "gathered")
+    for keep in ("none", "all"):  # refused whether or not the call keeps its rows
+        with pytest.raises(ValueError, match="UNKEPT_FORWARD: expected one of"):
+            torch.ops.treecompile.tree_attention_varlen_fwd(q, k, v, b.subtree_end.clone(), 0.3, keep)
     with pytest.raises(ValueError, match="UNKEPT_FORWARD: expected one of"):
-        torch.ops.treecompile.tree_attention_varlen_fwd(q, k, v, b.subtree_end.clone(), 0.3)
+        vta.prepare(b.subtree_end.clone(), q)
 
 
 def test_prepare_builds_the_unkept_forward_plan_too(monkeypatch):

@@ -753,7 +753,7 @@ def prepare(subtree_end: Tensor, q: Tensor, position_ids: Tensor | None = None, 
     the attention inputs' device, dtype and head dim (the plan's kind depends on them, not on the values)."""
     if window is None:
         plan = _plan(subtree_end, q)
-        if UNKEPT_FORWARD != "segments":  # the forward's own plan, where it may run one (UNKEPT_FORWARD)
+        if _unkept_forward() != "segments":  # the forward's own plan, where it may run one (UNKEPT_FORWARD)
             _unkept_forward_plan(plan, subtree_end, q)
     else:
         _window_plan(subtree_end, position_ids, window)
@@ -773,10 +773,7 @@ def _unkept_forward_plan(plan, subtree_end: Tensor, q: Tensor):
     reference, always), kept per ``subtree_end`` tensor as the op's plan is; else ``plan`` itself.  The backward
     reads the batch's segment plan (:func:`_plan`) and gathers the rows, as it does for any forward that kept none:
     the same attention, its out and log-sum-exp from either kernel."""
-    if UNKEPT_FORWARD not in UNKEPT_FORWARD_CHOICES:
-        raise ValueError(f"varlen_tree_attention.UNKEPT_FORWARD: expected one of {UNKEPT_FORWARD_CHOICES}, "
-                         f"got {UNKEPT_FORWARD!r}")
-    if UNKEPT_FORWARD == "segments" or not isinstance(plan, SegmentPlan) or plan.window or not plan.tail:
+    if _unkept_forward() == "segments" or not isinstance(plan, SegmentPlan) or plan.window or not plan.tail:
         return plan
     if _fa4(q):
         from .fa4_tree_attention import fa4_input_reason
@@ -784,6 +781,14 @@ def _unkept_forward_plan(plan, subtree_end: Tensor, q: Tensor):
         if fa4_input_reason(q) is not None:  # a head dim the block-sparse tiles do not take
             return plan
     return _FORWARD_PLANS.get((subtree_end,), BLOCK_SPARSE_LAYOUT, lambda: _build_forward_plan(subtree_end))
+
+
+def _unkept_forward() -> str:
+    """:data:`UNKEPT_FORWARD`, refused (ValueError naming it) if not one of its choices."""
+    if UNKEPT_FORWARD not in UNKEPT_FORWARD_CHOICES:
+        raise ValueError(f"varlen_tree_attention.UNKEPT_FORWARD: expected one of {UNKEPT_FORWARD_CHOICES}, "
+                         f"got {UNKEPT_FORWARD!r}")
+    return UNKEPT_FORWARD
 
 
 def _build_forward_plan(subtree_end: Tensor) -> BlockSparsePlan:
@@ -1067,6 +1072,7 @@ def tree_attention_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, subtree_end: Tens
     head)."""
     _check(q, k, v, subtree_end)
     _check_keep(keep)
+    _unkept_forward()  # a bad setting is refused whether or not this call keeps rows
     plan = _plan(subtree_end, q)
     keep_rows = keeps_keys(keep, plan, q, k, v, layer, layers, reserve_per_token)
     if not keep_rows:  # nothing kept: the forward may read the rows in place (UNKEPT_FORWARD)
