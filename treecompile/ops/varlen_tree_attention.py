@@ -730,10 +730,10 @@ _PLANS = LastBatch()
 def _plan(subtree_end: Tensor, q: Tensor) -> SegmentPlan | BlockSparsePlan:
     """The batch's plan, kept per ``subtree_end`` tensor.  Off the FA4 kernels (the reference) both plans are
     possible; on them the block-sparse one needs what FA4 tree attention takes (head dim 64/128)."""
-    from .fa4_tree_attention import fa4_input_reason, refuse_block_sparse_backward_if_deterministic
+    from .fa4_tree_attention import refuse_block_sparse_backward_if_deterministic
 
     fa4 = _fa4(q)
-    block_sparse = not fa4 or fa4_input_reason(q) is None
+    block_sparse = _block_sparse_takes(q)
     if block_sparse and fa4 and torch.are_deterministic_algorithms_enabled():
         # the segments take FA4's deterministic backward as they are: they run wherever they fit; past their bound
         # the block-sparse plan is refused (or, under warn_only, runs)
@@ -744,6 +744,16 @@ def _plan(subtree_end: Tensor, q: Tensor) -> SegmentPlan | BlockSparsePlan:
                 f"{MAX_GATHER_FACTOR} x its tokens)", "attention_kernel='flex' runs such trees deterministically")
     return _PLANS.get((subtree_end,), (block_sparse, BLOCK_SPARSE_LAYOUT),
                       lambda: _build_plan(subtree_end, block_sparse))
+
+
+def _block_sparse_takes(q: Tensor) -> bool:
+    """Whether the block-sparse plan's kernels take ``q``: off the FA4 kernels (the reference) always, on them where
+    FA4's block-sparse tiles take its head dim."""
+    if not _fa4(q):
+        return True
+    from .fa4_tree_attention import fa4_input_reason
+
+    return fa4_input_reason(q) is None
 
 
 def prepare(subtree_end: Tensor, q: Tensor, position_ids: Tensor | None = None, window: int | None = None) -> None:
@@ -772,14 +782,10 @@ def _unkept_forward_plan(plan, subtree_end: Tensor, q: Tensor):
     batch runs its forward on the block-sparse plan where that plan's kernels take ``q`` (off the FA4 kernels: the
     reference, always), kept per ``subtree_end`` tensor as the op's plan is; else ``plan`` itself.  The backward
     reads the batch's segment plan (:func:`_plan`) and gathers the rows, as it does for any forward that kept none:
-    the same attention, its out and log-sum-exp from either kernel."""
-    if _unkept_forward() == "segments" or not isinstance(plan, SegmentPlan) or plan.window or not plan.tail:
+    the same attention, its out and log-sum-exp from either kernel.  (Its callers have checked the setting.)"""
+    if (UNKEPT_FORWARD == "segments" or not isinstance(plan, SegmentPlan) or plan.window or not plan.tail
+            or not _block_sparse_takes(q)):
         return plan
-    if _fa4(q):
-        from .fa4_tree_attention import fa4_input_reason
-
-        if fa4_input_reason(q) is not None:  # a head dim the block-sparse tiles do not take
-            return plan
     return _FORWARD_PLANS.get((subtree_end,), BLOCK_SPARSE_LAYOUT, lambda: _build_forward_plan(subtree_end))
 
 
