@@ -11,8 +11,11 @@ model's layout: ``[B, T, H, D]`` storage viewed as ``[B, H, T, D]``):
 - ``fa4_varlen``: the op of ``attention_kernel="fa4_varlen"`` (``ops/varlen_tree_attention.py``) as it chooses per
   tree: FA4's varlen causal kernel over the tree's segments, each attending to its gathered path prefix (gather
   and scatter timed), or, where the segments would gather more than ``VARLEN_GATHER_LIMIT`` x T rows, FA4's
-  block-sparse kernels under the tree mask; the row's ``plan`` says which;
-- ``fa4_segments``: the same op held to the segments whatever they gather (the varlen kernel's own rate);
+  block-sparse kernels under the tree mask; the row's ``plan`` says which.  Since session 58 a segment plan's
+  forward that keeps no rows (the bench keeps none) runs FA4's block-sparse kernels (``UNKEPT_FORWARD``; ``plan``
+  "block_sparse fwd, segments bwd");
+- ``fa4_segments``: the same op held to the segments whatever they gather, forward and backward (the varlen
+  kernel's own rate);
 - ``fa4_block_sparse``: the same op held to its block-sparse plan whatever the segments would gather (FA4's
   block-sparse kernels under the tree mask, the op's own call): with ``fa4_segments``, both sides of
   ``VARLEN_GATHER_LIMIT`` on one tree;
@@ -30,8 +33,11 @@ model's layout: ``[B, T, H, D]`` storage viewed as ``[B, H, T, D]``):
   accumulators over the gathered rows); the same as ``fa4_varlen`` where the tree takes the block-sparse plan or
   H == Hkv, and where "auto" (the default since session 53) expands already, groups of at most two;
 - ``fa4_varlen_unkept_block_sparse``: ``fa4_varlen`` with its forward on FA4's block-sparse kernels where a segment
-  plan keeps no rows (``varlen_tree_attention.UNKEPT_FORWARD = "block_sparse"``; the bench keeps none): no gather in
-  the forward, the segments' backward (which gathers) as before;
+  plan keeps no rows (``varlen_tree_attention.UNKEPT_FORWARD = "block_sparse"``, the default since session 58, so
+  the same as ``fa4_varlen`` unless the setting was changed; the bench keeps none): no gather in the forward, the
+  segments' backward (which gathers) as before;
+- ``fa4_varlen_unkept_segments``: ``fa4_varlen`` with the forward of a segment plan on the segments, gathering the
+  rows it does not keep (``UNKEPT_FORWARD = "segments"``, ``fa4_varlen`` before session 58);
 - ``fa4_varlen_kv_grouped``: ``fa4_varlen`` with the model's kv heads whatever the group size (``KV_HEADS =
   "grouped"``, the default before session 53);
 - ``fa4_flex_heavy``: ``fa4_flex`` in the heaviest-first order (``attention_layout="heavy_first"``,
@@ -225,8 +231,10 @@ def _with_op_setting(name: str, value, fn, *args, **kw):
 
 
 def segments_only(fn, *args):
-    """``fn(*args)`` with the varlen op held to its segment plan (no block-sparse choice)."""
-    return _with_op_setting("VARLEN_GATHER_LIMIT", float("inf"), fn, *args)
+    """``fn(*args)`` with the varlen op held to its segment plan (no block-sparse choice), its forward too (it
+    gathers the rows: ``UNKEPT_FORWARD = "segments"``)."""
+    return _with_op_setting("UNKEPT_FORWARD", "segments", _with_op_setting, "VARLEN_GATHER_LIMIT", float("inf"),
+                            fn, *args)
 
 
 def block_sparse_only(fn, *args):
@@ -263,6 +271,11 @@ def unkept_block_sparse(fn, *args, **kw):
     return _with_op_setting("UNKEPT_FORWARD", "block_sparse", fn, *args, **kw)
 
 
+def unkept_segments(fn, *args, **kw):
+    """``fn(*args, **kw)`` with the varlen op's forwards that keep no rows on the segments (they gather)."""
+    return _with_op_setting("UNKEPT_FORWARD", "segments", fn, *args, **kw)
+
+
 def kv_grouped(fn, *args, **kw):
     """``fn(*args, **kw)`` with the varlen op's segments handing the kernel the model's kv heads (forward and
     backward)."""
@@ -272,7 +285,12 @@ def kv_grouped(fn, *args, **kw):
 # the varlen op's rows timed under one of its module settings: row name -> the wrapper that sets it
 SETTING_ROWS = {"fa4_varlen_index_add": index_add_sums, "fa4_varlen_heavy_first": block_sparse_heavy_first,
                 "fa4_varlen_kv_expanded": kv_expanded, "fa4_varlen_kv_grouped": kv_grouped,
-                "fa4_varlen_unkept_block_sparse": unkept_block_sparse}
+                "fa4_varlen_unkept_block_sparse": unkept_block_sparse, "fa4_varlen_unkept_segments": unkept_segments}
+
+
+# the rows that run the varlen op's forwards without kept rows under a setting of their own (the rest: the module's)
+UNKEPT_ROWS = {"fa4_segments": "segments", "fa4_varlen_unkept_block_sparse": "block_sparse",
+               "fa4_varlen_unkept_segments": "segments"}
 
 
 def plan_kind(se, q) -> str:
@@ -301,6 +319,8 @@ def tree_fns(se, bm, which, heavy=None):
         out["fa4_varlen_kv_grouped"] = lambda q, k, v: tree_attention_varlen(q, k, v, se)
     if "fa4_varlen_unkept_block_sparse" in which:
         out["fa4_varlen_unkept_block_sparse"] = lambda q, k, v: tree_attention_varlen(q, k, v, se)
+    if "fa4_varlen_unkept_segments" in which:
+        out["fa4_varlen_unkept_segments"] = lambda q, k, v: tree_attention_varlen(q, k, v, se)
     if "fa4_varlen_heavy_first" in which:  # main() runs its row in that order (the backward too)
         se_hf = se.clone()  # a tensor of its own: the op keeps one plan per subtree_end tensor
         out["fa4_varlen_heavy_first"] = lambda q, k, v: tree_attention_varlen(q, k, v, se_hf)
@@ -332,7 +352,8 @@ def tree_fns(se, bm, which, heavy=None):
 
 # the tree contenders (module docstring); FA4's and cuDNN's causal kernels run at every T as the reference
 CONTENDERS = ("flex_triton", "fa4_flex", "fa4_direct", "fa4_varlen", "fa4_varlen_index_add", "fa4_varlen_heavy_first",
-              "fa4_varlen_kv_expanded", "fa4_varlen_kv_grouped", "fa4_varlen_unkept_block_sparse", "fa4_segments",
+              "fa4_varlen_kv_expanded", "fa4_varlen_kv_grouped", "fa4_varlen_unkept_block_sparse",
+              "fa4_varlen_unkept_segments", "fa4_segments",
               "fa4_block_sparse", "fa4_prefix_block", "fa4_flex_heavy", "fa4_flex_heavy_kernel", "flex_triton_heavy",
               "paths_fa4_varlen")
 
@@ -440,7 +461,7 @@ def main() -> None:
                 r = row(case, name, fn, q, k, v, do, nnz, se)
             if name == "fa4_varlen" or name == "fa4_segments" or name in SETTING_ROWS:
                 r["plan"] = "segments" if name == "fa4_segments" else plan_kind(se, q)
-            if (name == "fa4_varlen_unkept_block_sparse" and r["plan"] == "segments"
+            if (r.get("plan") == "segments" and UNKEPT_ROWS.get(name, vta.UNKEPT_FORWARD) == "block_sparse"
                     and fa4.fa4_input_reason(q) is None):  # no rows kept in the bench: every forward reads in place
                 r["plan"] = "block_sparse fwd, segments bwd"
             if name == "fa4_block_sparse":  # the plan its own subtree_end got under the forced limit

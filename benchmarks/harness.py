@@ -117,8 +117,9 @@ TREE_CONTENDERS = ("tree", "tree_heavy_first", "tree_fa4_varlen", "tree_fa4_flex
                    "tree_conv_shifts_inductor", "tree_head_chunked", "tree_head_kept", "tree_keys_gathered",
                    "tree_fa4_interface", "tree_fa4_bwd_interface", "tree_cpp_wrapper", "tree_cudagraphs",
                    "tree_driver_reads", "tree_deterministic", "tree_block_sparse_heavy_first", "tree_lex",
-                   "tree_kv_expanded", "tree_kv_grouped", "tree_unkept_block_sparse",
-                   "tree_keys_gathered_block_sparse_forward", "tree_packed", "tree_rf")
+                   "tree_kv_expanded", "tree_kv_grouped", "tree_unkept_block_sparse", "tree_unkept_segments",
+                   "tree_keys_gathered_block_sparse_forward", "tree_keys_gathered_segments_forward", "tree_packed",
+                   "tree_rf")
 CONTENDERS = BASELINES + TREE_CONTENDERS
 # run when named only: the C++ wrapper's first step compiles for minutes (417 s on the 0.6B, session 43), the CUDA
 # graphs' contender was measured slower (session 45; its packed counterpart is not yet measured), and the
@@ -126,8 +127,8 @@ CONTENDERS = BASELINES + TREE_CONTENDERS
 # trees and the lexicographic serialisation are A/Bs of one setting against ``tree``
 ON_REQUEST = ("tree_cpp_wrapper", "tree_cudagraphs", "packed_fa4_varlen_cudagraphs", "tree_driver_reads",
               "tree_deterministic", "tree_block_sparse_heavy_first", "tree_lex", "tree_fa4_bwd_interface",
-              "tree_kv_expanded", "tree_kv_grouped", "tree_unkept_block_sparse",
-              "tree_keys_gathered_block_sparse_forward")
+              "tree_kv_expanded", "tree_kv_grouped", "tree_unkept_block_sparse", "tree_unkept_segments",
+              "tree_keys_gathered_block_sparse_forward", "tree_keys_gathered_segments_forward")
 DEFAULT_CONTENDERS = tuple(c for c in CONTENDERS if c not in ON_REQUEST)
 
 
@@ -945,7 +946,7 @@ class Steps:
     def tree_keys_gathered(self):
         """``tree`` with ``attention_keys="gathered"`` (the varlen attention's backward gathers each segment's K/V
         again, as every step did before session 41; "auto" keeps the forward's gathered rows where memory allows;
-        CUDA)."""
+        since session 58 a forward that keeps none runs FA4's block-sparse kernels, ``UNKEPT_FORWARD``; CUDA)."""
         return self._cuda_tree_step("attention_keys", keys="gathered")
 
     def tree_fa4_interface(self):
@@ -1005,17 +1006,29 @@ class Steps:
         return self._cuda_tree_step("the varlen op's K/V heads", kv_heads="expanded")
 
     def tree_unkept_block_sparse(self):
-        """``tree`` with the varlen op's forwards that keep no rows for the backward run on FA4's block-sparse kernels
-        (``varlen_tree_attention.UNKEPT_FORWARD = "block_sparse"``: no gather in the forward; the backward gathers
-        and runs the segments, as for any forward that kept none).  Layers whose rows "auto" keeps run as in ``tree``
-        (the forward gathers them anyway); the first layer of a forward never keeps (CUDA)."""
+        """``tree`` with the varlen op's forwards that keep no rows for the backward on FA4's block-sparse kernels
+        (``varlen_tree_attention.UNKEPT_FORWARD = "block_sparse"``, the default since session 58, so the same as
+        ``tree`` unless the setting was changed: no gather in the forward; the backward gathers and runs the
+        segments, as for any forward that kept none).  Layers whose rows "auto" keeps gather them in the forward
+        anyway; the first layer of a forward never keeps (CUDA)."""
         return self._cuda_tree_step("the varlen op's forward", unkept_forward="block_sparse")
+
+    def tree_unkept_segments(self):
+        """``tree`` with the varlen op's forwards that keep no rows on the segments, gathering the rows as the
+        backward does (``UNKEPT_FORWARD = "segments"``, the default before session 58): the A/B of that default
+        (CUDA)."""
+        return self._cuda_tree_step("the varlen op's forward", unkept_forward="segments")
 
     def tree_keys_gathered_block_sparse_forward(self):
         """``tree_keys_gathered`` (no rows kept) with every forward on FA4's block-sparse kernels, as
-        ``tree_unkept_block_sparse`` runs them: against ``tree``, what keeping the rows is worth when the forward
-        need not gather them (CUDA)."""
+        ``tree_unkept_block_sparse`` runs them (the default since session 58): against ``tree``, what keeping the rows
+        is worth when the forward need not gather them (CUDA)."""
         return self._cuda_tree_step("the varlen op's forward", keys="gathered", unkept_forward="block_sparse")
+
+    def tree_keys_gathered_segments_forward(self):
+        """``tree_keys_gathered`` with every forward on the segments, gathering the rows it does not keep
+        (``UNKEPT_FORWARD = "segments"``): ``tree_keys_gathered`` before session 58 (CUDA)."""
+        return self._cuda_tree_step("the varlen op's forward", keys="gathered", unkept_forward="segments")
 
     def tree_kv_grouped(self):
         """``tree`` with the varlen op's segments handing FA4 the model's kv heads whatever the group size

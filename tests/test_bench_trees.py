@@ -159,30 +159,35 @@ def test_kv_expanded_contender_sets_the_kv_heads_only_while_its_step_runs():
 
 
 def test_unkept_forward_contenders_set_the_forward_only_while_their_step_runs():
-    """``tree_unkept_block_sparse``'s step (and the attention bench's row of the same setting) runs the varlen op's
-    forwards that keep no rows on the block-sparse plan, and the default comes back after, also when the step raises;
-    an unknown setting is refused before any step; on request only.  ``fa4_block_sparse`` holds the op to its
-    block-sparse plan while its call runs."""
+    """``tree_unkept_segments``' step (and the attention bench's row of the same setting) runs the varlen op's
+    forwards that keep no rows on the segments, ``tree_unkept_block_sparse``'s on the block-sparse plan (the default),
+    and the default comes back after, also when the step raises; an unknown setting is refused before any step; on
+    request only.  ``fa4_segments`` holds the op's forward to the segments too, ``fa4_block_sparse`` the op to its
+    block-sparse plan, while their call runs."""
     from benchmarks import bench_fa4_attention as bench
     from benchmarks import harness
     from treecompile.ops import varlen_tree_attention as vta
 
-    got = harness._with_unkept_forward(lambda: vta.UNKEPT_FORWARD, "block_sparse")()
-    assert got == "block_sparse" and vta.UNKEPT_FORWARD == "segments"
+    assert vta.UNKEPT_FORWARD == "block_sparse"
+    got = harness._with_unkept_forward(lambda: vta.UNKEPT_FORWARD, "segments")()
+    assert got == "segments" and vta.UNKEPT_FORWARD == "block_sparse"
 
     def boom():
         raise RuntimeError("boom")
     with pytest.raises(RuntimeError, match="boom"):
-        harness._with_unkept_forward(boom, "block_sparse")()
-    assert vta.UNKEPT_FORWARD == "segments"
-    assert {"tree_unkept_block_sparse", "tree_keys_gathered_block_sparse_forward"} <= set(harness.ON_REQUEST)
+        harness._with_unkept_forward(boom, "segments")()
+    assert vta.UNKEPT_FORWARD == "block_sparse"
+    assert {"tree_unkept_block_sparse", "tree_unkept_segments", "tree_keys_gathered_block_sparse_forward",
+            "tree_keys_gathered_segments_forward"} <= set(harness.ON_REQUEST)
     with pytest.raises(ValueError, match="unkept_forward: expected one of"):
         harness._with_unkept_forward(boom, "gathered")
+    assert bench.unkept_segments(lambda: vta.UNKEPT_FORWARD) == "segments"
     assert bench.unkept_block_sparse(lambda: vta.UNKEPT_FORWARD) == "block_sparse"
+    assert bench.segments_only(lambda: (vta.UNKEPT_FORWARD, vta.VARLEN_GATHER_LIMIT)) == ("segments", float("inf"))
     assert bench.block_sparse_only(lambda: vta.VARLEN_GATHER_LIMIT) == 0.0 and vta.VARLEN_GATHER_LIMIT == 6.0
-    assert vta.UNKEPT_FORWARD == "segments"
-    assert bench.contender_names("fa4_block_sparse,fa4_varlen_unkept_block_sparse") == [
-        "fa4_block_sparse", "fa4_varlen_unkept_block_sparse"]
+    assert vta.UNKEPT_FORWARD == "block_sparse"
+    assert bench.contender_names("fa4_block_sparse,fa4_varlen_unkept_block_sparse,fa4_varlen_unkept_segments") == [
+        "fa4_block_sparse", "fa4_varlen_unkept_block_sparse", "fa4_varlen_unkept_segments"]
 
 
 def test_attention_bench_refuses_unknown_contenders(monkeypatch):

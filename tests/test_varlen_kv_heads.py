@@ -106,12 +106,14 @@ def test_sum_copies_adds_the_heads_of_a_group_with_the_copies(rep):
 
 @pytest.mark.parametrize("H,Hkv", [(4, 4), (4, 2), (8, 2), (6, 2)])
 @pytest.mark.parametrize("pad_to", [None, 16])
-@pytest.mark.parametrize("keep", ["none", "all"])
-def test_expanded_kv_heads_equal_the_tree_mask(H, Hkv, pad_to, keep, monkeypatch):
+@pytest.mark.parametrize("keep,unkept", [("none", "segments"), ("none", "block_sparse"), ("all", "block_sparse")])
+def test_expanded_kv_heads_equal_the_tree_mask(H, Hkv, pad_to, keep, unkept, monkeypatch):
     """Under ``KV_HEADS = "expanded"`` the op's out and q/k/v gradients equal the dense tree mask's in float64
-    (GQA 1-4, a padding tail, rows kept or gathered again), the kept rows are the expanded gather (``[G * rep,
-    Hkv, D]`` views of ``[G, H, D]``), and the backward reads them without gathering again."""
+    (GQA 1-4, a padding tail, rows kept or gathered again, a forward that keeps none on the segments or on the
+    block-sparse plan), the kept rows are the expanded gather (``[G * rep, Hkv, D]`` views of ``[G, H, D]``), and
+    the backward reads them without gathering again; a forward that keeps none gathers only on the segments."""
     monkeypatch.setattr(vta, "KV_HEADS", "expanded")
+    monkeypatch.setattr(vta, "UNKEPT_FORWARD", unkept)
     b = Tree.from_paths(forest_paths(90, 3, seed=H + Hkv)).to_batch(pad_to_multiple=pad_to)
     se, T = b.subtree_end, b.seq_len
     q, k, v = _qkv(T, H, Hkv, 8, seed=pad_to or 1)
@@ -129,7 +131,8 @@ def test_expanded_kv_heads_equal_the_tree_mask(H, Hkv, pad_to, keep, monkeypatch
     qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
     res = torch.ops.treecompile.tree_attention_varlen_fwd(qq, kk, vv, se, 0.3, keep)
     res[0].backward(do)
-    assert calls == [rep] * (1 if keep == "all" else 2)  # kept rows: the backward does not gather again
+    # kept rows: the backward does not gather again; none kept: the backward gathers, the forward on the segments too
+    assert calls == [rep] * (1 if keep == "all" or unkept == "block_sparse" else 2)
     kept_k, kept_v = res[2:]
     if keep == "all":
         assert kept_k.shape == (plan.gathered * rep, Hkv, 8) == kept_v.shape

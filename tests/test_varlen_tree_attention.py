@@ -1684,6 +1684,7 @@ def test_kept_rows_are_the_gathered_rows_and_the_backward_does_not_gather_again(
     from treecompile.ops import varlen_tree_attention as vta
 
     monkeypatch.setattr(vta, "KV_HEADS", kv_heads)
+    monkeypatch.setattr(vta, "UNKEPT_FORWARD", "segments")  # keep="none"'s forward gathers as keep="all"'s
     rep = 2 if kv_heads == "expanded" else 1  # 4 query heads on 2 kv heads
 
     b = _batch(forest_paths(90, 3, seed=5), pad_to)
@@ -1701,7 +1702,7 @@ def test_kept_rows_are_the_gathered_rows_and_the_backward_does_not_gather_again(
         (res[0] * do).sum().backward()
         return res, (qq.grad, kk.grad, vv.grad)
 
-    (out0, _, k0, v0), grads0 = run("none")
+    (out0, _, k0, v0), grads0 = run("none")  # on the segments both ways: the same kernels as keep="all"'s
     assert len(calls) == 2 and k0.shape == (0, 2, 8) == v0.shape
     plan = vta._window_plan(se, pos, 7) if windowed else vta._plan(se, q)
     calls.clear()
@@ -2158,13 +2159,14 @@ def test_unkept_forward_keeps_the_segments_where_it_cannot_run_block_sparse(monk
 
 def test_prepare_builds_the_unkept_forward_plan_too(monkeypatch):
     """``prepare`` (a batch's host work while the GPU runs the step before) builds the forward's block-sparse plan
-    under the setting, so the op's forward finds it; under the default it builds none."""
+    under the setting (the default), so the op's forward finds it; under "segments" it builds none."""
     from treecompile.ops import varlen_tree_attention as vta
 
     b = _batch(forest_paths(70, 3, seed=5), 16)
     q = torch.zeros(1, 4, 1, 8, dtype=torch.float64)
     se = b.subtree_end.clone()
     vta._FORWARD_PLANS.clear()
+    monkeypatch.setattr(vta, "UNKEPT_FORWARD", "segments")
     vta.prepare(se, q)
     assert vta._FORWARD_PLANS._entry == ()
     monkeypatch.setattr(vta, "UNKEPT_FORWARD", "block_sparse")

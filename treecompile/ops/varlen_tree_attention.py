@@ -73,9 +73,10 @@ so ``"auto"``, the default, expands groups of at most two; the harness's ``tree_
 
 **The forward without kept rows.**  A segment plan's forward gathers the path prefixes (``G`` rows) to hand them to
 the varlen kernel; where it keeps them the backward reads them, else the backward gathers them again.  A forward that
-keeps none may instead run FA4's block-sparse kernels on the sequence's own rows (no gather: :data:`UNKEPT_FORWARD` =
-``"block_sparse"``, off by default): the same attention, whose out and log-sum-exp the segments' backward takes as
-FA4's backward takes its own forward's.  Its plan is kept per batch beside the op's (:func:`prepare` builds both).
+keeps none instead runs FA4's block-sparse kernels on the sequence's own rows, where their tiles take the head dim
+(no gather: :data:`UNKEPT_FORWARD` = ``"block_sparse"``, the default since session 58; ``"segments"`` gathers as the
+backward does): the same attention, whose out and log-sum-exp the segments' backward takes as FA4's backward takes
+its own forward's.  Its plan is kept per batch beside the op's (:func:`prepare` builds both).
 
 Under ``torch.use_deterministic_algorithms(True)`` FA4's backward runs its deterministic form (semaphores order
 the dQ, and for GQA the dK/dV, accumulations; the key copies' sums have a fixed order anyway), so a step's
@@ -240,13 +241,16 @@ KV_HEADS_CHOICES = ("auto", "grouped", "expanded")
 # Groups of 3 or 5+ are unmeasured and stay grouped.
 EXPAND_MAX_GROUP = 2
 # The forward of a segment plan that keeps no rows for its backward (module docstring, "The forward without kept
-# rows"): "segments" (FA4's varlen kernel over the gathered rows, as the backward runs) or "block_sparse" (FA4's
-# block-sparse kernels on the sequence's own rows: no gather; the backward gathers and runs the segments as before).
+# rows"): "block_sparse" (FA4's block-sparse kernels on the sequence's own rows: no gather; the backward gathers and
+# runs the segments as before) or "segments" (FA4's varlen kernel over the gathered rows, as the backward runs).
 # Measured at attention level on one H200 (session 57, benchmarks/results/h200_s57/bs57): on the harness's POR 0.75
 # trees (G = 4 x T) the block-sparse forward takes 0.501 / 1.113 / 2.157 ms against the segments' 0.643 / 1.333 / 2.864
 # (16k / 32k / 64k), while the segments' backward stays the faster (1.768 / 3.505 / 7.154 against 1.990 / 4.048 /
-# 8.263).  Not timed in a step, nor at POR 0.5: off by default.  Read by every forward.
-UNKEPT_FORWARD = "segments"
+# 8.263).  In a step (session 58, benchmarks/results/h200_s58, Qwen3-0.6B, two leases' processes): 64k POR 0.75, where
+# the rows do not fit to keep, 711.6 / 711.7 ms against 722.1 / 725.9 (94.6 % of the work bound against packed FA4
+# varlen's 2,402.6 ms in the same process, was 92.8 %); 16k POR 0.75 with no rows kept 177.0 against 181.0 (keeping
+# them, the default where they fit, 174.4).  The default since session 58.  Read by every forward.
+UNKEPT_FORWARD = "block_sparse"
 UNKEPT_FORWARD_CHOICES = ("segments", "block_sparse")
 # The walk's per-run checks and lists (:func:`_walk`): Python loops in C over the runs up to this many runs, a few
 # tensor ops over them past it.  A tree has about two runs per leaf (125 at 64 x 2,048 POR 0.5), where the loops
@@ -1078,7 +1082,8 @@ def tree_attention_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, subtree_end: Tens
     head)."""
     _check(q, k, v, subtree_end)
     _check_keep(keep)
-    _unkept_forward()  # a bad setting is refused whether or not this call keeps rows
+    _unkept_forward()  # bad settings are refused whether or not this call keeps rows or gathers any
+    _kv_rep(q.shape[1], k.shape[1])
     plan = _plan(subtree_end, q)
     keep_rows = keeps_keys(keep, plan, q, k, v, layer, layers, reserve_per_token)
     if not keep_rows:  # nothing kept: the forward may read the rows in place (UNKEPT_FORWARD)
