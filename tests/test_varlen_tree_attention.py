@@ -1881,11 +1881,15 @@ def test_compiled_steps_keeping_the_gathered_rows_equal_gathering_them_again(mon
     "kept" gathers half as often.  (Without deterministic mode the forwards are bitwise equal too, 0.0 apart in
     session 41, but FA4's dQ and GQA dK/dV accumulate by atomics in a different order each run: session 44 saw one
     gradient entry of 131,072 differ by 2 bf16 ulps of its tensor's largest, past a one-ulp tolerance.  Before
-    dynamo kept these graphs whole the forwards rounded differently: ``h200_s41/gputests_first.txt``.)"""
+    dynamo kept these graphs whole the forwards rounded differently: ``h200_s41/gputests_first.txt``.)  Forwards that
+    keep no rows run the segments here (``UNKEPT_FORWARD = "segments"``), the kernel of those that keep them: by
+    default they run FA4's block-sparse kernels, the same attention rounded otherwise (session 58's first run of this
+    test under that default: "gathered" gathered once a layer, in its backward)."""
     import treecompile
     from treecompile.models import DenseConfig, DenseForCausalLM
     from treecompile.ops import varlen_tree_attention as vta
 
+    monkeypatch.setattr(vta, "UNKEPT_FORWARD", "segments")
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS's condition for deterministic mode
     torch.manual_seed(0)
     cfg = DenseConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
@@ -1942,7 +1946,11 @@ def _replay_layers(monkeypatch, pad_to):
 def test_fa4_forward_replay_is_bitwise_the_interface(pad_to, window, monkeypatch):
     """Three layers' forward calls under one plan (FA4's varlen kernel, bf16): with ``fa4_replay`` the first is
     recorded and the two after it replay its launch; out and lse are bitwise the interface's on every layer, with and
-    without a padding tail, windowed or not (ops/fa4_replay.py)."""
+    without a padding tail, windowed or not (ops/fa4_replay.py).  The forward that keeps no rows runs the segments
+    here (``UNKEPT_FORWARD = "segments"``; by default it runs FA4's block-sparse kernels through their interface)."""
+    from treecompile.ops import varlen_tree_attention as vta
+
+    monkeypatch.setattr(vta, "UNKEPT_FORWARD", "segments")
     fa4_replay, b, layers, _ = _replay_layers(monkeypatch, pad_to)
 
     def run(enabled):

@@ -11,6 +11,8 @@
 #                         on Qwen3-0.6B 16 x 2,048 POR 0.5 (rows kept, but a forward's first layer never keeps),
 #                         `tree` against `tree_unkept_segments` (the old default)
 #   bash d.sh flip58b     the same A/B on agentic parallel-tools (host-bound when synchronized), with --loop 10
+#   bash d.sh flip58c     the GPU tests flip58a's 220 s did not reach (kv heads' oracle, forward replay, compiled
+#                         steps keeping rows, prepared batches, CUDA graphs)
 mode=$1
 if [ "$mode" = unkept58a ]; then
   source benchmarks/results/h100_s18/pre.sh
@@ -38,6 +40,11 @@ elif [ "$mode" = flip58a ]; then
 elif [ "$mode" = flip58b ]; then
   bash benchmarks/results/h200_s40/d.sh prof o58_flip_parallel_tools 300 --model qwen3-0.6b --agentic parallel-tools \
     --contenders tree tree_unkept_segments --iters 10 --loop 10
+elif [ "$mode" = flip58c ]; then
+  source benchmarks/results/h100_s18/pre.sh
+  timeout ${T:-230} python -m pytest -m gpu -q -p no:cacheprovider tests/test_varlen_kv_heads.py \
+    tests/test_varlen_tree_attention.py -W ignore -rs -k "expanded_kv_heads_vs or forward_replay or compiled_steps or \
+    prepared_cuda or cudagraphs_contender" 2>&1 | grep -v "torch.__trace" | tee $OUT/gpu58_flip_c.txt | tail -8
 else
   bash benchmarks/results/h200_s57/d.sh "$@"
 fi
