@@ -246,8 +246,8 @@ EXPAND_MAX_GROUP = 2
 # Measured at attention level on one H200 (session 57, benchmarks/results/h200_s57/bs57): on the harness's POR 0.75
 # trees (G = 4 x T) the block-sparse forward takes 0.501 / 1.113 / 2.157 ms against the segments' 0.643 / 1.333 / 2.864
 # (16k / 32k / 64k), while the segments' backward stays the faster (1.768 / 3.505 / 7.154 against 1.990 / 4.048 /
-# 8.263).  In a step (session 58, benchmarks/results/h200_s58, Qwen3-0.6B, two leases' processes): 64k POR 0.75, where
-# the rows do not fit to keep, 711.6 / 711.7 ms against 722.1 / 725.9 (94.6 % of the work bound against packed FA4
+# 8.263).  In a step (session 58, benchmarks/results/h200_s58, Qwen3-0.6B, two processes of one lease): 64k POR 0.75
+# (the rows do not fit to keep) 711.6 / 711.7 ms against 722.1 / 725.9 (94.6 % of the work bound against packed FA4
 # varlen's 2,402.6 ms in the same process, was 92.8 %); 16k POR 0.75 with no rows kept 177.0 against 181.0 (keeping
 # them, the default where they fit, 174.4).  The default since session 58.  Read by every forward.
 UNKEPT_FORWARD = "block_sparse"
