@@ -224,17 +224,21 @@ def heavy_layout(se):
 def _with_op_setting(name: str, value, fn, *args, **kw):
     """``fn(*args, **kw)`` with the varlen op's module attribute ``name`` set to ``value`` for everything ``fn`` runs
     (forward and backward), put back after, also when it raises."""
+    return _with_op_settings({name: value}, fn, *args, **kw)
+
+
+def _with_op_settings(settings: dict, fn, *args, **kw):
+    """:func:`_with_op_setting` of several attributes at once (``settings``: name -> value)."""
     from unittest import mock
 
-    with mock.patch.object(vta, name, value):
+    with mock.patch.multiple(vta, **settings):
         return fn(*args, **kw)
 
 
 def segments_only(fn, *args):
     """``fn(*args)`` with the varlen op held to its segment plan (no block-sparse choice), its forward too (it
     gathers the rows: ``UNKEPT_FORWARD = "segments"``)."""
-    return _with_op_setting("UNKEPT_FORWARD", "segments", _with_op_setting, "VARLEN_GATHER_LIMIT", float("inf"),
-                            fn, *args)
+    return _with_op_settings({"UNKEPT_FORWARD": "segments", "VARLEN_GATHER_LIMIT": float("inf")}, fn, *args)
 
 
 def block_sparse_only(fn, *args):

@@ -766,9 +766,8 @@ def prepare(subtree_end: Tensor, q: Tensor, position_ids: Tensor | None = None, 
     (``TreeProgram.prepare``: a step's host work done while the GPU runs the step before).  ``q``: any tensor with
     the attention inputs' device, dtype and head dim (the plan's kind depends on them, not on the values)."""
     if window is None:
-        plan = _plan(subtree_end, q)
-        if _unkept_forward() != "segments":  # the forward's own plan, where it may run one (UNKEPT_FORWARD)
-            _unkept_forward_plan(plan, subtree_end, q)
+        _check_settings()
+        _unkept_forward_plan(_plan(subtree_end, q), subtree_end, q)  # the forward's own plan, where it runs one
     else:
         _window_plan(subtree_end, position_ids, window)
 
@@ -793,12 +792,17 @@ def _unkept_forward_plan(plan, subtree_end: Tensor, q: Tensor):
     return _FORWARD_PLANS.get((subtree_end,), BLOCK_SPARSE_LAYOUT, lambda: _build_forward_plan(subtree_end))
 
 
-def _unkept_forward() -> str:
-    """:data:`UNKEPT_FORWARD`, refused (ValueError naming it) if not one of its choices."""
-    if UNKEPT_FORWARD not in UNKEPT_FORWARD_CHOICES:
-        raise ValueError(f"varlen_tree_attention.UNKEPT_FORWARD: expected one of {UNKEPT_FORWARD_CHOICES}, "
-                         f"got {UNKEPT_FORWARD!r}")
-    return UNKEPT_FORWARD
+def _check_setting(name: str, value, choices: tuple) -> None:
+    """A module setting refused (ValueError naming it) if not one of its ``choices``."""
+    if value not in choices:
+        raise ValueError(f"varlen_tree_attention.{name}: expected one of {choices}, got {value!r}")
+
+
+def _check_settings() -> None:
+    """The settings a forward reads (:data:`KV_HEADS`, :data:`UNKEPT_FORWARD`), checked by every forward and by
+    :func:`prepare` whether or not the call gathers rows or keeps them."""
+    _check_setting("KV_HEADS", KV_HEADS, KV_HEADS_CHOICES)
+    _check_setting("UNKEPT_FORWARD", UNKEPT_FORWARD, UNKEPT_FORWARD_CHOICES)
 
 
 def _build_forward_plan(subtree_end: Tensor) -> BlockSparsePlan:
@@ -1001,8 +1005,7 @@ def _check_keep(keep: str) -> None:
 def _kv_rep(H: int, Hkv: int) -> int:
     """How many times a segment plan's gather repeats each kv head under :data:`KV_HEADS`: the query heads per kv
     head when "expanded", or "auto" with groups of at most :data:`EXPAND_MAX_GROUP`; else 1."""
-    if KV_HEADS not in KV_HEADS_CHOICES:
-        raise ValueError(f"varlen_tree_attention.KV_HEADS: expected one of {KV_HEADS_CHOICES}, got {KV_HEADS!r}")
+    _check_setting("KV_HEADS", KV_HEADS, KV_HEADS_CHOICES)
     group = H // Hkv
     if KV_HEADS == "expanded" or (KV_HEADS == "auto" and group <= EXPAND_MAX_GROUP):
         return group
@@ -1082,8 +1085,7 @@ def tree_attention_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, subtree_end: Tens
     head)."""
     _check(q, k, v, subtree_end)
     _check_keep(keep)
-    _unkept_forward()  # bad settings are refused whether or not this call keeps rows or gathers any
-    _kv_rep(q.shape[1], k.shape[1])
+    _check_settings()
     plan = _plan(subtree_end, q)
     keep_rows = keeps_keys(keep, plan, q, k, v, layer, layers, reserve_per_token)
     if not keep_rows:  # nothing kept: the forward may read the rows in place (UNKEPT_FORWARD)
